@@ -1,0 +1,1 @@
+"""Benchmarks: CLI commands that time the system and write JSON."""

@@ -1,0 +1,83 @@
+"""The exception tree of timeshare. Runs in every process.
+
+Every error timeshare raises derives from :class:`TimeshareError`::
+
+    TimeshareError
+     ├── ConfigError              a value given by the user is invalid (also a ValueError)
+     ├── DeviceError              the requested device is not usable here
+     ├── ModelError               something is wrong with a registered model
+     │    ├── UnknownModelError   no model of that name is registered (also a KeyError)
+     │    ├── DuplicateModelError the name is taken
+     │    └── WeightsError        weights missing, corrupt, or not matching the module
+     ├── MemoryBudgetError        a model cannot be placed in the device arena
+     │    └── ModelTooLargeError  the model alone is larger than the whole budget
+     └── PipelineError            a pipelined load failed or did not finish in time
+
+Errors carry ``where``: a short human description of the place they happened
+("loading resnet152, group 14"), so that an error re-raised in another process
+still says where it came from.
+"""
+
+from __future__ import annotations
+
+
+class TimeshareError(Exception):
+    """Root of every error raised by timeshare."""
+
+    def __init__(self, message: str, *, where: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.where = where
+
+    def __str__(self) -> str:
+        if self.where:
+            return f"{self.message} (at {self.where})"
+        return self.message
+
+
+class ConfigError(TimeshareError, ValueError):
+    """An argument or configuration value is invalid; the message names the value."""
+
+
+class DeviceError(TimeshareError):
+    """The requested device does not exist or cannot be used on this machine."""
+
+
+class ModelError(TimeshareError):
+    """A registered model is unusable."""
+
+
+class UnknownModelError(ModelError, KeyError):
+    """No model of that name is registered."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return TimeshareError.__str__(self)
+
+
+class DuplicateModelError(ModelError):
+    """A model of that name is already registered."""
+
+
+class WeightsError(ModelError):
+    """Weights are missing, unreadable, or do not match the module's tensors."""
+
+
+class MemoryBudgetError(TimeshareError):
+    """A model cannot be placed in the device arena."""
+
+
+class ModelTooLargeError(MemoryBudgetError):
+    """A model needs more bytes than the whole arena holds."""
+
+    def __init__(self, model: str, needed: int, capacity: int):
+        super().__init__(
+            f"model {model!r} needs {needed:,} bytes of device memory but the whole "
+            f"arena holds only {capacity:,} bytes; raise Runtime(memory=...)"
+        )
+        self.model = model
+        self.needed = needed
+        self.capacity = capacity
+
+
+class PipelineError(TimeshareError):
+    """A pipelined weight load failed, or a group did not arrive before its deadline."""

@@ -1,0 +1,65 @@
+"""The arena: the one device buffer that holds every resident model's weights.
+Lives in the process that computes (the in-process runtime; the memory owner in the
+multi-process runtime).
+
+One allocation is made when the arena opens and none afterwards: models get byte
+ranges from the integer :class:`~timeshare.memory.allocator.Allocator` and their
+tensors are views into the buffer. On the CPU the buffer lives in POSIX shared
+memory so that worker processes can map the same bytes; on CUDA it is a single
+device allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing import shared_memory
+
+import torch
+
+from timeshare.memory.allocator import DEFAULT_ALIGNMENT, Allocator, Block
+
+log = logging.getLogger(__name__)
+
+
+class Arena:
+    """Owns ``capacity`` bytes on ``device`` and the allocator that places blocks in it."""
+
+    def __init__(self, device: torch.device, capacity: int, alignment: int = DEFAULT_ALIGNMENT):
+        self.device = device
+        self.allocator = Allocator(capacity, alignment)
+        self.capacity = self.allocator.capacity
+        self._shm: shared_memory.SharedMemory | None = None
+        if device.type == "cpu":
+            self._shm = shared_memory.SharedMemory(create=True, size=self.capacity)
+            self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.capacity)
+        else:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+
+    @property
+    def shm_name(self) -> str | None:
+        """Name of the shared-memory segment behind a CPU arena (None on CUDA)."""
+        return self._shm.name if self._shm is not None else None
+
+    def allocate(self, size: int, owner: str) -> Block | None:
+        return self.allocator.allocate(size, owner)
+
+    def release(self, block: Block) -> None:
+        self.allocator.release(block)
+
+    def region(self, block: Block) -> torch.Tensor:
+        """The bytes of ``block`` as a uint8 view of the arena."""
+        return self.buffer[block.offset : block.offset + block.size]
+
+    def close(self) -> None:
+        """Drop the buffer and give the memory back (unlinks the shared-memory segment)."""
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            try:
+                shm.close()
+            except BufferError:
+                # Views of the buffer are still alive somewhere; the mapping goes away with
+                # them. Unlinking below still returns the segment's name and, once the last
+                # view dies, its memory.
+                log.debug("arena %s closed while views were alive", shm.name)
+            shm.unlink()

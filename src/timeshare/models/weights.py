@@ -1,0 +1,102 @@
+"""Reading weights and checking them against a module. Runs where models are registered.
+
+Weights come from a safetensors file or an in-memory state dict. Every mismatch is a
+:class:`~timeshare.errors.WeightsError` that names the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from timeshare.errors import WeightsError
+from timeshare.models.binding import TensorLayout
+
+WeightsSource = str | os.PathLike | Mapping[str, torch.Tensor]
+
+
+def read_weights(source: WeightsSource) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file (by name), or a copy of a state dict's mapping."""
+    if isinstance(source, Mapping):
+        bad = [k for k, v in source.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise WeightsError(f"state dict entry {bad[0]!r} is not a tensor")
+        return dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise WeightsError(f"weights must be a safetensors path or a state dict, got {type(source).__name__}")
+    path = Path(source)
+    if not path.exists():
+        raise WeightsError(f"weights file {str(path)!r} does not exist")
+    if path.suffix != ".safetensors":
+        raise WeightsError(f"weights file {str(path)!r} is not a .safetensors file")
+    try:
+        out = {}
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
+        return out
+    except Exception as exc:  # safetensors raises several types for damaged files
+        raise WeightsError(f"weights file {str(path)!r} is corrupt or unreadable: {exc}") from exc
+
+
+def apply_weights(layout: TensorLayout, current: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Match ``state`` (by name) to the layout's tensors; return new tensors by key.
+
+    Tied tensors may appear under any of their names. Non-persistent buffers keep the
+    module's own value when absent. Floating tensors are converted to the module's
+    dtype; any other dtype mismatch, a missing tensor, a shape mismatch or an
+    unexpected name is an error naming the tensor.
+    """
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for e in layout.entries:
+        present = [n for n in e.names if n in state]
+        if not present:
+            if not layout.persistent[e.key]:
+                out[e.key] = current[e.key]
+                continue
+            raise WeightsError(f"weights have no tensor {e.names[0]!r} ({e.kind}, shape {list(e.shape)})")
+        name = present[0]
+        used.update(present)
+        t = state[name]
+        for other in present[1:]:
+            if not torch.equal(state[other], t):
+                raise WeightsError(f"tied tensors {name!r} and {other!r} have different values in the weights")
+        if tuple(t.shape) != e.shape:
+            raise WeightsError(
+                f"tensor {name!r} has shape {list(t.shape)} in the weights but {list(e.shape)} in the module"
+            )
+        if t.dtype != e.dtype:
+            if not (t.dtype.is_floating_point and e.dtype.is_floating_point):
+                raise WeightsError(f"tensor {name!r} has dtype {t.dtype} in the weights but {e.dtype} in the module")
+            t = t.to(e.dtype)
+        out[e.key] = t
+    unexpected = sorted(set(state) - used)
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise WeightsError(f"weights have tensor {unexpected[0]!r}{more} that the module does not have")
+    return out
+
+
+def save_weights(module: torch.nn.Module, path: str | os.PathLike) -> Path:
+    """Write ``module``'s state dict as safetensors, atomically, one copy per tied tensor."""
+    from timeshare.models.binding import collect
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    layout = collect(module)
+    tensors = layout.tensors()
+    state = {
+        e.names[0]: tensors[e.key].detach().contiguous().cpu()
+        for e in layout.entries
+        if layout.persistent[e.key]
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(state, str(tmp))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,46 @@
+"""Mapping a function over the tensors inside nested outputs: tuples, lists, dicts,
+named tuples and dataclasses. Pure; runs anywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        return type(obj)(*(map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(obj, visit)
+    return found
+
+
+def shape_key(args: tuple, kwargs: dict) -> str:
+    """A stable description of the inputs' tensor shapes and dtypes, for plan caching."""
+    parts = []
+    for i, a in enumerate(args):
+        parts += [f"{i}:{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in tensors_in(a)]
+    for k in sorted(kwargs):
+        parts += [f"{k}:{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in tensors_in(kwargs[k])]
+    return ",".join(parts) or "()"

@@ -1,0 +1,175 @@
+"""Copy engines: move byte ranges of a host store into the arena, group by group,
+with one completion signal per group. Run in the process that owns the arena.
+
+- CUDA: every group's copy is queued back-to-back on a dedicated copy stream from
+  pinned memory, each followed by an event. The compute side waits with
+  ``stream.wait_event``: a device-side dependency, no host synchronize.
+- CPU: a copy thread takes loads from a FIFO queue, copies each group and sets a
+  ``threading.Event``; the compute side waits on it with a deadline.
+
+# NOTE [Arena reuse ordering]
+A load may overwrite bytes that an evicted model's kernels are still reading (CUDA
+runs asynchronously). Before queuing a load, the copy stream waits on the compute
+stream, so the copies start only after all compute queued so far. Copies on the one
+copy stream (or the one copy thread) run in FIFO order, so a later load never races
+an earlier one's tail.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from timeshare.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+Range = tuple[int, int]  # [start, end) in bytes
+
+
+class LoadHandle:
+    """One in-flight load: ``wait(k)`` makes the compute side wait for group k."""
+
+    n_groups: int
+    where: str
+
+    def wait(self, k: int) -> None:
+        raise NotImplementedError
+
+    def wait_all(self) -> None:
+        self.wait(self.n_groups - 1)
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
+class CopyEngine:
+    """Starts loads; one engine per arena."""
+
+    def start(self, src: torch.Tensor, dst: torch.Tensor, ranges: Sequence[Range], where: str) -> LoadHandle:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def make_copy_engine(device: torch.device, deadline_s: float = 60.0) -> CopyEngine:
+    if device.type == "cuda":
+        return CudaCopyEngine(device)
+    return CpuCopyEngine(deadline_s)
+
+
+# --- CPU -------------------------------------------------------------------------------
+
+
+class _CpuLoad(LoadHandle):
+    def __init__(self, src, dst, ranges: Sequence[Range], where: str, deadline_s: float):
+        self.src, self.dst, self.ranges = src, dst, list(ranges)
+        self.n_groups = len(self.ranges)
+        self.where = where
+        self.deadline_s = deadline_s
+        self.events = [threading.Event() for _ in self.ranges]
+        self.error: BaseException | None = None
+        self.failed_group: int | None = None
+
+    def run(self) -> None:
+        """Executed on the copy thread."""
+        for k, (a, b) in enumerate(self.ranges):
+            try:
+                self.dst[a:b].copy_(self.src[a:b])
+            except BaseException as exc:  # handed to the waiter, which re-raises it
+                self.error, self.failed_group = exc, k
+                for ev in self.events[k:]:
+                    ev.set()
+                return
+            self.events[k].set()
+        self.src = self.dst = None  # drop references once everything is copied
+
+    def wait(self, k: int) -> None:
+        if not self.events[k].wait(self.deadline_s):
+            raise PipelineError(
+                f"group {k} of {self.n_groups} did not arrive within {self.deadline_s:g} s", where=self.where
+            )
+        if self.error is not None and self.failed_group is not None and self.failed_group <= k:
+            raise PipelineError(
+                f"copying group {self.failed_group} failed: {self.error!r}",
+                where=f"{self.where}, group {self.failed_group}",
+            ) from self.error
+
+    def done(self) -> bool:
+        return self.events[-1].is_set() if self.events else True
+
+
+class CpuCopyEngine(CopyEngine):
+    """A copy thread standing in for CUDA's copy engine."""
+
+    def __init__(self, deadline_s: float = 60.0):
+        self.deadline_s = deadline_s
+        self._queue: queue.Queue[_CpuLoad | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="timeshare-copy", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            load = self._queue.get()
+            if load is None:
+                return
+            load.run()
+
+    def start(self, src, dst, ranges, where):
+        load = _CpuLoad(src, dst, ranges, where, self.deadline_s)
+        if not self._thread.is_alive():
+            raise PipelineError("the copy thread is not running (engine closed?)", where=where)
+        self._queue.put(load)
+        return load
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=self.deadline_s)
+            if self._thread.is_alive():
+                log.warning("copy thread did not stop within %.0f s", self.deadline_s)
+
+
+# --- CUDA ------------------------------------------------------------------------------
+
+
+class _CudaLoad(LoadHandle):
+    def __init__(self, device, events, where: str, keep):
+        self.device = device
+        self.events = events
+        self.n_groups = len(events)
+        self.where = where
+        self._keep = keep  # the source and destination must outlive the queued copies
+
+    def wait(self, k: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.events[k])
+
+    def done(self) -> bool:
+        return self.events[-1].query() if self.events else True
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copies on a dedicated stream; per-group events for device-side waits."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def start(self, src, dst, ranges, where):
+        if not src.is_pinned():
+            log.warning("%s: host store is not pinned; copies will not overlap compute", where)
+        events = []
+        # See NOTE [Arena reuse ordering].
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for a, b in ranges:
+                dst[a:b].copy_(src[a:b], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                events.append(ev)
+        return _CudaLoad(self.device, events, where, (src, dst))

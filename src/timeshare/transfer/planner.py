@@ -1,0 +1,177 @@
+"""Grouping layers for pipelined transmission. Pure logic (numpy only); runs wherever
+plans are made.
+
+# NOTE [Pipeline cost model]
+Layers 1..n in execution order; layer i takes t_i to transfer and c_i to compute.
+A grouping cuts the sequence into consecutive groups G_1..G_m. Transfers are serial,
+each group paying a fixed overhead alpha:   T_k = T_{k-1} + alpha + sum_{i in G_k} t_i.
+Group k computes once it has arrived and group k-1 has finished, paying beta:
+E_k = max(E_{k-1}, T_k) + beta + sum_{i in G_k} c_i.  We minimise E_m.
+
+# NOTE [Exact grouping by dynamic programming]
+With k groups and the last group ending at layer j, T_k = k*alpha + prefix_t(j) does
+not depend on where the earlier cuts are, and E_k is non-decreasing in E_{k-1}. So
+the best E over groupings of the first j layers into k groups, F[k][j], satisfies
+F[k][j] = min_i max(F[k-1][i], k*alpha + prefix_t(j)) + beta + prefix_c(j) - prefix_c(i)
+and the optimum is min_k F[k][n]: O(n^3) time, vectorised over (i, j) per k. PipeSwitch
+searched the 2^(n-1) groupings with pruning; the tests check this against brute force.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from timeshare.errors import ConfigError
+
+STRATEGIES = ("optimal", "per_layer", "whole", "fixed")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-layer transfer and compute seconds plus the per-group overheads (seconds)."""
+
+    transfer: tuple[float, ...]
+    compute: tuple[float, ...]
+    alpha: float = 0.0
+    beta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.transfer) != len(self.compute):
+            raise ConfigError(
+                f"cost model has {len(self.transfer)} transfer times but {len(self.compute)} compute times"
+            )
+        if len(self.transfer) == 0:
+            raise ConfigError("cost model needs at least one layer")
+        if min(self.transfer) < 0 or min(self.compute) < 0 or self.alpha < 0 or self.beta < 0:
+            raise ConfigError("cost model times must be non-negative")
+
+    @property
+    def n(self) -> int:
+        return len(self.transfer)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A grouping: ``ends[k]`` is the index one past the last layer of group k."""
+
+    strategy: str
+    ends: tuple[int, ...]
+    predicted_s: float = field(default=float("nan"), compare=False)
+
+    @property
+    def groups(self) -> list[tuple[int, int]]:
+        starts = (0,) + self.ends[:-1]
+        return list(zip(starts, self.ends))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+
+def first_inference_time(cost: CostModel, ends: Sequence[int]) -> float:
+    """E_m of the grouping ``ends`` under ``cost`` (see NOTE [Pipeline cost model])."""
+    _check_ends(ends, cost.n)
+    t_done = e_done = 0.0
+    start = 0
+    for end in ends:
+        t_done += cost.alpha + sum(cost.transfer[start:end])
+        e_done = max(e_done, t_done) + cost.beta + sum(cost.compute[start:end])
+        start = end
+    return e_done
+
+
+def optimal(cost: CostModel) -> Plan:
+    """The grouping of least E_m, exactly (see NOTE [Exact grouping by dynamic programming])."""
+    n = cost.n
+    pt = np.concatenate([[0.0], np.cumsum(cost.transfer)])
+    pc = np.concatenate([[0.0], np.cumsum(cost.compute)])
+    inf = np.inf
+    f_prev = np.full(n + 1, inf)
+    f_prev[0] = 0.0
+    back = np.zeros((n + 1, n + 1), dtype=np.int64)  # back[k][j] = start of the last group
+    best_e, best_k = inf, 0
+    rows = np.arange(n + 1)[:, None]
+    cols = np.arange(n + 1)[None, :]
+    invalid = rows >= cols  # the last group (i, j] needs i < j
+    for k in range(1, n + 1):
+        arrive = k * cost.alpha + pt  # T_k when group k ends at j, shape (n+1,)
+        cand = np.maximum(f_prev[:, None], arrive[None, :]) + cost.beta + (pc[None, :] - pc[:, None])
+        cand[invalid] = inf
+        arg = np.argmin(cand, axis=0)
+        f_cur = cand[arg, np.arange(n + 1)]
+        back[k] = arg
+        if f_cur[n] < best_e:
+            best_e, best_k = float(f_cur[n]), k
+        f_prev = f_cur
+        if not np.isfinite(f_cur).any():
+            break
+    ends: list[int] = []
+    j = n
+    for k in range(best_k, 0, -1):
+        ends.append(j)
+        j = int(back[k][j])
+    ends.reverse()
+    return Plan("optimal", tuple(ends), first_inference_time(cost, ends))
+
+
+def brute_force(cost: CostModel) -> Plan:
+    """The optimum by trying all 2^(n-1) groupings; for tests on small n."""
+    n = cost.n
+    if n > 16:
+        raise ConfigError(f"brute force over {n} layers would try {2 ** (n - 1):,} groupings")
+    best: tuple[float, tuple[int, ...]] | None = None
+    for mask in itertools.product((False, True), repeat=n - 1):
+        ends = tuple(i + 1 for i, cut in enumerate(mask) if cut) + (n,)
+        e = first_inference_time(cost, ends)
+        if best is None or e < best[0]:
+            best = (e, ends)
+    assert best is not None
+    return Plan("brute_force", best[1], best[0])
+
+
+def per_layer(cost: CostModel) -> Plan:
+    ends = tuple(range(1, cost.n + 1))
+    return Plan("per_layer", ends, first_inference_time(cost, ends))
+
+
+def whole(cost: CostModel) -> Plan:
+    return Plan("whole", (cost.n,), first_inference_time(cost, (cost.n,)))
+
+
+def fixed(cost: CostModel, layer_bytes: Sequence[int], group_bytes: int) -> Plan:
+    """Consecutive layers packed greedily into groups of about ``group_bytes`` each
+    (Torpor's fixed-size groups); a layer larger than that is a group of its own."""
+    if group_bytes <= 0:
+        raise ConfigError(f"fixed group size must be positive, got {group_bytes}")
+    if len(layer_bytes) != cost.n:
+        raise ConfigError(f"{len(layer_bytes)} layer sizes for {cost.n} layers")
+    ends: list[int] = []
+    acc = 0
+    for i, b in enumerate(layer_bytes):
+        if acc and acc + b > group_bytes:
+            ends.append(i)
+            acc = 0
+        acc += b
+    ends.append(cost.n)
+    return Plan("fixed", tuple(ends), first_inference_time(cost, ends))
+
+
+def make_plan(strategy: str, cost: CostModel, layer_bytes: Sequence[int], group_bytes: int = 2 << 20) -> Plan:
+    """Create a plan by strategy name; unknown names are rejected with the known ones."""
+    if strategy == "optimal":
+        return optimal(cost)
+    if strategy == "per_layer":
+        return per_layer(cost)
+    if strategy == "whole":
+        return whole(cost)
+    if strategy == "fixed":
+        return fixed(cost, layer_bytes, group_bytes)
+    raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
+
+
+def _check_ends(ends: Sequence[int], n: int) -> None:
+    if not ends or ends[-1] != n or any(b <= a for a, b in zip((0,) + tuple(ends), ends)):
+        raise ConfigError(f"group ends {tuple(ends)} do not cut {n} layers into non-empty groups")

@@ -1,0 +1,267 @@
+"""Profiling a model on the actual device: the execution order of its tensors, each
+layer's bytes and compute time, and the link's bandwidth and per-group overheads.
+Runs in the process that computes.
+
+# NOTE [Layers are wait points]
+A "layer" for grouping is a module at whose forward pre-hook the compute must wait
+for some weights. While tracing one forward, a TorchFunctionMode records, for every
+model tensor, the innermost module running when the tensor was first passed to a
+torch function; the tensor is assigned to that module. Modules with assigned tensors,
+in the order of their first call, are the layers. This handles tied weights, modules
+called several times or in another order than registered, and parents using a
+child's weight directly. Every module that owns tensors also waits for its own
+tensors' groups, which covers control flow that differs from the traced call.
+Tensors the traced forward never touches (an auxiliary head, say) form a tail that
+is copied after all layers; it is waited for before the next use of the model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from timeshare.transfer.copy import CopyEngine
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A wait point: a module and the tensors assigned to it (see NOTE [Layers are wait points])."""
+
+    module: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ExecutionOrder:
+    layers: tuple[Layer, ...]
+    unused: tuple[str, ...]
+
+    def key_order(self) -> list[str]:
+        return [k for layer in self.layers for k in layer.keys] + list(self.unused)
+
+
+class _FirstUse(TorchFunctionMode):
+    def __init__(self, key_of: dict[int, str], stack: list[str], first: dict[str, str]):
+        super().__init__()
+        self.key_of, self.stack, self.first = key_of, stack, first
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                key = self.key_of.get(id(leaf))
+                if key is not None and key not in self.first:
+                    self.first[key] = self.stack[-1]
+        return func(*args, **kwargs)
+
+
+def trace_execution_order(
+    module: torch.nn.Module, args: tuple, kwargs: dict, key_of: dict[int, str], all_keys: Sequence[str]
+) -> tuple[ExecutionOrder, object]:
+    """Run ``module(*args, **kwargs)`` once, recording the order in which tensors are first used.
+
+    ``key_of`` maps ``id()`` of every bound tensor object to its key. Returns the order
+    and the forward's output.
+    """
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    stack: list[str] = [""]
+    call_order: list[str] = []
+    first: dict[str, str] = {}  # key -> module name, in first-use order
+
+    def pre(mod, _args):
+        name = names.get(id(mod), "?")
+        if name not in call_order:
+            call_order.append(name)
+        stack.append(name)
+
+    def post(mod, _args, _out):
+        stack.pop()
+
+    handles = []
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    try:
+        with _FirstUse(key_of, stack, first):
+            out = module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    by_module: dict[str, list[str]] = {}
+    for key, mod in first.items():
+        by_module.setdefault(mod, []).append(key)
+    layers = [Layer(m, tuple(by_module[m])) for m in call_order if m in by_module]
+    if "" in by_module and "" not in call_order:  # tensors used outside any module call
+        layers.insert(0, Layer("", tuple(by_module[""])))
+    used = set(first)
+    unused = tuple(k for k in all_keys if k not in used)
+    return ExecutionOrder(tuple(layers), unused), out
+
+
+@dataclass
+class LayerTimes:
+    """Per-layer compute seconds for one input shape, and the plain forward's time."""
+
+    compute_s: list[float]
+    ready_s: float
+    samples: int
+
+
+def time_layers(
+    module: torch.nn.Module,
+    run: Callable[[], object],
+    layer_modules: Sequence[torch.nn.Module],
+    device: torch.device,
+    repeats: int,
+) -> LayerTimes:
+    """Per-layer compute time: from one layer's first pre-hook to the next one's.
+
+    ``run`` calls the model once; ``layer_modules`` are the wait-point modules in
+    order. Also measures the forward without hooks (the ready model).
+    """
+    n = len(layer_modules)
+    index = {id(m): i for i, m in enumerate(layer_modules)}
+    cuda = device.type == "cuda"
+    marks: list[object | None] = [None] * (n + 1)
+
+    def now():
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(device))
+            return ev
+        return time.perf_counter()
+
+    def elapsed(a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if cuda else b - a
+
+    def pre(mod, _args):
+        i = index[id(mod)]
+        if marks[i] is None:
+            marks[i] = now()
+
+    handles = [m.register_forward_pre_hook(pre) for m in layer_modules]
+    per_layer: list[list[float]] = [[] for _ in range(n)]
+    try:
+        for _ in range(repeats):
+            marks[:] = [None] * (n + 1)
+            start = now()
+            run()
+            marks[n] = now()
+            if cuda:
+                torch.cuda.synchronize(device)
+            # A layer never reached in this call inherits the next mark (zero time).
+            for i in range(n - 1, -1, -1):
+                if marks[i] is None:
+                    marks[i] = marks[i + 1]
+            for i in range(n):
+                a = start if i == 0 else marks[i]  # time before the first wait point counts to layer 0
+                per_layer[i].append(max(0.0, elapsed(a, marks[i + 1])))
+    finally:
+        for h in handles:
+            h.remove()
+    ready = time_callable(run, device, repeats)
+    return LayerTimes([statistics.median(x) for x in per_layer], ready, repeats)
+
+
+def time_callable(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls, synchronized with the device."""
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+@dataclass
+class LinkCosts:
+    """The host-to-device link as the copy engine sees it."""
+
+    bandwidth_Bps: float  # bytes per second for large copies
+    alpha_s: float  # extra seconds per group on the copy side
+    beta_s: float  # extra seconds per group on the compute side (a wait that is already satisfied)
+    probe_bytes: int = field(default=0)
+
+
+def measure_link(
+    engine: CopyEngine, src: torch.Tensor, dst: torch.Tensor, device: torch.device, repeats: int = 5
+) -> LinkCosts:
+    """Bandwidth from whole-buffer copies; alpha and beta from many tiny groups."""
+    nbytes = min(int(src.numel()), int(dst.numel()))
+
+    def copy(ranges):
+        h = engine.start(src, dst, ranges, "link probe")
+        h.wait_all()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return h
+
+    copy([(0, nbytes)])  # warm-up
+    big = time_callable(lambda: copy([(0, nbytes)]), device, repeats)
+    n_small = 64
+    step = max(512, nbytes // n_small // 512 * 512)
+    small_ranges = [(i * step, i * step + min(512, nbytes)) for i in range(n_small) if i * step + 512 <= nbytes]
+    one = time_callable(lambda: copy(small_ranges[:1]), device, repeats)
+    many = time_callable(lambda: copy(small_ranges), device, repeats)
+    alpha = max(0.0, (many - one) / max(1, len(small_ranges) - 1))
+    h = copy(small_ranges)
+    t0 = time.perf_counter()
+    for k in range(h.n_groups):
+        h.wait(k)
+    beta = (time.perf_counter() - t0) / h.n_groups
+    bandwidth = nbytes / max(big - alpha, 1e-9)
+    return LinkCosts(bandwidth, alpha, beta, nbytes)
+
+
+@dataclass
+class ModelProfile:
+    """Everything measured for one (model, device, dtype, input shape), and the plans."""
+
+    model: str
+    device: str
+    shape_key: str
+    layer_names: list[str]
+    layer_bytes: list[int]
+    compute_s: list[float]
+    link: LinkCosts
+    ready_s: float
+    tail_bytes: int
+    plans: dict[str, "Plan"]  # noqa: F821 - from timeshare.transfer.planner
+
+    @property
+    def transfer_s(self) -> list[float]:
+        return [b / self.link.bandwidth_Bps for b in self.layer_bytes]
+
+    def cost_model(self):
+        from timeshare.transfer.planner import CostModel
+
+        return CostModel(tuple(self.transfer_s), tuple(self.compute_s), self.link.alpha_s, self.link.beta_s)
+
+    def summary(self) -> dict:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "inputs": self.shape_key,
+            "layers": len(self.layer_names),
+            "bytes": sum(self.layer_bytes),
+            "tail_bytes": self.tail_bytes,
+            "bandwidth_GBps": self.link.bandwidth_Bps / 1e9,
+            "alpha_us": self.link.alpha_s * 1e6,
+            "beta_us": self.link.beta_s * 1e6,
+            "ready_ms": self.ready_s * 1e3,
+            "compute_ms": sum(self.compute_s) * 1e3,
+            "plans": {
+                name: {"groups": len(p), "ends": list(p.ends), "predicted_ms": p.predicted_s * 1e3}
+                for name, p in self.plans.items()
+            },
+        }
