@@ -17,7 +17,9 @@ from rich.table import Table
 
 from timeshare.errors import TimeshareError
 
-console = Console(stderr=False)
+console = Console()
+if not console.is_terminal:  # piped or captured: keep tables whole rather than 80 columns wide
+    console = Console(width=200)
 err = Console(stderr=True)
 
 

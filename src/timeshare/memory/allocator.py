@@ -94,6 +94,34 @@ class Allocator:
                 return block
         return None
 
+    def allocate_at(self, offset: int, size: int, owner: str) -> Block | None:
+        """Place ``size`` bytes exactly at ``offset`` if that range is free, else None.
+
+        Used to put a model back where it lived before, so that its bound views are
+        still valid (see NOTE [Sticky placement] in the runtime engine).
+        """
+        need = self.rounded(size)
+        if offset % self.alignment or offset < 0 or offset + need > self.capacity:
+            return None
+        i = bisect.bisect_right(self._free_starts, offset) - 1
+        if i < 0:
+            return None
+        start, avail = self._free_starts[i], self._free_sizes[i]
+        if offset + need > start + avail:
+            return None
+        # split the free range into [start, offset) and [offset + need, start + avail)
+        del self._free_starts[i]
+        del self._free_sizes[i]
+        if offset + need < start + avail:
+            self._free_starts.insert(i, offset + need)
+            self._free_sizes.insert(i, start + avail - offset - need)
+        if offset > start:
+            self._free_starts.insert(i, start)
+            self._free_sizes.insert(i, offset - start)
+        block = Block(offset, need, owner)
+        self._blocks[offset] = block
+        return block
+
     def release(self, block: Block) -> None:
         """Give ``block`` back, merging it with free neighbours."""
         if self._blocks.get(block.offset) != block:

@@ -34,6 +34,7 @@ class Arena:
             self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.capacity)
         else:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+        self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.buffer}
 
     @property
     def shm_name(self) -> str | None:
@@ -46,6 +47,18 @@ class Arena:
     def release(self, block: Block) -> None:
         self.allocator.release(block)
 
+    def views(self, offset: int, entries) -> dict[str, torch.Tensor]:
+        """Tensors laid out as ``entries`` (key, shape, dtype, relative offset), starting
+        at byte ``offset`` of the arena: one ``as_strided`` each, no allocation."""
+        out = {}
+        for e in entries:
+            typed = self._typed.get(e.dtype)
+            if typed is None:
+                typed = self._typed[e.dtype] = self.buffer.view(e.dtype)
+            start = offset + e.offset
+            out[e.key] = typed.as_strided(e.shape, _contiguous_strides(e.shape), start // e.dtype.itemsize)
+        return out
+
     def region(self, block: Block) -> torch.Tensor:
         """The bytes of ``block`` as a uint8 view of the arena."""
         return self.buffer[block.offset : block.offset + block.size]
@@ -53,6 +66,7 @@ class Arena:
     def close(self) -> None:
         """Drop the buffer and give the memory back (unlinks the shared-memory segment)."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._typed.clear()
         if self._shm is not None:
             shm, self._shm = self._shm, None
             try:
@@ -63,3 +77,12 @@ class Arena:
                 # view dies, its memory.
                 log.debug("arena %s closed while views were alive", shm.name)
             shm.unlink()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from timeshare.device import resolve_device, synchronize
 from timeshare.errors import (
@@ -34,7 +35,7 @@ from timeshare.memory import Arena, Block, make_eviction_policy
 from timeshare.models.binding import TensorLayout, bind, collect, unbind
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
-from timeshare.runtime.tree import map_tensors, shape_key
+from timeshare.runtime.tree import map_tensors, shape_key, tensors_in
 from timeshare.transfer.copy import LoadHandle, make_copy_engine
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.planner import STRATEGIES, CostModel, Plan, make_plan
@@ -49,6 +50,8 @@ from timeshare.transfer.profiler import (
 from timeshare.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
+
+LINK_PROBE_BYTES = 64 << 20  # large enough to reach the link's full bandwidth
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
@@ -65,6 +68,15 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
         raise ConfigError(f"unknown dtype {value!r}; known: {sorted(_DTYPES)}") from None
 
 
+@dataclass(frozen=True)
+class _LoadPlan:
+    """A plan made ready for the switch path: byte ranges to copy and, for each
+    wait-point module (by id), the group it waits for."""
+
+    ranges: tuple[tuple[int, int], ...]
+    wait_of: dict[int, int]
+
+
 @dataclass
 class _Model:
     spec: ModelSpec
@@ -79,6 +91,9 @@ class _Model:
     profiles: dict[str, ModelProfile] = field(default_factory=dict)
     last_profile: str | None = None
     block: Block | None = None
+    bound_at: int | None = None  # arena offset the module's slots point at (see NOTE [Sticky placement])
+    last_offset: int | None = None
+    load_plans: dict[tuple[str, str], "_LoadPlan"] = field(default_factory=dict)
     pending: LoadHandle | None = None
     pinned: bool = False
     loads: int = 0
@@ -245,6 +260,7 @@ class Runtime:
             m = self._get(name)
             if m.block is not None:
                 self._evict(m)
+            unbind(m.layout)
             del self._models[name]
 
     def stats(self) -> dict:
@@ -271,6 +287,7 @@ class Runtime:
             for m in self._models.values():
                 if m.block is not None:
                     self._evict(m)
+                unbind(m.layout)
             self._models.clear()
             self._engine.close()
             synchronize(self.device)
@@ -316,14 +333,14 @@ class Runtime:
         try:
             region = self._arena.region(block)
             self._copy_whole(m, region, "first load")
-            key_of = bind(m.layout, _views(m.store, region))
+            key_of = bind(m.layout, self._arena.views(block.offset, m.store.entries))
             with torch.no_grad():
                 order, out = trace_execution_order(
                     m.module, args, kwargs, key_of, [e.key for e in m.store.entries]
                 )
             self._adopt_order(m, order)
             self._copy_whole(m, region, "first load, execution order")
-            bind(m.layout, _views(m.store, region))
+            self._bind(m, block)
             m.loads += 1
             self._profile_resident(m, args, kwargs)
             return out
@@ -333,45 +350,38 @@ class Runtime:
 
     # NOTE [Pipelined forward]
     # All groups (and the tail) are queued on the copy engine before the forward starts.
-    # A forward pre-hook on every wait-point module waits for the last group holding a
-    # tensor that module needs; groups arrive in order, so waiting for group g covers
-    # every earlier group and a hook whose group was already waited for does nothing.
-    # On CUDA the wait is a device-side stream wait, so the host never blocks and keeps
-    # queuing kernels. Hooks are removed when the forward ends: a resident model runs
-    # exactly the code of a plain module.
+    # For the forward, one global module pre-hook looks each module up in the plan's
+    # wait map and waits for the last group holding a tensor that module needs; groups
+    # arrive in order, so waiting for group g covers every earlier group and a module
+    # whose group was already waited for costs a dict lookup. On CUDA the wait is a
+    # device-side stream wait, so the host never blocks and keeps queuing kernels. The
+    # hook is removed when the forward ends: a resident model runs exactly the code of
+    # a plain module, with no hooks at all.
     def _pipelined_load(self, m: _Model, args: tuple, kwargs: dict, strategy: str):
-        plan = self._plan_for(m, shape_key(args, kwargs), strategy)
+        plan = self._load_plan(m, shape_key(args, kwargs), strategy)
         block = self._place(m)
         try:
-            region = self._arena.region(block)
-            bind(m.layout, _views(m.store, region))
-            ranges = [(m.layer_spans[a][0], m.layer_spans[b - 1][1]) for a, b in plan.groups]
-            if m.tail_span[1] > m.tail_span[0]:
-                ranges.append(m.tail_span)
-            group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
-            tail_group = len(plan)
-            handle = self._engine.start(m.store.buffer, region, ranges, f"loading {m.name}")
+            self._bind(m, block)
+            handle = self._engine.start(m.store.buffer, self._arena.region(block), plan.ranges, f"loading {m.name}")
             m.pending = handle
+            wait_of = plan.wait_of
             upto = [-1]
 
-            def waiter(group: int):
-                def hook(_mod, _args):
-                    if group > upto[0]:
-                        handle.wait(group)
-                        upto[0] = group
+            def hook(mod, _args):
+                group = wait_of.get(id(mod))
+                if group is not None and group > upto[0]:
+                    handle.wait(group)
+                    upto[0] = group
 
-                return hook
-
-            hooks = []
-            for mod, layer in m.waits:
-                group = tail_group if layer >= len(group_of_layer) else group_of_layer[layer]
-                hooks.append(mod.register_forward_pre_hook(waiter(group)))
+            registration = register_module_forward_pre_hook(hook)
             try:
                 with torch.no_grad():
                     out = m.module(*args, **kwargs)
             finally:
-                for h in hooks:
-                    h.remove()
+                registration.remove()
+            if upto[0] < handle.n_groups - 1 and self._aliases_arena(out):
+                handle.wait_all()  # an output that is a weight must have arrived
+                upto[0] = handle.n_groups - 1
             if upto[0] >= handle.n_groups - 1:
                 m.pending = None  # everything arrived and was waited for
             m.loads += 1
@@ -381,12 +391,47 @@ class Runtime:
             self._evict(m)
             raise
 
+    def _load_plan(self, m: _Model, key: str, strategy: str) -> _LoadPlan:
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
+        if key not in m.profiles:
+            key = m.last_profile  # type: ignore[assignment]
+        cached = m.load_plans.get((key, strategy))
+        if cached is not None:
+            return cached
+        plan = m.profiles[key].plans[strategy]
+        ranges = [(m.layer_spans[a][0], m.layer_spans[b - 1][1]) for a, b in plan.groups]
+        if m.tail_span[1] > m.tail_span[0]:
+            ranges.append(m.tail_span)
+        group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
+        tail_group = len(plan)
+        wait_of = {
+            id(mod): tail_group if layer >= len(group_of_layer) else group_of_layer[layer] for mod, layer in m.waits
+        }
+        made = m.load_plans[(key, strategy)] = _LoadPlan(tuple(ranges), wait_of)
+        return made
+
+    # NOTE [Sticky placement]
+    # Building and binding views for every tensor costs milliseconds of host time for a
+    # large model, too much for the switch path. So a model goes back to the arena
+    # offset it had before when that range is free, and eviction leaves its slots
+    # pointing at the old offset (stale views, never read: the module is private to the
+    # runtime and only called through _run, which loads first). A model that lands
+    # where it was bound needs no binding at all. close() and unregister() point the
+    # slots at meta tensors.
+    def _bind(self, m: _Model, block: Block) -> None:
+        if m.bound_at != block.offset:
+            bind(m.layout, self._arena.views(block.offset, m.store.entries))
+            m.bound_at = block.offset
+
     def _adopt_order(self, m: _Model, order: ExecutionOrder) -> None:
         """Repack ``m``'s host store in execution order and derive layers and waits."""
         by_key = {e.key: e for e in m.store.entries}
         entries = [by_key[k] for k in order.key_order()]
         m.store = HostStore.pack(entries, m.store.state(), pin=self.device.type == "cuda")
         m.order = order
+        m.bound_at = None
+        m.load_plans.clear()
         offsets = {e.key: e.offset for e in m.store.entries}
         starts = [offsets[layer.keys[0]] for layer in order.layers]
         tail_start = offsets[order.unused[0]] if order.unused else m.store.nbytes
@@ -440,27 +485,41 @@ class Runtime:
                  times.ready_s * 1e3)
 
     def _link_costs(self, m: _Model) -> LinkCosts:
-        """Measured once per runtime, by copying a resident model's store over itself."""
-        if self._link is None:
-            assert m.block is not None
-            region = self._arena.region(m.block)
-            self._link = measure_link(self._engine, m.store.buffer, region[: m.store.nbytes], self.device)
-            log.info("link: %.2f GB/s, alpha %.1f us, beta %.1f us", self._link.bandwidth_Bps / 1e9,
-                     self._link.alpha_s * 1e6, self._link.beta_s * 1e6)
+        """Measured once per runtime (at the first profile, never on a switch). The probe
+        copies a resident model's store over itself, or a scratch buffer of up to
+        ``LINK_PROBE_BYTES`` into free arena space when the model is smaller than that."""
+        if self._link is not None:
+            return self._link
+        assert m.block is not None
+        src, region = m.store.buffer, self._arena.region(m.block)[: m.store.nbytes]
+        scratch = None
+        want = min(LINK_PROBE_BYTES, self._arena.allocator.largest_free)
+        if want > m.store.nbytes:
+            scratch = self._arena.allocate(want, "<link probe>")
+        try:
+            if scratch is not None:
+                src = torch.empty(scratch.size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+                src.fill_(7)
+                region = self._arena.region(scratch)
+            self._link = measure_link(self._engine, src, region, self.device)
+        finally:
+            if scratch is not None:
+                synchronize(self.device)
+                self._arena.release(scratch)
+        log.info("link: %.2f GB/s, alpha %.1f us, beta %.1f us", self._link.bandwidth_Bps / 1e9,
+                 self._link.alpha_s * 1e6, self._link.beta_s * 1e6)
         return self._link
-
-    def _plan_for(self, m: _Model, key: str, strategy: str) -> Plan:
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
-        profile = m.profiles.get(key) or m.profiles[m.last_profile]  # type: ignore[index]
-        return profile.plans[strategy]
 
     def _place(self, m: _Model) -> Block:
         """A block for ``m``, evicting unpinned models in policy order until it fits."""
         need = m.nbytes
         if self._arena.allocator.rounded(need) > self._arena.capacity:
             raise ModelTooLargeError(m.name, need, self._arena.capacity)
-        block = self._arena.allocate(need, m.name)
+        block = None
+        if m.last_offset is not None:  # see NOTE [Sticky placement]
+            block = self._arena.allocator.allocate_at(m.last_offset, need, m.name)
+        if block is None:
+            block = self._arena.allocate(need, m.name)
         while block is None:
             protected = {n for n, x in self._models.items() if x.pinned or x is m}
             victims = [n for n in self._policy.candidates(protected) if self._models[n].block is not None]
@@ -471,8 +530,12 @@ class Runtime:
                     f"largest free range {format_bytes(alloc.largest_free)}, and every resident model is pinned"
                 )
             self._evict(self._models[victims[0]])
-            block = self._arena.allocate(need, m.name)
+            if m.last_offset is not None:
+                block = self._arena.allocator.allocate_at(m.last_offset, need, m.name)
+            if block is None:
+                block = self._arena.allocate(need, m.name)
         m.block = block
+        m.last_offset = block.offset
         self._policy.admitted(m.name)
         return block
 
@@ -484,8 +547,7 @@ class Runtime:
                 m.pending.wait_all()  # a copy must not land in memory that is reused
             finally:
                 m.pending = None
-        unbind(m.layout)
-        self._arena.release(m.block)
+        self._arena.release(m.block)  # the slots keep stale views: NOTE [Sticky placement]
         m.block = None
         self._policy.removed(m.name)
         self._evictions += 1
@@ -508,6 +570,10 @@ class Runtime:
     def _to_device(self, obj):
         return map_tensors(obj, lambda t: t.to(self.device))
 
+    def _aliases_arena(self, out) -> bool:
+        arena_ptr = self._arena.buffer.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == arena_ptr for t in tensors_in(out))
+
     def _to_caller(self, out):
         arena_ptr = self._arena.buffer.untyped_storage().data_ptr()
 
@@ -529,10 +595,6 @@ class Runtime:
             return free // 2
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(4 << 30, total // 4)
-
-
-def _views(store: HostStore, region: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {e.key: HostStore.view(region, e) for e in store.entries}
 
 
 def _with_dtype(e: TensorEntry, dtype: torch.dtype) -> TensorEntry:

@@ -5,14 +5,15 @@ Runs in the process that computes.
 # NOTE [Layers are wait points]
 A "layer" for grouping is a module at whose forward pre-hook the compute must wait
 for some weights. While tracing one forward, a TorchFunctionMode records, for every
-model tensor, the innermost module running when the tensor was first passed to a
-torch function; the tensor is assigned to that module. Modules with assigned tensors,
-in the order of their first call, are the layers. This handles tied weights, modules
-called several times or in another order than registered, and parents using a
-child's weight directly. Every module that owns tensors also waits for its own
-tensors' groups, which covers control flow that differs from the traced call.
-Tensors the traced forward never touches (an auxiliary head, say) form a tail that
-is copied after all layers; it is waited for before the next use of the model.
+model tensor, the module whose pre-hook fired most recently before the tensor was
+first passed to a torch function; the tensor is assigned to that module, whose hook
+therefore runs before the first use. Modules with assigned tensors, in the order of
+their first call, are the layers. This handles tied weights, modules called several
+times or in another order than registered, and parents reading a child's weight
+directly. Every module that owns tensors also waits for its own tensors' groups,
+which covers control flow that differs from the traced call. Tensors the traced
+forward never touches (an auxiliary head, say) form a tail that is copied after all
+layers; it is waited for before the next use of the model.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class ExecutionOrder:
 
 
 class _FirstUse(TorchFunctionMode):
-    def __init__(self, key_of: dict[int, str], stack: list[str], first: dict[str, str]):
+    def __init__(self, key_of: dict[int, str], last: list[str], first: dict[str, str]):
         super().__init__()
-        self.key_of, self.stack, self.first = key_of, stack, first
+        self.key_of, self.last, self.first = key_of, last, first
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -57,7 +58,7 @@ class _FirstUse(TorchFunctionMode):
             if isinstance(leaf, torch.Tensor):
                 key = self.key_of.get(id(leaf))
                 if key is not None and key not in self.first:
-                    self.first[key] = self.stack[-1]
+                    self.first[key] = self.last[0]
         return func(*args, **kwargs)
 
 
@@ -69,26 +70,22 @@ def trace_execution_order(
     ``key_of`` maps ``id()`` of every bound tensor object to its key. Returns the order
     and the forward's output.
     """
-    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-    stack: list[str] = [""]
+    names: dict[int, str] = {}
+    for n, m in module.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), n)
+    last: list[str] = [""]  # the module whose pre-hook fired most recently
     call_order: list[str] = []
     first: dict[str, str] = {}  # key -> module name, in first-use order
 
     def pre(mod, _args):
-        name = names.get(id(mod), "?")
+        name = names[id(mod)]
         if name not in call_order:
             call_order.append(name)
-        stack.append(name)
+        last[0] = name
 
-    def post(mod, _args, _out):
-        stack.pop()
-
-    handles = []
-    for m in module.modules():
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post, always_call=True))
+    handles = [m.register_forward_pre_hook(pre) for m in module.modules()]
     try:
-        with _FirstUse(key_of, stack, first):
+        with _FirstUse(key_of, last, first):
             out = module(*args, **kwargs)
     finally:
         for h in handles:
@@ -97,10 +94,10 @@ def trace_execution_order(
     for key, mod in first.items():
         by_module.setdefault(mod, []).append(key)
     layers = [Layer(m, tuple(by_module[m])) for m in call_order if m in by_module]
-    if "" in by_module and "" not in call_order:  # tensors used outside any module call
-        layers.insert(0, Layer("", tuple(by_module[""])))
     used = set(first)
     unused = tuple(k for k in all_keys if k not in used)
+    if not layers:  # no tensor went through a torch function: wait for all at the start
+        layers, unused = [Layer("", unused)], ()
     return ExecutionOrder(tuple(layers), unused), out
 
 

@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
+# Where python3 already has torch (a GPU machine), the venv uses that torch; elsewhere it
+# installs torch==2.13.0, which on our CPU machines is a local CPU-only wheel. The
+# installed torch is then pinned by a constraint so nothing pulls CUDA wheels.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CPU_TORCH := torch==2.13.0
+
+.PHONY: demo test test-gpu bench-pipeline clean
+
+$(STAMP): pyproject.toml Makefile
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "using the torch of $(PY)"; $(PY) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PY) -m venv $(VENV) && $(BIN)/pip install -q --disable-pip-version-check "$(CPU_TORCH)"; \
+	fi
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	$(BIN)/pip install -q --disable-pip-version-check -c $(VENV)/constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	@$(BIN)/python -m timeshare.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest tests/gpu -m cuda
+
+bench-pipeline: $(STAMP)
+	$(BIN)/timeshare bench pipeline --json bench/results/pipeline-$$(date +%Y%m%d).json
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

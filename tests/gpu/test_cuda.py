@@ -1,0 +1,101 @@
+"""CUDA paths: exact pipelined outputs, no allocation on the load path, overlap.
+Marked ``cuda``; skipped on machines without a GPU."""
+
+import pytest
+import torch
+
+import timeshare
+from tests import models
+from timeshare.models.zoo import ZOO, names, weights_path
+from timeshare.runtime.tree import tensors_in
+from timeshare.transfer.planner import STRATEGIES
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+
+
+def same(a, b):
+    ta, tb = tensors_in(a), tensors_in(b)
+    return len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+@pytest.mark.parametrize("name", names())
+def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
+    zoo = ZOO[name]
+    x = zoo.example_inputs(2)
+    with timeshare.Runtime(device="cuda", memory="2GiB", profile_repeats=2) as rt:
+        rt.register(name, zoo.builder, weights_path(name), x)
+        rt.infer(name, *x)
+        ready = rt.infer(name, *x)
+        assert rt._models[name].store.pinned
+        for strategy in STRATEGIES:
+            for _ in range(3):
+                rt.evict(name)
+                assert same(rt._infer(name, x, {}, strategy), ready), strategy
+
+
+@pytest.mark.parametrize("case", sorted(models.CASES))
+def test_weight_sharing_cases_on_cuda(case):
+    build = models.CASES[case]
+    x = (torch.randn(4, 8),)
+    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1) as rt:
+        rt.register(case, build, None, x)
+        ready = rt.infer(case, *x)
+        for strategy in STRATEGIES:
+            rt.evict(case)
+            assert same(rt._infer(case, x, {}, strategy), ready), strategy
+
+
+def test_a_load_allocates_nothing_from_the_cuda_allocator():
+    """The pipelined first inference makes exactly the allocations of a resident
+    inference (activations): weights land in the arena, nothing else is allocated."""
+    zoo = ZOO["resnet152"]
+    x = zoo.example_inputs(2)
+    with timeshare.Runtime(device="cuda", memory="1GiB", profile_repeats=1) as rt:
+        rt.register("r", zoo.builder, weights_path("resnet152"), x)
+        rt.infer("r", *x)
+        rt.infer("r", *x)
+
+        def allocations(fn):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_stats()["allocation.all.allocated"]
+            fn()
+            torch.cuda.synchronize()
+            return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+        resident = allocations(lambda: rt.infer("r", *x))
+        rt.evict("r")
+        pipelined = allocations(lambda: rt.infer("r", *x))
+        assert pipelined == resident
+        assert rt.stats()["blocks"] == 1
+
+
+def test_copies_overlap_compute():
+    """With the per-layer plan the first group's compute can start before the last
+    group has arrived: the first inference is faster than copy-then-run."""
+    zoo = ZOO["bert_base"]
+    x = zoo.example_inputs(8)
+    with timeshare.Runtime(device="cuda", memory="2GiB", profile_repeats=3) as rt:
+        rt.register("b", zoo.builder, weights_path("bert_base"), x)
+        rt.profile("b")
+        import time
+
+        def first(strategy):
+            best = float("inf")
+            for _ in range(5):
+                rt.evict("b")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                rt._infer("b", x, {}, strategy)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        assert first("optimal") < first("whole")

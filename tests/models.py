@@ -1,0 +1,110 @@
+"""Modules that exercise the awkward ways real models hold and use weights."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+@dataclass
+class Out:
+    logits: torch.Tensor
+    extra: tuple
+
+
+class ParentUsesChildWeight(nn.Module):
+    """The parent reads a child's weight directly and never calls the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.linear(torch.relu(self.inner(x)), self.proj.weight) + self.proj.bias
+
+
+class SharedSubmodule(nn.Module):
+    """One submodule registered under two names, called from both."""
+
+    def __init__(self):
+        super().__init__()
+        lin = nn.Linear(8, 8)
+        self.a = lin
+        self.b = lin
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Pair(self.b(self.c(self.a(x))), self.a(x).sum())
+
+
+class OptionalHead(nn.Module):
+    """A head only some calls use: its tensors are not used by the traced forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+        self.register_buffer("offset", torch.linspace(-1, 1, 8), persistent=False)
+
+    def forward(self, x, *, use_head: bool = False):
+        h = self.norm(self.body(x) + self.offset)
+        if use_head:
+            return Out(self.head(h), (h,))
+        return Out(h, ())
+
+
+class OutOfOrder(nn.Module):
+    """Modules called in the reverse of their registration order, one of them twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = nn.Linear(8, 8)
+        self.middle = nn.Linear(8, 8)
+        self.first = nn.Conv1d(1, 1, 3, padding=1)
+        self.bn = nn.BatchNorm1d(1)
+
+    def forward(self, x):
+        y = self.bn(self.first(x.unsqueeze(1))).squeeze(1)
+        return {"y": self.last(self.middle(self.middle(y))), "n": 3}
+
+
+def build(cls):
+    torch.manual_seed(0)
+    m = cls()
+    for bn in m.modules():
+        if isinstance(bn, nn.BatchNorm1d):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 1.5)
+    return m
+
+
+def parent_uses_child_weight():
+    return build(ParentUsesChildWeight)
+
+
+def shared_submodule():
+    return build(SharedSubmodule)
+
+
+def optional_head():
+    return build(OptionalHead)
+
+
+def out_of_order():
+    return build(OutOfOrder)
+
+
+CASES = {
+    "parent_uses_child_weight": parent_uses_child_weight,
+    "shared_submodule": shared_submodule,
+    "optional_head": optional_head,
+    "out_of_order": out_of_order,
+}

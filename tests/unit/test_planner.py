@@ -1,0 +1,88 @@
+import random
+
+import pytest
+
+from timeshare.errors import ConfigError
+from timeshare.transfer import planner
+from timeshare.transfer.planner import CostModel
+
+
+def test_cost_model_by_hand():
+    # 3 layers; t = (2, 1, 1), c = (1, 1, 1), alpha = 0.5, beta = 0.25
+    cost = CostModel((2.0, 1.0, 1.0), (1.0, 1.0, 1.0), 0.5, 0.25)
+    # one group: T = 0.5 + 4 = 4.5; E = 4.5 + 0.25 + 3 = 7.75
+    assert planner.first_inference_time(cost, (3,)) == pytest.approx(7.75)
+    # per layer: T = 2.5, 4.0, 5.5; E = 3.75, max(3.75, 4.0) + 1.25 = 5.25, max(5.25, 5.5) + 1.25 = 6.75
+    assert planner.first_inference_time(cost, (1, 2, 3)) == pytest.approx(6.75)
+    # (1)(2,3): T = 2.5, 5.0; E = 3.75, max(3.75, 5.0) + 2.25 = 7.25
+    assert planner.first_inference_time(cost, (1, 3)) == pytest.approx(7.25)
+    assert planner.optimal(cost).ends == (1, 2, 3)
+
+
+def _random_cost(rng: random.Random, n: int) -> CostModel:
+    scale = rng.choice([0.01, 1.0, 100.0])
+    return CostModel(
+        tuple(rng.random() * scale for _ in range(n)),
+        tuple(rng.random() * rng.choice([0.01, 1.0, 100.0]) for _ in range(n)),
+        alpha=rng.choice([0.0, rng.random(), rng.random() * 10]),
+        beta=rng.choice([0.0, rng.random(), rng.random() * 10]),
+    )
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_optimal_matches_brute_force(seed):
+    rng = random.Random(seed)
+    cost = _random_cost(rng, rng.randint(1, 10))
+    best = planner.brute_force(cost)
+    got = planner.optimal(cost)
+    assert got.predicted_s == pytest.approx(best.predicted_s, rel=1e-9, abs=1e-12)
+    assert planner.first_inference_time(cost, got.ends) == pytest.approx(got.predicted_s)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_optimal_is_never_worse_than_the_baselines(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(20, 200)
+    cost = _random_cost(rng, n)
+    layer_bytes = [rng.randint(1, 1 << 22) for _ in range(n)]
+    opt = planner.optimal(cost).predicted_s
+    for other in (planner.whole(cost), planner.per_layer(cost), planner.fixed(cost, layer_bytes, 2 << 20)):
+        assert opt <= other.predicted_s * (1 + 1e-12)
+
+
+def test_extremes_choose_the_obvious_grouping():
+    # Huge per-group overheads: one group. Free groups and transfer-bound: per layer is optimal.
+    n = 8
+    assert planner.optimal(CostModel((1.0,) * n, (1.0,) * n, 1e6, 1e6)).ends == (n,)
+    free = CostModel((1.0,) * n, (1.0,) * n, 0.0, 0.0)
+    assert planner.optimal(free).predicted_s == pytest.approx(planner.per_layer(free).predicted_s)
+
+
+def test_fixed_groups_pack_bytes_greedily():
+    cost = CostModel((1.0,) * 5, (1.0,) * 5)
+    assert planner.fixed(cost, [3, 3, 3, 10, 1], 6).ends == (2, 3, 4, 5)
+    with pytest.raises(ConfigError):
+        planner.fixed(cost, [1, 2], 6)
+
+
+def test_invalid_inputs_are_rejected():
+    with pytest.raises(ConfigError, match="at least one layer"):
+        CostModel((), ())
+    with pytest.raises(ConfigError, match="non-negative"):
+        CostModel((1.0,), (-1.0,))
+    with pytest.raises(ConfigError, match="3 transfer times but 2"):
+        CostModel((1.0,) * 3, (1.0,) * 2)
+    cost = CostModel((1.0,) * 3, (1.0,) * 3)
+    with pytest.raises(ConfigError, match="do not cut"):
+        planner.first_inference_time(cost, (2, 2, 3))
+    with pytest.raises(ConfigError, match="unknown grouping strategy 'nope'"):
+        planner.make_plan("nope", cost, [1, 1, 1])
+    with pytest.raises(ConfigError, match="brute force"):
+        planner.brute_force(CostModel((1.0,) * 20, (1.0,) * 20))
+
+
+def test_large_instance_is_fast_enough():
+    rng = random.Random(7)
+    cost = _random_cost(rng, 500)  # ResNet-152 has about 470 layers
+    plan = planner.optimal(cost)
+    assert plan.ends[-1] == 500

@@ -1,0 +1,93 @@
+import threading
+
+import pytest
+import torch
+
+from tests import models
+from timeshare.errors import PipelineError
+from timeshare.models.binding import bind, collect
+from timeshare.models.zoo.small import TiedLM
+from timeshare.transfer.copy import CpuCopyEngine
+from timeshare.transfer.profiler import trace_execution_order
+
+
+def _trace(module, *args, **kwargs):
+    module.eval()
+    layout = collect(module)
+    key_of = bind(layout, layout.tensors())
+    with torch.no_grad():
+        order, out = trace_execution_order(module, args, kwargs, key_of, [e.key for e in layout.entries])
+    return order, out
+
+
+def test_order_follows_execution_not_registration():
+    order, _ = _trace(TiedLM(), torch.randint(0, 100, (2, 5)))
+    # registration order is late, embed, block, decoder; the call order differs
+    assert [layer.module for layer in order.layers] == ["embed", "block", "decoder", "late"]
+    # the tied weight arrives once, with the embedding; the root reads the scale buffer
+    # after the decoder's call, so it waits at the decoder's hook
+    assert order.layers[0].keys == ("embed.weight",)
+    assert order.layers[2].keys == ("scale",)
+    assert order.unused == ()
+
+
+def test_parent_reading_a_child_weight_waits_before_the_read():
+    order, _ = _trace(models.parent_uses_child_weight(), torch.randn(2, 8))
+    # proj is never called; its weight is read right after inner ran
+    assert [(layer.module, layer.keys) for layer in order.layers] == [
+        ("inner", ("inner.weight", "inner.bias", "proj.weight", "proj.bias")),
+    ]
+
+
+def test_unused_tensors_form_the_tail():
+    order, _ = _trace(models.optional_head(), torch.randn(2, 8))
+    assert set(order.unused) == {"head.weight", "head.bias"}
+    assert [(layer.module, layer.keys) for layer in order.layers] == [
+        ("body", ("body.weight", "body.bias", "offset")),
+        ("norm", ("norm.weight", "norm.bias")),
+    ]
+
+
+def test_copy_engine_copies_groups_in_order():
+    engine = CpuCopyEngine(deadline_s=10)
+    try:
+        src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+        dst = torch.zeros_like(src)
+        h = engine.start(src, dst, [(0, 4096), (4096, 8192), (8192, 16384)], "test")
+        h.wait(1)
+        assert torch.equal(dst[:8192], src[:8192])
+        h.wait_all()
+        assert torch.equal(dst, src) and h.done()
+    finally:
+        engine.close()
+
+
+def test_copy_failure_surfaces_at_the_wait_with_the_group():
+    engine = CpuCopyEngine(deadline_s=10)
+    try:
+        src = torch.ones(1024, dtype=torch.uint8)
+        dst = torch.zeros(512, dtype=torch.uint8)
+        h = engine.start(src, dst, [(0, 512), (512, 1024)], "loading m")
+        h.wait(0)  # the first group is fine
+        with pytest.raises(PipelineError, match=r"copying group 1 failed.*at loading m, group 1"):
+            h.wait(1)
+    finally:
+        engine.close()
+
+
+def test_a_group_that_never_arrives_hits_the_deadline():
+    engine = CpuCopyEngine(deadline_s=0.2)
+    gate = threading.Event()
+
+    class Blocker:
+        def run(self):
+            gate.wait(10)
+
+    try:
+        engine._queue.put(Blocker())  # occupy the copy thread
+        h = engine.start(torch.ones(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8), [(0, 8)], "loading m")
+        with pytest.raises(PipelineError, match=r"group 0 of 1 did not arrive within 0.2 s \(at loading m\)"):
+            h.wait(0)
+    finally:
+        gate.set()
+        engine.close()
