@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per strategy (median reported)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds (each times ready and every strategy)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
@@ -90,23 +90,33 @@ def _print_pipeline(result: dict) -> None:
     )
     strategies = result["config"]["strategies"]
     table = Table(show_lines=False)
-    for col in ["model", "MB", "layers", "ready ms", "floor ms", *[f"{s} ms" for s in strategies], "optimal/floor", "exact"]:
+    for col in ["model", "MB", "layers", "ready ms", "floor ms", *[f"{s} ms" for s in strategies], "optimal/floor",
+                "optimal vs best", "exact"]:
         table.add_column(col, justify="right" if col != "model" else "left")
     for r in result["results"]:
         cells = [
             r["model"], f"{r['needed_bytes'] / 1e6:.1f}", str(r["layers"]), f"{r['ready_ms']:.2f}", f"{r['floor_ms']:.2f}",
         ]
         cells += [f"{r['strategies'][s]['ms']:.2f} ({r['strategies'][s]['groups']}g)" for s in strategies]
+        cells[3] += f" ±{r['ready']['iqr_ms'] / 2:.2f}"
         opt = r["strategies"].get("optimal")
         cells.append(f"{opt['vs_floor']:.3f}x" if opt else "-")
+        v = r.get("verdict") or {}
+        if v:
+            ok = "within noise" if v["optimal_within_noise_of_best"] else "[red]slower[/red]"
+            cells.append(f"{v['optimal_minus_best_ms']:+.2f} ms (noise {v['noise_ms']:.2f}): {ok}")
+        else:
+            cells.append("-")
         cells.append("yes" if r["outputs_match_ready"] else "[red]NO[/red]")
         table.add_row(*cells)
     console.print(table)
     console.print(
-        "ready: the model already resident. floor: max(bytes / measured bandwidth, ready compute), no loader "
-        "can beat it. whole: copy everything, then run. per_layer: one group per layer. fixed: ~2 MiB groups. "
-        "optimal: the grouping that minimises the profiled cost model. exact: first-inference outputs are "
-        "bitwise equal to the ready model's."
+        "Medians over rounds; (Ng) = groups. ready: the model already resident (± half the interquartile "
+        "range). floor: max(bytes / measured bandwidth, ready compute), no loader can beat it. whole: copy "
+        "everything, then run. per_layer: one group per layer. fixed: ~2 MiB groups. optimal: the grouping "
+        "that minimises the profiled cost model. optimal vs best: its median minus the best strategy's, "
+        "against the larger interquartile range. exact: every first-inference output is bitwise equal to "
+        "the ready model's."
     )
 
 

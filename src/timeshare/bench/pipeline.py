@@ -3,8 +3,14 @@
 For each model, the latency of the first inference when the model is not resident,
 for each way of moving its weights (whole model first, per-layer pipelining,
 fixed-size groups, the optimal grouping), beside the ready model (already resident)
-and the floor max(bytes / bandwidth, ready compute). Medians over repeats after a
-warm-up; every timing ends with a device synchronize (the outputs' copy to the host).
+and the floor max(bytes / bandwidth, ready compute). Every timing ends with a device
+synchronize (the outputs' copy to the host).
+
+Timings are taken in rounds: each round times the ready model and then every
+strategy once, so slow drift of the machine (other tenants, clocks, caches) hits all
+of them alike. We report the median and quartiles over rounds, and call the optimal
+grouping "within noise" of the best strategy when its median exceeds the best median
+by no more than the larger of the two interquartile ranges.
 """
 
 from __future__ import annotations
@@ -38,10 +44,10 @@ class PipelineBenchConfig:
     """Weights and inputs dtype: fp32, fp16 or bf16."""
     device: str = "auto"
     """Device to run on."""
-    repeats: int = 5
-    """Timed first inferences per strategy (the median is reported)."""
+    repeats: int = 10
+    """Timed rounds; each round times the ready model and every strategy once."""
     warmup: int = 1
-    """Untimed runs per strategy before timing."""
+    """Untimed rounds before timing."""
     strategies: Sequence[str] = STRATEGIES
     """Grouping strategies to compare."""
     memory: str = "auto"
@@ -59,6 +65,8 @@ class ModelResult:
     transfer_ms: float
     strategies: dict[str, dict] = field(default_factory=dict)
     profile: dict = field(default_factory=dict)
+    ready: dict = field(default_factory=dict)
+    verdict: dict = field(default_factory=dict)
     outputs_match_ready: bool = True
 
 
@@ -83,38 +91,53 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             prof = rt.profile(name, *inputs)
             reference = rt.infer(name, *inputs)
 
-            def ready():
-                return rt._infer(name, inputs, {}, None)
-
-            ready_ms = _median_ms(ready, rt.device, config.repeats, config.warmup)
+            samples: dict[str, list[float]] = {k: [] for k in ["ready", *config.strategies]}
+            matches = {k: True for k in config.strategies}
+            for round_ in range(config.warmup + config.repeats):
+                progress(f"{name}: round {round_ + 1}/{config.warmup + config.repeats}")
+                for label in samples:
+                    strategy = None if label == "ready" else label
+                    if strategy is not None:
+                        rt.evict(name)
+                    ms, out = _time_ms(lambda: rt._infer(name, inputs, {}, strategy), rt.device)
+                    if round_ >= config.warmup:
+                        samples[label].append(ms)
+                    if strategy is not None:
+                        matches[strategy] &= _equal(out, reference)
+            ready = _stats(samples["ready"])
+            needed = sum(prof.layer_bytes)
+            transfer_ms = needed / prof.link.bandwidth_Bps * 1e3
             r = ModelResult(
                 model=name,
-                bytes=sum(prof.layer_bytes) + prof.tail_bytes,
-                needed_bytes=sum(prof.layer_bytes),
+                bytes=needed + prof.tail_bytes,
+                needed_bytes=needed,
                 layers=len(prof.layer_bytes),
-                ready_ms=ready_ms,
-                transfer_ms=sum(prof.layer_bytes) / prof.link.bandwidth_Bps * 1e3,
-                floor_ms=max(sum(prof.layer_bytes) / prof.link.bandwidth_Bps * 1e3, ready_ms),
+                ready_ms=ready["median_ms"],
+                ready=ready,
+                transfer_ms=transfer_ms,
+                floor_ms=max(transfer_ms, ready["median_ms"]),
                 profile=prof.summary(),
             )
             for strategy in config.strategies:
-                progress(f"{name}: {strategy}")
-                outs = []
-
-                def first(strategy=strategy):
-                    out = rt._infer(name, inputs, {}, strategy)
-                    outs.append(out)
-
-                ms = _median_ms(first, rt.device, config.repeats, config.warmup, before=lambda: rt.evict(name))
-                same = all(_equal(o, reference) for o in outs)
-                r.outputs_match_ready &= same
+                st = _stats(samples[strategy])
+                r.outputs_match_ready &= matches[strategy]
                 r.strategies[strategy] = {
-                    "ms": ms,
+                    **st,
+                    "ms": st["median_ms"],
                     "groups": len(prof.plans[strategy]),
                     "predicted_ms": prof.plans[strategy].predicted_s * 1e3,
-                    "vs_ready": ms / ready_ms,
-                    "vs_floor": ms / r.floor_ms,
-                    "outputs_match_ready": same,
+                    "vs_ready": st["median_ms"] / r.ready_ms,
+                    "vs_floor": st["median_ms"] / r.floor_ms,
+                    "outputs_match_ready": matches[strategy],
+                }
+            if "optimal" in r.strategies:
+                best = min(r.strategies, key=lambda k: r.strategies[k]["ms"])
+                opt, top = r.strategies["optimal"], r.strategies[best]
+                r.verdict = {
+                    "best": best,
+                    "optimal_minus_best_ms": opt["ms"] - top["ms"],
+                    "noise_ms": max(opt["iqr_ms"], top["iqr_ms"]),
+                    "optimal_within_noise_of_best": opt["ms"] - top["ms"] <= max(opt["iqr_ms"], top["iqr_ms"]),
                 }
             results.append(r)
             rt.unregister(name)
@@ -134,23 +157,26 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
     }
 
 
-def _median_ms(fn, device, repeats: int, warmup: int, before=None) -> float:
-    for _ in range(warmup):
-        if before:
-            before()
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if before:
-            before()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()  # returns CPU outputs: the copy to the host synchronizes
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
+def _time_ms(fn, device) -> tuple[float, object]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()  # returns CPU outputs: the copy to the host synchronizes
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def _stats(samples: list[float]) -> dict:
+    q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
+    return {
+        "median_ms": statistics.median(samples),
+        "p25_ms": q[0],
+        "p75_ms": q[2],
+        "iqr_ms": q[2] - q[0],
+        "min_ms": min(samples),
+        "samples_ms": samples,
+    }
 
 
 def _equal(a, b) -> bool:
