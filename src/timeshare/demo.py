@@ -26,10 +26,11 @@ checked bitwise against the ready model's.
 """
 
 OUTRO_CPU = """\
-On a CPU the "device" is shared memory and the copy is a memcpy at memory bandwidth, so compute
-dominates and every strategy lands close to ready; the numbers show the mechanism works and costs
-little. On a GPU, copies cross PCIe and the grouping decides how much of them hides behind compute:
-run `timeshare bench pipeline` there (see bench/results/ for committed GPU numbers).
+On a CPU the "device" is shared memory and the copy is a memcpy by a thread that shares the cores
+and memory bandwidth with the compute, so it cannot hide fully and the strategies differ by less than
+the noise of a shared machine; what this run shows is that the mechanism is exact and cheap. On a GPU
+the copy runs on its own engine over PCIe and the grouping decides how much of it hides behind
+compute: run `make bench-pipeline` there; results are kept in bench/results/.
 """
 
 

@@ -67,6 +67,8 @@ class Arena:
         """Drop the buffer and give the memory back (unlinks the shared-memory segment)."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._typed.clear()
+        if self.device.type == "cuda":  # hand the bytes back to the driver, not just to the cache
+            torch.cuda.empty_cache()
         if self._shm is not None:
             shm, self._shm = self._shm, None
             try:

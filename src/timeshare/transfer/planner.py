@@ -93,21 +93,23 @@ def optimal(cost: CostModel) -> Plan:
     f_prev[0] = 0.0
     back = np.zeros((n + 1, n + 1), dtype=np.int64)  # back[k][j] = start of the last group
     best_e, best_k = inf, 0
-    rows = np.arange(n + 1)[:, None]
-    cols = np.arange(n + 1)[None, :]
-    invalid = rows >= cols  # the last group (i, j] needs i < j
+    # With k groups, only i >= k-1 (earlier groups need a layer each) and j >= k can be
+    # finite: the candidates for k form the block [k-1:n] x [k:n+1], a third of n^3 overall.
+    r = np.arange(n)
+    below = r[:, None] > r[None, :]  # block row r is i = k-1+r, column c is j = k+c; i >= j iff r > c
     for k in range(1, n + 1):
-        arrive = k * cost.alpha + pt  # T_k when group k ends at j, shape (n+1,)
-        cand = np.maximum(f_prev[:, None], arrive[None, :]) + cost.beta + (pc[None, :] - pc[:, None])
-        cand[invalid] = inf
+        m = n - k + 1
+        arrive = k * cost.alpha + pt[k:]  # T_k when group k ends at j = k..n
+        prev = f_prev[k - 1 : n]
+        cand = np.maximum(prev[:, None], arrive[None, :]) + cost.beta + (pc[None, k:] - pc[k - 1 : n, None])
+        cand[below[:m, :m]] = inf
         arg = np.argmin(cand, axis=0)
-        f_cur = cand[arg, np.arange(n + 1)]
-        back[k] = arg
+        f_cur = np.full(n + 1, inf)
+        f_cur[k:] = cand[arg, np.arange(m)]
+        back[k, k:] = arg + (k - 1)
         if f_cur[n] < best_e:
             best_e, best_k = float(f_cur[n]), k
         f_prev = f_cur
-        if not np.isfinite(f_cur).any():
-            break
     ends: list[int] = []
     j = n
     for k in range(best_k, 0, -1):
