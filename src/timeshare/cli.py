@@ -86,7 +86,7 @@ def _print_pipeline(result: dict) -> None:
         f"[bold]First-inference latency[/bold] on {env['device']} ({where}), torch {env['torch']}, "
         f"batch {result['config']['batch']}, {result['config']['dtype']}; "
         f"host->device {link['bandwidth_GBps']:.1f} GB/s, per-group overhead "
-        f"copy {link['alpha_us']:.0f} us / compute {link['beta_us']:.0f} us"
+        f"copy {link['alpha_us']:.0f} us / compute {link['beta_us']:.0f} us, wake-up {link['latency_us']:.0f} us"
     )
     strategies = result["config"]["strategies"]
     table = Table(show_lines=False)

@@ -26,6 +26,7 @@ def _random_cost(rng: random.Random, n: int) -> CostModel:
         tuple(rng.random() * rng.choice([0.01, 1.0, 100.0]) for _ in range(n)),
         alpha=rng.choice([0.0, rng.random(), rng.random() * 10]),
         beta=rng.choice([0.0, rng.random(), rng.random() * 10]),
+        latency=rng.choice([0.0, 0.0, rng.random(), rng.random() * 10]),
     )
 
 
@@ -50,6 +51,21 @@ def test_optimal_is_never_worse_than_the_baselines(seed):
         assert opt <= other.predicted_s * (1 + 1e-12)
 
 
+def test_latency_is_paid_only_when_the_compute_waits():
+    # transfer-bound: every group's arrival is waited for, so each pays L
+    cost = CostModel((2.0, 2.0), (1.0, 1.0), latency=0.5)
+    # T = 2, 4; E = 2.5 + 1 = 3.5, max(3.5, 4.5) + 1 = 5.5
+    assert planner.first_inference_time(cost, (1, 2)) == pytest.approx(5.5)
+    # compute-bound after the first group: the second arrival is not waited for
+    cost = CostModel((1.0, 0.1), (5.0, 1.0), latency=0.5)
+    # T = 1, 1.1; E = 1.5 + 5 = 6.5, max(6.5, 1.6) + 1 = 7.5
+    assert planner.first_inference_time(cost, (1, 2)) == pytest.approx(7.5)
+    # balanced layers: only the first arrival is waited for, so L is paid once
+    balanced = CostModel((1.0,) * 6, (1.0,) * 6)
+    slow = CostModel((1.0,) * 6, (1.0,) * 6, latency=100.0)
+    assert planner.optimal(slow).predicted_s == pytest.approx(planner.optimal(balanced).predicted_s + 100.0)
+
+
 def test_extremes_choose_the_obvious_grouping():
     # Huge per-group overheads: one group. Free groups and transfer-bound: per layer is optimal.
     n = 8
@@ -70,6 +86,8 @@ def test_invalid_inputs_are_rejected():
         CostModel((), ())
     with pytest.raises(ConfigError, match="non-negative"):
         CostModel((1.0,), (-1.0,))
+    with pytest.raises(ConfigError, match="non-negative"):
+        CostModel((1.0,), (1.0,), latency=-1.0)
     with pytest.raises(ConfigError, match="3 transfer times but 2"):
         CostModel((1.0,) * 3, (1.0,) * 2)
     cost = CostModel((1.0,) * 3, (1.0,) * 3)

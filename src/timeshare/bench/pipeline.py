@@ -152,6 +152,7 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             "bandwidth_GBps": results[0].profile["bandwidth_GBps"],
             "alpha_us": results[0].profile["alpha_us"],
             "beta_us": results[0].profile["beta_us"],
+            "latency_us": results[0].profile["latency_us"],
         },
         "results": [r.__dict__ for r in results],
     }

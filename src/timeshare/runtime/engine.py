@@ -463,7 +463,11 @@ class Runtime:
         times = time_layers(m.module, run, m.layer_modules, self.device, self.profile_repeats)
         layer_bytes = [b - a for a, b in m.layer_spans]
         cost = CostModel(
-            tuple(b / link.bandwidth_Bps for b in layer_bytes), tuple(times.compute_s), link.alpha_s, link.beta_s
+            tuple(b / link.bandwidth_Bps for b in layer_bytes),
+            tuple(times.compute_s),
+            link.alpha_s,
+            link.beta_s,
+            link.latency_s,
         )
         plans: dict[str, Plan] = {s: make_plan(s, cost, layer_bytes, self.fixed_group_bytes) for s in STRATEGIES}
         key = shape_key(args, kwargs)

@@ -50,6 +50,8 @@ class LoadHandle:
 class CopyEngine:
     """Starts loads; one engine per arena."""
 
+    host_waits: bool = True  # whether the compute side waits on the host (vs. on the device)
+
     def start(self, src: torch.Tensor, dst: torch.Tensor, ranges: Sequence[Range], where: str) -> LoadHandle:
         raise NotImplementedError
 
@@ -155,6 +157,8 @@ class _CudaLoad(LoadHandle):
 
 class CudaCopyEngine(CopyEngine):
     """Copies on a dedicated stream; per-group events for device-side waits."""
+
+    host_waits = False
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -6,13 +6,16 @@ Layers 1..n in execution order; layer i takes t_i to transfer and c_i to compute
 A grouping cuts the sequence into consecutive groups G_1..G_m. Transfers are serial,
 each group paying a fixed overhead alpha:   T_k = T_{k-1} + alpha + sum_{i in G_k} t_i.
 Group k computes once it has arrived and group k-1 has finished, paying beta:
-E_k = max(E_{k-1}, T_k) + beta + sum_{i in G_k} c_i.  We minimise E_m.
+E_k = max(E_{k-1}, T_k + L) + beta + sum_{i in G_k} c_i.  We minimise E_m.
+L is the delivery latency of an arrival to a compute that is blocked on it: zero on
+CUDA (the wait is on the device), a thread wake-up on the CPU backend. It is paid only
+when the compute actually waits; L = 0 is PipeSwitch's model.
 
 # NOTE [Exact grouping by dynamic programming]
 With k groups and the last group ending at layer j, T_k = k*alpha + prefix_t(j) does
 not depend on where the earlier cuts are, and E_k is non-decreasing in E_{k-1}. So
 the best E over groupings of the first j layers into k groups, F[k][j], satisfies
-F[k][j] = min_i max(F[k-1][i], k*alpha + prefix_t(j)) + beta + prefix_c(j) - prefix_c(i)
+F[k][j] = min_i max(F[k-1][i], k*alpha + prefix_t(j) + L) + beta + prefix_c(j) - prefix_c(i)
 and the optimum is min_k F[k][n]: O(n^3) time, vectorised over (i, j) per k. PipeSwitch
 searched the 2^(n-1) groupings with pruning; the tests check this against brute force.
 """
@@ -32,12 +35,14 @@ STRATEGIES = ("optimal", "per_layer", "whole", "fixed")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-layer transfer and compute seconds plus the per-group overheads (seconds)."""
+    """Per-layer transfer and compute seconds, the per-group overheads and the
+    delivery latency (seconds); see NOTE [Pipeline cost model]."""
 
     transfer: tuple[float, ...]
     compute: tuple[float, ...]
     alpha: float = 0.0
     beta: float = 0.0
+    latency: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.transfer) != len(self.compute):
@@ -46,7 +51,7 @@ class CostModel:
             )
         if len(self.transfer) == 0:
             raise ConfigError("cost model needs at least one layer")
-        if min(self.transfer) < 0 or min(self.compute) < 0 or self.alpha < 0 or self.beta < 0:
+        if min(self.transfer) < 0 or min(self.compute) < 0 or min(self.alpha, self.beta, self.latency) < 0:
             raise ConfigError("cost model times must be non-negative")
 
     @property
@@ -78,7 +83,7 @@ def first_inference_time(cost: CostModel, ends: Sequence[int]) -> float:
     start = 0
     for end in ends:
         t_done += cost.alpha + sum(cost.transfer[start:end])
-        e_done = max(e_done, t_done) + cost.beta + sum(cost.compute[start:end])
+        e_done = max(e_done, t_done + cost.latency) + cost.beta + sum(cost.compute[start:end])
         start = end
     return e_done
 
@@ -99,7 +104,7 @@ def optimal(cost: CostModel) -> Plan:
     below = r[:, None] > r[None, :]  # block row r is i = k-1+r, column c is j = k+c; i >= j iff r > c
     for k in range(1, n + 1):
         m = n - k + 1
-        arrive = k * cost.alpha + pt[k:]  # T_k when group k ends at j = k..n
+        arrive = k * cost.alpha + pt[k:] + cost.latency  # T_k + L when group k ends at j = k..n
         prev = f_prev[k - 1 : n]
         cand = np.maximum(prev[:, None], arrive[None, :]) + cost.beta + (pc[None, k:] - pc[k - 1 : n, None])
         cand[below[:m, :m]] = inf

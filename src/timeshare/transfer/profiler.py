@@ -187,6 +187,7 @@ class LinkCosts:
     bandwidth_Bps: float  # bytes per second for large copies
     alpha_s: float  # extra seconds per group on the copy side
     beta_s: float  # extra seconds per group on the compute side (a wait that is already satisfied)
+    latency_s: float = 0.0  # arrival to a blocked compute resuming (host-side waits only)
     probe_bytes: int = field(default=0)
 
 
@@ -217,7 +218,10 @@ def measure_link(
         h.wait(k)
     beta = (time.perf_counter() - t0) / h.n_groups
     bandwidth = nbytes / max(big - alpha, 1e-9)
-    return LinkCosts(bandwidth, alpha, beta, nbytes)
+    # A one-group load, start to resumed waiter, less its copy: the hand-off to the copy
+    # thread and back. Device-side waits (CUDA) have no such cost on the compute's path.
+    latency = max(0.0, one - alpha - 512 / bandwidth) if engine.host_waits else 0.0
+    return LinkCosts(bandwidth, alpha, beta, latency, nbytes)
 
 
 @dataclass
@@ -242,7 +246,9 @@ class ModelProfile:
     def cost_model(self):
         from timeshare.transfer.planner import CostModel
 
-        return CostModel(tuple(self.transfer_s), tuple(self.compute_s), self.link.alpha_s, self.link.beta_s)
+        return CostModel(
+            tuple(self.transfer_s), tuple(self.compute_s), self.link.alpha_s, self.link.beta_s, self.link.latency_s
+        )
 
     def summary(self) -> dict:
         return {
@@ -255,6 +261,7 @@ class ModelProfile:
             "bandwidth_GBps": self.link.bandwidth_Bps / 1e9,
             "alpha_us": self.link.alpha_s * 1e6,
             "beta_us": self.link.beta_s * 1e6,
+            "latency_us": self.link.latency_s * 1e6,
             "ready_ms": self.ready_s * 1e3,
             "compute_ms": sum(self.compute_s) * 1e3,
             "plans": {
