@@ -14,9 +14,19 @@ from timeshare.transfer.profiler import trace_execution_order
 def _trace(module, *args, **kwargs):
     module.eval()
     layout = collect(module)
-    key_of = bind(layout, layout.tensors())
+    tensors = layout.tensors()
+    bind(layout, tensors)
+    spans = [
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), key)
+        for key, t in tensors.items()
+        if t.numel()
+    ]
+    owners = {e.key: [] for e in layout.entries}
+    for slot in layout.slots:
+        if all(slot.module is not o for o in owners[slot.key]):
+            owners[slot.key].append(slot.module)
     with torch.no_grad():
-        order, out = trace_execution_order(module, args, kwargs, key_of, [e.key for e in layout.entries])
+        order, out = trace_execution_order(module, args, kwargs, spans, owners)
     return order, out
 
 
@@ -46,6 +56,29 @@ def test_unused_tensors_form_the_tail():
         ("body", ("body.weight", "body.bias", "offset")),
         ("norm", ("norm.weight", "norm.bias")),
     ]
+
+
+def test_unused_tensors_of_modules_that_ran_stay_with_them():
+    # eval-mode BatchNorm never reads num_batches_tracked; it must not go to the tail,
+    # where it would make the BatchNorm wait for the last group
+    order, _ = _trace(models.out_of_order(), torch.randn(2, 8))
+    assert order.unused == ()
+    assert dict((layer.module, layer.keys) for layer in order.layers)["bn"] == (
+        "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked",
+    )
+
+
+def test_fused_fast_paths_are_traced_as_they_run():
+    # nn.TransformerEncoderLayer's inference fast path reads its children's weights in
+    # one fused op without calling them; the trace must not switch that path off
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    x = torch.randn(2, 4, 16)
+    order, traced = _trace(layer, x)
+    assert [(entry.module, len(entry.keys)) for entry in order.layers] == [("", 12)]
+    assert order.unused == ()
+    with torch.no_grad():
+        assert torch.equal(traced, layer(x))  # the same code path, bit for bit
 
 
 def test_copy_engine_copies_groups_in_order():

@@ -12,10 +12,12 @@ device allocation.
 from __future__ import annotations
 
 import logging
+import os
 from multiprocessing import shared_memory
 
 import torch
 
+from timeshare.errors import MemoryBudgetError
 from timeshare.memory.allocator import DEFAULT_ALIGNMENT, Allocator, Block
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class Arena:
         self._shm: shared_memory.SharedMemory | None = None
         if device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=self.capacity)
+            _reserve(self._shm)
             self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.capacity)
         else:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
@@ -79,6 +82,32 @@ class Arena:
                 # view dies, its memory.
                 log.debug("arena %s closed while views were alive", shm.name)
             shm.unlink()
+
+
+def _reserve(shm: shared_memory.SharedMemory) -> None:
+    """Back the whole segment now. A tmpfs smaller than the arena (Docker's /dev/shm is
+    64 MB by default) would otherwise crash the process with SIGBUS at the first touch
+    of a page past its end; this turns that into an error at start-up."""
+    path = f"/dev/shm/{shm.name.lstrip('/')}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return  # not a Linux tmpfs: nothing to reserve through
+    try:
+        st = os.statvfs(path)
+        free = st.f_bavail * st.f_frsize
+        if shm.size > free:  # fail at once rather than fill the tmpfs first
+            raise OSError(28, f"only {free:,} bytes are free")
+        os.posix_fallocate(fd, 0, shm.size)
+    except OSError as exc:
+        shm.close()
+        shm.unlink()
+        raise MemoryBudgetError(
+            f"cannot reserve a CPU arena of {shm.size:,} bytes in /dev/shm ({exc.strerror or exc}); "
+            "use a smaller Runtime(memory=...) or a larger /dev/shm"
+        ) from exc
+    finally:
+        os.close(fd)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

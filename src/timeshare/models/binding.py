@@ -107,6 +107,7 @@ def bind(layout: TensorLayout, tensors: dict[str, torch.Tensor]) -> dict[int, st
 
 
 def unbind(layout: TensorLayout) -> None:
-    """Point every slot at a meta tensor: an evicted model cannot read stale memory,
-    and any use of it fails loudly."""
+    """Point every slot at a meta tensor, so that a module that is no longer managed
+    holds no memory and any use of it fails loudly (done on unregister and close;
+    eviction keeps stale views, see NOTE [Sticky placement])."""
     bind(layout, {e.key: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in layout.entries})

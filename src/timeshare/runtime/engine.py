@@ -95,6 +95,7 @@ class _Model:
     last_offset: int | None = None
     load_plans: dict[tuple[str, str], "_LoadPlan"] = field(default_factory=dict)
     pending: LoadHandle | None = None
+    last_use: object = None  # CUDA: an event after the model's last forward (see NOTE [Arena reuse ordering])
     pinned: bool = False
     loads: int = 0
 
@@ -111,8 +112,8 @@ class Runtime:
     """Time-shares one device among registered models.
 
     ``device``: "auto", "cpu", "cuda" or "cuda:N". ``memory``: the arena's size in bytes
-    or a string like "4GiB"; "auto" takes half the free device memory on CUDA and a
-    quarter of RAM (at most 4 GiB) on the CPU. ``eviction``: the policy that picks which
+    or a string like "4GiB"; "auto" takes half the free device memory on CUDA and an
+    eighth of RAM (at most 2 GiB) on the CPU. ``eviction``: the policy that picks which
     resident model leaves when a new one needs room. ``strategy``: how loads are
     grouped: "optimal" (default), "per_layer", "whole" or "fixed".
 
@@ -149,7 +150,13 @@ class Runtime:
             raise MemoryBudgetError(
                 f"cannot reserve an arena of {format_bytes(capacity)} on {self.device}: {exc}"
             ) from exc
-        self._engine = make_copy_engine(self.device, load_timeout_s)
+        try:
+            self._engine = make_copy_engine(self.device, load_timeout_s)
+        except BaseException:
+            self._arena.close()
+            raise
+        self._quarantine: list[tuple[Block, LoadHandle]] = []  # blocks a stuck copy may still write
+        self._fences: list[object] = []  # CUDA: last-use events of evicted models
         self._models: dict[str, _Model] = {}
         self._lock = threading.RLock()
         self._link: LinkCosts | None = None
@@ -228,6 +235,7 @@ class Runtime:
             key = shape_key(args, kwargs)
             if m.block is None:
                 self._run(m, args, kwargs, None)
+            self._finish_pending(m)
             if key not in m.profiles:
                 self._profile_resident(m, args, kwargs)
             return m.profiles[key]
@@ -258,10 +266,10 @@ class Runtime:
     def unregister(self, name: str) -> None:
         with self._lock:
             m = self._get(name)
-            if m.block is not None:
-                self._evict(m)
+            self._evict(m)
             unbind(m.layout)
             del self._models[name]
+            _release_host_cache(self.device)
 
     def stats(self) -> dict:
         with self._lock:
@@ -279,19 +287,25 @@ class Runtime:
             }
 
     def close(self) -> None:
-        """Evict everything and give the arena back. Idempotent."""
+        """Evict everything and give the arena back. Idempotent; every step runs even if
+        an earlier one fails, so no segment, thread or device memory is left behind."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for m in self._models.values():
-                if m.block is not None:
+            try:
+                for m in self._models.values():
                     self._evict(m)
-                unbind(m.layout)
-            self._models.clear()
-            self._engine.close()
-            synchronize(self.device)
-            self._arena.close()
+                    unbind(m.layout)
+                self._models.clear()
+            finally:
+                try:
+                    self._engine.close()
+                    synchronize(self.device)
+                finally:
+                    self._quarantine.clear()
+                    self._arena.close()
+                    _release_host_cache(self.device)
 
     def __enter__(self) -> "Runtime":
         return self
@@ -317,12 +331,12 @@ class Runtime:
     def _run(self, m: _Model, args: tuple, kwargs: dict, strategy: str | None):
         """Forward ``m`` on device inputs, loading it first if it is not resident."""
         if m.block is not None:
-            if m.pending is not None:
-                m.pending.wait_all()
-                m.pending = None
+            self._finish_pending(m)
             self._policy.touched(m.name)
             with torch.no_grad():
-                return m.module(*args, **kwargs)
+                out = m.module(*args, **kwargs)
+            self._mark_used(m)
+            return out
         if m.order is None:
             return self._first_load(m, args, kwargs)
         return self._pipelined_load(m, args, kwargs, strategy or self.strategy)
@@ -333,18 +347,24 @@ class Runtime:
         try:
             region = self._arena.region(block)
             self._copy_whole(m, region, "first load")
-            key_of = bind(m.layout, self._arena.views(block.offset, m.store.entries))
+            self._bind(m, block)
+            base = self._arena.buffer.data_ptr() + block.offset
+            spans = [(base + e.offset, base + e.offset + e.nbytes, e.key) for e in m.store.entries if e.nbytes]
+            owners: dict[str, list[nn.Module]] = {e.key: [] for e in m.store.entries}
+            for slot in m.layout.slots:
+                if all(slot.module is not o for o in owners[slot.key]):
+                    owners[slot.key].append(slot.module)
             with torch.no_grad():
-                order, out = trace_execution_order(
-                    m.module, args, kwargs, key_of, [e.key for e in m.store.entries]
-                )
+                order, out = trace_execution_order(m.module, args, kwargs, spans, owners)
             self._adopt_order(m, order)
             self._copy_whole(m, region, "first load, execution order")
             self._bind(m, block)
             m.loads += 1
+            self._mark_used(m)
             self._profile_resident(m, args, kwargs)
             return out
         except BaseException:
+            self._forget_order(m)  # the next load starts over
             self._evict(m)
             raise
 
@@ -362,7 +382,9 @@ class Runtime:
         block = self._place(m)
         try:
             self._bind(m, block)
-            handle = self._engine.start(m.store.buffer, self._arena.region(block), plan.ranges, f"loading {m.name}")
+            handle = self._engine.start(
+                m.store.buffer, self._arena.region(block), plan.ranges, f"loading {m.name}", self._take_fences()
+            )
             m.pending = handle
             wait_of = plan.wait_of
             upto = [-1]
@@ -385,6 +407,7 @@ class Runtime:
             if upto[0] >= handle.n_groups - 1:
                 m.pending = None  # everything arrived and was waited for
             m.loads += 1
+            self._mark_used(m)
             self._policy.touched(m.name)
             return out
         except BaseException:
@@ -401,13 +424,16 @@ class Runtime:
             return cached
         plan = m.profiles[key].plans[strategy]
         ranges = [(m.layer_spans[a][0], m.layer_spans[b - 1][1]) for a, b in plan.groups]
-        if m.tail_span[1] > m.tail_span[0]:
+        has_tail = m.tail_span[1] > m.tail_span[0]
+        if has_tail:
             ranges.append(m.tail_span)
         group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
-        tail_group = len(plan)
-        wait_of = {
-            id(mod): tail_group if layer >= len(group_of_layer) else group_of_layer[layer] for mod, layer in m.waits
-        }
+        wait_of = {}
+        for mod, layer in m.waits:
+            if layer < len(group_of_layer):
+                wait_of[id(mod)] = group_of_layer[layer]
+            elif has_tail:  # a module that only owns tail tensors (an empty tail needs no wait)
+                wait_of[id(mod)] = len(plan)
         made = m.load_plans[(key, strategy)] = _LoadPlan(tuple(ranges), wait_of)
         return made
 
@@ -437,19 +463,27 @@ class Runtime:
         tail_start = offsets[order.unused[0]] if order.unused else m.store.nbytes
         m.layer_spans = list(zip(starts, starts[1:] + [tail_start]))
         m.tail_span = (tail_start, m.store.nbytes)
-        # Which layer each tensor arrives with (the tail counts as one past the last).
+        # Layer modules wait for their layer; modules owning tail tensors (they never ran
+        # in the trace) wait for the tail. See NOTE [Layers are wait points].
         n = len(order.layers)
-        layer_of = {k: i for i, layer in enumerate(order.layers) for k in layer.keys}
-        layer_of.update({k: n for k in order.unused})
         modules = dict(m.module.named_modules(remove_duplicate=False))
         m.layer_modules = [modules[layer.module] if layer.module else m.module for layer in order.layers]
-        need: dict[int, tuple[nn.Module, int]] = {}
-        for i, mod in enumerate(m.layer_modules):
-            need[id(mod)] = (mod, i)
-        for s in m.layout.slots:  # a module also waits for its own tensors
-            prev = need.get(id(s.module), (s.module, -1))[1]
-            need[id(s.module)] = (s.module, max(prev, layer_of[s.key]))
-        m.waits = list(need.values())
+        m.waits = [(mod, i) for i, mod in enumerate(m.layer_modules)]
+        waiting = {id(mod) for mod in m.layer_modules}
+        tail = set(order.unused)
+        for slot in m.layout.slots:
+            if slot.key in tail and id(slot.module) not in waiting:
+                m.waits.append((slot.module, n))
+                waiting.add(id(slot.module))
+        _release_host_cache(self.device)  # the store in registration order is gone
+
+    def _forget_order(self, m: _Model) -> None:
+        m.order = None
+        m.layer_modules, m.layer_spans, m.waits = [], [], []
+        m.tail_span = (0, 0)
+        m.load_plans.clear()
+        m.profiles.clear()
+        m.last_profile = None
 
     def _profile_resident(self, m: _Model, args: tuple, kwargs: dict) -> None:
         assert m.block is not None and m.order is not None
@@ -510,6 +544,7 @@ class Runtime:
             if scratch is not None:
                 synchronize(self.device)
                 self._arena.release(scratch)
+                _release_host_cache(self.device)
         log.info("link: %.2f GB/s, alpha %.1f us, beta %.1f us", self._link.bandwidth_Bps / 1e9,
                  self._link.alpha_s * 1e6, self._link.beta_s * 1e6)
         return self._link
@@ -519,6 +554,7 @@ class Runtime:
         need = m.nbytes
         if self._arena.allocator.rounded(need) > self._arena.capacity:
             raise ModelTooLargeError(m.name, need, self._arena.capacity)
+        self._reclaim_quarantine()
         block = None
         if m.last_offset is not None:  # see NOTE [Sticky placement]
             block = self._arena.allocator.allocate_at(m.last_offset, need, m.name)
@@ -544,20 +580,55 @@ class Runtime:
         return block
 
     def _evict(self, m: _Model) -> None:
+        """Make ``m`` non-resident. Never raises: a failed copy is logged, and a block a
+        copy may still be writing (its deadline passed) is quarantined, not reused."""
         if m.block is None:
             return
-        if m.pending is not None:
-            try:
-                m.pending.wait_all()  # a copy must not land in memory that is reused
-            finally:
-                m.pending = None
-        self._arena.release(m.block)  # the slots keep stale views: NOTE [Sticky placement]
-        m.block = None
+        block, handle = m.block, m.pending
+        m.block, m.pending = None, None
         self._policy.removed(m.name)
         self._evictions += 1
+        if m.last_use is not None:  # see NOTE [Arena reuse ordering]
+            self._fences.append(m.last_use)
+            m.last_use = None
+        if handle is not None:
+            try:
+                handle.wait_all()  # a copy must not land in memory that is reused
+            except TimeshareError as exc:
+                log.warning("evicting %s after a failed load: %s", m.name, exc)
+            if self._engine.host_waits and not handle.done():
+                self._quarantine.append((block, handle))
+                return
+        self._arena.release(block)  # the slots keep stale views: NOTE [Sticky placement]
+
+    def _reclaim_quarantine(self) -> None:
+        still = []
+        for block, handle in self._quarantine:
+            if handle.done():
+                self._arena.release(block)
+            else:
+                still.append((block, handle))
+        self._quarantine = still
+
+    def _finish_pending(self, m: _Model) -> None:
+        if m.pending is not None:
+            m.pending.wait_all()
+            m.pending = None
+
+    def _mark_used(self, m: _Model) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            m.last_use = ev
+
+    def _take_fences(self) -> list:
+        fences, self._fences = self._fences, []
+        return fences
 
     def _copy_whole(self, m: _Model, region: torch.Tensor, why: str) -> None:
-        handle = self._engine.start(m.store.buffer, region, [(0, m.store.nbytes)], f"loading {m.name} ({why})")
+        handle = self._engine.start(
+            m.store.buffer, region, [(0, m.store.nbytes)], f"loading {m.name} ({why})", self._take_fences()
+        )
         handle.wait_all()
 
     def _get(self, name: str) -> _Model:
@@ -598,7 +669,15 @@ class Runtime:
             free, _total = torch.cuda.mem_get_info(self.device)
             return free // 2
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return min(4 << 30, total // 4)
+        return min(2 << 30, total // 8)
+
+
+def _release_host_cache(device: torch.device) -> None:
+    """Give cached pinned host blocks back to the OS (CUDA builds that expose it)."""
+    if device.type == "cuda":
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
 
 
 def _with_dtype(e: TensorEntry, dtype: torch.dtype) -> TensorEntry:

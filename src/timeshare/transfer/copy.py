@@ -9,10 +9,12 @@ with one completion signal per group. Run in the process that owns the arena.
 
 # NOTE [Arena reuse ordering]
 A load may overwrite bytes that an evicted model's kernels are still reading (CUDA
-runs asynchronously). Before queuing a load, the copy stream waits on the compute
-stream, so the copies start only after all compute queued so far. Copies on the one
-copy stream (or the one copy thread) run in FIFO order, so a later load never races
-an earlier one's tail.
+runs asynchronously). Before queuing a load, the copy stream waits on the current
+stream, so the copies start only after all compute queued there, and on the last-use
+event of every model evicted since the previous load, which covers forwards run on
+other streams. Copies on the one copy stream (or the one copy thread) run in FIFO
+order, so a later load never races an earlier one's tail. On the CPU backend a copy
+that missed its deadline may still be writing: its block is quarantined until done.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ class CopyEngine:
 
     host_waits: bool = True  # whether the compute side waits on the host (vs. on the device)
 
-    def start(self, src: torch.Tensor, dst: torch.Tensor, ranges: Sequence[Range], where: str) -> LoadHandle:
+    def start(
+        self, src: torch.Tensor, dst: torch.Tensor, ranges: Sequence[Range], where: str, fences: Sequence = ()
+    ) -> LoadHandle:
+        """Queue the copies of ``ranges`` from ``src`` to ``dst``; ``fences`` are CUDA events
+        the copies must wait for (the last uses of evicted models)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -80,9 +86,9 @@ class _CpuLoad(LoadHandle):
 
     def run(self) -> None:
         """Executed on the copy thread."""
-        for k, (a, b) in enumerate(self.ranges):
+        for k in range(self.n_groups):
             try:
-                self.dst[a:b].copy_(self.src[a:b])
+                self._copy_group(k)
             except BaseException as exc:  # handed to the waiter, which re-raises it
                 self.error, self.failed_group = exc, k
                 for ev in self.events[k:]:
@@ -90,6 +96,10 @@ class _CpuLoad(LoadHandle):
                 return
             self.events[k].set()
         self.src = self.dst = None  # drop references once everything is copied
+
+    def _copy_group(self, k: int) -> None:
+        a, b = self.ranges[k]
+        self.dst[a:b].copy_(self.src[a:b])
 
     def wait(self, k: int) -> None:
         if not self.events[k].wait(self.deadline_s):
@@ -122,7 +132,7 @@ class CpuCopyEngine(CopyEngine):
                 return
             load.run()
 
-    def start(self, src, dst, ranges, where):
+    def start(self, src, dst, ranges, where, fences=()):
         load = _CpuLoad(src, dst, ranges, where, self.deadline_s)
         if not self._thread.is_alive():
             raise PipelineError("the copy thread is not running (engine closed?)", where=where)
@@ -164,12 +174,14 @@ class CudaCopyEngine(CopyEngine):
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def start(self, src, dst, ranges, where):
+    def start(self, src, dst, ranges, where, fences=()):
         if not src.is_pinned():
             log.warning("%s: host store is not pinned; copies will not overlap compute", where)
         events = []
         # See NOTE [Arena reuse ordering].
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for fence in fences:
+            self.stream.wait_event(fence)
         with torch.cuda.stream(self.stream):
             for a, b in ranges:
                 dst[a:b].copy_(src[a:b], non_blocking=True)

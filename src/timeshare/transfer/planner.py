@@ -8,8 +8,9 @@ each group paying a fixed overhead alpha:   T_k = T_{k-1} + alpha + sum_{i in G_
 Group k computes once it has arrived and group k-1 has finished, paying beta:
 E_k = max(E_{k-1}, T_k + L) + beta + sum_{i in G_k} c_i.  We minimise E_m.
 L is the delivery latency of an arrival to a compute that is blocked on it: zero on
-CUDA (the wait is on the device), a thread wake-up on the CPU backend. It is paid only
-when the compute actually waits; L = 0 is PipeSwitch's model.
+CUDA (the wait is on the device), a thread wake-up on the CPU backend. The model treats
+each arrival as visible L after it lands, so L costs nothing when the compute reaches
+the group later than that; L = 0 is PipeSwitch's model.
 
 # NOTE [Exact grouping by dynamic programming]
 With k groups and the last group ending at layer j, T_k = k*alpha + prefix_t(j) does

@@ -4,27 +4,36 @@ Runs in the process that computes.
 
 # NOTE [Layers are wait points]
 A "layer" for grouping is a module at whose forward pre-hook the compute must wait
-for some weights. While tracing one forward, a TorchFunctionMode records, for every
-model tensor, the module whose pre-hook fired most recently before the tensor was
-first passed to a torch function; the tensor is assigned to that module, whose hook
-therefore runs before the first use. Modules with assigned tensors, in the order of
-their first call, are the layers. This handles tied weights, modules called several
-times or in another order than registered, and parents reading a child's weight
-directly. Every module that owns tensors also waits for its own tensors' groups,
-which covers control flow that differs from the traced call. Tensors the traced
-forward never touches (an auxiliary head, say) form a tail that is copied after all
-layers; it is waited for before the next use of the model.
+for some weights. While tracing one forward, a TorchDispatchMode sees every aten op
+and maps the address of each tensor argument to the model tensor it lies in; the
+first op to touch a tensor assigns it to the module whose pre-hook fired most
+recently, whose hook therefore runs before that first use. Modules with assigned
+tensors, in the order of their first call, are the layers. Tracing at the dispatch
+level, with a global (not per-module) pre-hook, keeps the code path the same as an
+untraced forward (a TorchFunctionMode or per-module hooks turn off fused fast paths
+such as nn.TransformerEncoderLayer's) and catches views and fused ops that read a
+child's weights in the parent. This handles tied weights,
+modules called several times or out of registration order, and parents reading a
+child's weight directly.
+
+A tensor the traced forward never reads (BatchNorm's num_batches_tracked, say) goes
+into the layer of the first of its owner modules that ran, so it never delays
+anything. Tensors of modules that never ran (an auxiliary head) form a tail copied
+after all layers; those modules wait for the tail, which covers a later call taking
+a different path, and the tail is waited for before any later use of the model.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from timeshare.transfer.copy import CopyEngine
@@ -47,28 +56,41 @@ class ExecutionOrder:
         return [k for layer in self.layers for k in layer.keys] + list(self.unused)
 
 
-class _FirstUse(TorchFunctionMode):
-    def __init__(self, key_of: dict[int, str], last: list[str], first: dict[str, str]):
-        super().__init__()
-        self.key_of, self.last, self.first = key_of, last, first
+class _FirstUse(TorchDispatchMode):
+    """Records, for each model tensor, the module whose pre-hook fired last before its first use."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __init__(self, spans: Sequence[tuple[int, int, str]], last: list[str], first: dict[str, str]):
+        super().__init__()
+        self.starts = [a for a, _, _ in spans]
+        self.ends = [b for _, b, _ in spans]
+        self.keys = [k for _, _, k in spans]
+        self.last, self.first = last, first
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                key = self.key_of.get(id(leaf))
-                if key is not None and key not in self.first:
-                    self.first[key] = self.last[0]
+            if isinstance(leaf, torch.Tensor) and leaf.numel():
+                ptr = leaf.data_ptr()
+                i = bisect.bisect_right(self.starts, ptr) - 1
+                if i >= 0 and ptr < self.ends[i]:
+                    key = self.keys[i]
+                    if key not in self.first:
+                        self.first[key] = self.last[0]
         return func(*args, **kwargs)
 
 
 def trace_execution_order(
-    module: torch.nn.Module, args: tuple, kwargs: dict, key_of: dict[int, str], all_keys: Sequence[str]
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    spans: Sequence[tuple[int, int, str]],
+    owners: dict[str, list[torch.nn.Module]],
 ) -> tuple[ExecutionOrder, object]:
-    """Run ``module(*args, **kwargs)`` once, recording the order in which tensors are first used.
+    """Run ``module(*args, **kwargs)`` once and derive its layers (see NOTE [Layers are wait points]).
 
-    ``key_of`` maps ``id()`` of every bound tensor object to its key. Returns the order
-    and the forward's output.
+    ``spans`` are ``(start address, end address, key)`` of every model tensor as bound
+    now; ``owners`` lists, per key, the modules holding it. Returns the order and the
+    forward's output.
     """
     names: dict[int, str] = {}
     for n, m in module.named_modules(remove_duplicate=False):
@@ -78,27 +100,38 @@ def trace_execution_order(
     first: dict[str, str] = {}  # key -> module name, in first-use order
 
     def pre(mod, _args):
-        name = names[id(mod)]
+        name = names.get(id(mod))
+        if name is None:  # a module of something else running meanwhile
+            return
         if name not in call_order:
             call_order.append(name)
         last[0] = name
 
-    handles = [m.register_forward_pre_hook(pre) for m in module.modules()]
+    # A global hook, as in the pipelined forward: per-module hooks change some modules'
+    # code path (nn.TransformerEncoderLayer skips its fused kernel when it sees them).
+    handle = register_module_forward_pre_hook(pre)
     try:
-        with _FirstUse(key_of, last, first):
+        with _FirstUse(sorted(spans), last, first):
             out = module(*args, **kwargs)
     finally:
-        for h in handles:
-            h.remove()
+        handle.remove()
     by_module: dict[str, list[str]] = {}
     for key, mod in first.items():
         by_module.setdefault(mod, []).append(key)
+    called = {n: i for i, n in enumerate(call_order)}
+    unused = []
+    for key, mods in owners.items():
+        if key in first:
+            continue
+        ran = sorted((called[names[id(m)]], names[id(m)]) for m in mods if names.get(id(m)) in called)
+        if ran:
+            by_module.setdefault(ran[0][1], []).append(key)
+        else:
+            unused.append(key)
     layers = [Layer(m, tuple(by_module[m])) for m in call_order if m in by_module]
-    used = set(first)
-    unused = tuple(k for k in all_keys if k not in used)
-    if not layers:  # no tensor went through a torch function: wait for all at the start
-        layers, unused = [Layer("", unused)], ()
-    return ExecutionOrder(tuple(layers), unused), out
+    if not layers:  # nothing read any weight: wait for everything at the start
+        layers, unused = [Layer("", tuple(unused))], []
+    return ExecutionOrder(tuple(layers), tuple(unused)), out
 
 
 @dataclass
@@ -138,11 +171,11 @@ def time_layers(
         return a.elapsed_time(b) / 1e3 if cuda else b - a
 
     def pre(mod, _args):
-        i = index[id(mod)]
-        if marks[i] is None:
+        i = index.get(id(mod))
+        if i is not None and marks[i] is None:
             marks[i] = now()
 
-    handles = [m.register_forward_pre_hook(pre) for m in layer_modules]
+    handles = [register_module_forward_pre_hook(pre)]  # global, as in the pipelined forward
     per_layer: list[list[float]] = [[] for _ in range(n)]
     try:
         for _ in range(repeats):
