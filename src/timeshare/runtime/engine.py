@@ -38,7 +38,7 @@ from timeshare.models.weights import apply_weights, read_weights
 from timeshare.runtime.tree import map_tensors, shape_key, tensors_in
 from timeshare.transfer.copy import LoadHandle, make_copy_engine
 from timeshare.transfer.host_store import HostStore, TensorEntry
-from timeshare.transfer.planner import STRATEGIES, CostModel, Plan, make_plan
+from timeshare.transfer.planner import STRATEGIES, make_plan
 from timeshare.transfer.profiler import (
     ExecutionOrder,
     LinkCosts,
@@ -496,16 +496,8 @@ class Runtime:
         run()  # warm-up
         times = time_layers(m.module, run, m.layer_modules, self.device, self.profile_repeats)
         layer_bytes = [b - a for a, b in m.layer_spans]
-        cost = CostModel(
-            tuple(b / link.bandwidth_Bps for b in layer_bytes),
-            tuple(times.compute_s),
-            link.alpha_s,
-            link.beta_s,
-            link.latency_s,
-        )
-        plans: dict[str, Plan] = {s: make_plan(s, cost, layer_bytes, self.fixed_group_bytes) for s in STRATEGIES}
         key = shape_key(args, kwargs)
-        m.profiles[key] = ModelProfile(
+        profile = ModelProfile(
             model=m.name,
             device=str(self.device),
             shape_key=key,
@@ -515,8 +507,12 @@ class Runtime:
             link=link,
             ready_s=times.ready_s,
             tail_bytes=m.tail_span[1] - m.tail_span[0],
-            plans=plans,
+            plans={},
         )
+        cost = profile.cost_model()
+        profile.plans = {s: make_plan(s, cost, layer_bytes, self.fixed_group_bytes) for s in STRATEGIES}
+        plans = profile.plans
+        m.profiles[key] = profile
         m.last_profile = key
         log.info("profiled %s for %s: %d layers, optimal %d groups, predicted %.2f ms (ready %.2f ms)",
                  m.name, key, len(layer_bytes), len(plans["optimal"]), plans["optimal"].predicted_s * 1e3,
