@@ -35,7 +35,7 @@ def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
         rt.register(name, zoo.builder, weights_path(name), x)
         rt.infer(name, *x)
         ready = rt.infer(name, *x)
-        assert rt._models[name].store.pinned
+        assert rt._worker.models[name].store.pinned
         for strategy in STRATEGIES:
             for _ in range(3):
                 rt.evict(name)

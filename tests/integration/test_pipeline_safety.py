@@ -90,8 +90,7 @@ def test_modules_wait_for_their_own_layer_not_the_tail():
         rt.register("cnn", zoo.builder, weights_path("tiny_cnn"), zoo.example_inputs(2))
         prof = rt.profile("cnn")
         assert prof.tail_bytes == 0
-        m = rt._models["cnn"]
-        plan = rt._load_plan(m, prof.shape_key, "per_layer")
+        plan = rt._worker._load_plan(rt._worker.models["cnn"], prof.shape_key, "per_layer")
         assert sorted(plan.wait_of.values()) == list(range(len(prof.layer_bytes)))
         assert len(plan.ranges) == len(prof.layer_bytes)
 
@@ -144,11 +143,11 @@ def test_a_stuck_copy_quarantines_its_block_until_done(monkeypatch):
 
 
 def test_a_failure_while_profiling_lets_the_next_load_start_over(monkeypatch):
-    from timeshare.runtime import engine
+    from timeshare.worker import worker
 
     x = torch.randn(2, 8)
     calls = {"n": 0}
-    real = engine.time_layers
+    real = worker.time_layers
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -156,7 +155,7 @@ def test_a_failure_while_profiling_lets_the_next_load_start_over(monkeypatch):
             raise RuntimeError("profiler crashed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "time_layers", flaky)
+    monkeypatch.setattr(worker, "time_layers", flaky)
     with timeshare.Runtime(device="cpu", memory="16MiB", profile_repeats=1) as rt:
         rt.register("m", models.out_of_order, None, (x,))
         with pytest.raises(RuntimeError, match="profiler crashed"):

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from timeshare.transfer.copy import CopyEngine
+from timeshare.transfer.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ class ModelProfile:
     link: LinkCosts
     ready_s: float
     tail_bytes: int
-    plans: dict[str, "Plan"]  # noqa: F821 - from timeshare.transfer.planner
+    plans: dict[str, Plan]
 
     @property
     def transfer_s(self) -> list[float]:
