@@ -108,3 +108,26 @@ CASES = {
     "optional_head": optional_head,
     "out_of_order": out_of_order,
 }
+
+
+class Slow(nn.Module):
+    """Many layers, each sleeping: a forward long enough to kill a worker during it."""
+
+    def __init__(self, layers: int = 20, delay_s: float = 0.01):
+        super().__init__()
+        self.delay_s = delay_s
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(layers))
+
+    def forward(self, x, *, delay_s: float | None = None, fail: bool = False):
+        import time
+
+        for layer in self.layers:
+            time.sleep(self.delay_s if delay_s is None else delay_s)
+            x = torch.tanh(layer(x))
+        if fail:
+            raise ValueError("the model itself failed")
+        return x
+
+
+def slow():
+    return build(Slow)

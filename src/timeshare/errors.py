@@ -11,7 +11,12 @@ Every error timeshare raises derives from :class:`TimeshareError`::
      │    └── WeightsError        weights missing, corrupt, or not matching the module
      ├── MemoryBudgetError        a model cannot be placed in the device arena
      │    └── ModelTooLargeError  the model alone is larger than the whole budget
-     └── PipelineError            a pipelined load failed or did not finish in time
+     ├── PipelineError            a pipelined load failed or did not finish in time
+     └── WorkerError              a worker process failed a task (recoverable: a new
+          │                       worker takes its place)
+          ├── WorkerCrashedError  the worker process died
+          ├── WorkerTimeoutError  the worker did not answer before the deadline
+          └── RemoteError         the task's own code raised in the worker
 
 Errors carry ``where``: a short human description of the place they happened
 ("loading resnet152, group 14"), so that an error re-raised in another process
@@ -81,3 +86,27 @@ class ModelTooLargeError(MemoryBudgetError):
 
 class PipelineError(TimeshareError):
     """A pipelined weight load failed, or a group did not arrive before its deadline."""
+
+
+class WorkerError(TimeshareError):
+    """A worker process failed a task. The runtime replaces the worker; the error says
+    which worker, which task and what it was doing."""
+
+
+class WorkerCrashedError(WorkerError):
+    """The worker process died (killed, or crashed in native code)."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """The worker did not answer before the deadline; it was killed and replaced."""
+
+
+class RemoteError(WorkerError):
+    """The task's code raised an exception inside the worker. ``remote_type`` and
+    ``remote_traceback`` describe it as it was raised there."""
+
+    def __init__(self, message: str, *, where: str | None = None, remote_type: str = "",
+                 remote_traceback: str = ""):
+        super().__init__(message, where=where)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback

@@ -31,6 +31,7 @@ class Arena:
         self.allocator = Allocator(capacity, alignment)
         self.capacity = self.allocator.capacity
         self._shm: shared_memory.SharedMemory | None = None
+        self._owner = True
         if device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=self.capacity)
             _reserve(self._shm)
@@ -38,6 +39,22 @@ class Arena:
         else:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.buffer}
+
+    @classmethod
+    def attach(cls, name: str, capacity: int, device: torch.device) -> "Arena":
+        """Map an arena that another process created (a worker's view of the controller's
+        CPU arena). Closing it unmaps; only the creator unlinks."""
+        if device.type != "cpu":
+            raise MemoryBudgetError(f"attaching to an arena by name is only available on the CPU, not {device}")
+        self = cls.__new__(cls)
+        self.device = device
+        self.allocator = Allocator(capacity)
+        self.capacity = capacity
+        self._shm = attach_shared_memory(name)
+        self._owner = False
+        self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=capacity)
+        self._typed = {torch.uint8: self.buffer}
+        return self
 
     @property
     def shm_name(self) -> str | None:
@@ -81,7 +98,15 @@ class Arena:
                 # them. Unlinking below still returns the segment's name and, once the last
                 # view dies, its memory.
                 log.debug("arena %s closed while views were alive", shm.name)
-            shm.unlink()
+            if self._owner:
+                shm.unlink()
+
+
+def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
+    """Open a segment another process created. Workers are spawned by the creator and
+    share its resource tracker, where registration is a set: attaching adds nothing,
+    and the creator's unlink clears it. So a worker must not unregister the name."""
+    return shared_memory.SharedMemory(name=name)
 
 
 def _reserve(shm: shared_memory.SharedMemory) -> None:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
+from multiprocessing.shared_memory import SharedMemory
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from timeshare.device import resolve_device, synchronize
 from timeshare.errors import (
@@ -28,17 +31,19 @@ from timeshare.errors import (
     TimeshareError,
     UnknownModelError,
 )
+from timeshare import protocol as P
 from timeshare.memory import Arena, Block, make_eviction_policy
-from timeshare.models.binding import collect, unbind
+from timeshare.models.binding import TensorLayout, bind, collect, unbind
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
 from timeshare.runtime.tree import map_tensors
 from timeshare.transfer.copy import LoadHandle, make_copy_engine
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.planner import STRATEGIES
-from timeshare.transfer.profiler import ModelProfile
+from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
 from timeshare.units import format_bytes, parse_bytes
-from timeshare.worker.worker import Worker, release_host_cache
+from timeshare.runtime.pool import ProcessPool
+from timeshare.worker.worker import Worker, owners_of, release_host_cache
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +101,26 @@ class Runtime:
         profile_repeats: int = 3,
         fixed_group_bytes: int | str = "2MiB",
         load_timeout_s: float = 60.0,
+        workers: int = 0,
+        task_timeout_s: float = 300.0,
+        startup_timeout_s: float = 120.0,
     ):
         if strategy not in STRATEGIES:
             raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
         if profile_repeats < 1:
             raise ConfigError(f"profile_repeats must be at least 1, got {profile_repeats}")
-        if load_timeout_s <= 0:
-            raise ConfigError(f"load_timeout_s must be positive, got {load_timeout_s}")
+        for what, value in (("load_timeout_s", load_timeout_s), ("task_timeout_s", task_timeout_s),
+                            ("startup_timeout_s", startup_timeout_s)):
+            if value <= 0:
+                raise ConfigError(f"{what} must be positive, got {value}")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
         self.device = resolve_device(device)
+        if workers and self.device.type != "cpu":
+            raise ConfigError(
+                f"workers={workers} needs device='cpu' for now: worker processes on {self.device} "
+                "(CUDA IPC of the arena) are not available yet; use workers=0"
+            )
         self.strategy = strategy
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = parse_bytes(fixed_group_bytes, what="fixed_group_bytes")
@@ -115,15 +132,27 @@ class Runtime:
             raise MemoryBudgetError(
                 f"cannot reserve an arena of {format_bytes(capacity)} on {self.device}: {exc}"
             ) from exc
+        self._engine = None
+        self._worker: Worker | None = None
+        self._pool: ProcessPool | None = None
+        self._stores: dict[str, SharedMemory] = {}  # multi-process: host stores the workers map
         try:
-            self._engine = make_copy_engine(self.device, load_timeout_s)
+            if workers:
+                self._pool = ProcessPool(
+                    workers, device=str(self.device), arena_name=self._arena.shm_name or "",
+                    arena_capacity=self._arena.capacity, profile_repeats=profile_repeats,
+                    fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s,
+                    task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
+                )
+            else:
+                self._engine = make_copy_engine(self.device, load_timeout_s)
+                self._worker = Worker(
+                    self.device, self._arena, self._engine,
+                    profile_repeats=profile_repeats, fixed_group_bytes=self.fixed_group_bytes,
+                )
         except BaseException:
             self._arena.close()
             raise
-        self._worker = Worker(
-            self.device, self._arena, self._engine,
-            profile_repeats=profile_repeats, fixed_group_bytes=self.fixed_group_bytes,
-        )
         self._quarantine: list[tuple[Block, LoadHandle]] = []  # blocks a stuck copy may still write
         self._models: dict[str, _Model] = {}
         self._lock = threading.RLock()
@@ -158,6 +187,8 @@ class Runtime:
             if name in self._models:
                 raise DuplicateModelError(f"a model named {name!r} is already registered")
         spec = ModelSpec(name, build, weights, example_inputs, dict(example_kwargs or {}), parse_dtype(dtype))
+        if self._pool is not None:
+            _check_shippable(spec)
         module = build_module(name, build)
         module.eval()
         layout = collect(module)
@@ -168,18 +199,41 @@ class Runtime:
         if spec.dtype is not None:
             layout.entries = [_with_dtype(e, spec.dtype) for e in layout.entries]
             tensors = {e.key: tensors[e.key].to(e.dtype) for e in layout.entries}
-        store = HostStore.pack(layout.entries, tensors, pin=self.device.type == "cuda")
+        store = HostStore.pack(layout.entries, tensors, pin=self.device.type == "cuda" and self._pool is None)
         del tensors, current
+        shm = order = None
+        if self._pool is not None:
+            # Workers map the store, so it is laid out in execution order once, here.
+            order = _trace_on_host(module, layout, store, spec)
+            by_key = {e.key: e for e in store.entries}
+            shm = SharedMemory(create=True, size=store.nbytes)
+            buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=store.nbytes)
+            store = HostStore.pack([by_key[k] for k in order.key_order()], store.state(), pin=False, buffer=buffer)
+            del buffer
         unbind(layout)  # the module now holds no weights of its own
         with self._lock:
-            if name in self._models:
-                raise DuplicateModelError(f"a model named {name!r} is already registered")
-            if store.nbytes > self._arena.capacity:
-                log.warning("model %s (%s) is larger than the arena (%s)", name,
-                            format_bytes(store.nbytes), format_bytes(self._arena.capacity))
-            self._worker.add(name, module, layout, store)
-            self._models[name] = _Model(spec, store.nbytes, pinned=pin)
-        log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(store.nbytes))
+            try:
+                if name in self._models:
+                    raise DuplicateModelError(f"a model named {name!r} is already registered")
+                if store.nbytes > self._arena.capacity:
+                    log.warning("model %s (%s) is larger than the arena (%s)", name,
+                                format_bytes(store.nbytes), format_bytes(self._arena.capacity))
+                if self._pool is not None:
+                    assert shm is not None and order is not None
+                    msg = P.AddModel(0, name, build, tuple(store.entries), shm.name, store.nbytes, order)
+                    nbytes = store.nbytes
+                    del store  # the controller keeps no view of it, so the segment can close
+                    self._pool.add(msg)
+                    self._stores[name] = shm
+                else:
+                    nbytes = store.nbytes
+                    self._worker.add(name, module, layout, store)
+            except BaseException:
+                if shm is not None and name not in self._stores:
+                    _drop_segment(shm)
+                raise
+            self._models[name] = _Model(spec, nbytes, pinned=pin)
+        log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(nbytes))
 
     def infer(self, name: str, *args, **kwargs):
         """Run model ``name`` on the inputs, loading it first (pipelined) if needed.
@@ -202,7 +256,7 @@ class Runtime:
             if m.block is None:
                 self._run(m, args, kwargs, None)
             assert m.block is not None
-            return self._worker.profile(name, m.block.offset, args, kwargs)
+            return self._exec.profile(name, m.block.offset, args, kwargs)
 
     def evict(self, name: str) -> bool:
         """Remove ``name`` from device memory; True if it was resident."""
@@ -231,8 +285,10 @@ class Runtime:
         with self._lock:
             m = self._get(name)
             self._evict(m)
-            self._worker.remove(name)
+            self._exec.remove(name)
             del self._models[name]
+            if name in self._stores:
+                _drop_segment(self._stores.pop(name))
             release_host_cache(self.device)
 
     def stats(self) -> dict:
@@ -260,14 +316,21 @@ class Runtime:
             try:
                 for m in self._models.values():
                     self._evict(m)
-                    self._worker.remove(m.name)
+                    if self._worker is not None:
+                        self._worker.remove(m.name)
                 self._models.clear()
             finally:
                 try:
-                    self._engine.close()
+                    if self._pool is not None:
+                        self._pool.close()
+                    if self._engine is not None:
+                        self._engine.close()
                     synchronize(self.device)
                 finally:
                     self._quarantine.clear()
+                    for shm in self._stores.values():
+                        _drop_segment(shm)
+                    self._stores.clear()
                     self._arena.close()
                     release_host_cache(self.device)
 
@@ -298,7 +361,7 @@ class Runtime:
         block = m.block if resident else self._place(m)
         assert block is not None
         try:
-            out = self._worker.run(m.name, block.offset, resident, args, kwargs, strategy or self.strategy)
+            out = self._exec.run(m.name, block.offset, resident, args, kwargs, strategy or self.strategy)
         except BaseException:
             if not resident:
                 self._evict(m)  # a failed load leaves nothing behind
@@ -346,7 +409,7 @@ class Runtime:
         block, m.block = m.block, None
         self._policy.removed(m.name)
         self._evictions += 1
-        still_copying = self._worker.release(m.name)
+        still_copying = self._exec.release(m.name)
         if still_copying is not None:
             self._quarantine.append((block, still_copying))
         else:
@@ -376,17 +439,13 @@ class Runtime:
         return map_tensors(obj, lambda t: t.to(self.device))
 
     def _to_caller(self, out):
-        arena_ptr = self._arena.buffer.untyped_storage().data_ptr()
+        # Workers in other processes already answer with host tensors of their own.
+        return self._worker.to_host(out) if self._worker is not None else out
 
-        def give(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach()
-            if t.device.type != "cpu":
-                return t.cpu()
-            if t.untyped_storage().data_ptr() == arena_ptr:  # never hand out arena memory
-                return t.clone()
-            return t
-
-        return map_tensors(out, give)
+    @property
+    def _exec(self):
+        """Where models execute: the in-process worker or the pool of worker processes."""
+        return self._pool if self._pool is not None else self._worker
 
     def _resolve_memory(self, memory: int | str) -> int:
         if memory != "auto":
@@ -396,6 +455,43 @@ class Runtime:
             return free // 2
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(2 << 30, total // 8)
+
+
+def _check_shippable(spec: ModelSpec) -> None:
+    """Worker processes rebuild the module from ``build`` and trace it with the example
+    inputs, so both must be sendable to another process."""
+    if not spec.example_inputs and not spec.example_kwargs:
+        raise ConfigError(
+            f"model {spec.name!r}: with workers, register() needs example_inputs (the execution order is "
+            "traced at registration)"
+        )
+    try:
+        pickle.dumps(spec.build)
+    except Exception as exc:
+        raise ConfigError(
+            f"model {spec.name!r}: with workers, build must be a 'module:function' string or a top-level "
+            f"function that worker processes can import, not {spec.build!r} ({exc})"
+        ) from None
+
+
+def _trace_on_host(module: nn.Module, layout: TensorLayout, store: HostStore, spec: ModelSpec) -> ExecutionOrder:
+    """The execution order from one forward on the CPU, with the module bound to the store."""
+    bind(layout, store.state())
+    base = store.buffer.data_ptr()
+    spans = [(base + e.offset, base + e.offset + e.nbytes, e.key) for e in store.entries if e.nbytes]
+    cpu = lambda t: t.to("cpu")  # noqa: E731
+    args, kwargs = map_tensors(spec.example_inputs, cpu), map_tensors(spec.example_kwargs, cpu)
+    with torch.no_grad():
+        order, _ = trace_execution_order(module, args, kwargs, spans, owners_of(layout))
+    return order
+
+
+def _drop_segment(shm: SharedMemory) -> None:
+    try:
+        shm.close()
+    except BufferError:  # a view is still alive somewhere; the mapping goes with it
+        pass
+    shm.unlink()
 
 
 def _with_dtype(e: TensorEntry, dtype: torch.dtype) -> TensorEntry:

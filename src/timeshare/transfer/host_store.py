@@ -65,15 +65,22 @@ class HostStore:
         *,
         pin: bool,
         alignment: int = DEFAULT_ALIGNMENT,
+        buffer: torch.Tensor | None = None,
     ) -> "HostStore":
-        """Lay ``tensors`` (by entry key) out in the order of ``entries`` and copy them in."""
+        """Lay ``tensors`` (by entry key) out in the order of ``entries`` and copy them in,
+        into ``buffer`` when given (shared memory, say), else a new (pinned) one."""
         placed: list[TensorEntry] = []
         pos = 0
         for e in entries:
             placed.append(TensorEntry(e.key, e.names, e.kind, e.shape, e.dtype, e.requires_grad, pos))
             pos = align_up(pos + e.nbytes, alignment)
         total = max(pos, alignment)
-        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        if buffer is None:
+            buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        elif buffer.numel() < total:
+            raise ValueError(f"buffer of {buffer.numel()} bytes is smaller than the store ({total})")
+        else:
+            buffer = buffer[:total]
         store = cls(placed, buffer, alignment)
         for e in placed:
             store.view(buffer, e).copy_(tensors[e.key].detach().to("cpu"))

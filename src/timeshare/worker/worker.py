@@ -19,7 +19,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, unbind
-from timeshare.runtime.tree import shape_key, tensors_in
+from timeshare.runtime.tree import map_tensors, shape_key, tensors_in
 from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.planner import STRATEGIES, make_plan
@@ -154,6 +154,21 @@ class Worker:
         if self.engine.host_waits and not handle.done():
             return handle
         return None
+
+    def to_host(self, out):
+        """``out`` with every tensor on the CPU and none aliasing the arena, so that it
+        stays valid after the model leaves (and can cross a process boundary)."""
+        ptr = self.arena.buffer.untyped_storage().data_ptr()
+
+        def give(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if t.device.type != "cpu":
+                return t.cpu()
+            if t.untyped_storage().data_ptr() == ptr:
+                return t.clone()
+            return t
+
+        return map_tensors(out, give)
 
     def aliases_arena(self, out) -> bool:
         ptr = self.arena.buffer.untyped_storage().data_ptr()

@@ -1,0 +1,158 @@
+"""Every message that crosses a process boundary between the controller and a worker.
+Imported by both sides.
+
+Messages are small frozen dataclasses, pickled by value (never through shared-memory
+tensor reductions, so a crash cannot leak a segment) and sent as bytes over a
+``multiprocessing`` pipe. Shared memory is named once, when a worker starts
+(``Start``) or learns a model (``AddModel``); nothing on the switch path exchanges
+handles.
+
+    controller -> worker            worker -> controller
+    ----------------------------    ---------------------------------------
+    (spawn args: Start)             Hello(worker, pid)       after start-up
+    AddModel(model, ...)            Ack(seq)                 model ready
+    RemoveModel(model)              Ack(seq)
+    Run(seq, model, offset, ...)    Result(seq, output, ...) or Failure(seq, error)
+    Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
+    Shutdown()                      (exits)
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from timeshare import errors
+from timeshare.transfer.host_store import TensorEntry
+from timeshare.transfer.profiler import ExecutionOrder
+
+PROTOCOL = 5
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a worker process is started with."""
+
+    worker: int
+    parent_pid: int
+    device: str
+    arena_name: str
+    arena_capacity: int
+    profile_repeats: int
+    fixed_group_bytes: int
+    load_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Hello:
+    worker: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class AddModel:
+    seq: int
+    model: str
+    builder: Any  # "module:function" or a picklable callable
+    entries: tuple[TensorEntry, ...]  # the host store's layout (execution order)
+    store_name: str
+    store_nbytes: int
+    order: ExecutionOrder
+
+
+@dataclass(frozen=True)
+class RemoveModel:
+    seq: int
+    model: str
+
+
+@dataclass(frozen=True)
+class Run:
+    seq: int
+    model: str
+    offset: int
+    resident: bool
+    args: tuple
+    kwargs: dict
+    strategy: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    seq: int
+    model: str
+    offset: int
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class Ack:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Result:
+    seq: int
+    value: Any
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An exception as data: its type, message, where it happened and its traceback."""
+
+    type_name: str
+    message: str
+    where: str
+    traceback: str = ""
+    timeshare_type: str | None = None  # set when it is one of timeshare's own errors
+
+    @classmethod
+    def capture(cls, exc: BaseException, where: str) -> "ErrorInfo":
+        own = type(exc).__name__ if isinstance(exc, errors.TimeshareError) else None
+        message = exc.message if isinstance(exc, errors.TimeshareError) else str(exc)
+        inner = getattr(exc, "where", None)
+        return cls(
+            type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            message=message,
+            where=f"{where}, {inner}" if inner else where,
+            traceback="".join(traceback.format_exception(exc)),
+            timeshare_type=own,
+        )
+
+    def to_exception(self) -> errors.TimeshareError:
+        """The error to raise in the caller: timeshare's own type when it was one, else
+        a RemoteError carrying the remote type and traceback."""
+        cls = getattr(errors, self.timeshare_type or "", None)
+        if isinstance(cls, type) and issubclass(cls, errors.TimeshareError) and cls is not errors.ModelTooLargeError:
+            try:
+                return cls(self.message, where=self.where)
+            except TypeError:
+                pass
+        return errors.RemoteError(
+            f"{self.type_name}: {self.message}", where=self.where, remote_type=self.type_name,
+            remote_traceback=self.traceback,
+        )
+
+
+@dataclass(frozen=True)
+class Failure:
+    seq: int
+    error: ErrorInfo
+    extra: dict = field(default_factory=dict)
+
+
+def dumps(msg: object) -> bytes:
+    return pickle.dumps(msg, protocol=PROTOCOL)
+
+
+def loads(data: bytes) -> object:
+    return pickle.loads(data)

@@ -1,0 +1,210 @@
+"""Worker processes: the loop that runs a :class:`~timeshare.worker.worker.Worker` in
+a process of its own (``worker_main``, runs in the worker), and the controller's handle
+on one (``WorkerHandle``, runs in the controller).
+
+A worker is fully initialized before it is needed: torch imported, device resolved,
+arena mapped, copy engine started, and every registered model's structure built on
+the meta device and bound to its host store. Every wait has a deadline: the worker
+polls its pipe and exits when its parent is gone; the controller waits on the pipe
+and the process sentinel together, kills a worker that misses its deadline, and
+escalates shutdown from a request to terminate to kill.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import Connection, wait
+
+from timeshare import protocol as P
+from timeshare.errors import ModelError, WorkerCrashedError, WorkerTimeoutError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often an idle worker checks that its parent is alive
+
+
+# ------------------------------------------------------------------ worker side
+def worker_main(start: P.Start, conn: Connection) -> None:
+    """Entry point of a worker process (spawned)."""
+    import torch
+
+    from timeshare.device import resolve_device
+    from timeshare.memory.arena import Arena, attach_shared_memory
+    from timeshare.models.binding import collect
+    from timeshare.models.spec import resolve_builder
+    from timeshare.transfer.copy import make_copy_engine
+    from timeshare.transfer.host_store import HostStore
+    from timeshare.worker.worker import Worker
+
+    where = f"worker {start.worker}"
+    device = resolve_device(start.device)
+    arena = Arena.attach(start.arena_name, start.arena_capacity, device)
+    engine = make_copy_engine(device, start.load_timeout_s)
+    worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
+                    fixed_group_bytes=start.fixed_group_bytes)
+    segments = {}  # model -> its host store's shared memory, kept open while the model is known
+
+    def add_model(msg: P.AddModel) -> None:
+        with torch.device("meta"):
+            module = resolve_builder(msg.builder)()
+        module.eval()
+        layout = collect(module)
+        manifest = {e.key: e for e in msg.entries}
+        for e in layout.entries:
+            m = manifest.get(e.key)
+            if m is None or m.shape != e.shape:
+                raise ModelError(
+                    f"model {msg.model!r} built in the worker does not match its registration at tensor "
+                    f"{e.key!r} (is the builder deterministic?)"
+                )
+        if len(layout.entries) != len(manifest):
+            raise ModelError(f"model {msg.model!r} built in the worker has a different set of tensors")
+        layout.entries = [manifest[e.key] for e in layout.entries]
+        shm = attach_shared_memory(msg.store_name)
+        buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=msg.store_nbytes)
+        store = HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment)
+        worker.add(msg.model, module, layout, store, order=msg.order)
+        segments[msg.model] = shm
+
+    def handle(msg):
+        if isinstance(msg, P.AddModel):
+            add_model(msg)
+            return P.Ack(msg.seq)
+        if isinstance(msg, P.RemoveModel):
+            worker.remove(msg.model)
+            segments.pop(msg.model).close()
+            return P.Ack(msg.seq)
+        if isinstance(msg, P.Run):
+            t0 = time.perf_counter()
+            out = worker.run(msg.model, msg.offset, msg.resident, msg.args, msg.kwargs, msg.strategy)
+            worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
+            return P.Result(msg.seq, worker.to_host(out), time.perf_counter() - t0)
+        if isinstance(msg, P.Profile):
+            return P.Result(msg.seq, worker.profile(msg.model, msg.offset, msg.args, msg.kwargs))
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    conn.send_bytes(P.dumps(P.Hello(start.worker, os.getpid())))
+    try:
+        while True:
+            if not conn.poll(POLL_S):
+                if os.getppid() != start.parent_pid:
+                    log.warning("%s: controller is gone; exiting", where)
+                    return
+                continue
+            msg = P.loads(conn.recv_bytes())
+            if isinstance(msg, P.Shutdown):
+                return
+            seq = getattr(msg, "seq", -1)
+            try:
+                reply = handle(msg)
+            except Exception as exc:
+                what = f"{where}, {type(msg).__name__.lower()} {getattr(msg, 'model', '')}".rstrip()
+                reply = P.Failure(seq, P.ErrorInfo.capture(exc, what))
+            conn.send_bytes(P.dumps(reply))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the controller closed the pipe
+    finally:
+        engine.close()
+        for model in list(worker.models):
+            worker.remove(model)
+
+        arena.close()
+        for shm in segments.values():
+            try:
+                shm.close()
+            except BufferError:
+                pass
+
+
+# ------------------------------------------------------------------ controller side
+class WorkerHandle:
+    """The controller's end of one worker process."""
+
+    def __init__(self, ctx, start: P.Start):
+        self.start = start
+        self.id = start.worker
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=worker_main, args=(start, child), name=f"timeshare-worker-{self.id}",
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.pid: int | None = None
+        self.os_pid: int = self.proc.pid  # kept after the process object is released
+        self._released = False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self.ready:
+            hello = self._recv(timeout_s, "starting")
+            if not isinstance(hello, P.Hello):
+                raise WorkerCrashedError(f"worker {self.id} sent {type(hello).__name__} instead of Hello")
+            self.pid, self.ready = hello.pid, True
+
+    def request(self, msg, timeout_s: float, what: str):
+        """Send ``msg`` and wait for its reply; a Failure is re-raised as an error."""
+        try:
+            self.conn.send_bytes(P.dumps(msg))
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            raise WorkerCrashedError(f"worker {self.id} is gone ({exc})", where=f"worker {self.id}, {what}") from exc
+        reply = self._recv(timeout_s, what)
+        if isinstance(reply, P.Failure):
+            raise reply.error.to_exception()
+        return reply
+
+    def _recv(self, timeout_s: float, what: str):
+        ready = wait([self.conn, self.proc.sentinel], timeout_s)
+        if self.conn in ready:
+            try:
+                return P.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                pass  # the process died: report it below
+        if self.proc.sentinel in ready or self.conn in ready:
+            self.proc.join(5)
+            code = self.proc.exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            hint = ""
+            if not self.ready:
+                hint = (" before it was ready; its stderr says why. A script that starts workers must create"
+                        " the Runtime under `if __name__ == '__main__':` (workers are spawned)")
+            raise WorkerCrashedError(f"worker {self.id} {how}{hint}", where=f"worker {self.id}, {what}")
+        self.kill()
+        raise WorkerTimeoutError(
+            f"worker {self.id} did not answer within {timeout_s:g} s; it was killed", where=f"worker {self.id}, {what}"
+        )
+
+    def alive(self) -> bool:
+        return not self._released and self.proc.is_alive()
+
+    def kill(self) -> None:
+        """Kill the process (if alive) and release its pipe and sentinel."""
+        if self._released:
+            return
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+        if self.proc.exitcode is not None:
+            self.proc.close()  # frees the sentinel's file descriptor
+            self._released = True
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit; terminate, then kill, if it does not."""
+        if self._released:
+            return
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(P.dumps(P.Shutdown()))
+            except OSError:
+                pass
+            self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout_s)
+        self.kill()
+
+
+def spawn_context():
+    return mp.get_context("spawn")

@@ -1,0 +1,164 @@
+"""The multi-process runtime: worker processes, errors as data, crashes and hangs."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import timeshare
+from tests import models
+from timeshare.errors import ConfigError, RemoteError, WorkerCrashedError, WorkerTimeoutError
+from timeshare.models.zoo import ZOO, weights_path
+from timeshare.runtime.tree import tensors_in
+from timeshare.transfer.planner import STRATEGIES
+
+X = torch.randn(4, 64)
+
+
+def same(a, b):
+    ta, tb = tensors_in(a), tensors_in(b)
+    return type(a) is type(b) and len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def rt():
+    with timeshare.Runtime(device="cpu", memory="64MiB", workers=2, profile_repeats=1, task_timeout_s=20) as r:
+        r.register("slow", "tests.models:slow", None, (X,), example_kwargs={"delay_s": 0.0})
+        yield r
+
+
+@pytest.mark.parametrize("name", ["tiny_cnn", "tied_lm", "tiny_bert"])
+def test_workers_return_exactly_the_in_process_outputs(rt, name):
+    zoo = ZOO[name]
+    x = zoo.example_inputs(2)
+    rt.register(name, zoo.builder, weights_path(name), x)
+    try:
+        with timeshare.Runtime(device="cpu", memory="16MiB", profile_repeats=1) as local:
+            local.register(name, zoo.builder, weights_path(name), x)
+            expected = local.infer(name, *x)
+        assert same(rt.infer(name, *x), expected)  # first load in the worker
+        assert same(rt.infer(name, *x), expected)  # resident
+        for strategy in STRATEGIES:
+            rt.evict(name)
+            assert same(rt._infer(name, x, {}, strategy), expected), strategy
+    finally:
+        rt.unregister(name)
+
+
+def test_the_models_own_errors_come_back_with_where_they_happened(rt):
+    with pytest.raises(RemoteError) as err:
+        rt.infer("slow", X, delay_s=0.0, fail=True)
+    assert err.value.remote_type == "builtins.ValueError"
+    assert "the model itself failed" in str(err.value)
+    assert "worker" in err.value.where and "run slow" in err.value.where
+    assert "ValueError" in err.value.remote_traceback
+    replacements = rt._pool.replacements
+    assert rt.infer("slow", X, delay_s=0.0).shape == (4, 64)  # the worker is fine
+    assert rt._pool.replacements == replacements
+
+
+def _kill_during(rt, call, delay_s: float):
+    """Run ``call`` in a thread and SIGKILL the active worker ``delay_s`` into it."""
+    victim = rt._pool.workers[0]
+    result = {}
+
+    def target():
+        try:
+            result["value"] = call()
+        except BaseException as exc:  # handed to the test
+            result["error"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    time.sleep(delay_s)
+    os.kill(victim.os_pid, signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive()
+    return victim, result
+
+
+@pytest.mark.parametrize("phase", ["inference", "load"])
+def test_killed_workers_fail_their_task_and_are_replaced(rt, phase):
+    fds_before = len(os.listdir("/proc/self/fd"))
+    reference = rt.infer("slow", X, delay_s=0.0)
+    dead = []
+    for i in range(20):
+        if phase == "load":
+            rt.evict("slow")  # the killed call is loading the model
+        else:
+            rt.infer("slow", X, delay_s=0.0)  # resident: the killed call only computes
+        victim, result = _kill_during(rt, lambda: rt.infer("slow", X, delay_s=0.01), 0.05)
+        err = result.get("error")
+        assert isinstance(err, WorkerCrashedError), result
+        assert f"worker {victim.id} was killed by signal 9" in str(err) and "running slow" in str(err)
+        dead.append(victim.os_pid)
+        assert same(rt.infer("slow", X, delay_s=0.0), reference)  # a standby took over, nothing lost
+    assert not any(alive(pid) for pid in dead)
+    assert len(rt._pool.workers) == 2 and all(w.alive() for w in rt._pool.workers)
+    assert len(os.listdir("/proc/self/fd")) - fds_before <= 2  # pipes and sentinels of dead workers are closed
+
+
+def test_a_hung_worker_is_killed_at_the_deadline_and_replaced():
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=1.0) as rt:
+        rt.register("slow", "tests.models:slow", None, (X,), example_kwargs={"delay_s": 0.0})
+        reference = rt.infer("slow", X, delay_s=0.0)
+        hung = rt._pool.workers[0]
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match=r"did not answer within 1 s; it was killed"):
+            rt.infer("slow", X, delay_s=1.0)  # 20 layers x 1 s
+        assert time.monotonic() - t0 < 10
+        assert not hung.alive()
+        assert same(rt.infer("slow", X, delay_s=0.0), reference)
+
+
+def test_registration_needs_what_workers_can_rebuild():
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=1) as rt:
+        with pytest.raises(ConfigError, match="example_inputs"):
+            rt.register("m", "tests.models:slow")
+        with pytest.raises(ConfigError, match="'module:function' string or a top-level function"):
+            rt.register("m", lambda: models.slow(), None, (X,))
+        assert rt.models() == []
+    with pytest.raises(ConfigError, match="workers must be a non-negative integer"):
+        timeshare.Runtime(device="cpu", memory="16MiB", workers=-1)
+
+
+def test_close_leaves_no_process_and_workers_die_with_their_controller(tmp_path):
+    rt = timeshare.Runtime(device="cpu", memory="16MiB", workers=2)
+    pids = rt._pool.pids()
+    assert all(alive(p) for p in pids)
+    rt.close()
+    assert not any(alive(p) for p in pids)
+
+    # A controller killed without closing: its workers notice and exit on their own.
+    script = tmp_path / "controller.py"
+    script.write_text(
+        "import os, signal, sys, timeshare\n"
+        "if __name__ == '__main__':\n"
+        "    rt = timeshare.Runtime(device='cpu', memory='16MiB', workers=2)\n"
+        "    print(*rt._pool.pids(), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    orphans = [int(p) for p in out.stdout.split()]
+    assert len(orphans) == 2, out.stderr
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in orphans) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in orphans)
