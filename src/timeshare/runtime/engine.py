@@ -15,6 +15,8 @@ import logging
 import os
 import pickle
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from multiprocessing.shared_memory import SharedMemory
 from dataclasses import dataclass
 
@@ -43,6 +45,7 @@ from timeshare.transfer.planner import STRATEGIES
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
 from timeshare.units import format_bytes, parse_bytes
 from timeshare.runtime.pool import ProcessPool
+from timeshare.runtime.training import DeviceGate, TrainingJob, validate_training_args
 from timeshare.worker.worker import Worker, owners_of, release_host_cache
 
 log = logging.getLogger(__name__)
@@ -153,6 +156,9 @@ class Runtime:
         except BaseException:
             self._arena.close()
             raise
+        self._gate = DeviceGate()  # inference first; training between its iterations
+        self._jobs: dict[str, TrainingJob] = {}
+        self._submitter: ThreadPoolExecutor | None = None
         self._quarantine: list[tuple[Block, LoadHandle]] = []  # blocks a stuck copy may still write
         self._models: dict[str, _Model] = {}
         self._lock = threading.RLock()
@@ -183,7 +189,7 @@ class Runtime:
             raise ConfigError(f"model name must be a non-empty string without '/', got {name!r}")
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
-        with self._lock:
+        with self._turn():
             if name in self._models:
                 raise DuplicateModelError(f"a model named {name!r} is already registered")
         spec = ModelSpec(name, build, weights, example_inputs, dict(example_kwargs or {}), parse_dtype(dtype))
@@ -211,7 +217,7 @@ class Runtime:
             store = HostStore.pack([by_key[k] for k in order.key_order()], store.state(), pin=False, buffer=buffer)
             del buffer
         unbind(layout)  # the module now holds no weights of its own
-        with self._lock:
+        with self._turn():
             try:
                 if name in self._models:
                     raise DuplicateModelError(f"a model named {name!r} is already registered")
@@ -243,10 +249,61 @@ class Runtime:
         """
         return self._infer(name, args, kwargs, None)
 
+    def submit(self, name: str, *args, **kwargs) -> Future:
+        """Queue an inference; the future resolves to what ``infer`` would return. Queued
+        requests run in order, one at a time, and survive a worker failure (only the
+        request in flight fails)."""
+        with self._turn():
+            self._check_open()
+            self._get(name)
+            if self._submitter is None:
+                self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timeshare-submit")
+            return self._submitter.submit(self.infer, name, *args, **kwargs)
+
+    def train(
+        self,
+        name: str,
+        model,
+        optimizer,
+        data,
+        step,
+        iterations: int | None = None,
+        *,
+        offload: bool = False,
+        seed: int | None = None,
+    ) -> TrainingJob:
+        """Start a training job that time-shares the device with inference.
+
+        ``model``: an ``nn.Module`` or a callable returning one; ``optimizer``: a callable
+        taking the parameters; ``data``: an iterable of batches (tensors anywhere);
+        ``step(model, optimizer, batch)``: one iteration, returning the loss;
+        ``iterations``: stop after this many (None: when ``data`` ends). Inference
+        preempts the job between iterations (see NOTE [Preemption points]); ``offload``
+        moves its state to host memory while preempted. Returns the job's handle.
+        """
+        validate_training_args(name, model, optimizer, data, step, iterations)
+        with self._turn():
+            self._check_open()
+            if name in self._jobs and not self._jobs[name].wait(0):
+                raise DuplicateModelError(f"a training job named {name!r} is running")
+            module = model if isinstance(model, nn.Module) else model()
+            if not isinstance(module, nn.Module):
+                raise ConfigError(f"model for training job {name!r} is {type(module).__name__}, not an nn.Module")
+            module.to(self.device).train()
+            opt = optimizer(module.parameters())
+            job = TrainingJob(name, module, opt, data, step, iterations, device=self.device, lock=self._lock,
+                              gate=self._gate, offload=offload, seed=seed)
+            self._jobs[name] = job
+        return job.start()
+
+    def jobs(self) -> dict[str, TrainingJob]:
+        with self._turn():
+            return dict(self._jobs)
+
     def profile(self, name: str, *args, **kwargs) -> ModelProfile:
         """Profile ``name`` for these inputs (default: its example inputs) and plan its
         groupings. Loads the model if needed; plans are cached per input shape."""
-        with self._lock:
+        with self._turn():
             m = self._get(name)
             if not args and not kwargs:
                 args, kwargs = m.spec.example_inputs, m.spec.example_kwargs
@@ -260,7 +317,7 @@ class Runtime:
 
     def evict(self, name: str) -> bool:
         """Remove ``name`` from device memory; True if it was resident."""
-        with self._lock:
+        with self._turn():
             m = self._get(name)
             if m.block is None:
                 return False
@@ -269,20 +326,20 @@ class Runtime:
 
     def resident(self) -> list[str]:
         """Names of the models in device memory, least recently used first."""
-        with self._lock:
+        with self._turn():
             return [n for n in self._policy.candidates() if self._models[n].block is not None]
 
     def models(self) -> list[str]:
-        with self._lock:
+        with self._turn():
             return list(self._models)
 
     def pin(self, name: str, pinned: bool = True) -> None:
         """A pinned model is never evicted to make room for another."""
-        with self._lock:
+        with self._turn():
             self._get(name).pinned = pinned
 
     def unregister(self, name: str) -> None:
-        with self._lock:
+        with self._turn():
             m = self._get(name)
             self._evict(m)
             self._exec.remove(name)
@@ -292,7 +349,7 @@ class Runtime:
             release_host_cache(self.device)
 
     def stats(self) -> dict:
-        with self._lock:
+        with self._turn():
             alloc = self._arena.allocator
             return {
                 "device": str(self.device),
@@ -309,10 +366,20 @@ class Runtime:
     def close(self) -> None:
         """Evict everything and give the arena back. Idempotent; every step runs even if
         an earlier one fails, so no segment, thread or device memory is left behind."""
-        with self._lock:
+        with self._turn():
             if self._closed:
                 return
             self._closed = True
+            jobs = list(self._jobs.values())
+            submitter, self._submitter = self._submitter, None
+        for job in jobs:  # outside the lock: a job needs it to reach its preemption point
+            job.cancel()
+        for job in jobs:
+            if not job.wait(60):
+                log.warning("training job %s did not stop within 60 s", job.name)
+        if submitter is not None:
+            submitter.shutdown(wait=True, cancel_futures=True)
+        with self._turn():
             try:
                 for m in self._models.values():
                     self._evict(m)
@@ -349,7 +416,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ internals
     def _infer(self, name: str, args: tuple, kwargs: dict, strategy: str | None):
-        with self._lock:
+        with self._turn():
             m = self._get(name)
             args, kwargs = self._to_device(args), self._to_device(kwargs)
             out = self._run(m, args, kwargs, strategy)
@@ -441,6 +508,12 @@ class Runtime:
     def _to_caller(self, out):
         # Workers in other processes already answer with host tensors of their own.
         return self._worker.to_host(out) if self._worker is not None else out
+
+    @contextmanager
+    def _turn(self):
+        """The runtime's lock, taken with priority over training jobs (NOTE [Preemption points])."""
+        with self._gate.priority(), self._lock:
+            yield
 
     @property
     def _exec(self):
