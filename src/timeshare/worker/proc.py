@@ -147,8 +147,8 @@ class WorkerHandle:
         """Send ``msg`` and wait for its reply; a Failure is re-raised as an error."""
         try:
             self.conn.send_bytes(P.dumps(msg))
-        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
-            raise WorkerCrashedError(f"worker {self.id} is gone ({exc})", where=f"worker {self.id}, {what}") from exc
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            raise self._crashed(what) from None
         reply = self._recv(timeout_s, what)
         if isinstance(reply, P.Failure):
             raise reply.error.to_exception()
@@ -162,18 +162,27 @@ class WorkerHandle:
             except (EOFError, OSError):
                 pass  # the process died: report it below
         if self.proc.sentinel in ready or self.conn in ready:
-            self.proc.join(5)
-            code = self.proc.exitcode
-            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            hint = ""
-            if not self.ready:
-                hint = (" before it was ready; its stderr says why. A script that starts workers must create"
-                        " the Runtime under `if __name__ == '__main__':` (workers are spawned)")
-            raise WorkerCrashedError(f"worker {self.id} {how}{hint}", where=f"worker {self.id}, {what}")
+            raise self._crashed(what)
         self.kill()
         raise WorkerTimeoutError(
             f"worker {self.id} did not answer within {timeout_s:g} s; it was killed", where=f"worker {self.id}, {what}"
         )
+
+    def _crashed(self, what: str) -> WorkerCrashedError:
+        """The error for a worker whose process ended, with how it ended."""
+        self.proc.join(5)
+        code = self.proc.exitcode
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        hint = ""
+        if not self.ready:
+            hint = (" before it was ready; its stderr says why. A script that starts workers must create"
+                    " the Runtime under `if __name__ == '__main__':` (workers are spawned)")
+        return WorkerCrashedError(f"worker {self.id} {how}{hint}", where=f"worker {self.id}, {what}")
 
     def alive(self) -> bool:
         return not self._released and self.proc.is_alive()
