@@ -444,11 +444,14 @@ class Runtime:
         if self._arena.allocator.rounded(need) > self._arena.capacity:
             raise ModelTooLargeError(m.name, need, self._arena.capacity)
         self._reclaim_quarantine()
-        block = None
-        if m.last_offset is not None:  # see NOTE [Sticky placement]
-            block = self._arena.allocator.allocate_at(m.last_offset, need, m.name)
-        if block is None:
-            block = self._arena.allocate(need, m.name)
+
+        def allocate() -> Block | None:  # its old offset first: NOTE [Sticky placement]
+            block = None
+            if m.last_offset is not None:
+                block = self._arena.allocator.allocate_at(m.last_offset, need, m.name)
+            return block or self._arena.allocate(need, m.name)
+
+        block = allocate()
         while block is None:
             protected = {n for n, x in self._models.items() if x.pinned or x is m}
             victims = [n for n in self._policy.candidates(protected) if self._models[n].block is not None]
@@ -459,10 +462,7 @@ class Runtime:
                     f"largest free range {format_bytes(alloc.largest_free)}, and every resident model is pinned"
                 )
             self._evict(self._models[victims[0]])
-            if m.last_offset is not None:
-                block = self._arena.allocator.allocate_at(m.last_offset, need, m.name)
-            if block is None:
-                block = self._arena.allocate(need, m.name)
+            block = allocate()
         m.block = block
         m.last_offset = block.offset
         self._policy.admitted(m.name)
@@ -550,8 +550,7 @@ def _check_shippable(spec: ModelSpec) -> None:
 def _trace_on_host(module: nn.Module, layout: TensorLayout, store: HostStore, spec: ModelSpec) -> ExecutionOrder:
     """The execution order from one forward on the CPU, with the module bound to the store."""
     bind(layout, store.state())
-    base = store.buffer.data_ptr()
-    spans = [(base + e.offset, base + e.offset + e.nbytes, e.key) for e in store.entries if e.nbytes]
+    spans = store.spans(store.buffer.data_ptr())
     cpu = lambda t: t.to("cpu")  # noqa: E731
     args, kwargs = map_tensors(spec.example_inputs, cpu), map_tensors(spec.example_kwargs, cpu)
     with torch.no_grad():

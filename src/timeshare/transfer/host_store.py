@@ -92,6 +92,11 @@ class HostStore:
         raw = region[entry.offset : entry.offset + entry.nbytes]
         return raw.view(entry.dtype).view(entry.shape)
 
+    def spans(self, base: int) -> list[tuple[int, int, str]]:
+        """``(start, end, key)`` addresses of every non-empty tensor of a copy of this
+        store that begins at address ``base`` (for tracing by address)."""
+        return [(base + e.offset, base + e.offset + e.nbytes, e.key) for e in self.entries if e.nbytes]
+
     def tensor(self, key: str) -> torch.Tensor:
         return self.view(self.buffer, self.by_key[key])
 

@@ -183,8 +183,7 @@ class Worker:
             self._bind(wm, offset)
             out = None
             if wm.order is None:
-                base = self.arena.buffer.data_ptr() + offset
-                spans = [(base + e.offset, base + e.offset + e.nbytes, e.key) for e in wm.store.entries if e.nbytes]
+                spans = wm.store.spans(self.arena.buffer.data_ptr() + offset)
                 with torch.no_grad():
                     order, out = trace_execution_order(wm.module, args, kwargs, spans, owners_of(wm.layout))
                 self._adopt_order(wm, order, repack=True)
