@@ -131,3 +131,46 @@ class Slow(nn.Module):
 
 def slow():
     return build(Slow)
+
+
+# --- training jobs (importable, so worker processes can rebuild them) -------------------
+def train_net():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
+
+
+def train_batches(n=150):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def endless_batches():
+    batch = train_batches(1)[0]
+    while True:
+        yield batch
+
+
+def train_step(model, optimizer, batch):
+    import time
+
+    time.sleep(0.002)  # a step that takes a while, so inference really preempts it
+    x, y = batch
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def exploding_step(model, optimizer, batch):
+    raise RuntimeError("step exploded")
+
+
+def hanging_step(model, optimizer, batch):
+    import time
+
+    time.sleep(3600)

@@ -14,7 +14,16 @@ handles.
     RemoveModel(model)              Ack(seq)
     Run(seq, model, offset, ...)    Result(seq, output, ...) or Failure(seq, error)
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
+    Train(seq, job, spec)           Progress(seq, ...) after every iteration, then
+                                    Stopped(seq, reason, ...) or Failure(seq, error)
+    Preempt(seq)                    (the Train with that seq stops at its next
+                                    preemption point; ignored if it already ended)
+    JobState(seq, job)              Result(seq, state dict)
+    DropJob(seq, job)               Ack(seq)
     Shutdown()                      (exits)
+
+A worker answers one request at a time, except that a Train segment reads the pipe
+at every preemption point, where only Preempt and Shutdown can arrive.
 """
 
 from __future__ import annotations
@@ -89,6 +98,56 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Train:
+    """Run a training job until it ends or is preempted. ``spec`` (a TrainSpec) builds
+    the job the first time; None resumes the job this worker already holds."""
+
+    seq: int
+    job: str
+    spec: Any = None
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Preempt:
+    seq: int  # the Train segment to stop
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Progress:
+    seq: int
+    iterations: int
+    loss: float | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A Train segment ended: "finished" (iterations or data exhausted) or
+    "preempted". Times are ``time.perf_counter()`` in the worker, which on Linux reads
+    the same monotonic clock as the controller's."""
+
+    seq: int
+    reason: str
+    stats: Any  # TrainingStats
+    stopped_at: float
+    cleaned_at: float
+
+
+@dataclass(frozen=True)
+class JobState:
+    seq: int
+    job: str
+
+
+@dataclass(frozen=True)
+class DropJob:
+    seq: int
+    job: str
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -103,6 +162,7 @@ class Result:
     seq: int
     value: Any
     seconds: float = 0.0
+    timings: dict = field(default_factory=dict)  # received_at, load_s (see Switch)
 
 
 @dataclass(frozen=True)

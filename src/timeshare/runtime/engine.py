@@ -45,7 +45,14 @@ from timeshare.transfer.planner import STRATEGIES
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
 from timeshare.units import format_bytes, parse_bytes
 from timeshare.runtime.pool import ProcessPool
-from timeshare.runtime.training import DeviceGate, TrainingJob, validate_training_args
+from timeshare.runtime.training import (
+    DeviceGate,
+    LocalTrainingJob,
+    TrainingJob,
+    WorkerTrainingJob,
+    validate_training_args,
+)
+from timeshare.worker.trainer import TrainingTask, TrainSpec
 from timeshare.worker.worker import Worker, owners_of, release_host_cache
 
 log = logging.getLogger(__name__)
@@ -275,26 +282,43 @@ class Runtime:
         """Start a training job that time-shares the device with inference.
 
         ``model``: an ``nn.Module`` or a callable returning one; ``optimizer``: a callable
-        taking the parameters; ``data``: an iterable of batches (tensors anywhere);
-        ``step(model, optimizer, batch)``: one iteration, returning the loss;
-        ``iterations``: stop after this many (None: when ``data`` ends). Inference
-        preempts the job between iterations (see NOTE [Preemption points]); ``offload``
-        moves its state to host memory while preempted. Returns the job's handle.
+        taking the parameters; ``data``: an iterable of batches (tensors anywhere) or a
+        callable returning one; ``step(model, optimizer, batch)``: one iteration,
+        returning the loss; ``iterations``: stop after this many (None: when ``data``
+        ends). Inference preempts the job between iterations (NOTE [Preemption points]);
+        ``offload`` moves its state to host memory while preempted; ``seed`` seeds the
+        job's own random state (default: ``torch.initial_seed()``).
+
+        With workers the job runs in a worker process that keeps its state between
+        segments (NOTE [Switch protocol]); then every argument must be picklable, and
+        the model is built there. Returns the job's handle.
         """
         validate_training_args(name, model, optimizer, data, step, iterations)
+        spec = TrainSpec(name, model, optimizer, data, step, iterations, offload,
+                         torch.initial_seed() if seed is None else int(seed))
+        if self._pool is not None:
+            spec.check_shippable()
+            if len(self._pool.workers) < 2:
+                raise ConfigError("training with workers needs workers >= 2: one holds the job, another "
+                                  "stays free so that inference never waits for a process to start")
         with self._turn():
             self._check_open()
             if name in self._jobs and not self._jobs[name].wait(0):
                 raise DuplicateModelError(f"a training job named {name!r} is running")
-            module = model if isinstance(model, nn.Module) else model()
-            if not isinstance(module, nn.Module):
-                raise ConfigError(f"model for training job {name!r} is {type(module).__name__}, not an nn.Module")
-            module.to(self.device).train()
-            opt = optimizer(module.parameters())
-            job = TrainingJob(name, module, opt, data, step, iterations, device=self.device, lock=self._lock,
-                              gate=self._gate, offload=offload, seed=seed)
+            if self._pool is not None:
+                self._pool.drop_job(name)  # a finished job of that name
+                job: TrainingJob = WorkerTrainingJob(spec, pool=self._pool, lock=self._lock, gate=self._gate)
+            else:
+                task = TrainingTask.build(spec, self.device)
+                job = LocalTrainingJob(task, name, lock=self._lock, gate=self._gate)
             self._jobs[name] = job
         return job.start()
+
+    def switches(self) -> list[dict]:
+        """The latest switches from a training job to an inference (workers only): stop,
+        start, load, clean and total seconds of each (NOTE [Switch protocol])."""
+        with self._turn():
+            return [s.as_dict() for s in self._pool.switches] if self._pool is not None else []
 
     def jobs(self) -> dict[str, TrainingJob]:
         with self._turn():

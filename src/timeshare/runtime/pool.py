@@ -1,21 +1,64 @@
 """The controller's pool of worker processes: start-up, model registration on every
-worker, task dispatch with deadlines, and replacement of failed workers. Runs in the
-controller (the caller's process).
+worker, task dispatch with deadlines, training segments, the switch between them, and
+replacement of failed workers. Runs in the controller (the caller's process).
 
-One worker is active and runs tasks; the others are standbys, fully initialized, that
-take over at once when the active one fails, while a replacement boots behind them.
+# NOTE [Switch protocol]
+One worker is active at a time; the others are standbys, fully initialized. A training
+job lives in one worker (its home), which holds the job's parameters and optimizer
+state between segments. When an inference arrives while a training segment runs:
+  1. stop: the controller sends Preempt to the training worker, which stops at its
+     next preemption point (between iterations; never a per-layer synchronize);
+  2. start: at the same moment, the inference goes to a standby (never the training
+     worker), which starts its pipelined load at once: nothing waits for step 1;
+  3. clean: the training worker, once stopped, cleans up in parallel (offloads the
+     job's state if it asked for that) and is a standby again;
+  4. the job's thread parks until the runtime is free and starts a new segment.
+Weights go to the arena and training memory is the job's own, so the new task never
+waits for the old one's memory. Each switch records stop, start, load, clean and total
+times (``Switch``). A worker that fails is replaced: a standby becomes active at once
+and a new one boots behind it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from dataclasses import asdict, dataclass
 
 from timeshare import protocol as P
-from timeshare.errors import WorkerError, WorkerTimeoutError
+from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.worker.proc import WorkerHandle, spawn_context
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Switch:
+    """One switch from a training segment to an inference (seconds; None: not known yet
+    or not applicable). The clock is the monotonic one all processes share."""
+
+    job: str
+    model: str
+    requested_at: float
+    stop_s: float | None = None  # Preempt sent -> the job stopped at its preemption point
+    clean_s: float | None = None  # stopped -> cleaned (offload), in parallel with the new task
+    start_s: float | None = None  # Run sent -> the standby began it
+    load_s: float | None = None  # first copy queued -> last group arrived (None: resident)
+    total_s: float | None = None  # request -> result back in the controller
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Segment:
+    job: str
+    worker: WorkerHandle
+    seq: int
+    preempted_at: float | None = None
+    switch: Switch | None = None
 
 
 class ProcessPool:
@@ -42,10 +85,15 @@ class ProcessPool:
         self._seq = 0
         self._models: dict[str, P.AddModel] = {}  # replayed on every new worker
         self.replacements = 0
+        self._cv = threading.Condition(threading.RLock())  # guards the fields below and the worker list
+        self._segment: _Segment | None = None  # the training segment running, if any
+        self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
+        self._lost: dict[str, str] = {}  # job -> why its state is gone
+        self.switches: list[Switch] = []
         self.workers: list[WorkerHandle] = [self._spawn() for _ in range(n)]  # they boot in parallel
         try:
             for w in self.workers:
-                w.wait_ready(startup_timeout_s)
+                self._ready(w)
         except BaseException:
             self.close()
             raise
@@ -55,9 +103,12 @@ class ProcessPool:
         """Teach every worker the model; a failure on any is a registration error."""
         self._models[msg.model] = msg
         try:
-            for w in self.workers:
-                self._ready(w)
-                w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+            for w in list(self.workers):
+                self._quiesce(w)
+                if w.ready:
+                    w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+                else:
+                    self._ready(w)  # boots and learns every model, this one included
         except BaseException:
             self.remove(msg.model)
             raise
@@ -67,6 +118,7 @@ class ProcessPool:
             return
         for w in list(self.workers):
             try:
+                self._quiesce(w)
                 self._ready(w)
                 w.request(P.RemoveModel(self._next_seq(), model), self.startup_timeout_s, f"removing {model}")
             except WorkerError as exc:
@@ -87,14 +139,145 @@ class ProcessPool:
         return None
 
     def _task(self, msg, what: str):
-        w = self.workers[0]  # the active worker
+        requested = time.perf_counter()
+        with self._cv:
+            switch = self._preempt_segment(getattr(msg, "model", ""), requested)
+            busy = self._segment.worker if self._segment is not None else None
+            w = next(x for x in self.workers if x is not busy)  # the first standby
         self._ready(w)
+        sent = time.perf_counter()
         try:
-            return w.request(msg, self.task_timeout_s, what)
+            reply = w.request(msg, self.task_timeout_s, what)
         except WorkerError as exc:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._replace(w)
             raise
+        if switch is not None:
+            switch.total_s = time.perf_counter() - requested
+            received = reply.timings.get("received_at")
+            switch.start_s = received - sent if received is not None else None
+            switch.load_s = reply.timings.get("load_s")
+        return reply
+
+    # ------------------------------------------------------------------ training
+    def begin_segment(self, job: str, spec, gate) -> _Segment | None:
+        """Start (``spec`` given) or resume a training job in its home worker. None when a
+        caller waits for the runtime or another segment runs: the job parks and retries."""
+        home = self._home(job, spec is not None)
+        self._ready(home)
+        with self._cv:
+            if gate.waiting() or self._segment is not None:
+                self._cv.wait(0.05)
+                return None
+            if home not in self.workers:
+                return None  # replaced meanwhile; _home reports it next time
+            seq = self._next_seq()
+            try:
+                home.conn.send_bytes(P.dumps(P.Train(seq, job, spec, time.perf_counter())))
+            except OSError:
+                pass  # the process is gone: run_segment reports it
+            self._segment = _Segment(job, home, seq)
+            return self._segment
+
+    def run_segment(self, seg: _Segment, on_progress) -> P.Stopped:
+        """Follow a segment until it stops. Progress after each iteration is the
+        heartbeat: a worker silent for ``task_timeout_s`` is killed as hung."""
+        what = f"training {seg.job}"
+        try:
+            while True:
+                reply = seg.worker.receive(self.task_timeout_s, what)
+                if isinstance(reply, P.Progress):
+                    on_progress(reply)
+                    continue
+                assert isinstance(reply, P.Stopped) and reply.seq == seg.seq, reply
+                if seg.switch is not None and seg.preempted_at is not None:
+                    seg.switch.stop_s = max(0.0, reply.stopped_at - seg.preempted_at)
+                    seg.switch.clean_s = reply.cleaned_at - reply.stopped_at
+                return reply
+        except WorkerError as exc:
+            with self._cv:
+                if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
+                    self._replace(seg.worker)
+                else:  # the step raised: the worker dropped the job's state
+                    self._homes.pop(seg.job, None)
+            raise
+        finally:
+            with self._cv:
+                if self._segment is seg:
+                    self._segment = None
+                self._cv.notify_all()
+
+    def preempt(self, job: str) -> None:
+        """Ask the job's running segment, if any, to stop at its next preemption point."""
+        with self._cv:
+            if self._segment is not None and self._segment.job == job:
+                self._preempt_segment("", time.perf_counter())
+
+    def job_state(self, job: str) -> dict:
+        """The job's parameters and buffers, from its home worker (between segments)."""
+        home = self._home(job, False)
+        self._quiesce(home)
+        return home.request(P.JobState(self._next_seq(), job), self.task_timeout_s, f"state of {job}").value
+
+    def drop_job(self, job: str) -> None:
+        with self._cv:
+            home = self._homes.pop(job, None)
+            self._lost.pop(job, None)
+        if home is not None and home.alive():
+            self._quiesce(home)
+            try:
+                home.request(P.DropJob(self._next_seq(), job), self.task_timeout_s, f"dropping {job}")
+            except WorkerError as exc:
+                log.warning("dropping training job %s: %s", job, exc)
+
+    def _home(self, job: str, new: bool) -> WorkerHandle:
+        with self._cv:
+            if new:
+                if len(self.workers) < 2:
+                    raise WorkerError("training with workers needs at least 2 workers (one stays free for inference)")
+                # Not the first worker: inference goes there while the job runs.
+                counts = {id(w): 0 for w in self.workers}
+                for h in self._homes.values():
+                    counts[id(h)] = counts.get(id(h), 0) + 1
+                home = min(self.workers[1:], key=lambda w: counts[id(w)])
+                self._homes[job] = home
+                self._lost.pop(job, None)
+                return home
+            home = self._homes.get(job)
+            if home is None or home not in self.workers:
+                why = self._lost.get(job, "its worker is gone")
+                raise WorkerCrashedError(f"training job {job!r} lost its state: {why}", where=f"training {job}")
+            return home
+
+    def _preempt_segment(self, model: str, now: float) -> Switch | None:
+        """With the lock held: send Preempt to the running segment (once)."""
+        seg = self._segment
+        if seg is None:
+            return None
+        if seg.preempted_at is None:
+            seg.preempted_at = now
+            try:
+                seg.worker.conn.send_bytes(P.dumps(P.Preempt(seg.seq, now)))
+            except OSError:
+                pass  # already dead: the segment's reader reports it
+        if model and seg.switch is None:
+            seg.switch = Switch(seg.job, model, now)
+            self.switches.append(seg.switch)
+            del self.switches[:-1000]
+            return seg.switch
+        return None
+
+    def _quiesce(self, w: WorkerHandle) -> None:
+        """Wait until ``w`` runs no training segment, preempting it if it does."""
+        deadline = time.monotonic() + self.task_timeout_s + 5
+        with self._cv:
+            while self._segment is not None and self._segment.worker is w:
+                self._preempt_segment("", time.perf_counter())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerTimeoutError(f"worker {w.id} did not stop training within {self.task_timeout_s:g} s",
+                                             where=f"worker {w.id}")
+                self._cv.wait(min(left, 0.5))
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> WorkerHandle:
@@ -106,17 +289,33 @@ class ProcessPool:
         """Finish a worker's start-up and teach it every model (new workers only)."""
         if w.ready:
             return
-        w.wait_ready(self.startup_timeout_s)
-        for msg in self._models.values():
-            w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+        with w.ready_lock:
+            if w.ready:
+                return
+            w.wait_ready(self.startup_timeout_s)
+            try:
+                for msg in list(self._models.values()):
+                    w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+            except BaseException:
+                self._replace(w)  # half taught: start over with a fresh one
+                raise
+            w.ready = True
 
     def _replace(self, w: WorkerHandle) -> None:
-        """Drop a failed worker: a standby becomes active; a new one boots behind it."""
-        w.kill()
-        i = self.workers.index(w)
-        self.workers.pop(i)
-        self.workers.append(self._spawn())
-        self.replacements += 1
+        """Drop a failed worker: a standby becomes active; a new one boots behind it. The
+        training jobs it held lose their state."""
+        with self._cv:
+            w.kill()
+            if w not in self.workers:
+                return  # replaced already
+            self.workers.remove(w)
+            self.workers.append(self._spawn())
+            self.replacements += 1
+            for job, home in list(self._homes.items()):
+                if home is w:
+                    del self._homes[job]
+                    self._lost[job] = f"worker {w.id} held it and failed"
+            self._cv.notify_all()
         log.warning("worker %d replaced by worker %d", w.id, self.workers[-1].id)
 
     def _renumber(self, msg: P.AddModel) -> P.AddModel:
@@ -131,6 +330,7 @@ class ProcessPool:
         return [w.os_pid for w in self.workers]
 
     def close(self) -> None:
-        for w in self.workers:
+        with self._cv:
+            workers, self.workers = self.workers, []
+        for w in workers:
             w.stop()
-        self.workers = []

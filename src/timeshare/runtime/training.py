@@ -1,5 +1,6 @@
-"""Training jobs that time-share the device with inference. Runs in the controller
-(the caller's process), one thread per job.
+"""Training jobs that time-share the device with inference: the handle and the
+controller's thread per job. The iterations run in that thread (in-process runtime) or
+in a worker process (``Runtime(workers=N)``).
 
 # NOTE [Preemption points]
 A training job owns the device one iteration at a time. Between iterations it yields
@@ -21,15 +22,13 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from timeshare.errors import ConfigError, TimeshareError
-from timeshare.runtime.tree import map_tensors
+from timeshare.worker.trainer import TrainingStats, TrainingTask, TrainSpec
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +62,12 @@ class DeviceGate:
                 self._waiting -= 1
                 self._cond.notify_all()
 
-    def inference_waiting(self) -> bool:
+    def waiting(self) -> bool:
+        """Whether a caller of the runtime waits for its turn."""
         return self._waiting > 0
 
     def wait_for_training_turn(self, job: "TrainingJob", poll_s: float = 0.05) -> None:
-        """Block while inference waits or the job is paused; return at once if it was cancelled."""
+        """Block while callers wait or the job is paused; return at once if it was cancelled."""
         with self._cond:
             while not job._cancel.is_set() and (self._waiting > 0 or job._pause.is_set()):
                 self._cond.wait(poll_s)
@@ -77,62 +77,26 @@ class DeviceGate:
             self._cond.notify_all()
 
 
-@dataclass
-class TrainingStats:
-    iterations: int = 0
-    preemptions: int = 0
-    offloads: int = 0
-    losses: list[float] = field(default_factory=list)
-    step_seconds: float = 0.0
-    preempted_seconds: float = 0.0
-
-
 class TrainingJob:
-    """A handle on one training job: status, pause, resume, cancel, wait."""
+    """A handle on one training job: status, pause, resume, cancel, wait, result.
 
-    def __init__(
-        self,
-        name: str,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        data: Iterable,
-        step: Callable,
-        iterations: int | None,
-        *,
-        device: torch.device,
-        lock: threading.RLock,
-        gate: DeviceGate,
-        offload: bool,
-        seed: int | None,
-    ):
+    The job's iterations run in a thread of the controller (``Runtime(workers=0)``,
+    :class:`LocalTrainingJob`) or in a worker process (:class:`WorkerTrainingJob`);
+    the handle is the same."""
+
+    def __init__(self, name: str, iterations: int | None, *, gate: DeviceGate, offload: bool):
         self.name = name
-        self.model = model
-        self.optimizer = optimizer
-        self.device = device
         self.iterations = iterations
         self.offload = offload
         self.stats = TrainingStats()
-        self._data = iter(data)
-        self._step = step
-        self._lock = lock
         self._gate = gate
         self._state = JobState.QUEUED
         self._error: BaseException | None = None
         self._pause = threading.Event()
         self._cancel = threading.Event()
         self._done = threading.Event()
-        self._offloaded = False
         self._parked = False  # waiting at a preemption point
-        gen = torch.Generator()
-        gen.manual_seed(torch.initial_seed() if seed is None else seed)
-        self._rng_cpu = gen.get_state()
-        self._rng_cuda = None
-        if device.type == "cuda":
-            with torch.random.fork_rng(devices=[device]):
-                if seed is not None:
-                    torch.cuda.manual_seed(seed)
-                self._rng_cuda = torch.cuda.get_rng_state(device)
-        self._thread = threading.Thread(target=self._run, name=f"timeshare-train-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"timeshare-train-{name}", daemon=True)
 
     # ------------------------------------------------------------------ handle
     @property
@@ -150,6 +114,7 @@ class TrainingJob:
     def pause(self) -> None:
         """Stop at the next preemption point and stay stopped until ``resume()``."""
         self._pause.set()
+        self._interrupt()
 
     def resume(self) -> None:
         self._pause.clear()
@@ -158,6 +123,7 @@ class TrainingJob:
     def cancel(self) -> None:
         """Stop at the next preemption point for good."""
         self._cancel.set()
+        self._interrupt()
         self._gate.notify()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -174,48 +140,38 @@ class TrainingJob:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the model's parameters and buffers (between iterations)."""
-        with self._gate.priority(), self._lock:
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ loop
     def start(self) -> "TrainingJob":
         self._thread.start()
         return self
 
-    def _run(self) -> None:
+    def _main(self) -> None:
         self._state = JobState.RUNNING
         try:
-            while self.iterations is None or self.stats.iterations < self.iterations:
-                if self._gate.inference_waiting() or self._pause.is_set():
-                    self._yield()
-                if self._cancel.is_set():
-                    self._state = JobState.CANCELLED
-                    return
-                try:
-                    batch = next(self._data)
-                except StopIteration:
-                    break
-                self._one_step(batch)
-            self._state = JobState.FINISHED
+            self._state = self._run()
         except BaseException as exc:  # reported through the handle
-            log.exception("training job %s failed", self.name)
+            log.warning("training job %s failed: %s", self.name, exc)
             self._error = exc
             self._state = JobState.FAILED
         finally:
-            if self._offloaded:
-                with self._lock:
-                    self._move(self.device)
+            self._finish()
             self._done.set()
             self._gate.notify()
 
-    def _yield(self) -> None:
-        """A preemption point: give the device away until it is our turn again."""
+    def _run(self) -> JobState:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        pass
+
+    def _interrupt(self) -> None:
+        """Make a running segment stop at its next preemption point."""
+
+    def _park(self) -> None:
+        """Wait at a preemption point until inference is served and the job not paused."""
         t0 = time.perf_counter()
-        self.stats.preemptions += 1
-        if self.offload and not self._offloaded:
-            with self._lock:
-                self._move(torch.device("cpu"))
-            self.stats.offloads += 1
         self._parked = True
         try:
             self._gate.wait_for_training_turn(self)
@@ -223,65 +179,82 @@ class TrainingJob:
             self._parked = False
         self.stats.preempted_seconds += time.perf_counter() - t0
 
-    def _one_step(self, batch) -> None:
-        with self._lock:
-            t0 = time.perf_counter()
-            if self._offloaded:
-                self._move(self.device)
-            batch = map_tensors(batch, lambda t: t.to(self.device))
-            with _swapped_rng(self):
-                loss = self._step(self.model, self.optimizer, batch)
-            if isinstance(loss, torch.Tensor):
-                loss = float(loss.detach())
-            if loss is not None:
-                self.stats.losses.append(float(loss))
-            self.stats.iterations += 1
-            self.stats.step_seconds += time.perf_counter() - t0
 
-    def _move(self, device: torch.device) -> None:
-        """Parameters (and gradients), buffers and optimizer state to ``device``: host
-        memory to offload, ``self.device`` to come back. Always copies, so the values
-        are unchanged and the optimizer keeps its references (``p.data`` is replaced in
-        place). The CPU backend exercises the same path."""
-        offloading = device != self.device
-        pin = offloading and self.device.type == "cuda"
+class LocalTrainingJob(TrainingJob):
+    """Iterations in a thread of this process, one at a time under the runtime's lock."""
 
-        def to(t: torch.Tensor) -> torch.Tensor:
-            moved = t.to(device, copy=True)
-            return moved.pin_memory() if pin else moved
+    def __init__(self, task: TrainingTask, name: str, *, lock: threading.RLock, gate: DeviceGate):
+        super().__init__(name, task.iterations, gate=gate, offload=task.offload)
+        self.task = task
+        self.stats = task.stats
+        self._lock = lock
 
-        for module in self.model.modules():
-            for p in module._parameters.values():
-                if p is not None:
-                    p.data = to(p.data)
-                    if p.grad is not None:
-                        p.grad = to(p.grad)
-            for key, b in module._buffers.items():
-                if b is not None:
-                    module._buffers[key] = to(b)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = to(value) if value.device.type != "cpu" or value.dim() else value
-        self._offloaded = offloading
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        with self._gate.priority(), self._lock:
+            return self.task.state_dict()
+
+    def _run(self) -> JobState:
+        while not self.task.finished:
+            if self._gate.waiting() or self._pause.is_set():
+                with self._lock:
+                    self.task.preempted()
+                self._park()
+            if self._cancel.is_set():
+                return JobState.CANCELLED
+            with self._lock:
+                t0 = time.perf_counter()
+                try:
+                    self.task.step_once()
+                except StopIteration:
+                    break
+                finally:
+                    self.stats.step_seconds += time.perf_counter() - t0
+        return JobState.FINISHED
+
+    def _finish(self) -> None:
+        if self.task.offloaded:
+            with self._lock:
+                self.task.move(self.task.device)
 
 
-@contextmanager
-def _swapped_rng(job: TrainingJob):
-    """Run with the job's own random state; put everyone else's back afterwards."""
-    outer_cpu = torch.get_rng_state()
-    outer_cuda = torch.cuda.get_rng_state(job.device) if job._rng_cuda is not None else None
-    torch.set_rng_state(job._rng_cpu)
-    if job._rng_cuda is not None:
-        torch.cuda.set_rng_state(job._rng_cuda, job.device)
-    try:
-        yield
-    finally:
-        job._rng_cpu = torch.get_rng_state()
-        torch.set_rng_state(outer_cpu)
-        if outer_cuda is not None:
-            job._rng_cuda = torch.cuda.get_rng_state(job.device)
-            torch.cuda.set_rng_state(outer_cuda, job.device)
+class WorkerTrainingJob(TrainingJob):
+    """Iterations in a worker process that holds the job's state; the controller's
+    thread runs segments there and parks between them (NOTE [Switch protocol])."""
+
+    def __init__(self, spec: TrainSpec, *, pool, lock: threading.RLock, gate: DeviceGate):
+        super().__init__(spec.name, spec.iterations, gate=gate, offload=spec.offload)
+        self.spec = spec
+        self._pool = pool
+        self._lock = lock
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        with self._gate.priority(), self._lock:
+            return self._pool.job_state(self.name)
+
+    def _interrupt(self) -> None:
+        self._pool.preempt(self.name)
+
+    def _progress(self, p) -> None:
+        self.stats.iterations = p.iterations
+        self.stats.step_seconds += p.seconds
+        if p.loss is not None:
+            self.stats.losses.append(p.loss)
+
+    def _run(self) -> JobState:
+        spec: TrainSpec | None = self.spec  # sent with the first segment only
+        while True:
+            self._park()  # returns at once unless inference waits or the job is paused
+            if self._cancel.is_set():
+                return JobState.CANCELLED
+            segment = self._pool.begin_segment(self.name, spec, self._gate)
+            if segment is None:
+                continue  # inference (or another job) got there first
+            spec = None
+            stopped = self._pool.run_segment(segment, self._progress)
+            self.stats.offloads = stopped.stats.offloads
+            if stopped.reason == "finished":
+                return JobState.FINISHED
+            self.stats.preemptions += 1
 
 
 def validate_training_args(name, model, optimizer, data, step, iterations) -> None:
@@ -296,7 +269,9 @@ def validate_training_args(name, model, optimizer, data, step, iterations) -> No
         raise ConfigError("step must be a callable (model, optimizer, batch) -> loss")
     if iterations is not None and (not isinstance(iterations, int) or iterations < 1):
         raise ConfigError(f"iterations must be a positive integer or None, got {iterations!r}")
+    if callable(data):
+        return
     try:
         iter(data)
     except TypeError:
-        raise ConfigError(f"data must be iterable, got {type(data).__name__}") from None
+        raise ConfigError(f"data must be iterable or a callable returning one, got {type(data).__name__}") from None

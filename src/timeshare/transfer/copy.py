@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,10 @@ class LoadHandle:
 
     def done(self) -> bool:
         raise NotImplementedError
+
+    def copy_seconds(self) -> float | None:
+        """How long the copies took from the first start to the last arrival, once done."""
+        return None
 
 
 class CopyEngine:
@@ -83,9 +88,11 @@ class _CpuLoad(LoadHandle):
         self.events = [threading.Event() for _ in self.ranges]
         self.error: BaseException | None = None
         self.failed_group: int | None = None
+        self._started = self._ended = 0.0
 
     def run(self) -> None:
         """Executed on the copy thread."""
+        self._started = time.perf_counter()
         for k in range(self.n_groups):
             try:
                 self._copy_group(k)
@@ -94,8 +101,13 @@ class _CpuLoad(LoadHandle):
                 for ev in self.events[k:]:
                     ev.set()
                 return
+            if k == self.n_groups - 1:
+                self._ended = time.perf_counter()
             self.events[k].set()
         self.src = self.dst = None  # drop references once everything is copied
+
+    def copy_seconds(self) -> float | None:
+        return self._ended - self._started if self._ended else None
 
     def _copy_group(self, k: int) -> None:
         a, b = self.ranges[k]
@@ -151,18 +163,24 @@ class CpuCopyEngine(CopyEngine):
 
 
 class _CudaLoad(LoadHandle):
-    def __init__(self, device, events, where: str, keep):
+    def __init__(self, device, events, where: str, keep, begin=None):
         self.device = device
         self.events = events
         self.n_groups = len(events)
         self.where = where
         self._keep = keep  # the source and destination must outlive the queued copies
+        self._begin = begin
 
     def wait(self, k: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.events[k])
 
     def done(self) -> bool:
         return self.events[-1].query() if self.events else True
+
+    def copy_seconds(self) -> float | None:
+        if self._begin is None or not self.done():
+            return None
+        return self._begin.elapsed_time(self.events[-1]) / 1e3
 
 
 class CudaCopyEngine(CopyEngine):
@@ -182,10 +200,12 @@ class CudaCopyEngine(CopyEngine):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for fence in fences:
             self.stream.wait_event(fence)
+        begin = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            for a, b in ranges:
+            begin.record(self.stream)
+            for k, (a, b) in enumerate(ranges):
                 dst[a:b].copy_(src[a:b], non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=k == len(ranges) - 1)  # times the whole load
                 ev.record(self.stream)
                 events.append(ev)
-        return _CudaLoad(self.device, events, where, (src, dst))
+        return _CudaLoad(self.device, events, where, (src, dst), begin)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 
@@ -27,6 +28,10 @@ POLL_S = 0.5  # how often an idle worker checks that its parent is alive
 
 
 # ------------------------------------------------------------------ worker side
+class _Exit(Exception):
+    """Shutdown arrived in the middle of a training segment."""
+
+
 def worker_main(start: P.Start, conn: Connection) -> None:
     """Entry point of a worker process (spawned)."""
     import torch
@@ -37,6 +42,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     from timeshare.models.spec import resolve_builder
     from timeshare.transfer.copy import make_copy_engine
     from timeshare.transfer.host_store import HostStore
+    from timeshare.worker.trainer import TrainingTask
     from timeshare.worker.worker import Worker
 
     where = f"worker {start.worker}"
@@ -46,6 +52,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
                     fixed_group_bytes=start.fixed_group_bytes)
     segments = {}  # model -> its host store's shared memory, kept open while the model is known
+    tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
 
     def add_model(msg: P.AddModel) -> None:
         with torch.device("meta"):
@@ -79,12 +86,59 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             return P.Ack(msg.seq)
         if isinstance(msg, P.Run):
             t0 = time.perf_counter()
+            worker.last_load = None
             out = worker.run(msg.model, msg.offset, msg.resident, msg.args, msg.kwargs, msg.strategy)
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
-            return P.Result(msg.seq, worker.to_host(out), time.perf_counter() - t0)
+            out = worker.to_host(out)
+            load = worker.last_load.copy_seconds() if worker.last_load is not None else None
+            return P.Result(msg.seq, out, time.perf_counter() - t0, {"received_at": t0, "load_s": load})
         if isinstance(msg, P.Profile):
             return P.Result(msg.seq, worker.profile(msg.model, msg.offset, msg.args, msg.kwargs))
+        if isinstance(msg, P.Train):
+            return train(msg)
+        if isinstance(msg, P.JobState):
+            return P.Result(msg.seq, tasks[msg.job].state_dict())
+        if isinstance(msg, P.DropJob):
+            tasks.pop(msg.job, None)
+            return P.Ack(msg.seq)
+        if isinstance(msg, P.Preempt):
+            return None  # its segment already ended
         raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def train(msg: P.Train):
+        """Run a training segment: iterations until the job ends or a Preempt for this
+        segment arrives (NOTE [Preemption points]). Progress after every iteration is
+        also the controller's heartbeat."""
+        if msg.spec is not None:
+            tasks.pop(msg.job, None)
+            tasks[msg.job] = TrainingTask.build(msg.spec, device)
+        task = tasks[msg.job]
+        reason = "finished"
+        try:
+            while not task.finished:
+                if conn.poll(0):  # a preemption point: what the controller said meanwhile
+                    ctl = P.loads(conn.recv_bytes())
+                    if isinstance(ctl, P.Shutdown):
+                        raise _Exit
+                    if isinstance(ctl, P.Preempt) and ctl.seq == msg.seq:
+                        reason = "preempted"
+                        break
+                    if not isinstance(ctl, P.Preempt):
+                        raise TypeError(f"{type(ctl).__name__} arrived while training {msg.job}")
+                t0 = time.perf_counter()
+                try:
+                    loss = task.step_once()
+                except StopIteration:
+                    break
+                seconds = time.perf_counter() - t0
+                task.stats.step_seconds += seconds
+                conn.send_bytes(P.dumps(P.Progress(msg.seq, task.stats.iterations, loss, seconds)))
+        except _Exit:
+            raise
+        stopped = time.perf_counter()
+        if reason == "preempted":
+            task.preempted()  # cleaning: offload if the job asked for it
+        return P.Stopped(msg.seq, reason, task.stats, stopped, time.perf_counter())
 
     conn.send_bytes(P.dumps(P.Hello(start.worker, os.getpid())))
     try:
@@ -100,10 +154,18 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             seq = getattr(msg, "seq", -1)
             try:
                 reply = handle(msg)
+            except _Exit:
+                return
             except Exception as exc:
-                what = f"{where}, {type(msg).__name__.lower()} {getattr(msg, 'model', '')}".rstrip()
+                subject = getattr(msg, "model", None) or getattr(msg, "job", "")
+                what = f"{where}, {type(msg).__name__.lower()} {subject}".rstrip()
+                if isinstance(msg, P.Train) and msg.job in tasks:
+                    what += f" (iteration {tasks.pop(msg.job).stats.iterations + 1})"  # its state is undefined now
+                elif isinstance(msg, P.Train):
+                    what += " (building the job)" if msg.spec is not None else ""
                 reply = P.Failure(seq, P.ErrorInfo.capture(exc, what))
-            conn.send_bytes(P.dumps(reply))
+            if reply is not None:
+                conn.send_bytes(P.dumps(reply))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the controller closed the pipe
     finally:
@@ -131,17 +193,19 @@ class WorkerHandle:
                                 daemon=True)
         self.proc.start()
         child.close()
-        self.ready = False
+        self.booted = False  # sent Hello
+        self.ready = False  # booted and taught every model (set by the pool)
         self.pid: int | None = None
         self.os_pid: int = self.proc.pid  # kept after the process object is released
         self._released = False
+        self.ready_lock = threading.Lock()  # one thread teaches a new worker its models
 
     def wait_ready(self, timeout_s: float) -> None:
-        if not self.ready:
+        if not self.booted:
             hello = self._recv(timeout_s, "starting")
             if not isinstance(hello, P.Hello):
                 raise WorkerCrashedError(f"worker {self.id} sent {type(hello).__name__} instead of Hello")
-            self.pid, self.ready = hello.pid, True
+            self.pid, self.booted = hello.pid, True
 
     def request(self, msg, timeout_s: float, what: str):
         """Send ``msg`` and wait for its reply; a Failure is re-raised as an error."""
@@ -149,6 +213,13 @@ class WorkerHandle:
             self.conn.send_bytes(P.dumps(msg))
         except (BrokenPipeError, ConnectionResetError, OSError):
             raise self._crashed(what) from None
+        reply = self._recv(timeout_s, what)
+        if isinstance(reply, P.Failure):
+            raise reply.error.to_exception()
+        return reply
+
+    def receive(self, timeout_s: float, what: str):
+        """The next message from the worker; a Failure is re-raised as an error."""
         reply = self._recv(timeout_s, what)
         if isinstance(reply, P.Failure):
             raise reply.error.to_exception()
@@ -179,7 +250,7 @@ class WorkerHandle:
         else:
             how = f"exited with code {code}"
         hint = ""
-        if not self.ready:
+        if not self.booted:
             hint = (" before it was ready; its stderr says why. A script that starts workers must create"
                     " the Runtime under `if __name__ == '__main__':` (workers are spawned)")
         return WorkerCrashedError(f"worker {self.id} {how}{hint}", where=f"worker {self.id}, {what}")

@@ -89,6 +89,7 @@ class Worker:
         self.models: dict[str, WorkerModel] = {}
         self._link: LinkCosts | None = None
         self._fences: list[object] = []  # CUDA: last-use events of evicted models
+        self.last_load: LoadHandle | None = None  # the latest pipelined load, for its timing
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -214,7 +215,7 @@ class Worker:
         self._bind(wm, offset)
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
         handle = self.engine.start(wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences())
-        wm.pending = handle
+        wm.pending = self.last_load = handle
         wait_of = plan.wait_of
         upto = [-1]
 

@@ -1,0 +1,166 @@
+"""One training job's state and iterations, in whichever process runs it: a thread of
+the controller (``Runtime(workers=0)``) or a worker process. Knows nothing of who
+preempts it; the callers decide when to step and when to offload (NOTE [Preemption
+points] in ``runtime/training.py``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from timeshare.errors import ConfigError
+from timeshare.runtime.tree import map_tensors
+
+
+@dataclass
+class TrainingStats:
+    iterations: int = 0
+    preemptions: int = 0
+    offloads: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_seconds: float = 0.0
+    preempted_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """A training job as data, for a worker process to build. Every callable must be
+    importable there (a top-level function, a ``functools.partial`` of one, or a class)."""
+
+    name: str
+    model: Any  # an nn.Module or a callable returning one
+    optimizer: Callable  # parameters -> optimizer
+    data: Any  # an iterable of batches, or a callable returning one
+    step: Callable  # (model, optimizer, batch) -> loss
+    iterations: int | None
+    offload: bool
+    seed: int
+
+    def check_shippable(self) -> None:
+        for what in ("model", "optimizer", "data", "step"):
+            try:
+                pickle.dumps(getattr(self, what))
+            except Exception as exc:
+                raise ConfigError(
+                    f"training job {self.name!r}: with workers, {what} must be picklable so that a worker "
+                    f"process can rebuild it (a top-level function, a functools.partial of one, or plain "
+                    f"data), not {getattr(self, what)!r} ({exc})"
+                ) from None
+
+
+class TrainingTask:
+    """A model, its optimizer, the position in its data and its random state."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: Iterable, step: Callable,
+                 iterations: int | None, *, device: torch.device, offload: bool, seed: int):
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+        self.iterations = iterations
+        self.offload = offload
+        self.stats = TrainingStats()
+        self.offloaded = False
+        self._data = iter(data)
+        self._step = step
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self._rng_cpu = gen.get_state()
+        self._rng_cuda = None
+        if device.type == "cuda":
+            with torch.random.fork_rng(devices=[device]):
+                torch.cuda.manual_seed(seed)
+                self._rng_cuda = torch.cuda.get_rng_state(device)
+
+    @classmethod
+    def build(cls, spec: TrainSpec, device: torch.device) -> "TrainingTask":
+        module = spec.model if isinstance(spec.model, nn.Module) else spec.model()
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"model for training job {spec.name!r} is {type(module).__name__}, not an nn.Module")
+        module.to(device).train()
+        optimizer = spec.optimizer(module.parameters())
+        data = spec.data() if callable(spec.data) else spec.data
+        return cls(module, optimizer, data, spec.step, spec.iterations, device=device, offload=spec.offload,
+                   seed=spec.seed)
+
+    @property
+    def finished(self) -> bool:
+        return self.iterations is not None and self.stats.iterations >= self.iterations
+
+    def step_once(self) -> float | None:
+        """One iteration; returns its loss (None if the step returned none). Raises
+        StopIteration when the data has ended."""
+        if self.offloaded:
+            self.move(self.device)
+        batch = next(self._data)
+        batch = map_tensors(batch, lambda t: t.to(self.device))
+        with _swapped_rng(self):
+            loss = self._step(self.model, self.optimizer, batch)
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.detach())
+        if loss is not None:
+            loss = float(loss)
+            self.stats.losses.append(loss)
+        self.stats.iterations += 1
+        return loss
+
+    def preempted(self) -> None:
+        """At a preemption point: offload the state if the job asked for it."""
+        self.stats.preemptions += 1
+        if self.offload and not self.offloaded:
+            self.move(torch.device("cpu"))
+            self.stats.offloads += 1
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def move(self, device: torch.device) -> None:
+        """Parameters (and gradients), buffers and optimizer state to ``device``: host
+        memory to offload, ``self.device`` to come back. Always copies, so the values
+        are unchanged and the optimizer keeps its references (``p.data`` is replaced in
+        place). The CPU backend exercises the same path."""
+        offloading = device != self.device
+        pin = offloading and self.device.type == "cuda"
+
+        def to(t: torch.Tensor) -> torch.Tensor:
+            moved = t.to(device, copy=True)
+            return moved.pin_memory() if pin else moved
+
+        for module in self.model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = to(p.data)
+                    if p.grad is not None:
+                        p.grad = to(p.grad)
+            for key, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[key] = to(b)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = to(value) if value.device.type != "cpu" or value.dim() else value
+        self.offloaded = offloading
+
+
+@contextmanager
+def _swapped_rng(task: TrainingTask):
+    """Run with the job's own random state; put everyone else's back afterwards."""
+    outer_cpu = torch.get_rng_state()
+    outer_cuda = torch.cuda.get_rng_state(task.device) if task._rng_cuda is not None else None
+    torch.set_rng_state(task._rng_cpu)
+    if task._rng_cuda is not None:
+        torch.cuda.set_rng_state(task._rng_cuda, task.device)
+    try:
+        yield
+    finally:
+        task._rng_cpu = torch.get_rng_state()
+        torch.set_rng_state(outer_cpu)
+        if outer_cuda is not None:
+            task._rng_cuda = torch.cuda.get_rng_state(task.device)
+            torch.cuda.set_rng_state(outer_cuda, task.device)

@@ -1,0 +1,152 @@
+"""Training jobs in worker processes: the switch protocol, exact state across
+preemptions, and faults during training."""
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import timeshare
+from tests import models
+from timeshare.errors import ConfigError, RemoteError, WorkerCrashedError, WorkerTimeoutError
+
+X = torch.randn(2, 8)
+
+
+def uninterrupted():
+    with timeshare.Runtime(device="cpu", memory="8MiB") as rt:
+        job = rt.train("t", models.train_net, models.adam, models.train_batches(), models.train_step, seed=3)
+        job.result(timeout=120)
+        return job.state_dict(), job.stats.losses
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return uninterrupted()
+
+
+@pytest.fixture(scope="module")
+def rt():
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=20) as r:
+        r.register("inf", "tests.models:out_of_order", None, (X,))
+        yield r
+
+
+def home_of(rt, job):
+    return rt._pool._homes[job]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_job_in_a_worker_preempted_many_times_ends_exactly_like_an_uninterrupted_run(rt, expected, offload):
+    ref = rt.infer("inf", X)
+    before = len(rt.switches())
+    job = rt.train("t", models.train_net, models.adam, functools.partial(models.train_batches, 150),
+                   models.train_step, seed=3, offload=offload)
+    paused_once = False
+    while not job.wait(0):
+        rt.evict("inf")  # a switch with a pipelined load each time
+        assert torch.equal(rt.infer("inf", X)["y"], ref["y"])
+        if not paused_once and job.stats.iterations > 10:
+            job.pause()
+            time.sleep(0.3)
+            seen = job.stats.iterations
+            time.sleep(0.2)
+            assert job.status == "paused" and job.stats.iterations == seen
+            job.resume()
+            paused_once = True
+    stats = job.result(timeout=120)
+    assert job.status == "finished" and stats.iterations == 150 and paused_once
+    assert stats.preemptions >= 10
+    if offload:
+        assert stats.offloads >= stats.preemptions - 1  # the last one may have found nothing to stop
+    got = job.state_dict()
+    want, want_losses = expected
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert stats.losses == want_losses
+
+    # Every switch from the job to an inference was measured, component by component.
+    switches = [s for s in rt.switches()[before:] if s["job"] == "t"]
+    assert len(switches) >= 10
+    for s in switches:
+        assert s["model"] == "inf" and s["total_s"] > 0 and s["start_s"] >= 0
+        assert s["load_s"] is not None and s["load_s"] >= 0  # evicted each time: a real load
+    stopped = [s for s in switches if s["stop_s"] is not None]
+    assert len(stopped) >= len(switches) - 1 and all(s["clean_s"] >= 0 for s in stopped)
+
+
+def test_inference_never_runs_on_the_training_worker(rt):
+    job = rt.train("endless", models.train_net, models.adam, models.endless_batches, models.train_step)
+    try:
+        while job.stats.iterations < 3:
+            time.sleep(0.01)
+        home = home_of(rt, "endless")
+        assert home is not rt._pool.workers[0]
+        for _ in range(5):
+            rt.infer("inf", X)
+        assert job.status == "running" and job.stats.preemptions >= 1
+    finally:
+        job.cancel()
+    assert job.wait(30) and job.status == "cancelled"
+
+
+def test_a_failing_step_fails_its_job_with_where_it_happened(rt):
+    job = rt.train("bad", models.train_net, models.adam, models.train_batches(3), models.exploding_step)
+    with pytest.raises(RemoteError, match="step exploded") as info:
+        job.result(timeout=60)
+    assert "train bad (iteration 1)" in info.value.where
+    assert job.status == "failed"
+    assert rt.infer("inf", X)["y"].shape == (2, 8)
+
+
+def test_training_with_workers_needs_picklable_parts_and_a_free_worker(rt):
+    with pytest.raises(ConfigError, match="model must be picklable"):
+        rt.train("t2", lambda: models.train_net(), models.adam, models.train_batches(2), models.train_step)
+    with timeshare.Runtime(device="cpu", memory="4MiB", workers=1) as one:
+        with pytest.raises(ConfigError, match="needs workers >= 2"):
+            one.train("t", models.train_net, models.adam, models.train_batches(2), models.train_step)
+
+
+def kill(pid):
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_killing_the_training_worker_fails_the_job_and_keeps_everything_else(rt):
+    """20 times: the job fails saying where; queued inference runs; a fresh worker
+    replaces the dead one; nothing leaks (the suite checks shared memory too)."""
+    ref = rt.infer("inf", X)
+    fds = len(os.listdir("/proc/self/fd"))
+    replaced = rt._pool.replacements
+    for i in range(20):
+        job = rt.train(f"k{i}", models.train_net, models.adam, models.endless_batches, models.train_step)
+        while job.stats.iterations < 2 and not job.wait(0):
+            time.sleep(0.005)
+        home = home_of(rt, f"k{i}")
+        queued = [rt.submit("inf", X) for _ in range(3)]
+        kill(home.os_pid)
+        with pytest.raises(WorkerCrashedError, match="killed by signal 9") as info:
+            job.result(timeout=60)
+        assert f"training k{i}" in info.value.where and f"worker {home.id}" in info.value.where
+        assert job.status == "failed"
+        for f in queued:
+            assert torch.equal(f.result(timeout=60)["y"], ref["y"])
+        assert home not in rt._pool.workers and len(rt._pool.workers) == 2
+        with pytest.raises(WorkerCrashedError, match="lost its state"):
+            job.state_dict()
+    assert rt._pool.replacements == replaced + 20
+    assert torch.equal(rt.infer("inf", X)["y"], ref["y"])
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+
+
+def test_a_hung_training_step_is_killed_at_the_deadline():
+    with timeshare.Runtime(device="cpu", memory="4MiB", workers=2, profile_repeats=1, task_timeout_s=2) as rt:
+        rt.register("inf", "tests.models:out_of_order", None, (X,))
+        job = rt.train("hang", models.train_net, models.adam, models.train_batches(3), models.hanging_step)
+        with pytest.raises(WorkerTimeoutError, match="did not answer within 2 s"):
+            job.result(timeout=60)
+        assert rt.infer("inf", X)["y"].shape == (2, 8)
+        assert all(w.alive() for w in rt._pool.workers)
