@@ -1,6 +1,8 @@
 """The ``timeshare`` command line. The only place that prints to the user.
 
     timeshare bench pipeline [--models ...] [--batch 8] [--dtype fp32] [--json PATH]
+    timeshare bench switch [--models ...] [--train MODEL:BATCH] [--json PATH]
+    timeshare bench cycles [--model resnet152] [--cycles 1,2,5,10,30] [--json PATH]
     timeshare zoo [--generate]
 """
 
@@ -39,6 +41,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    p = bench.add_parser("switch", help="first inference after a switch from training (PipeSwitch Figs. 5 and 9)",
+                         description="The latency of the first inference after switching from a training task "
+                         "to an inference task: the ready model, timeshare, and the baselines a system without "
+                         "it pays (two processes without a standby, one process, stop-and-start).")
+    p.add_argument("--models", nargs="+", default=None, help="zoo models (default: resnet152 inception_v3 bert_base)")
+    p.add_argument("--batch", type=int, default=None, help="default: 8 on CUDA, 1 on the CPU")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds of ready and timeshare")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--baseline-repeats", type=int, default=3, help="runs of each baseline")
+    p.add_argument("--baselines", nargs="*", default=None,
+                   help="which baselines (default: two_processes one_process stop_and_start)")
+    p.add_argument("--train", default=None,
+                   help="background training MODEL:BATCH (default resnet152:64 on CUDA, tiny_cnn:32 on the CPU)")
+    p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+
+    p = bench.add_parser("cycles", help="inference throughput time-sharing with training (PipeSwitch Fig. 6)",
+                         description="An inference task and a training task take turns on the device every "
+                         "scheduling cycle; reports the inference throughput during its turns as a fraction of "
+                         "the ready model's.")
+    p.add_argument("--model", default="resnet152", help="zoo model serving inference")
+    p.add_argument("--batch", type=int, default=None, help="default: 8 on CUDA, 1 on the CPU")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--cycles", default="1,2,5,10,30", help="scheduling cycles in seconds, comma-separated")
+    p.add_argument("--rounds", type=int, default=2, help="training+inference turns per cycle length")
+    p.add_argument("--keep-resident", action="store_true",
+                   help="keep the model resident across training turns (default: evicted, as in PipeSwitch)")
+    p.add_argument("--train", default=None,
+                   help="background training MODEL:BATCH (default resnet152:64 on CUDA, tiny_cnn:32 on the CPU)")
+    p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+
     z = sub.add_parser("zoo", help="list the model zoo")
     z.add_argument("--generate", action="store_true", help="generate and cache every model's weights")
 
@@ -47,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench" and args.bench == "pipeline":
             return _bench_pipeline(args)
+        if args.command == "bench" and args.bench == "switch":
+            return _bench_switch(args)
+        if args.command == "bench" and args.bench == "cycles":
+            return _bench_cycles(args)
         if args.command == "zoo":
             return _zoo(args)
     except TimeshareError as exc:
@@ -71,10 +112,7 @@ def _bench_pipeline(args) -> int:
     with console.status("starting") as status:
         result = run(cfg, progress=lambda msg: status.update(msg))
     _print_pipeline(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {args.json}")
+    _write_json(args.json, result)
     return 0
 
 
@@ -117,6 +155,114 @@ def _print_pipeline(result: dict) -> None:
         "that minimises the profiled cost model. optimal vs best: its median minus the best strategy's, "
         "against the larger interquartile range. exact: every first-inference output is bitwise equal to "
         "the ready model's."
+    )
+
+
+def _write_json(path: Path | None, result: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {path}")
+
+
+def _bench_switch(args) -> int:
+    from timeshare.bench.pipeline import DEFAULT_MODELS
+    from timeshare.bench.switch import BASELINES, SwitchBenchConfig, run
+    from timeshare.models.zoo import get
+
+    if (args.batch is not None and args.batch < 1) or args.repeats < 1 or args.warmup < 0 or args.baseline_repeats < 1:
+        err.print("[red]error:[/red] --batch, --repeats and --baseline-repeats must be at least 1, --warmup at least 0")
+        return 2
+    models = args.models or list(DEFAULT_MODELS)
+    for m in models:
+        get(m)
+    cfg = SwitchBenchConfig(models=models, batch=args.batch, dtype=args.dtype, device=args.device,
+                            repeats=args.repeats, warmup=args.warmup, baseline_repeats=args.baseline_repeats,
+                            baselines=BASELINES if args.baselines is None else args.baselines, train=args.train,
+                            memory=args.memory)
+    with console.status("starting") as status:
+        result = run(cfg, progress=lambda msg: status.update(msg))
+    _print_switch(result)
+    _write_json(args.json, result)
+    return 0
+
+
+def _print_switch(result: dict) -> None:
+    env, cfg, bg = result["environment"], result["config"], result["background_training"]
+    where = env.get("gpu") or env.get("cpu") or env["device"]
+    console.print(
+        f"[bold]First inference after a switch from training[/bold] on {env['device']} ({where}), torch "
+        f"{env['torch']}, batch {cfg['batch']}, {cfg['dtype']}; background training {bg['workload']} "
+        f"({bg['mean_iteration_ms']:.1f} ms per iteration)"
+    )
+    table = Table()
+    cols = ["model", "ready ms", "timeshare ms", "vs ready", "stop", "start", "load", "clean",
+            *[f"{b} ms" for b in cfg["baselines"]], "stop-and-start / timeshare", "exact"]
+    for col in cols:
+        table.add_column(col, justify="left" if col == "model" else "right")
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for r in result["results"]:
+        c = r["components_ms"]
+        row = [r["model"], f"{r['ready_ms']:.1f}", f"{r['timeshare_ms']:.1f}", f"{r['timeshare_vs_ready']:.2f}x",
+               fmt(c["stop"]), fmt(c["start"]), fmt(c["load"]), fmt(c["clean"])]
+        row += [f"{r[b + '_ms']:.0f}" for b in cfg["baselines"]]
+        ratio = r.get("stop_and_start_vs_timeshare")
+        row.append(f"{ratio:.1f}x" if ratio else "-")
+        row.append("yes" if r["outputs_match_ready"] else "[red]NO[/red]")
+        table.add_row(*row)
+    console.print(table)
+    console.print(
+        "Medians. ready: the model resident, nothing running. timeshare: request to output while the "
+        "training job runs in a worker and the model is not resident; stop (the job reaching its next "
+        "iteration boundary), start (a standby taking the request), load (all weights copied) and clean "
+        "(the stopped worker's clean-up, in parallel) are its components in ms. two_processes: a worker "
+        "started for the request (no standby). one_process: train, free, allocate and copy unpipelined in "
+        "one process. stop_and_start: kill, new process, import, build, read weights, run. exact: every "
+        "output bitwise equal to the ready model's."
+    )
+
+
+def _bench_cycles(args) -> int:
+    from timeshare.bench.cycles import CyclesBenchConfig, run
+    from timeshare.models.zoo import get
+
+    get(args.model)
+    try:
+        cycles = [float(c) for c in args.cycles.split(",") if c.strip()]
+    except ValueError:
+        err.print(f"[red]error:[/red] --cycles must be comma-separated seconds, got {args.cycles!r}")
+        return 2
+    if not cycles or min(cycles) <= 0 or args.rounds < 1 or (args.batch is not None and args.batch < 1):
+        err.print("[red]error:[/red] --cycles must be positive seconds; --rounds and --batch at least 1")
+        return 2
+    cfg = CyclesBenchConfig(model=args.model, batch=args.batch, dtype=args.dtype, device=args.device, cycles=cycles,
+                            rounds=args.rounds, evict=not args.keep_resident, train=args.train, memory=args.memory)
+    with console.status("starting") as status:
+        result = run(cfg, progress=lambda msg: status.update(msg))
+    _print_cycles(result)
+    _write_json(args.json, result)
+    return 0
+
+
+def _print_cycles(result: dict) -> None:
+    env, cfg = result["environment"], result["config"]
+    where = env.get("gpu") or env.get("cpu") or env["device"]
+    console.print(
+        f"[bold]Inference throughput time-sharing with training[/bold] on {env['device']} ({where}), "
+        f"{cfg['model']} batch {cfg['batch']} {cfg['dtype']}, training {cfg['train']}; ready "
+        f"{result['ready_rps']:.2f} req/s; model {'evicted' if cfg['evict'] else 'kept resident'} each training turn"
+    )
+    table = Table()
+    for col in ["cycle s", "requests", "inference time s", "req/s", "of ready", "switches"]:
+        table.add_column(col, justify="right")
+    for r in result["results"]:
+        table.add_row(f"{r['cycle_s']:g}", str(r["requests"]), f"{r['inference_s']:.2f}", f"{r['rps']:.2f}",
+                      f"{r['fraction_of_ready'] * 100:.1f}%", str(r["switches"]))
+    console.print(table)
+    console.print(
+        "Each cycle the training job runs for the cycle length, then inference requests run back to back "
+        "for the cycle length (the first pays the switch). req/s counts requests over the inference turns' "
+        "time, from the first request to the last output."
     )
 
 

@@ -86,6 +86,7 @@ class Run:
     args: tuple
     kwargs: dict
     strategy: str
+    profiles: tuple = ()  # ModelProfiles other workers measured that this one lacks
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ class Result:
     value: Any
     seconds: float = 0.0
     timings: dict = field(default_factory=dict)  # received_at, load_s (see Switch)
+    profiles: tuple = ()  # ModelProfiles measured while running this task, for the other workers
 
 
 @dataclass(frozen=True)

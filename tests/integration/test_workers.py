@@ -162,3 +162,23 @@ def test_close_leaves_no_process_and_workers_die_with_their_controller(tmp_path)
     while any(alive(p) for p in orphans) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in orphans)
+
+
+def test_a_profile_measured_by_one_worker_serves_every_other():
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1) as rt:
+        rt.register("cnn", ZOO["tiny_cnn"].builder, weights_path("tiny_cnn"), ZOO["tiny_cnn"].example_inputs(2))
+        x = ZOO["tiny_cnn"].example_inputs(2)
+        ref = rt.infer("cnn", *x)  # the first load profiles, in the active worker
+        assert rt._pool.profilings == 1
+        first = rt._pool.workers[0]
+        rt.evict("cnn")
+        os.kill(first.os_pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError):
+            rt.infer("cnn", *x)
+        # The standby now active is sent the profile with its first task: it loads
+        # pipelined at once and measures nothing.
+        assert torch.equal(rt.infer("cnn", *x), ref)
+        rt.evict("cnn")
+        assert torch.equal(rt.infer("cnn", *x), ref)
+        assert rt._pool.profilings == 1
+        assert ("cnn", "x") not in rt._pool.workers[0].profiles and len(rt._pool.workers[0].profiles) == 1

@@ -281,7 +281,8 @@ class Runtime:
     ) -> TrainingJob:
         """Start a training job that time-shares the device with inference.
 
-        ``model``: an ``nn.Module`` or a callable returning one; ``optimizer``: a callable
+        ``model``: an ``nn.Module``, a callable returning one or a "module:function"
+        string; ``optimizer``: a callable
         taking the parameters; ``data``: an iterable of batches (tensors anywhere) or a
         callable returning one; ``step(model, optimizer, batch)``: one iteration,
         returning the loss; ``iterations``: stop after this many (None: when ``data``
@@ -437,6 +438,21 @@ class Runtime:
                 self.close()
         except Exception:  # interpreter shutdown: modules may be half torn down
             pass
+
+    def _infer_in_new_process(self, name: str, args: tuple, kwargs: dict | None = None):
+        """Benchmarks only (``bench switch``'s "two processes" baseline): run ``name`` in a
+        worker process started for this call, loading it from the host store."""
+        if self._pool is None:
+            raise ConfigError("a new-process inference needs workers")
+        with self._turn():
+            m = self._get(name)
+            self._evict(m)
+            block = self._place(m)
+            try:
+                return self._pool.run_in_new_worker(name, block.offset, self._to_device(args),
+                                                    self._to_device(kwargs or {}), self.strategy)
+            finally:
+                self._evict(m)
 
     # ------------------------------------------------------------------ internals
     def _infer(self, name: str, args: tuple, kwargs: dict, strategy: str | None):

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from timeshare import protocol as P
 from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
@@ -90,6 +90,9 @@ class ProcessPool:
         self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
         self._lost: dict[str, str] = {}  # job -> why its state is gone
         self.switches: list[Switch] = []
+        self._profiles: dict[str, dict[str, object]] = {}  # model -> shape key -> ModelProfile
+        self.profilings = 0  # profiles measured by any worker
+        self._retired: list[WorkerHandle] = []  # started for one task (benchmarks), to stop
         self.workers: list[WorkerHandle] = [self._spawn() for _ in range(n)]  # they boot in parallel
         try:
             for w in self.workers:
@@ -114,9 +117,11 @@ class ProcessPool:
             raise
 
     def remove(self, model: str) -> None:
+        self._profiles.pop(model, None)
         if self._models.pop(model, None) is None:
             return
         for w in list(self.workers):
+            w.profiles = {x for x in w.profiles if x[0] != model}
             try:
                 self._quiesce(w)
                 self._ready(w)
@@ -145,6 +150,13 @@ class ProcessPool:
             busy = self._segment.worker if self._segment is not None else None
             w = next(x for x in self.workers if x is not busy)  # the first standby
         self._ready(w)
+        model = getattr(msg, "model", "")
+        known = self._profiles.get(model, {})
+        if isinstance(msg, P.Run) and known:  # profiles measured elsewhere: no profiling here
+            missing = tuple(p for k, p in known.items() if (model, k) not in w.profiles)
+            if missing:
+                msg = replace(msg, profiles=missing)
+                w.profiles.update((model, p.shape_key) for p in missing)
         sent = time.perf_counter()
         try:
             reply = w.request(msg, self.task_timeout_s, what)
@@ -152,12 +164,34 @@ class ProcessPool:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._replace(w)
             raise
+        self.profilings += len(reply.profiles)
+        for p in reply.profiles:
+            self._profiles.setdefault(model, {})[p.shape_key] = p
+            w.profiles.add((model, p.shape_key))
         if switch is not None:
             switch.total_s = time.perf_counter() - requested
             received = reply.timings.get("received_at")
             switch.start_s = received - sent if received is not None else None
             switch.load_s = reply.timings.get("load_s")
         return reply
+
+    def run_in_new_worker(self, model: str, offset: int, args: tuple, kwargs: dict, strategy: str):
+        """PipeSwitch's "two processes, no standby" baseline (benchmarks only): start a
+        worker now, teach it ``model`` and the profiles known for it, load and run, stop it.
+        The weights still come from the shared host store: no file is read."""
+        self._stop_retired()
+        w = self._spawn()
+        self._retired.append(w)  # stopped later, off the timed path
+        w.wait_ready(self.startup_timeout_s)
+        w.request(self._renumber(self._models[model]), self.startup_timeout_s, f"adding {model}")
+        profiles = tuple(self._profiles.get(model, {}).values())
+        msg = P.Run(self._next_seq(), model, offset, False, args, kwargs, strategy, profiles)
+        return w.request(msg, self.task_timeout_s, f"running {model}").value
+
+    def _stop_retired(self) -> None:
+        retired, self._retired = self._retired, []
+        for w in retired:
+            w.stop()
 
     # ------------------------------------------------------------------ training
     def begin_segment(self, job: str, spec, gate) -> _Segment | None:
@@ -334,3 +368,4 @@ class ProcessPool:
             workers, self.workers = self.workers, []
         for w in workers:
             w.stop()
+        self._stop_retired()

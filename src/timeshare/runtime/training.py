@@ -260,8 +260,8 @@ class WorkerTrainingJob(TrainingJob):
 def validate_training_args(name, model, optimizer, data, step, iterations) -> None:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"training job name must be a non-empty string, got {name!r}")
-    if not callable(model) and not isinstance(model, nn.Module):
-        raise ConfigError("model must be an nn.Module or a callable returning one")
+    if not callable(model) and not isinstance(model, (nn.Module, str)):
+        raise ConfigError("model must be an nn.Module, a callable returning one, or a 'module:function' string")
     if not callable(optimizer):
         raise ConfigError("optimizer must be a callable taking the model's parameters, e.g. "
                           "lambda params: torch.optim.SGD(params, lr=0.1)")

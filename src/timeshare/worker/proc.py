@@ -87,13 +87,19 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         if isinstance(msg, P.Run):
             t0 = time.perf_counter()
             worker.last_load = None
+            for profile in msg.profiles:
+                worker.adopt_profile(msg.model, profile)
+            known = set(worker.models[msg.model].profiles)
             out = worker.run(msg.model, msg.offset, msg.resident, msg.args, msg.kwargs, msg.strategy)
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
             out = worker.to_host(out)
             load = worker.last_load.copy_seconds() if worker.last_load is not None else None
-            return P.Result(msg.seq, out, time.perf_counter() - t0, {"received_at": t0, "load_s": load})
+            profiles = worker.models[msg.model].profiles
+            learned = tuple(p for k, p in profiles.items() if k not in known)
+            return P.Result(msg.seq, out, time.perf_counter() - t0, {"received_at": t0, "load_s": load}, learned)
         if isinstance(msg, P.Profile):
-            return P.Result(msg.seq, worker.profile(msg.model, msg.offset, msg.args, msg.kwargs))
+            profile = worker.profile(msg.model, msg.offset, msg.args, msg.kwargs)
+            return P.Result(msg.seq, profile, profiles=(profile,))
         if isinstance(msg, P.Train):
             return train(msg)
         if isinstance(msg, P.JobState):
@@ -199,6 +205,7 @@ class WorkerHandle:
         self.os_pid: int = self.proc.pid  # kept after the process object is released
         self._released = False
         self.ready_lock = threading.Lock()  # one thread teaches a new worker its models
+        self.profiles: set[tuple[str, str]] = set()  # (model, shape key) this worker has measured or been sent
 
     def wait_ready(self, timeout_s: float) -> None:
         if not self.booted:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError
+from timeshare.models.spec import resolve_builder
 from timeshare.runtime.tree import map_tensors
 
 
@@ -80,7 +81,10 @@ class TrainingTask:
 
     @classmethod
     def build(cls, spec: TrainSpec, device: torch.device) -> "TrainingTask":
-        module = spec.model if isinstance(spec.model, nn.Module) else spec.model()
+        if isinstance(spec.model, nn.Module):
+            module = spec.model
+        else:
+            module = (resolve_builder(spec.model) if isinstance(spec.model, str) else spec.model)()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"model for training job {spec.name!r} is {type(module).__name__}, not an nn.Module")
         module.to(device).train()

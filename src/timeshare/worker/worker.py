@@ -100,6 +100,15 @@ class Worker:
             self._adopt_order(wm, order, repack=False)
         return wm
 
+    def adopt_profile(self, name: str, profile: ModelProfile) -> None:
+        """A profile another worker measured (same device, same model): loads of this
+        shape are pipelined here at once, with no profiling of our own."""
+        wm = self.models[name]
+        wm.profiles[profile.shape_key] = profile
+        wm.last_profile = wm.last_profile or profile.shape_key
+        if self._link is None:
+            self._link = profile.link
+
     def remove(self, name: str) -> None:
         wm = self.models.pop(name)
         unbind(wm.layout)

@@ -1,0 +1,111 @@
+"""``timeshare bench cycles``: PipeSwitch's Figure 6 on the device present.
+
+An inference task and a training task take turns on the device. Every scheduling
+cycle the training job runs for the cycle length; then inference requests run back to
+back for the cycle length, the first one paying the switch (the job is stopped at its
+next iteration boundary while a standby loads the model, NOTE [Switch protocol]). By
+default the model is evicted at every training turn, as in PipeSwitch, where training
+took the whole device memory. The result is the inference throughput over its turns
+(requests / time from the first request to the last output) as a fraction of the ready
+model's, measured back to back with the job paused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from timeshare.bench.environment import describe
+from timeshare.bench.pipeline import _equal
+from timeshare.bench.switch import _cast, _pause, _resume_training
+from timeshare.bench.workloads import TrainingWorkload
+from timeshare.device import resolve_device
+from timeshare.models.zoo import get as zoo_get
+from timeshare.models.zoo import weights_path
+from timeshare.runtime.engine import Runtime, parse_dtype
+
+
+@dataclass
+class CyclesBenchConfig:
+    model: str = "resnet152"
+    batch: int | None = None  # default: 8 on CUDA, 1 on the CPU
+    dtype: str = "fp32"
+    device: str = "auto"
+    cycles: Sequence[float] = (1, 2, 5, 10, 30)
+    rounds: int = 2
+    evict: bool = True
+    train: str | None = None
+    memory: str = "auto"
+    ready_s: float = 10.0  # how long to measure the ready throughput
+
+
+def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
+    device = resolve_device(config.device)
+    dtype = parse_dtype(config.dtype)
+    batch = config.batch or (8 if device.type == "cuda" else 1)
+    train = TrainingWorkload.parse(config.train or ("resnet152:64" if device.type == "cuda" else "tiny_cnn:32"))
+    name = config.model
+    zoo = zoo_get(name)
+    inputs = _cast(zoo.example_inputs(batch, torch.float32), dtype)
+    results = []
+    with Runtime(device=device, memory=config.memory, workers=2) as rt:
+        env = describe(rt.device)
+        progress(f"{name}: registering")
+        rt.register(name, zoo.builder, weights_path(name), inputs, dtype=dtype)
+        job = rt.train("background", **train.train_args(), seed=0)
+        try:
+            _pause(job)
+            reference = rt.infer(name, *inputs)  # first load and profile
+            for _ in range(2):  # warm up the pipelined path and the resident one
+                rt.evict(name)
+                rt.infer(name, *inputs)
+            progress(f"{name}: ready throughput")
+            n, elapsed, exact = _serve(rt, name, inputs, reference, config.ready_s)
+            ready_rps = n / elapsed
+            for cycle in config.cycles:
+                total_n, total_s, switches = 0, 0.0, 0
+                for round_ in range(config.rounds):
+                    progress(f"cycle {cycle:g} s: round {round_ + 1}/{config.rounds}, training")
+                    if config.evict:
+                        rt.evict(name)
+                    before = len(rt.switches())
+                    _resume_training(job, iterations=1)
+                    time.sleep(max(0.0, cycle - 0.0))
+                    progress(f"cycle {cycle:g} s: round {round_ + 1}/{config.rounds}, inference")
+                    job.pause()  # the scheduler's decision: inference's turn (stops at the next boundary)
+                    n, elapsed, ok = _serve(rt, name, inputs, reference, cycle)
+                    exact &= ok
+                    total_n, total_s = total_n + n, total_s + elapsed
+                    switches += len(rt.switches()) - before
+                rps = total_n / total_s
+                results.append({"cycle_s": cycle, "rounds": config.rounds, "requests": total_n, "inference_s": total_s,
+                                "rps": rps, "fraction_of_ready": rps / ready_rps, "switches": switches})
+        finally:
+            job.cancel()
+            job.wait(60)
+    return {
+        "benchmark": "cycles",
+        "config": {"model": name, "batch": batch, "dtype": config.dtype, "cycles": list(config.cycles),
+                   "rounds": config.rounds, "evict": config.evict, "train": str(train), "ready_s": config.ready_s},
+        "environment": env,
+        "ready_rps": ready_rps,
+        "outputs_match_ready": exact,
+        "results": results,
+    }
+
+
+def _serve(rt: Runtime, name: str, inputs: tuple, reference, seconds: float) -> tuple[int, float, bool]:
+    """Requests back to back until ``seconds`` have passed: (count, elapsed, all exact)."""
+    exact = True
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        out = rt.infer(name, *inputs)
+        exact &= _equal(out, reference)
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return n, elapsed, exact

@@ -1,0 +1,268 @@
+"""``timeshare bench switch``: PipeSwitch's Figures 5 and 9 on the device present.
+
+The latency of the first inference after switching from a training task to an
+inference task, per model, from the request to the output back in the caller:
+
+- ready: the model resident, nothing to stop (the lower bound);
+- timeshare: a training job runs in a worker; the model is not resident. The switch
+  protocol stops the job at its next iteration boundary while a standby loads the model
+  pipelined (NOTE [Switch protocol]). Stop, start, load and clean are reported too;
+- two_processes: the job is stopped, then a worker process is started for the request
+  (no standby): process start, framework import and model construction on the path,
+  weights still from the shared host store;
+- one_process: one plain process trains, stops, frees its training state, allocates
+  the model on the device and copies its weights unpipelined, then runs;
+- stop_and_start: the training process is killed and a new one imports torch, builds
+  the model, reads its weights file, moves it to the device and runs.
+
+Ready and timeshare are timed in alternating rounds; every output is compared bitwise
+with the ready model's.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from timeshare.bench.environment import describe
+from timeshare.bench.pipeline import DEFAULT_MODELS, _equal, _stats
+from timeshare.bench.workloads import TrainingWorkload
+from timeshare.device import resolve_device
+from timeshare.errors import ConfigError, TimeshareError
+from timeshare.models.zoo import get as zoo_get
+from timeshare.models.zoo import weights_path
+from timeshare.runtime.engine import Runtime, parse_dtype
+
+BASELINES = ("two_processes", "one_process", "stop_and_start")
+
+
+@dataclass
+class SwitchBenchConfig:
+    models: Sequence[str] = DEFAULT_MODELS
+    batch: int | None = None  # default: 8 on CUDA (PipeSwitch's), 1 on the CPU
+    dtype: str = "fp32"
+    device: str = "auto"
+    repeats: int = 10  # ready/timeshare rounds
+    warmup: int = 2
+    baseline_repeats: int = 3
+    baselines: Sequence[str] = BASELINES
+    train: str | None = None  # background training "model:batch"; default resnet152:64 on CUDA, tiny_cnn:32 on CPU
+    memory: str = "auto"
+
+
+def defaults(device: torch.device, config: SwitchBenchConfig) -> tuple[int, TrainingWorkload]:
+    batch = config.batch or (8 if device.type == "cuda" else 1)
+    train = TrainingWorkload.parse(config.train or ("resnet152:64" if device.type == "cuda" else "tiny_cnn:32"))
+    return batch, train
+
+
+def run(config: SwitchBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
+    for b in config.baselines:
+        if b not in BASELINES:
+            raise ConfigError(f"unknown baseline {b!r}; known: {list(BASELINES)}")
+    device = resolve_device(config.device)
+    dtype = parse_dtype(config.dtype)
+    batch, train = defaults(device, config)
+    results = []
+    with Runtime(device=device, memory=config.memory, workers=2) as rt:
+        env = describe(rt.device)
+        inputs = {}
+        for name in config.models:
+            progress(f"{name}: registering")
+            zoo = zoo_get(name)
+            inputs[name] = _cast(zoo.example_inputs(batch, torch.float32), dtype)
+            rt.register(name, zoo.builder, weights_path(name), inputs[name], dtype=dtype)
+        job = rt.train("background", **train.train_args(), seed=0)
+        try:
+            for name in config.models:
+                results.append(_measure(rt, job, name, inputs[name], config, batch, train, progress))
+        finally:
+            job.cancel()
+            job.wait(60)
+        iteration_ms = job.stats.step_seconds / max(1, job.stats.iterations) * 1e3
+    return {
+        "benchmark": "switch",
+        "config": {"models": list(config.models), "batch": batch, "dtype": config.dtype, "repeats": config.repeats,
+                   "warmup": config.warmup, "baseline_repeats": config.baseline_repeats,
+                   "baselines": list(config.baselines), "train": str(train)},
+        "environment": env,
+        "background_training": {"workload": str(train), "mean_iteration_ms": iteration_ms,
+                                "iterations": job.stats.iterations},
+        "results": results,
+    }
+
+
+def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConfig, batch: int,
+             train: TrainingWorkload, progress) -> dict:
+    _pause(job)
+    reference = rt.infer(name, *inputs)  # first load: profiles, in the active worker
+    ready, shared, parts = [], [], []
+    exact = True
+    for round_ in range(config.warmup + config.repeats):
+        progress(f"{name}: round {round_ + 1}/{config.warmup + config.repeats}")
+        _pause(job)
+        rt.infer(name, *inputs)  # resident
+        ms, out = _time_ms(lambda: rt.infer(name, *inputs), rt.device)
+        exact &= _equal(out, reference)
+        if round_ >= config.warmup:
+            ready.append(ms)
+        rt.evict(name)
+        _resume_training(job)
+        before = len(rt.switches())
+        ms, out = _time_ms(lambda: rt.infer(name, *inputs), rt.device)
+        exact &= _equal(out, reference)
+        switch = _last_switch(rt, before)
+        if round_ >= config.warmup:
+            shared.append(ms)
+            parts.append(switch)
+    r = {"model": name, "ready": _stats(ready), "timeshare": _stats(shared), "outputs_match_ready": exact}
+    r["ready_ms"], r["timeshare_ms"] = r["ready"]["median_ms"], r["timeshare"]["median_ms"]
+    r["timeshare_vs_ready"] = r["timeshare_ms"] / r["ready_ms"]
+    r["overhead_ms"] = r["timeshare_ms"] - r["ready_ms"]
+    r["components_ms"] = {
+        k: _median([p[f"{k}_s"] * 1e3 for p in parts if p and p.get(f"{k}_s") is not None])
+        for k in ("stop", "start", "load", "clean")
+    }
+    r["switches_measured"] = sum(1 for p in parts if p)
+    for baseline in config.baselines:
+        samples = []
+        for i in range(config.baseline_repeats):
+            progress(f"{name}: {baseline} {i + 1}/{config.baseline_repeats}")
+            if baseline == "two_processes":
+                _resume_training(job)
+                t0 = time.perf_counter()
+                _pause(job)
+                out = rt._infer_in_new_process(name, inputs)
+                samples.append((time.perf_counter() - t0) * 1e3)
+                exact &= _equal(out, reference)
+            else:
+                _pause(job)  # the baseline's own process trains meanwhile
+                samples.append(_standalone(baseline, name, batch, config.dtype, train, str(rt.device)))
+        r[baseline] = _stats(samples)
+        r[f"{baseline}_ms"] = r[baseline]["median_ms"]
+    r["outputs_match_ready"] = exact
+    if "stop_and_start" in config.baselines:
+        r["stop_and_start_vs_timeshare"] = r["stop_and_start_ms"] / r["timeshare_ms"]
+    rt.evict(name)
+    return r
+
+
+def _cast(inputs: tuple, dtype) -> tuple:
+    return tuple(t.to(dtype) if t.is_floating_point() and dtype is not None else t for t in inputs)
+
+
+def _time_ms(fn, device) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()  # outputs come back on the host: the copy synchronizes
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def _median(xs: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(xs) if xs else None
+
+
+def _pause(job, timeout_s: float = 120.0) -> None:
+    """Stop the background job at its next preemption point and wait until it has."""
+    job.pause()
+    deadline = time.monotonic() + timeout_s
+    while job.status != "paused":
+        if job.wait(0):
+            raise TimeshareError(f"the background training job ended: {job.status} ({job.error})")
+        if time.monotonic() > deadline:
+            raise TimeshareError(f"the background training job did not stop within {timeout_s:g} s")
+        time.sleep(0.002)
+
+
+def _resume_training(job, iterations: int = 3, timeout_s: float = 120.0) -> None:
+    """Let the background job run a few iterations, so that a switch finds it mid-run."""
+    start = job.stats.iterations
+    job.resume()
+    deadline = time.monotonic() + timeout_s
+    while job.stats.iterations < start + iterations:
+        if job.wait(0):
+            raise TimeshareError(f"the background training job ended: {job.status} ({job.error})")
+        if time.monotonic() > deadline:
+            raise TimeshareError(f"the background training job made no progress within {timeout_s:g} s")
+        time.sleep(0.001)
+
+
+def _last_switch(rt: Runtime, before: int, timeout_s: float = 60.0) -> dict | None:
+    """The switch the last inference made, once the stopped job has reported back; None
+    if it made none (the job was not running when the request came)."""
+    now = time.monotonic()
+    deadline, appear_by = now + timeout_s, now + 2.0
+    while time.monotonic() < deadline:
+        switches = rt.switches()
+        if len(switches) > before:
+            if switches[-1]["stop_s"] is not None:
+                return switches[-1]
+        elif time.monotonic() > appear_by:
+            return None
+        time.sleep(0.002)
+    return None
+
+
+def _standalone(baseline: str, name: str, batch: int, dtype: str, train: TrainingWorkload, device: str) -> float:
+    """One run of a plain-process baseline, in milliseconds from the switch request to
+    the output."""
+    cmd = [sys.executable, "-m", "timeshare.bench.standalone"]
+    with tempfile.TemporaryFile() as log:
+        if baseline == "stop_and_start":
+            trainer = _start(cmd + ["train", train.model, str(train.batch), device], log)
+            try:
+                _expect(trainer, "training", log)
+                t0 = time.perf_counter()
+                trainer.kill()
+                trainer.wait(60)
+                fresh = _start(cmd + ["serve", name, str(batch), device, dtype], log)
+                try:
+                    _expect(fresh, "done", log)
+                    return (time.perf_counter() - t0) * 1e3
+                finally:
+                    _reap(fresh)
+            finally:
+                _reap(trainer)
+        proc = _start(cmd + ["one-process", train.model, str(train.batch), name, str(batch), device, dtype], log)
+        try:
+            _expect(proc, "training", log)
+            t0 = time.perf_counter()
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+            _expect(proc, "done", log)
+            return (time.perf_counter() - t0) * 1e3
+        finally:
+            _reap(proc)
+
+
+def _start(cmd: list[str], log) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+
+
+def _expect(proc: subprocess.Popen, word: str, log, timeout_s: float = 300.0) -> None:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().decode().strip() if ready else ""
+    if line != word:
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-2000:]
+        raise TimeshareError(f"baseline process did not say {word!r} (said {line!r}); its stderr:\n{tail}")
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(60)
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            f.close()
