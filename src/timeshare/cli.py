@@ -249,20 +249,19 @@ def _print_cycles(result: dict) -> None:
     where = env.get("gpu") or env.get("cpu") or env["device"]
     console.print(
         f"[bold]Inference throughput time-sharing with training[/bold] on {env['device']} ({where}), "
-        f"{cfg['model']} batch {cfg['batch']} {cfg['dtype']}, training {cfg['train']}; ready "
-        f"{result['ready_rps']:.2f} req/s; model {'evicted' if cfg['evict'] else 'kept resident'} each training turn"
+        f"{cfg['model']} batch {cfg['batch']} {cfg['dtype']}, training {cfg['train']}; model {'evicted' if cfg['evict'] else 'kept resident'} each training turn"
     )
     table = Table()
-    for col in ["cycle s", "requests", "inference time s", "req/s", "of ready", "switches"]:
+    for col in ["cycle s", "requests", "inference time s", "req/s", "ready req/s", "of ready", "switches"]:
         table.add_column(col, justify="right")
     for r in result["results"]:
         table.add_row(f"{r['cycle_s']:g}", str(r["requests"]), f"{r['inference_s']:.2f}", f"{r['rps']:.2f}",
-                      f"{r['fraction_of_ready'] * 100:.1f}%", str(r["switches"]))
+                      f"{r['ready_rps']:.2f}", f"{r['fraction_of_ready'] * 100:.1f}%", str(r["switches"]))
     console.print(table)
     console.print(
         "Each cycle the training job runs for the cycle length, then inference requests run back to back "
-        "for the cycle length (the first pays the switch). req/s counts requests over the inference turns' "
-        "time, from the first request to the last output."
+        "for the cycle length (the first pays the switch), then the ready model (resident, job paused) for as "
+        "long. req/s counts requests over the turns' time, from the first request to the last output."
     )
 
 

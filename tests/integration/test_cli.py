@@ -40,3 +40,46 @@ def test_zoo_lists_models(capsys):
     assert cli.main(["zoo"]) == 0
     out = capsys.readouterr().out
     assert "resnet152" in out and "60,192,808" in out
+
+
+def test_bench_switch_measures_every_baseline_with_exact_outputs(tmp_path, capsys):
+    path = tmp_path / "switch.json"
+    code = cli.main(
+        ["bench", "switch", "--models", "tiny_cnn", "--repeats", "2", "--warmup", "1", "--baseline-repeats", "1",
+         "--train", "tiny_mlp:8", "--device", "cpu", "--memory", "16MiB", "--json", str(path)]
+    )
+    assert code == 0
+    assert "First inference after a switch from training" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "switch" and data["background_training"]["iterations"] > 0
+    (r,) = data["results"]
+    assert r["model"] == "tiny_cnn" and r["outputs_match_ready"] is True
+    assert r["switches_measured"] == 2  # the job was running at every timed request
+    assert all(r["components_ms"][k] is not None and r["components_ms"][k] >= 0 for k in ("stop", "start", "load"))
+    for b in ("two_processes", "one_process", "stop_and_start"):
+        assert r[f"{b}_ms"] > 0
+    assert r["stop_and_start_ms"] > r["timeshare_ms"]
+
+
+def test_bench_cycles_reports_a_fraction_of_ready(tmp_path, capsys):
+    path = tmp_path / "cycles.json"
+    code = cli.main(
+        ["bench", "cycles", "--model", "tiny_cnn", "--cycles", "0.3,0.6", "--rounds", "1", "--train", "tiny_mlp:8",
+         "--device", "cpu", "--memory", "16MiB", "--json", str(path)]
+    )
+    assert code == 0
+    assert "Inference throughput time-sharing with training" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["outputs_match_ready"] is True and data["ready_rps"] > 0
+    assert [r["cycle_s"] for r in data["results"]] == [0.3, 0.6]
+    for r in data["results"]:
+        assert r["requests"] > 0 and r["switches"] == 1 and 0 < r["fraction_of_ready"]
+
+
+def test_bench_switch_and_cycles_refuse_bad_arguments(capsys):
+    assert cli.main(["bench", "switch", "--models", "tiny_cnn", "--train", "nope:3", "--device", "cpu"]) == 2
+    assert "unknown zoo model 'nope'" in capsys.readouterr().err
+    assert cli.main(["bench", "switch", "--models", "tiny_cnn", "--baselines", "magic", "--device", "cpu"]) == 2
+    assert "unknown baseline 'magic'" in capsys.readouterr().err
+    assert cli.main(["bench", "cycles", "--model", "tiny_cnn", "--cycles", "1,x"]) == 2
+    assert "--cycles" in capsys.readouterr().err
