@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--cycles", default="1,2,5,10,30", help="scheduling cycles in seconds, comma-separated")
-    p.add_argument("--rounds", type=int, default=2, help="training+inference turns per cycle length")
+    p.add_argument("--rounds", type=int, default=2, help="at least this many turns per cycle length")
+    p.add_argument("--min-inference-s", type=float, default=20.0,
+                   help="more turns for short cycles until each length has this much inference time")
     p.add_argument("--keep-resident", action="store_true",
                    help="keep the model resident across training turns (default: evicted, as in PipeSwitch)")
     p.add_argument("--train", default=None,
@@ -236,7 +238,7 @@ def _bench_cycles(args) -> int:
         err.print("[red]error:[/red] --cycles must be positive seconds; --rounds and --batch at least 1")
         return 2
     cfg = CyclesBenchConfig(model=args.model, batch=args.batch, dtype=args.dtype, device=args.device, cycles=cycles,
-                            rounds=args.rounds, evict=not args.keep_resident, train=args.train, memory=args.memory)
+                            rounds=args.rounds, min_inference_s=args.min_inference_s, evict=not args.keep_resident, train=args.train, memory=args.memory)
     with console.status("starting") as status:
         result = run(cfg, progress=lambda msg: status.update(msg))
     _print_cycles(result)

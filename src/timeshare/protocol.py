@@ -47,7 +47,7 @@ class Start:
     worker: int
     parent_pid: int
     device: str
-    arena_name: str
+    arena: Any  # Arena.share(): the shared-memory name (CPU) or the CUDA IPC handle
     arena_capacity: int
     profile_repeats: int
     fixed_group_bytes: int

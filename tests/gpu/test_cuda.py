@@ -99,3 +99,60 @@ def test_copies_overlap_compute():
             return best
 
         assert first("optimal") < first("whole")
+
+
+def test_workers_share_the_cuda_arena_and_switch_without_device_allocation():
+    """The arena is shared once (CUDA IPC); outputs from the worker are bitwise the
+    in-process ones; after warm-up, switches (evict + pipelined load, with a training
+    job preempted) make no new device allocation in the worker."""
+    zoo = ZOO["resnet152"]
+    x = zoo.example_inputs(2)
+    with timeshare.Runtime(device="cuda", memory="1GiB", profile_repeats=1) as local:
+        local.register("r", zoo.builder, weights_path("resnet152"), x)
+        expected = local.infer("r", *x)
+    with timeshare.Runtime(device="cuda", memory="1GiB", workers=2, profile_repeats=1) as rt:
+        rt.register("r", zoo.builder, weights_path("resnet152"), x)
+        assert same(rt.infer("r", *x), expected)
+        job = rt.train("bg", models.train_net, models.adam, models.endless_batches, models.train_step)
+        segments = []
+        for _ in range(6):
+            rt.evict("r")
+            while job.stats.iterations < 2:
+                pass
+            assert same(rt.infer("r", *x), expected)
+            reply_timings = rt._pool.last_timings
+            segments.append(reply_timings["cuda_segments"])
+        job.cancel()
+        assert job.wait(60)
+        assert len(set(segments[2:])) == 1, segments  # no cudaMalloc on the switch path once warm
+        assert any(s["stop_s"] is not None for s in rt.switches())
+
+
+def test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was():
+    import os
+    import signal
+
+    zoo = ZOO["bert_base"]
+    x = zoo.example_inputs(8)
+    with timeshare.Runtime(device="cuda", memory="1GiB", workers=2, profile_repeats=1, task_timeout_s=60) as rt:
+        rt.register("b", zoo.builder, weights_path("bert_base"), x)
+        ref = rt.infer("b", *x)
+        torch.cuda.synchronize()
+        free_before, _ = torch.cuda.mem_get_info()
+        for _ in range(3):
+            rt.evict("b")
+            victim = rt._pool.workers[0]
+            import threading
+
+            threading.Timer(0.005, lambda: os.kill(victim.os_pid, signal.SIGKILL)).start()
+            try:
+                rt.infer("b", *x)
+            except timeshare.TimeshareError:
+                pass
+            for w in rt._pool.workers:  # let replacements boot
+                rt._pool._ready(w)
+            assert same(rt.infer("b", *x), ref)
+        torch.cuda.synchronize()
+        free_after, _ = torch.cuda.mem_get_info()
+        # Each worker holds one context and its activations cache; killed ones gave theirs back.
+        assert abs(free_after - free_before) < 256 << 20

@@ -64,7 +64,7 @@ def test_bench_switch_measures_every_baseline_with_exact_outputs(tmp_path, capsy
 def test_bench_cycles_reports_a_fraction_of_ready(tmp_path, capsys):
     path = tmp_path / "cycles.json"
     code = cli.main(
-        ["bench", "cycles", "--model", "tiny_cnn", "--cycles", "0.3,0.6", "--rounds", "1", "--train", "tiny_mlp:8",
+        ["bench", "cycles", "--model", "tiny_cnn", "--cycles", "0.3,0.6", "--rounds", "1", "--min-inference-s", "0.6", "--train", "tiny_mlp:8",
          "--device", "cpu", "--memory", "16MiB", "--json", str(path)]
     )
     assert code == 0
@@ -73,7 +73,8 @@ def test_bench_cycles_reports_a_fraction_of_ready(tmp_path, capsys):
     assert data["outputs_match_ready"] is True and data["ready_rps"] > 0
     assert [r["cycle_s"] for r in data["results"]] == [0.3, 0.6]
     for r in data["results"]:
-        assert r["requests"] > 0 and r["switches"] == 1 and 0 < r["fraction_of_ready"]
+        assert r["requests"] > 0 and r["switches"] == r["rounds"] and 0 < r["fraction_of_ready"]
+    assert [r["rounds"] for r in data["results"]] == [2, 1]
 
 
 def test_bench_switch_and_cycles_refuse_bad_arguments(capsys):

@@ -12,6 +12,7 @@ model's, measured back to back with the job paused for as long, right after each
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class CyclesBenchConfig:
     evict: bool = True
     train: str | None = None
     memory: str = "auto"
+    min_inference_s: float = 20.0  # short cycles get more rounds, so each length gets this much inference
 
 
 def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -66,28 +68,33 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
             for cycle in config.cycles:
                 total_n, total_s, switches = 0, 0.0, 0
                 ready_n, ready_s = 0, 0.0
-                for round_ in range(config.rounds):
-                    progress(f"cycle {cycle:g} s: round {round_ + 1}/{config.rounds}, training")
+                rounds = max(config.rounds, math.ceil(config.min_inference_s / cycle))
+                for round_ in range(rounds):
+                    if round_ % 2:  # the ready turn first every other round: drift hits both alike
+                        progress(f"cycle {cycle:g} s: round {round_ + 1}/{rounds}, ready")
+                        n, elapsed, ok = _serve(rt, name, inputs, reference, cycle)
+                        exact &= ok
+                        ready_n, ready_s = ready_n + n, ready_s + elapsed
+                    progress(f"cycle {cycle:g} s: round {round_ + 1}/{rounds}, training")
                     if config.evict:
                         rt.evict(name)
                     before = len(rt.switches())
                     _resume_training(job, iterations=1)
                     time.sleep(max(0.0, cycle - 0.0))
-                    progress(f"cycle {cycle:g} s: round {round_ + 1}/{config.rounds}, inference")
+                    progress(f"cycle {cycle:g} s: round {round_ + 1}/{rounds}, inference")
                     job.pause()  # the scheduler's decision: inference's turn (stops at the next boundary)
                     n, elapsed, ok = _serve(rt, name, inputs, reference, cycle)
                     exact &= ok
                     total_n, total_s = total_n + n, total_s + elapsed
                     switches += len(rt.switches()) - before
-                    # The ready model for as long, right after (the job stays paused, the model
-                    # resident), so that drift of the machine hits both alike.
-                    progress(f"cycle {cycle:g} s: round {round_ + 1}/{config.rounds}, ready")
-                    n, elapsed, ok = _serve(rt, name, inputs, reference, cycle)
-                    exact &= ok
-                    ready_n, ready_s = ready_n + n, ready_s + elapsed
+                    if round_ % 2 == 0:  # the ready model for as long (job paused, model resident)
+                        progress(f"cycle {cycle:g} s: round {round_ + 1}/{rounds}, ready")
+                        n, elapsed, ok = _serve(rt, name, inputs, reference, cycle)
+                        exact &= ok
+                        ready_n, ready_s = ready_n + n, ready_s + elapsed
                 rps, ready_rps = total_n / total_s, ready_n / ready_s
                 all_ready_n, all_ready_s = all_ready_n + ready_n, all_ready_s + ready_s
-                results.append({"cycle_s": cycle, "rounds": config.rounds, "requests": total_n, "inference_s": total_s,
+                results.append({"cycle_s": cycle, "rounds": rounds, "requests": total_n, "inference_s": total_s,
                                 "rps": rps, "ready_rps": ready_rps, "fraction_of_ready": rps / ready_rps,
                                 "switches": switches})
         finally:
@@ -96,7 +103,7 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
     return {
         "benchmark": "cycles",
         "config": {"model": name, "batch": batch, "dtype": config.dtype, "cycles": list(config.cycles),
-                   "rounds": config.rounds, "evict": config.evict, "train": str(train)},
+                   "rounds": config.rounds, "min_inference_s": config.min_inference_s, "evict": config.evict, "train": str(train)},
         "environment": env,
         "ready_rps": all_ready_n / all_ready_s,
         "outputs_match_ready": exact,

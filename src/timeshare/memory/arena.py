@@ -40,19 +40,43 @@ class Arena:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.buffer}
 
+    def share(self):
+        """What another process needs to map this arena, as plain picklable data, sent
+        once when a worker starts: the segment's name on the CPU; on CUDA the IPC handle
+        of the one allocation (PyTorch's own CUDA tensor sharing, so the driver maps the
+        same device memory). The arena must stay open while workers use it."""
+        if self._shm is not None:
+            return ("shm", self._shm.name)
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(self.buffer)
+        return ("cuda_ipc", rebuild, args)
+
     @classmethod
-    def attach(cls, name: str, capacity: int, device: torch.device) -> "Arena":
-        """Map an arena that another process created (a worker's view of the controller's
-        CPU arena). Closing it unmaps; only the creator unlinks."""
-        if device.type != "cpu":
-            raise MemoryBudgetError(f"attaching to an arena by name is only available on the CPU, not {device}")
+    def attach(cls, handle, capacity: int, device: torch.device) -> "Arena":
+        """Map an arena that another process created and shared (``share()``): a
+        worker's view of the controller's arena. Closing it unmaps; only the creator
+        unlinks or frees."""
         self = cls.__new__(cls)
         self.device = device
         self.allocator = Allocator(capacity)
         self.capacity = capacity
-        self._shm = attach_shared_memory(name)
         self._owner = False
-        self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=capacity)
+        self._shm = None
+        kind = handle[0]
+        if kind == "shm" and device.type == "cpu":
+            self._shm = attach_shared_memory(handle[1])
+            self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=capacity)
+        elif kind == "cuda_ipc" and device.type == "cuda":
+            _, rebuild, args = handle
+            self.buffer = rebuild(*args)
+            if self.buffer.device != device or self.buffer.numel() != capacity:
+                raise MemoryBudgetError(
+                    f"the shared arena is {self.buffer.numel():,} bytes on {self.buffer.device}, "
+                    f"expected {capacity:,} on {device}"
+                )
+        else:
+            raise MemoryBudgetError(f"cannot attach a {kind!r} arena on {device}")
         self._typed = {torch.uint8: self.buffer}
         return self
 
@@ -87,7 +111,7 @@ class Arena:
         """Drop the buffer and give the memory back (unlinks the shared-memory segment)."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._typed.clear()
-        if self.device.type == "cuda":  # hand the bytes back to the driver, not just to the cache
+        if self.device.type == "cuda" and self._owner:  # hand the bytes back to the driver
             torch.cuda.empty_cache()
         if self._shm is not None:
             shm, self._shm = self._shm, None

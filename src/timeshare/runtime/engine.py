@@ -126,11 +126,6 @@ class Runtime:
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
         self.device = resolve_device(device)
-        if workers and self.device.type != "cpu":
-            raise ConfigError(
-                f"workers={workers} needs device='cpu' for now: worker processes on {self.device} "
-                "(CUDA IPC of the arena) are not available yet; use workers=0"
-            )
         self.strategy = strategy
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = parse_bytes(fixed_group_bytes, what="fixed_group_bytes")
@@ -149,7 +144,7 @@ class Runtime:
         try:
             if workers:
                 self._pool = ProcessPool(
-                    workers, device=str(self.device), arena_name=self._arena.shm_name or "",
+                    workers, device=str(self.device), arena=self._arena.share(),
                     arena_capacity=self._arena.capacity, profile_repeats=profile_repeats,
                     fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s,
                     task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,

@@ -67,7 +67,7 @@ class ProcessPool:
         n: int,
         *,
         device: str,
-        arena_name: str,
+        arena: object,
         arena_capacity: int,
         profile_repeats: int,
         fixed_group_bytes: int,
@@ -76,7 +76,7 @@ class ProcessPool:
         startup_timeout_s: float,
     ):
         self._ctx = spawn_context()
-        self._template = dict(device=device, arena_name=arena_name, arena_capacity=arena_capacity,
+        self._template = dict(device=device, arena=arena, arena_capacity=arena_capacity,
                               profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
                               load_timeout_s=load_timeout_s)
         self.task_timeout_s = task_timeout_s
@@ -92,6 +92,7 @@ class ProcessPool:
         self.switches: list[Switch] = []
         self._profiles: dict[str, dict[str, object]] = {}  # model -> shape key -> ModelProfile
         self.profilings = 0  # profiles measured by any worker
+        self.last_timings: dict = {}  # the latest task's timings, as the worker reported them
         self._retired: list[WorkerHandle] = []  # started for one task (benchmarks), to stop
         self.workers: list[WorkerHandle] = [self._spawn() for _ in range(n)]  # they boot in parallel
         try:
@@ -164,6 +165,7 @@ class ProcessPool:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._replace(w)
             raise
+        self.last_timings = reply.timings if isinstance(reply, P.Result) else {}
         self.profilings += len(reply.profiles)
         for p in reply.profiles:
             self._profiles.setdefault(model, {})[p.shape_key] = p

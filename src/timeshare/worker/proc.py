@@ -47,7 +47,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
 
     where = f"worker {start.worker}"
     device = resolve_device(start.device)
-    arena = Arena.attach(start.arena_name, start.arena_capacity, device)
+    arena = Arena.attach(start.arena, start.arena_capacity, device)  # creates the device context on CUDA
     engine = make_copy_engine(device, start.load_timeout_s)
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
                     fixed_group_bytes=start.fixed_group_bytes)
@@ -72,6 +72,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         layout.entries = [manifest[e.key] for e in layout.entries]
         shm = attach_shared_memory(msg.store_name)
         buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=msg.store_nbytes)
+        if device.type == "cuda":
+            pin_host_memory(buffer)  # page-locked in this process, so copies are asynchronous DMA
         store = HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment)
         worker.add(msg.model, module, layout, store, order=msg.order)
         segments[msg.model] = shm
@@ -81,7 +83,11 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             add_model(msg)
             return P.Ack(msg.seq)
         if isinstance(msg, P.RemoveModel):
+            store = worker.models[msg.model].store
             worker.remove(msg.model)
+            if device.type == "cuda":
+                unpin_host_memory(store.buffer)
+            del store
             segments.pop(msg.model).close()
             return P.Ack(msg.seq)
         if isinstance(msg, P.Run):
@@ -93,10 +99,15 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             out = worker.run(msg.model, msg.offset, msg.resident, msg.args, msg.kwargs, msg.strategy)
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
             out = worker.to_host(out)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # nothing of this task is still queued when we answer
             load = worker.last_load.copy_seconds() if worker.last_load is not None else None
             profiles = worker.models[msg.model].profiles
             learned = tuple(p for k, p in profiles.items() if k not in known)
-            return P.Result(msg.seq, out, time.perf_counter() - t0, {"received_at": t0, "load_s": load}, learned)
+            timings = {"received_at": t0, "load_s": load}
+            if device.type == "cuda":  # device allocations made by this process so far (tests)
+                timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+            return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
         if isinstance(msg, P.Profile):
             profile = worker.profile(msg.model, msg.offset, msg.args, msg.kwargs)
             return P.Result(msg.seq, profile, profiles=(profile,))
@@ -185,6 +196,21 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 shm.close()
             except BufferError:
                 pass
+
+
+def pin_host_memory(buffer) -> None:
+    """Page-lock a host buffer this process mapped (a host store in shared memory)."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+
+
+def unpin_host_memory(buffer) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 # ------------------------------------------------------------------ controller side
