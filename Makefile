@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CPU_TORCH := torch==2.13.0
 
-.PHONY: demo test test-gpu bench-pipeline clean
+.PHONY: demo test test-gpu bench-pipeline bench-switch bench-cycles clean
 
 $(STAMP): pyproject.toml Makefile
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -31,6 +31,12 @@ test-gpu: $(STAMP)
 
 bench-pipeline: $(STAMP)
 	$(BIN)/timeshare bench pipeline --json bench/results/pipeline-$$(date +%Y%m%d).json
+
+bench-switch: $(STAMP)
+	$(BIN)/timeshare bench switch --json bench/results/switch-$$(date +%Y%m%d).json
+
+bench-cycles: $(STAMP)
+	$(BIN)/timeshare bench cycles --json bench/results/cycles-$$(date +%Y%m%d).json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
