@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p = bench.add_parser("pipeline", help="first-inference latency per grouping strategy (PipeSwitch Fig. 7)")
     p.add_argument("--models", nargs="+", default=None, help="zoo models (default: resnet152 inception_v3 bert_base)")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--device", default="auto")
+    _device_options(p)
     p.add_argument("--repeats", type=int, default=10, help="timed rounds (each times ready and every strategy)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
@@ -47,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                          "it pays (two processes without a standby, one process, stop-and-start).")
     p.add_argument("--models", nargs="+", default=None, help="zoo models (default: resnet152 inception_v3 bert_base)")
     p.add_argument("--batch", type=int, default=None, help="default: 8 on CUDA, 1 on the CPU")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--device", default="auto")
+    _device_options(p)
     p.add_argument("--repeats", type=int, default=10, help="timed rounds of ready and timeshare")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--baseline-repeats", type=int, default=3, help="runs of each baseline")
@@ -65,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the ready model's.")
     p.add_argument("--model", default="resnet152", help="zoo model serving inference")
     p.add_argument("--batch", type=int, default=None, help="default: 8 on CUDA, 1 on the CPU")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--device", default="auto")
+    _device_options(p)
     p.add_argument("--cycles", default="1,2,5,10,30", help="scheduling cycles in seconds, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="at least this many turns per cycle length")
     p.add_argument("--min-inference-s", type=float, default=20.0,
@@ -158,6 +155,11 @@ def _print_pipeline(result: dict) -> None:
         "against the larger interquartile range. exact: every first-inference output is bitwise equal to "
         "the ready model's."
     )
+
+
+def _device_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--device", default="auto")
 
 
 def _write_json(path: Path | None, result: dict) -> None:

@@ -12,28 +12,8 @@ from tests import models
 from timeshare.errors import ConfigError, TimeshareError
 
 
-def net():
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
-
-
-def batches(n=150):
-    g = torch.Generator().manual_seed(7)
-    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
-
-
-def step(model, optimizer, batch):
-    time.sleep(0.002)  # a step that takes a while, so inference really preempts it
-    x, y = batch
-    optimizer.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-2)
+# The same job as the worker tests' (importable, in tests/models.py).
+net, batches, step, adam = models.train_net, models.train_batches, models.train_step, models.adam
 
 
 def train_alone(**kwargs):
