@@ -108,11 +108,7 @@ def _bench_pipeline(args) -> int:
         get(m)  # unknown names fail before any work
     cfg = PipelineBenchConfig(models=models, batch=args.batch, dtype=args.dtype, device=args.device,
                               repeats=args.repeats, warmup=args.warmup, memory=args.memory)
-    with console.status("starting") as status:
-        result = run(cfg, progress=lambda msg: status.update(msg))
-    _print_pipeline(result)
-    _write_json(args.json, result)
-    return 0
+    return _run_bench(run, cfg, _print_pipeline, args.json)
 
 
 def _print_pipeline(result: dict) -> None:
@@ -157,6 +153,15 @@ def _print_pipeline(result: dict) -> None:
     )
 
 
+def _run_bench(run, cfg, show, path: Path | None) -> int:
+    """Run a benchmark with a progress line, print its table and write its JSON."""
+    with console.status("starting") as status:
+        result = run(cfg, progress=lambda msg: status.update(msg))
+    show(result)
+    _write_json(path, result)
+    return 0
+
+
 def _device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--device", default="auto")
@@ -184,11 +189,7 @@ def _bench_switch(args) -> int:
                             repeats=args.repeats, warmup=args.warmup, baseline_repeats=args.baseline_repeats,
                             baselines=BASELINES if args.baselines is None else args.baselines, train=args.train,
                             memory=args.memory)
-    with console.status("starting") as status:
-        result = run(cfg, progress=lambda msg: status.update(msg))
-    _print_switch(result)
-    _write_json(args.json, result)
-    return 0
+    return _run_bench(run, cfg, _print_switch, args.json)
 
 
 def _print_switch(result: dict) -> None:
@@ -241,11 +242,7 @@ def _bench_cycles(args) -> int:
         return 2
     cfg = CyclesBenchConfig(model=args.model, batch=args.batch, dtype=args.dtype, device=args.device, cycles=cycles,
                             rounds=args.rounds, min_inference_s=args.min_inference_s, evict=not args.keep_resident, train=args.train, memory=args.memory)
-    with console.status("starting") as status:
-        result = run(cfg, progress=lambda msg: status.update(msg))
-    _print_cycles(result)
-    _write_json(args.json, result)
-    return 0
+    return _run_bench(run, cfg, _print_cycles, args.json)
 
 
 def _print_cycles(result: dict) -> None:

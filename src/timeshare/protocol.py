@@ -106,13 +106,11 @@ class Train:
     seq: int
     job: str
     spec: Any = None
-    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)
 class Preempt:
     seq: int  # the Train segment to stop
-    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)

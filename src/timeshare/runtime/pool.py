@@ -209,7 +209,7 @@ class ProcessPool:
                 return None  # replaced meanwhile; _home reports it next time
             seq = self._next_seq()
             try:
-                home.conn.send_bytes(P.dumps(P.Train(seq, job, spec, time.perf_counter())))
+                home.conn.send_bytes(P.dumps(P.Train(seq, job, spec)))
             except OSError:
                 pass  # the process is gone: run_segment reports it
             self._segment = _Segment(job, home, seq)
@@ -293,7 +293,7 @@ class ProcessPool:
         if seg.preempted_at is None:
             seg.preempted_at = now
             try:
-                seg.worker.conn.send_bytes(P.dumps(P.Preempt(seg.seq, now)))
+                seg.worker.conn.send_bytes(P.dumps(P.Preempt(seg.seq)))
             except OSError:
                 pass  # already dead: the segment's reader reports it
         if model and seg.switch is None:
