@@ -3,7 +3,6 @@ import torch
 
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError, DeviceError
-from timeshare.memory.eviction import LRUPolicy, make_eviction_policy
 from timeshare.units import format_bytes, parse_bytes
 
 
@@ -24,23 +23,6 @@ def test_parse_bytes_rejects(value):
 def test_format_bytes():
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(10) == "10 B"
-
-
-def test_lru_order_and_protection():
-    p = LRUPolicy()
-    for m in "abc":
-        p.admitted(m)
-    p.touched("a")
-    assert p.candidates() == ["b", "c", "a"]
-    assert p.candidates(protected={"b"}) == ["c", "a"]
-    p.removed("c")
-    assert p.candidates() == ["b", "a"]
-
-
-def test_policy_factory_names_known_policies():
-    assert isinstance(make_eviction_policy("LRU"), LRUPolicy)
-    with pytest.raises(ConfigError, match=r"unknown eviction policy 'mru'; known: \['lru'\]"):
-        make_eviction_policy("mru")
 
 
 def test_resolve_device():

@@ -1,8 +1,7 @@
-"""Device memory: the integer allocator, the arena that owns the one device buffer,
-and the eviction policies that pick which resident model makes room."""
+"""Device memory: the integer allocator and the arena that owns the one device buffer.
+(Which resident model makes room is the scheduler's: ``timeshare.scheduler.eviction``.)"""
 
 from timeshare.memory.allocator import Allocator, Block
 from timeshare.memory.arena import Arena
-from timeshare.memory.eviction import EvictionPolicy, LRUPolicy, make_eviction_policy
 
-__all__ = ["Allocator", "Arena", "Block", "EvictionPolicy", "LRUPolicy", "make_eviction_policy"]
+__all__ = ["Allocator", "Arena", "Block"]

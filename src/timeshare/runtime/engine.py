@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.shared_memory import SharedMemory
@@ -34,11 +35,12 @@ from timeshare.errors import (
     UnknownModelError,
 )
 from timeshare import protocol as P
-from timeshare.memory import Arena, Block, make_eviction_policy
+from timeshare.memory import Arena, Block
 from timeshare.models.binding import TensorLayout, bind, collect, unbind
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
 from timeshare.runtime.tree import map_tensors
+from timeshare.scheduler.eviction import make_eviction_policy
 from timeshare.transfer.copy import LoadHandle, make_copy_engine
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.planner import STRATEGIES
@@ -345,9 +347,9 @@ class Runtime:
             return True
 
     def resident(self) -> list[str]:
-        """Names of the models in device memory, least recently used first."""
+        """Names of the models in device memory, the first to evict first under the policy."""
         with self._turn():
-            return [n for n in self._policy.candidates() if self._models[n].block is not None]
+            return [n for n in self._policy.candidates(time.monotonic()) if self._models[n].block is not None]
 
     def models(self) -> list[str]:
         with self._turn():
@@ -470,7 +472,7 @@ class Runtime:
             raise
         if not resident:
             m.loads += 1
-        self._policy.touched(m.name)
+        self._policy.touched(m.name, time.monotonic())
         return out
 
     def _place(self, m: _Model) -> Block:
@@ -489,7 +491,7 @@ class Runtime:
         block = allocate()
         while block is None:
             protected = {n for n, x in self._models.items() if x.pinned or x is m}
-            victims = [n for n in self._policy.candidates(protected) if self._models[n].block is not None]
+            victims = [n for n in self._policy.candidates(time.monotonic(), protected) if self._models[n].block is not None]
             if not victims:
                 alloc = self._arena.allocator
                 raise MemoryBudgetError(
@@ -500,7 +502,7 @@ class Runtime:
             block = allocate()
         m.block = block
         m.last_offset = block.offset
-        self._policy.admitted(m.name)
+        self._policy.admitted(m.name, time.monotonic(), reload_s=0.0)
         return block
 
     def _evict(self, m: _Model) -> None:

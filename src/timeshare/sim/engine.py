@@ -1,0 +1,259 @@
+"""The discrete-event simulator: a trace, a cost model and the real scheduler objects,
+on a virtual clock. Runs in the simulator's process (the CLI).
+
+The simulator is the scheduler's executor: it submits arrivals, carries out Run and
+Preempt decisions on a model of the device, and reports Finished and Stopped back,
+calling ``schedule`` after every event and at ``next_wakeup``. Deterministic: no
+wall clock, no randomness of its own (traces carry their seed).
+
+# NOTE [Device sharing model]
+Each running task (a training job's segment, or a batch of requests) needs some
+seconds of device work if it ran alone. Tasks that run at once share the device: each
+has a utilization u (1 unless the cost model says less), and when their total U
+exceeds 1 each progresses at 1/U of its solo speed, so co-located tasks help exactly
+as much as the device was idle. A Run pays set-up first: a training job's start-up on
+its first start (``resume_s`` on later ones), a request batch's model load on a cache
+miss (the pipelined load's extra latency; stop-and-start: the whole restart). A
+preempted training task runs on to its next iteration boundary, overlapping the task
+that replaces it (NOTE [Scheduler slots]).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from heapq import heappop, heappush
+
+import numpy as np
+
+from timeshare.errors import ConfigError
+from timeshare.scheduler.core import Scheduler
+from timeshare.scheduler.task import Finished, Kind, Preempt, Run, Stopped, Task
+from timeshare.sim.cache import ModelCache
+from timeshare.sim.costs import CostModel
+from timeshare.sim.trace import Arrival
+
+
+class _Job:
+    """One running task (with its batch) on the simulated device."""
+
+    __slots__ = ("task", "left", "setup", "unit_s", "done0", "u", "rate", "epoch", "stop_at", "compute")
+
+    def __init__(self, task: Task, setup: float, unit_s: float, work_s: float, u: float):
+        self.task = task
+        self.setup = setup  # seconds of set-up at the start of ``left``
+        self.unit_s = unit_s
+        self.done0 = task.done
+        self.left = setup + work_s  # solo seconds to the end (or to the stop boundary)
+        self.compute = work_s
+        self.u = u
+        self.rate = 1.0
+        self.epoch = 0
+        self.stop_at: float | None = None  # units at which a preempted task stops
+
+
+@dataclass
+class SimResult:
+    """Per-task records and counters of one simulation."""
+
+    policy: str
+    kinds: list = field(default_factory=list)
+    arrivals: list = field(default_factory=list)
+    starts: list = field(default_factory=list)
+    finishes: list = field(default_factory=list)
+    deadlines: list = field(default_factory=list)
+    busy_s: float = 0.0
+    useful_s: float = 0.0
+    load_s: float = 0.0
+    preemptions: int = 0
+    loads: int = 0
+    evictions: int = 0
+    unfinished: int = 0
+    events: int = 0
+
+    def report(self) -> dict:
+        """Makespan, queuing and completion times of training jobs; latency
+        percentiles and SLO attainment of requests; utilization, switches, evictions."""
+        kinds = np.array(self.kinds)
+        arr, start, fin = np.array(self.arrivals), np.array(self.starts), np.array(self.finishes)
+        out: dict = {"policy": self.policy, "tasks": int(len(fin)), "unfinished": self.unfinished}
+        if len(fin):
+            span = float(fin.max() - arr.min())
+            out["makespan_s"] = span
+            out["utilization"] = self.busy_s / span if span > 0 else 0.0
+            out["useful_utilization"] = self.useful_s / span if span > 0 else 0.0
+        train = kinds == "t"
+        if train.any():
+            jct = fin[train] - arr[train]
+            out["training"] = {
+                "jobs": int(train.sum()),
+                "avg_queuing_s": float((start[train] - arr[train]).mean()),
+                "avg_jct_s": float(jct.mean()),
+                "p95_jct_s": float(np.percentile(jct, 95)),
+            }
+        inf = kinds == "i"
+        if inf.any():
+            lat = fin[inf] - arr[inf]
+            dl = np.array(self.deadlines)[inf]
+            has = ~np.isnan(dl)
+            out["inference"] = {
+                "requests": int(inf.sum()),
+                "p50_ms": float(np.percentile(lat, 50) * 1e3),
+                "p95_ms": float(np.percentile(lat, 95) * 1e3),
+                "p99_ms": float(np.percentile(lat, 99) * 1e3),
+                "mean_ms": float(lat.mean() * 1e3),
+                "slo_attainment": float((fin[inf][has] <= dl[has]).mean()) if has.any() else None,
+            }
+        out.update(switches=self.preemptions + self.loads, preemptions=self.preemptions, loads=self.loads,
+                   evictions=self.evictions, load_s=self.load_s, events=self.events)
+        return out
+
+
+class Simulator:
+    """Replays ``trace`` against ``scheduler`` with ``costs``. ``cache``: resident
+    models for inference (None: every model stays resident). ``restart``: a cache miss
+    costs the model's whole stop-and-start time (Ollama-style process swap).
+    ``resume_s``: set-up of a training job resumed after preemption."""
+
+    def __init__(self, scheduler: Scheduler, costs: CostModel, *, cache: ModelCache | None = None,
+                 restart: bool = False, resume_s: float = 0.0):
+        self.scheduler = scheduler
+        self.costs = costs
+        self.cache = cache
+        self.restart = restart
+        self.resume_s = resume_s
+        self._jobs: dict[int, _Job] = {}
+        self._events: list = []
+        self._seq = 0
+        self._last = 0.0
+
+    def run(self, trace: list[Arrival], *, horizon_s: float = math.inf) -> SimResult:
+        sched = self.scheduler
+        res = SimResult(sched.policy.name)
+        self._res = res
+        costs = self.costs
+        n = len(trace)
+        i = 0
+        now = 0.0
+        events = self._events
+        wake_at = math.inf
+        while True:
+            t_arr = trace[i].time if i < n else math.inf
+            t_ev = events[0][0] if events else math.inf
+            if t_arr == math.inf and t_ev == math.inf and wake_at == math.inf:
+                break
+            if min(t_arr, t_ev, wake_at) > horizon_s:
+                break
+            res.events += 1
+            if t_arr <= t_ev and t_arr <= wake_at:
+                now = t_arr
+                self._advance(now)
+                a = trace[i]
+                c = costs[a.model]
+                sched.submit(Task(i, a.kind, a.model, now, a.work, c.unit_s, a.priority,
+                                  None if a.slo_s is None else now + a.slo_s, c.persistent, c.ephemeral,
+                                  c.startup_s), now)
+                i += 1
+            elif t_ev <= wake_at:
+                t, _, job, epoch = heappop(events)
+                if job.epoch != epoch or job.task.id not in self._jobs:
+                    continue
+                now = t
+                self._advance(now)
+                self._complete(job, now)
+            else:
+                now = wake_at
+                self._advance(now)
+            wake_at = math.inf
+            decisions = sched.schedule(now)
+            if decisions:
+                self._execute(decisions, now)
+            if sched.quantum_s:
+                w = sched.next_wakeup(now)
+                if w is not None:
+                    wake_at = max(w, now)
+        res.unfinished = len(sched.tasks)
+        res.evictions = self.cache.evictions if self.cache is not None else 0
+        res.loads = self.cache.loads if self.cache is not None else res.loads
+        res.preemptions = sched.preemptions
+        return res
+
+    # ------------------------------------------------------------------ device model
+    def _advance(self, now: float) -> None:
+        dt = now - self._last
+        self._last = now
+        if dt <= 0 or not self._jobs:
+            return
+        self._res.busy_s += dt
+        for job in self._jobs.values():
+            job.left -= job.rate * dt
+
+    def _rates(self, now: float) -> None:
+        """Re-derive every running job's speed and completion event (NOTE [Device sharing model])."""
+        jobs = self._jobs.values()
+        total = sum(j.u for j in jobs)
+        slow = 1.0 / total if total > 1.0 else 1.0
+        for j in jobs:
+            j.rate = slow
+            j.epoch += 1
+            self._seq += 1
+            heappush(self._events, (now + max(0.0, j.left) / slow, self._seq, j, j.epoch))
+
+    def _execute(self, decisions, now: float) -> None:
+        for d in decisions:
+            if isinstance(d, Run):
+                self._start(d, now)
+            elif isinstance(d, Preempt):
+                job = self._jobs[d.task.id]
+                # Solo seconds done so far -> units; stop at the next whole unit.
+                elapsed = job.setup + job.compute - job.left
+                units = job.done0 + max(0.0, elapsed - job.setup) / job.unit_s if job.unit_s > 0 else job.done0
+                boundary = min(math.ceil(units - 1e-9), d.task.work)
+                job.stop_at = boundary
+                job.left = job.setup + (boundary - job.done0) * job.unit_s - elapsed
+            else:
+                raise ConfigError(f"unknown decision {d!r}")
+        self._rates(now)
+
+    def _start(self, d: Run, now: float) -> None:
+        t = d.task
+        c = self.costs[t.model]
+        if t.kind is Kind.INFERENCE:
+            setup = 0.0
+            if self.cache is not None:
+                in_use = [j.task.model for j in self._jobs.values()]
+                if self.cache.acquire(t.model, c.nbytes, c.load_s, now, in_use):
+                    setup = c.restart_s - c.unit_s if self.restart and c.restart_s else c.load_s
+                    self._res.load_s += setup
+                    if self.cache.detector is not None:
+                        self.cache.detector.loaded(t.model, now, setup)
+            work = c.compute_s(1 + len(t.batch))
+            if self.cache is not None and self.cache.detector is not None:
+                self.cache.detector.worked(t.model, now, work)
+                self.scheduler.batch_factor = self.cache.detector.batch_factor(now)
+            job = _Job(t, setup, work, work, 1.0)
+            job.done0 = 0.0
+        else:
+            setup = c.startup_s if t.done == 0 and t.preemptions == 0 else self.resume_s
+            work = (t.work - t.done) * c.unit_s
+            job = _Job(t, setup, c.unit_s, work, c.utilization)
+        self._jobs[t.id] = job
+
+    def _complete(self, job: _Job, now: float) -> None:
+        del self._jobs[job.task.id]
+        t = job.task
+        sched = self.scheduler
+        res = self._res
+        if job.stop_at is not None and job.stop_at < t.work:
+            res.useful_s += (job.stop_at - job.done0) * job.unit_s
+            sched.update(Stopped(t.id, now, job.stop_at))
+        else:
+            res.useful_s += job.compute
+            for x in (t, *t.batch):
+                res.kinds.append("i" if x.kind is Kind.INFERENCE else "t")
+                res.arrivals.append(x.arrival)
+                res.starts.append(x.started_at)
+                res.finishes.append(now)
+                res.deadlines.append(math.nan if x.deadline is None else x.deadline)
+                sched.update(Finished(x.id, now))
+        self._rates(now)
