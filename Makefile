@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CPU_TORCH := torch==2.13.0
 
-.PHONY: demo test test-gpu bench-pipeline bench-switch bench-cycles clean
+.PHONY: demo test test-gpu bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler sim-salus sim-serving clean
 
 $(STAMP): pyproject.toml Makefile
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -37,6 +37,18 @@ bench-switch: $(STAMP)
 
 bench-cycles: $(STAMP)
 	$(BIN)/timeshare bench cycles --json bench/results/cycles-$$(date +%Y%m%d).json
+
+bench-colocate: $(STAMP)
+	$(BIN)/timeshare bench colocate --json bench/results/colocate-$$(date +%Y%m%d).json
+
+bench-scheduler: $(STAMP)
+	$(BIN)/timeshare bench scheduler --json bench/results/scheduler-$$(date +%Y%m%d).json
+
+sim-salus: $(STAMP)
+	$(BIN)/timeshare sim salus --json bench/results/sim-salus.json --plot bench/results/sim-salus.png
+
+sim-serving: $(STAMP)
+	$(BIN)/timeshare sim serving --json bench/results/sim-serving-cpu-costs.json --plot bench/results/sim-serving-cpu-costs.png
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

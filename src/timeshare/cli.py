@@ -3,6 +3,8 @@
     timeshare bench pipeline [--models ...] [--batch 8] [--dtype fp32] [--json PATH]
     timeshare bench switch [--models ...] [--train MODEL:BATCH] [--json PATH]
     timeshare bench cycles [--model resnet152] [--cycles 1,2,5,10,30] [--json PATH]
+    timeshare bench colocate | scheduler   (see timeshare.cli_sim)
+    timeshare sim salus | serving | run
     timeshare zoo [--generate]
 """
 
@@ -75,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    from timeshare.cli_sim import add_bench_parsers, add_sim_parser, run_bench, run_sim
+
+    add_bench_parsers(bench)
+    add_sim_parser(sub)
+
     z = sub.add_parser("zoo", help="list the model zoo")
     z.add_argument("--generate", action="store_true", help="generate and cache every model's weights")
 
@@ -87,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_switch(args)
         if args.command == "bench" and args.bench == "cycles":
             return _bench_cycles(args)
+        if args.command == "bench" and args.bench in ("colocate", "scheduler"):
+            return run_bench(args, console, _run_bench)
+        if args.command == "sim":
+            return run_sim(args, console, _write_json)
         if args.command == "zoo":
             return _zoo(args)
     except TimeshareError as exc:

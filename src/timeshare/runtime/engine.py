@@ -40,6 +40,7 @@ from timeshare.models.binding import TensorLayout, bind, collect, unbind
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
 from timeshare.runtime.tree import map_tensors
+from timeshare.scheduler.task import Kind
 from timeshare.scheduler.eviction import make_eviction_policy
 from timeshare.transfer.copy import LoadHandle, make_copy_engine
 from timeshare.transfer.host_store import HostStore, TensorEntry
@@ -47,8 +48,8 @@ from timeshare.transfer.planner import STRATEGIES
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
 from timeshare.units import format_bytes, parse_bytes
 from timeshare.runtime.pool import ProcessPool
+from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.training import (
-    DeviceGate,
     LocalTrainingJob,
     TrainingJob,
     WorkerTrainingJob,
@@ -99,6 +100,11 @@ class Runtime:
     resident model leaves when a new one needs room. ``strategy``: how loads are
     grouped: "optimal" (default), "per_layer", "whole" or "fixed".
 
+    ``scheduling``: who gets the device next (``timeshare.runtime.dispatch``):
+    "priority" (default; calls preempt training at its next iteration boundary),
+    "fifo", "fair", "srtf" or "edf"; ``time_slice_s``: how long a training job keeps
+    the device before waiting calls get it (FIFO time-slicing; FAIR's default 1 s).
+
     Outputs are returned on the CPU, so the same call works when the model runs in
     another process.
     """
@@ -116,6 +122,8 @@ class Runtime:
         workers: int = 0,
         task_timeout_s: float = 300.0,
         startup_timeout_s: float = 120.0,
+        scheduling: str = "priority",
+        time_slice_s: float | None = None,
     ):
         if strategy not in STRATEGIES:
             raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
@@ -127,6 +135,9 @@ class Runtime:
                 raise ConfigError(f"{what} must be positive, got {value}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
+        # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
+        # before any memory is taken.
+        self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s)
         self.device = resolve_device(device)
         self.strategy = strategy
         self.profile_repeats = profile_repeats
@@ -160,7 +171,6 @@ class Runtime:
         except BaseException:
             self._arena.close()
             raise
-        self._gate = DeviceGate()  # inference first; training between its iterations
         self._jobs: dict[str, TrainingJob] = {}
         self._submitter: ThreadPoolExecutor | None = None
         self._quarantine: list[tuple[Block, LoadHandle]] = []  # blocks a stuck copy may still write
@@ -453,7 +463,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ internals
     def _infer(self, name: str, args: tuple, kwargs: dict, strategy: str | None):
-        with self._turn():
+        with self._turn(name, Kind.INFERENCE):
             m = self._get(name)
             args, kwargs = self._to_device(args), self._to_device(kwargs)
             out = self._run(m, args, kwargs, strategy)
@@ -547,9 +557,9 @@ class Runtime:
         return self._worker.to_host(out) if self._worker is not None else out
 
     @contextmanager
-    def _turn(self):
-        """The runtime's lock, taken with priority over training jobs (NOTE [Preemption points])."""
-        with self._gate.priority(), self._lock:
+    def _turn(self, model: str = "", kind: Kind = Kind.CONTROL):
+        """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
+        with self._gate.priority(model, kind), self._lock:
             yield
 
     @property

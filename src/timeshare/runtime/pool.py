@@ -196,13 +196,13 @@ class ProcessPool:
             w.stop()
 
     # ------------------------------------------------------------------ training
-    def begin_segment(self, job: str, spec, gate) -> _Segment | None:
-        """Start (``spec`` given) or resume a training job in its home worker. None when a
-        caller waits for the runtime or another segment runs: the job parks and retries."""
+    def begin_segment(self, job: str, spec, gate, job_handle) -> _Segment | None:
+        """Start (``spec`` given) or resume a training job in its home worker. None when the
+        scheduler no longer runs the job or another segment runs: the job parks and retries."""
         home = self._home(job, spec is not None)
         self._ready(home)
         with self._cv:
-            if gate.waiting() or self._segment is not None:
+            if not gate.holds_turn(job_handle) or self._segment is not None:
                 self._cv.wait(0.05)
                 return None
             if home not in self.workers:

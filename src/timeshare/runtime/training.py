@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError, TimeshareError
+from timeshare.runtime.dispatch import Dispatcher  # noqa: F401 (annotations)
 from timeshare.worker.trainer import TrainingStats, TrainingTask, TrainSpec
 
 log = logging.getLogger(__name__)
@@ -42,41 +43,6 @@ class JobState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class DeviceGate:
-    """Who gets the runtime next: any caller that waits (inference, eviction, stats...)
-    before a training job's next iteration. The runtime's lock is not fair, so a job
-    that released it between iterations would otherwise take it straight back."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._waiting = 0
-
-    @contextmanager
-    def priority(self):
-        with self._cond:
-            self._waiting += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._waiting -= 1
-                self._cond.notify_all()
-
-    def waiting(self) -> bool:
-        """Whether a caller of the runtime waits for its turn."""
-        return self._waiting > 0
-
-    def wait_for_training_turn(self, job: "TrainingJob", poll_s: float = 0.05) -> None:
-        """Block while callers wait or the job is paused; return at once if it was cancelled."""
-        with self._cond:
-            while not job._cancel.is_set() and (self._waiting > 0 or job._pause.is_set()):
-                self._cond.wait(poll_s)
-
-    def notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-
 class TrainingJob:
     """A handle on one training job: status, pause, resume, cancel, wait, result.
 
@@ -84,7 +50,7 @@ class TrainingJob:
     :class:`LocalTrainingJob`) or in a worker process (:class:`WorkerTrainingJob`);
     the handle is the same."""
 
-    def __init__(self, name: str, iterations: int | None, *, gate: DeviceGate, offload: bool):
+    def __init__(self, name: str, iterations: int | None, *, gate: "Dispatcher", offload: bool):
         self.name = name
         self.iterations = iterations
         self.offload = offload
@@ -157,6 +123,7 @@ class TrainingJob:
             self._state = JobState.FAILED
         finally:
             self._finish()
+            self._gate.job_ended(self)
             self._done.set()
             self._gate.notify()
 
@@ -183,7 +150,7 @@ class TrainingJob:
 class LocalTrainingJob(TrainingJob):
     """Iterations in a thread of this process, one at a time under the runtime's lock."""
 
-    def __init__(self, task: TrainingTask, name: str, *, lock: threading.RLock, gate: DeviceGate):
+    def __init__(self, task: TrainingTask, name: str, *, lock: threading.RLock, gate: "Dispatcher"):
         super().__init__(name, task.iterations, gate=gate, offload=task.offload)
         self.task = task
         self.stats = task.stats
@@ -195,7 +162,7 @@ class LocalTrainingJob(TrainingJob):
 
     def _run(self) -> JobState:
         while not self.task.finished:
-            if self._gate.waiting() or self._pause.is_set():
+            if self._gate.must_yield(self) or self._pause.is_set():
                 with self._lock:
                     self.task.preempted()
                 self._park()
@@ -221,7 +188,7 @@ class WorkerTrainingJob(TrainingJob):
     """Iterations in a worker process that holds the job's state; the controller's
     thread runs segments there and parks between them (NOTE [Switch protocol])."""
 
-    def __init__(self, spec: TrainSpec, *, pool, lock: threading.RLock, gate: DeviceGate):
+    def __init__(self, spec: TrainSpec, *, pool, lock: threading.RLock, gate: "Dispatcher"):
         super().__init__(spec.name, spec.iterations, gate=gate, offload=spec.offload)
         self.spec = spec
         self._pool = pool
@@ -239,14 +206,15 @@ class WorkerTrainingJob(TrainingJob):
         self.stats.step_seconds += p.seconds
         if p.loss is not None:
             self.stats.losses.append(p.loss)
+        self._gate.progress(self)  # a time slice may be over
 
     def _run(self) -> JobState:
         spec: TrainSpec | None = self.spec  # sent with the first segment only
         while True:
-            self._park()  # returns at once unless inference waits or the job is paused
+            self._park()  # returns once the scheduler runs the job
             if self._cancel.is_set():
                 return JobState.CANCELLED
-            segment = self._pool.begin_segment(self.name, spec, self._gate)
+            segment = self._pool.begin_segment(self.name, spec, self._gate, self)
             if segment is None:
                 continue  # inference (or another job) got there first
             spec = None

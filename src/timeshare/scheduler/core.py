@@ -111,7 +111,7 @@ class Scheduler:
 
     def update(self, results) -> None:
         """Take results back from the executor (a single result or an iterable)."""
-        if not isinstance(results, (list, tuple)):
+        if isinstance(results, (Finished, Stopped, Progress, Failed)):
             results = (results,)
         for r in results:
             self._apply(r)

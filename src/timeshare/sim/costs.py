@@ -91,7 +91,8 @@ class CostModel:
         """One entry per job of the pool, named like the CSV rows (NOTE [Salus job pool])."""
         path = Path(path)
         try:
-            rows = list(csv.DictReader(path.open()))
+            with path.open(newline="") as f:
+                rows = list(csv.DictReader(f))
         except OSError as exc:
             raise ConfigError(f"cannot read the Salus job pool {path}: {exc}") from None
         groups: dict[tuple[str, int], list[dict]] = {}

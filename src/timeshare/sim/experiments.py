@@ -43,12 +43,13 @@ def find_salus_pool(path: str | Path | None = None) -> Path:
 
 def salus(*, pool: str | Path | None = None, jobs: int = 100, seeds: int = 1, seed: int = 0,
           mean_interarrival_s: float = 90.0, length_mix=(0.85, 0.05, 0.10), capacity_gb: float = 16.0,
-          fair_quantum_s: float = 10.0) -> dict:
+          fair_quantum_s: float = 2.0) -> dict:
     """Every policy on the same traces of ``jobs`` jobs from Salus's pool; the first
     seed's table plus, with ``seeds`` > 1, the ratios over seeds."""
     path = find_salus_pool(pool)
     costs = CostModel.from_salus_csv(path)
-    iterations = {r["name"]: float(r["iterations"]) for r in csv.DictReader(path.open())}
+    with path.open(newline="") as f:
+        iterations = {r["name"]: float(r["iterations"]) for r in csv.DictReader(f)}
     names = sorted(costs.models)
     runs = []
     for s in range(seed, seed + seeds):

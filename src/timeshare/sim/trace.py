@@ -41,20 +41,23 @@ def read_trace(path: str | Path) -> list[Arrival]:
             if missing:
                 raise ConfigError(f"trace {path}: missing columns {sorted(missing)}; expected {list(FIELDS)}")
             for line, row in enumerate(reader, start=2):
+                empty = [k for k in FIELDS[:3] if not (row.get(k) or "").strip()]
+                if empty:  # a short row, or blank required fields
+                    raise ConfigError(f"trace {path}, line {line}: no {', '.join(empty)}")
                 try:
                     slo = row.get("slo_s") or ""
-                    out.append(Arrival(
+                    a = Arrival(
                         float(row["time"]), Kind(row["kind"].strip().lower()), row["model"].strip(),
                         float(row.get("work") or 1), Priority.parse(row.get("priority") or "be"),
                         float(slo) if slo.strip() else None,
-                    ))
+                    )
                 except (ValueError, TypeError) as exc:
                     raise ConfigError(f"trace {path}, line {line}: {exc}") from None
+                if not math.isfinite(a.time) or a.time < 0 or not a.work > 0:
+                    raise ConfigError(f"trace {path}, line {line}: arrival {a} needs a time >= 0 and work > 0")
+                out.append(a)
     except OSError as exc:
         raise ConfigError(f"cannot read trace {path}: {exc}") from None
-    for a in out:
-        if not math.isfinite(a.time) or a.time < 0 or a.work <= 0:
-            raise ConfigError(f"trace {path}: arrival {a} needs a time >= 0 and work > 0")
     out.sort(key=lambda a: a.time)
     return out
 
@@ -64,7 +67,7 @@ def write_trace(path: str | Path, trace: list[Arrival]) -> None:
         w = csv.writer(f)
         w.writerow(FIELDS)
         for a in trace:
-            w.writerow([repr(a.time), a.kind.value, a.model, f"{a.work:g}",
+            w.writerow([repr(a.time), a.kind.value, a.model, repr(float(a.work)),
                         "lc" if a.priority is Priority.LATENCY_CRITICAL else "be",
                         "" if a.slo_s is None else repr(a.slo_s)])
 
