@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from timeshare.errors import ConfigError
 from timeshare.scheduler.core import Scheduler
-from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress, Run, State, Stopped, Task
+from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress, State, Stopped, Task
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import enum
 import logging
 import threading
 import time
-from contextlib import contextmanager
 
 import torch
 from torch import nn
