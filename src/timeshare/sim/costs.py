@@ -2,7 +2,7 @@
 from measured data only. Runs in the simulator's process (the CLI).
 
 Two sources:
-  * Salus's job pool (``../shared/data/salus-workloads.csv``): per model and batch
+  * Salus's job pool (``data/salus-workloads.csv``): per model and batch
     size, the iteration time and start-up of a training job (NOTE [Salus job pool]);
   * timeshare's own benchmark JSON (``bench/results/pipeline-*.json``, and optionally
     ``switch-*.json``): per model, the ready latency at batch 1 and 8, the pipelined
@@ -11,7 +11,7 @@ Two sources:
 # NOTE [Salus job pool]
 For each model and batch size the pool has jobs of about 1, 5 and 10 minutes. The
 iteration time is (JCT_long - JCT_short) / (iterations_long - iterations_short), the
-start-up JCT_short - iterations_short x iteration time (../shared/data/README.md).
+start-up JCT_short - iterations_short x iteration time (data/README.md).
 Memory: the peak is measured; Salus splits it into persistent (weights and optimizer
 slots) and ephemeral (activations) memory, which the pool does not record. We take
 persistent = parameters x 8 bytes (fp32 weights and one momentum slot; parameter counts

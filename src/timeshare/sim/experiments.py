@@ -21,7 +21,8 @@ from timeshare.sim.trace import salus_trace, serving_trace
 
 log = logging.getLogger(__name__)
 
-DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+_ROOT = Path(__file__).resolve().parents[3]
+DATA_DIRS = (_ROOT / "data", _ROOT.parent / "shared" / "data")  # the repository's copy first
 
 # Salus's Table 1 (minutes; 100 jobs, 2 x P100): ../shared/data/README.md
 SALUS_TABLE1 = {
@@ -34,7 +35,7 @@ SALUS_POLICIES = ("fifo", "srtf", "pack", "fair")
 
 
 def find_salus_pool(path: str | Path | None = None) -> Path:
-    candidates = [Path(path)] if path else [DATA / "salus-workloads.csv", Path("../shared/data/salus-workloads.csv")]
+    candidates = [Path(path)] if path else [d / "salus-workloads.csv" for d in DATA_DIRS]
     for c in candidates:
         if c.is_file():
             return c
