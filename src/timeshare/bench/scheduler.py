@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from timeshare.bench.environment import describe
 from timeshare.scheduler.core import Scheduler
@@ -76,7 +77,7 @@ def decision_latency(policy: str, queued: int, decisions: int, seed: int) -> dic
 def run(cfg: SchedulerBenchConfig, progress=lambda msg: None) -> dict:
     from timeshare.sim.experiments import serving
 
-    result = {"benchmark": "scheduler", "config": vars(cfg).copy(), "environment": describe_cpu(), "decision": []}
+    result = {"benchmark": "scheduler", "config": vars(cfg).copy(), "environment": describe(torch.device("cpu")), "decision": []}
     for policy in sorted(POLICIES):
         progress(f"decision latency: {policy}")
         result["decision"].append(decision_latency(policy, cfg.queued, cfg.decisions, cfg.seed))
@@ -90,12 +91,6 @@ def run(cfg: SchedulerBenchConfig, progress=lambda msg: None) -> dict:
                         "events": r["events"], "requests_per_s": cfg.requests / wall,
                         "p99_ms": r["inference"]["p99_ms"], "config": study["config"]}
     return result
-
-
-def describe_cpu() -> dict:
-    import torch
-
-    return describe(torch.device("cpu"))
 
 
 def load_costs(paths: tuple[str, ...] | list[str]) -> CostModel:

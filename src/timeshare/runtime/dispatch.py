@@ -78,11 +78,6 @@ class Dispatcher:
                 self.scheduler.update(Finished(task.id, self.clock()))
                 self._step()
 
-    def waiting(self) -> bool:
-        """Whether a task waits for the runtime."""
-        with self._cond:
-            return self.scheduler.waiting > 0
-
     # ------------------------------------------------------------------ training jobs
     def job_task(self, job) -> Task:
         """The job's task, created (queued) on first use."""
@@ -107,10 +102,6 @@ class Dispatcher:
                 self.scheduler.update(Progress(task.id, self.clock(), float(stats.iterations), unit))
             self._step()
             return task.state is not State.RUNNING
-
-    def progress(self, job) -> None:
-        """A worker segment reported an iteration: run the step (a slice may be over)."""
-        self.must_yield(job)
 
     def wait_for_training_turn(self, job, poll_s: float = _POLL_S) -> None:
         """Stop the job's segment in the scheduler's books and wait until it runs again

@@ -205,7 +205,7 @@ class WorkerTrainingJob(TrainingJob):
         self.stats.step_seconds += p.seconds
         if p.loss is not None:
             self.stats.losses.append(p.loss)
-        self._gate.progress(self)  # a time slice may be over
+        self._gate.must_yield(self)  # runs the step: a time slice may be over
 
     def _run(self) -> JobState:
         spec: TrainSpec | None = self.spec  # sent with the first segment only

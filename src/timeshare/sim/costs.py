@@ -59,9 +59,9 @@ class ModelCosts:
 
     def compute_s(self, batch: int) -> float:
         """One batch of ``batch`` requests, at most 8 (the measured range)."""
-        if batch <= 1 or self.batch8_s is None:
-            return self.unit_s * max(1, batch) if self.batch8_s is None else self.unit_s
-        batch = min(batch, 8)
+        if self.batch8_s is None:  # no batch-8 figure: requests one after another
+            return self.unit_s * max(1, batch)
+        batch = min(max(batch, 1), 8)
         return self.unit_s + (self.batch8_s - self.unit_s) * (batch - 1) / 7
 
 

@@ -232,7 +232,6 @@ class Simulator:
                 self.cache.detector.worked(t.model, now, work)
                 self.scheduler.batch_factor = self.cache.detector.batch_factor(now)
             job = _Job(t, setup, work, work, 1.0)
-            job.done0 = 0.0
         else:
             setup = c.startup_s if t.done == 0 and t.preemptions == 0 else self.resume_s
             work = (t.work - t.done) * c.unit_s
