@@ -5,7 +5,7 @@
     timeshare bench cycles [--model resnet152] [--cycles 1,2,5,10,30] [--json PATH]
     timeshare bench colocate | scheduler   (see timeshare.cli_sim)
     timeshare sim salus | serving | run
-    timeshare zoo [--generate]
+    timeshare serve | demo | models, bench serve   (see timeshare.cli_serve)
 """
 
 from __future__ import annotations
@@ -77,13 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    from timeshare import cli_serve
     from timeshare.cli_sim import add_bench_parsers, add_sim_parser, run_bench, run_sim
 
     add_bench_parsers(bench)
     add_sim_parser(sub)
-
-    z = sub.add_parser("zoo", help="list the model zoo")
-    z.add_argument("--generate", action="store_true", help="generate and cache every model's weights")
+    cli_serve.add_parsers(sub, bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -98,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args, console, _run_bench)
         if args.command == "sim":
             return run_sim(args, console, _write_json)
-        if args.command == "zoo":
-            return _zoo(args)
+        if args.command in ("serve", "demo", "models", "zoo") or getattr(args, "bench", None) == "serve":
+            return cli_serve.run(args, console, _write_json, _run_bench)
     except TimeshareError as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2
@@ -275,20 +274,6 @@ def _print_cycles(result: dict) -> None:
         "for the cycle length (the first pays the switch), then the ready model (resident, job paused) for as "
         "long. req/s counts requests over the turns' time, from the first request to the last output."
     )
-
-
-def _zoo(args) -> int:
-    from timeshare.models.zoo import ZOO, weights_path
-
-    table = Table()
-    for col in ["name", "parameters", "builder", "description"]:
-        table.add_column(col)
-    for m in ZOO.values():
-        table.add_row(m.name, f"{m.parameters:,}", m.builder, m.description)
-        if args.generate:
-            weights_path(m.name)
-    console.print(table)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,51 +1,217 @@
-"""``make demo``: the pipeline benchmark on the device present, explained.
+"""``timeshare demo`` (``make demo``): the real server on the embedded default config
+(the zoo models and a training job, on whatever device is present), a mixed workload
+replayed through HTTP, and what it shows: per-model latency, the switches and what
+they cost, and how busy the device was. Writes a PNG of latency over time with the
+switches marked, and every number as JSON.
 
-Runs in the caller's process. Prints what is measured, runs
-``timeshare bench pipeline`` on the three zoo models, and says how to read it.
+Runs in the caller's process; the server runs in a child process, started and stopped
+(SIGTERM, drained) as an operator would.
 """
 
 from __future__ import annotations
 
-import sys
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
+import yaml
 
-from timeshare import cli
-
-INTRO = """\
-timeshare demo: switching a model onto the device without waiting for all of it.
-
-A model that is not resident must bring its weights from host memory before it can run.
-timeshare copies them in groups of layers while the groups that already arrived compute,
-with a grouping chosen by an exact optimiser over per-layer costs profiled on this device.
-Below, for ResNet-152, Inception-v3 and BERT-base (built from code, seeded weights), the
-latency of the first inference on a model that is not resident, per loading strategy, beside
-the ready model (already resident) and the floor no loader can beat. Every pipelined output is
-checked bitwise against the ready model's.
-"""
-
-OUTRO_CPU = """\
-On a CPU the "device" is shared memory and the copy is a memcpy by a thread that shares the cores
-and memory bandwidth with the compute, so it cannot hide fully and the strategies differ by less than
-the noise of a shared machine; what this run shows is that the mechanism is exact and cheap. On a GPU
-the copy runs on its own engine over PCIe and the grouping decides how much of it hides behind
-compute: run `make bench-pipeline` there; results are kept in bench/results/.
-"""
+from timeshare.config import DEFAULT_CONFIG, parse_config
+from timeshare.models.zoo import get as zoo_get
 
 
-def main() -> int:
-    print(INTRO)
-    cuda = torch.cuda.is_available()
-    out = Path(".cache") / "demo-pipeline.json"
-    argv = ["bench", "pipeline", "--json", str(out)]
-    if not cuda:  # batch 1 keeps the CPU run near a minute and the copy a visible share
-        argv += ["--batch", "1", "--repeats", "10"]
-    code = cli.main(argv)
-    if code == 0 and not cuda:
-        print(OUTRO_CPU)
-    return code
+@dataclass
+class DemoConfig:
+    config: Path = DEFAULT_CONFIG
+    duration_s: float = 40.0
+    load: float = 0.6  # offered load as a share of the device's capacity at batch 1 (measured)
+    phase_s: float = 10.0  # every phase favours other models, so residency has to change
+    clients: int = 16
+    seed: int = 0
+    out: Path = Path("demo-output")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
+    from timeshare.server.client import Client
+    from timeshare.server.process import ServerProcess
+
+    doc = yaml.safe_load(Path(cfg.config).read_text()) or {}
+    config = parse_config(doc, str(cfg.config))
+    models = [(m.name, m.zoo) for m in config.models]
+    if not models or any(z is None for _, z in models):
+        raise ValueError("the demo replays zoo models: every model of its config needs 'zoo'")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(doc, log_path=cfg.out / "server.log")
+    t_start = time.perf_counter()
+    progress("starting the server (registering and warming up the models)")
+    server.start(progress=lambda line: progress(f"starting the server: {line[-100:]}"))
+    startup_s = time.perf_counter() - t_start
+    client = Client(server.url, timeout_s=120)
+    try:
+        status = client.http.get("/admin/status").json()
+        # The device's pace at batch 1, from one resident call per model.
+        ready_s = {}
+        for name, zoo in models:
+            inputs = _inputs(zoo, 0)
+            client.infer(name, inputs)
+            t0 = time.perf_counter()
+            answer = client.infer(name, inputs)
+            ready_s[name] = time.perf_counter() - t0 if answer.status == 200 else 1.0
+        rate = cfg.load * len(models) / sum(ready_s.values())
+        before = _metrics(client)
+        progress(f"replaying {cfg.duration_s:.0f} s of requests at {rate:.1f}/s")
+        records = _replay(client, models, rate, cfg)
+        after = _metrics(client)
+        jobs = client.http.get("/admin/training").json()
+    finally:
+        client.close()
+        progress("stopping the server (SIGTERM: drain, then exit)")
+        code = server.stop()
+        leftovers = server.leftovers()
+        server.close()
+    summary = _summarize(records, models, before, after, cfg, rate)
+    summary.update(device=status.get("device"), memory_budget_bytes=status.get("capacity_bytes"),
+                   startup_s=startup_s, ready_ms={k: v * 1e3 for k, v in ready_s.items()},
+                   server_exit_code=code, server_leftover_processes=len(leftovers), training=jobs)
+    result = {"demo": "serve", "config": str(cfg.config), "server_config": doc, "summary": summary,
+              "requests": records}
+    (cfg.out / "demo.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(records, summary, cfg.out / "demo.png")
+    return result
+
+
+def _inputs(zoo: str, seed: int) -> dict:
+    z = zoo_get(zoo)
+    return dict(zip(z.input_names, z.example_inputs(1, seed=seed)))
+
+
+def _replay(client, models, rate: float, cfg: DemoConfig) -> list[dict]:
+    """Open-loop Poisson arrivals; each phase draws models with rotated weights."""
+    rng = random.Random(cfg.seed)
+    names = [n for n, _ in models]
+    zoo = dict(models)
+    weights = [0.7] + [0.3 / max(1, len(names) - 1)] * (len(names) - 1)
+    records, lock = [], threading.Lock()
+    t0 = time.perf_counter()
+
+    def send(i: int, name: str, at: float) -> None:
+        inputs = _inputs(zoo[name], i + 1)
+        sent = time.perf_counter() - t0
+        answer = client.infer(name, inputs, request_id=str(i))
+        done = time.perf_counter() - t0
+        p = answer.parameters
+        with lock:
+            records.append({"id": i, "model": name, "sent_s": sent, "latency_ms": (done - sent) * 1e3,
+                            "status": answer.status, "error": answer.error,
+                            "queue_ms": p.get("timeshare_queue_ms"), "compute_ms": p.get("timeshare_compute_ms"),
+                            "loaded": bool(p.get("timeshare_loaded")), "switched_from": p.get("timeshare_switched_from"),
+                            "batch_rows": p.get("timeshare_batch_rows")})
+
+    with ThreadPoolExecutor(cfg.clients) as pool:
+        at, i = 0.0, 0
+        while True:
+            at += rng.expovariate(rate)
+            if at >= cfg.duration_s:
+                break
+            phase = int(at // cfg.phase_s)
+            order = names[phase % len(names):] + names[:phase % len(names)]
+            name = rng.choices(order, weights)[0]
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                time.sleep(delay)
+            pool.submit(send, i, name, at)
+            i += 1
+    records.sort(key=lambda r: r["id"])
+    return records
+
+
+def _metrics(client) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(client.metrics_text()):
+        for s in family.samples:
+            key = s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()))
+            out[key] = s.value
+    return out
+
+
+def _delta(before: dict, after: dict, name: str) -> float:
+    """A counter's increase over the run, summed over its labels."""
+    total = 0.0
+    for key, value in after.items():
+        if key == name or key.startswith(name + "|"):
+            total += value - before.get(key, 0.0)
+    return total
+
+
+def _summarize(records, models, before, after, cfg: DemoConfig, rate: float) -> dict:
+    ok = [r for r in records if r["status"] == 200]
+    wall = max((r["sent_s"] + r["latency_ms"] / 1e3 for r in records), default=cfg.duration_s)
+    per_model = {}
+    for name, _ in models:
+        mine = [r for r in ok if r["model"] == name]
+        sw = [r["compute_ms"] for r in mine if r["switched_from"]]
+        per_model[name] = {
+            "requests": sum(r["model"] == name for r in records), "answered": len(mine),
+            "p50_ms": _pct([r["latency_ms"] for r in mine], 50), "p99_ms": _pct([r["latency_ms"] for r in mine], 99),
+            "loads": sum(r["loaded"] for r in mine), "switches": len(sw), "switch_p50_ms": _pct(sw, 50),
+        }
+    switched = [r["compute_ms"] for r in ok if r["switched_from"]]
+    busy = _delta(before, after, "timeshare_device_busy_seconds_total")
+    inference = _delta(before, after, "timeshare_device_busy_seconds_total|task=inference")
+    return {
+        "duration_s": cfg.duration_s, "offered_rate_per_s": rate, "requests": len(records), "answered": len(ok),
+        "errors": len(records) - len(ok), "per_model": per_model,
+        "switches": len(switched),
+        "switches_from_training": sum(1 for r in ok if r["switched_from"] and r["switched_from"] not in dict(models)),
+        "switch_p50_ms": _pct(switched, 50), "switch_p99_ms": _pct(switched, 99),
+        "loads": sum(r["loaded"] for r in ok),
+        "evictions": _delta(before, after, "timeshare_evictions_total"),
+        "preemptions": _delta(before, after, "timeshare_preemptions_total"),
+        "training_iterations": _delta(before, after, "timeshare_training_iterations_total"),
+        "device_busy_s": busy, "device_utilization": busy / wall if wall > 0 else None,
+        "inference_busy_s": inference, "inference_utilization": inference / wall if wall > 0 else None,
+        "mean_batch_rows": float(np.mean([r["batch_rows"] for r in ok])) if ok else None,
+    }
+
+
+def _pct(values, q) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def plot(records: list[dict], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5))
+    names = list(summary["per_model"])
+    colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for name in names:
+        mine = [r for r in records if r["model"] == name and r["status"] == 200]
+        ax.scatter([r["sent_s"] for r in mine], [r["latency_ms"] for r in mine], s=10, color=colors[name],
+                   label=f"{name} (p50 {summary['per_model'][name]['p50_ms'] or 0:.0f} ms)")
+        loads = [r for r in mine if r["loaded"]]
+        ax.scatter([r["sent_s"] for r in loads], [r["latency_ms"] for r in loads], s=60, marker="^",
+                   facecolors="none", edgecolors=colors[name])
+    for r in records:
+        if r["status"] == 200 and r["switched_from"] and r["switched_from"] in names:
+            ax.axvline(r["sent_s"], color="grey", alpha=0.25, lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("time since the workload started (s)")
+    ax.set_ylabel("request latency (ms, log)")
+    util = summary.get("device_utilization")
+    ax.set_title(f"timeshare demo on {summary.get('device')}: {summary['answered']} requests, "
+                 f"{summary['switches']} switches (grey: between models; triangles: loaded the model), "
+                 f"device busy {100 * util:.0f}%" if util is not None else "timeshare demo", fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -42,8 +42,8 @@ class TrainingWorkload:
                     data=functools.partial(synthetic_batches, self.model, self.batch), step=synthetic_step)
 
 
-def sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=1e-4, momentum=0.9)
+def sgd(params, lr: float = 1e-4) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def synthetic_batches(model: str, batch: int) -> Iterator[tuple]:

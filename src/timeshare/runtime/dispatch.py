@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from timeshare.errors import ConfigError
 from timeshare.scheduler.core import Scheduler
@@ -26,6 +27,16 @@ from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # a waiter re-runs the step at least this often (a slice may end meanwhile)
+
+
+@dataclass
+class Turn:
+    """What a call learns when it is given the device: how long it waited, and which
+    task used the device before it (None: nothing since start; control calls such as
+    statistics do not count). A call on another model than ``previous`` is a switch."""
+
+    waited_s: float = 0.0
+    previous: tuple[Kind, str] | None = None
 
 
 class Dispatcher:
@@ -38,17 +49,21 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._jobs: dict[int, object] = {}  # task id -> TrainingJob
+        self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
+        self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
+        self.preemptions = 0  # Preempt decisions carried out (training stopped for another task)
 
     # ------------------------------------------------------------------ calls
     @contextmanager
     def priority(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
                  unit_s: float = 0.0, deadline_s: float | None = None):
-        """Hold the runtime for one call. Re-entrant in a thread (a call inside a call)."""
+        """Hold the runtime for one call; yields its :class:`Turn`. Re-entrant in a
+        thread (a call inside a call)."""
         depth = getattr(self._local, "depth", 0)
         if depth:
             self._local.depth = depth + 1
             try:
-                yield
+                yield Turn()
             finally:
                 self._local.depth -= 1
             return
@@ -63,15 +78,17 @@ class Dispatcher:
                     self._cond.wait(self._timeout())
                     self._step()
             except BaseException:  # interrupted while queued: leave no task behind
+                self._previous.pop(task.id, None)
                 if task.state is State.WAITING:
                     self.scheduler.withdraw(task.id)
                 elif task.state is State.RUNNING:
                     self.scheduler.update(Finished(task.id, self.clock()))
                 self._step()
                 raise
+            turn = Turn(self.clock() - now, self._previous.pop(task.id, None))
         self._local.depth = 1
         try:
-            yield
+            yield turn
         finally:
             self._local.depth = 0
             with self._cond:
@@ -154,12 +171,19 @@ class Dispatcher:
         """With the condition held: one scheduler step; carry out its decisions."""
         decisions = self.scheduler.schedule(self.clock())
         for d in decisions:
-            if isinstance(d, Preempt):
-                job = self._jobs.get(d.task.id)
-                if job is not None:
-                    # Lock order: dispatcher, then pool; the pool never calls the
-                    # dispatcher while it holds its own lock.
-                    job._interrupt()  # a worker segment: Preempt goes out now (NOTE [Switch protocol])
+            if not isinstance(d, Preempt):
+                for t in (d.task, *d.task.batch):
+                    if t.kind is not Kind.CONTROL:
+                        if t.kind is Kind.INFERENCE:  # read back by the waiting call
+                            self._previous[t.id] = self._user
+                        self._user = (t.kind, t.model)
+                continue
+            self.preemptions += 1
+            job = self._jobs.get(d.task.id)
+            if job is not None:
+                # Lock order: dispatcher, then pool; the pool never calls the
+                # dispatcher while it holds its own lock.
+                job._interrupt()  # a worker segment: Preempt goes out now (NOTE [Switch protocol])
         if decisions:
             self._cond.notify_all()
 

@@ -40,7 +40,8 @@ from timeshare.models.binding import TensorLayout, bind, collect, unbind
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
 from timeshare.runtime.tree import map_tensors
-from timeshare.scheduler.task import Kind
+from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
+from timeshare.scheduler.task import Kind, Priority
 from timeshare.scheduler.eviction import make_eviction_policy
 from timeshare.transfer.copy import LoadHandle, make_copy_engine
 from timeshare.transfer.host_store import HostStore, TensorEntry
@@ -85,6 +86,9 @@ class _Model:
     last_offset: int | None = None
     pinned: bool = False
     loads: int = 0
+    priority: Priority = Priority.LATENCY_CRITICAL
+    slo_s: float | None = None
+    host_pinned: bool = False  # its host store is in page-locked memory
 
     @property
     def name(self) -> str:
@@ -178,6 +182,8 @@ class Runtime:
         self._lock = threading.RLock()
         self._closed = False
         self._evictions = 0
+        self._failures = 0
+        self._listeners: list[Listener] = []
 
     # ------------------------------------------------------------------ public API
     def register(
@@ -190,15 +196,25 @@ class Runtime:
         example_kwargs: dict | None = None,
         dtype: str | torch.dtype | None = None,
         pin: bool = False,
+        priority: Priority | str = Priority.LATENCY_CRITICAL,
+        slo_s: float | None = None,
     ) -> None:
         """Register a model: build it, check and pack its weights. Nothing is loaded yet.
 
         ``build`` is a callable or a "module:function" string returning an ``nn.Module``;
         ``weights`` a safetensors path or a state dict (None keeps the module's own
         initial values); ``example_inputs`` the positional inputs used to profile it;
-        ``dtype`` converts floating tensors; ``pin`` keeps it resident once loaded.
+        ``dtype`` converts floating tensors; ``pin`` keeps it resident once loaded;
+        ``priority`` ("latency_critical" or "best_effort") and ``slo_s`` (a latency
+        objective, the deadline of EDF within a priority class) order its calls.
         """
         self._check_open()
+        try:
+            priority = Priority.parse(priority)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if slo_s is not None and not slo_s > 0:
+            raise ConfigError(f"slo_s must be positive, got {slo_s!r}")
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"model name must be a non-empty string without '/', got {name!r}")
         if not isinstance(example_inputs, tuple):
@@ -219,7 +235,8 @@ class Runtime:
         if spec.dtype is not None:
             layout.entries = [_with_dtype(e, spec.dtype) for e in layout.entries]
             tensors = {e.key: tensors[e.key].to(e.dtype) for e in layout.entries}
-        store = HostStore.pack(layout.entries, tensors, pin=self.device.type == "cuda" and self._pool is None)
+        host_pinned = self.device.type == "cuda" and self._pool is None
+        store = HostStore.pack(layout.entries, tensors, pin=host_pinned)
         del tensors, current
         shm = order = None
         if self._pool is not None:
@@ -252,7 +269,8 @@ class Runtime:
                 if shm is not None and name not in self._stores:
                     _drop_segment(shm)
                 raise
-            self._models[name] = _Model(spec, nbytes, pinned=pin)
+            self._models[name] = _Model(spec, nbytes, pinned=pin, priority=priority, slo_s=slo_s,
+                                        host_pinned=host_pinned)
         log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(nbytes))
 
     def infer(self, name: str, *args, **kwargs):
@@ -395,6 +413,42 @@ class Runtime:
                 "evictions": self._evictions,
             }
 
+    def snapshot(self) -> dict:
+        """Counters and memory for metrics, read without waiting for the device (a
+        scrape must not queue behind a long inference): a consistent-enough view, not
+        an atomic one."""
+        alloc = self._arena.allocator
+        models = list(self._models.values())
+        jobs = list(self._jobs.values())
+        return {
+            "device": str(self.device),
+            "capacity_bytes": alloc.capacity,
+            "used_bytes": alloc.used,
+            "resident": {m.name: m.nbytes for m in models if m.block is not None},
+            "host_bytes": sum(m.nbytes for m in models),
+            "host_pinned_bytes": sum(m.nbytes for m in models if m.host_pinned),
+            "loads": {m.name: m.loads for m in models},
+            "evictions": self._evictions,
+            "failures": self._failures,
+            "preemptions": self._gate.preemptions,
+            "training_seconds": sum(j.stats.step_seconds for j in jobs),
+            "training_iterations": sum(j.stats.iterations for j in jobs),
+        }
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener`` with a :class:`~timeshare.runtime.events.CallRecord` after
+        every inference and an :class:`~timeshare.runtime.events.EvictionRecord` after
+        every eviction. It runs while the runtime is held: keep it quick; what it
+        raises is logged, never passed to the caller."""
+        self._listeners.append(listener)
+
+    def _emit(self, record: CallRecord | EvictionRecord) -> None:
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("runtime listener %r failed on %r", listener, record)
+
     def close(self) -> None:
         """Evict everything and give the arena back. Idempotent; every step runs even if
         an earlier one fails, so no segment, thread or device memory is left behind."""
@@ -463,11 +517,23 @@ class Runtime:
 
     # ------------------------------------------------------------------ internals
     def _infer(self, name: str, args: tuple, kwargs: dict, strategy: str | None):
-        with self._turn(name, Kind.INFERENCE):
-            m = self._get(name)
-            args, kwargs = self._to_device(args), self._to_device(kwargs)
-            out = self._run(m, args, kwargs, strategy)
-            return self._to_caller(out)
+        m = self._get(name)
+        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s) as turn, self._lock:
+            m = self._get(name)  # unregistered while this call waited
+            t0 = time.monotonic()
+            loaded = m.block is None
+            error = None
+            try:
+                args, kwargs = self._to_device(args), self._to_device(kwargs)
+                return self._to_caller(self._run(m, args, kwargs, strategy))
+            except BaseException as exc:
+                error = type(exc).__name__
+                self._failures += 1
+                raise
+            finally:
+                prev = turn.previous
+                switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
+                self._emit(CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched, error))
 
     def _run(self, m: _Model, args: tuple, kwargs: dict, strategy: str | None):
         """Forward ``m`` on device inputs, loading it first if it is not resident."""
@@ -523,6 +589,7 @@ class Runtime:
         block, m.block = m.block, None
         self._policy.removed(m.name)
         self._evictions += 1
+        self._emit(EvictionRecord(m.name, m.nbytes, time.monotonic()))
         still_copying = self._exec.release(m.name)
         if still_copying is not None:
             self._quarantine.append((block, still_copying))

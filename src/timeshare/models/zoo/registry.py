@@ -31,6 +31,8 @@ class ZooModel:
     make_inputs: Callable[[int, torch.dtype, int], tuple]
     small: bool
     description: str
+    input_names: tuple[str, ...] = ("x",)  # the forward's positional arguments
+    input_bounds: tuple[tuple[int, int] | None, ...] = ()  # valid [min, max] of integer inputs (token ids)
 
     def build(self) -> nn.Module:
         from timeshare.models.spec import resolve_builder
@@ -84,11 +86,13 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("inception_v3", f"{_P}.inception:inception_v3", 27_161_264, _images(299), False,
                  "Inception-v3 with auxiliary head, 299x299 images"),
         ZooModel("bert_base", f"{_P}.bert:bert_base", 109_482_240, _tokens(30522, 128), False,
-                 "BERT-base encoder + pooler, 128 tokens"),
+                 "BERT-base encoder + pooler, 128 tokens", ("input_ids", "attention_mask"), ((0, 30521), (0, 1))),
         ZooModel("tiny_mlp", f"{_P}.small:tiny_mlp", 6_922, _vectors(32), True, "3-layer MLP"),
         ZooModel("tiny_cnn", f"{_P}.small:tiny_cnn", 2_970, _images(16), True, "2 convs with BatchNorm"),
-        ZooModel("tiny_bert", f"{_P}.bert:tiny_bert", 139_456, _tokens(1000, 16), True, "2-layer BERT"),
-        ZooModel("tied_lm", f"{_P}.small:tied_lm", 5_312, _ids(100, 12), True, "tied embeddings, reused block"),
+        ZooModel("tiny_bert", f"{_P}.bert:tiny_bert", 139_456, _tokens(1000, 16), True, "2-layer BERT",
+                 ("input_ids", "attention_mask"), ((0, 999), (0, 1))),
+        ZooModel("tied_lm", f"{_P}.small:tied_lm", 5_312, _ids(100, 12), True, "tied embeddings, reused block",
+                 ("ids",), ((0, 99),)),
     ]
 }
 

@@ -1,0 +1,226 @@
+"""The serving commands of the CLI: argument parsing and printing only.
+
+    timeshare serve [--config timeshare.yaml] [--host H] [--port N] [--metrics-port N|none] [--check]
+    timeshare demo [--duration 40] [--out demo-output]
+    timeshare bench serve [--models ...] [--clients 16] [--requests 2000] [--json PATH]
+    timeshare models [--config timeshare.yaml] [--generate]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from timeshare.errors import ConfigError
+
+
+def add_parsers(sub, bench) -> None:
+    p = sub.add_parser(
+        "serve", help="serve models over HTTP (Open Inference Protocol v2) from a YAML config",
+        description="Start the runtime and an HTTP server: the Open Inference Protocol (KServe v2) data plane "
+        "on --port, Triton's model repository extension and timeshare's admin plane (loopback only unless a "
+        "token is set), Prometheus /metrics on both --port and --metrics-port. Ctrl-C or SIGTERM drains "
+        "in-flight requests, then stops every worker process. Without --config: the embedded default.")
+    p.add_argument("--config", type=Path, default=None, help="timeshare.yaml (default: the embedded default)")
+    p.add_argument("--host", default=None, help="override server.host")
+    p.add_argument("--port", type=int, default=None, help="override server.http_port")
+    p.add_argument("--metrics-port", default=None, help="override server.metrics_port ('none': no metrics port)")
+    p.add_argument("--device", default=None, help="override runtime.device")
+    p.add_argument("--memory", default=None, help="override runtime.memory, e.g. 4GiB")
+    p.add_argument("--workers", type=int, default=None, help="override runtime.workers")
+    p.add_argument("--check", action="store_true", help="validate the config, print it and exit")
+    p.add_argument("--print-default-config", action="store_true", help="print the embedded default config and exit")
+
+    p = sub.add_parser(
+        "demo", help="the server on the embedded default, a mixed workload through HTTP, a summary and a plot",
+        description="Starts `timeshare serve` on the embedded default (the zoo models and a training job, on "
+        "whatever device is present), replays a mixed open-loop workload through HTTP whose popular model "
+        "changes every phase, then stops the server with SIGTERM. Prints per-model p50/p99 latency, the "
+        "switches and their latency and the device's utilization; writes demo.png (latency over time, "
+        "switches marked) and demo.json.")
+    p.add_argument("--config", type=Path, default=None, help="a config of zoo models (default: the embedded one)")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of workload")
+    p.add_argument("--load", type=float, default=0.6, help="offered load as a share of the device's measured pace")
+    p.add_argument("--phase", type=float, default=10.0, help="seconds per popularity phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("demo-output"), help="where demo.png and demo.json go")
+
+    p = bench.add_parser(
+        "serve", help="load test through HTTP: concurrent clients, several models, a budget that forces switching",
+        description="Starts `timeshare serve` with the models and a memory budget that holds about half of "
+        "them, sends --requests requests from --clients threads (503s are retried after Retry-After), and "
+        "checks every response against the model's reference output computed alone: reports lost, "
+        "duplicated and mismatched responses, 5xx, throughput and latency percentiles.")
+    p.add_argument("--models", nargs="+", default=None, help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--memory", default=None, help="the budget (default: about half of the models' bytes)")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+
+    p = sub.add_parser("models", aliases=["zoo"], help="list the model zoo, or the models of a config",
+                       description="The zoo's models (built from code, seeded weights), or with --config the "
+                       "models a server would serve and where each comes from.")
+    p.add_argument("--config", type=Path, default=None)
+    p.add_argument("--generate", action="store_true", help="generate and cache every zoo model's weights")
+
+
+def run(args, console, write_json, run_bench) -> int:
+    if args.command == "serve":
+        return _serve(args, console)
+    if args.command == "demo":
+        return _demo(args, console)
+    if args.command in ("models", "zoo"):
+        return _models(args, console)
+    if args.command == "bench" and args.bench == "serve":
+        from timeshare.bench.serve import ServeBenchConfig, run as bench_run
+
+        kwargs = {} if args.models is None else {"models": args.models}
+        cfg = ServeBenchConfig(clients=args.clients, requests=args.requests, device=args.device, memory=args.memory,
+                               workers=args.workers, max_batch=args.max_batch, seed=args.seed, **kwargs)
+        return run_bench(bench_run, cfg, lambda r: _print_bench_serve(console, r), args.json)
+    return 2
+
+
+def load_with_overrides(args):
+    from timeshare.config import DEFAULT_CONFIG, load_config, parse_config
+
+    config = load_config(args.config or DEFAULT_CONFIG)
+    doc = config.model_dump()
+    server, runtime = doc["server"], doc["runtime"]
+    for key, value in (("host", args.host), ("http_port", args.port)):
+        if value is not None:
+            server[key] = value
+    if args.metrics_port is not None:
+        server["metrics_port"] = None if args.metrics_port.lower() == "none" else _int(args.metrics_port)
+    for key, value in (("device", args.device), ("memory", args.memory), ("workers", args.workers)):
+        if value is not None:
+            runtime[key] = value
+    return parse_config(doc, str(args.config or DEFAULT_CONFIG) + " with command-line overrides")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--metrics-port must be a port number or 'none', got {text!r}") from None
+
+
+def _serve(args, console) -> int:
+    import yaml
+
+    from timeshare.config import DEFAULT_CONFIG
+
+    if args.print_default_config:
+        console.print(DEFAULT_CONFIG.read_text(), markup=False, highlight=False, end="")
+        return 0
+    config = load_with_overrides(args)
+    if args.check:
+        console.print(yaml.safe_dump(config.model_dump(), sort_keys=False), markup=False, highlight=False, end="")
+        return 0
+    import logging
+
+    logging.getLogger("timeshare").setLevel(logging.INFO)
+    from timeshare.server import serve
+
+    s = config.server
+    console.print(f"timeshare serve: {len(config.models)} models, {len(config.training)} training jobs on "
+                  f"{config.runtime.device}; http://{s.host}:{s.http_port}/v2"
+                  + (f", metrics on :{s.metrics_port}" if s.metrics_port is not None else ""))
+    serve(config)
+    return 0
+
+
+def _demo(args, console) -> int:
+    from timeshare.config import DEFAULT_CONFIG
+    from timeshare.demo import DemoConfig, run
+
+    cfg = DemoConfig(config=args.config or DEFAULT_CONFIG, duration_s=args.duration, load=args.load,
+                     phase_s=args.phase, seed=args.seed, out=args.out)
+    console.print("[bold]timeshare demo[/bold]: the server on the embedded default config (three zoo models, a "
+                  "memory budget that holds two of them, and a training job), a workload through HTTP whose "
+                  "popular model changes every phase.")
+    with console.status("starting") as status:
+        result = run(cfg, progress=status.update)
+    _print_demo(console, result["summary"])
+    console.print(f"wrote {cfg.out / 'demo.png'} and {cfg.out / 'demo.json'} (server log: {cfg.out / 'server.log'})")
+    s = result["summary"]
+    return 0 if s["errors"] == 0 and s["server_exit_code"] == 0 and not s["server_leftover_processes"] else 1
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _print_demo(console, s: dict) -> None:
+    table = Table(title=f"{s['answered']}/{s['requests']} requests in {s['duration_s']:.0f} s on {s['device']} "
+                        f"(offered {s['offered_rate_per_s']:.1f}/s)")
+    for col in ("model", "requests", "p50 ms", "p99 ms", "ready ms", "loads", "switches", "switch p50 ms"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, m in s["per_model"].items():
+        table.add_row(name, str(m["requests"]), _ms(m["p50_ms"]), _ms(m["p99_ms"]), _ms(s["ready_ms"].get(name)),
+                      str(m["loads"]), str(m["switches"]), _ms(m["switch_p50_ms"]))
+    console.print(table)
+    util = s["device_utilization"]
+    console.print(
+        f"switches: {s['switches']} ({s['switches_from_training']} from the training job), latency of a switched "
+        f"call p50 {_ms(s['switch_p50_ms'])} ms, p99 {_ms(s['switch_p99_ms'])} ms; loads {s['loads']}, evictions "
+        f"{s['evictions']:.0f}, training preemptions {s['preemptions']:.0f}, training iterations "
+        f"{s['training_iterations']:.0f}")
+    if util is not None:
+        console.print(f"device busy {s['device_busy_s']:.1f} s of {s['duration_s']:.0f}: utilization {100 * util:.0f}% "
+                      f"(inference {100 * s['inference_utilization']:.0f}%, the training job the rest)")
+    console.print(f"server: ready in {s['startup_s']:.1f} s; stopped by SIGTERM with exit code {s['server_exit_code']}, "
+                  f"{s['server_leftover_processes']} processes left; errors: {s['errors']}")
+    console.print("ready ms: one request on a resident model with nothing else waiting. A switched call is one whose "
+                  "device turn followed another model or the training job: its latency includes the switch (and the "
+                  "pipelined load when the model was not resident).")
+
+
+def _print_bench_serve(console, result: dict) -> None:
+    r = result["result"]
+    cfg = result["config"]
+    console.print(f"[bold]bench serve[/bold]: {r['requests']} requests from {cfg['clients']} clients over "
+                  f"{len(cfg['models'])} models, memory {result['server_config']['runtime']['memory']} bytes")
+    table = Table()
+    for col in ("model", "requests", "answered", "p50 ms", "p99 ms", "loads", "switches"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, m in r["per_model"].items():
+        table.add_row(name, str(m["requests"]), str(m["answered"]), _ms(m["p50_ms"]), _ms(m["p99_ms"]),
+                      str(m["loads"]), str(m["switches"]))
+    console.print(table)
+    console.print(f"throughput {r['throughput_rps']:.1f} req/s, p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
+                  f"mean batch {r['mean_batch_rows']:.2f} rows; lost {r['lost']}, duplicated {r['duplicated']}, "
+                  f"mismatched {r['mismatched']}, 5xx {r['status_5xx']} (503 retried: {r['status_503_retried']}); "
+                  f"server exit {r['server_exit_code']}, leftover processes {r['server_leftover_processes']}")
+
+
+def _models(args, console) -> int:
+    from timeshare.models.zoo import ZOO, weights_path
+
+    if args.config is not None:
+        from timeshare.config import load_config
+
+        config = load_config(args.config)
+        table = Table()
+        for col in ("name", "source", "weights", "pinned", "priority", "SLO ms", "max batch"):
+            table.add_column(col)
+        for m in config.models:
+            table.add_row(m.name, f"zoo:{m.zoo}" if m.zoo else m.build, m.weights or ("seeded" if m.zoo else "module's own"),
+                          "yes" if m.pinned else "", m.priority, _ms(m.slo_ms), str(m.max_batch))
+        console.print(table)
+        return 0
+    table = Table()
+    for col in ["name", "parameters", "inputs", "builder", "description"]:
+        table.add_column(col)
+    for m in ZOO.values():
+        table.add_row(m.name, f"{m.parameters:,}", ", ".join(m.input_names), m.builder, m.description)
+        if args.generate:
+            weights_path(m.name)
+    console.print(table)
+    return 0
+

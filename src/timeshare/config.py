@@ -1,0 +1,290 @@
+"""``timeshare.yaml``: the one file that describes a server: the runtime (device, memory
+budget, workers, scheduling, eviction), the HTTP server (ports, limits), the admin plane
+(who may use it), the models and the training jobs. Runs in the server's process.
+
+Validated by pydantic at load time; every error names the field, as a path
+("models[1].max_batch"), and the value it got. Unknown fields are errors, so a typo
+never silently falls back to a default. ``timeshare serve --print-default-config``
+shows every field with its default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from timeshare.errors import ConfigError
+from timeshare.units import parse_bytes
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # safe in a URL path segment
+
+# The Open Inference Protocol's tensor datatypes that models here can take or return.
+DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+             "FP16", "FP32", "FP64", "BF16")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _name(value: str, what: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-64 letters, digits, '_', '.' or '-', starting with a "
+                         "letter or digit")
+    return value
+
+
+def _bytes_field(value: Any, what: str) -> int:
+    try:
+        return parse_bytes(value, what=what)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+class RuntimeConfig(_Strict):
+    """How the device is shared (``timeshare.Runtime``'s arguments)."""
+
+    device: str = "auto"
+    """"auto", "cpu", "cuda" or "cuda:N"."""
+    memory: int | str = "auto"
+    """The device memory budget for model weights: bytes or "4GiB"; "auto" takes half the
+    free device memory on CUDA and an eighth of RAM (at most 2 GiB) on the CPU."""
+    workers: Annotated[int, Field(ge=0, le=64)] = 0
+    """Worker processes (0: models run in the server's process). Training jobs with
+    workers need at least 2."""
+    scheduling: Literal["priority", "fifo", "fair", "srtf", "edf"] = "priority"
+    """Who gets the device next; "priority" lets inference preempt training."""
+    time_slice_s: Annotated[float, Field(gt=0)] | None = None
+    """With "fifo" or "fair": how long a training job keeps the device before waiting calls run."""
+    eviction: Literal["lru", "clock", "second_chance", "working_set", "cost"] = "lru"
+    """Which resident model leaves when a new one needs room."""
+    strategy: Literal["optimal", "per_layer", "whole", "fixed"] = "optimal"
+    """How loads are grouped."""
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v):
+        if v == "auto":
+            return v
+        _bytes_field(v, "memory")
+        return v
+
+
+class ServerConfig(_Strict):
+    """The HTTP server: where it listens and what it accepts."""
+
+    host: str = "0.0.0.0"
+    """The data plane's address. The admin plane answers loopback clients only, unless a token is set."""
+    http_port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    """Open Inference Protocol, admin and /metrics (0: any free port)."""
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] | None = 8002
+    """A second port that serves only /metrics (null: none)."""
+    max_request_bytes: int | str = "64MiB"
+    """Larger request bodies get 413."""
+    request_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """A request not answered by then gets 504; what it queued is dropped."""
+    drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """On Ctrl-C or SIGTERM: how long in-flight requests may take to finish."""
+    warmup: bool = True
+    """Run every model once at start-up (this profiles it) before the server is ready."""
+
+    @field_validator("max_request_bytes")
+    @classmethod
+    def _limit(cls, v):
+        return _bytes_field(v, "max_request_bytes")
+
+
+class AdminConfig(_Strict):
+    """The admin plane: the model repository (load, unload, index), pinning and training jobs."""
+
+    enabled: bool = True
+    token: str | None = None
+    """When set, any client with "Authorization: Bearer <token>" may use the admin plane;
+    without one, only loopback clients may."""
+    token_env: str | None = "TIMESHARE_ADMIN_TOKEN"
+    """An environment variable to read the token from when ``token`` is not set."""
+
+    def resolved_token(self) -> str | None:
+        if self.token:
+            return self.token
+        if self.token_env:
+            return os.environ.get(self.token_env) or None
+        return None
+
+
+class TensorSpec(_Strict):
+    """One input of a model, as the Open Inference Protocol describes it."""
+
+    name: str
+    datatype: Literal[DATATYPES]  # type: ignore[valid-type]
+    shape: list[Annotated[int, Field(ge=-1)]]
+    """-1 marks a dimension of any size; the first is the batch dimension."""
+    min: int | None = None
+    """The smallest value an integer input may hold (token ids: 0)."""
+    max: int | None = None
+    """The largest value an integer input may hold (token ids: the vocabulary size - 1)."""
+
+
+class ModelConfig(_Strict):
+    """A model to serve: from the zoo (``zoo``) or from code (``build``)."""
+
+    name: str
+    zoo: str | None = None
+    """A zoo model's name (``timeshare models`` lists them); its inputs and seeded weights come with it."""
+    build: str | None = None
+    """"module:function" returning an nn.Module (needs ``inputs``)."""
+    weights: str | None = None
+    """A safetensors file (default: the zoo's seeded weights; the module's own values for ``build``)."""
+    inputs: list[TensorSpec] | None = None
+    """The forward's positional inputs, in order (default for the zoo: from its example inputs)."""
+    example_batch: Annotated[int, Field(ge=1)] = 1
+    """The batch of the example inputs used to profile the model."""
+    dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    pinned: bool = False
+    """Load at start-up and never evict; the server is not ready until it is resident."""
+    priority: Literal["latency_critical", "best_effort"] = "latency_critical"
+    slo_ms: Annotated[float, Field(gt=0)] | None = None
+    """A latency objective; the deadline that orders calls of one priority under "priority" and "edf"."""
+    max_batch: Annotated[int, Field(ge=1, le=4096)] = 8
+    """At most this many rows per request, and per batch formed from concurrent requests."""
+    max_queue: Annotated[int, Field(ge=1)] = 64
+    """Requests waiting for this model beyond this get 503 with Retry-After."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v):
+        return _name(v, "model name")
+
+    @model_validator(mode="after")
+    def _source(self):
+        if (self.zoo is None) == (self.build is None):
+            raise ValueError("give exactly one of 'zoo' (a zoo model) or 'build' ('module:function')")
+        if self.zoo is not None:
+            from timeshare.models.zoo import ZOO
+
+            if self.zoo not in ZOO:
+                raise ValueError(f"unknown zoo model {self.zoo!r}; known: {sorted(ZOO)}")
+        elif not self.inputs:
+            raise ValueError("a model given by 'build' needs 'inputs' (name, datatype and shape of each)")
+        if self.inputs is not None:
+            names = [i.name for i in self.inputs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"input names must be distinct, got {names}")
+            for i in self.inputs:
+                if not i.shape:
+                    raise ValueError(f"input {i.name!r} needs a batch dimension (shape [-1, ...])")
+        if self.weights is not None and not Path(self.weights).is_file():
+            raise ValueError(f"weights file {self.weights!r} does not exist")
+        return self
+
+
+class TrainingConfig(_Strict):
+    """A training job on a zoo model with a synthetic objective (seeded data)."""
+
+    name: str
+    model: str
+    """A zoo model's name."""
+    batch: Annotated[int, Field(ge=1)] = 8
+    iterations: Annotated[int, Field(ge=1)] | None = None
+    """Stop after this many (null: run until cancelled)."""
+    lr: Annotated[float, Field(gt=0)] = 1e-4
+    offload: bool = False
+    """Move the job's state to host memory while inference has the device."""
+    seed: int = 0
+    start: bool = True
+    """Start with the server (false: submit it later through the admin plane)."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v):
+        return _name(v, "training job name")
+
+    @field_validator("model")
+    @classmethod
+    def _zoo_model(cls, v):
+        from timeshare.models.zoo import ZOO
+
+        if v not in ZOO:
+            raise ValueError(f"unknown zoo model {v!r}; known: {sorted(ZOO)}")
+        return v
+
+
+class Config(_Strict):
+    """The whole of ``timeshare.yaml``."""
+
+    runtime: RuntimeConfig = RuntimeConfig()
+    server: ServerConfig = ServerConfig()
+    admin: AdminConfig = AdminConfig()
+    models: list[ModelConfig] = []
+    training: list[TrainingConfig] = []
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        names = [m.name for m in self.models]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model names must be distinct; repeated: {dup}")
+        jobs = [t.name for t in self.training]
+        dup = sorted({n for n in jobs if jobs.count(n) > 1})
+        if dup:
+            raise ValueError(f"training job names must be distinct; repeated: {dup}")
+        if self.training and self.runtime.workers == 1:
+            raise ValueError("runtime.workers: training with workers needs at least 2 (or 0 for in-process)")
+        return self
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    """Validate a parsed YAML document; a :class:`ConfigError` names every bad field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections "
+                          f"(runtime, server, admin, models, training), got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate ``timeshare.yaml``."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    return parse_config(data, str(p))
+
+
+def _describe(error: dict) -> str:
+    path = ""
+    for part in error["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in DATATYPES or str(part).startswith(("function-", "literal[")):
+            continue  # pydantic's own union-branch labels, not the user's fields
+        else:
+            path += f".{part}" if path else str(part)
+    msg = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return f"{path}: unknown field"
+    if error["type"] == "missing":
+        return f"{path}: required field missing"
+    got = error.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    return f"{path or 'config'}: {msg}{shown}"
+
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
+"""The embedded default: the zoo models and a training job (``timeshare demo``)."""

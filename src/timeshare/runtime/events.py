@@ -1,0 +1,46 @@
+"""What the runtime tells its observers (metrics, the server, the demo): one record per
+inference call and per eviction. Runs in the controller; listeners are called in the
+thread that made the call, while it still holds the runtime, so they must be quick
+(a histogram observation, an append).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One inference call on the device.
+
+    ``started``: ``time.monotonic()`` when the call was given the device;
+    ``seconds``: from then until its outputs were on the host; ``waited_s``: how long
+    it waited for its turn; ``loaded``: the model was not resident, so the call loaded
+    it (pipelined); ``switched_from``: the task that used the device before, when it
+    was another one (a model name or a training job's name), else None; ``error``:
+    the exception's type name when the call failed."""
+
+    model: str
+    started: float
+    seconds: float
+    waited_s: float
+    loaded: bool
+    switched_from: str | None
+    error: str | None = None
+
+    @property
+    def switched(self) -> bool:
+        return self.switched_from is not None
+
+
+@dataclass(frozen=True)
+class EvictionRecord:
+    """A model left device memory (to make room, by request, or at unregister)."""
+
+    model: str
+    nbytes: int
+    at: float
+
+
+Listener = Callable[[CallRecord | EvictionRecord], None]

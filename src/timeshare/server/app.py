@@ -1,0 +1,397 @@
+"""The HTTP routes: the Open Inference Protocol (KServe v2) data plane with the binary
+tensor data extension, Triton's model repository extension, timeshare's admin plane
+(pinning, training jobs) and Prometheus ``/metrics``. Runs in the server's process and
+talks only to :class:`~timeshare.server.service.Service`.
+
+Errors are JSON ``{"error": "..."}`` with a status that says whose fault it is: 4xx
+for the request (malformed, unknown model, too large), 503 with Retry-After for a full
+queue, 504 for a deadline; a 500 means a bug in timeshare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from timeshare import __version__
+from timeshare.errors import TimeshareError
+from timeshare.server.schemas import InferenceRequest, RepositoryIndexRequest, TrainingRequest
+from timeshare.server.service import STATUS, Overloaded, Service
+from timeshare.server.tensors import KNOWN, BadRequest, from_binary, from_json, to_binary, to_json_data
+
+log = logging.getLogger(__name__)
+
+HEADER_LENGTH = "inference-header-content-length"  # the binary tensor data extension's header
+
+
+def create_app(service: Service, *, start: bool = True) -> FastAPI:
+    """The ASGI app. With ``start``, its lifespan starts the service in the background
+    (the server answers "live" at once and "ready" when the models are) and stops it
+    (draining) at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(service.start()) if start else None
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            await service.stop()
+
+    app = FastAPI(title="timeshare", version=__version__, lifespan=lifespan,
+                  description="Open Inference Protocol (v2) over a GPU time-shared between models and training jobs.")
+    app.add_middleware(BodyLimit, limit=service.config.server.max_request_bytes)
+    _errors(app, service)
+    _data_plane(app, service)
+    _admin_plane(app, service)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---------------------------------------------------------------------- errors
+def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def status_of(exc: BaseException) -> int:
+    for cls, code in STATUS:
+        if isinstance(exc, cls):
+            return code
+    return 500
+
+
+def _errors(app: FastAPI, service: Service) -> None:
+    @app.exception_handler(TimeshareError)
+    async def timeshare_error(request: Request, exc: TimeshareError):
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+        return error_response(status_of(exc), str(exc), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return error_response(400, describe_validation(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+
+def describe_validation(errors) -> str:
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
+
+
+class BodyLimit:
+    """Request bodies over ``limit`` bytes get 413 (as JSON, like every error here):
+    by Content-Length before the body is read, or as soon as a chunked body passes it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = error_response(413, f"request body of {int(declared)} bytes is over the limit of "
+                                           f"{self.limit} (server.max_request_bytes)")
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # reaches the HTTPException handler through request.body()
+                    raise HTTPException(413, f"request body over the limit of {self.limit} bytes "
+                                             "(server.max_request_bytes)")
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+# ---------------------------------------------------------------------- data plane
+def _data_plane(app: FastAPI, service: Service) -> None:
+    @app.get("/v2", summary="Server metadata")
+    def server_metadata():
+        return {"name": "timeshare", "version": __version__,
+                "extensions": ["model_repository", "binary_tensor_data", "timeshare_training"]}
+
+    @app.get("/v2/health/live", summary="Liveness: 200 while the process serves")
+    def live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready", summary="Readiness: 200 once started and every pinned model is resident")
+    def ready():
+        ok = service.ready
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 400)
+
+    @app.get("/v2/models/{model}", summary="Model metadata")
+    @app.get("/v2/models/{model}/versions/{version}", include_in_schema=False)
+    def model_metadata(model: str, version: str = "1"):
+        return _versioned(service, model, version).metadata()
+
+    @app.get("/v2/models/{model}/ready", summary="Model readiness")
+    @app.get("/v2/models/{model}/versions/{version}/ready", include_in_schema=False)
+    def model_ready(model: str, version: str = "1"):
+        ep = _versioned(service, model, version)
+        ok = ep.state.value == "READY"
+        return JSONResponse({"name": model, "ready": ok}, status_code=200 if ok else 400)
+
+    infer_body = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": InferenceRequest.model_json_schema()},
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+    @app.post("/v2/models/{model}/infer", summary="Inference", openapi_extra=infer_body)
+    @app.post("/v2/models/{model}/versions/{version}/infer", include_in_schema=False)
+    async def infer(model: str, request: Request, version: str = "1"):
+        t0 = time.perf_counter()
+        code = 500
+        try:
+            ep = _versioned(service, model, version)
+            req, tensors = parse_infer(await request.body(), request.headers.get(HEADER_LENGTH))
+            wanted = _requested_outputs(ep, req)
+            reply = await service.infer(model, tensors)
+            response = encode_reply(model, req, reply, wanted)
+            code = 200
+            return response
+        except Exception as exc:
+            code = status_of(exc)
+            raise
+        finally:
+            if model in service.endpoints:
+                service.metrics.answered(model, code, time.perf_counter() - t0 if code == 200 else None)
+
+
+def _versioned(service: Service, model: str, version: str):
+    ep = service.endpoint(model)
+    if version != "1":
+        raise HTTPException(404, f"model {model!r} has no version {version!r}; its versions: ['1']")
+    return ep
+
+
+def parse_infer(body: bytes, header_length: str | None):
+    """The request and its input tensors by name, from a JSON body or a binary tensor
+    data body (a JSON header of ``header_length`` bytes, then the inputs' bytes)."""
+    binary = memoryview(b"")
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise BadRequest(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        if not 0 <= n <= len(body):
+            raise BadRequest(f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes")
+        binary = memoryview(body)[n:]
+        body = body[:n]
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("the request body must be a JSON object with 'inputs'")
+    try:
+        req = InferenceRequest.model_validate(obj)
+    except ValidationError as exc:
+        raise BadRequest(describe_validation(exc.errors())) from None
+    tensors, offset = {}, 0
+    for inp in req.inputs:
+        if inp.name in tensors:
+            raise BadRequest(f"input {inp.name!r} is given twice")
+        if inp.datatype not in KNOWN:
+            raise BadRequest(f"input {inp.name!r}: unknown datatype {inp.datatype!r}; known: {sorted(KNOWN)}")
+        if any(d < 0 for d in inp.shape):
+            raise BadRequest(f"input {inp.name!r}: shape {inp.shape} has a negative dimension")
+        size = (inp.parameters or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise BadRequest(f"input {inp.name!r}: binary_data_size must be a non-negative integer")
+            if inp.data is not None:
+                raise BadRequest(f"input {inp.name!r}: give either 'data' or binary_data_size, not both")
+            if offset + size > len(binary):
+                raise BadRequest(f"input {inp.name!r}: binary_data_size {size} runs past the body's binary part "
+                                 f"({len(binary)} bytes)")
+            tensors[inp.name] = from_binary(inp.name, inp.datatype, inp.shape, binary[offset:offset + size])
+            offset += size
+        elif inp.data is None:
+            raise BadRequest(f"input {inp.name!r} has no 'data' (nor binary_data_size)")
+        else:
+            tensors[inp.name] = from_json(inp.name, inp.datatype, inp.shape, inp.data)
+    if offset != len(binary):
+        raise BadRequest(f"{len(binary) - offset} bytes of binary data belong to no input")
+    return req, tensors
+
+
+def _requested_outputs(ep, req: InferenceRequest) -> list | None:
+    if req.outputs is None:
+        return None
+    names = [o.name for o in req.outputs]
+    if len(set(names)) != len(names):
+        raise BadRequest(f"an output is requested twice: {names}")
+    known = [o.name for o in ep.outputs]
+    if known:
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise BadRequest(f"model {ep.name!r} has no output {unknown[0]!r}; its outputs are {known}")
+    return req.outputs
+
+
+def encode_reply(model: str, req: InferenceRequest, reply, wanted) -> Response:
+    """JSON outputs, or with the binary extension (the request's ``binary_data_output``
+    or an output's ``binary_data``) a JSON header followed by the outputs' bytes."""
+    default_binary = bool((req.parameters or {}).get("binary_data_output", False))
+    chosen = [(o.name, bool((o.parameters or {}).get("binary_data", default_binary))) for o in wanted] \
+        if wanted is not None else [(n, default_binary) for n in reply.outputs]
+    from timeshare.server.tensors import datatype_of
+
+    outputs, blobs = [], []
+    for name, binary in chosen:
+        if name not in reply.outputs:
+            raise BadRequest(f"model {model!r} has no output {name!r}; its outputs are {list(reply.outputs)}")
+        t = reply.outputs[name]
+        entry = {"name": name, "datatype": datatype_of(t.dtype), "shape": list(t.shape)}
+        if binary:
+            raw = to_binary(t)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            entry["data"] = to_json_data(t)
+        outputs.append(entry)
+    params = {"timeshare_queue_ms": round(reply.queue_s * 1e3, 3), "timeshare_compute_ms": round(reply.compute_s * 1e3, 3),
+              "timeshare_batch_rows": reply.batch_rows, "timeshare_loaded": reply.loaded}
+    if reply.switched_from is not None:
+        params["timeshare_switched_from"] = reply.switched_from
+    body = {"model_name": model, "model_version": "1", "parameters": params, "outputs": outputs}
+    if req.id is not None:
+        body["id"] = req.id
+    if not blobs:
+        return JSONResponse(body)
+    header = json.dumps(body).encode()
+    return Response(header + b"".join(blobs), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(header))})
+
+
+# ---------------------------------------------------------------------- admin plane
+def _admin_plane(app: FastAPI, service: Service) -> None:
+    cfg = service.config.admin
+    token = cfg.resolved_token()
+
+    def admin(request: Request) -> None:
+        if not cfg.enabled:
+            raise HTTPException(403, "the admin plane is disabled (admin.enabled: false)")
+        if token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                raise HTTPException(401, "the admin plane needs 'Authorization: Bearer <admin token>'",
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return
+        host = request.client.host if request.client else ""
+        if not _is_loopback(host):
+            raise HTTPException(403, "the admin plane answers loopback clients only; set admin.token (or "
+                                     "$TIMESHARE_ADMIN_TOKEN) to use it from elsewhere")
+
+    guard = [Depends(admin)]
+
+    @app.post("/v2/repository/index", dependencies=guard, summary="Models in the repository and their state")
+    async def repository_index(request: Request):
+        body = await _optional_json(request)
+        try:
+            opts = RepositoryIndexRequest.model_validate(body)
+        except ValidationError as exc:
+            raise BadRequest(describe_validation(exc.errors())) from None
+        return service.index(ready_only=opts.ready)
+
+    @app.post("/v2/repository/models/{model}/load", dependencies=guard, summary="Load a model onto the device")
+    async def load(model: str, request: Request):
+        await _no_parameters(request, "load")
+        await service.load(model)
+        return {}
+
+    @app.post("/v2/repository/models/{model}/unload", dependencies=guard,
+              summary="Unload a model: finish its queue, free its device and host memory")
+    async def unload(model: str, request: Request):
+        await _no_parameters(request, "unload")
+        await service.unload(model)
+        return {}
+
+    @app.post("/admin/models/{model}/pin", dependencies=guard, summary="Pin: load now, never evict")
+    async def pin(model: str):
+        await service.pin(model, True)
+        return {"name": model, "pinned": True}
+
+    @app.post("/admin/models/{model}/unpin", dependencies=guard, summary="Unpin: evictable again")
+    async def unpin(model: str):
+        await service.pin(model, False)
+        return {"name": model, "pinned": False}
+
+    @app.get("/admin/training", dependencies=guard, summary="Training jobs")
+    def jobs():
+        return [service.job_status(n) for n in service.job_names()]
+
+    @app.post("/admin/training", dependencies=guard, status_code=201, summary="Start a training job")
+    async def submit(job: TrainingRequest):
+        return await service.submit_training(job)
+
+    @app.get("/admin/training/{job}", dependencies=guard, summary="A training job's status")
+    def job(job: str):
+        return service.job_status(job)
+
+    @app.post("/admin/training/{job}/{action}", dependencies=guard, summary="pause, resume or cancel a training job")
+    def control(job: str, action: str):
+        return service.control_job(job, action)
+
+    @app.get("/admin/status", dependencies=guard, summary="Runtime state: memory, residency, counters")
+    def status():
+        snap = service.snapshot()
+        snap["ready"] = service.ready
+        snap["start_error"] = service.start_error
+        snap["models"] = service.index()
+        return snap
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _optional_json(request: Request) -> dict:
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return obj
+
+
+async def _no_parameters(request: Request, what: str) -> None:
+    """Triton's load and unload take optional parameters (config overrides, files);
+    timeshare's models come from its config file, so none are accepted."""
+    body = await _optional_json(request)
+    extra = sorted(k for k, v in body.items() if not (k == "parameters" and not v))
+    if extra:
+        raise BadRequest(f"{what} takes no {extra[0]!r} here: models are defined in the server's config file")

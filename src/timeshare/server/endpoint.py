@@ -1,0 +1,215 @@
+"""One served model as the HTTP side sees it: its inputs and outputs in Open Inference
+Protocol terms, its state, and its queue of waiting requests. Runs in the server's
+event loop; nothing here touches the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from timeshare.config import ModelConfig, TensorSpec
+from timeshare.models.zoo import get as zoo_get
+from timeshare.runtime.engine import parse_dtype
+from timeshare.server.tensors import TORCH_DTYPES, BadRequest, datatype_of
+
+
+class ModelState(enum.Enum):
+    LOADING = "LOADING"  # registering or warming up; requests queue
+    READY = "READY"
+    UNLOADING = "UNLOADING"  # queued requests finish, new ones are refused
+    UNAVAILABLE = "UNAVAILABLE"  # not registered (unloaded, or it failed to load: see ``reason``)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+@dataclass
+class Pending:
+    """A request waiting for its model: its inputs in the forward's order."""
+
+    tensors: list[torch.Tensor]
+    rows: int
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple:
+        """Requests with equal keys can run as one batch (concatenated along dim 0)."""
+        return tuple((tuple(t.shape[1:]), t.dtype) for t in self.tensors)
+
+
+class Endpoint:
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.inputs: list[TensorSpec] = cfg.inputs if cfg.inputs is not None else _zoo_inputs(cfg)
+        self.outputs: list[OutputSpec] = []  # known after the first inference
+        self.state = ModelState.UNAVAILABLE
+        self.reason = "not loaded yet"
+        self.pinned = cfg.pinned
+        self.batchable = True  # cleared when an output has no batch dimension to split
+        self.queue: deque[Pending] = deque()
+        self.busy = False  # a batch is on the device
+        self.wake = asyncio.Event()
+        self.lock = asyncio.Lock()  # one admin operation at a time
+        self.runner: asyncio.Task | None = None
+        self.batch_s = 1.0  # moving average of a batch's device time, for Retry-After
+        self.load_s = 1.0
+
+    # ------------------------------------------------------------------ inputs
+    def check(self, given: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """The inputs in the forward's order, and their rows; :class:`BadRequest` names
+        the first problem."""
+        names = [s.name for s in self.inputs]
+        extra = sorted(set(given) - set(names))
+        if extra:
+            raise BadRequest(f"model {self.name!r} has no input {extra[0]!r}; its inputs are {names}")
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise BadRequest(f"model {self.name!r} needs input {missing[0]!r}; its inputs are {names}")
+        ordered, rows = [], None
+        for spec in self.inputs:
+            t = given[spec.name]
+            got = datatype_of(t.dtype)
+            if got != spec.datatype:
+                raise BadRequest(f"input {spec.name!r} of model {self.name!r} must be {spec.datatype}, got {got}")
+            shape = list(t.shape)
+            if len(shape) != len(spec.shape) or any(s not in (-1, g) for s, g in zip(spec.shape, shape)):
+                raise BadRequest(f"input {spec.name!r} of model {self.name!r} must have shape {spec.shape} "
+                                 f"(-1: any size), got {shape}")
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise BadRequest(f"inputs of model {self.name!r} disagree on the batch size: "
+                                 f"{spec.name!r} has {shape[0]}, an earlier one {rows}")
+            if t.numel() and (spec.min is not None or spec.max is not None):
+                lo, hi = int(t.min()), int(t.max())
+                if (spec.min is not None and lo < spec.min) or (spec.max is not None and hi > spec.max):
+                    raise BadRequest(f"input {spec.name!r} of model {self.name!r}: values must lie in "
+                                     f"[{spec.min}, {spec.max}], got [{lo}, {hi}]")
+            ordered.append(t)
+        assert rows is not None
+        if not 1 <= rows <= self.cfg.max_batch:
+            raise BadRequest(f"model {self.name!r} takes 1 to {self.cfg.max_batch} rows per request, got {rows}")
+        return ordered, rows
+
+    def example_inputs(self) -> tuple:
+        if self.cfg.zoo is not None:
+            return zoo_get(self.cfg.zoo).example_inputs(self.cfg.example_batch, parse_dtype(self.cfg.dtype) or
+                                                        torch.float32)
+        g = torch.Generator().manual_seed(0)
+        out = []
+        for spec in self.inputs:
+            shape = [self.cfg.example_batch] + [d if d >= 0 else 1 for d in spec.shape[1:]]
+            dtype = TORCH_DTYPES[spec.datatype]
+            if dtype.is_floating_point:
+                out.append(torch.randn(shape, generator=g).to(dtype))
+            elif dtype == torch.bool:
+                out.append(torch.zeros(shape, dtype=dtype))
+            else:
+                lo = spec.min if spec.min is not None else 0
+                hi = spec.max if spec.max is not None else lo
+                out.append(torch.randint(lo, hi + 1, shape, generator=g).to(dtype))
+        return tuple(out)
+
+    # ------------------------------------------------------------------ queue
+    def take_batch(self) -> list[Pending]:
+        """The oldest live request and, when the model batches, the next ones with the
+        same shapes, up to ``max_batch`` rows."""
+        while self.queue and self.queue[0].future.done():  # timed out or cancelled
+            self.queue.popleft()
+        if not self.queue:
+            return []
+        first = self.queue.popleft()
+        batch, rows = [first], first.rows
+        if self.batchable:
+            kept: deque[Pending] = deque()
+            while self.queue:
+                p = self.queue.popleft()
+                if p.future.done():
+                    continue
+                if p.key == first.key and rows + p.rows <= self.cfg.max_batch:
+                    batch.append(p)
+                    rows += p.rows
+                else:
+                    kept.append(p)
+            self.queue = kept
+        return batch
+
+    def retry_after(self, resident: bool) -> int:
+        """Seconds until a place in the queue is likely to free up."""
+        batches = math.ceil(len(self.queue) / max(1, self.cfg.max_batch if self.batchable else 1))
+        estimate = (batches + 1) * self.batch_s + (0.0 if resident else self.load_s)
+        return max(1, math.ceil(estimate))
+
+    # ------------------------------------------------------------------ description
+    def metadata(self) -> dict:
+        return {
+            "name": self.name,
+            "versions": ["1"],
+            "platform": "pytorch_timeshare",
+            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in self.inputs],
+            "outputs": [dataclasses.asdict(o) for o in self.outputs],
+        }
+
+
+def _zoo_inputs(cfg: ModelConfig) -> list[TensorSpec]:
+    zoo = zoo_get(cfg.zoo)
+    example = zoo.example_inputs(1, parse_dtype(cfg.dtype) or torch.float32)
+    specs = []
+    for i, t in enumerate(example):
+        bounds = zoo.input_bounds[i] if i < len(zoo.input_bounds) else None
+        name = zoo.input_names[i] if i < len(zoo.input_names) else f"input_{i}"
+        specs.append(TensorSpec(name=name, datatype=datatype_of(t.dtype), shape=[-1, *t.shape[1:]],
+                                min=bounds[0] if bounds else None, max=bounds[1] if bounds else None))
+    return specs
+
+
+def flatten_outputs(obj, name: str = "") -> list[tuple[str, torch.Tensor]]:
+    """A model's output as named tensors: a tensor is "output"; tuple items are
+    "output_0", ...; dict keys and dataclass fields keep their names, nested with
+    "." (dicts, dataclasses) or "_i" (sequences). Values that are not tensors are left out."""
+    if isinstance(obj, torch.Tensor):
+        return [(name or "output", obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        obj = obj._asdict()
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += flatten_outputs(v, f"{name}.{k}" if name else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += flatten_outputs(v, f"{name}_{i}" if name else f"output_{i}")
+    return out
+
+
+def split_outputs(named: list[tuple[str, torch.Tensor]], rows: list[int]) -> list[dict[str, torch.Tensor]] | None:
+    """Each request's share of a batch's outputs, or None when an output has no batch
+    dimension to split along."""
+    total = sum(rows)
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in rows]
+    for n, t in named:
+        if t.dim() == 0 or t.shape[0] != total:
+            return None
+        for part, piece in zip(parts, torch.split(t, rows)):
+            part[n] = piece
+    return parts
+
+
+def describe_outputs(named: list[tuple[str, torch.Tensor]], rows: int) -> list[OutputSpec]:
+    return [OutputSpec(n, datatype_of(t.dtype), [-1 if i == 0 and d == rows else d for i, d in enumerate(t.shape)])
+            for n, t in named]

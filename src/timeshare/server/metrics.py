@@ -1,0 +1,132 @@
+"""Prometheus metrics of a server, in its own registry. Runs in the server's process.
+
+Events (requests, device calls, evictions) are observed as they happen; levels
+(queue depth, resident models, memory) and the runtime's counters are read at scrape
+time from ``Service.snapshot()``, which never waits for the device. Names follow
+Prometheus conventions: ``timeshare_`` prefix, base units (``_seconds``, ``_bytes``),
+counters ending in ``_total``, a ``model`` label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from timeshare.runtime.events import CallRecord, EvictionRecord
+
+# 1 ms to 1 min: a resident call on a GPU up to a cold load of a large model on a CPU.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+disable_created_metrics()  # no *_created series: they double every counter for little use
+
+
+class Metrics:
+    def __init__(self, service):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("timeshare_requests", "Inference requests answered, by HTTP status code",
+                                ["model", "code"], registry=r)
+        self.request_seconds = Histogram("timeshare_request_duration_seconds",
+                                         "From a request's arrival to its response (successful requests)",
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("timeshare_queue_duration_seconds",
+                                       "From a request's arrival until the device ran it", ["model"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_rows = Histogram("timeshare_batch_size", "Rows per forward, after batching concurrent requests",
+                                    ["model"], buckets=BATCH_BUCKETS, registry=r)
+        self.load_seconds = Histogram("timeshare_load_duration_seconds",
+                                      "Device calls that had to load the model: the pipelined load with the first "
+                                      "forward", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.switch_seconds = Histogram("timeshare_switch_duration_seconds",
+                                        "Device calls that followed another task on the device (another model or "
+                                        "a training job): the switch with the forward", ["model"],
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.switches = Counter("timeshare_switches", "Device calls that followed another task on the device",
+                                ["model"], registry=r)
+        self.evictions = Counter("timeshare_evictions", "Models removed from device memory", ["model"], registry=r)
+        self.failures = Counter("timeshare_failures", "Device calls that raised, by error type",
+                                ["model", "error"], registry=r)
+        self.rejections = Counter("timeshare_rejected_requests", "Requests refused with 503 because the model's "
+                                  "queue was full", ["model"], registry=r)
+        r.register(_Levels(service))
+
+    # ------------------------------------------------------------------ events
+    def record(self, rec: CallRecord | EvictionRecord) -> None:
+        if isinstance(rec, EvictionRecord):
+            self.evictions.labels(rec.model).inc()
+            return
+        if rec.error is not None:
+            self.failures.labels(rec.model, rec.error).inc()
+            return
+        if rec.loaded:
+            self.load_seconds.labels(rec.model).observe(rec.seconds)
+        if rec.switched:
+            self.switches.labels(rec.model).inc()
+            self.switch_seconds.labels(rec.model).observe(rec.seconds)
+
+    def answered(self, model: str, code: int, seconds: float | None) -> None:
+        self.requests.labels(model, str(code)).inc()
+        if seconds is not None:
+            self.request_seconds.labels(model).observe(seconds)
+
+    def queued(self, model: str, seconds: float) -> None:
+        self.queue_seconds.labels(model).observe(seconds)
+
+    def batched(self, model: str, rows: int) -> None:
+        self.batch_rows.labels(model).observe(rows)
+
+    def rejected(self, model: str) -> None:
+        self.rejections.labels(model).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Levels:
+    """Scrape-time values from ``Service.snapshot()``."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def describe(self):
+        return []  # values exist only once the runtime does
+
+    def collect(self):
+        snap = self.service.snapshot()
+        if "capacity_bytes" not in snap:
+            return
+        depth = GaugeMetricFamily("timeshare_queue_depth", "Requests waiting for a model", labels=["model"])
+        for m, n in snap["queue_depth"].items():
+            depth.add_metric([m], n)
+        yield depth
+        resident = GaugeMetricFamily("timeshare_model_resident_bytes", "Device bytes of each resident model",
+                                     labels=["model"])
+        for m, n in snap["resident"].items():
+            resident.add_metric([m], n)
+        yield resident
+        yield GaugeMetricFamily("timeshare_resident_models", "Models in device memory", value=len(snap["resident"]))
+        yield GaugeMetricFamily("timeshare_arena_used_bytes", "Device memory held by resident models",
+                                value=snap["used_bytes"])
+        yield GaugeMetricFamily("timeshare_arena_capacity_bytes", "The device memory budget for models (the arena)",
+                                value=snap["capacity_bytes"])
+        yield GaugeMetricFamily("timeshare_host_store_bytes", "Host copies of the registered models' weights",
+                                value=snap["host_bytes"])
+        yield GaugeMetricFamily("timeshare_host_pinned_bytes", "Of those, page-locked (pinned) host memory",
+                                value=snap["host_pinned_bytes"])
+        loads = CounterMetricFamily("timeshare_model_loads", "Loads of each model onto the device", labels=["model"])
+        for m, n in snap["loads"].items():
+            loads.add_metric([m], n)
+        yield loads
+        yield CounterMetricFamily("timeshare_preemptions", "Training jobs stopped at a preemption point for "
+                                  "another task", value=snap["preemptions"])
+        busy = CounterMetricFamily("timeshare_device_busy_seconds", "Device time of inference calls and of "
+                                   "training iterations", labels=["task"])
+        busy.add_metric(["inference"], snap["inference_seconds"])
+        busy.add_metric(["training"], snap["training_seconds"])
+        yield busy
+        iters = CounterMetricFamily("timeshare_training_iterations", "Iterations done by each training job",
+                                    labels=["job"])
+        for j, n in snap["jobs"].items():
+            iters.add_metric([j], n)
+        yield iters

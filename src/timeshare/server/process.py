@@ -1,0 +1,119 @@
+"""A ``timeshare serve`` in a child process, for the demo and ``bench serve``: start it
+with a config, wait (with a deadline) until it is ready, stop it with SIGTERM as an
+operator would, and make sure nothing of it is left. Runs in the caller's process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from timeshare.errors import TimeshareError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``with ServerProcess(config) as server: ... server.url ...``; ``config`` is a
+    parsed YAML document (a dict). The server's port is chosen here; its log goes to
+    ``log_path`` (default: a temporary file, shown in errors)."""
+
+    def __init__(self, config: dict, *, ready_timeout_s: float = 300.0, log_path: Path | None = None):
+        self.port = free_port()
+        config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "http_port": self.port,
+                                       "metrics_port": None}}
+        self._dir = tempfile.TemporaryDirectory(prefix="timeshare-serve-")
+        self.config_path = Path(self._dir.name) / "timeshare.yaml"
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.log_path = log_path or Path(self._dir.name) / "server.log"
+        self.ready_timeout_s = ready_timeout_s
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.children: list[int] = []
+
+    def start(self, progress=None) -> "ServerProcess":
+        from timeshare.server.client import Client
+
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "timeshare", "serve", "--config", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        deadline = time.monotonic() + self.ready_timeout_s
+        with Client(self.url, timeout_s=5) as client:
+            while not client.ready():
+                if self.proc.poll() is not None:
+                    raise TimeshareError(f"the server exited with code {self.proc.returncode} before it was ready; "
+                                         f"its log:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeshareError(f"the server was not ready within {self.ready_timeout_s:.0f} s; its log:\n"
+                                         f"{self.log_tail()}")
+                if progress is not None:
+                    progress(self.log_tail(1))
+                time.sleep(0.25)
+        self.children = _children(self.proc.pid)
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, wait for the drain, then SIGKILL if it is still there. Returns the
+        exit code (0: clean)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.children = sorted(set(self.children) | set(_children(self.proc.pid)))
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.exit_code = self.proc.returncode
+        return self.exit_code
+
+    def leftovers(self) -> list[int]:
+        """Child processes of the server still alive after it stopped (should be none)."""
+        return [pid for pid in self.children if _alive(pid)]
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -1,0 +1,62 @@
+"""``timeshare serve``: the runtime, then uvicorn with the app, plus a metrics-only port.
+Runs in the server's process.
+
+Shutdown (Ctrl-C or SIGTERM, handled by uvicorn): stop accepting, let in-flight
+requests finish for up to ``server.drain_timeout_s``, then the app's lifespan stops the
+service, which closes the runtime: training jobs stop at their next preemption point,
+worker processes exit, shared memory is unlinked. No process is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from timeshare.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def serve(config: Config, *, log_level: str = "info") -> None:
+    import uvicorn
+    from prometheus_client import start_http_server
+
+    from timeshare.server.app import create_app
+    from timeshare.server.service import Service
+
+    service = Service(config)
+    service.open()  # a bad runtime section (device, memory) fails here, before anything listens
+    metrics_server = None
+    try:
+        s = config.server
+        if s.metrics_port is not None:
+            metrics_server, _thread = start_http_server(s.metrics_port, addr=s.host, registry=service.metrics.registry)
+        app = create_app(service)
+        server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.http_port, log_level=log_level,
+                                               timeout_graceful_shutdown=s.drain_timeout_s, access_log=False))
+        with _exit_cleanly():
+            server.run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        if service.runtime is not None:
+            service.runtime.close()  # idempotent: the lifespan closed it unless start-up failed
+
+
+class _exit_cleanly:
+    """uvicorn handles SIGINT and SIGTERM (graceful drain), then raises the signal again
+    for the handlers it found. Handlers that only note it make a drained stop exit
+    with status 0 rather than die by the signal."""
+
+    def __enter__(self):
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, lambda signum, frame: log.info("stopped by signal %d", signum))
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,449 @@
+"""The serving layer: between the HTTP routes and the runtime. Runs in the server's
+process, on two sides:
+
+- the event loop: per model a bounded queue of waiting requests and a runner task
+  that takes the next batch (concurrent requests with the same shapes, up to
+  ``max_batch`` rows, NOTE [Request batching]) and awaits its result;
+- a thread pool: the calls into :class:`~timeshare.Runtime`, which block. The runtime's
+  dispatcher orders them (priority, SLO) and loads a model that is not resident.
+
+# NOTE [Request batching]
+Requests for one model that wait together run as one forward: their inputs are
+concatenated along dimension 0 and every output is split back along it. A model whose
+outputs are not all batched along dimension 0 (a scalar, say) is found out on the
+first batch: that batch is re-run one request at a time and the model is not batched
+again. Batched outputs equal the per-request ones up to floating-point reassociation
+(kernels may pick other paths for other batch sizes); the load test checks them
+against references computed alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from timeshare.config import Config, ModelConfig, TrainingConfig
+from timeshare.errors import (
+    DuplicateModelError,
+    MemoryBudgetError,
+    ModelError,
+    PipelineError,
+    RemoteError,
+    TimeshareError,
+    UnknownModelError,
+    WorkerError,
+)
+from timeshare.models.zoo import get as zoo_get
+from timeshare.models.zoo import weights_path
+from timeshare.runtime.engine import Runtime
+from timeshare.runtime.events import CallRecord, EvictionRecord
+from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs, split_outputs
+from timeshare.server.metrics import Metrics
+from timeshare.server.tensors import BadRequest
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(TimeshareError):
+    """The model exists but cannot take requests now (HTTP 400; Triton's "not ready")."""
+
+    status = 400
+
+
+class Overloaded(TimeshareError):
+    """The queue is full or the server is stopping (HTTP 503 with Retry-After)."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Timeout(TimeshareError):
+    """No answer within ``server.request_timeout_s`` (HTTP 504)."""
+
+    status = 504
+
+
+class Conflict(TimeshareError):
+    """The operation conflicts with the current state (HTTP 409)."""
+
+    status = 409
+
+
+@dataclass
+class Reply:
+    outputs: dict[str, torch.Tensor]
+    queue_s: float = 0.0  # from arrival until the device ran it
+    compute_s: float = 0.0  # the device call (with its load, when it loaded)
+    batch_rows: int = 0
+    loaded: bool = False
+    switched_from: str | None = None
+
+
+@dataclass
+class _Job:
+    cfg: TrainingConfig
+    handle: object  # TrainingJob
+    submitted: float = field(default_factory=time.time)
+
+
+class Service:
+    """Owns the runtime; the routes call only this."""
+
+    def __init__(self, config: Config, *, runtime: Runtime | None = None):
+        self.config = config
+        self.endpoints = {m.name: Endpoint(m) for m in config.models}
+        self.metrics = Metrics(self)
+        self.runtime = runtime
+        self._jobs: dict[str, _Job] = {}
+        self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + 4, thread_name_prefix="timeshare-serve")
+        self._local = threading.local()
+        self._started = asyncio.Event()
+        self.start_error: str | None = None
+        self._stopping = False
+        self._busy_s = 0.0  # device seconds of inference calls
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ life
+    def open(self) -> None:
+        """Create the runtime (blocking: worker processes start here). Errors in the
+        runtime section surface now, before the server listens."""
+        if self.runtime is None:
+            r = self.config.runtime
+            self.runtime = Runtime(r.device, r.memory, eviction=r.eviction, strategy=r.strategy, workers=r.workers,
+                                   scheduling=r.scheduling, time_slice_s=r.time_slice_s)
+        self.runtime.subscribe(self._on_record)
+
+    async def start(self) -> None:
+        """Register and warm up every model, then start the training jobs; the server
+        answers (live, not ready) meanwhile. A model that fails is UNAVAILABLE with
+        the reason; the others serve."""
+        if self.runtime is None:
+            self.open()
+        try:
+            for ep in self.endpoints.values():
+                ep.runner = asyncio.create_task(self._run_queue(ep), name=f"timeshare-queue-{ep.name}")
+            # Pinned models last: they are resident when start-up ends, whatever the budget.
+            for ep in sorted(self.endpoints.values(), key=lambda e: e.pinned):
+                async with ep.lock:
+                    await self._load(ep)
+            for cfg in self.config.training:
+                if cfg.start:
+                    try:
+                        await self.submit_training(cfg)
+                    except TimeshareError as exc:
+                        log.error("training job %s did not start: %s", cfg.name, exc)
+        except Exception as exc:  # the server stays up to say why it is not ready
+            self.start_error = f"{type(exc).__name__}: {exc}"
+            log.exception("start-up failed")
+        finally:
+            self._started.set()
+
+    async def wait_started(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._started.wait(), timeout)
+
+    @property
+    def ready(self) -> bool:
+        """Started, not stopping, and every pinned model resident."""
+        if not self._started.is_set() or self._stopping or self.start_error or self.runtime is None:
+            return False
+        resident = self.runtime.snapshot()["resident"]
+        return all(ep.state is ModelState.READY and ep.name in resident for ep in self.endpoints.values() if ep.pinned)
+
+    async def stop(self) -> None:
+        """Refuse new requests, let queued ones finish (up to ``drain_timeout_s``), then
+        close the runtime: training jobs stop, worker processes exit, memory is freed."""
+        self._stopping = True
+        deadline = time.monotonic() + self.config.server.drain_timeout_s
+        while any(ep.queue or ep.busy for ep in self.endpoints.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for ep in self.endpoints.values():
+            if ep.runner is not None:
+                ep.runner.cancel()
+            while ep.queue:
+                p = ep.queue.popleft()
+                if not p.future.done():
+                    p.future.set_exception(Overloaded("the server is shutting down", 1))
+        if self.runtime is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.close)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ data plane
+    def endpoint(self, name: str) -> Endpoint:
+        try:
+            return self.endpoints[name]
+        except KeyError:
+            raise UnknownModelError(f"no model named {name!r}; known: {sorted(self.endpoints)}") from None
+
+    async def infer(self, name: str, given: dict[str, torch.Tensor]) -> Reply:
+        """Queue one request and wait for its outputs (all of them, by name)."""
+        ep = self.endpoint(name)
+        tensors, rows = ep.check(given)
+        if self._stopping:
+            raise Overloaded("the server is shutting down", 1)
+        if ep.state not in (ModelState.LOADING, ModelState.READY):
+            raise Unavailable(f"model {name!r} is not loaded ({ep.state.value}: {ep.reason}); "
+                              f"POST /v2/repository/models/{name}/load")
+        if len(ep.queue) >= ep.cfg.max_queue:
+            resident = name in self.runtime.snapshot()["resident"]
+            self.metrics.rejected(name)
+            raise Overloaded(f"model {name!r} has {len(ep.queue)} requests waiting (max_queue)",
+                             ep.retry_after(resident))
+        p = Pending(tensors, rows, asyncio.get_running_loop().create_future())
+        ep.queue.append(p)
+        ep.wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(p.future), self.config.server.request_timeout_s)
+        except TimeoutError:
+            p.future.cancel()  # the runner skips it if it is still queued
+            raise Timeout(f"model {name!r} did not answer within {self.config.server.request_timeout_s} s") from None
+
+    def queue_depths(self) -> dict[str, int]:
+        return {n: len(ep.queue) for n, ep in self.endpoints.items()}
+
+    async def _run_queue(self, ep: Endpoint) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await ep.wake.wait()
+            ep.wake.clear()
+            while ep.queue and ep.state in (ModelState.READY, ModelState.UNLOADING):
+                batch = ep.take_batch()
+                if not batch:
+                    break
+                ep.busy = True
+                try:
+                    replies = await loop.run_in_executor(self._executor, self._execute, ep, batch)
+                except Exception as exc:
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(exc)
+                else:
+                    for p, r in zip(batch, replies):
+                        if not p.future.done():
+                            p.future.set_result(r)
+                finally:
+                    ep.busy = False
+            if ep.state is ModelState.UNAVAILABLE:
+                while ep.queue:
+                    p = ep.queue.popleft()
+                    if not p.future.done():
+                        p.future.set_exception(Unavailable(f"model {ep.name!r} was unloaded"))
+
+    def _execute(self, ep: Endpoint, batch: list[Pending]) -> list[Reply]:
+        """In a pool thread: one forward for the batch (NOTE [Request batching])."""
+        if len(batch) == 1:
+            args = batch[0].tensors
+        else:
+            args = [torch.cat([p.tensors[i] for p in batch]) for i in range(len(batch[0].tensors))]
+        self._local.records = records = []
+        try:
+            out = self.runtime.infer(ep.name, *args)
+        except BaseException as exc:
+            raise _served_error(ep.name, exc) from exc
+        finally:
+            self._local.records = None
+        rows = [p.rows for p in batch]
+        named = flatten_outputs(out)
+        if not ep.outputs:
+            ep.outputs = describe_outputs(named, sum(rows))
+        parts = [dict(named)] if len(batch) == 1 else split_outputs(named, rows)
+        if parts is None:
+            log.info("model %s: an output has no batch dimension; requests now run one at a time", ep.name)
+            ep.batchable = False
+            return [self._execute(ep, [p])[0] for p in batch]
+        rec = records[-1] if records else None
+        if rec is not None:
+            ep.batch_s = 0.8 * ep.batch_s + 0.2 * rec.seconds
+            if rec.loaded:
+                ep.load_s = rec.seconds
+        replies = []
+        for p, part in zip(batch, parts):
+            r = Reply(part, batch_rows=sum(rows))
+            if rec is not None:
+                r.queue_s = max(0.0, rec.started - p.enqueued)
+                r.compute_s, r.loaded, r.switched_from = rec.seconds, rec.loaded, rec.switched_from
+                self.metrics.queued(ep.name, r.queue_s)
+            replies.append(r)
+        self.metrics.batched(ep.name, sum(rows))
+        return replies
+
+    def _on_record(self, record: CallRecord | EvictionRecord) -> None:
+        """Runtime listener (in the calling thread, NOTE in ``runtime/events.py``)."""
+        if isinstance(record, CallRecord):
+            self._busy_s += record.seconds
+            records = getattr(self._local, "records", None)
+            if records is not None:
+                records.append(record)
+        self.metrics.record(record)
+
+    # ------------------------------------------------------------------ repository (admin)
+    def index(self, ready_only: bool = False) -> list[dict]:
+        out = []
+        for ep in self.endpoints.values():
+            if ready_only and ep.state is not ModelState.READY:
+                continue
+            entry = {"name": ep.name, "version": "1", "state": ep.state.value, "reason": ep.reason}
+            out.append(entry)
+        return out
+
+    async def load(self, name: str) -> None:
+        """Register the model if it is not, and bring it onto the device now."""
+        ep = self.endpoint(name)
+        async with ep.lock:
+            if ep.state is ModelState.UNAVAILABLE or ep.state is ModelState.LOADING:
+                await self._load(ep)
+            else:
+                await self._call(self.runtime.infer, name, *ep.example_inputs())
+            if ep.state is not ModelState.READY:
+                raise Conflict(f"model {name!r} did not load: {ep.reason}")
+
+    async def unload(self, name: str) -> None:
+        """Refuse new requests, finish the queued ones, then unregister the model: its
+        device memory and its host copy are freed."""
+        ep = self.endpoint(name)
+        async with ep.lock:
+            if ep.state is ModelState.UNAVAILABLE:
+                return
+            ep.state, ep.reason = ModelState.UNLOADING, "unloading"
+            ep.wake.set()
+            while ep.queue or ep.busy:
+                await asyncio.sleep(0.01)
+            try:
+                await self._call(self.runtime.unregister, name)
+            except UnknownModelError:
+                pass
+            ep.state, ep.reason = ModelState.UNAVAILABLE, "unloaded"
+            ep.wake.set()
+
+    async def pin(self, name: str, pinned: bool) -> None:
+        """A pinned model is loaded now and never evicted; readiness waits for it."""
+        ep = self.endpoint(name)
+        if pinned and ep.state is not ModelState.READY:
+            await self.load(name)
+        async with ep.lock:
+            if ep.state is not ModelState.READY:
+                raise Conflict(f"model {name!r} is {ep.state.value}; load it first")
+            await self._call(self.runtime.pin, name, pinned)
+            ep.pinned = pinned
+            if pinned:
+                await self._call(self.runtime.infer, name, *ep.example_inputs())
+
+    async def _load(self, ep: Endpoint) -> None:
+        """Register (if needed) and warm up ``ep``; on failure it is UNAVAILABLE with the reason."""
+        ep.state, ep.reason = ModelState.LOADING, "loading"
+        cfg = ep.cfg
+        t0 = time.monotonic()
+        try:
+            if ep.name not in await self._call(self.runtime.models):
+                await self._call(self._register, cfg, ep.pinned, ep.example_inputs())
+            if self.config.server.warmup or ep.pinned:
+                out = await self._call(self.runtime.infer, ep.name, *ep.example_inputs())
+                ep.outputs = describe_outputs(flatten_outputs(out), cfg.example_batch)
+        except Exception as exc:
+            ep.state, ep.reason = ModelState.UNAVAILABLE, f"{type(exc).__name__}: {exc}"
+            log.error("model %s is unavailable: %s", ep.name, ep.reason)
+            try:  # a half-registered model must not keep memory
+                if ep.name in await self._call(self.runtime.models):
+                    await self._call(self.runtime.unregister, ep.name)
+            except Exception:
+                log.exception("cleaning up model %s failed", ep.name)
+        else:
+            ep.state, ep.reason = ModelState.READY, ""
+            log.info("model %s ready in %.1f s", ep.name, time.monotonic() - t0)
+        ep.wake.set()
+
+    def _register(self, cfg: ModelConfig, pinned: bool, example: tuple) -> None:
+        if cfg.zoo is not None:
+            build = zoo_get(cfg.zoo).builder
+            weights = cfg.weights or weights_path(cfg.zoo)
+        else:
+            build, weights = cfg.build, cfg.weights
+        self.runtime.register(cfg.name, build, weights, example, dtype=cfg.dtype, pin=pinned,
+                              priority=cfg.priority, slo_s=None if cfg.slo_ms is None else cfg.slo_ms / 1000)
+
+    # ------------------------------------------------------------------ training (admin)
+    async def submit_training(self, cfg: TrainingConfig) -> dict:
+        from timeshare.bench.workloads import TrainingWorkload, sgd
+
+        job = self._jobs.get(cfg.name)
+        if job is not None and not job.handle.wait(0):
+            raise Conflict(f"a training job named {cfg.name!r} is running")
+        args = TrainingWorkload(cfg.model, cfg.batch).train_args()
+        args["optimizer"] = functools.partial(sgd, lr=cfg.lr)
+        try:
+            handle = await self._call(self.runtime.train, cfg.name, iterations=cfg.iterations, offload=cfg.offload,
+                                      seed=cfg.seed, **args)
+        except DuplicateModelError as exc:
+            raise Conflict(str(exc)) from None
+        self._jobs[cfg.name] = _Job(cfg, handle)
+        return self.job_status(cfg.name)
+
+    def job_names(self) -> list[str]:
+        return list(self._jobs)
+
+    def job_status(self, name: str) -> dict:
+        job = self._job(name)
+        h = job.handle
+        s = h.stats
+        return {
+            "name": name, "model": job.cfg.model, "batch": job.cfg.batch, "status": h.status,
+            "iterations": s.iterations, "target_iterations": job.cfg.iterations, "preemptions": s.preemptions,
+            "step_seconds": round(s.step_seconds, 6), "preempted_seconds": round(s.preempted_seconds, 6),
+            "loss": s.losses[-1] if s.losses else None,
+            "error": None if h.error is None else f"{type(h.error).__name__}: {h.error}",
+        }
+
+    def control_job(self, name: str, action: str) -> dict:
+        h = self._job(name).handle
+        if action == "pause":
+            h.pause()
+        elif action == "resume":
+            h.resume()
+        elif action == "cancel":
+            h.cancel()
+        else:
+            raise BadRequest(f"unknown action {action!r}; known: pause, resume, cancel")
+        return self.job_status(name)
+
+    def _job(self, name: str) -> _Job:
+        try:
+            return self._jobs[name]
+        except KeyError:
+            raise UnknownModelError(f"no training job named {name!r}; known: {sorted(self._jobs)}") from None
+
+    # ------------------------------------------------------------------ metrics
+    def snapshot(self) -> dict:
+        snap = self.runtime.snapshot() if self.runtime is not None else {}
+        snap["queue_depth"] = self.queue_depths()
+        snap["inference_seconds"] = self._busy_s
+        snap["jobs"] = {n: j.handle.stats.iterations for n, j in self._jobs.items()}
+        return snap
+
+    async def _call(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+
+def _served_error(model: str, exc: BaseException) -> BaseException:
+    """What a failed device call becomes for the client: errors of timeshare keep their
+    type (the routes map them to a status); anything the model's own code raised on
+    these inputs is the request's fault (400), and says so."""
+    if isinstance(exc, (TimeshareError, asyncio.CancelledError)) or not isinstance(exc, Exception):
+        return exc
+    return BadRequest(f"model {model!r} failed on these inputs: {type(exc).__name__}: {exc}")
+
+
+# Status codes per error type, most specific first (used by the routes).
+STATUS = [
+    (BadRequest, 400), (Unavailable, 400), (Conflict, 409), (Overloaded, 503), (Timeout, 504),
+    (UnknownModelError, 404), (DuplicateModelError, 409), (MemoryBudgetError, 503), (RemoteError, 400), (WorkerError, 503),
+    (PipelineError, 503), (ModelError, 400), (TimeshareError, 400),
+]

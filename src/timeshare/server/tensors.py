@@ -1,0 +1,125 @@
+"""Tensors in the Open Inference Protocol: datatype names, JSON ``data`` and the binary
+tensor data extension, to and from torch tensors. Pure functions; run in the server.
+
+Every check here raises :class:`BadRequest` with a message that names the tensor, so
+that malformed input becomes a 400, never a 500.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from timeshare.errors import TimeshareError
+
+
+class BadRequest(TimeshareError):
+    """The request is malformed (HTTP 400); the message says what and where."""
+
+    status = 400
+
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "UINT8": torch.uint8, "UINT16": torch.uint16, "UINT32": torch.uint32,
+    "UINT64": torch.uint64, "INT8": torch.int8, "INT16": torch.int16, "INT32": torch.int32,
+    "INT64": torch.int64, "FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64,
+    "BF16": torch.bfloat16,
+}
+DATATYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+_NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+          "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+          "FP32": np.float32, "FP64": np.float64}
+KNOWN = set(TORCH_DTYPES) | {"BYTES"}
+
+
+def datatype_of(dtype: torch.dtype) -> str:
+    try:
+        return DATATYPES[dtype]
+    except KeyError:
+        raise TimeshareError(f"torch dtype {dtype} has no Open Inference Protocol datatype") from None
+
+
+def element_size(datatype: str) -> int:
+    return torch.empty((), dtype=TORCH_DTYPES[datatype]).element_size()
+
+
+def from_json(name: str, datatype: str, shape: list[int], data) -> torch.Tensor:
+    """The tensor an input's JSON ``data`` describes: a flat list in row-major order or
+    nested lists of ``shape``. Strict: strings, nulls, booleans in a number tensor, a
+    float in an integer tensor, values out of the datatype's range and ragged lists are
+    refused."""
+    count = math.prod(shape)
+    if not isinstance(data, list):
+        raise BadRequest(f"input {name!r}: 'data' must be a list of {count} values, got {type(data).__name__}")
+    try:
+        arr = np.asarray(data)
+    except ValueError:
+        raise BadRequest(f"input {name!r}: 'data' is ragged (nested lists of different lengths)") from None
+    if arr.size != count:
+        raise BadRequest(f"input {name!r}: shape {shape} needs {count} values, 'data' has {arr.size}")
+    if arr.ndim > 1 and list(arr.shape) != list(shape):
+        raise BadRequest(f"input {name!r}: nested 'data' has shape {list(arr.shape)}, not {shape}")
+    kind = arr.dtype.kind if count else None
+    if datatype == "BOOL":
+        if kind not in (None, "b"):
+            raise BadRequest(f"input {name!r}: BOOL data must be true/false values")
+        out = arr.astype(np.bool_)
+    elif datatype in ("FP16", "FP32", "FP64", "BF16"):
+        if kind not in (None, "f", "i", "u"):
+            raise BadRequest(f"input {name!r}: {datatype} data must be numbers, got {_kind_name(kind)}")
+        out = arr.astype(np.float64)
+        if count and not np.isfinite(out).all():
+            raise BadRequest(f"input {name!r}: data contains NaN or infinity")
+        if datatype != "FP64" and count and np.abs(out).max() > float(torch.finfo(TORCH_DTYPES[datatype]).max):
+            raise BadRequest(f"input {name!r}: a value is out of range for {datatype}")
+    elif datatype in _NUMPY:
+        if kind not in (None, "i", "u"):
+            raise BadRequest(f"input {name!r}: {datatype} data must be integers, got {_kind_name(kind)}")
+        info = np.iinfo(_NUMPY[datatype])
+        if count and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+            raise BadRequest(f"input {name!r}: a value is out of range for {datatype} [{info.min}, {info.max}]")
+        out = arr
+    else:
+        raise BadRequest(f"input {name!r}: datatype {datatype} cannot be given as JSON data here")
+    t = torch.from_numpy(np.ascontiguousarray(out.reshape(shape)))
+    return t.to(TORCH_DTYPES[datatype])
+
+
+def from_binary(name: str, datatype: str, shape: list[int], raw: bytes | memoryview, *,
+                finite: bool = True) -> torch.Tensor:
+    """A tensor sent with the binary tensor data extension: ``raw`` holds the values in
+    row-major order, little-endian. ``finite``: refuse NaN and infinity (inputs)."""
+    if datatype not in TORCH_DTYPES:
+        raise BadRequest(f"input {name!r}: datatype {datatype} is not supported as binary data here")
+    count = math.prod(shape)
+    size = count * element_size(datatype)
+    if len(raw) != size:
+        raise BadRequest(f"input {name!r}: {datatype} of shape {shape} is {size} bytes, binary data has {len(raw)}")
+    dtype = TORCH_DTYPES[datatype]
+    t = torch.frombuffer(bytearray(raw), dtype=dtype) if size else torch.empty(0, dtype=dtype)
+    t = t.reshape(shape)
+    if finite and dtype.is_floating_point and count and not torch.isfinite(t).all():
+        raise BadRequest(f"input {name!r}: data contains NaN or infinity")
+    return t
+
+
+def to_json_data(t: torch.Tensor) -> list:
+    """A flat row-major list; BF16 goes out as the float32 it widens to exactly."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.reshape(-1).tolist()
+
+
+def to_binary(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().tobytes()
+    return t.numpy().tobytes()
+
+
+def _kind_name(kind: str | None) -> str:
+    return {"U": "strings", "S": "strings", "O": "mixed or null values", "b": "booleans", "f": "floats",
+            "c": "complex numbers"}.get(kind or "", f"values of kind {kind!r}")
