@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CPU_TORCH := torch==2.13.0
 
-.PHONY: demo test test-gpu bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler sim-salus sim-serving clean
+.PHONY: demo test test-gpu bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
 
 $(STAMP): pyproject.toml Makefile
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	@$(BIN)/python -m timeshare.demo
+	@$(BIN)/timeshare demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -43,6 +43,9 @@ bench-colocate: $(STAMP)
 
 bench-scheduler: $(STAMP)
 	$(BIN)/timeshare bench scheduler --json bench/results/scheduler-$$(date +%Y%m%d).json
+
+bench-serve: $(STAMP)
+	$(BIN)/timeshare bench serve --json bench/results/serve-$$(date +%Y%m%d).json
 
 sim-salus: $(STAMP)
 	$(BIN)/timeshare sim salus --json bench/results/sim-salus.json --plot bench/results/sim-salus.png

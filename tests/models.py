@@ -174,3 +174,26 @@ def hanging_step(model, optimizer, batch):
     import time
 
     time.sleep(3600)
+
+
+class Sleepy(nn.Module):
+    """A linear layer that first sleeps ``x[0, 0] - 10`` seconds when that is positive:
+    random inputs never do, so warm-up is quick; a test that needs a request in flight
+    sends 11.0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import time
+
+        delay = float(x[0, 0]) - 10.0
+        if delay > 0:
+            time.sleep(min(delay, 5.0))
+        return self.fc(x)
+
+
+def sleepy_linear() -> Sleepy:
+    torch.manual_seed(0)
+    return Sleepy()

@@ -76,8 +76,9 @@ def references(cfg: ServeBenchConfig) -> dict[str, list[_Case]]:
 def server_config(cfg: ServeBenchConfig) -> dict:
     memory = cfg.memory
     if memory is None:
-        sizes = sorted(zoo_get(m).parameters * 4 for m in cfg.models)
-        memory = max(sizes[-1] + 4096, sum(sizes) // 2)  # the largest fits; not all at once
+        # The weights files' sizes stand for the models' (alignment and buffers add a little).
+        sizes = sorted(weights_path(m).stat().st_size for m in cfg.models)
+        memory = int(max(sizes[-1] * 1.1 + 4096, sum(sizes) / 2))  # the largest fits; not all at once
     return {
         "runtime": {"device": cfg.device, "memory": memory, "workers": cfg.workers},
         "server": {"request_timeout_s": 120, "warmup": True},
