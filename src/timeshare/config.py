@@ -22,6 +22,8 @@ from timeshare.errors import ConfigError
 from timeshare.units import parse_bytes
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # safe in a URL path segment
+_UNION_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|literal\[.*\]"
+                        r"|constrained-\w+)$")
 
 # The Open Inference Protocol's tensor datatypes that models here can take or return.
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
@@ -66,7 +68,7 @@ class RuntimeConfig(_Strict):
     strategy: Literal["optimal", "per_layer", "whole", "fixed"] = "optimal"
     """How loads are grouped."""
 
-    @field_validator("memory")
+    @field_validator("memory", mode="before")
     @classmethod
     def _memory(cls, v):
         if v == "auto":
@@ -93,7 +95,7 @@ class ServerConfig(_Strict):
     warmup: bool = True
     """Run every model once at start-up (this profiles it) before the server is ready."""
 
-    @field_validator("max_request_bytes")
+    @field_validator("max_request_bytes", mode="before")
     @classmethod
     def _limit(cls, v):
         return _bytes_field(v, "max_request_bytes")
@@ -272,8 +274,8 @@ def _describe(error: dict) -> str:
     for part in error["loc"]:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in DATATYPES or str(part).startswith(("function-", "literal[")):
-            continue  # pydantic's own union-branch labels, not the user's fields
+        elif _UNION_TAG.match(str(part)):
+            continue  # pydantic's label of a union's branch, not one of the user's fields
         else:
             path += f".{part}" if path else str(part)
     msg = error["msg"].removeprefix("Value error, ")

@@ -159,7 +159,7 @@ def test_from_json_large_uint64(data):
     ("INT64", [2], [1.0, 2], "must be integers, got floats"), ("INT32", [1], [1.5], "must be integers, got floats"),
     ("INT8", [2], [127, 128], "out of range for INT8"), ("INT8", [1], [-129], "out of range for INT8"),
     ("UINT8", [1], [256], "out of range for UINT8"), ("UINT8", [2], [0, -1], "out of range for UINT8"),
-    ("INT64", [1], [2**70], "must be integers"), ("FP16", [1], [1e5], "out of range for FP16"),
+    ("INT64", [1], [2**70], "out of range for INT64"), ("FP16", [1], [1e5], "out of range for FP16"),
     ("FP32", [2], [1.0, math.nan], "NaN or infinity"), ("FP32", [1], [math.inf], "NaN or infinity"),
     ("BF16", [1], [-math.inf], "NaN or infinity"), ("FP32", [2, 3], [1, 2, 3, 4, 5], "needs 6 values, 'data' has 5"),
     ("FP32", [2, 3], [[1, 2], [3, 4], [5, 6]], "nested 'data' has shape [3, 2], not [2, 3]"),

@@ -66,6 +66,8 @@ def from_json(name: str, datatype: str, shape: list[int], data) -> torch.Tensor:
         if kind not in (None, "b"):
             raise BadRequest(f"input {name!r}: BOOL data must be true/false values")
         out = arr.astype(np.bool_)
+    elif kind in ("i", "u", "f") and _has_bool(data):  # numpy turned them into numbers
+        raise BadRequest(f"input {name!r}: {datatype} data must be numbers, not true/false")
     elif datatype in ("FP16", "FP32", "FP64", "BF16"):
         if kind not in (None, "f", "i", "u"):
             raise BadRequest(f"input {name!r}: {datatype} data must be numbers, got {_kind_name(kind)}")
@@ -75,16 +77,45 @@ def from_json(name: str, datatype: str, shape: list[int], data) -> torch.Tensor:
         if datatype != "FP64" and count and np.abs(out).max() > float(torch.finfo(TORCH_DTYPES[datatype]).max):
             raise BadRequest(f"input {name!r}: a value is out of range for {datatype}")
     elif datatype in _NUMPY:
-        if kind not in (None, "i", "u"):
-            raise BadRequest(f"input {name!r}: {datatype} data must be integers, got {_kind_name(kind)}")
         info = np.iinfo(_NUMPY[datatype])
-        if count and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+        if kind in (None, "i", "u"):
+            lo, hi = (int(arr.min()), int(arr.max())) if count else (0, 0)
+        else:
+            # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64
+            # or object arrays: check the values themselves.
+            values = _flatten(data)
+            if not all(type(v) is int for v in values):
+                raise BadRequest(f"input {name!r}: {datatype} data must be integers, got {_kind_name(kind)}")
+            lo, hi = min(values), max(values)
+            arr = np.array(values, dtype=object)
+        if lo < info.min or hi > info.max:
             raise BadRequest(f"input {name!r}: a value is out of range for {datatype} [{info.min}, {info.max}]")
-        out = arr
+        out = arr.astype(_NUMPY[datatype])
     else:
         raise BadRequest(f"input {name!r}: datatype {datatype} cannot be given as JSON data here")
-    t = torch.from_numpy(np.ascontiguousarray(out.reshape(shape)))
-    return t.to(TORCH_DTYPES[datatype])
+    out = np.ascontiguousarray(out.reshape(shape))
+    dtype = TORCH_DTYPES[datatype]
+    if out.dtype.kind == "u" and out.dtype.itemsize > 1:  # torch.from_numpy takes no uint16/32/64 arrays
+        return torch.from_numpy(out.view(f"<i{out.dtype.itemsize}")).view(dtype)
+    return torch.from_numpy(out).to(dtype)
+
+
+def _flatten(data) -> list:
+    out: list = []
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        else:
+            out.append(item)
+    return out
+
+
+def _has_bool(data) -> bool:
+    if data and not isinstance(data[0], list):
+        return any(v is True or v is False for v in data)
+    return any(_has_bool(item) for item in data)
 
 
 def from_binary(name: str, datatype: str, shape: list[int], raw: bytes | memoryview, *,
