@@ -275,3 +275,39 @@ def test_runtime_argument_errors():
         timeshare.Runtime(device="cpu", memory="lots")
     with pytest.raises(ConfigError, match="eviction"):
         timeshare.Runtime(device="cpu", memory="1MiB", eviction="random")
+
+
+def test_listeners_see_every_call_and_eviction(rt):
+    from timeshare.runtime.events import CallRecord, EvictionRecord
+
+    seen = []
+    rt.subscribe(seen.append)
+    rt.subscribe(lambda record: 1 / 0)  # a failing listener is logged, never the caller's problem
+    x = torch.randn(2, 8)
+    rt.register("a", models.out_of_order, None, (x,))
+    rt.register("b", models.out_of_order, None, (x,))
+    rt.infer("a", x)
+    rt.infer("a", x)
+    rt.infer("b", x)
+    rt.evict("b")
+    with pytest.raises(RuntimeError):
+        rt.infer("b", torch.randn(2, 9))
+    calls = [r for r in seen if isinstance(r, CallRecord)]
+    assert [(c.model, c.loaded, c.switched_from, c.error) for c in calls] == [
+        ("a", True, None, None), ("a", False, None, None), ("b", True, "a", None), ("b", True, None, "RuntimeError")]
+    assert all(c.seconds > 0 and c.waited_s >= 0 for c in calls)
+    evictions = [r.model for r in seen if isinstance(r, EvictionRecord)]
+    assert evictions == ["b", "b"]  # by request, then the failed load's block
+    snap = rt.snapshot()
+    assert snap["failures"] == 1 and snap["evictions"] == 2 and snap["resident"] == {"a": rt._models["a"].nbytes}
+    assert snap["loads"] == {"a": 1, "b": 1} and snap["host_pinned_bytes"] == 0
+
+
+def test_priority_and_slo_are_checked_at_registration(rt):
+    x = torch.randn(2, 8)
+    with pytest.raises(ConfigError, match="unknown priority"):
+        rt.register("m", models.out_of_order, None, (x,), priority="urgent")
+    with pytest.raises(ConfigError, match="slo_s"):
+        rt.register("m", models.out_of_order, None, (x,), slo_s=0)
+    rt.register("m", models.out_of_order, None, (x,), priority="best_effort", slo_s=0.5)
+    assert all(torch.isfinite(t).all() for t in tensors_in(rt.infer("m", x)))

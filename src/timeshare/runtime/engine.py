@@ -235,8 +235,9 @@ class Runtime:
         if spec.dtype is not None:
             layout.entries = [_with_dtype(e, spec.dtype) for e in layout.entries]
             tensors = {e.key: tensors[e.key].to(e.dtype) for e in layout.entries}
-        host_pinned = self.device.type == "cuda" and self._pool is None
-        store = HostStore.pack(layout.entries, tensors, pin=host_pinned)
+        # Page-locked on CUDA: here, or by each worker over the shared segment.
+        host_pinned = self.device.type == "cuda"
+        store = HostStore.pack(layout.entries, tensors, pin=host_pinned and self._pool is None)
         del tensors, current
         shm = order = None
         if self._pool is not None:
