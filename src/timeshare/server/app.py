@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+import torch
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -34,6 +35,7 @@ from timeshare.server.tensors import KNOWN, BadRequest, from_binary, from_json, 
 log = logging.getLogger(__name__)
 
 HEADER_LENGTH = "inference-header-content-length"  # the binary tensor data extension's header
+MAX_DIMENSION = 1 << 31  # larger dimensions are refused even when another one is 0
 
 
 def create_app(service: Service, *, start: bool = True) -> FastAPI:
@@ -51,7 +53,7 @@ def create_app(service: Service, *, start: bool = True) -> FastAPI:
                 task.cancel()
             await service.stop()
 
-    app = FastAPI(title="timeshare", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="timeshare", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
                   description="Open Inference Protocol (v2) over a GPU time-shared between models and training jobs.")
     app.add_middleware(BodyLimit, limit=service.config.server.max_request_bytes)
     _errors(app, service)
@@ -66,11 +68,24 @@ def create_app(service: Service, *, start: bool = True) -> FastAPI:
 
 
 # ---------------------------------------------------------------------- errors
+def dump_json(content) -> bytes:
+    """JSON that any client can parse: non-ASCII escaped (so text from a request, even a
+    lone surrogate, cannot make encoding fail) and no NaN or infinity (ValueError)."""
+    return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+class SafeJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return dump_json(content)
+
+
 def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return SafeJSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def status_of(exc: BaseException) -> int:
+    if isinstance(exc, HTTPException):
+        return exc.status_code
     for cls, code in STATUS:
         if isinstance(exc, cls):
             return code
@@ -144,7 +159,7 @@ def _data_plane(app: FastAPI, service: Service) -> None:
     @app.get("/v2/health/ready", summary="Readiness: 200 once started and every pinned model is resident")
     def ready():
         ok = service.ready
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 400)
+        return SafeJSONResponse({"ready": ok}, status_code=200 if ok else 400)
 
     @app.get("/v2/models/{model}", summary="Model metadata")
     @app.get("/v2/models/{model}/versions/{version}", include_in_schema=False)
@@ -156,7 +171,7 @@ def _data_plane(app: FastAPI, service: Service) -> None:
     def model_ready(model: str, version: str = "1"):
         ep = _versioned(service, model, version)
         ok = ep.state.value == "READY"
-        return JSONResponse({"name": model, "ready": ok}, status_code=200 if ok else 400)
+        return SafeJSONResponse({"name": model, "ready": ok}, status_code=200 if ok else 400)
 
     infer_body = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": InferenceRequest.model_json_schema()},
@@ -203,10 +218,7 @@ def parse_infer(body: bytes, header_length: str | None):
             raise BadRequest(f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes")
         binary = memoryview(body)[n:]
         body = body[:n]
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    obj = _json(body)
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object with 'inputs'")
     try:
@@ -215,6 +227,8 @@ def parse_infer(body: bytes, header_length: str | None):
         raise BadRequest(describe_validation(exc.errors())) from None
     tensors, offset = {}, 0
     for inp in req.inputs:
+        if any(d > MAX_DIMENSION for d in inp.shape):
+            raise BadRequest(f"input {inp.name!r}: shape {inp.shape} has a dimension over {MAX_DIMENSION}")
         if inp.name in tensors:
             raise BadRequest(f"input {inp.name!r} is given twice")
         if inp.datatype not in KNOWN:
@@ -283,9 +297,14 @@ def encode_reply(model: str, req: InferenceRequest, reply, wanted) -> Response:
     body = {"model_name": model, "model_version": "1", "parameters": params, "outputs": outputs}
     if req.id is not None:
         body["id"] = req.id
+    try:
+        header = dump_json(body)
+    except ValueError:
+        bad = [o["name"] for o in outputs if "data" in o and not torch.isfinite(reply.outputs[o["name"]]).all()]
+        raise BadRequest(f"model {model!r} produced NaN or infinity in output {bad[0] if bad else '?'!r} for these "
+                         "inputs, which JSON cannot carry; ask for it with the binary tensor data extension") from None
     if not blobs:
-        return JSONResponse(body)
-    header = json.dumps(body).encode()
+        return Response(header, media_type="application/json")
     return Response(header + b"".join(blobs), media_type="application/octet-stream",
                     headers={"Inference-Header-Content-Length": str(len(header))})
 
@@ -375,14 +394,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _json(body: bytes):
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+
+
 async def _optional_json(request: Request) -> dict:
     body = await request.body()
     if not body.strip():
         return {}
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    obj = _json(body)
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
     return obj
