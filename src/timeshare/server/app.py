@@ -54,6 +54,7 @@ def create_app(service: Service, *, start: bool = True) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="timeshare", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
+                  redirect_slashes=False,  # one path per resource: a trailing slash is a 404, not a redirect
                   description="Open Inference Protocol (v2) over a GPU time-shared between models and training jobs.")
     app.add_middleware(BodyLimit, limit=service.config.server.max_request_bytes)
     _errors(app, service)
