@@ -78,8 +78,11 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
     summary.update(device=status.get("device"), memory_budget_bytes=status.get("capacity_bytes"),
                    startup_s=startup_s, ready_ms={k: v * 1e3 for k, v in ready_s.items()},
                    server_exit_code=code, server_leftover_processes=len(leftovers), training=jobs)
-    result = {"demo": "serve", "config": str(cfg.config), "server_config": doc, "summary": summary,
-              "requests": records}
+    from timeshare.bench.environment import describe
+    from timeshare.device import resolve_device
+
+    result = {"demo": "serve", "config": str(cfg.config), "server_config": doc,
+              "environment": describe(resolve_device(config.runtime.device)), "summary": summary, "requests": records}
     (cfg.out / "demo.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(records, summary, cfg.out / "demo.png")
     return result
