@@ -96,15 +96,10 @@ class _Levels:
         snap = self.service.snapshot()
         if "capacity_bytes" not in snap:
             return
-        depth = GaugeMetricFamily("timeshare_queue_depth", "Requests waiting for a model", labels=["model"])
-        for m, n in snap["queue_depth"].items():
-            depth.add_metric([m], n)
-        yield depth
-        resident = GaugeMetricFamily("timeshare_model_resident_bytes", "Device bytes of each resident model",
-                                     labels=["model"])
-        for m, n in snap["resident"].items():
-            resident.add_metric([m], n)
-        yield resident
+        yield _by_label(GaugeMetricFamily, "timeshare_queue_depth", "Requests waiting for a model", "model",
+                        snap["queue_depth"])
+        yield _by_label(GaugeMetricFamily, "timeshare_model_resident_bytes", "Device bytes of each resident model",
+                        "model", snap["resident"])
         yield GaugeMetricFamily("timeshare_resident_models", "Models in device memory", value=len(snap["resident"]))
         yield GaugeMetricFamily("timeshare_arena_used_bytes", "Device memory held by resident models",
                                 value=snap["used_bytes"])
@@ -114,19 +109,19 @@ class _Levels:
                                 value=snap["host_bytes"])
         yield GaugeMetricFamily("timeshare_host_pinned_bytes", "Of those, page-locked (pinned) host memory",
                                 value=snap["host_pinned_bytes"])
-        loads = CounterMetricFamily("timeshare_model_loads", "Loads of each model onto the device", labels=["model"])
-        for m, n in snap["loads"].items():
-            loads.add_metric([m], n)
-        yield loads
+        yield _by_label(CounterMetricFamily, "timeshare_model_loads", "Loads of each model onto the device", "model",
+                        snap["loads"])
         yield CounterMetricFamily("timeshare_preemptions", "Training jobs stopped at a preemption point for "
                                   "another task", value=snap["preemptions"])
-        busy = CounterMetricFamily("timeshare_device_busy_seconds", "Device time of inference calls and of "
-                                   "training iterations", labels=["task"])
-        busy.add_metric(["inference"], snap["inference_seconds"])
-        busy.add_metric(["training"], snap["training_seconds"])
-        yield busy
-        iters = CounterMetricFamily("timeshare_training_iterations", "Iterations done by each training job",
-                                    labels=["job"])
-        for j, n in snap["jobs"].items():
-            iters.add_metric([j], n)
-        yield iters
+        yield _by_label(CounterMetricFamily, "timeshare_device_busy_seconds", "Device time of inference calls and "
+                        "of training iterations", "task",
+                        {"inference": snap["inference_seconds"], "training": snap["training_seconds"]})
+        yield _by_label(CounterMetricFamily, "timeshare_training_iterations", "Iterations done by each training job",
+                        "job", snap["jobs"])
+
+
+def _by_label(family, name: str, documentation: str, label: str, values: dict):
+    metric = family(name, documentation, labels=[label])
+    for key, value in values.items():
+        metric.add_metric([key], value)
+    return metric
