@@ -197,3 +197,22 @@ class Sleepy(nn.Module):
 def sleepy_linear() -> Sleepy:
     torch.manual_seed(0)
     return Sleepy()
+
+
+class Picky(nn.Module):
+    """A linear layer that raises on a row whose first value is exactly 7: one bad
+    request among good ones in a batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if bool((x[:, 0] == 7).any()):
+            raise ValueError("a row starts with 7")
+        return self.fc(x)
+
+
+def picky_linear() -> Picky:
+    torch.manual_seed(0)
+    return Picky()

@@ -56,7 +56,7 @@ def running_server(cfg: dict, *, ready_timeout_s: float = 120.0, expect_ready: b
     service.open()
     app = create_app(service)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=10))
+                                           timeout_graceful_shutdown=10, proxy_headers=False))
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()
     try:

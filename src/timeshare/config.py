@@ -131,6 +131,13 @@ class TensorSpec(_Strict):
     max: int | None = None
     """The largest value an integer input may hold (token ids: the vocabulary size - 1)."""
 
+    @model_validator(mode="after")
+    def _bounds(self):
+        if (self.min is not None or self.max is not None) and self.datatype not in (
+                "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"):
+            raise ValueError(f"input {self.name!r}: min and max apply to integer datatypes only, not {self.datatype}")
+        return self
+
 
 class ModelConfig(_Strict):
     """A model to serve: from the zoo (``zoo``) or from code (``build``)."""
@@ -156,6 +163,9 @@ class ModelConfig(_Strict):
     """At most this many rows per request, and per batch formed from concurrent requests."""
     max_queue: Annotated[int, Field(ge=1)] = 64
     """Requests waiting for this model beyond this get 503 with Retry-After."""
+    batching: bool = True
+    """Run concurrent requests as one forward along dimension 0 (false: when an output's
+    first dimension is not the batch, e.g. a summary over the batch)."""
 
     @field_validator("name")
     @classmethod

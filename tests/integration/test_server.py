@@ -346,3 +346,41 @@ def test_openapi_schema_describes_the_data_plane(http):
     schema = http.get("/openapi.json").json()
     body = schema["paths"]["/v2/models/{model}/infer"]["post"]["requestBody"]["content"]["application/json"]
     assert "inputs" in json.dumps(body["schema"])
+
+
+def test_one_bad_request_does_not_fail_its_batch_mates():
+    from tests.models import picky_linear
+
+    cfg = tiny_config(models=[{"name": "picky", "build": "tests.models:picky_linear",
+                               "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]}])
+    xs = [torch.full((1, 4), float(i)) for i in (1, 7, 2, 3)]  # the second one makes the model raise
+    with running_server(cfg) as s, Client(s.url) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        release, t = _hold_device(s)
+        first = pool.submit(client.infer, "picky", {"x": xs[0]})
+        time.sleep(0.3)
+        rest = [pool.submit(client.infer, "picky", {"x": x}) for x in xs[1:]]
+        time.sleep(0.5)
+        release.set()
+        answers = [first.result(30)] + [f.result(30) for f in rest]
+        t.join(10)
+    assert [a.status for a in answers] == [200, 400, 200, 200]
+    assert "a row starts with 7" in answers[1].error
+    with torch.no_grad():
+        for a, x in zip(answers, xs):
+            if a.status == 200:
+                torch.testing.assert_close(a.outputs["output"], picky_linear().fc(x))
+
+
+def test_a_pin_that_cannot_be_kept_is_undone_and_unload_unpins():
+    cfg = tiny_config(runtime={"memory": 600_000})
+    cfg["models"][0]["pinned"] = True  # mlp
+    cfg["models"][1]["pinned"] = True  # cnn: with both pinned, bert (563,200 bytes) cannot fit
+    with running_server(cfg) as s, httpx.Client(base_url=s.url) as http:
+        assert http.get("/v2/health/ready").status_code == 200
+        r = http.post("/admin/models/bert/pin")
+        assert r.status_code == 503 and "pinned" in r.json()["error"] and r.headers["retry-after"] == "1"
+        assert http.get("/v2/health/ready").status_code == 200  # bert was not left pinned
+        assert http.post("/v2/repository/models/cnn/unload").status_code == 200
+        assert http.get("/v2/health/ready").status_code == 200  # an unloaded model is no longer pinned
+        assert http.post("/v2/models/bert/infer", json=json_request(inputs_of("tiny_bert"))).status_code == 200
+        assert http.post("/admin/models/cnn/unpin").status_code == 200  # in any state

@@ -88,7 +88,9 @@ def test_valid_neighbours_of_the_errors(tmp_path):
         assert parse_config({"training": [_JOB], "runtime": {"workers": workers}}).training[0].name == "t"
     (tmp_path / "w.safetensors").write_bytes(b"x")
     assert parse_config(_model(zoo="tiny_mlp", weights=str(tmp_path / "w.safetensors"))).models[0].weights
-    assert parse_config(_build(min=0, max=3)).models[0].inputs[0].max == 3
+    assert parse_config(_build(min=0, max=3, datatype="INT64")).models[0].inputs[0].max == 3
+    with pytest.raises(ConfigError, match=r"models\[0\]\.inputs\[0\]: input 'x': min and max apply to integer"):
+        parse_config(_build(min=0, max=3))  # FP32
 
 
 SIZE_FIELDS = pytest.mark.parametrize("section,field", [("server", "max_request_bytes"), ("runtime", "memory")])

@@ -122,8 +122,8 @@ def drive(url: str, cfg: ServeBenchConfig, cases: dict[str, list[_Case]]) -> dic
             else:
                 mismatch = _compare(answer.outputs, case.reference)
         with lock:
-            if ok:
-                seen[rid] = seen.get(rid, 0) + 1
+            if ok:  # an answer delivered for two requests shows up as one id seen twice
+                seen[answer.id] = seen.get(answer.id, 0) + 1
             records.append({"id": i, "model": model, "latency_s": latency, "statuses": statuses, "ok": ok,
                             "mismatch": mismatch,
                             "switched": bool(ok and answer.parameters.get("timeshare_switched_from")),

@@ -51,7 +51,6 @@ class Dispatcher:
         self._jobs: dict[int, object] = {}  # task id -> TrainingJob
         self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
         self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
-        self.preemptions = 0  # Preempt decisions carried out (training stopped for another task)
 
     # ------------------------------------------------------------------ calls
     @contextmanager
@@ -178,7 +177,6 @@ class Dispatcher:
                             self._previous[t.id] = self._user
                         self._user = (t.kind, t.model)
                 continue
-            self.preemptions += 1
             job = self._jobs.get(d.task.id)
             if job is not None:
                 # Lock order: dispatcher, then pool; the pool never calls the

@@ -431,7 +431,7 @@ class Runtime:
             "loads": {m.name: m.loads for m in models},
             "evictions": self._evictions,
             "failures": self._failures,
-            "preemptions": self._gate.preemptions,
+            "preemptions": self._gate.scheduler.preemptions,
             "training_seconds": sum(j.stats.step_seconds for j in jobs),
             "training_iterations": sum(j.stats.iterations for j in jobs),
         }

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from timeshare import __version__
 from timeshare.errors import TimeshareError
 from timeshare.server.schemas import InferenceRequest, RepositoryIndexRequest, TrainingRequest
-from timeshare.server.service import STATUS, Overloaded, Service
+from timeshare.server.service import STATUS, Service
 from timeshare.server.tensors import KNOWN, BadRequest, from_binary, from_json, to_binary, to_json_data
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,11 @@ def status_of(exc: BaseException) -> int:
 def _errors(app: FastAPI, service: Service) -> None:
     @app.exception_handler(TimeshareError)
     async def timeshare_error(request: Request, exc: TimeshareError):
-        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
-        return error_response(status_of(exc), str(exc), headers)
+        status = status_of(exc)
+        # Every 503 says when to come back: a full queue knows; a worker being replaced
+        # or a model waiting for room takes about a second.
+        headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if status == 503 else None
+        return error_response(status, str(exc), headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -191,6 +194,9 @@ def _data_plane(app: FastAPI, service: Service) -> None:
             response = encode_reply(model, req, reply, wanted)
             code = 200
             return response
+        except asyncio.CancelledError:
+            code = 499  # the client went away, or shutdown gave up on it (nginx's code)
+            raise
         except Exception as exc:
             code = status_of(exc)
             raise

@@ -59,9 +59,9 @@ class Endpoint:
         self.state = ModelState.UNAVAILABLE
         self.reason = "not loaded yet"
         self.pinned = cfg.pinned
-        self.batchable = True  # cleared when an output has no batch dimension to split
+        self.batchable = cfg.batching  # also cleared when an output has no batch dimension to split
         self.queue: deque[Pending] = deque()
-        self.busy = False  # a batch is on the device
+        self.in_flight: list[Pending] = []  # the batch on the device
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()  # one admin operation at a time
         self.runner: asyncio.Task | None = None
@@ -95,7 +95,8 @@ class Endpoint:
                 raise BadRequest(f"inputs of model {self.name!r} disagree on the batch size: "
                                  f"{spec.name!r} has {shape[0]}, an earlier one {rows}")
             if t.numel() and (spec.min is not None or spec.max is not None):
-                lo, hi = int(t.min()), int(t.max())
+                values = t.numpy()  # numpy: torch has no min/max for uint16/32/64
+                lo, hi = int(values.min()), int(values.max())
                 if (spec.min is not None and lo < spec.min) or (spec.max is not None and hi > spec.max):
                     raise BadRequest(f"input {spec.name!r} of model {self.name!r}: values must lie in "
                                      f"[{spec.min}, {spec.max}], got [{lo}, {hi}]")
@@ -148,9 +149,15 @@ class Endpoint:
             self.queue = kept
         return batch
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
     def retry_after(self, resident: bool) -> int:
-        """Seconds until a place in the queue is likely to free up."""
-        batches = math.ceil(len(self.queue) / max(1, self.cfg.max_batch if self.batchable else 1))
+        """Seconds until a place in the queue is likely to free up: the queued rows in
+        batches of the measured duration, after a load if the model is not resident."""
+        rows = sum(p.rows for p in self.queue) if self.batchable else len(self.queue)
+        batches = math.ceil(rows / (self.cfg.max_batch if self.batchable else 1))
         estimate = (batches + 1) * self.batch_s + (0.0 if resident else self.load_s)
         return max(1, math.ceil(estimate))
 

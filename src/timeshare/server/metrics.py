@@ -111,8 +111,8 @@ class _Levels:
                                 value=snap["host_pinned_bytes"])
         yield _by_label(CounterMetricFamily, "timeshare_model_loads", "Loads of each model onto the device", "model",
                         snap["loads"])
-        yield CounterMetricFamily("timeshare_preemptions", "Training jobs stopped at a preemption point for "
-                                  "another task", value=snap["preemptions"])
+        yield CounterMetricFamily("timeshare_preemptions", "Training jobs told to stop at their next "
+                                  "preemption point for another task", value=snap["preemptions"])
         yield _by_label(CounterMetricFamily, "timeshare_device_busy_seconds", "Device time of inference calls and "
                         "of training iterations", "task",
                         {"inference": snap["inference_seconds"], "training": snap["training_seconds"]})

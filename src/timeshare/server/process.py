@@ -66,7 +66,7 @@ class ServerProcess:
         self.children = _children(self.proc.pid)
         return self
 
-    def stop(self, timeout_s: float = 60.0) -> int:
+    def stop(self, timeout_s: float = 180.0) -> int:
         """SIGTERM, wait for the drain, then SIGKILL if it is still there. Returns the
         exit code (0: clean)."""
         if self.proc is None:

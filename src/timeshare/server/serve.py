@@ -34,7 +34,9 @@ def serve(config: Config, *, log_level: str = "info") -> None:
             metrics_server, _thread = start_http_server(s.metrics_port, addr=s.host, registry=service.metrics.registry)
         app = create_app(service)
         server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.http_port, log_level=log_level,
-                                               timeout_graceful_shutdown=s.drain_timeout_s, access_log=False))
+                                               timeout_graceful_shutdown=s.drain_timeout_s, access_log=False,
+                                               # the admin guard trusts the peer address: no X-Forwarded-For
+                                               proxy_headers=False))
         with _exit_cleanly():
             server.run()
     finally:

@@ -54,13 +54,9 @@ log = logging.getLogger(__name__)
 class Unavailable(TimeshareError):
     """The model exists but cannot take requests now (HTTP 400; Triton's "not ready")."""
 
-    status = 400
-
 
 class Overloaded(TimeshareError):
     """The queue is full or the server is stopping (HTTP 503 with Retry-After)."""
-
-    status = 503
 
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
@@ -70,13 +66,9 @@ class Overloaded(TimeshareError):
 class Timeout(TimeshareError):
     """No answer within ``server.request_timeout_s`` (HTTP 504)."""
 
-    status = 504
-
 
 class Conflict(TimeshareError):
     """The operation conflicts with the current state (HTTP 409)."""
-
-    status = 409
 
 
 @dataclass
@@ -108,6 +100,7 @@ class Service:
         self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + 4, thread_name_prefix="timeshare-serve")
         self._local = threading.local()
         self._started = asyncio.Event()
+        self._opened = False
         self.start_error: str | None = None
         self._stopping = False
         self._busy_s = 0.0  # device seconds of inference calls
@@ -117,21 +110,24 @@ class Service:
     def open(self) -> None:
         """Create the runtime (blocking: worker processes start here). Errors in the
         runtime section surface now, before the server listens."""
+        if self._opened:
+            return
         if self.runtime is None:
             r = self.config.runtime
             self.runtime = Runtime(r.device, r.memory, eviction=r.eviction, strategy=r.strategy, workers=r.workers,
                                    scheduling=r.scheduling, time_slice_s=r.time_slice_s)
         self.runtime.subscribe(self._on_record)
+        self._opened = True
 
     async def start(self) -> None:
         """Register and warm up every model, then start the training jobs; the server
         answers (live, not ready) meanwhile. A model that fails is UNAVAILABLE with
         the reason; the others serve."""
-        if self.runtime is None:
-            self.open()
+        self.open()
         try:
             for ep in self.endpoints.values():
                 ep.runner = asyncio.create_task(self._run_queue(ep), name=f"timeshare-queue-{ep.name}")
+                ep.runner.add_done_callback(functools.partial(self._runner_ended, ep))
             # Pinned models last: they are resident when start-up ends, whatever the budget.
             for ep in sorted(self.endpoints.values(), key=lambda e: e.pinned):
                 async with ep.lock:
@@ -148,8 +144,17 @@ class Service:
         finally:
             self._started.set()
 
-    async def wait_started(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self._started.wait(), timeout)
+    def _runner_ended(self, ep: Endpoint, task: asyncio.Task) -> None:
+        """A runner ends only when the service stops; any other end is a bug, made visible."""
+        if task.cancelled() or self._stopping:
+            return
+        exc = task.exception()
+        log.error("the queue of model %s stopped: %r", ep.name, exc)
+        ep.state, ep.reason = ModelState.UNAVAILABLE, f"its queue stopped: {exc!r}"
+        while ep.queue:
+            p = ep.queue.popleft()
+            if not p.future.done():
+                p.future.set_exception(Unavailable(f"model {ep.name!r} is unavailable: {ep.reason}"))
 
     @property
     def ready(self) -> bool:
@@ -163,18 +168,25 @@ class Service:
         """Refuse new requests, let queued ones finish (up to ``drain_timeout_s``), then
         close the runtime: training jobs stop, worker processes exit, memory is freed."""
         self._stopping = True
-        deadline = time.monotonic() + self.config.server.drain_timeout_s
+        # uvicorn has already waited drain_timeout_s for the requests it holds; what is
+        # still queued belongs to requests it gave up on, so only the batch on the device
+        # gets a little longer.
+        deadline = time.monotonic() + min(10.0, self.config.server.drain_timeout_s)
         while any(ep.queue or ep.busy for ep in self.endpoints.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for ep in self.endpoints.values():
-            if ep.runner is not None:
-                ep.runner.cancel()
-            while ep.queue:
-                p = ep.queue.popleft()
+            for p in [*ep.in_flight, *ep.queue]:
                 if not p.future.done():
                     p.future.set_exception(Overloaded("the server is shutting down", 1))
+            ep.queue.clear()
+            if ep.runner is not None:
+                ep.runner.cancel()
         if self.runtime is not None:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.close)
+            close = asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.close)
+            try:  # training jobs stop at their next iteration; workers get their own deadlines
+                await asyncio.wait_for(close, 120)
+            except TimeoutError:
+                log.error("the runtime did not close within 120 s; exiting anyway")
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ data plane
@@ -204,8 +216,9 @@ class Service:
         try:
             return await asyncio.wait_for(asyncio.shield(p.future), self.config.server.request_timeout_s)
         except TimeoutError:
-            p.future.cancel()  # the runner skips it if it is still queued
             raise Timeout(f"model {name!r} did not answer within {self.config.server.request_timeout_s} s") from None
+        finally:
+            p.future.cancel()  # no-op once answered; a timed-out or abandoned request is skipped if still queued
 
     def queue_depths(self) -> dict[str, int]:
         return {n: len(ep.queue) for n, ep in self.endpoints.items()}
@@ -219,27 +232,28 @@ class Service:
                 batch = ep.take_batch()
                 if not batch:
                     break
-                ep.busy = True
+                ep.in_flight = batch
                 try:
                     replies = await loop.run_in_executor(self._executor, self._execute, ep, batch)
-                except Exception as exc:
-                    for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(exc)
-                else:
-                    for p, r in zip(batch, replies):
-                        if not p.future.done():
-                            p.future.set_result(r)
+                except Exception as exc:  # a bug in the batching itself: every request learns of it
+                    replies = [exc] * len(batch)
                 finally:
-                    ep.busy = False
+                    ep.in_flight = []
+                for p, r in zip(batch, replies):
+                    if not p.future.done():
+                        if isinstance(r, BaseException):
+                            p.future.set_exception(r)
+                        else:
+                            p.future.set_result(r)
             if ep.state is ModelState.UNAVAILABLE:
                 while ep.queue:
                     p = ep.queue.popleft()
                     if not p.future.done():
                         p.future.set_exception(Unavailable(f"model {ep.name!r} was unloaded"))
 
-    def _execute(self, ep: Endpoint, batch: list[Pending]) -> list[Reply]:
-        """In a pool thread: one forward for the batch (NOTE [Request batching])."""
+    def _execute(self, ep: Endpoint, batch: list[Pending]) -> list[Reply | BaseException]:
+        """In a pool thread: one forward for the batch (NOTE [Request batching]); each
+        request's reply or error."""
         if len(batch) == 1:
             args = batch[0].tensors
         else:
@@ -247,8 +261,13 @@ class Service:
         self._local.records = records = []
         try:
             out = self.runtime.infer(ep.name, *args)
-        except BaseException as exc:
-            raise _served_error(ep.name, exc) from exc
+        except Exception as exc:
+            err = _served_error(ep.name, exc)
+            if len(batch) > 1 and isinstance(err, BadRequest):
+                # The model's own code raised: one request's values may be at fault, not
+                # its batch-mates'. Each request is answered on its own.
+                return [r for p in batch for r in self._execute(ep, [p])]
+            return [err] * len(batch)
         finally:
             self._local.records = None
         rows = [p.rows for p in batch]
@@ -262,9 +281,10 @@ class Service:
             return [self._execute(ep, [p])[0] for p in batch]
         rec = records[-1] if records else None
         if rec is not None:
-            ep.batch_s = 0.8 * ep.batch_s + 0.2 * rec.seconds
             if rec.loaded:
                 ep.load_s = rec.seconds
+            else:
+                ep.batch_s = 0.8 * ep.batch_s + 0.2 * rec.seconds
         replies = []
         for p, part in zip(batch, parts):
             r = Reply(part, batch_rows=sum(rows))
@@ -315,27 +335,43 @@ class Service:
                 return
             ep.state, ep.reason = ModelState.UNLOADING, "unloading"
             ep.wake.set()
-            while ep.queue or ep.busy:
+            deadline = time.monotonic() + self.config.server.request_timeout_s
+            while (ep.queue or ep.busy) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
+            while ep.queue:  # not served in time: their own deadline has passed too
+                p = ep.queue.popleft()
+                if not p.future.done():
+                    p.future.set_exception(Unavailable(f"model {name!r} was unloaded"))
             try:
+                if ep.pinned:
+                    await self._call(self.runtime.pin, name, False)
                 await self._call(self.runtime.unregister, name)
             except UnknownModelError:
                 pass
+            ep.pinned = False  # the config's pin applies again only through pin
             ep.state, ep.reason = ModelState.UNAVAILABLE, "unloaded"
             ep.wake.set()
 
     async def pin(self, name: str, pinned: bool) -> None:
         """A pinned model is loaded now and never evicted; readiness waits for it."""
         ep = self.endpoint(name)
-        if pinned and ep.state is not ModelState.READY:
+        if not pinned:
+            ep.pinned = False
+            if name in await self._call(self.runtime.models):
+                await self._call(self.runtime.pin, name, False)
+            return
+        if ep.state is not ModelState.READY:
             await self.load(name)
         async with ep.lock:
             if ep.state is not ModelState.READY:
                 raise Conflict(f"model {name!r} is {ep.state.value}; load it first")
-            await self._call(self.runtime.pin, name, pinned)
-            ep.pinned = pinned
-            if pinned:
+            await self._call(self.runtime.pin, name, True)
+            try:  # resident now, or not pinned at all: readiness waits for pinned models
                 await self._call(self.runtime.infer, name, *ep.example_inputs())
+            except BaseException:
+                await self._call(self.runtime.pin, name, False)
+                raise
+            ep.pinned = True
 
     async def _load(self, ep: Endpoint) -> None:
         """Register (if needed) and warm up ``ep``; on failure it is UNAVAILABLE with the reason."""
@@ -425,7 +461,7 @@ class Service:
         snap = self.runtime.snapshot() if self.runtime is not None else {}
         snap["queue_depth"] = self.queue_depths()
         snap["inference_seconds"] = self._busy_s
-        snap["jobs"] = {n: j.handle.stats.iterations for n, j in self._jobs.items()}
+        snap["jobs"] = {n: j.handle.stats.iterations for n, j in list(self._jobs.items())}  # other threads scrape
         return snap
 
     async def _call(self, fn, *args, **kwargs):

@@ -18,8 +18,6 @@ from timeshare.errors import TimeshareError
 class BadRequest(TimeshareError):
     """The request is malformed (HTTP 400); the message says what and where."""
 
-    status = 400
-
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "UINT8": torch.uint8, "UINT16": torch.uint16, "UINT32": torch.uint32,
