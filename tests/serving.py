@@ -3,18 +3,12 @@ the test process, for the server tests."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
 
 from timeshare.config import parse_config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from timeshare.server.process import free_port
 
 
 def tiny_config(**sections) -> dict:
