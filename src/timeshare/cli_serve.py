@@ -176,6 +176,8 @@ def _print_demo(console, s: dict) -> None:
                       f"(inference {100 * s['inference_utilization']:.0f}%, the training job the rest)")
     console.print(f"server: ready in {s['startup_s']:.1f} s; stopped by SIGTERM with exit code {s['server_exit_code']}, "
                   f"{s['server_leftover_processes']} processes left; errors: {s['errors']}")
+    for line in s.get("server_leftovers", []):
+        console.print(f"  left running: {line}", markup=False)
     console.print("ready ms: one request on a resident model with nothing else waiting. A switched call is one whose "
                   "device turn followed another model or the training job: its latency includes the switch (and the "
                   "pipelined load when the model was not resident).")

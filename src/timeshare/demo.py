@@ -72,12 +72,13 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
         client.close()
         progress("stopping the server (SIGTERM: drain, then exit)")
         code = server.stop()
-        leftovers = server.leftovers()
+        leftovers = [server.describe(pid) for pid in server.leftovers()]
         server.close()
     summary = _summarize(records, models, before, after, cfg, rate)
     summary.update(device=status.get("device"), memory_budget_bytes=status.get("capacity_bytes"),
                    startup_s=startup_s, ready_ms={k: v * 1e3 for k, v in ready_s.items()},
-                   server_exit_code=code, server_leftover_processes=len(leftovers), training=jobs)
+                   server_exit_code=code, server_leftover_processes=len(leftovers),
+                   server_leftovers=leftovers, training=jobs)
     from timeshare.bench.environment import describe
     from timeshare.device import resolve_device
 

@@ -359,3 +359,25 @@ def test_retry_after_grows_with_queue(loop):
     busy = ep.retry_after(True)
     ep.batchable = False  # one request per batch: a longer wait
     assert ep.retry_after(True) > busy
+
+
+def test_leftovers_waits_for_a_child_that_is_leaving_and_reports_one_that_stays():
+    import subprocess
+    import sys
+
+    from timeshare.server.process import ServerProcess
+
+    server = ServerProcess({"models": []})
+    leaving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    staying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        server.children = [leaving.pid]
+        assert server.leftovers(grace_s=20) == []  # an exited, unreaped child (a zombie) counts as gone
+        leaving.wait(10)
+        server.children = [staying.pid]
+        assert server.leftovers(grace_s=0.2) == [staying.pid]
+        assert "time.sleep(60)" in server.describe(staying.pid)
+    finally:
+        staying.kill()
+        staying.wait(10)
+        server.close()

@@ -202,6 +202,8 @@ def run(cfg: ServeBenchConfig, progress=None) -> dict:
         result = drive(server.url, cfg, cases)
         code = server.stop()
         result["server_exit_code"] = code
-        result["server_leftover_processes"] = len(server.leftovers())
+        leftovers = [server.describe(pid) for pid in server.leftovers()]
+        result["server_leftover_processes"] = len(leftovers)
+        result["server_leftovers"] = leftovers
     return {"benchmark": "serve", "config": asdict(cfg), "server_config": server_cfg,
             "environment": describe(resolve_device(cfg.device)), "result": result}

@@ -82,9 +82,27 @@ class ServerProcess:
         self.exit_code = self.proc.returncode
         return self.exit_code
 
-    def leftovers(self) -> list[int]:
-        """Child processes of the server still alive after it stopped (should be none)."""
-        return [pid for pid in self.children if _alive(pid)]
+    def leftovers(self, grace_s: float = 10.0) -> list[int]:
+        """Child processes of the server still alive after it stopped (should be none).
+
+        A child may outlive the server by a moment: multiprocessing's resource tracker
+        exits only once it reads the end of its pipe from the dead parent. So this
+        waits up to ``grace_s`` for them to go before calling them left over."""
+        deadline = time.monotonic() + grace_s
+        alive = [pid for pid in self.children if _alive(pid)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [pid for pid in alive if _alive(pid)]
+        return alive
+
+    @staticmethod
+    def describe(pid: int) -> str:
+        """``pid: command line`` of a process, for messages about leftovers."""
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmd = "(gone)"
+        return f"{pid}: {cmd[:200]}"
 
     def log_tail(self, lines: int = 30) -> str:
         try:
