@@ -158,7 +158,8 @@ class ModelConfig(_Strict):
     """Load at start-up and never evict; the server is not ready until it is resident."""
     priority: Literal["latency_critical", "best_effort"] = "latency_critical"
     slo_ms: Annotated[float, Field(gt=0)] | None = None
-    """A latency objective; the deadline that orders calls of one priority under "priority" and "edf"."""
+    """A latency objective; the deadline (from the request's arrival) that orders calls of one
+    priority under "priority" and "edf"."""
     max_batch: Annotated[int, Field(ge=1, le=4096)] = 8
     """At most this many rows per request, and per batch formed from concurrent requests."""
     max_queue: Annotated[int, Field(ge=1)] = 64

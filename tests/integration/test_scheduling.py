@@ -128,3 +128,40 @@ def test_bench_scheduler_and_colocate(tmp_path, capsys):
     for r in data["modes"].values():
         assert r["outputs_match_ready"] is True and r["training_it_per_s"] > 0 and r["p95_ms"] > 0
     assert cli.main(["bench", "colocate", "--duration", "0"]) == 2
+
+
+@pytest.mark.parametrize("from_arrival", [True, False])
+def test_edf_counts_an_slo_from_the_request_arrival_when_given(from_arrival):
+    """Two calls queue behind a holder. ``late`` arrived earlier (in a server's queue)
+    with a tight SLO: counted from its arrival its deadline comes first; counted from
+    when it reached the dispatcher it comes after ``early``'s."""
+    from timeshare.runtime.dispatch import Dispatcher
+    from timeshare.scheduler.task import Kind
+
+    now = [100.0]
+    gate = Dispatcher("edf", clock=lambda: now[0])
+    order = []
+
+    def call(name, deadline_s, arrived_at=None):
+        with gate.priority(name, Kind.INFERENCE, deadline_s=deadline_s, arrived_at=arrived_at):
+            order.append(name)
+
+    with gate.priority("holder", Kind.INFERENCE):
+        early = threading.Thread(target=call, args=("early", 1.0))  # deadline 101.0
+        early.start()
+        _wait_queued(gate, 2)
+        now[0] = 100.5
+        late = threading.Thread(target=call, args=("late", 0.8, 99.0 if from_arrival else None))
+        late.start()  # deadline 99.8 from its arrival, 101.3 from now
+        _wait_queued(gate, 3)
+    early.join(30), late.join(30)
+    assert order == (["late", "early"] if from_arrival else ["early", "late"])
+
+
+def _wait_queued(gate, n: int, timeout_s: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(gate.scheduler.tasks) < n:
+        assert time.monotonic() < deadline, "the call never reached the scheduler"
+        time.sleep(0.005)

@@ -55,9 +55,10 @@ class Dispatcher:
     # ------------------------------------------------------------------ calls
     @contextmanager
     def priority(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
-                 unit_s: float = 0.0, deadline_s: float | None = None):
+                 unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None):
         """Hold the runtime for one call; yields its :class:`Turn`. Re-entrant in a
-        thread (a call inside a call)."""
+        thread (a call inside a call). ``deadline_s`` (an SLO) counts from ``arrived_at``
+        (on this dispatcher's clock) when given, else from now."""
         depth = getattr(self._local, "depth", 0)
         if depth:
             self._local.depth = depth + 1
@@ -68,8 +69,9 @@ class Dispatcher:
             return
         with self._cond:
             now = self.clock()
+            start = now if arrived_at is None else min(arrived_at, now)
             task = Task(next(self._ids), kind, model, now, 1.0, unit_s, priority,
-                        None if deadline_s is None else now + deadline_s)
+                        None if deadline_s is None else start + deadline_s)
             self.scheduler.submit(task, now)
             self._step()
             try:

@@ -282,6 +282,12 @@ class Runtime:
         """
         return self._infer(name, args, kwargs, None)
 
+    def infer_since(self, name: str, arrived_at: float, args: tuple = (), kwargs: dict | None = None):
+        """``infer`` for a request that arrived at ``arrived_at`` (``time.monotonic()``)
+        and has queued elsewhere since (a server's queue): the model's SLO deadline
+        counts from then, not from when the call reaches the runtime."""
+        return self._infer(name, tuple(args), kwargs or {}, None, arrived_at=arrived_at)
+
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
         requests run in order, one at a time, and survive a worker failure (only the
@@ -517,9 +523,10 @@ class Runtime:
                 self._evict(m)
 
     # ------------------------------------------------------------------ internals
-    def _infer(self, name: str, args: tuple, kwargs: dict, strategy: str | None):
+    def _infer(self, name: str, args: tuple, kwargs: dict, strategy: str | None, *, arrived_at: float | None = None):
         m = self._get(name)
-        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s) as turn, self._lock:
+        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
+                                 arrived_at=arrived_at) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited
             t0 = time.monotonic()
             loaded = m.block is None

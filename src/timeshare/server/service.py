@@ -260,7 +260,8 @@ class Service:
             args = [torch.cat([p.tensors[i] for p in batch]) for i in range(len(batch[0].tensors))]
         self._local.records = records = []
         try:
-            out = self.runtime.infer(ep.name, *args)
+            # The SLO counts from the oldest request's arrival, not from the dispatcher.
+            out = self.runtime.infer_since(ep.name, min(p.enqueued for p in batch), args)
         except Exception as exc:
             err = _served_error(ep.name, exc)
             if len(batch) > 1 and isinstance(err, BadRequest):
