@@ -194,6 +194,33 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
         torch.testing.assert_close(a.outputs["output"], reference("tiny_mlp", x["x"])["output"])
 
 
+def test_the_slo_deadline_counts_from_the_oldest_arrival_in_the_batch(server, monkeypatch):
+    runtime = server.service.runtime
+    calls, infer_since = [], runtime.infer_since
+
+    def spy(name, arrived_at, args=(), kwargs=None):
+        calls.append((name, arrived_at, time.monotonic()))
+        return infer_since(name, arrived_at, args, kwargs)
+
+    monkeypatch.setattr(runtime, "infer_since", spy)
+    release, t = _hold_device(server)
+    with Client(server.url) as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        sent = time.monotonic()
+        first = pool.submit(client.infer, "mlp", inputs_of("tiny_mlp", seed=1))
+        time.sleep(0.6)  # the first waits for the device held above
+        second = pool.submit(client.infer, "mlp", inputs_of("tiny_mlp", seed=2))
+        time.sleep(0.3)
+        release.set()
+        assert first.result(30).status == 200 and second.result(30).status == 200
+    t.join(10)
+    # The first went straight to the runtime and waited in its dispatcher.
+    name, arrived, called = calls[0]
+    assert name == "mlp" and sent <= arrived <= called
+    # The second waited in the server's queue behind the first: that wait counts.
+    name, arrived, called = calls[1]
+    assert sent + 0.6 <= arrived and called - arrived >= 0.25
+
+
 def test_full_queue_gets_503_with_retry_after(server):
     ep = server.service.endpoints["cnn"]
     limit = ep.cfg.max_queue
