@@ -216,3 +216,24 @@ class Picky(nn.Module):
 def picky_linear() -> Picky:
     torch.manual_seed(0)
     return Picky()
+
+
+class FlagsProbe(nn.Module):
+    """Returns the backend numerics flags of the process that runs it, as numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        from timeshare.device import BackendFlags
+
+        f = BackendFlags.capture()
+        precisions = {"none": 0, "ieee": 1, "tf32": 2, "bf16": 3, "highest": 4, "high": 5, "medium": 6}
+        values = [f.cudnn_benchmark, f.cudnn_deterministic, f.matmul_allow_fp16_reduced, f.matmul_allow_bf16_reduced,
+                  f.deterministic_algorithms, *(precisions[v] for _, v in f.precisions), *(f.legacy or ())[:2]]
+        return self.lin(x).sum() * 0 + torch.tensor([float(v) for v in values])
+
+
+def flags_probe():
+    return build(FlagsProbe)

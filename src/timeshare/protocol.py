@@ -52,6 +52,7 @@ class Start:
     profile_repeats: int
     fixed_group_bytes: int
     load_timeout_s: float
+    backend_flags: Any = None  # device.BackendFlags of the process that created the runtime
 
 
 @dataclass(frozen=True)

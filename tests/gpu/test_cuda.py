@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import timeshare
+from timeshare.device import BackendFlags
 from tests import models
 from timeshare.models.zoo import ZOO, names, weights_path
 from timeshare.runtime.tree import tensors_in
@@ -15,11 +16,14 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(autouse=True)
 def deterministic():
+    """Deterministic kernels for every test here; the flags are given back afterwards."""
+    before = BackendFlags.capture()
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
     yield
+    before.apply()
 
 
 def same(a, b):

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from timeshare import protocol as P
+from timeshare.device import BackendFlags
 from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.worker.proc import WorkerHandle, spawn_context
 
@@ -74,11 +75,13 @@ class ProcessPool:
         load_timeout_s: float,
         task_timeout_s: float,
         startup_timeout_s: float,
+        backend_flags: BackendFlags | None = None,
     ):
         self._ctx = spawn_context()
         self._template = dict(device=device, arena=arena, arena_capacity=arena_capacity,
                               profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
-                              load_timeout_s=load_timeout_s)
+                              load_timeout_s=load_timeout_s,
+                              backend_flags=backend_flags or BackendFlags.capture())
         self.task_timeout_s = task_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self._next_id = 0
