@@ -625,6 +625,11 @@ class Runtime:
             raise TimeshareError("this runtime is closed")
 
     def _to_device(self, obj):
+        # With workers, inputs stay on the host: they cross the pipe as host bytes and the
+        # worker uploads them once. Moving them here would send device tensors through
+        # pickling, a device-to-host copy in the controller and another upload in the worker.
+        if self._pool is not None:
+            return map_tensors(obj, lambda t: t.cpu())
         return map_tensors(obj, lambda t: t.to(self.device))
 
     def _to_caller(self, out):

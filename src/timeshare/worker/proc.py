@@ -40,18 +40,26 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     from timeshare.memory.arena import Arena, attach_shared_memory
     from timeshare.models.binding import collect
     from timeshare.models.spec import resolve_builder
+    from timeshare.runtime.tree import map_tensors
     from timeshare.transfer.copy import make_copy_engine
     from timeshare.transfer.host_store import HostStore
     from timeshare.worker.trainer import TrainingTask
     from timeshare.worker.worker import Worker
 
     where = f"worker {start.worker}"
+    if start.backend_flags is not None:  # before the first kernel: the creator's numerics, bit for bit
+        start.backend_flags.apply()
     device = resolve_device(start.device)
     arena = Arena.attach(start.arena, start.arena_capacity, device)  # creates the device context on CUDA
     engine = make_copy_engine(device, start.load_timeout_s)
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
                     fixed_group_bytes=start.fixed_group_bytes)
     segments = {}  # model -> its host store's shared memory, kept open while the model is known
+
+    def to_device(obj):
+        """Inputs arrive as host tensors (pickled bytes): one upload each, here."""
+        return map_tensors(obj, lambda t: t.to(device, non_blocking=False))
+
     tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
 
     def add_model(msg: P.AddModel) -> None:
@@ -96,7 +104,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             for profile in msg.profiles:
                 worker.adopt_profile(msg.model, profile)
             known = set(worker.models[msg.model].profiles)
-            out = worker.run(msg.model, msg.offset, msg.resident, msg.args, msg.kwargs, msg.strategy)
+            out = worker.run(msg.model, msg.offset, msg.resident, to_device(msg.args), to_device(msg.kwargs),
+                             msg.strategy)
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
             out = worker.to_host(out)
             if device.type == "cuda":
@@ -109,7 +118,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
             return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
         if isinstance(msg, P.Profile):
-            profile = worker.profile(msg.model, msg.offset, msg.args, msg.kwargs)
+            profile = worker.profile(msg.model, msg.offset, to_device(msg.args), to_device(msg.kwargs))
             return P.Result(msg.seq, profile, profiles=(profile,))
         if isinstance(msg, P.Train):
             return train(msg)
