@@ -217,8 +217,10 @@ class Worker:
     # arrive in order, so waiting for group g covers every earlier group and a module
     # whose group was already waited for costs a dict lookup. On CUDA the wait is a
     # device-side stream wait, so the host never blocks and keeps queuing kernels. The
-    # hook is removed when the forward ends: a resident model runs exactly the code of
-    # a plain module, with no hooks at all.
+    # hook removes itself once the last group has been waited for (a global hook sends
+    # every module call down nn.Module's slow path, a few microseconds each, which on a
+    # launch-bound GPU forward is the largest cost of a load), and at the latest when the
+    # forward ends: a resident model runs exactly the code of a plain module.
     def _pipelined_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str):
         plan = self._load_plan(wm, shape_key(args, kwargs), strategy)
         self._bind(wm, offset)
@@ -226,6 +228,7 @@ class Worker:
         handle = self.engine.start(wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences())
         wm.pending = self.last_load = handle
         wait_of = plan.wait_of
+        last = handle.n_groups - 1
         upto = [-1]
 
         def hook(mod, _args):
@@ -233,13 +236,15 @@ class Worker:
             if group is not None and group > upto[0]:
                 handle.wait(group)
                 upto[0] = group
+                if group >= last:  # everything is waited for: the rest of the forward runs hook-free
+                    registration.remove()
 
         registration = register_module_forward_pre_hook(hook)
         try:
             with torch.no_grad():
                 out = wm.module(*args, **kwargs)
         finally:
-            registration.remove()
+            registration.remove()  # idempotent
         if upto[0] < handle.n_groups - 1 and self.aliases_arena(out):
             handle.wait_all()  # an output that is a weight must have arrived
             upto[0] = handle.n_groups - 1
