@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CPU_TORCH := torch==2.13.0
 
-.PHONY: demo test test-gpu bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
+.PHONY: demo test test-gpu gpu-campaign bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
 
 $(STAMP): pyproject.toml Makefile
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -28,6 +28,18 @@ test: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests/gpu -m cuda
+
+# The GPU campaign (src/timeshare/bench/campaign.py): steps of a few minutes each, every one
+# under its own time limit; results under bench/results/<device>/. It runs on the python3 that
+# has CUDA torch (GPU machines have no package index), with the project from src/.
+# make gpu-campaign STEP=tests,link   runs those steps only.
+gpu-campaign:
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then \
+		PYTHONPATH=src $(PY) -m timeshare.bench.campaign $(if $(STEP),--steps $(STEP)) $(if $(MAX_STEP_S),--max-step-s $(MAX_STEP_S)); \
+	else \
+		echo "make gpu-campaign needs a CUDA device: $(PY) has no torch that sees one (torch.cuda.is_available() is false)" >&2; \
+		exit 2; \
+	fi
 
 bench-pipeline: $(STAMP)
 	$(BIN)/timeshare bench pipeline --json bench/results/pipeline-$$(date +%Y%m%d).json

@@ -3,6 +3,7 @@
     timeshare bench pipeline [--models ...] [--batch 8] [--dtype fp32] [--json PATH]
     timeshare bench switch [--models ...] [--train MODEL:BATCH] [--json PATH]
     timeshare bench cycles [--model resnet152] [--cycles 1,2,5,10,30] [--json PATH]
+    timeshare bench link [--sizes 64KiB,...,1GiB] [--json PATH]
     timeshare bench colocate | scheduler   (see timeshare.cli_sim)
     timeshare sim salus | serving | run
     timeshare serve | demo | models, bench serve   (see timeshare.cli_serve)
@@ -11,9 +12,12 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import signal
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -77,6 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    p = bench.add_parser("link", help="the ceilings: pinned host<->device and device copy bandwidth by size",
+                         description="Pinned host-to-device and device-to-host bandwidth from 64 KiB to 1 GiB, both "
+                         "at once, and a device-to-device copy, timed with device events; the fixed per-copy "
+                         "overhead and the bandwidth from a straight-line fit. The floor every load is judged by.")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 64KiB,1MiB,1GiB (default 64KiB..1GiB, x4)")
+    p.add_argument("--repeats", type=int, default=20, help="timed copies per size (median)")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+
     from timeshare import cli_serve
     from timeshare.cli_sim import add_bench_parsers, add_sim_parser, run_bench, run_sim
 
@@ -85,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     cli_serve.add_parsers(sub, bench)
 
     args = parser.parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where every thread is (the campaign does, on a time-out)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         if args.command == "bench" and args.bench == "pipeline":
@@ -93,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_switch(args)
         if args.command == "bench" and args.bench == "cycles":
             return _bench_cycles(args)
+        if args.command == "bench" and args.bench == "link":
+            return _bench_link(args)
         if args.command == "bench" and args.bench in ("colocate", "scheduler"):
             return run_bench(args, console, _run_bench)
         if args.command == "sim":
@@ -121,6 +138,37 @@ def _bench_pipeline(args) -> int:
     return _run_bench(run, cfg, _print_pipeline, args.json)
 
 
+def _bench_link(args) -> int:
+    from timeshare.bench.link import DEFAULT_SIZES, LinkBenchConfig, run
+    from timeshare.units import parse_bytes
+
+    try:
+        sizes = [parse_bytes(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES)
+    except (ValueError, TimeshareError) as exc:
+        err.print(f"[red]error:[/red] --sizes: {exc}")
+        return 2
+    if args.repeats < 1 or min(sizes) < 1:
+        err.print("[red]error:[/red] --repeats and every size must be at least 1")
+        return 2
+    return _run_bench(run, LinkBenchConfig(device=args.device, sizes=sizes, repeats=args.repeats), _print_link, args.json)
+
+
+def _print_link(result: dict) -> None:
+    env = result["environment"]
+    where = env.get("gpu") or env.get("cpu") or env["device"]
+    console.print(f"[bold]Copy ceilings[/bold] on {env['device']} ({where}), timed with {result['config']['timer']}")
+    table = Table()
+    for col in ["bytes", "h2d GB/s", "d2h GB/s", "both GB/s", "d2d GB/s (r+w)", "h2d us"]:
+        table.add_column(col, justify="right")
+    for r in result["results"]:
+        table.add_row(f"{r['bytes']:,}", f"{r['h2d_GBps']:.1f}", f"{r['d2h_GBps']:.1f}", f"{r['both_GBps']:.1f}",
+                      f"{r['d2d_GBps']:.0f}", f"{r['h2d_us']:.1f}")
+    console.print(table)
+    for k, v in result["fit"].items():
+        console.print(f"{k}: {v['bandwidth_GBps']:.2f} GB/s + {v['overhead_us']:.1f} us per copy (fit over sizes >= 1 MiB)")
+    console.print(f"round trip exact: {result['round_trip_exact']}")
+
+
 def _print_pipeline(result: dict) -> None:
     env = result["environment"]
     link = result["link"]
@@ -133,15 +181,16 @@ def _print_pipeline(result: dict) -> None:
     )
     strategies = result["config"]["strategies"]
     table = Table(show_lines=False)
-    for col in ["model", "MB", "layers", "ready ms", "floor ms", *[f"{s} ms" for s in strategies], "optimal/floor",
+    for col in ["model", "MB", "layers", "native ms", "ready ms", "floor ms", *[f"{s} ms" for s in strategies], "optimal/floor",
                 "optimal vs best", "exact"]:
         table.add_column(col, justify="right" if col != "model" else "left")
     for r in result["results"]:
         cells = [
-            r["model"], f"{r['needed_bytes'] / 1e6:.1f}", str(r["layers"]), f"{r['ready_ms']:.2f}", f"{r['floor_ms']:.2f}",
+            r["model"], f"{r['needed_bytes'] / 1e6:.1f}", str(r["layers"]), f"{r['native_ms']:.2f}", f"{r['ready_ms']:.2f}",
+            f"{r['floor_ms']:.2f}",
         ]
         cells += [f"{r['strategies'][s]['ms']:.2f} ({r['strategies'][s]['groups']}g)" for s in strategies]
-        cells[3] += f" ±{r['ready']['iqr_ms'] / 2:.2f}"
+        cells[4] += f" ±{r['ready']['iqr_ms'] / 2:.2f}"
         opt = r["strategies"].get("optimal")
         cells.append(f"{opt['vs_floor']:.3f}x" if opt else "-")
         v = r.get("verdict") or {}
@@ -154,7 +203,8 @@ def _print_pipeline(result: dict) -> None:
         table.add_row(*cells)
     console.print(table)
     console.print(
-        "Medians over rounds; (Ng) = groups. ready: the model already resident (± half the interquartile "
+        "Medians over rounds; (Ng) = groups. native: the same module in plain PyTorch, weights resident, "
+        "inference mode, inputs from and outputs to the host. ready: the model already resident (± half the interquartile "
         "range). floor: max(bytes / measured bandwidth, ready compute), no loader can beat it. whole: copy "
         "everything, then run. per_layer: one group per layer. fixed: ~2 MiB groups. optimal: the grouping "
         "that minimises the profiled cost model. optimal vs best: its median minus the best strategy's, "
@@ -164,7 +214,14 @@ def _print_pipeline(result: dict) -> None:
 
 
 def _run_bench(run, cfg, show, path: Path | None) -> int:
-    """Run a benchmark with a progress line, print its table and write its JSON."""
+    """Run a benchmark with a progress line (on a terminal; elsewhere, a timestamped line
+    per step, so a log shows how far a run got), print its table and write its JSON."""
+    if not console.is_terminal:
+        t0 = time.monotonic()
+        result = run(cfg, progress=lambda msg: print(f"[{time.monotonic() - t0:7.1f} s] {msg}", flush=True))
+        show(result)
+        _write_json(path, result)
+        return 0
     with console.status("starting") as status:
         result = run(cfg, progress=lambda msg: status.update(msg))
     show(result)

@@ -63,6 +63,9 @@ class ModelResult:
     ready_ms: float
     floor_ms: float
     transfer_ms: float
+    native_ms: float = 0.0
+    native: dict = field(default_factory=dict)
+    native_matches_ready: bool = True
     strategies: dict[str, dict] = field(default_factory=dict)
     profile: dict = field(default_factory=dict)
     ready: dict = field(default_factory=dict)
@@ -91,20 +94,27 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             prof = rt.profile(name, *inputs)
             reference = rt.infer(name, *inputs)
 
-            samples: dict[str, list[float]] = {k: [] for k in ["ready", *config.strategies]}
+            native = _native_module(name, dtype, rt.device)
+            native_out = _native_call(native, inputs, rt.device)
+            samples: dict[str, list[float]] = {k: [] for k in ["native", "ready", *config.strategies]}
             matches = {k: True for k in config.strategies}
             for round_ in range(config.warmup + config.repeats):
                 progress(f"{name}: round {round_ + 1}/{config.warmup + config.repeats}")
                 for label in samples:
-                    strategy = None if label == "ready" else label
+                    strategy = None if label in ("ready", "native") else label
                     if strategy is not None:
                         rt.evict(name)
-                    ms, out = _time_ms(lambda: rt._infer(name, inputs, {}, strategy), rt.device)
+                    if label == "native":
+                        ms, out = _time_ms(lambda: _native_call(native, inputs, rt.device), rt.device)
+                    else:
+                        ms, out = _time_ms(lambda: rt._infer(name, inputs, {}, strategy), rt.device)
                     if round_ >= config.warmup:
                         samples[label].append(ms)
                     if strategy is not None:
                         matches[strategy] &= _equal(out, reference)
+            del native
             ready = _stats(samples["ready"])
+            native_stats = _stats(samples["native"])
             needed = sum(prof.layer_bytes)
             transfer_ms = needed / prof.link.bandwidth_Bps * 1e3
             r = ModelResult(
@@ -117,6 +127,9 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
                 transfer_ms=transfer_ms,
                 floor_ms=max(transfer_ms, ready["median_ms"]),
                 profile=prof.summary(),
+                native_ms=native_stats["median_ms"],
+                native=native_stats,
+                native_matches_ready=_equal(native_out, reference),
             )
             for strategy in config.strategies:
                 st = _stats(samples[strategy])
@@ -156,6 +169,27 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
         },
         "results": [r.__dict__ for r in results],
     }
+
+
+def _native_module(name: str, dtype, device: torch.device) -> torch.nn.Module:
+    """The zoo model in plain PyTorch: built, its weights file loaded strictly, moved to
+    the device, eval mode. What a user without timeshare runs with weights resident."""
+    from timeshare.models.weights import read_weights
+
+    module = zoo_get(name).build()
+    module.load_state_dict(read_weights(weights_path(name)), strict=True)
+    if dtype is not None:
+        module = module.to(dtype)
+    return module.to(device).eval()
+
+
+def _native_call(module: torch.nn.Module, inputs: tuple, device: torch.device):
+    """One inference as the runtime's caller sees it: inputs from the host, outputs back."""
+    from timeshare.runtime.tree import map_tensors
+
+    with torch.inference_mode():
+        out = module(*(t.to(device, non_blocking=True) for t in inputs))
+        return map_tensors(out, lambda t: t.cpu())
 
 
 def _time_ms(fn, device) -> tuple[float, object]:

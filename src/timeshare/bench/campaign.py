@@ -1,0 +1,300 @@
+"""The GPU campaign: every measurement the project reports about a CUDA device, in steps
+of a few minutes each, so that a short lease on a GPU runs them one after another.
+
+    python -m timeshare.bench.campaign [--steps tests,link,...] [--out bench/results/<device>]
+    make gpu-campaign [STEP=tests,link]
+
+Each step is one command (the GPU test tier, or one ``timeshare bench`` run) started as
+a child process with its own time limit. A step that fails or runs out of time is
+recorded as such and never stops or hides the others. Every step leaves, in the output
+folder (``bench/results/<device>/`` by default):
+
+- ``<step>.json``: the bench's own JSON (which describes the machine: device, driver,
+  CUDA, torch, date) with a ``campaign`` block added: the exact command, its exit
+  code, start time and seconds;
+- ``<step>.log``: everything the command printed.
+
+``summary.json`` and ``SUMMARY.md`` are rewritten after every step from the JSON files
+present, so a partial campaign still has a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    args: tuple[str, ...]
+    limit_s: int
+    bench: bool = True  # a ``timeshare bench`` command writing --json (else: the test tier)
+
+
+ZOO3 = ("resnet152", "inception_v3", "bert_base")
+
+STEPS: dict[str, Step] = {
+    s.name: s
+    for s in [
+        Step("tests", ("-m", "pytest", "tests/gpu", "-m", "cuda", "-p", "no:cacheprovider", "-q",
+                       "--timeout", "240"), 480, bench=False),
+        Step("link", ("link",), 240),
+        Step("pipeline-fp32", ("pipeline", "--batch", "8", "--dtype", "fp32", "--repeats", "20", "--warmup", "3"), 420),
+        Step("pipeline-bf16", ("pipeline", "--batch", "8", "--dtype", "bf16", "--repeats", "20", "--warmup", "3"), 420),
+        Step("switch-fp32", ("switch", "--batch", "8", "--dtype", "fp32", "--train", "resnet152:64", "--memory", "4GiB",
+                                "--baseline-repeats", "2"), 480),
+        Step("switch-bf16", ("switch", "--batch", "8", "--dtype", "bf16", "--train", "resnet152:64", "--memory", "4GiB",
+                                "--baseline-repeats", "2"), 480),
+        Step("cycles", ("cycles", "--model", "resnet152", "--batch", "8", "--train", "resnet152:64",
+                        "--memory", "4GiB", "--cycles", "1,2,5,10,30", "--rounds", "1", "--min-inference-s", "5"), 420),
+    ]
+}
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3': the results folder of a device."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def run_step(step: Step, out: Path, python: str = sys.executable, max_s: int | None = None) -> dict:
+    """Run one step as a child process under its time limit; return its record."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{step.name}.json"
+    log_path = out / f"{step.name}.log"
+    if step.bench:
+        cmd = [python, "-m", "timeshare", "bench", *step.args, "--json", _rel(json_path)]
+    else:
+        cmd = [python, *step.args]
+    shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("TIMESHARE_CACHE", str(ROOT / ".cache"))  # the test tier's cache: weights made once
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p)
+    limit = min(step.limit_s, max_s) if max_s else step.limit_s
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(f"$ {shown}\n")
+        log.flush()
+        # A session of its own, so the limit kills the step's workers and baselines too.
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(limit)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            try:  # first, where is everyone: the bench prints every thread's stack on SIGUSR1
+                os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(2)
+            except ProcessLookupError:
+                pass
+            _kill_group(proc)
+            rc, timed_out = proc.wait(30), True
+    seconds = time.monotonic() - t0
+    record = {"step": step.name, "command": shown, "started": started, "seconds": round(seconds, 1),
+              "returncode": rc, "timed_out": timed_out, "limit_s": limit, "log": log_path.name}
+    if step.bench and json_path.exists():
+        try:
+            result = json.loads(json_path.read_text())
+        except json.JSONDecodeError as exc:
+            record["error"] = f"unreadable JSON: {exc}"
+        else:
+            result["campaign"] = record
+            json_path.write_text(json.dumps(result, indent=2) + "\n")
+    elif not step.bench:
+        json_path.write_text(json.dumps({"benchmark": "tests", "environment": environment(), "campaign": record,
+                                         "tail": _tail(log_path)}, indent=2) + "\n")
+    return record
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: Path, lines: int = 40) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def environment() -> dict:
+    import torch
+
+    from timeshare.bench.environment import describe
+
+    return describe(torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def summarize(out: Path) -> dict:
+    """Gather the headline numbers of every step present in ``out``; write summary.json and SUMMARY.md."""
+    def load(name):
+        p = out / f"{name}.json"
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    summary: dict = {"steps": {}, "pipeline": [], "switch": [], "cycles": []}
+    link = load("link")
+    for name in STEPS:
+        r = load(name)
+        if r is not None and "campaign" in r:
+            summary["steps"][name] = r["campaign"]
+            summary.setdefault("environment", r.get("environment"))
+    if link and "fit" in link:
+        summary["link"] = {"h2d": link["fit"]["h2d"], "d2h": link["fit"]["d2h"], "peak": link["peak"]}
+    for dtype in ("fp32", "bf16"):
+        p = load(f"pipeline-{dtype}")
+        for r in (p or {}).get("results", []):
+            opt = r["strategies"].get("optimal", {})
+            row = {"model": r["model"], "dtype": dtype, "MB": r["needed_bytes"] / 1e6, "ready_ms": r["ready_ms"],
+                   "native_ms": r.get("native_ms"), "floor_ms": r["floor_ms"],
+                   **{f"{s}_ms": v["ms"] for s, v in r["strategies"].items()},
+                   "optimal_vs_floor": opt.get("vs_floor"), "exact": r["outputs_match_ready"]}
+            if link and "fit" in link:
+                from timeshare.bench.link import floor_ms
+
+                row["link_floor_ms"] = floor_ms(r["needed_bytes"], link, r["ready_ms"])
+                if opt:
+                    row["optimal_vs_link_floor"] = opt["ms"] / row["link_floor_ms"]
+            summary["pipeline"].append(row)
+        s = load(f"switch-{dtype}")
+        for r in (s or {}).get("results", []):
+            summary["switch"].append({
+                "model": r["model"], "dtype": dtype, "ready_ms": r["ready_ms"], "timeshare_ms": r["timeshare_ms"],
+                "overhead_ms": r["overhead_ms"], "components_ms": r["components_ms"],
+                **{k: r[k] for k in ("two_processes_ms", "one_process_ms", "stop_and_start_ms",
+                                     "stop_and_start_vs_timeshare") if k in r},
+                "exact": r["outputs_match_ready"],
+            })
+    c = load("cycles")
+    for r in (c or {}).get("results", []):
+        summary["cycles"].append({"cycle_s": r["cycle_s"], "fraction_of_ready": r["fraction_of_ready"],
+                                  "switches": r["switches"]})
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "SUMMARY.md").write_text(_markdown(summary))
+    return summary
+
+
+def _markdown(s: dict) -> str:
+    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    env = s.get("environment") or {}
+    lines = ["# GPU campaign summary", "",
+             f"{env.get('gpu', '?')}, driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, "
+             f"torch {env.get('torch', '?')}. Generated from the JSON files beside this one "
+             "(`python -m timeshare.bench.campaign --summary-only`).", "", "| step | exit | seconds | command |",
+             "|---|---|---|---|"]
+    for name, rec in s["steps"].items():
+        rc = "timed out" if rec["timed_out"] else str(rec["returncode"])
+        lines.append(f"| {name} | {rc} | {rec['seconds']} | `{rec['command']}` |")
+    if "link" in s:
+        h, d = s["link"]["h2d"], s["link"]["d2h"]
+        lines += ["", f"Pinned host-to-device {h['bandwidth_GBps']:.1f} GB/s + {h['overhead_us']:.1f} us per copy; "
+                  f"device-to-host {d['bandwidth_GBps']:.1f} GB/s + {d['overhead_us']:.1f} us; both at once "
+                  f"{s['link']['peak']['both_GBps']:.1f} GB/s (peak)."]
+    if s["pipeline"]:
+        lines += ["", "## First inference, model not resident (ms, median)", "",
+                  "| model | dtype | MB | native | ready | floor | whole | per_layer | fixed | optimal | optimal/floor | exact |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in s["pipeline"]:
+            fl = r.get("link_floor_ms", r["floor_ms"])
+            ratio = r.get("optimal_vs_link_floor", r["optimal_vs_floor"])
+            lines.append(f"| {r['model']} | {r['dtype']} | {r['MB']:.0f} | {f(r['native_ms'])} | {f(r['ready_ms'])} | "
+                         f"{f(fl)} | {f(r.get('whole_ms'))} | {f(r.get('per_layer_ms'))} | {f(r.get('fixed_ms'))} | "
+                         f"{f(r.get('optimal_ms'))} | {f(ratio, 3)} | {'yes' if r['exact'] else 'NO'} |")
+    if s["switch"]:
+        lines += ["", "## First inference after a switch from training (ms, median)", "",
+                  "| model | dtype | ready | timeshare | overhead | stop | start | load | clean | two processes | "
+                  "one process | stop-and-start | stop-and-start / timeshare | exact |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in s["switch"]:
+            c = r["components_ms"]
+            lines.append(
+                f"| {r['model']} | {r['dtype']} | {f(r['ready_ms'])} | {f(r['timeshare_ms'])} | {f(r['overhead_ms'])} | "
+                f"{f(c.get('stop'))} | {f(c.get('start'))} | {f(c.get('load'))} | {f(c.get('clean'))} | "
+                f"{f(r.get('two_processes_ms'), 0)} | {f(r.get('one_process_ms'), 0)} | "
+                f"{f(r.get('stop_and_start_ms'), 0)} | {f(r.get('stop_and_start_vs_timeshare'), 0)}x | "
+                f"{'yes' if r['exact'] else 'NO'} |")
+    if s["cycles"]:
+        lines += ["", "## Inference throughput time-sharing with training", "", "| cycle s | of ready | switches |",
+                  "|---|---|---|"]
+        for r in s["cycles"]:
+            lines.append(f"| {r['cycle_s']:g} | {r['fraction_of_ready'] * 100:.1f}% | {r['switches']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m timeshare.bench.campaign", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from: {', '.join(STEPS)}")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite the summary from the JSON present")
+    parser.add_argument("--max-step-s", type=int, default=None, help="cap every step's time limit (seconds)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU backend (to check the campaign itself)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.steps.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STEPS]
+    if unknown:
+        parser.error(f"unknown step(s) {unknown}; known: {list(STEPS)}")
+    import torch
+
+    cuda = torch.cuda.is_available() or args.allow_cpu
+    if args.out is None and not torch.cuda.is_available():
+        print("the GPU campaign needs a CUDA device, and torch sees none on this machine "
+              f"(torch {torch.__version__}, torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    out = args.out or ROOT / "bench" / "results" / device_slug(torch.cuda.get_device_name(0))
+    if not args.summary_only:
+        if not cuda:
+            print("the GPU campaign needs a CUDA device (--allow-cpu runs it on the CPU backend)", file=sys.stderr)
+            return 2
+        failed = []
+        for name in names:
+            step = STEPS[name]
+            print(f"[campaign] {name}: up to {min(step.limit_s, args.max_step_s or step.limit_s)} s", flush=True)
+            rec = run_step(step, out, max_s=args.max_step_s)
+            status = "timed out" if rec["timed_out"] else f"exit {rec['returncode']}"
+            print(f"[campaign] {name}: {status} in {rec['seconds']} s (log {out / rec['log']})", flush=True)
+            if rec["timed_out"] or rec["returncode"] != 0:
+                failed.append(name)
+            summarize(out)
+        print((out / "SUMMARY.md").read_text())
+        if failed:
+            print(f"[campaign] failed: {', '.join(failed)}", file=sys.stderr)
+            return 1
+        return 0
+    summarize(out)
+    print((out / "SUMMARY.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
