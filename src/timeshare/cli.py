@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where every thread is (the campaign does, on a time-out)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # no real stderr (embedded, captured): no stacks
+            pass
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         if args.command == "bench" and args.bench == "pipeline":

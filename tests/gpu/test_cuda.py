@@ -160,3 +160,25 @@ def test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was():
         free_after, _ = torch.cuda.mem_get_info()
         # Each worker holds one context and its activations cache; killed ones gave theirs back.
         assert abs(free_after - free_before) < 256 << 20
+
+
+def test_a_finished_cuda_load_lets_go_of_its_buffers():
+    """A load keeps its source and destination alive only while copies are queued: once
+    done() has seen it finish, dropping the caller's references frees them (an unload
+    must be able to close the host store's shared memory)."""
+    import gc
+    import weakref
+
+    from timeshare.transfer.copy import CudaCopyEngine
+
+    engine = CudaCopyEngine(torch.device("cuda", 0))
+    src = torch.randn(1 << 20).view(torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    alive_src, alive_dst = weakref.ref(src), weakref.ref(dst)
+    handle = engine.start(src, dst, [(0, src.numel() // 2), (src.numel() // 2, src.numel())], "test")
+    torch.cuda.synchronize()
+    assert handle.done()
+    assert torch.equal(dst.cpu(), src)
+    del src, dst
+    gc.collect()
+    assert alive_src() is None and alive_dst() is None

@@ -201,7 +201,57 @@ def summarize(out: Path) -> dict:
                                   "switches": r["switches"]})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "SUMMARY.md").write_text(_markdown(summary))
+    if summary["pipeline"]:
+        plot_first_inference(summary, out / "first-inference.png")
     return summary
+
+
+# PipeSwitch's artifact on a V100 (PCIe 3.0 x16), batch 8, fp32, mean ms (../shared/REFERENCES.md).
+PIPESWITCH_V100 = {
+    "resnet152": {"ready": 37.06, "pipeswitch": 43.45},
+    "inception_v3": {"ready": 40.54, "pipeswitch": 40.59},
+    "bert_base": {"ready": 39.33, "pipeswitch": 53.85},
+}
+
+
+def plot_first_inference(summary: dict, path: Path) -> None:
+    """Bars per model: the floor, plain PyTorch, ready and every strategy on this device,
+    beside PipeSwitch's V100 figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["pipeline"]
+    dtypes = sorted({r["dtype"] for r in rows}, key=["fp32", "bf16", "fp16"].index)
+    series = [("floor", "link_floor_ms", "#999999"), ("native", "native_ms", "#4c72b0"),
+              ("ready", "ready_ms", "#55a868"), ("optimal", "optimal_ms", "#c44e52"),
+              ("whole", "whole_ms", "#dd8452"), ("per_layer", "per_layer_ms", "#8172b3")]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.2), squeeze=False)
+    env = summary.get("environment") or {}
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        models = [r for r in rows if r["dtype"] == dtype]
+        width = 0.8 / (len(series) + (2 if dtype == "fp32" else 0))
+        for i, r in enumerate(models):
+            k = 0
+            for label, key, color in series:
+                v = r.get(key) if key != "link_floor_ms" else r.get(key, r.get("floor_ms"))
+                if v is not None:
+                    ax.bar(i + k * width, v, width, color=color, label=label if i == 0 else None)
+                k += 1
+            ref = PIPESWITCH_V100.get(r["model"]) if dtype == "fp32" else None
+            if ref:
+                ax.bar(i + k * width, ref["ready"], width, color="#cccccc", hatch="//",
+                       label="V100 ready (PipeSwitch paper)" if i == 0 else None)
+                ax.bar(i + (k + 1) * width, ref["pipeswitch"], width, color="#937860", hatch="//",
+                       label="V100 PipeSwitch" if i == 0 else None)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], [r["model"] for r in models])
+        ax.set_ylabel("first inference, ms (median)")
+        ax.set_title(f"{env.get('gpu', 'GPU')}, batch 8, {dtype}")
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _markdown(s: dict) -> str:

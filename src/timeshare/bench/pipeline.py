@@ -177,7 +177,17 @@ def _native_module(name: str, dtype, device: torch.device) -> torch.nn.Module:
     from timeshare.models.weights import read_weights
 
     module = zoo_get(name).build()
-    module.load_state_dict(read_weights(weights_path(name)), strict=True)
+    state = read_weights(weights_path(name))
+    result = module.load_state_dict(state, strict=False)
+    # A weights file names a tied tensor once; every other missing key must be such an alias.
+    own = module.state_dict(keep_vars=True)
+    loaded = {own[k].data_ptr() for k in state if k in own}
+    untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]
+    if untied or result.unexpected_keys:
+        from timeshare.errors import WeightsError
+
+        raise WeightsError(f"{name}: the weights file does not match the module (missing {untied}, "
+                           f"unexpected {result.unexpected_keys})")
     if dtype is not None:
         module = module.to(dtype)
     return module.to(device).eval()

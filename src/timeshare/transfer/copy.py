@@ -175,7 +175,10 @@ class _CudaLoad(LoadHandle):
         torch.cuda.current_stream(self.device).wait_event(self.events[k])
 
     def done(self) -> bool:
-        return self.events[-1].query() if self.events else True
+        finished = self.events[-1].query() if self.events else True
+        if finished:  # the copies are over: give the source and destination back
+            self._keep = None
+        return finished
 
     def copy_seconds(self) -> float | None:
         if self._begin is None or not self.done():
