@@ -142,6 +142,7 @@ class Runtime:
         # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
         # before any memory is taken.
         self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s)
+        self.task_timeout_s = task_timeout_s  # a worker silent this long on a task is killed and replaced
         self.device = resolve_device(device)
         self.strategy = strategy
         self.profile_repeats = profile_repeats
@@ -404,6 +405,11 @@ class Runtime:
             if name in self._stores:
                 _drop_segment(self._stores.pop(name))
             release_host_cache(self.device)
+
+    def worker_pids(self) -> list[int]:
+        """The operating-system ids of the worker processes now in the pool (empty
+        without workers): for operators and fault-injection tests."""
+        return list(self._pool.pids()) if self._pool is not None else []
 
     def stats(self) -> dict:
         with self._turn():

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from timeshare import protocol as P
@@ -111,11 +112,11 @@ class ProcessPool:
         self._models[msg.model] = msg
         try:
             for w in list(self.workers):
-                self._quiesce(w)
-                if w.ready:
-                    w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
-                else:
-                    self._ready(w)  # boots and learns every model, this one included
+                with self._claim(w, f"adding {msg.model}"):
+                    if w.ready:
+                        w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+                    else:
+                        self._ready(w)  # boots and learns every model, this one included
         except BaseException:
             self.remove(msg.model)
             raise
@@ -127,9 +128,9 @@ class ProcessPool:
         for w in list(self.workers):
             w.profiles = {x for x in w.profiles if x[0] != model}
             try:
-                self._quiesce(w)
-                self._ready(w)
-                w.request(P.RemoveModel(self._next_seq(), model), self.startup_timeout_s, f"removing {model}")
+                with self._claim(w, f"removing {model}"):
+                    self._ready(w)
+                    w.request(P.RemoveModel(self._next_seq(), model), self.startup_timeout_s, f"removing {model}")
             except WorkerError as exc:
                 log.warning("removing %s: %s", model, exc)
                 self._replace(w)
@@ -151,8 +152,26 @@ class ProcessPool:
         requested = time.perf_counter()
         with self._cv:
             switch = self._preempt_segment(getattr(msg, "model", ""), requested)
+            w = self._take_standby(what)
+        try:
+            return self._task_on(w, msg, what, requested, switch)
+        finally:
+            w.unlease()
+
+    def _take_standby(self, what: str) -> WorkerHandle:
+        """The first worker that no segment runs on, leased to this thread (under the cv)."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
             busy = self._segment.worker if self._segment is not None else None
-            w = next(x for x in self.workers if x is not busy)  # the first standby
+            for w in self.workers:
+                if w is not busy and w.try_lease():
+                    return w
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerTimeoutError(f"no worker was free within {self.startup_timeout_s:g} s", where=what)
+            self._cv.wait(min(left, 0.05))
+
+    def _task_on(self, w: WorkerHandle, msg, what: str, requested: float, switch):
         self._ready(w)
         model = getattr(msg, "model", "")
         known = self._profiles.get(model, {})
@@ -187,11 +206,12 @@ class ProcessPool:
         self._stop_retired()
         w = self._spawn()
         self._retired.append(w)  # stopped later, off the timed path
-        w.wait_ready(self.startup_timeout_s)
-        w.request(self._renumber(self._models[model]), self.startup_timeout_s, f"adding {model}")
-        profiles = tuple(self._profiles.get(model, {}).values())
-        msg = P.Run(self._next_seq(), model, offset, False, args, kwargs, strategy, profiles)
-        return w.request(msg, self.task_timeout_s, f"running {model}").value
+        with w.leased(self.startup_timeout_s, f"running {model}"):
+            w.wait_ready(self.startup_timeout_s)
+            w.request(self._renumber(self._models[model]), self.startup_timeout_s, f"adding {model}")
+            profiles = tuple(self._profiles.get(model, {}).values())
+            msg = P.Run(self._next_seq(), model, offset, False, args, kwargs, strategy, profiles)
+            return w.request(msg, self.task_timeout_s, f"running {model}").value
 
     def _stop_retired(self) -> None:
         retired, self._retired = self._retired, []
@@ -210,11 +230,11 @@ class ProcessPool:
                 return None
             if home not in self.workers:
                 return None  # replaced meanwhile; _home reports it next time
+            if not home.try_lease():  # a task or a control request has its pipe
+                self._cv.wait(0.05)
+                return None
             seq = self._next_seq()
-            try:
-                home.conn.send_bytes(P.dumps(P.Train(seq, job, spec)))
-            except OSError:
-                pass  # the process is gone: run_segment reports it
+            home.post(P.Train(seq, job, spec))  # if the process is gone, run_segment reports it
             self._segment = _Segment(job, home, seq)
             return self._segment
 
@@ -224,11 +244,13 @@ class ProcessPool:
         what = f"training {seg.job}"
         try:
             while True:
-                reply = seg.worker.receive(self.task_timeout_s, what)
+                reply = seg.worker.receive(self.task_timeout_s, what, seg.seq)
                 if isinstance(reply, P.Progress):
                     on_progress(reply)
                     continue
-                assert isinstance(reply, P.Stopped) and reply.seq == seg.seq, reply
+                if not isinstance(reply, P.Stopped):
+                    raise WorkerError(f"worker {seg.worker.id} answered a training segment with "
+                                      f"{type(reply).__name__}", where=f"worker {seg.worker.id}, {what}")
                 if seg.switch is not None and seg.preempted_at is not None:
                     seg.switch.stop_s = max(0.0, reply.stopped_at - seg.preempted_at)
                     seg.switch.clean_s = reply.cleaned_at - reply.stopped_at
@@ -241,6 +263,7 @@ class ProcessPool:
                     self._homes.pop(seg.job, None)
             raise
         finally:
+            seg.worker.unlease()  # taken in begin_segment
             with self._cv:
                 if self._segment is seg:
                     self._segment = None
@@ -255,17 +278,17 @@ class ProcessPool:
     def job_state(self, job: str) -> dict:
         """The job's parameters and buffers, from its home worker (between segments)."""
         home = self._home(job, False)
-        self._quiesce(home)
-        return home.request(P.JobState(self._next_seq(), job), self.task_timeout_s, f"state of {job}").value
+        with self._claim(home, f"state of {job}"):
+            return home.request(P.JobState(self._next_seq(), job), self.task_timeout_s, f"state of {job}").value
 
     def drop_job(self, job: str) -> None:
         with self._cv:
             home = self._homes.pop(job, None)
             self._lost.pop(job, None)
         if home is not None and home.alive():
-            self._quiesce(home)
             try:
-                home.request(P.DropJob(self._next_seq(), job), self.task_timeout_s, f"dropping {job}")
+                with self._claim(home, f"dropping {job}"):
+                    home.request(P.DropJob(self._next_seq(), job), self.task_timeout_s, f"dropping {job}")
             except WorkerError as exc:
                 log.warning("dropping training job %s: %s", job, exc)
 
@@ -295,10 +318,7 @@ class ProcessPool:
             return None
         if seg.preempted_at is None:
             seg.preempted_at = now
-            try:
-                seg.worker.conn.send_bytes(P.dumps(P.Preempt(seg.seq)))
-            except OSError:
-                pass  # already dead: the segment's reader reports it
+            seg.worker.post(P.Preempt(seg.seq))  # if already dead, the segment's reader reports it
         if model and seg.switch is None:
             seg.switch = Switch(seg.job, model, now)
             self.switches.append(seg.switch)
@@ -318,6 +338,22 @@ class ProcessPool:
                                              where=f"worker {w.id}")
                 self._cv.wait(min(left, 0.5))
 
+    @contextmanager
+    def _claim(self, w: WorkerHandle, what: str):
+        """Hold ``w``'s pipe for a control request: stop its training segment, if any, and
+        lease it before another segment can start (NOTE [One owner per pipe])."""
+        deadline = time.monotonic() + self.task_timeout_s + 5
+        while True:
+            self._quiesce(w)
+            if w.try_lease(0.05):
+                break
+            if time.monotonic() > deadline:
+                raise WorkerTimeoutError(f"worker {w.id} stayed busy", where=f"worker {w.id}, {what}")
+        try:
+            yield w
+        finally:
+            w.unlease()
+
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> WorkerHandle:
         start = P.Start(worker=self._next_id, parent_pid=os.getpid(), **self._template)
@@ -328,11 +364,11 @@ class ProcessPool:
         """Finish a worker's start-up and teach it every model (new workers only)."""
         if w.ready:
             return
-        with w.ready_lock:
+        with w.leased(self.startup_timeout_s, "starting"):  # the lease also serializes teaching
             if w.ready:
                 return
-            w.wait_ready(self.startup_timeout_s)
             try:
+                w.wait_ready(self.startup_timeout_s)  # a worker that dies before its Hello is replaced too
                 for msg in list(self._models.values()):
                     w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
             except BaseException:

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 
 from timeshare import protocol as P
@@ -239,35 +240,93 @@ class WorkerHandle:
         self.pid: int | None = None
         self.os_pid: int = self.proc.pid  # kept after the process object is released
         self._released = False
-        self.ready_lock = threading.Lock()  # one thread teaches a new worker its models
         self.profiles: set[tuple[str, str]] = set()  # (model, shape key) this worker has measured or been sent
+        # NOTE [One owner per pipe]
+        # Only the thread that holds a worker's lease reads its pipe or sends it a request:
+        # a task for the whole request, a training segment from Train to Stopped. Anyone
+        # may post a one-way message (Preempt, Shutdown) under the send lock. Every reply
+        # carries the seq of the request it answers, and the owner discards (and logs) any
+        # other message, so a reply left over from a failed or abandoned request can never
+        # be taken for the answer to a later one.
+        self._lease = threading.RLock()
+        self._owner: int | None = None
+        self._depth = 0
+        self._send_lock = threading.Lock()
 
+    # ------------------------------------------------------------------ ownership
+    def try_lease(self, timeout_s: float = 0.0) -> bool:
+        """Take the pipe for this thread (re-entrant); False if another thread holds it."""
+        got = self._lease.acquire(timeout=timeout_s) if timeout_s > 0 else self._lease.acquire(blocking=False)
+        if not got:
+            return False
+        self._owner = threading.get_ident()
+        self._depth += 1
+        return True
+
+    def unlease(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lease.release()
+
+    @contextmanager
+    def leased(self, timeout_s: float, what: str):
+        """Hold the pipe for a request; a worker busy for longer than ``timeout_s`` is an error."""
+        if not self.try_lease(timeout_s):
+            raise WorkerTimeoutError(f"worker {self.id} stayed busy for {timeout_s:g} s", where=f"worker {self.id}, {what}")
+        try:
+            yield self
+        finally:
+            self.unlease()
+
+    def _check_owner(self) -> None:
+        if self._owner != threading.get_ident():
+            raise RuntimeError(f"worker {self.id}'s pipe used by a thread that does not hold its lease")
+
+    def post(self, msg) -> bool:
+        """Send a one-way message (no reply expected); False if the pipe is gone."""
+        try:
+            with self._send_lock:
+                self.conn.send_bytes(P.dumps(msg))
+            return True
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            return False
+
+    # ------------------------------------------------------------------ requests
     def wait_ready(self, timeout_s: float) -> None:
         if not self.booted:
+            self._check_owner()
             hello = self._recv(timeout_s, "starting")
             if not isinstance(hello, P.Hello):
                 raise WorkerCrashedError(f"worker {self.id} sent {type(hello).__name__} instead of Hello")
             self.pid, self.booted = hello.pid, True
 
     def request(self, msg, timeout_s: float, what: str):
-        """Send ``msg`` and wait for its reply; a Failure is re-raised as an error."""
-        try:
-            self.conn.send_bytes(P.dumps(msg))
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            raise self._crashed(what) from None
-        reply = self._recv(timeout_s, what)
+        """Send ``msg`` and wait for the reply that carries its seq; a Failure is re-raised
+        as an error. The caller holds the lease (NOTE [One owner per pipe])."""
+        self._check_owner()
+        if not self.post(msg):
+            raise self._crashed(what)
+        return self.receive(timeout_s, what, msg.seq)
+
+    def receive(self, timeout_s: float, what: str, seq: int):
+        """The next message from the worker that answers request ``seq`` (a reply, a
+        training segment's Progress or Stopped); a Failure is re-raised as an error.
+        Messages for other requests are discarded and logged."""
+        self._check_owner()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._recv(max(0.0, deadline - time.monotonic()), what, timeout_s)
+            got = getattr(reply, "seq", None)
+            if got == seq or (isinstance(reply, P.Failure) and got == -1):  # -1: our message was unreadable
+                break
+            log.warning("worker %d: discarding %s for request %s while %s (request %d)",
+                        self.id, type(reply).__name__, got, what, seq)
         if isinstance(reply, P.Failure):
             raise reply.error.to_exception()
         return reply
 
-    def receive(self, timeout_s: float, what: str):
-        """The next message from the worker; a Failure is re-raised as an error."""
-        reply = self._recv(timeout_s, what)
-        if isinstance(reply, P.Failure):
-            raise reply.error.to_exception()
-        return reply
-
-    def _recv(self, timeout_s: float, what: str):
+    def _recv(self, timeout_s: float, what: str, deadline_s: float | None = None):
         ready = wait([self.conn, self.proc.sentinel], timeout_s)
         if self.conn in ready:
             try:
@@ -278,7 +337,7 @@ class WorkerHandle:
             raise self._crashed(what)
         self.kill()
         raise WorkerTimeoutError(
-            f"worker {self.id} did not answer within {timeout_s:g} s; it was killed", where=f"worker {self.id}, {what}"
+            f"worker {self.id} did not answer within {deadline_s or timeout_s:g} s; it was killed", where=f"worker {self.id}, {what}"
         )
 
     def _crashed(self, what: str) -> WorkerCrashedError:
@@ -317,10 +376,7 @@ class WorkerHandle:
         if self._released:
             return
         if self.proc.is_alive():
-            try:
-                self.conn.send_bytes(P.dumps(P.Shutdown()))
-            except OSError:
-                pass
+            self.post(P.Shutdown())
             self.proc.join(timeout_s)
         if self.proc.is_alive():
             self.proc.terminate()

@@ -1,0 +1,139 @@
+"""Faults never cost a wrong answer: with workers killed at any moment (the inference
+worker mid-request, the training job's home, a replacement still booting), every reply
+that comes back is the output of its own request's inputs, and the pool heals."""
+
+import os
+import random
+import signal
+import threading
+import time
+
+import torch
+
+import timeshare
+from tests import models
+from timeshare.errors import TimeshareError
+
+
+def _reference(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return models.slow()(x, delay_s=0.0)
+
+
+def test_every_reply_answers_its_own_request_while_workers_are_killed():
+    rng = random.Random(0)
+    wrong, failures, ok = [], 0, 0
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=20,
+                           startup_timeout_s=60) as rt:
+        rt.register("slow", "tests.models:slow", None, (torch.randn(4, 64),), example_kwargs={"delay_s": 0.0})
+        job = rt.train("bg", models.train_net, models.adam, models.endless_batches, models.train_step)
+        for i in range(40):
+            if job.wait(0):  # its home was killed: start it again, so training keeps contending
+                job = rt.train(f"bg{i}", models.train_net, models.adam, models.endless_batches, models.train_step)
+            if i % 4 == 0:
+                rt.evict("slow")  # the next call loads, pipelined
+            x = torch.randn(4, 64)
+            if i % 3 == 1:  # kill a worker while the request is in flight
+                pids = rt.worker_pids()
+                timer = threading.Timer(rng.uniform(0.005, 0.08), lambda p=rng.choice(pids): _kill(p))
+                timer.start()
+            try:
+                out = rt.infer("slow", x, delay_s=0.002)
+            except TimeshareError:
+                failures += 1
+                continue
+            finally:
+                if i % 3 == 1:
+                    timer.join()
+            ok += 1
+            if not torch.equal(out, _reference(x)):
+                wrong.append(i)
+        job.cancel()
+        # Healed: the pool is back at its size and answers correctly.
+        for _ in range(5):
+            x = torch.randn(4, 64)
+            assert torch.equal(rt.infer("slow", x, delay_s=0.0), _reference(x))
+        assert len(rt.worker_pids()) == 2
+    assert not wrong, f"wrong answers at requests {wrong} ({ok} correct, {failures} failed)"
+    assert ok >= 20
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_worker_killed_before_its_handshake_is_replaced():
+    with timeshare.Runtime(device="cpu", memory="4MiB", workers=2, profile_repeats=1, task_timeout_s=20,
+                           startup_timeout_s=60) as rt:
+        rt.register("slow", "tests.models:slow", None, (torch.randn(4, 64),), example_kwargs={"delay_s": 0.0})
+        for _ in range(3):
+            victim = rt.worker_pids()[0]
+            _kill(victim)
+            x = torch.randn(4, 64)
+            deadline = time.monotonic() + 60
+            while True:  # the call that meets the dead worker fails; the next ones are served
+                try:
+                    out = rt.infer("slow", x, delay_s=0.0)
+                    break
+                except TimeshareError:
+                    assert time.monotonic() < deadline, "the pool did not heal"
+            assert torch.equal(out, _reference(x))
+            assert victim not in rt.worker_pids() and len(rt.worker_pids()) == 2
+
+
+def _bare_worker():
+    """One worker process on a small CPU arena, outside any runtime."""
+    from timeshare import protocol as P
+    from timeshare.memory.arena import Arena
+    from timeshare.worker.proc import WorkerHandle, spawn_context
+
+    arena = Arena(torch.device("cpu"), 1 << 20)
+    start = P.Start(worker=0, parent_pid=os.getpid(), device="cpu", arena=arena.share(), arena_capacity=arena.capacity,
+                    profile_repeats=1, fixed_group_bytes=1 << 20, load_timeout_s=10.0)
+    return arena, WorkerHandle(spawn_context(), start)
+
+
+def test_a_reply_left_in_the_pipe_is_never_taken_for_the_next_requests():
+    """A request abandoned after sending leaves its reply in the pipe; the next request
+    must get its own reply, not that one."""
+    from timeshare import protocol as P
+
+    arena, w = _bare_worker()
+    try:
+        with w.leased(60, "test"):
+            w.wait_ready(60)
+            w.post(P.JobState(1, "no such job"))  # answered with a Failure nobody reads
+            reply = w.request(P.DropJob(2, "x"), 30, "dropping x")
+            assert isinstance(reply, P.Ack) and reply.seq == 2
+    finally:
+        w.stop()
+        arena.close()
+
+
+def test_only_the_lease_holder_may_talk_to_a_worker():
+    from timeshare import protocol as P
+
+    arena, w = _bare_worker()
+    try:
+        with w.leased(60, "test"):
+            w.wait_ready(60)
+            errors = []
+
+            def intruder():
+                try:
+                    w.request(P.DropJob(5, "x"), 5, "intruding")
+                except RuntimeError as exc:
+                    errors.append(exc)
+                assert not w.try_lease()  # held by the test's thread
+
+            t = threading.Thread(target=intruder)
+            t.start()
+            t.join(30)
+            assert errors and "does not hold its lease" in str(errors[0])
+            assert w.request(P.DropJob(6, "x"), 30, "dropping x").seq == 6  # the owner is unaffected
+    finally:
+        w.stop()
+        arena.close()
