@@ -67,6 +67,10 @@ class RuntimeConfig(_Strict):
     """Which resident model leaves when a new one needs room."""
     strategy: Literal["optimal", "per_layer", "whole", "fixed"] = "optimal"
     """How loads are grouped."""
+    task_timeout_s: Annotated[float, Field(gt=0)] | None = None
+    """A worker that does not answer a task (or a training iteration) within this many
+    seconds is killed and replaced. Default: the server's ``request_timeout_s``, so a hung
+    worker costs at most one request deadline. Must exceed the slowest training iteration."""
 
     @field_validator("memory", mode="before")
     @classmethod

@@ -381,3 +381,19 @@ def test_leftovers_waits_for_a_child_that_is_leaving_and_reports_one_that_stays(
         staying.kill()
         staying.wait(10)
         server.close()
+
+
+def test_the_worker_task_deadline_is_settable_and_defaults_to_the_request_timeout():
+    from timeshare.server.service import Service
+
+    assert parse_config({"runtime": {"task_timeout_s": 5}}).runtime.task_timeout_s == 5
+    with pytest.raises(ConfigError, match="task_timeout_s"):
+        parse_config({"runtime": {"task_timeout_s": 0}})
+    for runtime, expected in (({}, 7.0), ({"task_timeout_s": 3}, 3.0)):
+        service = Service(parse_config({"runtime": {"device": "cpu", "memory": "1MiB", **runtime},
+                                        "server": {"request_timeout_s": 7}}))
+        service.open()
+        try:
+            assert service.runtime.task_timeout_s == expected
+        finally:
+            service.runtime.close()

@@ -115,7 +115,8 @@ class Service:
         if self.runtime is None:
             r = self.config.runtime
             self.runtime = Runtime(r.device, r.memory, eviction=r.eviction, strategy=r.strategy, workers=r.workers,
-                                   scheduling=r.scheduling, time_slice_s=r.time_slice_s)
+                                   scheduling=r.scheduling, time_slice_s=r.time_slice_s,
+                                   task_timeout_s=r.task_timeout_s or self.config.server.request_timeout_s)
         self.runtime.subscribe(self._on_record)
         self._opened = True
 
