@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
-from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.errors import TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.worker.proc import WorkerHandle, spawn_context
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,8 @@ class ProcessPool:
             w.profiles = {x for x in w.profiles if x[0] != model}
             try:
                 with self._claim(w, f"removing {model}"):
-                    self._ready(w)
-                    w.request(P.RemoveModel(self._next_seq(), model), self.startup_timeout_s, f"removing {model}")
+                    if w.ready and w in self.workers:  # one not ready yet will never be taught it
+                        w.request(P.RemoveModel(self._next_seq(), model), self.startup_timeout_s, f"removing {model}")
             except WorkerError as exc:
                 log.warning("removing %s: %s", model, exc)
                 self._replace(w)
@@ -233,8 +233,13 @@ class ProcessPool:
             if not home.try_lease():  # a task or a control request has its pipe
                 self._cv.wait(0.05)
                 return None
-            seq = self._next_seq()
-            home.post(P.Train(seq, job, spec))  # if the process is gone, run_segment reports it
+            try:
+                seq = self._next_seq()
+                data = P.dumps(P.Train(seq, job, spec))
+            except BaseException:
+                home.unlease()  # a spec that cannot be sent must not keep the worker's pipe
+                raise
+            home.post_bytes(data)  # if the process is gone, run_segment reports it
             self._segment = _Segment(job, home, seq)
             return self._segment
 
@@ -255,7 +260,7 @@ class ProcessPool:
                     seg.switch.stop_s = max(0.0, reply.stopped_at - seg.preempted_at)
                     seg.switch.clean_s = reply.cleaned_at - reply.stopped_at
                 return reply
-        except WorkerError as exc:
+        except TimeshareError as exc:
             with self._cv:
                 if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
                     self._replace(seg.worker)
@@ -342,7 +347,7 @@ class ProcessPool:
     def _claim(self, w: WorkerHandle, what: str):
         """Hold ``w``'s pipe for a control request: stop its training segment, if any, and
         lease it before another segment can start (NOTE [One owner per pipe])."""
-        deadline = time.monotonic() + self.task_timeout_s + 5
+        deadline = time.monotonic() + max(self.task_timeout_s, self.startup_timeout_s) + 5
         while True:
             self._quiesce(w)
             if w.try_lease(0.05):
@@ -383,15 +388,15 @@ class ProcessPool:
             w.kill()
             if w not in self.workers:
                 return  # replaced already
-            self.workers.remove(w)
-            self.workers.append(self._spawn())
+            new = self._spawn()
+            self.workers[self.workers.index(w)] = new  # in place: homes are never the first worker
             self.replacements += 1
             for job, home in list(self._homes.items()):
                 if home is w:
                     del self._homes[job]
                     self._lost[job] = f"worker {w.id} held it and failed"
             self._cv.notify_all()
-        log.warning("worker %d replaced by worker %d", w.id, self.workers[-1].id)
+        log.warning("worker %d replaced by worker %d", w.id, new.id)
 
     def _renumber(self, msg: P.AddModel) -> P.AddModel:
         return P.AddModel(self._next_seq(), msg.model, msg.builder, msg.entries, msg.store_name,

@@ -205,7 +205,10 @@ class WorkerTrainingJob(TrainingJob):
         self.stats.step_seconds += p.seconds
         if p.loss is not None:
             self.stats.losses.append(p.loss)
-        self._gate.must_yield(self)  # runs the step: a time slice may be over
+        # Runs the step (a time slice may be over). A stop the scheduler decided while this
+        # segment was starting found no segment to preempt: pass it on now.
+        if self._gate.must_yield(self):
+            self._pool.preempt(self.name)
 
     def _run(self) -> JobState:
         spec: TrainSpec | None = self.spec  # sent with the first segment only

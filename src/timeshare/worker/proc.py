@@ -285,9 +285,12 @@ class WorkerHandle:
 
     def post(self, msg) -> bool:
         """Send a one-way message (no reply expected); False if the pipe is gone."""
+        return self.post_bytes(P.dumps(msg))
+
+    def post_bytes(self, data: bytes) -> bool:
         try:
             with self._send_lock:
-                self.conn.send_bytes(P.dumps(msg))
+                self.conn.send_bytes(data)
             return True
         except (BrokenPipeError, ConnectionResetError, OSError):
             return False
@@ -318,7 +321,7 @@ class WorkerHandle:
         while True:
             reply = self._recv(max(0.0, deadline - time.monotonic()), what, timeout_s)
             got = getattr(reply, "seq", None)
-            if got == seq or (isinstance(reply, P.Failure) and got == -1):  # -1: our message was unreadable
+            if got == seq:
                 break
             log.warning("worker %d: discarding %s for request %s while %s (request %d)",
                         self.id, type(reply).__name__, got, what, seq)
@@ -327,6 +330,8 @@ class WorkerHandle:
         return reply
 
     def _recv(self, timeout_s: float, what: str, deadline_s: float | None = None):
+        if self._released:  # killed and replaced by another thread meanwhile
+            raise WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}")
         ready = wait([self.conn, self.proc.sentinel], timeout_s)
         if self.conn in ready:
             try:
@@ -342,6 +347,8 @@ class WorkerHandle:
 
     def _crashed(self, what: str) -> WorkerCrashedError:
         """The error for a worker whose process ended, with how it ended."""
+        if self._released:  # its process object is closed: how it ended is no longer known
+            return WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}")
         self.proc.join(5)
         code = self.proc.exitcode
         if code is None:
