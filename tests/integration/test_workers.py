@@ -76,6 +76,10 @@ def test_the_models_own_errors_come_back_with_where_they_happened(rt):
 
 def _kill_during(rt, call, delay_s: float):
     """Run ``call`` in a thread and SIGKILL the active worker ``delay_s`` into it."""
+    deadline = time.monotonic() + 60
+    while rt.snapshot()["workers"]["ready"] < 2:  # a replacement still starting would not be the active one
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     victim = rt._pool.workers[0]
     result = {}
 
@@ -172,13 +176,15 @@ def test_a_profile_measured_by_one_worker_serves_every_other():
         assert rt._pool.profilings == 1
         first = rt._pool.workers[0]
         rt.evict("cnn")
-        os.kill(first.os_pid, signal.SIGKILL)
-        with pytest.raises(WorkerCrashedError):
-            rt.infer("cnn", *x)
-        # The standby now active is sent the profile with its first task: it loads
+        os.kill(first.os_pid, signal.SIGKILL)  # idle: the pool's watcher replaces it
+        deadline = time.monotonic() + 60
+        while first.os_pid in rt.worker_pids() or rt.snapshot()["workers"]["ready"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # Whichever worker serves now is sent the profile with its first task: it loads
         # pipelined at once and measures nothing.
         assert torch.equal(rt.infer("cnn", *x), ref)
         rt.evict("cnn")
         assert torch.equal(rt.infer("cnn", *x), ref)
         assert rt._pool.profilings == 1
-        assert ("cnn", "x") not in rt._pool.workers[0].profiles and len(rt._pool.workers[0].profiles) == 1
+        assert any(len(w.profiles) == 1 for w in rt._pool.workers)

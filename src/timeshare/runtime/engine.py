@@ -446,6 +446,8 @@ class Runtime:
             "preemptions": self._gate.scheduler.preemptions,
             "training_seconds": sum(j.stats.step_seconds for j in jobs),
             "training_iterations": sum(j.stats.iterations for j in jobs),
+            # With workers: the pool's size, the workers ready to serve, replacements so far.
+            "workers": self._pool.health() if self._pool is not None else None,
         }
 
     def subscribe(self, listener: Listener) -> None:

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing.connection import wait
 from dataclasses import asdict, dataclass, replace
 
 from timeshare import protocol as P
@@ -89,6 +90,8 @@ class ProcessPool:
         self._seq = 0
         self._models: dict[str, P.AddModel] = {}  # replayed on every new worker
         self.replacements = 0
+        self._boot_failures = 0  # replacements in a row that died before they were ready (back-off)
+        self._closed = False
         self._cv = threading.Condition(threading.RLock())  # guards the fields below and the worker list
         self._segment: _Segment | None = None  # the training segment running, if any
         self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
@@ -105,6 +108,9 @@ class ProcessPool:
         except BaseException:
             self.close()
             raise
+        # A worker that dies while idle is noticed here, not at its next task.
+        self._watcher = threading.Thread(target=self._watch, name="timeshare-pool-watch", daemon=True)
+        self._watcher.start()
 
     # ------------------------------------------------------------------ models
     def add(self, msg: P.AddModel) -> None:
@@ -385,9 +391,13 @@ class ProcessPool:
         """Drop a failed worker: a standby becomes active; a new one boots behind it. The
         training jobs it held lose their state."""
         with self._cv:
+            if self._closed:
+                return  # close() stops every worker
             w.kill()
             if w not in self.workers:
                 return  # replaced already
+            if not w.ready:
+                self._boot_failures += 1
             new = self._spawn()
             self.workers[self.workers.index(w)] = new  # in place: homes are never the first worker
             self.replacements += 1
@@ -396,7 +406,46 @@ class ProcessPool:
                     del self._homes[job]
                     self._lost[job] = f"worker {w.id} held it and failed"
             self._cv.notify_all()
-        log.warning("worker %d replaced by worker %d", w.id, new.id)
+            delay = min(30.0, 0.25 * (2 ** self._boot_failures - 1))
+        log.warning("worker %d replaced by worker %d%s", w.id, new.id,
+                    f" ({self._boot_failures} in a row died starting; teaching it in {delay:g} s)" if delay else "")
+        # The pool heals by itself: the new worker learns every model now, not at its first task.
+        threading.Thread(target=self._teach, args=(new, delay), name=f"timeshare-teach-{new.id}", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Replace workers that die while nobody talks to them. One that a thread holds the
+        lease of is left to that thread, which sees the death on its pipe."""
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                workers = [w for w in self.workers if w.alive()]
+                dead = [w for w in self.workers if w not in workers]
+            sentinels = {}
+            for w in workers:
+                try:
+                    sentinels[w.proc.sentinel] = w
+                except ValueError:  # released meanwhile
+                    continue
+            try:
+                ended = wait(list(sentinels), timeout=0.5) if sentinels else (time.sleep(0.5) or [])
+            except (OSError, ValueError):  # a sentinel was closed meanwhile (a replacement): look again
+                continue
+            for w in dead + [sentinels[x] for x in ended]:
+                if w.try_lease():
+                    w.unlease()
+                    self._replace(w)
+
+    def _teach(self, w: WorkerHandle, delay_s: float) -> None:
+        if delay_s:
+            time.sleep(delay_s)  # back off from replacements that keep dying
+        try:
+            self._ready(w)
+        except Exception as exc:  # _ready replaced it already; that replacement teaches itself
+            log.warning("worker %d failed while starting: %s", w.id, exc)
+            return
+        with self._cv:
+            self._boot_failures = 0
 
     def _renumber(self, msg: P.AddModel) -> P.AddModel:
         return P.AddModel(self._next_seq(), msg.model, msg.builder, msg.entries, msg.store_name,
@@ -406,11 +455,20 @@ class ProcessPool:
         self._seq += 1
         return self._seq
 
+    def health(self) -> dict:
+        """The pool's size, how many of its workers have started and learned every model,
+        and how many replacements it has made (read without waiting for any worker)."""
+        with self._cv:
+            workers = list(self.workers)
+        return {"size": len(workers), "ready": sum(1 for w in workers if w.ready and w.alive()),
+                "replacements": self.replacements}
+
     def pids(self) -> list[int]:
         return [w.os_pid for w in self.workers]
 
     def close(self) -> None:
         with self._cv:
+            self._closed = True
             workers, self.workers = self.workers, []
         for w in workers:
             w.stop()

@@ -118,6 +118,13 @@ class _Levels:
                         {"inference": snap["inference_seconds"], "training": snap["training_seconds"]})
         yield _by_label(CounterMetricFamily, "timeshare_training_iterations", "Iterations done by each training job",
                         "job", snap["jobs"])
+        workers = snap.get("workers")
+        if workers is not None:
+            yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers["size"])
+            yield GaugeMetricFamily("timeshare_workers_ready", "Workers started and ready to serve",
+                                    value=workers["ready"])
+            yield CounterMetricFamily("timeshare_worker_replacements", "Workers replaced after a crash or a hang",
+                                      value=workers["replacements"])
 
 
 def _by_label(family, name: str, documentation: str, label: str, values: dict):

@@ -159,10 +159,14 @@ class Service:
 
     @property
     def ready(self) -> bool:
-        """Started, not stopping, and every pinned model resident."""
+        """Started, not stopping, a worker ready to serve (with workers), and every pinned
+        model resident."""
         if not self._started.is_set() or self._stopping or self.start_error or self.runtime is None:
             return False
-        resident = self.runtime.snapshot()["resident"]
+        snap = self.runtime.snapshot()
+        if snap["workers"] is not None and snap["workers"]["ready"] == 0:
+            return False  # every worker is dead or still starting: nothing can serve
+        resident = snap["resident"]
         return all(ep.state is ModelState.READY and ep.name in resident for ep in self.endpoints.values() if ep.pinned)
 
     async def stop(self) -> None:

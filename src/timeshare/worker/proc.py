@@ -252,6 +252,7 @@ class WorkerHandle:
         self._owner: int | None = None
         self._depth = 0
         self._send_lock = threading.Lock()
+        self._life = threading.Lock()  # kill and stop, one at a time
 
     # ------------------------------------------------------------------ ownership
     def try_lease(self, timeout_s: float = 0.0) -> bool:
@@ -332,7 +333,10 @@ class WorkerHandle:
     def _recv(self, timeout_s: float, what: str, deadline_s: float | None = None):
         if self._released:  # killed and replaced by another thread meanwhile
             raise WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}")
-        ready = wait([self.conn, self.proc.sentinel], timeout_s)
+        try:
+            ready = wait([self.conn, self.proc.sentinel], timeout_s)
+        except (ValueError, OSError):  # released by another thread between the check and the wait
+            raise WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}") from None
         if self.conn in ready:
             try:
                 return P.loads(self.conn.recv_bytes())
@@ -347,10 +351,15 @@ class WorkerHandle:
 
     def _crashed(self, what: str) -> WorkerCrashedError:
         """The error for a worker whose process ended, with how it ended."""
-        if self._released:  # its process object is closed: how it ended is no longer known
+        try:
+            self.proc.join(5)
+            code = self.proc.exitcode
+            deadline = time.monotonic() + 5
+            while code is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # another thread (the pool's watcher) is reaping it right now
+                code = self.proc.exitcode
+        except ValueError:  # its process object was closed by another thread: how it ended is unknown
             return WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}")
-        self.proc.join(5)
-        code = self.proc.exitcode
         if code is None:
             how = "closed its pipe"
         elif code < 0:
@@ -364,10 +373,17 @@ class WorkerHandle:
         return WorkerCrashedError(f"worker {self.id} {how}{hint}", where=f"worker {self.id}, {what}")
 
     def alive(self) -> bool:
-        return not self._released and self.proc.is_alive()
+        try:
+            return not self._released and self.proc.is_alive()
+        except ValueError:  # released by another thread between the two checks
+            return False
 
     def kill(self) -> None:
         """Kill the process (if alive) and release its pipe and sentinel."""
+        with self._life:
+            self._kill()
+
+    def _kill(self) -> None:
         if self._released:
             return
         if self.proc.is_alive():
@@ -380,15 +396,16 @@ class WorkerHandle:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to exit; terminate, then kill, if it does not."""
-        if self._released:
-            return
-        if self.proc.is_alive():
-            self.post(P.Shutdown())
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout_s)
-        self.kill()
+        with self._life:  # one thread at a time ends a process (the pool's watcher may race a close)
+            if self._released:
+                return
+            if self.proc.is_alive():
+                self.post(P.Shutdown())
+                self.proc.join(timeout_s)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout_s)
+            self._kill()
 
 
 def spawn_context():
