@@ -148,3 +148,31 @@ def test_only_the_lease_holder_may_talk_to_a_worker():
     finally:
         w.stop()
         arena.close()
+
+
+def test_the_server_reports_its_workers_and_is_not_ready_while_none_can_serve():
+    import httpx
+
+    from tests.serving import running_server, tiny_config
+
+    cfg = tiny_config(runtime={"workers": 2}, models=[{"name": "mlp", "zoo": "tiny_mlp"}])
+    with running_server(cfg) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        assert http.get("/v2/health/ready").status_code == 200
+        workers = http.get("/admin/status").json()["workers"]
+        assert workers["size"] == 2 and workers["ready"] == 2
+        metrics = http.get("/metrics").text
+        assert "timeshare_workers_ready 2.0" in metrics and "timeshare_worker_replacements_total 0.0" in metrics
+        for pid in s.service.runtime.worker_pids():  # every worker at once: nothing can serve for a while
+            _kill(pid)
+        saw_unready = False
+        deadline = time.monotonic() + 60
+        while True:
+            ready = http.get("/v2/health/ready").status_code == 200
+            saw_unready |= not ready
+            status = http.get("/admin/status").json()["workers"]
+            if saw_unready and ready and status["ready"] == 2:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.005)
+        assert status["replacements"] >= 2
+        assert f"timeshare_worker_replacements_total {float(status['replacements'])}" in http.get("/metrics").text
