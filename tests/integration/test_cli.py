@@ -60,6 +60,9 @@ def test_bench_switch_measures_every_baseline_with_exact_outputs(tmp_path, capsy
     for b in ("two_processes", "one_process", "stop_and_start"):
         assert r[f"{b}_ms"] > 0
     assert r["stop_and_start_ms"] > r["timeshare_ms"]
+    b = r["ready_breakdown_ms"]  # where a resident call through a worker spends its time
+    assert 0 < b["forward"] <= b["worker"] <= b["round_trip"] <= b["call"]
+    assert b["pipe_and_pickle"] >= 0 and b["unpickle"] >= 0
 
 
 def test_bench_cycles_reports_a_fraction_of_ready(tmp_path, capsys):

@@ -193,7 +193,7 @@ def summarize(out: Path) -> dict:
                 "overhead_ms": r["overhead_ms"], "components_ms": r["components_ms"],
                 **{k: r[k] for k in ("two_processes_ms", "one_process_ms", "stop_and_start_ms",
                                      "stop_and_start_vs_timeshare") if k in r},
-                "exact": r["outputs_match_ready"],
+                "exact": r["outputs_match_ready"], "ready_breakdown_ms": r.get("ready_breakdown_ms"),
             })
     c = load("cycles")
     for r in (c or {}).get("results", []):

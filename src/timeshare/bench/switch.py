@@ -40,6 +40,7 @@ from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.engine import Runtime, parse_dtype
+from timeshare.runtime.events import CallRecord
 
 BASELINES = ("two_processes", "one_process", "stop_and_start")
 
@@ -105,6 +106,9 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
     _pause(job)
     reference = rt.infer(name, *inputs)  # first load: profiles, in the active worker
     ready, shared, parts = [], [], []
+    calls: list = []  # the runtime's record of each call: where a call through a worker spends its time
+    rt.subscribe(lambda rec: calls.append(rec) if isinstance(rec, CallRecord) else None)
+    breakdown: list[dict] = []
     exact = True
     for round_ in range(config.warmup + config.repeats):
         progress(f"{name}: round {round_ + 1}/{config.warmup + config.repeats}")
@@ -114,6 +118,8 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
         exact &= _equal(out, reference)
         if round_ >= config.warmup:
             ready.append(ms)
+            if calls and calls[-1].timings:
+                breakdown.append({**calls[-1].timings, "call_s": ms / 1e3})
         rt.evict(name)
         _resume_training(job)
         before = len(rt.switches())
@@ -132,6 +138,7 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
         for k in ("stop", "start", "load", "clean")
     }
     r["switches_measured"] = sum(1 for p in parts if p)
+    r["ready_breakdown_ms"] = _breakdown(breakdown)
     for baseline in config.baselines:
         samples = []
         for i in range(config.baseline_repeats):
@@ -153,6 +160,20 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
         r["stop_and_start_vs_timeshare"] = r["stop_and_start_ms"] / r["timeshare_ms"]
     rt.evict(name)
     return r
+
+
+def _breakdown(samples: list[dict]) -> dict:
+    """Medians, in ms, of where a resident call through a worker spends its time: the
+    worker's parts, the pipe and pickling (round trip less the worker's handling and its
+    unpickling) and the controller (the call less the round trip: dispatcher, lock, outputs)."""
+    if not samples:
+        return {}
+    keys = ("call_s", "round_trip_s", "worker_s", "unpickle_s", "upload_s", "forward_s", "to_host_s", "sync_s")
+    out = {k[:-2]: _median([s[k] * 1e3 for s in samples if s.get(k) is not None]) for k in keys}
+    out["pipe_and_pickle"] = _median([(s["round_trip_s"] - s["worker_s"] - s.get("unpickle_s", 0.0)) * 1e3
+                                      for s in samples if "round_trip_s" in s and "worker_s" in s])
+    out["controller"] = _median([(s["call_s"] - s["round_trip_s"]) * 1e3 for s in samples if "round_trip_s" in s])
+    return out
 
 
 def _cast(inputs: tuple, dtype) -> tuple:

@@ -549,7 +549,9 @@ class Runtime:
             finally:
                 prev = turn.previous
                 switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
-                self._emit(CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched, error))
+                timings = dict(self._pool.last_timings) if self._pool is not None and error is None else None
+                self._emit(CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched, error,
+                                      timings))
 
     def _run(self, m: _Model, args: tuple, kwargs: dict, strategy: str | None):
         """Forward ``m`` on device inputs, loading it first if it is not resident."""

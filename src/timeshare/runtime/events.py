@@ -19,7 +19,10 @@ class CallRecord:
     it waited for its turn; ``loaded``: the model was not resident, so the call loaded
     it (pipelined); ``switched_from``: the task that used the device before, when it
     was another one (a model name or a training job's name), else None; ``error``:
-    the exception's type name when the call failed."""
+    the exception's type name when the call failed; ``timings``: with workers, where
+    the call's time went (``round_trip_s`` from sending the task to its reply,
+    ``worker_s`` the worker's share, and its parts: ``unpickle_s``, ``upload_s``,
+    ``forward_s``, ``to_host_s``, ``sync_s``, ``load_s``), else None."""
 
     model: str
     started: float
@@ -28,6 +31,7 @@ class CallRecord:
     loaded: bool
     switched_from: str | None
     error: str | None = None
+    timings: dict | None = None
 
     @property
     def switched(self) -> bool:

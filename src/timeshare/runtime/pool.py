@@ -193,7 +193,11 @@ class ProcessPool:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._replace(w)
             raise
-        self.last_timings = reply.timings if isinstance(reply, P.Result) else {}
+        replied = time.perf_counter()
+        self.last_timings = dict(reply.timings) if isinstance(reply, P.Result) else {}
+        if isinstance(reply, P.Result):  # the whole round trip, and the worker's own share of it
+            self.last_timings["round_trip_s"] = replied - sent
+            self.last_timings["worker_s"] = reply.seconds
         self.profilings += len(reply.profiles)
         for p in reply.profiles:
             self._profiles.setdefault(model, {})[p.shape_key] = p

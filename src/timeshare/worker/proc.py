@@ -57,6 +57,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                     fixed_group_bytes=start.fixed_group_bytes)
     segments = {}  # model -> its host store's shared memory, kept open while the model is known
 
+    unpickled = [0.0]  # seconds the last message took to unpickle
+
     def to_device(obj):
         """Inputs arrive as host tensors (pickled bytes): one upload each, here."""
         return map_tensors(obj, lambda t: t.to(device, non_blocking=False))
@@ -105,16 +107,22 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             for profile in msg.profiles:
                 worker.adopt_profile(msg.model, profile)
             known = set(worker.models[msg.model].profiles)
-            out = worker.run(msg.model, msg.offset, msg.resident, to_device(msg.args), to_device(msg.kwargs),
-                             msg.strategy)
+            args, kwargs = to_device(msg.args), to_device(msg.kwargs)
+            t_up = time.perf_counter()
+            out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy)
+            t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
             out = worker.to_host(out)
+            t_host = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # nothing of this task is still queued when we answer
+            t_sync = time.perf_counter()
             load = worker.last_load.copy_seconds() if worker.last_load is not None else None
             profiles = worker.models[msg.model].profiles
             learned = tuple(p for k, p in profiles.items() if k not in known)
-            timings = {"received_at": t0, "load_s": load}
+            # Where the worker's time went (the bench's breakdown of a call through a worker).
+            timings = {"received_at": t0, "load_s": load, "unpickle_s": unpickled[0], "upload_s": t_up - t0,
+                       "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
             return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
@@ -175,7 +183,9 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                     log.warning("%s: controller is gone; exiting", where)
                     return
                 continue
+            t_recv = time.perf_counter()
             msg = P.loads(conn.recv_bytes())
+            unpickled[0] = time.perf_counter() - t_recv
             if isinstance(msg, P.Shutdown):
                 return
             seq = getattr(msg, "seq", -1)
