@@ -114,6 +114,10 @@ class AdminConfig(_Strict):
     without one, only loopback clients may."""
     token_env: str | None = "TIMESHARE_ADMIN_TOKEN"
     """An environment variable to read the token from when ``token`` is not set."""
+    allowed_hosts: list[str] = []
+    """Without a token, the admin plane accepts only requests whose Host (and Origin, when
+    present) names localhost or a loopback address, so that a web page the operator visits
+    cannot drive it (DNS rebinding, cross-site POSTs). Names added here are accepted too."""
 
     def resolved_token(self) -> str | None:
         if self.token:

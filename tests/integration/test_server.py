@@ -369,6 +369,23 @@ def test_admin_plane_refuses_other_hosts_without_a_token():
     assert not _is_loopback("10.0.0.7") and not _is_loopback("testclient") and not _is_loopback("")
 
 
+def test_a_web_page_cannot_drive_the_loopback_admin_plane(http, server):
+    """DNS rebinding (a foreign Host) and cross-site requests (a foreign Origin) are refused
+    even though they come from the loopback address."""
+    port = server.url.rsplit(":", 1)[1]
+    assert http.get("/admin/status").status_code == 200
+    r = http.post("/v2/repository/models/mlp/unload", headers={"Host": f"evil.example:{port}"})
+    assert r.status_code == 403 and "Host" in r.json()["error"]
+    r = http.post("/v2/repository/models/mlp/unload", headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and "cross-site" in r.json()["error"]
+    assert http.post("/admin/training", headers={"Origin": "null"}, json={}).status_code == 403
+    assert "mlp" in [m["name"] for m in http.post("/v2/repository/index", json={"ready": True}).json()]
+    for origin in (f"http://localhost:{port}", f"http://127.0.0.1:{port}", f"http://[::1]:{port}"):
+        assert http.get("/admin/status", headers={"Origin": origin}).status_code == 200
+    assert http.get("/admin/status", headers={"Host": f"[::1]:{port}"}).status_code == 200
+    assert http.get("/v2/health/ready", headers={"Host": "evil.example"}).status_code == 200  # the data plane is open
+
+
 def test_openapi_schema_describes_the_data_plane(http):
     schema = http.get("/openapi.json").json()
     body = schema["paths"]["/v2/models/{model}/infer"]["post"]["requestBody"]["content"]["application/json"]

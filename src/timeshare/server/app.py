@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -334,6 +335,15 @@ def _admin_plane(app: FastAPI, service: Service) -> None:
         if not _is_loopback(host):
             raise HTTPException(403, "the admin plane answers loopback clients only; set admin.token (or "
                                      "$TIMESHARE_ADMIN_TOKEN) to use it from elsewhere")
+        # A loopback peer may still be a browser running someone else's page: the Host of a
+        # rebound DNS name, or the Origin of a cross-site request, gives it away.
+        named = _hostname(request.headers.get("host", ""))
+        if not _local_name(named, cfg.allowed_hosts):
+            raise HTTPException(403, f"the admin plane refuses Host {named or '(none)'!r}: only localhost, loopback "
+                                     "addresses and admin.allowed_hosts")
+        origin = request.headers.get("origin")
+        if origin is not None and not _local_name(_hostname(origin, url=True), cfg.allowed_hosts):
+            raise HTTPException(403, f"the admin plane refuses cross-site requests (Origin {origin!r})")
 
     guard = [Depends(admin)]
 
@@ -392,6 +402,18 @@ def _admin_plane(app: FastAPI, service: Service) -> None:
         snap["start_error"] = service.start_error
         snap["models"] = service.index()
         return snap
+
+
+def _hostname(value: str, *, url: bool = False) -> str:
+    """The host name of a Host header ("name:port", "[::1]:port") or of an Origin URL."""
+    try:
+        return (urlsplit(value if url else f"//{value}").hostname or "").lower()
+    except ValueError:
+        return ""
+
+
+def _local_name(name: str, allowed: list[str]) -> bool:
+    return name == "localhost" or _is_loopback(name) or name in {a.lower() for a in allowed}
 
 
 def _is_loopback(host: str) -> bool:
