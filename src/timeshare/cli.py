@@ -219,14 +219,12 @@ def _print_pipeline(result: dict) -> None:
 def _run_bench(run, cfg, show, path: Path | None) -> int:
     """Run a benchmark with a progress line (on a terminal; elsewhere, a timestamped line
     per step, so a log shows how far a run got), print its table and write its JSON."""
-    if not console.is_terminal:
+    if console.is_terminal:
+        with console.status("starting") as status:
+            result = run(cfg, progress=lambda msg: status.update(msg))
+    else:
         t0 = time.monotonic()
         result = run(cfg, progress=lambda msg: print(f"[{time.monotonic() - t0:7.1f} s] {msg}", flush=True))
-        show(result)
-        _write_json(path, result)
-        return 0
-    with console.status("starting") as status:
-        result = run(cfg, progress=lambda msg: status.update(msg))
     show(result)
     _write_json(path, result)
     return 0

@@ -6,7 +6,7 @@ receives a ``torch.device``. Importing this module never initializes CUDA.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -121,6 +121,3 @@ class BackendFlags:
         m.allow_fp16_reduced_precision_reduction = self.matmul_allow_fp16_reduced
         m.allow_bf16_reduced_precision_reduction = self.matmul_allow_bf16_reduced
         torch.use_deterministic_algorithms(self.deterministic_algorithms, warn_only=self.deterministic_warn_only)
-
-    def as_dict(self) -> dict:
-        return asdict(self)

@@ -27,7 +27,7 @@ def test_link_bench_on_the_cpu_backend():
 
 def test_link_fit_recovers_a_known_line():
     xs = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
-    a, bw = link._fit(xs, [50e-6 + x / 20e9 for x in xs])
+    a, bw = link.fit_line(xs, [50e-6 + x / 20e9 for x in xs])
     assert a == pytest.approx(50e-6, rel=1e-6) and bw == pytest.approx(20e9, rel=1e-6)
 
 

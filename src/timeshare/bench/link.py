@@ -23,6 +23,7 @@ import torch
 
 from timeshare.bench.environment import describe
 from timeshare.device import resolve_device
+from timeshare.units import format_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
@@ -58,7 +59,7 @@ def run(config: LinkBenchConfig, progress: Callable[[str], None] = lambda s: Non
 
     rows = []
     for n in sizes:
-        progress(f"{_fmt(n)}")
+        progress(format_bytes(n))
         reps = _repeats(config, n)
         h2d = timer.median(lambda: dev_b[:n].copy_(host_a[:n], non_blocking=True), reps)
         d2h = timer.median(lambda: host_b[:n].copy_(dev_a[:n], non_blocking=True), reps)
@@ -87,7 +88,7 @@ def run(config: LinkBenchConfig, progress: Callable[[str], None] = lambda s: Non
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     exact = bool(torch.equal(host_a, host_b))
-    fits = {k: _fit([r["bytes"] for r in rows], [r[f"{k}_us"] / 1e6 for r in rows]) for k in ("h2d", "d2h")}
+    fits = {k: fit_line([r["bytes"] for r in rows], [r[f"{k}_us"] / 1e6 for r in rows]) for k in ("h2d", "d2h")}
     del dev_a, dev_b
     return {
         "benchmark": "link",
@@ -124,7 +125,7 @@ def _host_buffer(n: int, device: torch.device) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
-def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
+def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """Least squares ``y = a + x / bw`` over the sizes of at least 1 MiB (where the
     intercept is not lost in noise); returns ``(a, bw)``."""
     pts = [(x, y) for x, y in zip(xs, ys, strict=True) if x >= MiB] or list(zip(xs, ys, strict=True))
@@ -140,13 +141,6 @@ def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
     if a < 0:
         a = 0.0
     return a, 1.0 / slope
-
-
-def _fmt(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
 
 
 class _CudaTimer:

@@ -431,8 +431,11 @@ class ProcessPool:
                     sentinels[w.proc.sentinel] = w
                 except ValueError:  # released meanwhile
                     continue
+            if not sentinels:
+                time.sleep(0.5)
+                continue
             try:
-                ended = wait(list(sentinels), timeout=0.5) if sentinels else (time.sleep(0.5) or [])
+                ended = wait(list(sentinels), timeout=0.5)
             except (OSError, ValueError):  # a sentinel was closed meanwhile (a replacement): look again
                 continue
             for w in dead + [sentinels[x] for x in ended]:
