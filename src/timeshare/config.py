@@ -71,6 +71,13 @@ class RuntimeConfig(_Strict):
     """A worker that does not answer a task (or a training iteration) within this many
     seconds is killed and replaced. Default: the server's ``request_timeout_s``, so a hung
     worker costs at most one request deadline. Must exceed the slowest training iteration."""
+    task_deadline_factor: Annotated[float, Field(ge=1)] = 10.0
+    """Once a kind of call has been answered, its deadline is this many times its slowest
+    recent call of the same kind (load or resident), at least ``task_deadline_min_s`` and
+    at most ``task_timeout_s``: a hung worker is found in seconds, not a request timeout.
+    Training iterations get the same rule."""
+    task_deadline_min_s: Annotated[float, Field(gt=0)] = 5.0
+    """The shortest deadline a call gets, whatever its history."""
 
     @field_validator("memory", mode="before")
     @classmethod
@@ -98,11 +105,42 @@ class ServerConfig(_Strict):
     """On Ctrl-C or SIGTERM: how long in-flight requests may take to finish."""
     warmup: bool = True
     """Run every model once at start-up (this profiles it) before the server is ready."""
+    openapi: bool = False
+    """Serve the API's description (/openapi.json, /docs, /redoc). Off by default: it maps
+    the admin plane for anyone who can reach the port."""
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """A connection must send a request's line and headers within this many seconds of
+    opening, or of its previous answer; else it is closed (with 408 if it had sent part of
+    them). Idle keep-alive connections close sooner, after uvicorn's 5 s."""
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """A request's whole body must arrive within this many seconds of its headers, or the
+    request gets 408 and its connection is closed: a client cannot hold a connection by
+    trickling. Raise it for clients that upload large bodies over slow links."""
+    max_header_bytes: int | str = "16KiB"
+    """A request line plus headers over this size gets 431 and its connection is closed."""
+    max_connections: Annotated[int, Field(ge=1)] = 1000
+    """Connections beyond this many open ones get 503 at once and are closed."""
+    parse_in_process_bytes: int | str = "1MiB"
+    """JSON request bodies up to this size are parsed on the event loop; larger ones in a
+    parser process, so that parsing them (seconds for tens of MB) stalls no other client."""
+    parse_processes: Annotated[int, Field(ge=0, le=64)] = 2
+    """Parser processes for large bodies (0: parse every body on the event loop). Each
+    parses one body at a time, with a peak memory of about 6 times the body's size."""
+    parse_queue: Annotated[int, Field(ge=0)] = 4
+    """Large bodies that may wait for a busy parser; beyond that they get 503 with Retry-After."""
 
-    @field_validator("max_request_bytes", mode="before")
+    @field_validator("max_request_bytes", "parse_in_process_bytes", mode="before")
     @classmethod
-    def _limit(cls, v):
-        return _bytes_field(v, "max_request_bytes")
+    def _limit(cls, v, info):
+        return _bytes_field(v, info.field_name)
+
+    @field_validator("max_header_bytes", mode="before")
+    @classmethod
+    def _header_limit(cls, v):
+        n = _bytes_field(v, "max_header_bytes")
+        if n < 1024:
+            raise ValueError("max_header_bytes must be at least 1 KiB")
+        return n
 
 
 class AdminConfig(_Strict):
@@ -118,6 +156,17 @@ class AdminConfig(_Strict):
     """Without a token, the admin plane accepts only requests whose Host (and Origin, when
     present) names localhost or a loopback address, so that a web page the operator visits
     cannot drive it (DNS rebinding, cross-site POSTs). Names added here are accepted too."""
+    max_training_batch: Annotated[int, Field(ge=1)] = 256
+    """Training jobs submitted through the admin plane (not those of this file) take at
+    most this batch; a larger one gets 400."""
+    max_training_iterations: Annotated[int, Field(ge=1)] | None = 1_000_000
+    """Submitted training jobs must give ``iterations``, at most this many (null: no limit,
+    and jobs that run until cancelled may be submitted)."""
+    max_training_jobs: Annotated[int, Field(ge=1)] = 4
+    """A submission while this many training jobs run (those of this file included) gets 409."""
+    max_finished_jobs: Annotated[int, Field(ge=0)] = 32
+    """Finished training jobs (done, failed or cancelled) kept for status queries; the
+    oldest are forgotten first."""
 
     def resolved_token(self) -> str | None:
         if self.token:

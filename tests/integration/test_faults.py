@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 import timeshare
@@ -58,11 +59,67 @@ def test_every_reply_answers_its_own_request_while_workers_are_killed():
     assert ok >= 20
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def test_a_hung_worker_costs_one_call_deadline_not_the_request_timeout():
+    """NOTE [Call deadlines]: once a model has answered a few calls, a worker that stops
+    answering (SIGSTOP) is killed after the call's deadline (here 1 s: the floor, as the
+    calls take milliseconds), far below the 60 s cap; the next call is served by the
+    standby, correctly, while the replacement boots."""
+    from timeshare.errors import WorkerTimeoutError
+
+    with timeshare.Runtime(device="cpu", memory="4MiB", workers=2, profile_repeats=1, task_timeout_s=60,
+                           task_deadline_min_s=1.0, task_deadline_factor=5.0, startup_timeout_s=60) as rt:
+        rt.register("slow", "tests.models:slow", None, (torch.randn(4, 64),), example_kwargs={"delay_s": 0.0})
+        x = torch.randn(4, 64)
+        for _ in range(3):
+            rt.infer("slow", x, delay_s=0.0)
+        first = rt.worker_pids()[0]  # the pool's first ready worker takes a call when no training runs
+        _kill(first, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(WorkerTimeoutError, match="did not answer within 1 s"):
+                rt.infer("slow", x, delay_s=0.0)
+        finally:
+            _kill(first)  # the pool killed it already; never leave a stopped process behind
+        assert time.monotonic() - t0 < 30  # one short deadline, not the 60 s cap
+        assert first not in rt.worker_pids()
+        assert torch.equal(rt.infer("slow", x, delay_s=0.0), _reference(x))
+        workers = rt.snapshot()["workers"]
+        assert workers["failures"]["hung"] == 1 and workers["last_failure"]["kind"] == "hung"
+        assert "did not answer within 1 s" in workers["last_failure"]["cause"]
+
+
+def test_a_hung_training_worker_is_found_by_its_iteration_deadline():
+    """A training segment's heartbeat is its Progress after every iteration: once the
+    job's iterations are timed, a home worker that stops answering is killed after a
+    short deadline, not the cap; the job fails with that cause."""
+    from timeshare.errors import WorkerTimeoutError
+
+    with timeshare.Runtime(device="cpu", memory="4MiB", workers=2, profile_repeats=1, task_timeout_s=60,
+                           task_deadline_min_s=1.0, task_deadline_factor=5.0, startup_timeout_s=60) as rt:
+        job = rt.train("bg", models.train_net, models.adam, models.endless_batches, models.train_step)
+        deadline = time.monotonic() + 60
+        while job.stats.iterations < 5:
+            assert time.monotonic() < deadline and not job.wait(0), job.error
+            time.sleep(0.01)
+        before = set(rt.worker_pids())
+        for pid in before:  # the home is one of the two; stopping both leaves no doubt which
+            _kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            assert job.wait(30), "the job still waits on a stopped worker"
+        finally:
+            for pid in before:
+                _kill(pid, signal.SIGCONT)
+        assert time.monotonic() - t0 < 30
+        assert isinstance(job.error, WorkerTimeoutError) and "training bg" in str(job.error), job.error
+        assert rt.snapshot()["workers"]["failures"]["hung"] == 1
 
 
 def test_a_worker_killed_before_its_handshake_is_replaced():
@@ -175,4 +232,10 @@ def test_the_server_reports_its_workers_and_is_not_ready_while_none_can_serve():
             assert time.monotonic() < deadline, status
             time.sleep(0.005)
         assert status["replacements"] >= 2
-        assert f"timeshare_worker_replacements_total {float(status['replacements'])}" in http.get("/metrics").text
+        metrics = http.get("/metrics").text
+        assert f"timeshare_worker_replacements_total {float(status['replacements'])}" in metrics
+        # Why: the latest replaced worker, and the replacements counted by what went wrong.
+        last = status["last_failure"]
+        assert last["kind"] == "crashed" and "killed by signal 9 (SIGKILL)" in last["cause"], last
+        assert status["failures"]["crashed"] >= 2
+        assert f'timeshare_worker_failures_total{{kind="crashed"}} {float(status["failures"]["crashed"])}' in metrics

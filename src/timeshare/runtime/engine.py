@@ -109,6 +109,12 @@ class Runtime:
     "fifo", "fair", "srtf" or "edf"; ``time_slice_s``: how long a training job keeps
     the device before waiting calls get it (FIFO time-slicing; FAIR's default 1 s).
 
+    ``workers``: worker processes (0: models run in this process). With workers, a
+    worker that does not answer a call within its deadline is killed and replaced
+    (NOTE [Call deadlines]): ``task_deadline_factor`` times the slowest recent call of the
+    same kind, at least ``task_deadline_min_s``, at most ``task_timeout_s`` (also the
+    deadline of a kind of call not seen yet).
+
     Outputs are returned on the CPU, so the same call works when the model runs in
     another process.
     """
@@ -125,6 +131,8 @@ class Runtime:
         load_timeout_s: float = 60.0,
         workers: int = 0,
         task_timeout_s: float = 300.0,
+        task_deadline_factor: float = 10.0,
+        task_deadline_min_s: float = 5.0,
         startup_timeout_s: float = 120.0,
         scheduling: str = "priority",
         time_slice_s: float | None = None,
@@ -134,9 +142,11 @@ class Runtime:
         if profile_repeats < 1:
             raise ConfigError(f"profile_repeats must be at least 1, got {profile_repeats}")
         for what, value in (("load_timeout_s", load_timeout_s), ("task_timeout_s", task_timeout_s),
-                            ("startup_timeout_s", startup_timeout_s)):
+                            ("startup_timeout_s", startup_timeout_s), ("task_deadline_min_s", task_deadline_min_s)):
             if value <= 0:
                 raise ConfigError(f"{what} must be positive, got {value}")
+        if task_deadline_factor < 1:
+            raise ConfigError(f"task_deadline_factor must be at least 1, got {task_deadline_factor}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
         # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
@@ -166,6 +176,7 @@ class Runtime:
                     arena_capacity=self._arena.capacity, profile_repeats=profile_repeats,
                     fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s,
                     task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
+                    task_deadline_factor=task_deadline_factor, task_deadline_min_s=task_deadline_min_s,
                 )
             else:
                 self._engine = make_copy_engine(self.device, load_timeout_s)

@@ -32,9 +32,16 @@ from dataclasses import asdict, dataclass, replace
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
 from timeshare.errors import TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.runtime.deadline import Deadlines
+from timeshare.runtime.tree import shape_key
 from timeshare.worker.proc import WorkerHandle, spawn_context
 
 log = logging.getLogger(__name__)
+
+
+# What went wrong with a replaced worker: it died before it was ready, stopped answering
+# within its deadline, died, or broke the protocol (answered something unexpected).
+FAILURE_KINDS = ("starting", "hung", "crashed", "protocol")
 
 
 @dataclass
@@ -77,6 +84,8 @@ class ProcessPool:
         load_timeout_s: float,
         task_timeout_s: float,
         startup_timeout_s: float,
+        task_deadline_factor: float = 10.0,
+        task_deadline_min_s: float = 5.0,
         backend_flags: BackendFlags | None = None,
     ):
         self._ctx = spawn_context()
@@ -86,10 +95,13 @@ class ProcessPool:
                               backend_flags=backend_flags or BackendFlags.capture())
         self.task_timeout_s = task_timeout_s
         self.startup_timeout_s = startup_timeout_s
+        self.deadlines = Deadlines(task_timeout_s, factor=task_deadline_factor, min_s=task_deadline_min_s)
         self._next_id = 0
         self._seq = 0
         self._models: dict[str, P.AddModel] = {}  # replayed on every new worker
         self.replacements = 0
+        self.failures = {kind: 0 for kind in FAILURE_KINDS}  # replaced workers, by what went wrong
+        self.last_failure: dict | None = None  # the latest replaced worker: which, why, when
         self._boot_failures = 0  # replacements in a row that died before they were ready (back-off)
         self._closed = False
         self._cv = threading.Condition(threading.RLock())  # guards the fields below and the worker list
@@ -129,6 +141,7 @@ class ProcessPool:
 
     def remove(self, model: str) -> None:
         self._profiles.pop(model, None)
+        self.deadlines.forget(model)
         if self._models.pop(model, None) is None:
             return
         for w in list(self.workers):
@@ -139,12 +152,13 @@ class ProcessPool:
                         w.request(P.RemoveModel(self._next_seq(), model), self.startup_timeout_s, f"removing {model}")
             except WorkerError as exc:
                 log.warning("removing %s: %s", model, exc)
-                self._replace(w)
+                self._replace(w, exc)
 
     # ------------------------------------------------------------------ tasks
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str):
         msg = P.Run(self._next_seq(), model, offset, resident, args, kwargs, strategy)
-        return self._task(msg, f"running {model}").value
+        kind = (model, "resident" if resident else "load", shape_key(args, kwargs))
+        return self._task(msg, f"running {model}", kind).value
 
     def profile(self, model: str, offset: int, args: tuple, kwargs: dict):
         msg = P.Profile(self._next_seq(), model, offset, args, kwargs)
@@ -154,22 +168,23 @@ class ProcessPool:
         """Nothing to wait for: a worker finishes every copy before it answers a task."""
         return None
 
-    def _task(self, msg, what: str):
+    def _task(self, msg, what: str, kind=None):
         requested = time.perf_counter()
         with self._cv:
             switch = self._preempt_segment(getattr(msg, "model", ""), requested)
             w = self._take_standby(what)
         try:
-            return self._task_on(w, msg, what, requested, switch)
+            return self._task_on(w, msg, what, requested, switch, kind)
         finally:
             w.unlease()
 
     def _take_standby(self, what: str) -> WorkerHandle:
-        """The first worker that no segment runs on, leased to this thread (under the cv)."""
+        """The first worker that no segment runs on, leased to this thread (under the cv).
+        A ready one first: a replacement still booting serves only when nothing else can."""
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             busy = self._segment.worker if self._segment is not None else None
-            for w in self.workers:
+            for w in sorted(self.workers, key=lambda w: not (w.ready and w.alive())):  # stable: ready, in order
                 if w is not busy and w.try_lease():
                     return w
             left = deadline - time.monotonic()
@@ -177,7 +192,7 @@ class ProcessPool:
                 raise WorkerTimeoutError(f"no worker was free within {self.startup_timeout_s:g} s", where=what)
             self._cv.wait(min(left, 0.05))
 
-    def _task_on(self, w: WorkerHandle, msg, what: str, requested: float, switch):
+    def _task_on(self, w: WorkerHandle, msg, what: str, requested: float, switch, kind=None):
         self._ready(w)
         model = getattr(msg, "model", "")
         known = self._profiles.get(model, {})
@@ -187,13 +202,15 @@ class ProcessPool:
                 msg = replace(msg, profiles=missing)
                 w.profiles.update((model, p.shape_key) for p in missing)
         sent = time.perf_counter()
-        try:
-            reply = w.request(msg, self.task_timeout_s, what)
+        try:  # NOTE [Call deadlines]
+            reply = w.request(msg, self.task_timeout_s if kind is None else self.deadlines.of(kind), what)
         except WorkerError as exc:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
-                self._replace(w)
+                self._replace(w, exc)
             raise
         replied = time.perf_counter()
+        if kind is not None:
+            self.deadlines.observe(kind, replied - sent)
         self.last_timings = dict(reply.timings) if isinstance(reply, P.Result) else {}
         if isinstance(reply, P.Result):  # the whole round trip, and the worker's own share of it
             self.last_timings["round_trip_s"] = replied - sent
@@ -257,10 +274,21 @@ class ProcessPool:
         """Follow a segment until it stops. Progress after each iteration is the
         heartbeat: a worker silent for ``task_timeout_s`` is killed as hung."""
         what = f"training {seg.job}"
+        kind = (seg.job, "iteration")
+        last: float | None = None  # when the segment's latest Progress arrived
         try:
             while True:
-                reply = seg.worker.receive(self.task_timeout_s, what, seg.seq)
+                # NOTE [Call deadlines]: the first iteration of a segment may rebuild or
+                # reload the job's state, and after a Preempt the worker cleans up (offload)
+                # before it answers: those waits get the cap.
+                timeout = self.task_timeout_s if last is None or seg.preempted_at is not None \
+                    else self.deadlines.of(kind)
+                reply = seg.worker.receive(timeout, what, seg.seq)
                 if isinstance(reply, P.Progress):
+                    now = time.perf_counter()
+                    if last is not None:
+                        self.deadlines.observe(kind, now - last)
+                    last = now
                     on_progress(reply)
                     continue
                 if not isinstance(reply, P.Stopped):
@@ -273,7 +301,7 @@ class ProcessPool:
         except TimeshareError as exc:
             with self._cv:
                 if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
-                    self._replace(seg.worker)
+                    self._replace(seg.worker, exc)
                 else:  # the step raised: the worker dropped the job's state
                     self._homes.pop(seg.job, None)
             raise
@@ -297,6 +325,7 @@ class ProcessPool:
             return home.request(P.JobState(self._next_seq(), job), self.task_timeout_s, f"state of {job}").value
 
     def drop_job(self, job: str) -> None:
+        self.deadlines.forget(job)
         with self._cv:
             home = self._homes.pop(job, None)
             self._lost.pop(job, None)
@@ -386,22 +415,28 @@ class ProcessPool:
                 w.wait_ready(self.startup_timeout_s)  # a worker that dies before its Hello is replaced too
                 for msg in list(self._models.values()):
                     w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
-            except BaseException:
-                self._replace(w)  # half taught: start over with a fresh one
+            except BaseException as exc:
+                self._replace(w, exc)  # half taught: start over with a fresh one
                 raise
             w.ready = True
 
-    def _replace(self, w: WorkerHandle) -> None:
+    def _replace(self, w: WorkerHandle, cause: BaseException | str) -> None:
         """Drop a failed worker: a standby becomes active; a new one boots behind it. The
-        training jobs it held lose their state."""
+        training jobs it held lose their state. ``cause`` (what its user saw) is kept
+        for ``health()``."""
         with self._cv:
             if self._closed:
                 return  # close() stops every worker
+            hung = isinstance(cause, WorkerTimeoutError)  # its reader killed it already
             w.kill()
             if w not in self.workers:
                 return  # replaced already
             if not w.ready:
                 self._boot_failures += 1
+            kind = "starting" if not w.ready else "hung" if hung else "crashed" if not w.alive() or \
+                isinstance(cause, WorkerCrashedError) else "protocol"
+            self.failures[kind] += 1
+            self.last_failure = {"worker": w.id, "kind": kind, "cause": str(cause), "at": time.time()}
             new = self._spawn()
             self.workers[self.workers.index(w)] = new  # in place: homes are never the first worker
             self.replacements += 1
@@ -441,7 +476,7 @@ class ProcessPool:
             for w in dead + [sentinels[x] for x in ended]:
                 if w.try_lease():
                     w.unlease()
-                    self._replace(w)
+                    self._replace(w, f"worker {w.id} {w.exit_description()} while idle")
 
     def _teach(self, w: WorkerHandle, delay_s: float) -> None:
         if delay_s:
@@ -467,8 +502,10 @@ class ProcessPool:
         and how many replacements it has made (read without waiting for any worker)."""
         with self._cv:
             workers = list(self.workers)
-        return {"size": len(workers), "ready": sum(1 for w in workers if w.ready and w.alive()),
-                "replacements": self.replacements}
+            return {"size": len(workers), "ready": sum(1 for w in workers if w.ready and w.alive()),
+                    "replacements": self.replacements, "failures": dict(self.failures),
+                    "last_failure": None if self.last_failure is None else dict(self.last_failure),
+                    "failing_to_start": self._boot_failures}
 
     def pids(self) -> list[int]:
         return [w.os_pid for w in self.workers]

@@ -125,6 +125,12 @@ class _Levels:
                                     value=workers["ready"])
             yield CounterMetricFamily("timeshare_worker_replacements", "Workers replaced after a crash or a hang",
                                       value=workers["replacements"])
+            yield _by_label(CounterMetricFamily, "timeshare_worker_failures", "Replaced workers by what went wrong: "
+                            "died starting, hung past a call's deadline, crashed, or broke the protocol", "kind",
+                            workers["failures"])
+            yield GaugeMetricFamily("timeshare_workers_failing_to_start", "Replacements in a row that died before "
+                                    "they were ready (the pool backs off between them)",
+                                    value=workers["failing_to_start"])
 
 
 def _by_label(family, name: str, documentation: str, label: str, values: dict):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -58,6 +59,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     segments = {}  # model -> its host store's shared memory, kept open while the model is known
 
     unpickled = [0.0]  # seconds the last message took to unpickle
+    in_task = [False]  # inside the task's own code (a forward, a training step): its errors are the task's
 
     def to_device(obj):
         """Inputs arrive as host tensors (pickled bytes): one upload each, here."""
@@ -109,7 +111,9 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             known = set(worker.models[msg.model].profiles)
             args, kwargs = to_device(msg.args), to_device(msg.kwargs)
             t_up = time.perf_counter()
+            in_task[0] = True
             out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy)
+            in_task[0] = False
             t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
             out = worker.to_host(out)
@@ -161,10 +165,12 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                     if not isinstance(ctl, P.Preempt):
                         raise TypeError(f"{type(ctl).__name__} arrived while training {msg.job}")
                 t0 = time.perf_counter()
+                in_task[0] = True
                 try:
                     loss = task.step_once()
                 except StopIteration:
                     break
+                in_task[0] = False
                 seconds = time.perf_counter() - t0
                 task.stats.step_seconds += seconds
                 conn.send_bytes(P.dumps(P.Progress(msg.seq, task.stats.iterations, loss, seconds)))
@@ -189,6 +195,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             if isinstance(msg, P.Shutdown):
                 return
             seq = getattr(msg, "seq", -1)
+            in_task[0] = False
             try:
                 reply = handle(msg)
             except _Exit:
@@ -200,7 +207,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                     what += f" (iteration {tasks.pop(msg.job).stats.iterations + 1})"  # its state is undefined now
                 elif isinstance(msg, P.Train):
                     what += " (building the job)" if msg.spec is not None else ""
-                reply = P.Failure(seq, P.ErrorInfo.capture(exc, what))
+                reply = P.Failure(seq, P.ErrorInfo.capture(exc, what, in_task=in_task[0]))
             if reply is not None:
                 conn.send_bytes(P.dumps(reply))
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -359,8 +366,10 @@ class WorkerHandle:
             f"worker {self.id} did not answer within {deadline_s or timeout_s:g} s; it was killed", where=f"worker {self.id}, {what}"
         )
 
-    def _crashed(self, what: str) -> WorkerCrashedError:
-        """The error for a worker whose process ended, with how it ended."""
+    def exit_description(self) -> str:
+        """How the process ended ("was killed by signal 9 (SIGKILL)", "exited with code 1"),
+        waiting a moment for it to be reaped; for a worker that never said Hello, a hint
+        at why."""
         try:
             self.proc.join(5)
             code = self.proc.exitcode
@@ -369,18 +378,25 @@ class WorkerHandle:
                 time.sleep(0.01)  # another thread (the pool's watcher) is reaping it right now
                 code = self.proc.exitcode
         except ValueError:  # its process object was closed by another thread: how it ended is unknown
-            return WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}")
+            return "was stopped"
         if code is None:
             how = "closed its pipe"
         elif code < 0:
-            how = f"was killed by signal {-code}"
+            try:
+                name = f" ({signal.Signals(-code).name})"
+            except ValueError:
+                name = ""
+            how = f"was killed by signal {-code}{name}"
         else:
             how = f"exited with code {code}"
-        hint = ""
         if not self.booted:
-            hint = (" before it was ready; its stderr says why. A script that starts workers must create"
+            how += (" before it was ready; its stderr says why. A script that starts workers must create"
                     " the Runtime under `if __name__ == '__main__':` (workers are spawned)")
-        return WorkerCrashedError(f"worker {self.id} {how}{hint}", where=f"worker {self.id}, {what}")
+        return how
+
+    def _crashed(self, what: str) -> WorkerCrashedError:
+        """The error for a worker whose process ended, with how it ended."""
+        return WorkerCrashedError(f"worker {self.id} {self.exit_description()}", where=f"worker {self.id}, {what}")
 
     def alive(self) -> bool:
         try:
