@@ -102,11 +102,14 @@ class WorkerTimeoutError(WorkerError):
 
 
 class RemoteError(WorkerError):
-    """The task's code raised an exception inside the worker. ``remote_type`` and
-    ``remote_traceback`` describe it as it was raised there."""
+    """An exception raised inside the worker. ``remote_type`` and ``remote_traceback``
+    describe it as it was raised there; ``in_task`` is true when the task's own code
+    raised it (the model's forward, a training step), false when the worker's handling of
+    the message did (a fault of timeshare's)."""
 
     def __init__(self, message: str, *, where: str | None = None, remote_type: str = "",
-                 remote_traceback: str = ""):
+                 remote_traceback: str = "", in_task: bool = False):
         super().__init__(message, where=where)
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+        self.in_task = in_task

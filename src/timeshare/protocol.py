@@ -175,9 +175,10 @@ class ErrorInfo:
     where: str
     traceback: str = ""
     timeshare_type: str | None = None  # set when it is one of timeshare's own errors
+    in_task: bool = False  # raised by the task's own code (a forward, a training step), not the worker's
 
     @classmethod
-    def capture(cls, exc: BaseException, where: str) -> "ErrorInfo":
+    def capture(cls, exc: BaseException, where: str, *, in_task: bool = False) -> "ErrorInfo":
         own = type(exc).__name__ if isinstance(exc, errors.TimeshareError) else None
         message = exc.message if isinstance(exc, errors.TimeshareError) else str(exc)
         inner = getattr(exc, "where", None)
@@ -187,6 +188,7 @@ class ErrorInfo:
             where=f"{where}, {inner}" if inner else where,
             traceback="".join(traceback.format_exception(exc)),
             timeshare_type=own,
+            in_task=in_task,
         )
 
     def to_exception(self) -> errors.TimeshareError:
@@ -200,7 +202,7 @@ class ErrorInfo:
                 pass
         return errors.RemoteError(
             f"{self.type_name}: {self.message}", where=self.where, remote_type=self.type_name,
-            remote_traceback=self.traceback,
+            remote_traceback=self.traceback, in_task=self.in_task,
         )
 
 

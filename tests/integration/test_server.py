@@ -302,7 +302,8 @@ def test_unload_frees_memory_and_load_brings_the_model_back(http, server):
     assert "bert" not in status["resident"] and status["host_bytes"] < host_before
     assert http.get("/v2/models/bert/ready").status_code == 400
     r = http.post("/v2/models/bert/infer", json=json_request(inputs_of("tiny_bert")))
-    assert r.status_code == 400 and "not loaded" in r.json()["error"]
+    assert r.status_code == 503 and "not loaded" in r.json()["error"]  # the server's state: retry after a load
+    assert r.headers["retry-after"] == "1"
     index = {m["name"]: m for m in http.post("/v2/repository/index").json()}
     assert index["bert"]["state"] == "UNAVAILABLE"
     assert [m["name"] for m in http.post("/v2/repository/index", json={"ready": True}).json()] == ["mlp", "cnn"]
@@ -343,7 +344,7 @@ def test_models_that_cannot_load_are_unavailable_with_the_reason(tmp_path):
         assert index["corrupt"]["state"] == "UNAVAILABLE" and "corrupt" in index["corrupt"]["reason"]
         assert index["wrong"]["state"] == "UNAVAILABLE" and "WeightsError" in index["wrong"]["reason"]
         r = http.post("/v2/models/big/infer", json=json_request(inputs_of("tiny_bert")))
-        assert r.status_code == 400 and "arena holds only" in r.json()["error"]
+        assert r.status_code == 503 and "arena holds only" in r.json()["error"]
         assert http.post("/v2/repository/models/big/load").status_code == 409
         assert http.post("/v2/models/mlp/infer", json=json_request(inputs_of("tiny_mlp"))).status_code == 200
         assert s.service.runtime.models() == ["mlp"]  # nothing half-registered stays behind

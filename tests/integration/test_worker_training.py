@@ -98,7 +98,7 @@ def test_a_failing_step_fails_its_job_with_where_it_happened(rt):
     job = rt.train("bad", models.train_net, models.adam, models.train_batches(3), models.exploding_step)
     with pytest.raises(RemoteError, match="step exploded") as info:
         job.result(timeout=60)
-    assert "train bad (iteration 1)" in info.value.where
+    assert "train bad (iteration 1)" in info.value.where and info.value.in_task
     assert job.status == "failed"
     assert rt.infer("inf", X)["y"].shape == (2, 8)
 

@@ -65,13 +65,13 @@ def test_workers_return_exactly_the_in_process_outputs(rt, name):
 def test_the_models_own_errors_come_back_with_where_they_happened(rt):
     with pytest.raises(RemoteError) as err:
         rt.infer("slow", X, delay_s=0.0, fail=True)
-    assert err.value.remote_type == "builtins.ValueError"
+    assert err.value.remote_type == "builtins.ValueError" and err.value.in_task  # the model's, not the worker's
     assert "the model itself failed" in str(err.value)
     assert "worker" in err.value.where and "run slow" in err.value.where
     assert "ValueError" in err.value.remote_traceback
-    replacements = rt._pool.replacements
+    replacements = rt.snapshot()["workers"]["replacements"]
     assert rt.infer("slow", X, delay_s=0.0).shape == (4, 64)  # the worker is fine
-    assert rt._pool.replacements == replacements
+    assert rt.snapshot()["workers"]["replacements"] == replacements
 
 
 def _kill_during(rt, call, delay_s: float):

@@ -31,9 +31,9 @@ import torch
 
 from timeshare.config import Config, ModelConfig, TrainingConfig
 from timeshare.errors import (
+    ConfigError,
     DuplicateModelError,
     MemoryBudgetError,
-    ModelError,
     PipelineError,
     RemoteError,
     TimeshareError,
@@ -52,7 +52,11 @@ log = logging.getLogger(__name__)
 
 
 class Unavailable(TimeshareError):
-    """The model exists but cannot take requests now (HTTP 400; Triton's "not ready")."""
+    """The model exists but cannot take requests now: the server is starting, or the model
+    is unloaded or failed to load (HTTP 503 with Retry-After: the server's state, not the
+    request, is at fault)."""
+
+    retry_after = 1
 
 
 class Overloaded(TimeshareError):
@@ -116,7 +120,9 @@ class Service:
             r = self.config.runtime
             self.runtime = Runtime(r.device, r.memory, eviction=r.eviction, strategy=r.strategy, workers=r.workers,
                                    scheduling=r.scheduling, time_slice_s=r.time_slice_s,
-                                   task_timeout_s=r.task_timeout_s or self.config.server.request_timeout_s)
+                                   task_timeout_s=r.task_timeout_s or self.config.server.request_timeout_s,
+                                   task_deadline_factor=r.task_deadline_factor,
+                                   task_deadline_min_s=r.task_deadline_min_s)
         self.runtime.subscribe(self._on_record)
         self._opened = True
 
@@ -268,10 +274,10 @@ class Service:
             # The SLO counts from the oldest request's arrival, not from the dispatcher.
             out = self.runtime.infer_since(ep.name, min(p.enqueued for p in batch), args)
         except Exception as exc:
-            err = _served_error(ep.name, exc)
-            if len(batch) > 1 and isinstance(err, BadRequest):
-                # The model's own code raised: one request's values may be at fault, not
-                # its batch-mates'. Each request is answered on its own.
+            err = served_error(ep.name, exc)
+            if len(batch) > 1 and isinstance(err, (BadRequest, Overloaded)):
+                # The model's own code raised, or the batch did not fit: one request's values
+                # (or size) may be at fault, not its batch-mates'. Each is answered on its own.
                 return [r for p in batch for r in self._execute(ep, [p])]
             return [err] * len(batch)
         finally:
@@ -474,18 +480,33 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
 
-def _served_error(model: str, exc: BaseException) -> BaseException:
-    """What a failed device call becomes for the client: errors of timeshare keep their
-    type (the routes map them to a status); anything the model's own code raised on
-    these inputs is the request's fault (400), and says so."""
-    if isinstance(exc, (TimeshareError, asyncio.CancelledError)) or not isinstance(exc, Exception):
+def served_error(model: str, exc: BaseException) -> BaseException:
+    """What a failed device call becomes for the client. What the model's own code raised
+    on these inputs, here or in a worker, is the request's fault (400) and says so;
+    running out of memory is the server's state (503, retry). Every other error of
+    timeshare keeps its type, and the routes map it to a status: a worker that crashed
+    or hung is 503, a bug is 500, never 400."""
+    if isinstance(exc, asyncio.CancelledError) or not isinstance(exc, Exception):
         return exc
-    return BadRequest(f"model {model!r} failed on these inputs: {type(exc).__name__}: {exc}")
+    if isinstance(exc, RemoteError) and exc.in_task:  # the model's code, in a worker: its type by name
+        kind, message = exc.remote_type.rsplit(".", 1)[-1], str(exc)
+    elif isinstance(exc, TimeshareError):
+        return exc
+    else:
+        kind, message = type(exc).__name__, f"{type(exc).__name__}: {exc}"
+    if kind in OUT_OF_MEMORY:
+        return Overloaded(f"model {model!r} ran out of memory on this batch: {message}", 1)
+    return BadRequest(f"model {model!r} failed on these inputs: {message}")
 
 
-# Status codes per error type, most specific first (used by the routes).
+# Exceptions that mean the device or the host ran out of memory, not that the inputs are wrong.
+OUT_OF_MEMORY = {"OutOfMemoryError", "MemoryError"}
+
+# Status codes per error type, most specific first (used by the routes). A fault of the
+# server's own (a crashed or hung worker, no room, not started) is 5xx; only what the
+# request did wrong is 4xx.
 STATUS = [
-    (BadRequest, 400), (Unavailable, 400), (Conflict, 409), (Overloaded, 503), (Timeout, 504),
-    (UnknownModelError, 404), (DuplicateModelError, 409), (MemoryBudgetError, 503), (RemoteError, 400), (WorkerError, 503),
-    (PipelineError, 503), (ModelError, 400), (TimeshareError, 400),
+    (BadRequest, 400), (ConfigError, 400), (Unavailable, 503), (Conflict, 409), (Overloaded, 503), (Timeout, 504),
+    (UnknownModelError, 404), (DuplicateModelError, 409), (MemoryBudgetError, 503), (RemoteError, 500),
+    (WorkerError, 503), (PipelineError, 503), (TimeshareError, 500),
 ]
