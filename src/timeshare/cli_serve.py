@@ -3,6 +3,7 @@
     timeshare serve [--config timeshare.yaml] [--host H] [--port N] [--metrics-port N|none] [--check]
     timeshare demo [--duration 40] [--out demo-output]
     timeshare bench serve [--models ...] [--clients 16] [--requests 2000] [--json PATH]
+    timeshare bench chaos [--duration 300] [--fault-every 5] [--workers 2] [--json PATH]
     timeshare models [--config timeshare.yaml] [--generate]
 """
 
@@ -62,6 +63,27 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    from timeshare.bench.chaos import FAULTS
+
+    p = bench.add_parser(
+        "chaos", help="faults under load: workers killed or stopped while clients' replies are checked",
+        description="Starts `timeshare serve` with worker processes, a training job and a budget that forces "
+        "loads; clients send requests for --duration seconds, each reply checked against its own request's "
+        "reference, while every --fault-every seconds a worker is killed (computing or loading, training, "
+        "idle, or still starting) or stopped and resumed. Reports wrong answers (must be 0), failures by "
+        "status and whether a fault explains each, time to heal, and what is left after shutdown.")
+    p.add_argument("--models", nargs="+", default=None, help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of faults and requests")
+    p.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults (jittered +-30%%)")
+    p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS, help="kinds of fault, taken in turn")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--training", default="tiny_cnn:8", help="MODEL:BATCH of the training job ('none': no job)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--memory", default=None, help="the budget (default: about half of the models' bytes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+
     p = sub.add_parser("models", aliases=["zoo"], help="list the model zoo, or the models of a config",
                        description="The zoo's models (built from code, seeded weights), or with --config the "
                        "models a server would serve and where each comes from.")
@@ -83,6 +105,15 @@ def run(args, console, write_json, run_bench) -> int:
         cfg = ServeBenchConfig(clients=args.clients, requests=args.requests, device=args.device, memory=args.memory,
                                workers=args.workers, max_batch=args.max_batch, seed=args.seed, **kwargs)
         return run_bench(bench_run, cfg, lambda r: _print_bench_serve(console, r), args.json)
+    if args.command == "bench" and args.bench == "chaos":
+        from timeshare.bench.chaos import ChaosBenchConfig, run as chaos_run
+
+        kwargs = {} if args.models is None else {"models": args.models}
+        ccfg = ChaosBenchConfig(clients=args.clients, duration_s=args.duration, fault_every_s=args.fault_every,
+                                faults=args.faults, workers=args.workers, device=args.device, memory=args.memory,
+                                training=None if args.training.lower() == "none" else args.training,
+                                seed=args.seed, **kwargs)
+        return run_bench(chaos_run, ccfg, lambda r: _print_bench_chaos(console, r), args.json)
     return 2
 
 
@@ -181,6 +212,37 @@ def _print_demo(console, s: dict) -> None:
     console.print("ready ms: one request on a resident model with nothing else waiting. A switched call is one whose "
                   "device turn followed another model or the training job: its latency includes the switch (and the "
                   "pipelined load when the model was not resident).")
+
+
+def _print_bench_chaos(console, result: dict) -> None:
+    r, cfg = result["result"], result["config"]
+    console.print(f"[bold]bench chaos[/bold]: {r['wall_s']:.0f} s, {cfg['clients']} clients, {cfg['workers']} workers, "
+                  f"{r['faults']} faults {r['faults_by_kind']}")
+    heal = r["heal_after_last_fault_s"]
+    rows = [
+        ("requests", r["requests"]), ("answered", r["answered"]), ("wrong answers", r["wrong"]),
+        ("failed (by status)", f"{r['failed']} {r['failed_by_status']}"),
+        ("failed with no fault under way", r["failed_outside_faults"]),
+        ("heal after a fault: p50 / max s", f"{_num(r['heal_s_p50'])} / {_num(r['heal_s_max'])}"),
+        ("faults not healed from", r["not_healed"]),
+        ("heal after the last fault s", _num(heal)),
+        ("final check wrong / failed", f"{len(r['final_check']['wrong'])} / {len(r['final_check']['failed'])}"),
+        ("training restarts", r["training_restarts"]),
+        ("server exit code", r["server_exit_code"]),
+        ("processes / segments left", f"{r['server_leftover_processes']} / {len(r['shm_segments_left'])}"),
+    ]
+    table = Table(show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for what, value in rows:
+        table.add_row(what, str(value))
+    console.print(table)
+    for example in r["wrong_examples"] + r["failed_outside_examples"]:
+        console.print(f"  {example}")
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _print_bench_serve(console, result: dict) -> None:

@@ -120,7 +120,7 @@ def drive(url: str, cfg: ServeBenchConfig, cases: dict[str, list[_Case]]) -> dic
             if answer.id != rid:
                 mismatch = f"answer id {answer.id!r} for request {rid!r}"
             else:
-                mismatch = _compare(answer.outputs, case.reference)
+                mismatch = compare_outputs(answer.outputs, case.reference)
         with lock:
             if ok:  # an answer delivered for two requests shows up as one id seen twice
                 seen[answer.id] = seen.get(answer.id, 0) + 1
@@ -138,7 +138,7 @@ def drive(url: str, cfg: ServeBenchConfig, cases: dict[str, list[_Case]]) -> dic
     return summarize(records, seen, wall, cfg)
 
 
-def _compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str | None:
+def compare_outputs(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str | None:
     if set(got) != set(ref):
         return f"outputs {sorted(got)} instead of {sorted(ref)}"
     for name, r in ref.items():

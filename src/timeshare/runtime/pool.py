@@ -499,13 +499,18 @@ class ProcessPool:
 
     def health(self) -> dict:
         """The pool's size, how many of its workers have started and learned every model,
-        and how many replacements it has made (read without waiting for any worker)."""
+        the replacements it made and why, and each worker's process and state (starting,
+        idle, busy with a task, training), read without waiting for any worker."""
         with self._cv:
             workers = list(self.workers)
+            training = self._segment.worker if self._segment is not None else None
             return {"size": len(workers), "ready": sum(1 for w in workers if w.ready and w.alive()),
                     "replacements": self.replacements, "failures": dict(self.failures),
                     "last_failure": None if self.last_failure is None else dict(self.last_failure),
-                    "failing_to_start": self._boot_failures}
+                    "failing_to_start": self._boot_failures,
+                    "workers": [{"id": w.id, "pid": w.os_pid,
+                                 "state": "starting" if not w.ready else "training" if w is training
+                                 else "busy" if w.leased_now else "idle"} for w in workers]}
 
     def pids(self) -> list[int]:
         return [w.os_pid for w in self.workers]

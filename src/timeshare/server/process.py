@@ -66,6 +66,13 @@ class ServerProcess:
         self.children = _children(self.proc.pid)
         return self
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (once started)."""
+        if self.proc is None:
+            raise TimeshareError("the server has not been started")
+        return self.proc.pid
+
     def stop(self, timeout_s: float = 180.0) -> int:
         """SIGTERM, wait for the drain, then SIGKILL if it is still there. Returns the
         exit code (0: clean)."""

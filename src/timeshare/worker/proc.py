@@ -281,6 +281,11 @@ class WorkerHandle:
         self._depth += 1
         return True
 
+    @property
+    def leased_now(self) -> bool:
+        """Whether some thread holds the pipe (a task, a segment, a control request)."""
+        return self._owner is not None
+
     def unlease(self) -> None:
         self._depth -= 1
         if self._depth == 0:
