@@ -131,10 +131,11 @@ class ProcessPool:
         try:
             for w in list(self.workers):
                 with self._claim(w, f"adding {msg.model}"):
-                    if w.ready:
-                        w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
-                    else:
+                    if not w.ready:
                         self._ready(w)  # boots and learns every model, this one included
+                    elif msg.model not in w.taught:  # a replacement may have learned it while booting
+                        w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+                        w.taught.add(msg.model)
         except BaseException:
             self.remove(msg.model)
             raise
@@ -148,7 +149,8 @@ class ProcessPool:
             w.profiles = {x for x in w.profiles if x[0] != model}
             try:
                 with self._claim(w, f"removing {model}"):
-                    if w.ready and w in self.workers:  # one not ready yet will never be taught it
+                    if model in w.taught and w in self.workers:  # one still booting will never be taught it
+                        w.taught.discard(model)
                         w.request(P.RemoveModel(self._next_seq(), model), self.startup_timeout_s, f"removing {model}")
             except WorkerError as exc:
                 log.warning("removing %s: %s", model, exc)
@@ -415,6 +417,7 @@ class ProcessPool:
                 w.wait_ready(self.startup_timeout_s)  # a worker that dies before its Hello is replaced too
                 for msg in list(self._models.values()):
                     w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+                    w.taught.add(msg.model)
             except BaseException as exc:
                 self._replace(w, exc)  # half taught: start over with a fresh one
                 raise
