@@ -226,6 +226,8 @@ def _print_bench_chaos(console, result: dict) -> None:
         ("heal after a fault: p50 / max s", f"{_num(r['heal_s_p50'])} / {_num(r['heal_s_max'])}"),
         ("faults not healed from", r["not_healed"]),
         ("heal after the last fault s", _num(heal)),
+        ("slowest request while a worker was stopped s", f"{_num(r['stop_slowest_request_s'])} (call deadline "
+                                                          f">= {r['call_deadline_min_s']:g} s)"),
         ("final check wrong / failed", f"{len(r['final_check']['wrong'])} / {len(r['final_check']['failed'])}"),
         ("training restarts", r["training_restarts"]),
         ("server exit code", r["server_exit_code"]),

@@ -293,6 +293,7 @@ def summarize(rec: _Recorder, cfg: ChaosBenchConfig, last_fault_end: float, heal
     for r in failed:
         by_status[str(r["status"])] = by_status.get(str(r["status"]), 0) + 1
     heal = [_heal_time(f, status) for f in faults]
+    stops = [_during_stop(f, requests) for f in faults if f["kind"] == "stop"]
     known = [h for h in heal if h is not None]
     final = status[-1][1] if status else {}
     return {
@@ -313,10 +314,24 @@ def summarize(rec: _Recorder, cfg: ChaosBenchConfig, last_fault_end: float, heal
         "heal_s_p50": float(np.median(known)) if known else None,
         "not_healed": sum(h is None for h in heal),
         "heal_after_last_fault_s": None if healed_at is None else max(0.0, healed_at - last_fault_end),
+        # A stopped worker must cost the other requests at most about one call deadline:
+        # the slowest request under way while a worker was stopped, beside that deadline.
+        "stop_faults": stops,
+        "stop_slowest_request_s": max((x["slowest_request_s"] for x in stops), default=None),
+        "call_deadline_min_s": cfg.deadline_min_s,
         "pool_at_end": {k: final.get(k) for k in ("size", "ready", "replacements", "failures", "last_failure")},
         "training_restarts": rec.resubmits,
         "wall_s": rec.now(),
     }
+
+
+def _during_stop(fault: dict, requests: list[dict]) -> dict:
+    """The requests under way while a worker was stopped: how many, how many failed, and
+    the slowest answered one's latency."""
+    under = [r for r in requests if r["start_s"] <= fault["end_s"] and r["end_s"] >= fault["start_s"]]
+    answered = [r["end_s"] - r["start_s"] for r in under if r["status"] == 200]
+    return {"stopped_s": fault["end_s"] - fault["start_s"], "requests": len(under),
+            "failed": len(under) - len(answered), "slowest_request_s": max(answered, default=0.0)}
 
 
 def _heal_time(fault: dict, status: list[tuple[float, dict]]) -> float | None:
