@@ -192,3 +192,24 @@ def test_an_arena_larger_than_shared_memory_is_refused_at_once():
     too_big = st.f_bavail * st.f_frsize + (1 << 30)
     with pytest.raises(MemoryBudgetError, match="cannot reserve a CPU arena"):
         timeshare.Runtime(device="cpu", memory=too_big)
+
+
+def test_a_host_store_larger_than_shared_memory_is_refused_with_the_sizes(monkeypatch):
+    """With workers, a model's host copy lives in /dev/shm: a tmpfs too small for it (64 MB
+    in a default Docker container) is a clear error naming the sizes, not a SIGBUS."""
+    from types import SimpleNamespace
+
+    with timeshare.Runtime(device="cpu", memory="4MiB", workers=1, profile_repeats=1, startup_timeout_s=60) as rt:
+        real = os.statvfs
+
+        def tight(path):  # /dev/shm with one 4 KiB block free; every other file system as it is
+            return SimpleNamespace(f_bavail=1, f_frsize=4096) if str(path).startswith("/dev/shm") else real(path)
+
+        monkeypatch.setattr(os, "statvfs", tight)
+        with pytest.raises(MemoryBudgetError, match=r"host copy of model 'slow' of [\d,]+ bytes in /dev/shm "
+                                                    r"\(only 4,096 bytes are free\)"):
+            rt.register("slow", "tests.models:slow", None, (torch.randn(4, 64),), example_kwargs={"delay_s": 0.0})
+        assert rt.models() == []
+        monkeypatch.setattr(os, "statvfs", real)
+        rt.register("slow", "tests.models:slow", None, (torch.randn(4, 64),), example_kwargs={"delay_s": 0.0})
+        assert rt.infer("slow", torch.ones(4, 64), delay_s=0.0).shape == (4, 64)

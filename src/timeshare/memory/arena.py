@@ -34,7 +34,7 @@ class Arena:
         self._owner = True
         if device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=self.capacity)
-            _reserve(self._shm)
+            reserve_shared_memory(self._shm, "a CPU arena", "use a smaller Runtime(memory=...) or a larger /dev/shm")
             self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.capacity)
         else:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
@@ -133,10 +133,11 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
     return shared_memory.SharedMemory(name=name)
 
 
-def _reserve(shm: shared_memory.SharedMemory) -> None:
-    """Back the whole segment now. A tmpfs smaller than the arena (Docker's /dev/shm is
-    64 MB by default) would otherwise crash the process with SIGBUS at the first touch
-    of a page past its end; this turns that into an error at start-up."""
+def reserve_shared_memory(shm: shared_memory.SharedMemory, what: str, hint: str) -> None:
+    """Back the whole segment now, or close and unlink it and raise MemoryBudgetError
+    naming ``what``, its size and the free space. A tmpfs smaller than the segment
+    (Docker's /dev/shm is 64 MB by default) would otherwise crash the process with SIGBUS
+    at the first touch of a page past its end; this turns that into a clear error."""
     path = f"/dev/shm/{shm.name.lstrip('/')}"
     try:
         fd = os.open(path, os.O_RDWR)
@@ -151,10 +152,8 @@ def _reserve(shm: shared_memory.SharedMemory) -> None:
     except OSError as exc:
         shm.close()
         shm.unlink()
-        raise MemoryBudgetError(
-            f"cannot reserve a CPU arena of {shm.size:,} bytes in /dev/shm ({exc.strerror or exc}); "
-            "use a smaller Runtime(memory=...) or a larger /dev/shm"
-        ) from exc
+        raise MemoryBudgetError(f"cannot reserve {what} of {shm.size:,} bytes in /dev/shm "
+                                f"({exc.strerror or exc}); {hint}") from exc
     finally:
         os.close(fd)
 

@@ -36,6 +36,7 @@ from timeshare.errors import (
 )
 from timeshare import protocol as P
 from timeshare.memory import Arena, Block
+from timeshare.memory.arena import reserve_shared_memory
 from timeshare.models.binding import TensorLayout, bind, collect, unbind
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
@@ -257,6 +258,9 @@ class Runtime:
             order = _trace_on_host(module, layout, store, spec)
             by_key = {e.key: e for e in store.entries}
             shm = SharedMemory(create=True, size=store.nbytes)
+            reserve_shared_memory(shm, f"the host copy of model {name!r}",
+                                  "free space in /dev/shm (unregister models, or enlarge it: Docker's default "
+                                  "is 64 MB, --shm-size raises it)")
             buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=store.nbytes)
             store = HostStore.pack([by_key[k] for k in order.key_order()], store.state(), pin=False, buffer=buffer)
             del buffer
