@@ -21,6 +21,7 @@ def test_faults_never_cost_a_wrong_answer_and_the_pool_heals():
     assert r["answered"] >= 100 and r["answered"] > 0.9 * r["requests"], summary
     assert r["faults"] >= 4 and sum(n > 0 for n in r["faults_by_kind"].values()) >= 3, summary
     assert set(r["faults_by_kind"]) == set(FAULTS)
+    assert r["training_restarts_refused"] == 0, r["training_restart_refusals"]  # a job a fault ended starts again
     # Healed: back at full size after every fault; nothing left once the server stopped.
     assert r["not_healed"] == 0 and r["heal_after_last_fault_s"] is not None, summary
     assert r["pool_at_end"]["size"] == r["pool_at_end"]["ready"] == 2, summary

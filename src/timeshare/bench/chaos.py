@@ -66,7 +66,8 @@ class ChaosBenchConfig:
 def _training_job(spec: str) -> dict:
     model, _, batch = spec.partition(":")
     try:
-        return {"name": "chaos-train", "model": model, "batch": int(batch or 8), "start": True}
+        # Bounded, as the admin plane asks of a job it (re)starts; longer than any run.
+        return {"name": "chaos-train", "model": model, "batch": int(batch or 8), "iterations": 100_000, "start": True}
     except ValueError:
         raise ConfigError(f"training must be MODEL:BATCH, got {spec!r}") from None
 
@@ -91,6 +92,7 @@ class _Recorder:
         self.faults: list[dict] = []
         self.status: list[tuple[float, dict]] = []  # (t, the pool's health)
         self.resubmits = 0
+        self.refused_restarts: list[str] = []
         self.t0 = time.monotonic()
 
     def now(self) -> float:
@@ -169,8 +171,12 @@ def _poll(url: str, cfg: ChaosBenchConfig, rec: _Recorder, stop: threading.Event
                 with rec.lock:
                     rec.status.append((rec.now(), status["workers"]))
                 if job is not None and http.get(f"/admin/training/{job['name']}").json()["status"] == "failed":
-                    if http.post("/admin/training", json=job).status_code == 201:
-                        rec.resubmits += 1
+                    answer = http.post("/admin/training", json=job)
+                    with rec.lock:
+                        if answer.status_code == 201:
+                            rec.resubmits += 1
+                        else:  # shows in the report: a restart the server refused is a finding
+                            rec.refused_restarts.append(f"{answer.status_code}: {answer.text[:200]}")
             except (httpx.HTTPError, KeyError, ValueError):
                 pass  # a status that did not come back is a gap in the timeline, nothing more
             stop.wait(0.1)
@@ -321,6 +327,8 @@ def summarize(rec: _Recorder, cfg: ChaosBenchConfig, last_fault_end: float, heal
         "call_deadline_min_s": cfg.deadline_min_s,
         "pool_at_end": {k: final.get(k) for k in ("size", "ready", "replacements", "failures", "last_failure")},
         "training_restarts": rec.resubmits,
+        "training_restarts_refused": len(rec.refused_restarts),
+        "training_restart_refusals": sorted(set(rec.refused_restarts))[:3],
         "wall_s": rec.now(),
     }
 
