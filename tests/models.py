@@ -237,3 +237,19 @@ class FlagsProbe(nn.Module):
 
 def flags_probe():
     return build(FlagsProbe)
+
+
+class RowSum(nn.Module):
+    """Each row's sum and its first and last values: takes inputs of any width (the large
+    JSON bodies of the hostile-client tests)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x.sum(dim=1, keepdim=True) * self.scale, x[:, :4], x[:, -4:]
+
+
+def row_sum():
+    return build(RowSum)

@@ -41,16 +41,15 @@ def running_server(cfg: dict, *, ready_timeout_s: float = 120.0, expect_ready: b
     import uvicorn
 
     from timeshare.server.app import create_app
+    from timeshare.server.serve import uvicorn_config
     from timeshare.server.service import Service
 
     port = free_port()
-    cfg = {**cfg, "server": {**cfg.get("server", {}), "http_port": port}}
+    cfg = {**cfg, "server": {"drain_timeout_s": 10, **cfg.get("server", {}), "host": "127.0.0.1", "http_port": port}}
     config = parse_config(cfg, "test config")
     service = Service(config)
     service.open()
-    app = create_app(service)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=10, proxy_headers=False))
+    server = uvicorn.Server(uvicorn_config(create_app(service), config.server, log_level="warning"))
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()
     try:
@@ -68,5 +67,6 @@ def running_server(cfg: dict, *, ready_timeout_s: float = 120.0, expect_ready: b
     finally:
         server.should_exit = True
         thread.join(60)
+        service.parsers.close()
         service.runtime.close()
         assert not thread.is_alive(), "the test server did not stop"

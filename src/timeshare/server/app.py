@@ -26,17 +26,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import torch
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from timeshare import __version__
 from timeshare.errors import TimeshareError
+from timeshare.server.parsing import HEADER_LENGTH, describe_validation, load_json
 from timeshare.server.schemas import InferenceRequest, RepositoryIndexRequest, TrainingRequest
 from timeshare.server.service import STATUS, Service
-from timeshare.server.tensors import KNOWN, BadRequest, from_binary, from_json, to_binary, to_json_data
+from timeshare.server.tensors import BadRequest, to_binary, to_json_data
 
 log = logging.getLogger(__name__)
-
-HEADER_LENGTH = "inference-header-content-length"  # the binary tensor data extension's header
-MAX_DIMENSION = 1 << 31  # larger dimensions are refused even when another one is 0
 
 
 def create_app(service: Service, *, start: bool = True) -> FastAPI:
@@ -54,8 +53,11 @@ def create_app(service: Service, *, start: bool = True) -> FastAPI:
                 task.cancel()
             await service.stop()
 
+    described = service.config.server.openapi  # off: /openapi.json, /docs and /redoc are 404
     app = FastAPI(title="timeshare", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse,
                   redirect_slashes=False,  # one path per resource: a trailing slash is a 404, not a redirect
+                  openapi_url="/openapi.json" if described else None, docs_url="/docs" if described else None,
+                  redoc_url="/redoc" if described else None,
                   description="Open Inference Protocol (v2) over a GPU time-shared between models and training jobs.")
     app.add_middleware(BodyLimit, limit=service.config.server.max_request_bytes)
     _errors(app, service)
@@ -111,13 +113,11 @@ def _errors(app: FastAPI, service: Service) -> None:
     async def http_error(request: Request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
-
-def describe_validation(errors) -> str:
-    parts = []
-    for e in errors:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, exc: ClientDisconnect):
+        # The client left (or its body missed server.body_timeout_s): nobody reads this,
+        # and a closed connection is no bug to log.
+        return error_response(499, "the client disconnected")
 
 
 class BodyLimit:
@@ -189,13 +189,16 @@ def _data_plane(app: FastAPI, service: Service) -> None:
         code = 500
         try:
             ep = _versioned(service, model, version)
-            req, tensors = parse_infer(await request.body(), request.headers.get(HEADER_LENGTH))
+            declared = request.headers.get("content-length", "")
+            service.parsers.admit(int(declared) if declared.isdigit() else None)  # 503 before reading, if full
+            # Large JSON bodies are parsed in a parser process (NOTE [Parsing off the event loop]).
+            req, tensors = await service.parsers.parse(await request.body(), request.headers.get(HEADER_LENGTH))
             wanted = _requested_outputs(ep, req)
             reply = await service.infer(model, tensors)
             response = encode_reply(model, req, reply, wanted)
             code = 200
             return response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ClientDisconnect):
             code = 499  # the client went away, or shutdown gave up on it (nginx's code)
             raise
         except Exception as exc:
@@ -211,56 +214,6 @@ def _versioned(service: Service, model: str, version: str):
     if version != "1":
         raise HTTPException(404, f"model {model!r} has no version {version!r}; its versions: ['1']")
     return ep
-
-
-def parse_infer(body: bytes, header_length: str | None):
-    """The request and its input tensors by name, from a JSON body or a binary tensor
-    data body (a JSON header of ``header_length`` bytes, then the inputs' bytes)."""
-    binary = memoryview(b"")
-    if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise BadRequest(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
-        if not 0 <= n <= len(body):
-            raise BadRequest(f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes")
-        binary = memoryview(body)[n:]
-        body = body[:n]
-    obj = _json(body)
-    if not isinstance(obj, dict):
-        raise BadRequest("the request body must be a JSON object with 'inputs'")
-    try:
-        req = InferenceRequest.model_validate(obj)
-    except ValidationError as exc:
-        raise BadRequest(describe_validation(exc.errors())) from None
-    tensors, offset = {}, 0
-    for inp in req.inputs:
-        if any(d > MAX_DIMENSION for d in inp.shape):
-            raise BadRequest(f"input {inp.name!r}: shape {inp.shape} has a dimension over {MAX_DIMENSION}")
-        if inp.name in tensors:
-            raise BadRequest(f"input {inp.name!r} is given twice")
-        if inp.datatype not in KNOWN:
-            raise BadRequest(f"input {inp.name!r}: unknown datatype {inp.datatype!r}; known: {sorted(KNOWN)}")
-        if any(d < 0 for d in inp.shape):
-            raise BadRequest(f"input {inp.name!r}: shape {inp.shape} has a negative dimension")
-        size = (inp.parameters or {}).get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise BadRequest(f"input {inp.name!r}: binary_data_size must be a non-negative integer")
-            if inp.data is not None:
-                raise BadRequest(f"input {inp.name!r}: give either 'data' or binary_data_size, not both")
-            if offset + size > len(binary):
-                raise BadRequest(f"input {inp.name!r}: binary_data_size {size} runs past the body's binary part "
-                                 f"({len(binary)} bytes)")
-            tensors[inp.name] = from_binary(inp.name, inp.datatype, inp.shape, binary[offset:offset + size])
-            offset += size
-        elif inp.data is None:
-            raise BadRequest(f"input {inp.name!r} has no 'data' (nor binary_data_size)")
-        else:
-            tensors[inp.name] = from_json(inp.name, inp.datatype, inp.shape, inp.data)
-    if offset != len(binary):
-        raise BadRequest(f"{len(binary) - offset} bytes of binary data belong to no input")
-    return req, tensors
 
 
 def _requested_outputs(ep, req: InferenceRequest) -> list | None:
@@ -321,6 +274,9 @@ def encode_reply(model: str, req: InferenceRequest, reply, wanted) -> Response:
 def _admin_plane(app: FastAPI, service: Service) -> None:
     cfg = service.config.admin
     token = cfg.resolved_token()
+    # Admin bodies are small JSON objects, read only once the guard let the request
+    # through, and parsed on the event loop: larger ones are refused (413).
+    limit = int(service.config.server.parse_in_process_bytes)
 
     def admin(request: Request) -> None:
         if not cfg.enabled:
@@ -349,7 +305,7 @@ def _admin_plane(app: FastAPI, service: Service) -> None:
 
     @app.post("/v2/repository/index", dependencies=guard, summary="Models in the repository and their state")
     async def repository_index(request: Request):
-        body = await _optional_json(request)
+        body = await _optional_json(request, limit)
         try:
             opts = RepositoryIndexRequest.model_validate(body)
         except ValidationError as exc:
@@ -358,14 +314,14 @@ def _admin_plane(app: FastAPI, service: Service) -> None:
 
     @app.post("/v2/repository/models/{model}/load", dependencies=guard, summary="Load a model onto the device")
     async def load(model: str, request: Request):
-        await _no_parameters(request, "load")
+        await _no_parameters(request, "load", limit)
         await service.load(model)
         return {}
 
     @app.post("/v2/repository/models/{model}/unload", dependencies=guard,
               summary="Unload a model: finish its queue, free its device and host memory")
     async def unload(model: str, request: Request):
-        await _no_parameters(request, "unload")
+        await _no_parameters(request, "unload", limit)
         await service.unload(model)
         return {}
 
@@ -383,8 +339,17 @@ def _admin_plane(app: FastAPI, service: Service) -> None:
     def jobs():
         return [service.job_status(n) for n in service.job_names()]
 
-    @app.post("/admin/training", dependencies=guard, status_code=201, summary="Start a training job")
-    async def submit(job: TrainingRequest):
+    training_body = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": TrainingRequest.model_json_schema()}}}}
+
+    @app.post("/admin/training", dependencies=guard, status_code=201, summary="Start a training job",
+              openapi_extra=training_body)
+    async def submit(request: Request):
+        # Read here, after the guard: a body parameter would be read and parsed before it.
+        try:
+            job = TrainingRequest.model_validate(await _optional_json(request, limit))
+        except ValidationError as exc:
+            raise BadRequest(describe_validation(exc.errors())) from None
         return await service.submit_training(job)
 
     @app.get("/admin/training/{job}", dependencies=guard, summary="A training job's status")
@@ -423,29 +388,24 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _json(body: bytes):
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-
-
-async def _optional_json(request: Request) -> dict:
+async def _optional_json(request: Request, limit: int) -> dict:
+    """An admin request's body: a JSON object ({} when empty) of at most ``limit`` bytes."""
     body = await request.body()
+    if len(body) > limit:
+        raise HTTPException(413, f"admin request bodies are at most {limit} bytes (server.parse_in_process_bytes); "
+                                 f"this one has {len(body)}")
     if not body.strip():
         return {}
-    obj = _json(body)
+    obj = load_json(body)
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
     return obj
 
 
-async def _no_parameters(request: Request, what: str) -> None:
+async def _no_parameters(request: Request, what: str, limit: int) -> None:
     """Triton's load and unload take optional parameters (config overrides, files);
     timeshare's models come from its config file, so none are accepted."""
-    body = await _optional_json(request)
+    body = await _optional_json(request, limit)
     extra = sorted(k for k, v in body.items() if not (k == "parameters" and not v))
     if extra:
         raise BadRequest(f"{what} takes no {extra[0]!r} here: models are defined in the server's config file")

@@ -13,7 +13,7 @@ import logging
 import signal
 import threading
 
-from timeshare.config import Config
+from timeshare.config import Config, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +32,32 @@ def serve(config: Config, *, log_level: str = "info") -> None:
         s = config.server
         if s.metrics_port is not None:
             metrics_server, _thread = start_http_server(s.metrics_port, addr=s.host, registry=service.metrics.registry)
-        app = create_app(service)
-        server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.http_port, log_level=log_level,
-                                               timeout_graceful_shutdown=s.drain_timeout_s, access_log=False,
-                                               # the admin guard trusts the peer address: no X-Forwarded-For
-                                               proxy_headers=False))
+        server = uvicorn.Server(uvicorn_config(create_app(service), s, log_level=log_level))
         with _exit_cleanly():
             server.run()
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
+        service.parsers.close()  # idempotent, like the runtime's close
         if service.runtime is not None:
             service.runtime.close()  # idempotent: the lifespan closed it unless start-up failed
+
+
+def uvicorn_config(app, server: ServerConfig, *, log_level: str = "info"):
+    """uvicorn's configuration for ``app`` under ``server``: the one place it is made
+    (``serve`` and the tests' server), so that every server runs hardened: connection
+    deadlines and limits (NOTE [Connection limits]), no X-Forwarded-For (the admin guard
+    trusts the peer address), no WebSocket upgrades (no route takes them)."""
+    import uvicorn
+
+    from timeshare.server.connections import ConnectionLimits, protocol_class
+
+    return uvicorn.Config(app, host=server.host, port=server.http_port, log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=server.drain_timeout_s, proxy_headers=False, ws="none",
+                          http=protocol_class(ConnectionLimits.from_config(server)),
+                          # h11 refuses an incomplete request head beyond this (431 in connections.py)
+                          h11_max_incomplete_event_size=int(server.max_header_bytes))
 
 
 class _exit_cleanly:

@@ -44,8 +44,10 @@ from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.engine import Runtime
 from timeshare.runtime.events import CallRecord, EvictionRecord
+from timeshare.server.admission import check_training
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs, split_outputs
 from timeshare.server.metrics import Metrics
+from timeshare.server.parsing import ParserPool
 from timeshare.server.tensors import BadRequest
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,9 @@ class Service:
         self.endpoints = {m.name: Endpoint(m) for m in config.models}
         self.metrics = Metrics(self)
         self.runtime = runtime
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _Job] = {}  # in submission order; finished ones pruned (_prune_jobs)
+        self._submitting = asyncio.Lock()  # one submission at a time: the running-jobs count holds
+        self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parsing.py)
         self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + 4, thread_name_prefix="timeshare-serve")
         self._local = threading.local()
         self._started = asyncio.Event()
@@ -142,7 +146,7 @@ class Service:
             for cfg in self.config.training:
                 if cfg.start:
                     try:
-                        await self.submit_training(cfg)
+                        await self.submit_training(cfg, from_config=True)
                     except TimeshareError as exc:
                         log.error("training job %s did not start: %s", cfg.name, exc)
         except Exception as exc:  # the server stays up to say why it is not ready
@@ -192,6 +196,7 @@ class Service:
             ep.queue.clear()
             if ep.runner is not None:
                 ep.runner.cancel()
+        await self._call(self.parsers.close)  # a body still being parsed gets 503
         if self.runtime is not None:
             close = asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.close)
             try:  # training jobs stop at their next iteration; workers get their own deadlines
@@ -419,21 +424,42 @@ class Service:
                               priority=cfg.priority, slo_s=None if cfg.slo_ms is None else cfg.slo_ms / 1000)
 
     # ------------------------------------------------------------------ training (admin)
-    async def submit_training(self, cfg: TrainingConfig) -> dict:
+    async def submit_training(self, cfg: TrainingConfig, *, from_config: bool = False) -> dict:
+        """Start a training job. One submitted through the admin plane is held to the
+        admin section's bounds (``server/admission.py``): batch, iterations, memory
+        (400), and the number of jobs running (409); one ``from_config`` is not."""
         from timeshare.bench.workloads import TrainingWorkload, sgd
 
-        job = self._jobs.get(cfg.name)
-        if job is not None and not job.handle.wait(0):
-            raise Conflict(f"a training job named {cfg.name!r} is running")
-        args = TrainingWorkload(cfg.model, cfg.batch).train_args()
-        args["optimizer"] = functools.partial(sgd, lr=cfg.lr)
-        try:
-            handle = await self._call(self.runtime.train, cfg.name, iterations=cfg.iterations, offload=cfg.offload,
-                                      seed=cfg.seed, **args)
-        except DuplicateModelError as exc:
-            raise Conflict(str(exc)) from None
-        self._jobs[cfg.name] = _Job(cfg, handle)
+        admin = self.config.admin
+        async with self._submitting:
+            job = self._jobs.get(cfg.name)
+            if job is not None and not job.handle.wait(0):
+                raise Conflict(f"a training job named {cfg.name!r} is running")
+            if not from_config:
+                check_training(cfg, admin, budget_bytes=self.runtime.snapshot()["capacity_bytes"])
+                running = [n for n, j in self._jobs.items() if not j.handle.wait(0)]
+                if len(running) >= admin.max_training_jobs:
+                    raise Conflict(f"{len(running)} training jobs are running ({', '.join(running)}), the limit "
+                                   f"(admin.max_training_jobs); cancel one or wait for one to finish")
+            args = TrainingWorkload(cfg.model, cfg.batch).train_args()
+            args["optimizer"] = functools.partial(sgd, lr=cfg.lr)
+            try:
+                handle = await self._call(self.runtime.train, cfg.name, iterations=cfg.iterations,
+                                          offload=cfg.offload, seed=cfg.seed, **args)
+            except DuplicateModelError as exc:
+                raise Conflict(str(exc)) from None
+            self._jobs.pop(cfg.name, None)  # a resubmitted name is the newest
+            self._prune_jobs()
+            self._jobs[cfg.name] = _Job(cfg, handle)
         return self.job_status(cfg.name)
+
+    def _prune_jobs(self) -> None:
+        """Forget the oldest finished jobs beyond ``admin.max_finished_jobs``. Only
+        submissions add jobs, so pruning before each keeps the count bounded (by the
+        limit plus the jobs that were running then)."""
+        finished = [n for n, j in self._jobs.items() if j.handle.wait(0)]
+        for name in finished[:max(0, len(finished) - self.config.admin.max_finished_jobs)]:
+            del self._jobs[name]
 
     def job_names(self) -> list[str]:
         return list(self._jobs)

@@ -30,6 +30,7 @@ _NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
           "FP32": np.float32, "FP64": np.float64}
 KNOWN = set(TORCH_DTYPES) | {"BYTES"}
+_INTEGERS = {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
 
 
 def datatype_of(dtype: torch.dtype) -> str:
@@ -47,7 +48,9 @@ def from_json(name: str, datatype: str, shape: list[int], data) -> torch.Tensor:
     """The tensor an input's JSON ``data`` describes: a flat list in row-major order or
     nested lists of ``shape``. Strict: strings, nulls, booleans in a number tensor, a
     float in an integer tensor, values out of the datatype's range and ragged lists are
-    refused."""
+    refused. ``data`` is let go as soon as it was read: a caller that passes its only
+    reference frees the Python values (tens of MB for a large body) before the tensor
+    is made."""
     count = math.prod(shape)
     if not isinstance(data, list):
         raise BadRequest(f"input {name!r}: 'data' must be a list of {count} values, got {type(data).__name__}")
@@ -55,37 +58,39 @@ def from_json(name: str, datatype: str, shape: list[int], data) -> torch.Tensor:
         arr = np.asarray(data)
     except ValueError:
         raise BadRequest(f"input {name!r}: 'data' is ragged (nested lists of different lengths)") from None
+    kind = arr.dtype.kind if count else None
+    has_bool = datatype != "BOOL" and kind in ("i", "u", "f") and _has_bool(data)  # numpy made them numbers
+    # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64 or
+    # object arrays: such values are checked one by one.
+    exact = _flatten(data) if datatype in _INTEGERS and kind not in (None, "i", "u") else None
+    del data
     if arr.size != count:
         raise BadRequest(f"input {name!r}: shape {shape} needs {count} values, 'data' has {arr.size}")
     if arr.ndim > 1 and list(arr.shape) != list(shape):
         raise BadRequest(f"input {name!r}: nested 'data' has shape {list(arr.shape)}, not {shape}")
-    kind = arr.dtype.kind if count else None
     if datatype == "BOOL":
         if kind not in (None, "b"):
             raise BadRequest(f"input {name!r}: BOOL data must be true/false values")
         out = arr.astype(np.bool_)
-    elif kind in ("i", "u", "f") and _has_bool(data):  # numpy turned them into numbers
+    elif has_bool:
         raise BadRequest(f"input {name!r}: {datatype} data must be numbers, not true/false")
     elif datatype in ("FP16", "FP32", "FP64", "BF16"):
         if kind not in (None, "f", "i", "u"):
             raise BadRequest(f"input {name!r}: {datatype} data must be numbers, got {_kind_name(kind)}")
-        out = arr.astype(np.float64)
+        out = arr.astype(np.float64, copy=False)  # no copies nor temporaries: bodies can be tens of MB
         if count and not np.isfinite(out).all():
             raise BadRequest(f"input {name!r}: data contains NaN or infinity")
-        if datatype != "FP64" and count and np.abs(out).max() > float(torch.finfo(TORCH_DTYPES[datatype]).max):
+        if datatype != "FP64" and count and max(out.max(), -out.min()) > float(torch.finfo(TORCH_DTYPES[datatype]).max):
             raise BadRequest(f"input {name!r}: a value is out of range for {datatype}")
-    elif datatype in _NUMPY:
+    elif datatype in _INTEGERS:
         info = np.iinfo(_NUMPY[datatype])
-        if kind in (None, "i", "u"):
+        if exact is None:
             lo, hi = (int(arr.min()), int(arr.max())) if count else (0, 0)
         else:
-            # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64
-            # or object arrays: check the values themselves.
-            values = _flatten(data)
-            if not all(type(v) is int for v in values):
+            if not all(type(v) is int for v in exact):
                 raise BadRequest(f"input {name!r}: {datatype} data must be integers, got {_kind_name(kind)}")
-            lo, hi = min(values), max(values)
-            arr = np.array(values, dtype=object)
+            lo, hi = min(exact), max(exact)
+            arr = np.array(exact, dtype=object)
         if lo < info.min or hi > info.max:
             raise BadRequest(f"input {name!r}: a value is out of range for {datatype} [{info.min}, {info.max}]")
         out = arr.astype(_NUMPY[datatype])
