@@ -352,7 +352,7 @@ def _status(http, job: str, *wanted: str) -> dict:
     return state
 
 
-def test_training_submissions_are_bounded(http):
+def test_training_submissions_are_bounded(server, http):
     def submit(**job):
         return http.post("/admin/training", json={"model": "tiny_mlp", "batch": 2, **job})
 
@@ -380,6 +380,7 @@ def test_training_submissions_are_bounded(http):
     names = [j["name"] for j in http.get("/admin/training").json()]
     assert names == ["j2", "j4", "j5", "j6"], names  # j1 (cancelled), then j3 (finished) went
     assert http.get("/admin/training/j1").status_code == 404 and http.get("/admin/training/j3").status_code == 404
+    assert not {"j1", "j3"} & set(server.service.runtime.jobs())  # the runtime forgot them too (and their state)
     assert http.post("/admin/training/j2/cancel").status_code == 200
     _status(http, "j2", "cancelled")
 

@@ -11,7 +11,7 @@ import torch
 
 import timeshare
 from tests import models
-from timeshare.errors import ConfigError, RemoteError, WorkerCrashedError, WorkerTimeoutError
+from timeshare.errors import ConfigError, RemoteError, UnknownModelError, WorkerCrashedError, WorkerTimeoutError
 
 X = torch.randn(2, 8)
 
@@ -150,3 +150,15 @@ def test_a_hung_training_step_is_killed_at_the_deadline():
             job.result(timeout=60)
         assert rt.infer("inf", X)["y"].shape == (2, 8)
         assert all(w.alive() for w in rt._pool.workers)
+
+
+def test_a_finished_job_is_forgotten_with_the_state_its_worker_held(rt):
+    job = rt.train("short", models.train_net, models.adam, models.train_batches(2), models.train_step)
+    job.result(timeout=60)
+    assert job.state_dict()  # its home worker still holds the state
+    rt.forget_job("short")
+    assert "short" not in rt.jobs()
+    with pytest.raises(WorkerCrashedError, match="lost its state"):
+        job.state_dict()  # gone from the worker too
+    with pytest.raises(UnknownModelError):
+        rt.forget_job("short")

@@ -373,6 +373,20 @@ class Runtime:
         with self._turn():
             return dict(self._jobs)
 
+    def forget_job(self, name: str) -> None:
+        """Drop a finished training job: its handle, and with workers the parameters and
+        optimizer state its home worker still holds (kept until now for the handle's ``state_dict()``).
+        A running job must be cancelled first."""
+        with self._turn():
+            job = self._jobs.get(name)
+            if job is None:
+                raise UnknownModelError(f"no training job named {name!r}")
+            if not job.wait(0):
+                raise DuplicateModelError(f"training job {name!r} is still running; cancel it first")
+            del self._jobs[name]
+            if self._pool is not None:
+                self._pool.drop_job(name)
+
     def profile(self, name: str, *args, **kwargs) -> ModelProfile:
         """Profile ``name`` for these inputs (default: its example inputs) and plan its
         groupings. Loads the model if needed; plans are cached per input shape."""

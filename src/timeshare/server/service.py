@@ -171,13 +171,26 @@ class Service:
     def ready(self) -> bool:
         """Started, not stopping, a worker ready to serve (with workers), and every pinned
         model resident."""
-        if not self._started.is_set() or self._stopping or self.start_error or self.runtime is None:
-            return False
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        """Why the server is not ready (None: it is), for ``/admin/status``."""
+        if self.start_error:
+            return f"start-up failed: {self.start_error}"
+        if self._stopping:
+            return "stopping"
+        if not self._started.is_set() or self.runtime is None:
+            return "starting: models are loading"
         snap = self.runtime.snapshot()
-        if snap["workers"] is not None and snap["workers"]["ready"] == 0:
-            return False  # every worker is dead or still starting: nothing can serve
+        workers = snap["workers"]
+        if workers is not None and workers["ready"] == 0:  # every worker is dead or still starting
+            last = workers["last_failure"]
+            why = f"; the last to fail: {last['cause']}" if last else ""
+            return f"no worker can serve: {workers['size']} are starting{why}"
         resident = snap["resident"]
-        return all(ep.state is ModelState.READY and ep.name in resident for ep in self.endpoints.values() if ep.pinned)
+        missing = [ep.name for ep in self.endpoints.values()
+                   if ep.pinned and not (ep.state is ModelState.READY and ep.name in resident)]
+        return f"pinned models not resident yet: {missing}" if missing else None
 
     async def stop(self) -> None:
         """Refuse new requests, let queued ones finish (up to ``drain_timeout_s``), then
@@ -449,17 +462,21 @@ class Service:
             except DuplicateModelError as exc:
                 raise Conflict(str(exc)) from None
             self._jobs.pop(cfg.name, None)  # a resubmitted name is the newest
-            self._prune_jobs()
+            await self._prune_jobs()
             self._jobs[cfg.name] = _Job(cfg, handle)
         return self.job_status(cfg.name)
 
-    def _prune_jobs(self) -> None:
-        """Forget the oldest finished jobs beyond ``admin.max_finished_jobs``. Only
-        submissions add jobs, so pruning before each keeps the count bounded (by the
-        limit plus the jobs that were running then)."""
+    async def _prune_jobs(self) -> None:
+        """Forget the oldest finished jobs beyond ``admin.max_finished_jobs``, here and in
+        the runtime (whose workers hold their state). Only submissions add jobs, so pruning
+        before each keeps the count bounded (by the limit plus the jobs that were running then)."""
         finished = [n for n, j in self._jobs.items() if j.handle.wait(0)]
         for name in finished[:max(0, len(finished) - self.config.admin.max_finished_jobs)]:
             del self._jobs[name]
+            try:
+                await self._call(self.runtime.forget_job, name)
+            except (UnknownModelError, DuplicateModelError):
+                pass  # resubmitted under that name meanwhile: the runtime's job is the new one
 
     def job_names(self) -> list[str]:
         return list(self._jobs)
