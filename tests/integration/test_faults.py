@@ -221,17 +221,23 @@ def test_the_server_reports_its_workers_and_is_not_ready_while_none_can_serve():
         assert "timeshare_workers_ready 2.0" in metrics and "timeshare_worker_replacements_total 0.0" in metrics
         for pid in s.service.runtime.worker_pids():  # every worker at once: nothing can serve for a while
             _kill(pid)
-        saw_unready = False
+        saw_unready, reasons = False, set()
         deadline = time.monotonic() + 60
         while True:
             ready = http.get("/v2/health/ready").status_code == 200
             saw_unready |= not ready
-            status = http.get("/admin/status").json()["workers"]
+            whole = http.get("/admin/status").json()
+            status = whole["workers"]
+            if whole["not_ready_reason"]:
+                reasons.add(whole["not_ready_reason"])
             if saw_unready and ready and status["ready"] == 2:
                 break
             assert time.monotonic() < deadline, status
             time.sleep(0.005)
         assert status["replacements"] >= 2
+        # While unready, /admin/status said why: no worker could serve, and what killed the last one.
+        assert any(r.startswith("no worker can serve") and "killed by signal 9" in r for r in reasons), reasons
+        assert whole["ready"] and whole["not_ready_reason"] is None
         metrics = http.get("/metrics").text
         assert f"timeshare_worker_replacements_total {float(status['replacements'])}" in metrics
         # Why: the latest replaced worker, and the replacements counted by what went wrong.

@@ -363,7 +363,8 @@ def _admin_plane(app: FastAPI, service: Service) -> None:
     @app.get("/admin/status", dependencies=guard, summary="Runtime state: memory, residency, counters")
     def status():
         snap = service.snapshot()
-        snap["ready"] = service.ready
+        snap["not_ready_reason"] = service.not_ready_reason()
+        snap["ready"] = snap["not_ready_reason"] is None
         snap["start_error"] = service.start_error
         snap["models"] = service.index()
         return snap
