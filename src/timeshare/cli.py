@@ -6,7 +6,7 @@
     timeshare bench link [--sizes 64KiB,...,1GiB] [--json PATH]
     timeshare bench colocate | scheduler   (see timeshare.cli_sim)
     timeshare sim salus | serving | run
-    timeshare serve | demo | models, bench serve | chaos   (see timeshare.cli_serve)
+    timeshare serve | demo | models, bench serve | chaos | hostile   (see timeshare.cli_serve)
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args, console, _run_bench)
         if args.command == "sim":
             return run_sim(args, console, _write_json)
-        if args.command in ("serve", "demo", "models", "zoo") or getattr(args, "bench", None) in ("serve", "chaos"):
+        if args.command in ("serve", "demo", "models", "zoo") or getattr(args, "bench", None) in ("serve", "chaos", "hostile"):
             return cli_serve.run(args, console, _write_json, _run_bench)
     except TimeshareError as exc:
         err.print(f"[red]error:[/red] {exc}")

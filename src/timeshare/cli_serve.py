@@ -4,6 +4,7 @@
     timeshare demo [--duration 40] [--out demo-output]
     timeshare bench serve [--models ...] [--clients 16] [--requests 2000] [--json PATH]
     timeshare bench chaos [--duration 300] [--fault-every 5] [--workers 2] [--json PATH]
+    timeshare bench hostile [--body-mib 63] [--idle 1000] [--json PATH]
     timeshare models [--config timeshare.yaml] [--generate]
 """
 
@@ -84,6 +85,18 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    p = bench.add_parser(
+        "hostile", help="hostile clients: a large JSON body, idle connections, a huge header, a foreign web page",
+        description="Starts `timeshare serve` and measures, as a client would: the longest a small request waits "
+        "while a large JSON body is parsed (and the same with bodies parsed on the event loop, the baseline), "
+        "how many idle connections the header timeout closes, the answer to an oversized header, and whether "
+        "cross-site and DNS-rebinding requests to the admin plane are refused.")
+    p.add_argument("--model", default="tiny_mlp", help="a zoo model to send the large body to")
+    p.add_argument("--body-mib", type=float, default=63.0)
+    p.add_argument("--idle", type=int, default=1000, help="idle connections to open")
+    p.add_argument("--header-timeout", type=float, default=10.0, help="the server's server.header_timeout_s")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+
     p = sub.add_parser("models", aliases=["zoo"], help="list the model zoo, or the models of a config",
                        description="The zoo's models (built from code, seeded weights), or with --config the "
                        "models a server would serve and where each comes from.")
@@ -105,6 +118,12 @@ def run(args, console, write_json, run_bench) -> int:
         cfg = ServeBenchConfig(clients=args.clients, requests=args.requests, device=args.device, memory=args.memory,
                                workers=args.workers, max_batch=args.max_batch, seed=args.seed, **kwargs)
         return run_bench(bench_run, cfg, lambda r: _print_bench_serve(console, r), args.json)
+    if args.command == "bench" and args.bench == "hostile":
+        from timeshare.bench.hostile import HostileBenchConfig, run as hostile_run
+
+        hcfg = HostileBenchConfig(model=args.model, body_mib=args.body_mib, idle_connections=args.idle,
+                                  header_timeout_s=args.header_timeout)
+        return run_bench(hostile_run, hcfg, lambda r: _print_bench_hostile(console, r), args.json)
     if args.command == "bench" and args.bench == "chaos":
         from timeshare.bench.chaos import ChaosBenchConfig, run as chaos_run
 
@@ -212,6 +231,28 @@ def _print_demo(console, s: dict) -> None:
     console.print("ready ms: one request on a resident model with nothing else waiting. A switched call is one whose "
                   "device turn followed another model or the training job: its latency includes the switch (and the "
                   "pipelined load when the model was not resident).")
+
+
+def _print_bench_hostile(console, result: dict) -> None:
+    ours, base = result["result"]["timeshare"], result["result"]["baseline_parse_on_event_loop"]
+    stall, idle = ours["stall"], ours["idle"]
+    console.print(f"[bold]bench hostile[/bold]: {stall['body_bytes'] / 1e6:.0f} MB JSON body, "
+                  f"{idle['connections']} idle connections")
+    table = Table(show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for what, value in (
+        ("small request, quiet ms", stall["small_request_ms_before"]),
+        ("longest small request during the body ms", stall["max_stall_ms"]),
+        ("  the same, parsed on the event loop ms", base["stall"]["max_stall_ms"]),
+        ("the large request s (status)", f"{stall['big_request_s']} ({stall['status']})"),
+        ("idle connections closed", f"{idle['closed']} of {idle['connections']} within {idle['within_s']} s "
+                                    f"(last at {idle['last_closed_s']} s)"),
+        ("oversized header", ours["large_header"]["status"]),
+        ("admin: cross-site / rebinding", f"{ours['admin']['cross_site_status']} / {ours['admin']['rebinding_status']}"),
+    ):
+        table.add_row(what, str(value))
+    console.print(table)
 
 
 def _print_bench_chaos(console, result: dict) -> None:

@@ -88,3 +88,17 @@ def test_bench_switch_and_cycles_refuse_bad_arguments(capsys):
     assert "unknown baseline 'magic'" in capsys.readouterr().err
     assert cli.main(["bench", "cycles", "--model", "tiny_cnn", "--cycles", "1,x"]) == 2
     assert "--cycles" in capsys.readouterr().err
+
+
+def test_bench_hostile_measures_the_limits_and_the_baseline(tmp_path, capsys):
+    out = tmp_path / "hostile.json"
+    assert cli.main(["bench", "hostile", "--body-mib", "2", "--idle", "20", "--header-timeout", "1",
+                     "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["result"]
+    ours, base = r["timeshare"], r["baseline_parse_on_event_loop"]["stall"]
+    assert ours["stall"]["body_bytes"] > 2_000_000 and ours["stall"]["small_requests_during"] > 0
+    assert base["body_bytes"] == ours["stall"]["body_bytes"] and base["max_stall_ms"] is not None
+    assert ours["idle"]["closed"] == 20 and ours["idle"]["last_closed_s"] < 3.0  # by the 1 s header timeout
+    assert ours["large_header"]["status"] == 431
+    assert ours["admin"]["cross_site_status"] == 403 and ours["admin"]["rebinding_status"] == 403
+    assert "bench hostile" in capsys.readouterr().out

@@ -1,9 +1,11 @@
-"""How a running server holds against hostile clients, measured from outside: the stall
-other clients see while a large JSON body is parsed, idle connections, an oversized
-header, and requests to the admin plane from a foreign web page. Runs in the caller's
-process (a client of the server; it imports nothing of the server's own).
+"""``timeshare bench hostile``: how a server holds against hostile clients, measured from
+outside: the stall other clients see while a large JSON body is parsed, idle
+connections, an oversized header, and requests to the admin plane from a foreign web
+page. Runs in the caller's process (a client of the server).
 
-:func:`measure` returns plain JSON-able dicts, for ``bench`` commands to print and save.
+:func:`measure` probes a running server and returns plain JSON-able dicts; :func:`run`
+starts servers in child processes and measures them, beside the baseline of parsing on
+the event loop (what a plain FastAPI server does).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import socket
 import threading
 import time
 from urllib.parse import urlsplit
+
+from dataclasses import asdict, dataclass
 
 import httpx
 
@@ -146,3 +150,47 @@ def _median(values: list[float]) -> float:
         return 0.0
     values = sorted(values)
     return values[len(values) // 2]
+
+
+@dataclass
+class HostileBenchConfig:
+    model: str = "tiny_mlp"  # a zoo model: its first input names the large request's tensor
+    body_mib: float = 63.0
+    idle_connections: int = 1000
+    header_timeout_s: float = 10.0
+    header_bytes: int = 32 << 10
+
+
+def run(cfg: HostileBenchConfig, progress=None) -> dict:
+    """Measure a ``timeshare serve`` (one model on the CPU, in-process) as configured by
+    default, then the stall again with every body parsed on the event loop (the baseline)."""
+    import resource
+
+    from timeshare.bench.environment import describe
+    from timeshare.device import resolve_device
+    from timeshare.server.process import ServerProcess
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # this process holds the idle connections
+    want = cfg.idle_connections + 256
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    body = int(cfg.body_mib * (1 << 20))
+    server = {"runtime": {"device": "cpu", "memory": "64MiB", "workers": 0},
+              "server": {"header_timeout_s": cfg.header_timeout_s, "max_connections": cfg.idle_connections + 64,
+                         "max_request_bytes": max(64 << 20, body + (1 << 20))},
+              "models": [{"name": cfg.model, "zoo": cfg.model}]}
+    with ServerProcess(server) as s:
+        if progress:
+            progress("measuring timeshare serve")
+        ours = measure(s.url, model=cfg.model, body_bytes=body, idle_connections=cfg.idle_connections,
+                       header_timeout_s=cfg.header_timeout_s, header_bytes=cfg.header_bytes)
+    baseline_cfg = {**server, "server": {**server["server"], "parse_in_process_bytes": server["server"]
+                                         ["max_request_bytes"]}}
+    with ServerProcess(baseline_cfg) as s:
+        if progress:
+            progress("measuring the baseline: bodies parsed on the event loop")
+        measure_stall(s.url, model=cfg.model, body_bytes=1 << 20)  # warm, as the first run was
+        baseline = measure_stall(s.url, model=cfg.model, body_bytes=body)
+    return {"benchmark": "hostile", "config": asdict(cfg), "server_config": server,
+            "environment": describe(resolve_device("cpu")),
+            "result": {"timeshare": ours, "baseline_parse_on_event_loop": {"stall": baseline}}}
