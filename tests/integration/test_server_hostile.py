@@ -247,22 +247,29 @@ def test_idle_connections_are_closed_by_the_header_deadline(server):
     assert r["first_closed_s"] >= HEADER_TIMEOUT_S / 2, r  # not at once: by the deadline
 
 
+def trickle(sock, piece, pieces: int) -> tuple[int, bytes]:
+    """Send ``piece(i)`` every 0.2 s until the server answers or closes; how many were
+    sent, and the answer."""
+    sent, answer = 0, b""
+    sock.settimeout(0.2)
+    for sent in range(pieces):
+        try:
+            sock.sendall(piece(sent))
+            answer = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        if answer:
+            break
+    return sent, answer + read_until_closed(sock, 5)
+
+
 def test_a_client_trickling_its_headers_is_cut_off(server):
     with raw_connection(server) as sock:
         sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
-        sent, answer = 0, b""
-        sock.settimeout(0.2)
-        for sent in range(40):  # 8 s of trickling, each line in time for uvicorn's keep-alive
-            try:
-                sock.sendall(b"X-Slow: %d\r\n" % sent)
-                answer = sock.recv(65536)
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if answer:
-                break
-        answer += read_until_closed(sock, 5)
+        # 8 s of trickling, each line in time for uvicorn's keep-alive
+        sent, answer = trickle(sock, lambda i: b"X-Slow: %d\r\n" % i, 40)
     assert answer.startswith(b"HTTP/1.1 408") and b"server.header_timeout_s" in answer, answer
     assert sent < 20, sent  # well before the trickle ended
 
@@ -271,19 +278,7 @@ def test_a_client_trickling_its_body_is_cut_off(server):
     with raw_connection(server) as sock:
         sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{")
-        sent, answer = 0, b""
-        sock.settimeout(0.2)
-        for sent in range(60):
-            try:
-                sock.sendall(b" ")
-                answer = sock.recv(65536)
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if answer:
-                break
-        answer += read_until_closed(sock, 5)
+        sent, answer = trickle(sock, lambda i: b" ", 60)
     assert answer.startswith(b"HTTP/1.1 408") and b"server.body_timeout_s" in answer, answer
     assert sent < 30, sent
     assert server.service.ready  # the request that lost its body was let go

@@ -117,8 +117,7 @@ def run(cfg: ChaosBenchConfig, progress=None) -> dict:
             t.start()
         segments = _segments_of(server.pid)
         _fault_loop(cfg, rec)
-        last_fault_end = max((f["end_s"] for f in rec.faults), default=rec.now())
-        healed_at = _wait_healed(rec, cfg.heal_timeout_s)
+        _wait_healed(rec, cfg.heal_timeout_s)
         time.sleep(1.0)  # requests after the heal, with every worker back
         stop.set()
         for t in threads:
@@ -128,7 +127,7 @@ def run(cfg: ChaosBenchConfig, progress=None) -> dict:
         code = server.stop()
         leftovers = [server.describe(pid) for pid in server.leftovers()]
     shm_left = sorted(name for name in segments if (SHM / name).exists())
-    result = summarize(rec, cfg, last_fault_end, healed_at)
+    result = summarize(rec, cfg)
     result.update(final_check=final, server_exit_code=code, server_leftover_processes=len(leftovers),
                   server_leftovers=leftovers, shm_segments_seen=len(segments), shm_segments_left=shm_left)
     return {"benchmark": "chaos", "config": asdict(cfg), "server_config": server_cfg,
@@ -214,15 +213,18 @@ def _fault_loop(cfg: ChaosBenchConfig, rec: _Recorder) -> None:
 
 def _fault(kind: str, cfg: ChaosBenchConfig, rec: _Recorder, rng: random.Random) -> None:
     start = rec.now()
+    pids = []
     if kind == "kill-starting":  # kill one, then its replacement while it boots
         first = _find(rec, ("idle", "busy", "training"), 2.0)
         if first is None:
             return
         _signal(first["pid"], signal.SIGKILL)
+        pids.append(first["pid"])
         target = _find(rec, ("starting",), 5.0, exclude={first["pid"]})
         if target is not None:
             time.sleep(rng.uniform(0.0, 0.5))
             _signal(target["pid"], signal.SIGKILL)
+            pids.append(target["pid"])
     else:
         states = {"kill-busy": ("busy",), "kill-training": ("training",), "kill-idle": ("idle",),
                   "stop": ("busy", "idle", "training")}[kind]
@@ -235,8 +237,9 @@ def _fault(kind: str, cfg: ChaosBenchConfig, rec: _Recorder, rng: random.Random)
             _signal(target["pid"], signal.SIGCONT)
         else:
             _signal(target["pid"], signal.SIGKILL)
+        pids.append(target["pid"])
     with rec.lock:
-        rec.faults.append({"kind": kind, "pid": target["pid"] if target else None,
+        rec.faults.append({"kind": kind, "pids": pids,
                            "state": target["state"] if target else None, "start_s": start, "end_s": rec.now()})
 
 
@@ -247,17 +250,14 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _wait_healed(rec: _Recorder, timeout_s: float) -> float | None:
-    """When the pool was back at full size with every worker ready, after the last fault."""
+def _wait_healed(rec: _Recorder, timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) until the pool healed from the last fault."""
     deadline = time.monotonic() + timeout_s
-    since = rec.now()
-    while time.monotonic() < deadline:
+    while rec.faults and time.monotonic() < deadline:
         with rec.lock:
-            healthy = [t for t, w in rec.status if t >= since and w["ready"] == w["size"]]
-        if healthy:
-            return healthy[0]
+            if _heal_time(rec.faults[-1], list(rec.status)) is not None:
+                return
         time.sleep(0.05)
-    return None
 
 
 def _final_check(url: str, cfg: ChaosBenchConfig, cases) -> dict:
@@ -290,7 +290,7 @@ def _segments_of(pid: int) -> set[str]:
 
 
 # ---------------------------------------------------------------------- the report
-def summarize(rec: _Recorder, cfg: ChaosBenchConfig, last_fault_end: float, healed_at: float | None) -> dict:
+def summarize(rec: _Recorder, cfg: ChaosBenchConfig) -> dict:
     requests, faults, status = rec.requests, rec.faults, rec.status
     failed = [r for r in requests if r["status"] != 200]
     windows = [(f["start_s"], f["end_s"] + cfg.attribution_s) for f in faults]
@@ -299,6 +299,8 @@ def summarize(rec: _Recorder, cfg: ChaosBenchConfig, last_fault_end: float, heal
     for r in failed:
         by_status[str(r["status"])] = by_status.get(str(r["status"]), 0) + 1
     heal = [_heal_time(f, status) for f in faults]
+    for f, h in zip(faults, heal):
+        f["heal_s"] = h
     stops = [_during_stop(f, requests) for f in faults if f["kind"] == "stop"]
     known = [h for h in heal if h is not None]
     final = status[-1][1] if status else {}
@@ -319,7 +321,7 @@ def summarize(rec: _Recorder, cfg: ChaosBenchConfig, last_fault_end: float, heal
         "heal_s_max": max(known) if known else None,
         "heal_s_p50": float(np.median(known)) if known else None,
         "not_healed": sum(h is None for h in heal),
-        "heal_after_last_fault_s": None if healed_at is None else max(0.0, healed_at - last_fault_end),
+        "heal_after_last_fault_s": heal[-1] if heal else None,
         # A stopped worker must cost the other requests at most about one call deadline:
         # the slowest request under way while a worker was stopped, beside that deadline.
         "stop_faults": stops,
@@ -344,9 +346,10 @@ def _during_stop(fault: dict, requests: list[dict]) -> dict:
 
 def _heal_time(fault: dict, status: list[tuple[float, dict]]) -> float | None:
     """Seconds from a fault's end until the pool was at full size, every worker ready,
-    and the faulted process no longer one of them."""
+    and every process the fault killed no longer one of them (a status read before the
+    kill was seen does not count). A stopped worker that resumed in time may stay."""
+    gone = set(fault["pids"]) if fault["kind"] != "stop" else set()
     for t, w in status:
-        if t >= fault["end_s"] and w["ready"] == w["size"] and \
-                all(x["pid"] != fault["pid"] or fault["kind"] == "stop" for x in w.get("workers", [])):
+        if t >= fault["end_s"] and w["ready"] == w["size"] and not gone & {x["pid"] for x in w.get("workers", [])}:
             return t - fault["end_s"]
     return None

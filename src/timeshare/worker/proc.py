@@ -396,8 +396,10 @@ class WorkerHandle:
         else:
             how = f"exited with code {code}"
         if not self.booted:
-            how += (" before it was ready; its stderr says why. A script that starts workers must create"
-                    " the Runtime under `if __name__ == '__main__':` (workers are spawned)")
+            how += " before it was ready"
+            if code is not None and code > 0:  # it failed by itself (a signal is someone else's doing)
+                how += ("; its stderr says why. A script that starts workers must create the Runtime under"
+                        " `if __name__ == '__main__':` (workers are spawned)")
         return how
 
     def _crashed(self, what: str) -> WorkerCrashedError:
