@@ -52,6 +52,7 @@ class Start:
     profile_repeats: int
     fixed_group_bytes: int
     load_timeout_s: float
+    copy_delay_s: float = 0.0  # diagnostic: NOTE [Poisoned reloads]
     backend_flags: Any = None  # device.BackendFlags of the process that created the runtime
 
 

@@ -35,7 +35,10 @@ def same(a, b):
 def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
     zoo = ZOO[name]
     x = zoo.example_inputs(2)
-    with timeshare.Runtime(device="cuda", memory="2GiB", profile_repeats=2) as rt:
+    # NOTE [Poisoned reloads]: NaN in the block before each reload, and each group's copy
+    # held back by a device-side spin on the copy stream: a missing device-side wait reads NaN.
+    with timeshare.Runtime(device="cuda", memory="2GiB", profile_repeats=2, poison_evicted=True,
+                           copy_delay_s=0.002) as rt:
         rt.register(name, zoo.builder, weights_path(name), x)
         rt.infer(name, *x)
         ready = rt.infer(name, *x)
@@ -50,7 +53,7 @@ def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
 def test_weight_sharing_cases_on_cuda(case):
     build = models.CASES[case]
     x = (torch.randn(4, 8),)
-    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1) as rt:
+    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1, poison_evicted=True) as rt:
         rt.register(case, build, None, x)
         ready = rt.infer(case, *x)
         for strategy in STRATEGIES:
@@ -114,7 +117,7 @@ def test_workers_share_the_cuda_arena_and_switch_without_device_allocation():
     with timeshare.Runtime(device="cuda", memory="1GiB", profile_repeats=1) as local:
         local.register("r", zoo.builder, weights_path("resnet152"), x)
         expected = local.infer("r", *x)
-    with timeshare.Runtime(device="cuda", memory="1GiB", workers=2, profile_repeats=1) as rt:
+    with timeshare.Runtime(device="cuda", memory="1GiB", workers=2, profile_repeats=1, poison_evicted=True) as rt:
         rt.register("r", zoo.builder, weights_path("resnet152"), x)
         assert same(rt.infer("r", *x), expected)
         job = rt.train("bg", models.train_net, models.adam, models.endless_batches, models.train_step)

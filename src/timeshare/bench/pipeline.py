@@ -81,7 +81,9 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             raise ConfigError(f"unknown strategy {s!r}; known: {list(STRATEGIES)}")
     dtype = parse_dtype(config.dtype)
     results = []
-    with Runtime(device=config.device, memory=config.memory) as rt:
+    # Outputs after each load are compared with the resident ones over poisoned blocks
+    # (NOTE [Poisoned reloads]); the poison is written at eviction, outside the timings.
+    with Runtime(device=config.device, memory=config.memory, poison_evicted=True) as rt:
         env = describe(rt.device)
         for name in config.models:
             zoo = zoo_get(name)

@@ -73,7 +73,8 @@ def run(config: SwitchBenchConfig, progress: Callable[[str], None] = lambda s: N
     dtype = parse_dtype(config.dtype)
     batch, train = defaults(device, config)
     results = []
-    with Runtime(device=device, memory=config.memory, workers=2) as rt:
+    # poison_evicted: the outputs after loads are checked over NaN, not stale bytes (NOTE [Poisoned reloads])
+    with Runtime(device=device, memory=config.memory, workers=2, poison_evicted=True) as rt:
         env = describe(rt.device)
         inputs = {}
         for name in config.models:

@@ -40,6 +40,13 @@ class Arena:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.buffer}
 
+    def poison(self, block: Block) -> None:
+        """Overwrite ``block`` with 0xFF bytes: NaN in every floating type, -1 in the
+        integer ones (a diagnostic: NOTE [Poisoned reloads]). Done when this returns."""
+        self.buffer[block.offset:block.offset + block.size].fill_(0xFF)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # before any worker's next copy lands there
+
     def share(self):
         """What another process needs to map this arena, as plain picklable data, sent
         once when a worker starts: the segment's name on the CPU; on CUDA the IPC handle

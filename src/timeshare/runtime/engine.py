@@ -118,6 +118,11 @@ class Runtime:
 
     Outputs are returned on the CPU, so the same call works when the model runs in
     another process.
+
+    Diagnostics, for checks of exactness (NOTE [Poisoned reloads]), never for serving:
+    ``poison_evicted`` overwrites an evicted model's block with NaN bytes, so that a load
+    that skipped a group's wait reads poison instead of the old bytes sticky placement
+    left there; ``copy_delay_s`` starts every group's copy that much later.
     """
 
     def __init__(
@@ -137,6 +142,8 @@ class Runtime:
         startup_timeout_s: float = 120.0,
         scheduling: str = "priority",
         time_slice_s: float | None = None,
+        poison_evicted: bool = False,
+        copy_delay_s: float = 0.0,
     ):
         if strategy not in STRATEGIES:
             raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
@@ -146,6 +153,9 @@ class Runtime:
                             ("startup_timeout_s", startup_timeout_s), ("task_deadline_min_s", task_deadline_min_s)):
             if value <= 0:
                 raise ConfigError(f"{what} must be positive, got {value}")
+        if copy_delay_s < 0:
+            raise ConfigError(f"copy_delay_s must not be negative, got {copy_delay_s}")
+        self.poison_evicted = poison_evicted  # NOTE [Poisoned reloads]
         if task_deadline_factor < 1:
             raise ConfigError(f"task_deadline_factor must be at least 1, got {task_deadline_factor}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
@@ -178,9 +188,10 @@ class Runtime:
                     fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s,
                     task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                     task_deadline_factor=task_deadline_factor, task_deadline_min_s=task_deadline_min_s,
+                    copy_delay_s=copy_delay_s,
                 )
             else:
-                self._engine = make_copy_engine(self.device, load_timeout_s)
+                self._engine = make_copy_engine(self.device, load_timeout_s, copy_delay_s)
                 self._worker = Worker(
                     self.device, self._arena, self._engine,
                     profile_repeats=profile_repeats, fixed_group_bytes=self.fixed_group_bytes,
@@ -641,6 +652,8 @@ class Runtime:
         if still_copying is not None:
             self._quarantine.append((block, still_copying))
         else:
+            if self.poison_evicted:  # NOTE [Poisoned reloads]
+                self._arena.poison(block)
             self._arena.release(block)  # the module keeps stale views: NOTE [Sticky placement]
 
     def _reclaim_quarantine(self) -> None:

@@ -86,12 +86,13 @@ class ProcessPool:
         startup_timeout_s: float,
         task_deadline_factor: float = 10.0,
         task_deadline_min_s: float = 5.0,
+        copy_delay_s: float = 0.0,
         backend_flags: BackendFlags | None = None,
     ):
         self._ctx = spawn_context()
         self._template = dict(device=device, arena=arena, arena_capacity=arena_capacity,
                               profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
-                              load_timeout_s=load_timeout_s,
+                              load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
                               backend_flags=backend_flags or BackendFlags.capture())
         self.task_timeout_s = task_timeout_s
         self.startup_timeout_s = startup_timeout_s

@@ -70,18 +70,25 @@ class CopyEngine:
         pass
 
 
-def make_copy_engine(device: torch.device, deadline_s: float = 60.0) -> CopyEngine:
+def make_copy_engine(device: torch.device, deadline_s: float = 60.0, delay_s: float = 0.0) -> CopyEngine:
+    """The copy engine of ``device``. ``delay_s`` is a diagnostic (NOTE [Poisoned
+    reloads]): every group's copy starts that much later, on the copy thread or on the
+    device's copy stream, so that a compute that does not wait for its group surely
+    runs before the group arrives."""
+    if delay_s < 0:
+        raise ValueError(f"delay_s must not be negative, got {delay_s}")
     if device.type == "cuda":
-        return CudaCopyEngine(device)
-    return CpuCopyEngine(deadline_s)
+        return CudaCopyEngine(device, delay_s)
+    return CpuCopyEngine(deadline_s, delay_s)
 
 
 # --- CPU -------------------------------------------------------------------------------
 
 
 class _CpuLoad(LoadHandle):
-    def __init__(self, src, dst, ranges: Sequence[Range], where: str, deadline_s: float):
+    def __init__(self, src, dst, ranges: Sequence[Range], where: str, deadline_s: float, delay_s: float = 0.0):
         self.src, self.dst, self.ranges = src, dst, list(ranges)
+        self.delay_s = delay_s
         self.n_groups = len(self.ranges)
         self.where = where
         self.deadline_s = deadline_s
@@ -111,6 +118,8 @@ class _CpuLoad(LoadHandle):
 
     def _copy_group(self, k: int) -> None:
         a, b = self.ranges[k]
+        if self.delay_s:
+            time.sleep(self.delay_s)  # diagnostic: NOTE [Poisoned reloads]
         self.dst[a:b].copy_(self.src[a:b])
 
     def wait(self, k: int) -> None:
@@ -131,8 +140,9 @@ class _CpuLoad(LoadHandle):
 class CpuCopyEngine(CopyEngine):
     """A copy thread standing in for CUDA's copy engine."""
 
-    def __init__(self, deadline_s: float = 60.0):
+    def __init__(self, deadline_s: float = 60.0, delay_s: float = 0.0):
         self.deadline_s = deadline_s
+        self.delay_s = delay_s
         self._queue: queue.Queue[_CpuLoad | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="timeshare-copy", daemon=True)
         self._thread.start()
@@ -145,7 +155,7 @@ class CpuCopyEngine(CopyEngine):
             load.run()
 
     def start(self, src, dst, ranges, where, fences=()):
-        load = _CpuLoad(src, dst, ranges, where, self.deadline_s)
+        load = _CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s)
         if not self._thread.is_alive():
             raise PipelineError("the copy thread is not running (engine closed?)", where=where)
         self._queue.put(load)
@@ -191,9 +201,12 @@ class CudaCopyEngine(CopyEngine):
 
     host_waits = False
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, delay_s: float = 0.0):
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        # Diagnostic (NOTE [Poisoned reloads]): a device-side spin before each group's copy.
+        # torch.cuda._sleep spins for a number of clock cycles; 2 GHz is about an H100's.
+        self._delay_cycles = int(delay_s * 2e9)
 
     def start(self, src, dst, ranges, where, fences=()):
         if not src.is_pinned():
@@ -207,6 +220,8 @@ class CudaCopyEngine(CopyEngine):
         with torch.cuda.stream(self.stream):
             begin.record(self.stream)
             for k, (a, b) in enumerate(ranges):
+                if self._delay_cycles:
+                    torch.cuda._sleep(self._delay_cycles)
                 dst[a:b].copy_(src[a:b], non_blocking=True)
                 ev = torch.cuda.Event(enable_timing=k == len(ranges) - 1)  # times the whole load
                 ev.record(self.stream)

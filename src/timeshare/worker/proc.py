@@ -53,7 +53,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         start.backend_flags.apply()
     device = resolve_device(start.device)
     arena = Arena.attach(start.arena, start.arena_capacity, device)  # creates the device context on CUDA
-    engine = make_copy_engine(device, start.load_timeout_s)
+    engine = make_copy_engine(device, start.load_timeout_s, start.copy_delay_s)
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
                     fixed_group_bytes=start.fixed_group_bytes)
     segments = {}  # model -> its host store's shared memory, kept open while the model is known

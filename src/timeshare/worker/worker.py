@@ -282,6 +282,15 @@ class Worker:
     # pointing at the old offset (stale views, never read: the module is private to the
     # runtime and only called through a load). A model that lands where it was bound
     # needs no binding at all. Removing a model points the slots at meta tensors.
+    #
+    # NOTE [Poisoned reloads]
+    # Sticky placement makes exactness checks weak: a model reloaded where it was finds
+    # its old bytes still there, so a load that forgot to wait for a group would still
+    # compute the right outputs. Checks therefore run with two diagnostics of the
+    # Runtime: ``poison_evicted`` fills an evicted model's block with 0xFF bytes (NaN in
+    # every floating type) before it is freed, and ``copy_delay_s`` starts each group's
+    # copy later (a sleep on the CPU copy thread, a device-side spin on the CUDA copy
+    # stream), so a compute that does not wait surely reads poison and the check fails.
     def _bind(self, wm: WorkerModel, offset: int) -> None:
         if wm.bound_at != offset:
             bind(wm.layout, self.arena.views(offset, wm.store.entries))
