@@ -15,6 +15,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     cli_serve.add_parsers(sub, bench)
 
     args = parser.parse_args(argv)
+    global _COMMAND
+    _COMMAND = shlex.join(["timeshare", *(sys.argv[1:] if argv is None else argv)])
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where every thread is (the campaign does, on a time-out)
         try:
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
@@ -235,8 +238,12 @@ def _device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
 
 
+_COMMAND = ""  # the command line of this run, written into every result file
+
+
 def _write_json(path: Path | None, result: dict) -> None:
     if path:
+        result = {**result, "command": result.get("command") or _COMMAND}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {path}")

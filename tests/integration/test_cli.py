@@ -94,7 +94,9 @@ def test_bench_hostile_measures_the_limits_and_the_baseline(tmp_path, capsys):
     out = tmp_path / "hostile.json"
     assert cli.main(["bench", "hostile", "--body-mib", "2", "--idle", "20", "--header-timeout", "1",
                      "--json", str(out)]) == 0
-    r = json.loads(out.read_text())["result"]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("timeshare bench hostile --body-mib 2")  # every result says how it was made
+    r = doc["result"]
     ours, base = r["timeshare"], r["baseline_parse_on_event_loop"]["stall"]
     assert ours["stall"]["body_bytes"] > 2_000_000 and ours["stall"]["small_requests_during"] > 0
     assert base["body_bytes"] == ours["stall"]["body_bytes"] and base["max_stall_ms"] is not None
