@@ -144,3 +144,29 @@ def test_unreadable_files_are_clear_errors(tmp_path):
         read_weights({"a": 1})
     with pytest.raises(WeightsError, match="safetensors path or a state dict"):
         read_weights(42)
+
+
+def test_load_strictly_refuses_a_missing_key_but_not_a_tied_alias():
+    from timeshare.models.weights import load_strictly
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 4)
+            self.head = torch.nn.Linear(4, 5, bias=False)
+            self.head.weight = self.emb.weight  # one tensor, two names
+
+    state = {"emb.weight": Tied().emb.weight.detach().clone()}
+    load_strictly(Tied(), state, "tied")  # a weights file names a tied tensor once: not missing
+    with pytest.raises(WeightsError, match=r"lin: .*missing \['weight'\]"):
+        load_strictly(torch.nn.Linear(4, 5), {"bias": torch.zeros(5)}, "lin")
+    with pytest.raises(WeightsError, match=r"unexpected \['extra'\]"):
+        load_strictly(torch.nn.Linear(4, 5), {**torch.nn.Linear(4, 5).state_dict(), "extra": torch.ones(1)}, "lin")
+    # Built on meta and given storage with to_empty (the one-process baseline), the tie is
+    # broken: the alias would be uninitialised memory, and is refused.
+    with torch.device("meta"):
+        empty = Tied()
+    empty = empty.to_empty(device="cpu")
+    assert empty.head.weight is not empty.emb.weight
+    with pytest.raises(WeightsError, match="head.weight"):
+        load_strictly(empty, state, "tied")

@@ -176,20 +176,10 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
 def _native_module(name: str, dtype, device: torch.device) -> torch.nn.Module:
     """The zoo model in plain PyTorch: built, its weights file loaded strictly, moved to
     the device, eval mode. What a user without timeshare runs with weights resident."""
-    from timeshare.models.weights import read_weights
+    from timeshare.models.weights import load_strictly, read_weights
 
     module = zoo_get(name).build()
-    state = read_weights(weights_path(name))
-    result = module.load_state_dict(state, strict=False)
-    # A weights file names a tied tensor once; every other missing key must be such an alias.
-    own = module.state_dict(keep_vars=True)
-    loaded = {own[k].data_ptr() for k in state if k in own}
-    untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]
-    if untied or result.unexpected_keys:
-        from timeshare.errors import WeightsError
-
-        raise WeightsError(f"{name}: the weights file does not match the module (missing {untied}, "
-                           f"unexpected {result.unexpected_keys})")
+    load_strictly(module, read_weights(weights_path(name)), name)
     if dtype is not None:
         module = module.to(dtype)
     return module.to(device).eval()

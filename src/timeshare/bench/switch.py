@@ -153,7 +153,9 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
                 exact &= _equal(out, reference)
             else:
                 _pause(job)  # the baseline's own process trains meanwhile
-                samples.append(_standalone(baseline, name, batch, config.dtype, train, str(rt.device)))
+                ms, out = _standalone(baseline, name, batch, config.dtype, train, str(rt.device))
+                samples.append(ms)
+                exact &= _equal(out, reference)  # its weights loaded strictly, its output bit for bit
         r[baseline] = _stats(samples)
         r[f"{baseline}_ms"] = r[baseline]["median_ms"]
     r["outputs_match_ready"] = exact
@@ -234,36 +236,50 @@ def _last_switch(rt: Runtime, before: int, timeout_s: float = 60.0) -> dict | No
     return None
 
 
-def _standalone(baseline: str, name: str, batch: int, dtype: str, train: TrainingWorkload, device: str) -> float:
-    """One run of a plain-process baseline, in milliseconds from the switch request to
-    the output."""
+def _standalone(baseline: str, name: str, batch: int, dtype: str, train: TrainingWorkload,
+                device: str) -> tuple[float, object]:
+    """One run of a plain-process baseline: milliseconds from the switch request to the
+    output, and the output (saved by the process after the timing)."""
     cmd = [sys.executable, "-m", "timeshare.bench.standalone"]
-    with tempfile.TemporaryFile() as log:
-        if baseline == "stop_and_start":
-            trainer = _start(cmd + ["train", train.model, str(train.batch), device], log)
-            try:
-                _expect(trainer, "training", log)
-                t0 = time.perf_counter()
-                trainer.kill()
-                trainer.wait(60)
-                fresh = _start(cmd + ["serve", name, str(batch), device, dtype], log)
-                try:
-                    _expect(fresh, "done", log)
-                    return (time.perf_counter() - t0) * 1e3
-                finally:
-                    _reap(fresh)
-            finally:
-                _reap(trainer)
-        proc = _start(cmd + ["one-process", train.model, str(train.batch), name, str(batch), device, dtype], log)
+    with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory(prefix="timeshare-baseline-") as tmp:
+        out_path = os.path.join(tmp, "output.pt")
+        ms = _run_standalone(cmd, baseline, name, batch, dtype, train, device, log, out_path)
+        return ms, torch.load(out_path)
+
+
+def _run_standalone(cmd: list[str], baseline: str, name: str, batch: int, dtype: str, train: TrainingWorkload,
+                    device: str, log, out_path: str) -> float:
+    """Run one baseline's processes; the milliseconds from the switch request to the output."""
+    if baseline == "stop_and_start":
+        trainer = _start(cmd + ["train", train.model, str(train.batch), device], log)
         try:
-            _expect(proc, "training", log)
+            _expect(trainer, "training", log)
             t0 = time.perf_counter()
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-            _expect(proc, "done", log)
-            return (time.perf_counter() - t0) * 1e3
+            trainer.kill()
+            trainer.wait(60)
+            fresh = _start(cmd + ["serve", name, str(batch), device, dtype, out_path], log)
+            try:
+                _expect(fresh, "done", log)
+                ms = (time.perf_counter() - t0) * 1e3
+                _expect(fresh, "saved", log)
+                return ms
+            finally:
+                _reap(fresh)
         finally:
-            _reap(proc)
+            _reap(trainer)
+    proc = _start(cmd + ["one-process", train.model, str(train.batch), name, str(batch), device, dtype,
+                         out_path], log)
+    try:
+        _expect(proc, "training", log)
+        t0 = time.perf_counter()
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        _expect(proc, "done", log)
+        ms = (time.perf_counter() - t0) * 1e3
+        _expect(proc, "saved", log)
+        return ms
+    finally:
+        _reap(proc)
 
 
 def _start(cmd: list[str], log) -> subprocess.Popen:

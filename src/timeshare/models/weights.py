@@ -100,3 +100,17 @@ def save_weights(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     save_file(state, str(tmp))
     os.replace(tmp, path)
     return path
+
+
+def load_strictly(module: torch.nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
+    """``module.load_state_dict(state)`` that refuses any mismatch: a key of the module the
+    weights do not give is an error (a module built on meta and given storage with
+    ``to_empty`` would otherwise compute with uninitialised memory), except a tied tensor,
+    which a weights file names once; an unexpected key is an error too."""
+    result = module.load_state_dict(state, strict=False)
+    own = module.state_dict(keep_vars=True)
+    loaded = {own[k].data_ptr() for k in state if k in own}
+    untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded or own[k].device.type == "meta"]
+    if untied or result.unexpected_keys:
+        raise WeightsError(f"{what}: the weights do not match the module (missing {untied[:5]}, "
+                           f"unexpected {result.unexpected_keys[:5]})")
