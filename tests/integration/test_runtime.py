@@ -46,7 +46,7 @@ def reference(build, weights, *args, **kwargs):
 
 @pytest.fixture
 def rt():
-    with timeshare.Runtime(device="cpu", memory="64MiB", profile_repeats=1) as r:
+    with timeshare.Runtime(device="cpu", memory="64MiB", profile_repeats=1, poison_evicted=True) as r:  # NOTE [Poisoned reloads]
         yield r
 
 

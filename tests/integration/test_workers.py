@@ -39,7 +39,8 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def rt():
-    with timeshare.Runtime(device="cpu", memory="64MiB", workers=2, profile_repeats=1, task_timeout_s=20) as r:
+    with timeshare.Runtime(device="cpu", memory="64MiB", workers=2, profile_repeats=1, task_timeout_s=20,
+                           poison_evicted=True) as r:  # NOTE [Poisoned reloads]
         r.register("slow", "tests.models:slow", None, (X,), example_kwargs={"delay_s": 0.0})
         yield r
 
