@@ -259,10 +259,7 @@ def _run_standalone(cmd: list[str], baseline: str, name: str, batch: int, dtype:
             trainer.wait(60)
             fresh = _start(cmd + ["serve", name, str(batch), device, dtype, out_path], log)
             try:
-                _expect(fresh, "done", log)
-                ms = (time.perf_counter() - t0) * 1e3
-                _expect(fresh, "saved", log)
-                return ms
+                return _answered_ms(fresh, t0, log)
             finally:
                 _reap(fresh)
         finally:
@@ -274,12 +271,18 @@ def _run_standalone(cmd: list[str], baseline: str, name: str, batch: int, dtype:
         t0 = time.perf_counter()
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
-        _expect(proc, "done", log)
-        ms = (time.perf_counter() - t0) * 1e3
-        _expect(proc, "saved", log)
-        return ms
+        return _answered_ms(proc, t0, log)
     finally:
         _reap(proc)
+
+
+def _answered_ms(proc: subprocess.Popen, t0: float, log) -> float:
+    """Milliseconds from ``t0`` until ``proc`` says "done"; then wait for it to have saved
+    its output (outside the timing)."""
+    _expect(proc, "done", log)
+    ms = (time.perf_counter() - t0) * 1e3
+    _expect(proc, "saved", log)
+    return ms
 
 
 def _start(cmd: list[str], log) -> subprocess.Popen:
