@@ -12,6 +12,7 @@ device allocation.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from multiprocessing import shared_memory
 
@@ -35,7 +36,8 @@ class Arena:
         if device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=self.capacity)
             reserve_shared_memory(self._shm, "a CPU arena", "use a smaller Runtime(memory=...) or a larger /dev/shm")
-            self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.capacity)
+            self.buffer = map_shared_memory(self._shm.name, self.capacity)
+            self._shm.close()  # its own mapping: NOTE [Mappings outlive close]
         else:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
         self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.buffer}
@@ -72,8 +74,7 @@ class Arena:
         self._shm = None
         kind = handle[0]
         if kind == "shm" and device.type == "cpu":
-            self._shm = attach_shared_memory(handle[1])
-            self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=capacity)
+            self.buffer = map_shared_memory(handle[1], capacity)
         elif kind == "cuda_ipc" and device.type == "cuda":
             _, rebuild, args = handle
             self.buffer = rebuild(*args)
@@ -115,22 +116,36 @@ class Arena:
         return self.buffer[block.offset : block.offset + block.size]
 
     def close(self) -> None:
-        """Drop the buffer and give the memory back (unlinks the shared-memory segment)."""
+        """Drop the buffer and give the memory back: the creator unlinks the segment (CPU)
+        or empties the cache (CUDA). On the CPU the mapping itself goes when the last
+        view of it does (NOTE [Mappings outlive close])."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._typed.clear()
         if self.device.type == "cuda" and self._owner:  # hand the bytes back to the driver
             torch.cuda.empty_cache()
         if self._shm is not None:
             shm, self._shm = self._shm, None
-            try:
-                shm.close()
-            except BufferError:
-                # Views of the buffer are still alive somewhere; the mapping goes away with
-                # them. Unlinking below still returns the segment's name and, once the last
-                # view dies, its memory.
-                log.debug("arena %s closed while views were alive", shm.name)
-            if self._owner:
-                shm.unlink()
+            shm.unlink()
+
+
+# NOTE [Mappings outlive close]
+# A CPU arena (and a host store) is a shared-memory segment mapped by a tensor made with
+# ``torch.frombuffer`` over an ``mmap`` of its own; the tensor and every view of it keep
+# that ``mmap`` alive, and it is unmapped when the last of them is freed. Nothing here
+# ever closes a mapping explicitly, so closing an arena while a module's stale view, an
+# output or a copy thread still holds part of it is not an error to handle: the bytes
+# stay valid for them, and unlinking only removes the name (the memory goes back once
+# the last mapping does). ``SharedMemory`` is kept for creating and naming the segment
+# (and its resource tracker, which unlinks what a killed creator left behind); its own
+# mapping is closed at once, before anything could export it.
+def map_shared_memory(name: str, size: int) -> torch.Tensor:
+    """The segment ``name`` as a uint8 tensor of ``size`` bytes, mapped on its own."""
+    fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=size)
 
 
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
