@@ -77,11 +77,8 @@ def test_bench_cycles_reports_a_fraction_of_ready(tmp_path, capsys):
     assert data["outputs_match_ready"] is True and data["ready_rps"] > 0
     assert [r["cycle_s"] for r in data["results"]] == [0.3, 0.6]
     for r in data["results"]:
-        # Each round's first request should preempt the running job (a switch), but the bench
-        # pauses the job just before it, and a job already stopped makes none: a race, open in
-        # issue 13 (item 4). Until it is fixed, at least one switch per cycle length, never more
-        # than one per round.
-        assert r["requests"] > 0 and 1 <= r["switches"] <= r["rounds"] and 0 < r["fraction_of_ready"]
+        # Each round's first request preempts the running job: one switch per round, exactly.
+        assert r["requests"] > 0 and r["switches"] == r["rounds"] and 0 < r["fraction_of_ready"]
     assert [r["rounds"] for r in data["results"]] == [2, 1]
 
 

@@ -189,3 +189,30 @@ def test_a_profile_measured_by_one_worker_serves_every_other():
         assert torch.equal(rt.infer("cnn", *x), ref)
         assert rt._pool.profilings == 1
         assert any(len(w.profiles) == 1 for w in rt._pool.workers)
+
+
+def test_every_spawned_worker_gets_its_own_arena_handle(monkeypatch):
+    # A CUDA IPC handle carries a reference count that one receiving process consumes, so
+    # the pool asks the arena for a fresh handle per worker it spawns, replacements included.
+    from timeshare.memory.arena import Arena
+
+    made = []
+    share = Arena.share
+
+    def counting(self):
+        made.append(share(self))
+        return made[-1]
+
+    monkeypatch.setattr(Arena, "share", counting)
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1) as rt:
+        deadline = time.monotonic() + 60
+        while rt.snapshot()["workers"]["ready"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(made) == 2
+        victim = rt.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        while victim in rt.worker_pids() or rt.snapshot()["workers"]["ready"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(made) == 3

@@ -82,8 +82,11 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
                     _resume_training(job, iterations=1)
                     time.sleep(max(0.0, cycle - 0.0))
                     progress(f"cycle {cycle:g} s: round {round_ + 1}/{rounds}, inference")
-                    job.pause()  # the scheduler's decision: inference's turn (stops at the next boundary)
+                    # Inference's turn: its first request preempts the job (the switch), which
+                    # then stays stopped for the rest of the turn.
+                    job.hold()
                     n, elapsed, ok = _serve(rt, name, inputs, reference, cycle)
+                    _pause(job)  # stopped by the first request; waits until it is parked
                     exact &= ok
                     total_n, total_s = total_n + n, total_s + elapsed
                     switches += len(rt.switches()) - before

@@ -183,7 +183,10 @@ class Dispatcher:
             if job is not None:
                 # Lock order: dispatcher, then pool; the pool never calls the
                 # dispatcher while it holds its own lock.
-                job._interrupt()  # a worker segment: Preempt goes out now (NOTE [Switch protocol])
+                # A worker segment: Preempt goes out now (NOTE [Switch protocol]), and the
+                # switch is recorded for the inference it makes way for.
+                by = d.by
+                job._interrupt(by.model if by is not None and by.kind is Kind.INFERENCE else "")
         if decisions:
             self._cond.notify_all()
 

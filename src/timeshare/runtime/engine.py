@@ -183,7 +183,7 @@ class Runtime:
         try:
             if workers:
                 self._pool = ProcessPool(
-                    workers, device=str(self.device), arena=self._arena.share(),
+                    workers, device=str(self.device), share_arena=self._arena.share,
                     arena_capacity=self._arena.capacity, profile_repeats=profile_repeats,
                     fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s,
                     task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,

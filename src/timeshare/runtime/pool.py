@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from multiprocessing.connection import wait
 from dataclasses import asdict, dataclass, replace
@@ -77,7 +78,7 @@ class ProcessPool:
         n: int,
         *,
         device: str,
-        arena: object,
+        share_arena: Callable[[], object],
         arena_capacity: int,
         profile_repeats: int,
         fixed_group_bytes: int,
@@ -90,7 +91,10 @@ class ProcessPool:
         backend_flags: BackendFlags | None = None,
     ):
         self._ctx = spawn_context()
-        self._template = dict(device=device, arena=arena, arena_capacity=arena_capacity,
+        # A fresh handle per spawned worker: a CUDA IPC handle carries a reference count
+        # that each receiving process consumes once, so one handle must not serve two.
+        self._share_arena = share_arena
+        self._template = dict(device=device, arena_capacity=arena_capacity,
                               profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
                               load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
                               backend_flags=backend_flags or BackendFlags.capture())
@@ -110,6 +114,7 @@ class ProcessPool:
         self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
         self._lost: dict[str, str] = {}  # job -> why its state is gone
         self.switches: list[Switch] = []
+        self._unclaimed: dict[str, Switch] = {}  # model -> its switch, until its task takes it (NOTE [Switch records])
         self._profiles: dict[str, dict[str, object]] = {}  # model -> shape key -> ModelProfile
         self.profilings = 0  # profiles measured by any worker
         self.last_timings: dict = {}  # the latest task's timings, as the worker reported them
@@ -173,8 +178,10 @@ class ProcessPool:
 
     def _task(self, msg, what: str, kind=None):
         requested = time.perf_counter()
+        model = getattr(msg, "model", "")
         with self._cv:
-            switch = self._preempt_segment(getattr(msg, "model", ""), requested)
+            self._preempt_segment(model, requested)
+            switch = self._claim_switch(model, requested) if isinstance(msg, P.Run) else None
             w = self._take_standby(what)
         try:
             return self._task_on(w, msg, what, requested, switch, kind)
@@ -223,7 +230,7 @@ class ProcessPool:
             self._profiles.setdefault(model, {})[p.shape_key] = p
             w.profiles.add((model, p.shape_key))
         if switch is not None:
-            switch.total_s = time.perf_counter() - requested
+            switch.total_s = time.perf_counter() - switch.requested_at
             received = reply.timings.get("received_at")
             switch.start_s = received - sent if received is not None else None
             switch.load_s = reply.timings.get("load_s")
@@ -315,11 +322,12 @@ class ProcessPool:
                     self._segment = None
                 self._cv.notify_all()
 
-    def preempt(self, job: str) -> None:
-        """Ask the job's running segment, if any, to stop at its next preemption point."""
+    def preempt(self, job: str, for_model: str = "") -> None:
+        """Ask the job's running segment, if any, to stop at its next preemption point;
+        ``for_model``: the inference it makes way for, which the switch is recorded for."""
         with self._cv:
             if self._segment is not None and self._segment.job == job:
-                self._preempt_segment("", time.perf_counter())
+                self._preempt_segment(for_model, time.perf_counter())
 
     def job_state(self, job: str) -> dict:
         """The job's parameters and buffers, from its home worker (between segments)."""
@@ -367,11 +375,24 @@ class ProcessPool:
             seg.preempted_at = now
             seg.worker.post(P.Preempt(seg.seq))  # if already dead, the segment's reader reports it
         if model and seg.switch is None:
-            seg.switch = Switch(seg.job, model, now)
+            seg.switch = self._unclaimed[model] = Switch(seg.job, model, now)
             self.switches.append(seg.switch)
             del self.switches[:-1000]
             return seg.switch
         return None
+
+    # NOTE [Switch records]
+    # A switch is recorded where the stop is decided: by the scheduler's Preempt for an
+    # inference (through ``preempt(job, for_model)``), or by the inference's own task
+    # finding a segment still running. The segment may have stopped and gone by the time
+    # the inference's task reaches the pool, so the record waits, unclaimed, for the next
+    # task of its model, which fills in its start, load and total times. A record that no
+    # task claims within the task deadline belongs to a request that never came through.
+    def _claim_switch(self, model: str, now: float) -> Switch | None:
+        switch = self._unclaimed.pop(model, None)
+        if switch is not None and now - switch.requested_at > self.task_timeout_s:
+            return None
+        return switch
 
     def _quiesce(self, w: WorkerHandle) -> None:
         """Wait until ``w`` runs no training segment, preempting it if it does."""
@@ -403,7 +424,7 @@ class ProcessPool:
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> WorkerHandle:
-        start = P.Start(worker=self._next_id, parent_pid=os.getpid(), **self._template)
+        start = P.Start(worker=self._next_id, parent_pid=os.getpid(), arena=self._share_arena(), **self._template)
         self._next_id += 1
         return WorkerHandle(self._ctx, start)
 

@@ -81,6 +81,12 @@ class TrainingJob:
         self._pause.set()
         self._interrupt()
 
+    def hold(self) -> None:
+        """Stay stopped once stopped, without stopping now: the job runs on until the
+        scheduler next preempts it (an inference takes the device, say), then waits for
+        ``resume()``. A benchmark's way to start an inference turn with a real switch."""
+        self._pause.set()
+
     def resume(self) -> None:
         self._pause.clear()
         self._gate.notify()
@@ -132,8 +138,8 @@ class TrainingJob:
     def _finish(self) -> None:
         pass
 
-    def _interrupt(self) -> None:
-        """Make a running segment stop at its next preemption point."""
+    def _interrupt(self, for_model: str = "") -> None:
+        """Make a running segment stop at its next preemption point (to run ``for_model``)."""
 
     def _park(self) -> None:
         """Wait at a preemption point until inference is served and the job not paused."""
@@ -180,7 +186,7 @@ class LocalTrainingJob(TrainingJob):
     def _finish(self) -> None:
         if self.task.offloaded:
             with self._lock:
-                self.task.move(self.task.device)
+                self.task.restore()
 
 
 class WorkerTrainingJob(TrainingJob):
@@ -197,8 +203,8 @@ class WorkerTrainingJob(TrainingJob):
         with self._gate.priority(), self._lock:
             return self._pool.job_state(self.name)
 
-    def _interrupt(self) -> None:
-        self._pool.preempt(self.name)
+    def _interrupt(self, for_model: str = "") -> None:
+        self._pool.preempt(self.name, for_model)
 
     def _progress(self, p) -> None:
         self.stats.iterations = p.iterations

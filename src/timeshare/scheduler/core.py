@@ -318,7 +318,7 @@ class Scheduler:
         self.stopping[victim.id] = victim
         victim.preemptions += 1
         self.preemptions += 1
-        decisions.append(Preempt(victim))
+        decisions.append(Preempt(victim, best))
         return True
 
     def _slice_over(self, best: Task | None, candidates: list[Task], now: float) -> Task | None:

@@ -117,9 +117,11 @@ class Run:
 
 @dataclass(frozen=True, slots=True)
 class Preempt:
-    """Stop ``task`` at its next preemption point and report :class:`Stopped`."""
+    """Stop ``task`` at its next preemption point and report :class:`Stopped`. ``by`` is
+    the waiting task the device goes to, when one does (a time slice may end with none)."""
 
     task: Task
+    by: Task | None = None
 
 
 Decision = Run | Preempt
