@@ -68,6 +68,7 @@ class TrainingTask:
         self.offload = offload
         self.stats = TrainingStats()
         self.offloaded = False
+        self._offloaded_state: list[tuple[dict, str]] = []  # optimizer state moved off the device
         self._data = iter(data)
         self._step = step
         gen = torch.Generator()
@@ -100,8 +101,7 @@ class TrainingTask:
     def step_once(self) -> float | None:
         """One iteration; returns its loss (None if the step returned none). Raises
         StopIteration when the data has ended."""
-        if self.offloaded:
-            self.move(self.device)
+        self.restore()
         batch = next(self._data)
         batch = map_tensors(batch, lambda t: t.to(self.device))
         with _swapped_rng(self):
@@ -118,23 +118,43 @@ class TrainingTask:
         """At a preemption point: offload the state if the job asked for it."""
         self.stats.preemptions += 1
         if self.offload and not self.offloaded:
-            self.move(torch.device("cpu"))
+            self.move_off()
             self.stats.offloads += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def move(self, device: torch.device) -> None:
-        """Parameters (and gradients), buffers and optimizer state to ``device``: host
-        memory to offload, ``self.device`` to come back. Always copies, so the values
-        are unchanged and the optimizer keeps its references (``p.data`` is replaced in
-        place). The CPU backend exercises the same path."""
-        offloading = device != self.device
+    def move_off(self) -> None:
+        """Offload: the job's device memory to host memory (see ``_move``)."""
+        if not self.offloaded:
+            self._move(offloading=True)
+
+    def restore(self) -> None:
+        """Bring an offloaded job back to its device (see ``_move``)."""
+        if self.offloaded:
+            self._move(offloading=False)
+
+    def _move(self, *, offloading: bool) -> None:
+        """Parameters (and gradients), buffers and optimizer state to host memory
+        (offloading) or back to ``self.device``. Always copies, so the values are
+        unchanged and the optimizer keeps its references (``p.data`` is replaced in
+        place). The CPU backend exercises the same path, copying host to host.
+
+        Offloading takes exactly the tensors that are on the job's device, 0-dim ones
+        included (Adam's ``step`` with ``capturable=True``), and remembers them; coming
+        back moves exactly those, so a 0-dim state that lived on the host (Adam's default
+        ``step``) stays there and one that lived on the device returns to it. Each tensor
+        is copied once each way: into page-locked memory allocated for it, non-blocking,
+        with one synchronize at the end."""
+        device = torch.device("cpu") if offloading else self.device
         pin = offloading and self.device.type == "cuda"
 
         def to(t: torch.Tensor) -> torch.Tensor:
-            moved = t.to(device, copy=True)
-            return moved.pin_memory() if pin else moved
+            if pin:
+                host = torch.empty_like(t, device="cpu", pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                return host
+            return t.to(device, copy=True, non_blocking=self.device.type == "cuda")
 
         for module in self.model.modules():
             for p in module._parameters.values():
@@ -145,11 +165,25 @@ class TrainingTask:
             for key, b in module._buffers.items():
                 if b is not None:
                     module._buffers[key] = to(b)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = to(value) if value.device.type != "cpu" or value.dim() else value
+        if offloading:
+            self._offloaded_state = [
+                (state, key) for state in self.optimizer.state.values() for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.device == _canonical(self.device)
+            ]
+        for state, key in self._offloaded_state:
+            state[key] = to(state[key])
+        if not offloading:
+            self._offloaded_state = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the host copies are complete before anyone reads them
         self.offloaded = offloading
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """``cuda`` as the ``cuda:N`` its tensors report (tensors always carry an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @contextmanager
