@@ -276,14 +276,14 @@ def _print_switch(result: dict) -> None:
         f"({bg['mean_iteration_ms']:.1f} ms per iteration)"
     )
     table = Table()
-    cols = ["model", "ready ms", "timeshare ms", "vs ready", "stop", "start", "load", "clean",
+    cols = ["model", "native ms", "ready ms", "timeshare ms", "vs ready", "stop", "start", "load", "clean",
             *[f"{b} ms" for b in cfg["baselines"]], "stop-and-start / timeshare", "exact"]
     for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right")
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in result["results"]:
         c = r["components_ms"]
-        row = [r["model"], f"{r['ready_ms']:.1f}", f"{r['timeshare_ms']:.1f}", f"{r['timeshare_vs_ready']:.2f}x",
+        row = [r["model"], f"{r['native_ms']:.1f}", f"{r['ready_ms']:.1f}", f"{r['timeshare_ms']:.1f}", f"{r['timeshare_vs_ready']:.2f}x",
                fmt(c["stop"]), fmt(c["start"]), fmt(c["load"]), fmt(c["clean"])]
         row += [f"{r[b + '_ms']:.0f}" for b in cfg["baselines"]]
         ratio = r.get("stop_and_start_vs_timeshare")
@@ -292,7 +292,8 @@ def _print_switch(result: dict) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(
-        "Medians. ready: the model resident, nothing running. timeshare: request to output while the "
+        "Medians. native: the same module in plain PyTorch in this process, weights resident, no "
+        "runtime. ready: the model resident, nothing running. timeshare: request to output while the "
         "training job runs in a worker and the model is not resident; stop (the job reaching its next "
         "iteration boundary), start (a standby taking the request), load (all weights copied) and clean "
         "(the stopped worker's clean-up, in parallel) are its components in ms. two_processes: a worker "

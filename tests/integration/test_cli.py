@@ -56,6 +56,7 @@ def test_bench_switch_measures_every_baseline_with_exact_outputs(tmp_path, capsy
     (r,) = data["results"]
     assert r["model"] == "tiny_cnn" and r["outputs_match_ready"] is True
     assert r["switches_measured"] == 2  # the job was running at every timed request
+    assert len(r["native"]["samples_ms"]) == 2 and r["native_ms"] > 0  # plain PyTorch beside ready, same rounds
     assert all(r["components_ms"][k] is not None and r["components_ms"][k] >= 0 for k in ("stop", "start", "load"))
     for b in ("two_processes", "one_process", "stop_and_start"):
         assert r[f"{b}_ms"] > 0

@@ -3,7 +3,10 @@
 The latency of the first inference after switching from a training task to an
 inference task, per model, from the request to the output back in the caller:
 
-- ready: the model resident, nothing to stop (the lower bound);
+- native: the same module in plain PyTorch in the bench's own process (eval, inference
+  mode, weights resident, no runtime), inputs from the host and outputs back to it:
+  what timeshare's resident path costs over no runtime at all;
+- ready: the model resident, nothing to stop (the lower bound of a switch);
 - timeshare: a training job runs in a worker; the model is not resident. The switch
   protocol stops the job at its next iteration boundary while a standby loads the model
   pipelined (NOTE [Switch protocol]). Stop, start, load and clean are reported too;
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from timeshare.bench.environment import describe
-from timeshare.bench.pipeline import DEFAULT_MODELS, _equal, _stats
+from timeshare.bench.pipeline import DEFAULT_MODELS, _equal, _native_call, _native_module, _stats
 from timeshare.bench.workloads import TrainingWorkload
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError, TimeshareError
@@ -106,7 +109,8 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
              train: TrainingWorkload, progress) -> dict:
     _pause(job)
     reference = rt.infer(name, *inputs)  # first load: profiles, in the active worker
-    ready, shared, parts = [], [], []
+    native_module = _native_module(name, parse_dtype(config.dtype), rt.device)
+    ready, native, shared, parts = [], [], [], []
     calls: list = []  # the runtime's record of each call: where a call through a worker spends its time
     rt.subscribe(lambda rec: calls.append(rec) if isinstance(rec, CallRecord) else None)
     breakdown: list[dict] = []
@@ -121,6 +125,10 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
             ready.append(ms)
             if calls and calls[-1].timings:
                 breakdown.append({**calls[-1].timings, "call_s": ms / 1e3})
+        ms, out = _time_ms(lambda: _native_call(native_module, inputs, rt.device), rt.device)
+        exact &= _equal(out, reference)
+        if round_ >= config.warmup:
+            native.append(ms)
         rt.evict(name)
         _resume_training(job)
         before = len(rt.switches())
@@ -130,8 +138,11 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
         if round_ >= config.warmup:
             shared.append(ms)
             parts.append(switch)
-    r = {"model": name, "ready": _stats(ready), "timeshare": _stats(shared), "outputs_match_ready": exact}
-    r["ready_ms"], r["timeshare_ms"] = r["ready"]["median_ms"], r["timeshare"]["median_ms"]
+    del native_module
+    r = {"model": name, "native": _stats(native), "ready": _stats(ready), "timeshare": _stats(shared),
+         "outputs_match_ready": exact}
+    r["native_ms"], r["ready_ms"], r["timeshare_ms"] = (r["native"]["median_ms"], r["ready"]["median_ms"],
+                                                        r["timeshare"]["median_ms"])
     r["timeshare_vs_ready"] = r["timeshare_ms"] / r["ready_ms"]
     r["overhead_ms"] = r["timeshare_ms"] - r["ready_ms"]
     r["components_ms"] = {
