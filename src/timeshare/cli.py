@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", default=None,
                    help="background training MODEL:BATCH (default resnet152:64 on CUDA, tiny_cnn:32 on the CPU)")
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
+    _copy_delay_option(p)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
     p = bench.add_parser("cycles", help="inference throughput time-sharing with training (PipeSwitch Fig. 6)",
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", default=None,
                    help="background training MODEL:BATCH (default resnet152:64 on CUDA, tiny_cnn:32 on the CPU)")
     p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
+    _copy_delay_option(p)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
     p = bench.add_parser("link", help="the ceilings: pinned host<->device and device copy bandwidth by size",
@@ -249,13 +251,22 @@ def _write_json(path: Path | None, result: dict) -> None:
         console.print(f"wrote {path}")
 
 
+def _copy_delay_option(p) -> None:
+    p.add_argument("--copy-delay-ms", type=float, default=0.0,
+                   help="diagnostic: hold each group's copy back this long, so that a load that forgot a wait "
+                        "surely reads the poisoned block and the exactness check fails (timings are then not "
+                        "representative)")
+
+
 def _bench_switch(args) -> int:
     from timeshare.bench.pipeline import DEFAULT_MODELS
     from timeshare.bench.switch import BASELINES, SwitchBenchConfig, run
     from timeshare.models.zoo import get
 
-    if (args.batch is not None and args.batch < 1) or args.repeats < 1 or args.warmup < 0 or args.baseline_repeats < 1:
-        err.print("[red]error:[/red] --batch, --repeats and --baseline-repeats must be at least 1, --warmup at least 0")
+    if (args.batch is not None and args.batch < 1) or args.repeats < 1 or args.warmup < 0 or args.baseline_repeats < 1 \
+            or args.copy_delay_ms < 0:
+        err.print("[red]error:[/red] --batch, --repeats and --baseline-repeats must be at least 1, --warmup and "
+                  "--copy-delay-ms at least 0")
         return 2
     models = args.models or list(DEFAULT_MODELS)
     for m in models:
@@ -263,7 +274,7 @@ def _bench_switch(args) -> int:
     cfg = SwitchBenchConfig(models=models, batch=args.batch, dtype=args.dtype, device=args.device,
                             repeats=args.repeats, warmup=args.warmup, baseline_repeats=args.baseline_repeats,
                             baselines=BASELINES if args.baselines is None else args.baselines, train=args.train,
-                            memory=args.memory)
+                            memory=args.memory, copy_delay_s=args.copy_delay_ms / 1e3)
     return _run_bench(run, cfg, _print_switch, args.json)
 
 
@@ -313,11 +324,14 @@ def _bench_cycles(args) -> int:
     except ValueError:
         err.print(f"[red]error:[/red] --cycles must be comma-separated seconds, got {args.cycles!r}")
         return 2
-    if not cycles or min(cycles) <= 0 or args.rounds < 1 or (args.batch is not None and args.batch < 1):
-        err.print("[red]error:[/red] --cycles must be positive seconds; --rounds and --batch at least 1")
+    if not cycles or min(cycles) <= 0 or args.rounds < 1 or (args.batch is not None and args.batch < 1) \
+            or args.copy_delay_ms < 0:
+        err.print("[red]error:[/red] --cycles must be positive seconds; --rounds and --batch at least 1; "
+                  "--copy-delay-ms at least 0")
         return 2
     cfg = CyclesBenchConfig(model=args.model, batch=args.batch, dtype=args.dtype, device=args.device, cycles=cycles,
-                            rounds=args.rounds, min_inference_s=args.min_inference_s, evict=not args.keep_resident, train=args.train, memory=args.memory)
+                            rounds=args.rounds, min_inference_s=args.min_inference_s, evict=not args.keep_resident, train=args.train, memory=args.memory,
+                            copy_delay_s=args.copy_delay_ms / 1e3)
     return _run_bench(run, cfg, _print_cycles, args.json)
 
 

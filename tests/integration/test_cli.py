@@ -47,7 +47,8 @@ def test_bench_switch_measures_every_baseline_with_exact_outputs(tmp_path, capsy
     path = tmp_path / "switch.json"
     code = cli.main(
         ["bench", "switch", "--models", "tiny_cnn", "--repeats", "2", "--warmup", "1", "--baseline-repeats", "1",
-         "--train", "tiny_mlp:8", "--device", "cpu", "--memory", "16MiB", "--json", str(path)]
+         "--train", "tiny_mlp:8", "--device", "cpu", "--memory", "16MiB", "--json", str(path),
+         "--copy-delay-ms", "2"]  # a load that forgot a wait surely reads the poison: exact would be false
     )
     assert code == 0
     assert "First inference after a switch from training" in capsys.readouterr().out
@@ -70,7 +71,7 @@ def test_bench_cycles_reports_a_fraction_of_ready(tmp_path, capsys):
     path = tmp_path / "cycles.json"
     code = cli.main(
         ["bench", "cycles", "--model", "tiny_cnn", "--cycles", "0.3,0.6", "--rounds", "1", "--min-inference-s", "0.6", "--train", "tiny_mlp:8",
-         "--device", "cpu", "--memory", "16MiB", "--json", str(path)]
+         "--device", "cpu", "--memory", "16MiB", "--json", str(path), "--copy-delay-ms", "2"]
     )
     assert code == 0
     assert "Inference throughput time-sharing with training" in capsys.readouterr().out

@@ -40,6 +40,7 @@ class CyclesBenchConfig:
     evict: bool = True
     train: str | None = None
     memory: str = "auto"
+    copy_delay_s: float = 0.0  # diagnostic (NOTE [Poisoned reloads]): a forgotten wait then surely reads poison
     min_inference_s: float = 20.0  # short cycles get more rounds, so each length gets this much inference
 
 
@@ -55,7 +56,8 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
     # poison_evicted (NOTE [Poisoned reloads]): the bench evicts before each training turn,
     # outside the timed inference turns, so the poison costs the throughput nothing and the
     # exactness check reads NaN, not stale bytes, wherever a load forgot to wait.
-    with Runtime(device=device, memory=config.memory, workers=2, poison_evicted=True) as rt:
+    with Runtime(device=device, memory=config.memory, workers=2, poison_evicted=True,
+                 copy_delay_s=config.copy_delay_s) as rt:
         env = describe(rt.device)
         progress(f"{name}: registering")
         rt.register(name, zoo.builder, weights_path(name), inputs, dtype=dtype)
@@ -109,7 +111,8 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
     return {
         "benchmark": "cycles",
         "config": {"model": name, "batch": batch, "dtype": config.dtype, "cycles": list(config.cycles),
-                   "rounds": config.rounds, "min_inference_s": config.min_inference_s, "evict": config.evict, "train": str(train)},
+                   "rounds": config.rounds, "min_inference_s": config.min_inference_s, "evict": config.evict, "train": str(train),
+                   "copy_delay_ms": config.copy_delay_s * 1e3},
         "environment": env,
         "ready_rps": all_ready_n / all_ready_s,
         "outputs_match_ready": exact,

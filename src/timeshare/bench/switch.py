@@ -60,6 +60,7 @@ class SwitchBenchConfig:
     baselines: Sequence[str] = BASELINES
     train: str | None = None  # background training "model:batch"; default resnet152:64 on CUDA, tiny_cnn:32 on CPU
     memory: str = "auto"
+    copy_delay_s: float = 0.0  # diagnostic (NOTE [Poisoned reloads]): a forgotten wait then surely reads poison
 
 
 def defaults(device: torch.device, config: SwitchBenchConfig) -> tuple[int, TrainingWorkload]:
@@ -77,7 +78,8 @@ def run(config: SwitchBenchConfig, progress: Callable[[str], None] = lambda s: N
     batch, train = defaults(device, config)
     results = []
     # poison_evicted: the outputs after loads are checked over NaN, not stale bytes (NOTE [Poisoned reloads])
-    with Runtime(device=device, memory=config.memory, workers=2, poison_evicted=True) as rt:
+    with Runtime(device=device, memory=config.memory, workers=2, poison_evicted=True,
+                 copy_delay_s=config.copy_delay_s) as rt:
         env = describe(rt.device)
         inputs = {}
         for name in config.models:
@@ -97,7 +99,8 @@ def run(config: SwitchBenchConfig, progress: Callable[[str], None] = lambda s: N
         "benchmark": "switch",
         "config": {"models": list(config.models), "batch": batch, "dtype": config.dtype, "repeats": config.repeats,
                    "warmup": config.warmup, "baseline_repeats": config.baseline_repeats,
-                   "baselines": list(config.baselines), "train": str(train)},
+                   "baselines": list(config.baselines), "train": str(train),
+                   "copy_delay_ms": config.copy_delay_s * 1e3},
         "environment": env,
         "background_training": {"workload": str(train), "mean_iteration_ms": iteration_ms,
                                 "iterations": job.stats.iterations},
