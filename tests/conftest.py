@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("TIMESHARE_CACHE", str(ROOT / ".cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weights_cache():
+    """Zoo weights made once, in the checkout's .cache (unless TIMESHARE_CACHE names another
+    directory), for this process and the workers and servers it starts; the environment is
+    given back at the end."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIMESHARE_CACHE", os.environ.get("TIMESHARE_CACHE") or str(ROOT / ".cache"))
+        yield
 
 
 def _segments() -> set[str]:

@@ -24,6 +24,7 @@ def _reference(x: torch.Tensor) -> torch.Tensor:
 def test_every_reply_answers_its_own_request_while_workers_are_killed():
     rng = random.Random(0)
     wrong, failures, ok = [], 0, 0
+    killed = set()  # the workers a kill reached
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=20,
                            startup_timeout_s=60) as rt:
         rt.register("slow", "tests.models:slow", None, (torch.randn(4, 64),), example_kwargs={"delay_s": 0.0})
@@ -36,7 +37,8 @@ def test_every_reply_answers_its_own_request_while_workers_are_killed():
             x = torch.randn(4, 64)
             if i % 3 == 1:  # kill a worker while the request is in flight
                 pids = rt.worker_pids()
-                timer = threading.Timer(rng.uniform(0.005, 0.08), lambda p=rng.choice(pids): _kill(p))
+                timer = threading.Timer(rng.uniform(0.005, 0.08),
+                                        lambda p=rng.choice(pids): _kill(p) and killed.add(p))
                 timer.start()
             try:
                 out = rt.infer("slow", x, delay_s=0.002)
@@ -55,15 +57,22 @@ def test_every_reply_answers_its_own_request_while_workers_are_killed():
             x = torch.randn(4, 64)
             assert torch.equal(rt.infer("slow", x, delay_s=0.0), _reference(x))
         assert len(rt.worker_pids()) == 2
+        # The kills happened: each worker killed was replaced, and some requests failed with them.
+        deadline = time.monotonic() + 60
+        while rt.snapshot()["workers"]["replacements"] < len(killed):
+            assert time.monotonic() < deadline, (len(killed), rt.snapshot()["workers"])
+            time.sleep(0.05)
     assert not wrong, f"wrong answers at requests {wrong} ({ok} correct, {failures} failed)"
-    assert ok >= 20
+    assert ok >= 20 and len(killed) >= 10 and failures >= 1, (ok, len(killed), failures)
 
 
-def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
+def _kill(pid: int, sig: int = signal.SIGKILL) -> bool:
+    """Send ``sig`` to ``pid``; whether the process was there to get it."""
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
-        pass
+        return False
+    return True
 
 
 def test_a_hung_worker_costs_one_call_deadline_not_the_request_timeout():

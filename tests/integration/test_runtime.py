@@ -242,7 +242,7 @@ def test_a_failing_forward_during_a_load_leaves_the_runtime_consistent(rt):
     rt.register("m", models.out_of_order, None, (x,))
     good = rt.infer("m", x)
     rt.evict("m")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(2x9 and 8x8\)"):
         rt.infer("m", torch.randn(2, 9))  # wrong width: the forward raises mid-load
     assert rt.resident() == [] and rt.stats()["used_bytes"] == 0
     assert same(rt.infer("m", x), good)
@@ -290,7 +290,7 @@ def test_listeners_see_every_call_and_eviction(rt):
     rt.infer("a", x)
     rt.infer("b", x)
     rt.evict("b")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(2x9 and 8x8\)"):
         rt.infer("b", torch.randn(2, 9))
     calls = [r for r in seen if isinstance(r, CallRecord)]
     assert [(c.model, c.loaded, c.switched_from, c.error) for c in calls] == [
@@ -310,4 +310,4 @@ def test_priority_and_slo_are_checked_at_registration(rt):
     with pytest.raises(ConfigError, match="slo_s"):
         rt.register("m", models.out_of_order, None, (x,), slo_s=0)
     rt.register("m", models.out_of_order, None, (x,), priority="best_effort", slo_s=0.5)
-    assert all(torch.isfinite(t).all() for t in tensors_in(rt.infer("m", x)))
+    assert same(rt.infer("m", x), reference(models.out_of_order, None, x))

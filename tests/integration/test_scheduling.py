@@ -47,7 +47,7 @@ def test_priority_preempts_at_the_next_iteration_boundary():
 def test_unknown_scheduling_policy_is_refused_with_the_known_names():
     with pytest.raises(ConfigError, match=r"unknown scheduling policy 'lottery'; known: \["):
         timeshare.Runtime(device="cpu", memory="1MiB", scheduling="lottery")
-    with pytest.raises(ConfigError, match="pack"):
+    with pytest.raises(ConfigError, match="one task at a time; 'pack' is for the simulator"):
         timeshare.Runtime(device="cpu", memory="1MiB", scheduling="pack")
 
 

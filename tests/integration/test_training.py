@@ -118,7 +118,7 @@ def test_submit_returns_futures_in_order(rt):
     for f, x in zip(futures, xs):
         assert torch.equal(f.result(timeout=30)["y"], rt.infer("inf", x)["y"])
     bad = rt.submit("inf", torch.randn(2, 9))  # the model raises: the future carries it
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(2x9 and 8x8\)"):
         bad.result(timeout=30)
     with pytest.raises(TimeshareError, match="no model named"):
         rt.submit("nope", xs[0])

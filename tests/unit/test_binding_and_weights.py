@@ -45,6 +45,7 @@ def test_host_store_packs_aligned_and_round_trips():
     layout = collect(m)
     tensors = layout.tensors()
     store = HostStore.pack(layout.entries, tensors, pin=False, alignment=512)
+    assert sorted(e.key for e in store.entries) == sorted(tensors)  # every tensor packed, once
     for e in store.entries:
         assert e.offset % 512 == 0
         assert torch.equal(store.tensor(e.key), tensors[e.key])

@@ -48,7 +48,7 @@ def test_a_floor_above_the_cap_is_the_cap():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Deadlines needs cap_s > 0, factor >= 1"):
         Deadlines(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Deadlines needs cap_s > 0, factor >= 1"):
         Deadlines(10, factor=0.5)

@@ -98,7 +98,7 @@ def test_admit_twice_raises_and_bad_capacity():
     lm.admit(1, 1, 1)
     with pytest.raises(ValueError, match="already admitted"):
         lm.admit(1, 1, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="capacity must be positive, got 0"):
         LaneManager(0)
     assert lm.fits_alone(5, 5) and not lm.fits_alone(5, 6)
 

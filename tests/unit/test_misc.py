@@ -30,7 +30,7 @@ def test_resolve_device():
     assert resolve_device(" CPU ") == torch.device("cpu")
     with pytest.raises(ConfigError, match="device must be one of"):
         resolve_device("tpu")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="device must be one of .* got 3$"):
         resolve_device(3)
     if not torch.cuda.is_available():
         assert resolve_device("auto") == torch.device("cpu")

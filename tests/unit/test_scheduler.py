@@ -238,9 +238,9 @@ def test_unknown_policy_lists_the_known_ones():
     with pytest.raises(ConfigError, match="nope"):
         Scheduler("nope")
     assert make_policy("SRTF").name == "srtf"
-    for bad in ({"capacity": 0}, {"slots": 0}, {"quantum_s": 0.0}, {"max_batch": 0}):
-        with pytest.raises(ConfigError):
-            Scheduler("fifo", **bad)
+    for field, value in (("capacity", 0), ("slots", 0), ("quantum_s", 0.0), ("max_batch", 0)):
+        with pytest.raises(ConfigError, match=rf"^{field} must be .*, got {value}$"):
+            Scheduler("fifo", **{field: value})
 
 
 def test_task_larger_than_the_device_is_refused():

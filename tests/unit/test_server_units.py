@@ -167,7 +167,8 @@ def test_from_json_large_uint64(data):
     ("FP32", [2, 3], [[1, 2], [3, 4], [5, 6]], "nested 'data' has shape [3, 2], not [2, 3]"),
     ("FP32", [2], {"a": 1}, "must be a list"), ("FP32", [1], 1.0, "must be a list"),
     ("BYTES", [1], ["abc"], "BYTES cannot be given as JSON"),
-    ("FP32", [2], [True, 1.5], ""), ("INT64", [2], [True, 2], ""),  # docstring: booleans in numbers are refused
+    ("FP32", [2], [True, 1.5], "FP32 data must be numbers, not true/false"),
+    ("INT64", [2], [True, 2], "INT64 data must be numbers, not true/false"),
 ])
 def test_from_json_refusals(datatype, shape, data, fragment):
     with pytest.raises(BadRequest) as info:
