@@ -44,8 +44,11 @@ def example_request(model: str, rows: int = 1) -> dict:
                         "data": to_json_data(t)} for n, t in zip(zoo.input_names, zoo.example_inputs(rows))]}
 
 
-def check(r: httpx.Response, what, sent: dict | None = None, model: str | None = None, outputs=None) -> dict | None:
-    """The properties every answer has; the parsed JSON (header) of a 200."""
+def check(r: httpx.Response, what, *, sent: dict | None = None, model: str | None = None,
+          outputs: dict | None = None) -> dict | None:
+    """The properties every answer has; the parsed JSON (header) of a 200. Given the
+    request ``sent`` to ``model``'s inference route, a 200 must also carry the outputs
+    asked for (``outputs``: the model's metadata), with the request's rows and id."""
     where = f"{what!r:.600} -> {r.status_code} {r.content[:300]!r}"
     if currently_in_test_context():  # --hypothesis-show-statistics shows the statuses
         event(str(r.status_code))
@@ -62,7 +65,8 @@ def check(r: httpx.Response, what, sent: dict | None = None, model: str | None =
         return None
     n = r.headers.get("inference-header-content-length")
     body = json.loads(r.content[:int(n)] if n is not None else r.content)
-    if model is not None and isinstance(sent, dict):  # a 200 from an inference route
+    if model is not None:  # a 200 from an inference route
+        assert isinstance(sent, dict) and outputs is not None, "check() needs the request and the output metadata"
         rows = sent["inputs"][0]["shape"][0]
         names = [o["name"] for o in body["outputs"]]
         wanted = [o["name"] for o in sent["outputs"]] if sent.get("outputs") is not None else list(outputs[model])
@@ -181,7 +185,7 @@ def test_infer_fuzzed_json(server, data, model, chunked):
     payload = json.dumps(req, allow_nan=True).encode()
     r = post(server.client, f"/v2/models/{quote(model, safe='', errors='surrogatepass')}/infer", payload,
              {"content-type": "application/json"}, chunked)
-    check(r, req, model if model in MODELS else None, server.outputs)
+    check(r, req, sent=req, model=model if model in MODELS else None, outputs=server.outputs)
 
 
 # Named cases besides the fuzzing: all but "oversized" got a 500 when this file was written.
@@ -190,6 +194,9 @@ CRASHERS = {
     "deeply-nested-json": b"[" * 50000,
     "deeply-nested-object": b'{"inputs": ' * 5000,
     "empty-tensor-huge-dim-json": json.dumps(EMPTY_HUGE).encode(),
+    # empty, but its other dimensions multiply past numpy's size limit (found by the fuzzer)
+    "empty-tensor-big-dims-json": json.dumps({"inputs": [{"name": "x", "shape": [0, 2**31, 2**31], "datatype": "FP32",
+                                                          "data": []}]}).encode(),
     "empty-tensor-huge-dim-binary": json.dumps({"inputs": [{**EMPTY_HUGE["inputs"][0], "data": None,
                                                            "parameters": {"binary_data_size": 0}}]}).encode(),
     "oversized": b"x" * (LIMIT + 1),
@@ -251,7 +258,7 @@ def test_infer_fuzzed_binary(server, data, model):
     if length is not None:
         headers["Inference-Header-Content-Length"] = length
     r = post(server.client, f"/v2/models/{model}/infer", body, headers)
-    check(r, (header, length), model if model in MODELS else None, server.outputs)
+    check(r, (header, length), sent=header, model=model if model in MODELS else None, outputs=server.outputs)
 
 
 SEGMENT = (TEXT | MODEL | st.sampled_from(["1", "2", "..", ".", "%", "a/b", "nope"])).map(
@@ -302,7 +309,7 @@ def test_still_serving_after_the_fuzz(server, model):
         req = example_request(model, 2)
         r = c.post(f"/v2/models/{model}/infer", json=req)
         assert r.status_code == 200, r.text
-        body = check(r, req, model, server.outputs)
+        body = check(r, req, sent=req, model=model, outputs=server.outputs)
         for o in body["outputs"]:
             assert all(math.isfinite(v) for v in o["data"]), o["name"]
     assert server.service.start_error is None

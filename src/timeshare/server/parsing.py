@@ -26,6 +26,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -116,6 +117,9 @@ def build_request(obj: dict, binary: memoryview) -> tuple[InferenceRequest, dict
             raise BadRequest(f"input {inp.name!r}: unknown datatype {inp.datatype!r}; known: {sorted(KNOWN)}")
         if any(d < 0 for d in inp.shape):
             raise BadRequest(f"input {inp.name!r}: shape {inp.shape} has a negative dimension")
+        if math.prod(max(d, 1) for d in inp.shape) > MAX_DIMENSION:  # even an empty tensor needs its strides
+            raise BadRequest(f"input {inp.name!r}: shape {inp.shape} is too large (its non-zero dimensions "
+                             f"multiply past {MAX_DIMENSION})")
         size = (inp.parameters or {}).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:

@@ -96,8 +96,10 @@ def from_json(name: str, datatype: str, shape: list[int], data) -> torch.Tensor:
         out = arr.astype(_NUMPY[datatype])
     else:
         raise BadRequest(f"input {name!r}: datatype {datatype} cannot be given as JSON data here")
-    out = np.ascontiguousarray(out.reshape(shape))
     dtype = TORCH_DTYPES[datatype]
+    if not count:  # numpy refuses empty shapes whose other dimensions multiply past its size limit
+        return torch.empty(shape, dtype=dtype)
+    out = np.ascontiguousarray(out.reshape(shape))
     if out.dtype.kind == "u" and out.dtype.itemsize > 1:  # torch.from_numpy takes no uint16/32/64 arrays
         return torch.from_numpy(out.view(f"<i{out.dtype.itemsize}")).view(dtype)
     return torch.from_numpy(out).to(dtype)
