@@ -253,3 +253,13 @@ class RowSum(nn.Module):
 
 def row_sum():
     return build(RowSum)
+
+
+def wait_until(condition, timeout_s: float = 60.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` until it holds; fail the test after ``timeout_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s:g} s"
+        time.sleep(0.005)

@@ -20,8 +20,7 @@ def _iterations_while_inference_waits(rt) -> tuple[int, int]:
     rt.infer("inf", torch.randn(2, 8))  # resident
     job = rt.train("t", models.train_net, models.adam, models.endless_batches, models.train_step, seed=1)
     try:
-        while job.stats.iterations < 5:
-            job.wait(0.01)
+        models.wait_until(lambda: job.stats.iterations >= 5, what="5 iterations")
         before = job.stats.iterations
         rt.infer("inf", torch.randn(2, 8))
         return job.stats.iterations - before, job.stats.preemptions

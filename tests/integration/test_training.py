@@ -74,8 +74,7 @@ def test_preempted_training_ends_exactly_like_an_uninterrupted_run(rt, offload):
 
 def test_cancel_and_failure_are_reported(rt):
     job = rt.train("endless", net, adam, iter(lambda: batches(1)[0], None), step)
-    while job.stats.iterations < 3:
-        time.sleep(0.01)
+    models.wait_until(lambda: job.stats.iterations >= 3, what="3 iterations")
     job.cancel()
     assert job.wait(30) and job.status == "cancelled"
 
@@ -105,8 +104,7 @@ def test_training_arguments_are_checked(rt):
 def test_close_stops_running_jobs():
     rt = timeshare.Runtime(device="cpu", memory="8MiB")
     job = rt.train("endless", net, adam, iter(lambda: batches(1)[0], None), step)
-    while job.stats.iterations < 2:
-        time.sleep(0.01)
+    models.wait_until(lambda: job.stats.iterations >= 2, what="2 iterations")
     rt.close()
     assert job.status == "cancelled"
     assert not any(t.name.startswith("timeshare-train") for t in threading.enumerate())

@@ -83,8 +83,7 @@ def test_a_job_in_a_worker_preempted_many_times_ends_exactly_like_an_uninterrupt
 def test_inference_never_runs_on_the_training_worker(rt):
     job = rt.train("endless", models.train_net, models.adam, models.endless_batches, models.train_step)
     try:
-        while job.stats.iterations < 3:
-            time.sleep(0.01)
+        models.wait_until(lambda: job.stats.iterations >= 3, what="3 iterations")
         home = home_of(rt, "endless")
         assert home is not rt._pool.workers[0]
         for _ in range(5):
