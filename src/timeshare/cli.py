@@ -213,7 +213,7 @@ def _print_pipeline(result: dict) -> None:
     console.print(
         "Medians over rounds; (Ng) = groups. native: the same module in plain PyTorch, weights resident, "
         "inference mode, inputs from and outputs to the host. ready: the model already resident (± half the interquartile "
-        "range). floor: max(bytes / measured bandwidth, ready compute), no loader can beat it. whole: copy "
+        "range). floor: max(fixed per-load overhead + bytes / measured bandwidth, ready compute), no loader can beat it. whole: copy "
         "everything, then run. per_layer: one group per layer. fixed: ~2 MiB groups. optimal: the grouping "
         "that minimises the profiled cost model. optimal vs best: its median minus the best strategy's, "
         "against the larger interquartile range. exact: every first-inference output is bitwise equal to "

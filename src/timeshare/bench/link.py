@@ -107,11 +107,17 @@ def run(config: LinkBenchConfig, progress: Callable[[str], None] = lambda s: Non
     }
 
 
+def load_floor_ms(nbytes: int, bandwidth_Bps: float, overhead_s: float, ready_ms: float) -> float:
+    """The floor of a first inference, the one definition every bench reports: no loader
+    beats the link (a load's fixed overhead plus its bytes over the bandwidth), nor the
+    ready model: max(overhead + bytes / bandwidth, ready)."""
+    return max((overhead_s + nbytes / bandwidth_Bps) * 1e3, ready_ms)
+
+
 def floor_ms(nbytes: int, link: dict, ready_ms: float) -> float:
-    """The floor of a first inference: max(overhead + bytes / bandwidth, ready), from a
-    ``bench link`` result's host-to-device fit."""
+    """``load_floor_ms`` with a ``bench link`` result's host-to-device fit."""
     fit = link["fit"]["h2d"]
-    return max(fit["overhead_us"] / 1e3 + nbytes / (fit["bandwidth_GBps"] * 1e9) * 1e3, ready_ms)
+    return load_floor_ms(nbytes, fit["bandwidth_GBps"] * 1e9, fit["overhead_us"] / 1e6, ready_ms)
 
 
 def _repeats(config: LinkBenchConfig, n: int) -> int:
@@ -163,11 +169,11 @@ class _CudaTimer:
             end = torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(self.device)
             start.record(self.s1)
-            with torch.cuda.stream(self.s1):
+            with torch.cuda.device(self.device), torch.cuda.stream(self.s1):
                 f1()
             if f2 is not None:
                 self.s2.wait_event(start)
-                with torch.cuda.stream(self.s2):
+                with torch.cuda.device(self.device), torch.cuda.stream(self.s2):
                     f2()
                 self.s1.wait_stream(self.s2)
             end.record(self.s1)

@@ -3,8 +3,10 @@
 For each model, the latency of the first inference when the model is not resident,
 for each way of moving its weights (whole model first, per-layer pipelining,
 fixed-size groups, the optimal grouping), beside the ready model (already resident)
-and the floor max(bytes / bandwidth, ready compute). Every timing ends with a device
-synchronize (the outputs' copy to the host).
+and the floor max(overhead + bytes / bandwidth, ready compute), with the bandwidth and a
+load's fixed overhead measured by the profiler's link probe (device events on CUDA; see
+``bench.link.load_floor_ms``). Every timing ends with a device synchronize (the
+outputs' copy to the host).
 
 Timings are taken in rounds: each round times the ready model and then every
 strategy once, so slow drift of the machine (other tenants, clocks, caches) hits all
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from timeshare.bench.environment import describe
+from timeshare.bench.link import load_floor_ms
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.engine import Runtime, parse_dtype
@@ -61,8 +64,9 @@ class ModelResult:
     needed_bytes: int
     layers: int
     ready_ms: float
-    floor_ms: float
-    transfer_ms: float
+    floor_ms: float  # max(overhead_ms + transfer_ms, ready_ms)
+    transfer_ms: float  # needed bytes over the measured bandwidth
+    overhead_ms: float = 0.0  # the fixed cost of a load, as the link probe measured it
     native_ms: float = 0.0
     native: dict = field(default_factory=dict)
     native_matches_ready: bool = True
@@ -118,7 +122,7 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             ready = _stats(samples["ready"])
             native_stats = _stats(samples["native"])
             needed = sum(prof.layer_bytes)
-            transfer_ms = needed / prof.link.bandwidth_Bps * 1e3
+            link = prof.link
             r = ModelResult(
                 model=name,
                 bytes=needed + prof.tail_bytes,
@@ -126,8 +130,9 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
                 layers=len(prof.layer_bytes),
                 ready_ms=ready["median_ms"],
                 ready=ready,
-                transfer_ms=transfer_ms,
-                floor_ms=max(transfer_ms, ready["median_ms"]),
+                transfer_ms=needed / link.bandwidth_Bps * 1e3,
+                overhead_ms=link.overhead_s * 1e3,
+                floor_ms=load_floor_ms(needed, link.bandwidth_Bps, link.overhead_s, ready["median_ms"]),
                 profile=prof.summary(),
                 native_ms=native_stats["median_ms"],
                 native=native_stats,
@@ -168,6 +173,8 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             "alpha_us": results[0].profile["alpha_us"],
             "beta_us": results[0].profile["beta_us"],
             "latency_us": results[0].profile["latency_us"],
+            "queue_us": results[0].profile["queue_us"],
+            "overhead_us": results[0].profile["overhead_us"],
         },
         "results": [r.__dict__ for r in results],
     }

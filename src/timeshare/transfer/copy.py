@@ -15,6 +15,20 @@ event of every model evicted since the previous load, which covers forwards run 
 other streams. Copies on the one copy stream (or the one copy thread) run in FIFO
 order, so a later load never races an earlier one's tail. On the CPU backend a copy
 that missed its deadline may still be writing: its block is quarantined until done.
+
+# NOTE [Events made once per plan]
+Making a CUDA event costs host time on the switch path, once per group. So a caller
+that loads the same ranges again (a model's load plan) passes a ``LoadEvents`` that
+the first load fills and every later load re-records. This is safe because
+``stream.wait_event`` (and the cudaStreamWaitEvent under it) waits for the record
+that was latest *when it was called*: a wait already queued for an earlier load is not
+moved by a later record. And a plan is loaded again only after its previous load was
+waited for in full (the model was released in between, and a load is per model), so no
+one still needs the old records. What a later record does change is ``done()`` and
+``copy_seconds()`` of an earlier handle of the same plan: they describe the latest load
+of that plan, and only the latest handle is ever asked. The CPU engine makes its
+``threading.Event``s per load (a load that missed its deadline may still be setting
+them) and ignores ``LoadEvents``; its per-group host cost is a microsecond.
 """
 
 from __future__ import annotations
@@ -32,6 +46,24 @@ from timeshare.errors import PipelineError
 log = logging.getLogger(__name__)
 
 Range = tuple[int, int]  # [start, end) in bytes
+
+CYCLES_PER_S = 2e9  # torch.cuda._sleep spins for clock cycles; 2 GHz is about an H100's
+
+
+class LoadEvents:
+    """Device events of one plan's loads, made by its first CUDA load and re-recorded by
+    every later one (see NOTE [Events made once per plan]). Unused on the CPU backend."""
+
+    def __init__(self) -> None:
+        self.begin: torch.cuda.Event | None = None  # recorded before the first copy; times the load
+        self.groups: list[torch.cuda.Event] = []  # one per group, recorded after its copy
+
+    def fit(self, n_groups: int) -> None:
+        """Make the events if this is the first load (or the ranges changed in number)."""
+        if self.begin is None or len(self.groups) != n_groups:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            # Only the last group's event times the load: timing makes events slower.
+            self.groups = [torch.cuda.Event(enable_timing=k == n_groups - 1) for k in range(n_groups)]
 
 
 class LoadHandle:
@@ -58,13 +90,26 @@ class CopyEngine:
     """Starts loads; one engine per arena."""
 
     host_waits: bool = True  # whether the compute side waits on the host (vs. on the device)
+    device_timed: bool = False  # whether copy_seconds() is read from device events (no host time in it)
 
     def start(
-        self, src: torch.Tensor, dst: torch.Tensor, ranges: Sequence[Range], where: str, fences: Sequence = ()
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        ranges: Sequence[Range],
+        where: str,
+        fences: Sequence = (),
+        events: LoadEvents | None = None,
     ) -> LoadHandle:
         """Queue the copies of ``ranges`` from ``src`` to ``dst``; ``fences`` are CUDA events
-        the copies must wait for (the last uses of evicted models)."""
+        the copies must wait for (the last uses of evicted models); ``events`` are kept
+        across loads of the same ranges (NOTE [Events made once per plan])."""
         raise NotImplementedError
+
+    def hold(self, seconds: float) -> None:
+        """The copies queued next start no earlier than ``seconds`` from now, so that a
+        probe can queue many groups before the first one runs. A no-op where copies
+        cannot be held (the CPU copy thread)."""
 
     def close(self) -> None:
         pass
@@ -154,7 +199,7 @@ class CpuCopyEngine(CopyEngine):
                 return
             load.run()
 
-    def start(self, src, dst, ranges, where, fences=()):
+    def start(self, src, dst, ranges, where, fences=(), events=None):
         load = _CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s)
         if not self._thread.is_alive():
             raise PipelineError("the copy thread is not running (engine closed?)", where=where)
@@ -200,30 +245,38 @@ class CudaCopyEngine(CopyEngine):
     """Copies on a dedicated stream; per-group events for device-side waits."""
 
     host_waits = False
+    device_timed = True
 
     def __init__(self, device: torch.device, delay_s: float = 0.0):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         # Diagnostic (NOTE [Poisoned reloads]): a device-side spin before each group's copy.
-        # torch.cuda._sleep spins for a number of clock cycles; 2 GHz is about an H100's.
-        self._delay_cycles = int(delay_s * 2e9)
+        self._delay_cycles = int(delay_s * CYCLES_PER_S)
 
-    def start(self, src, dst, ranges, where, fences=()):
+    def hold(self, seconds: float) -> None:
+        # A spin on the current stream, which the next load's copy stream waits for
+        # (NOTE [Arena reuse ordering]); its begin event is recorded after the spin.
+        if seconds > 0:
+            with torch.cuda.device(self.device):
+                torch.cuda._sleep(int(seconds * CYCLES_PER_S))
+
+    def start(self, src, dst, ranges, where, fences=(), events=None):
         if not src.is_pinned():
             log.warning("%s: host store is not pinned; copies will not overlap compute", where)
-        events = []
+        events = LoadEvents() if events is None else events
+        events.fit(len(ranges))  # see NOTE [Events made once per plan]
+        groups = events.groups
         # See NOTE [Arena reuse ordering].
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for fence in fences:
             self.stream.wait_event(fence)
-        begin = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            begin.record(self.stream)
+        # The device too: leaving a stream context sets the previous device back, and for
+        # a runtime on cuda:N whose caller is on another device that must be the caller's.
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            events.begin.record(self.stream)
             for k, (a, b) in enumerate(ranges):
                 if self._delay_cycles:
                     torch.cuda._sleep(self._delay_cycles)
                 dst[a:b].copy_(src[a:b], non_blocking=True)
-                ev = torch.cuda.Event(enable_timing=k == len(ranges) - 1)  # times the whole load
-                ev.record(self.stream)
-                events.append(ev)
-        return _CudaLoad(self.device, events, where, (src, dst), begin)
+                groups[k].record(self.stream)
+        return _CudaLoad(self.device, groups, where, (src, dst), events.begin)

@@ -3,22 +3,43 @@ plans are made.
 
 # NOTE [Pipeline cost model]
 Layers 1..n in execution order; layer i takes t_i to transfer and c_i to compute.
-A grouping cuts the sequence into consecutive groups G_1..G_m. Transfers are serial,
-each group paying a fixed overhead alpha:   T_k = T_{k-1} + alpha + sum_{i in G_k} t_i.
-Group k computes once it has arrived and group k-1 has finished, paying beta:
-E_k = max(E_{k-1}, T_k + L) + beta + sum_{i in G_k} c_i.  We minimise E_m.
+A grouping cuts the sequence into consecutive groups G_1..G_m. The host queues all the
+groups on the copy engine before the forward starts (NOTE [Pipelined forward]), taking
+q seconds for each: group k is queued at k*q, and the forward starts at m*q. Copies
+are serial, each paying a fixed overhead alpha, and none starts before it is queued:
+    T_k = max(T_{k-1}, k*q) + alpha + sum_{i in G_k} t_i,
+whose solution is the longest of the chains that start at a group j's queueing,
+T_k = max_j [ j*q + (k-j+1)*alpha + sum of t over G_j..G_k ]. That depends on every
+earlier cut, so the model bounds the bytes of G_j..G_k by all bytes so far, which
+leaves a term linear in j, largest at j = 1 or j = k:
+    T_k = max(q + k*alpha, k*q + alpha) + sum_{i <= last layer of G_k} t_i.
+This is exact when q <= alpha: the host keeps ahead of the copies, and the chain from
+the first group, which carries all the bytes, is the longest. When the host is the
+slower, a large group's copy overlaps the queueing of the next groups, which the model
+does not credit: it overestimates T_k by at most (k-1)*(q - alpha). (The CPU backend
+queues a load as one item, after its per-group set-up, so its copies start at m*q,
+up to (m-1)*q later than modelled; there q is a few microseconds.) Group k computes
+once it has arrived and group k-1 has finished, paying beta:
+    E_0 = m*q,   E_k = max(E_{k-1}, T_k + L) + beta + sum_{i in G_k} c_i.
+We minimise E_m. The tail (tensors no traced module read) is queued too, one more q
+for every plan alike, and left out.
 L is the delivery latency of an arrival to a compute that is blocked on it: zero on
 CUDA (the wait is on the device), a thread wake-up on the CPU backend. The model treats
 each arrival as visible L after it lands, so L costs nothing when the compute reaches
-the group later than that; L = 0 is PipeSwitch's model.
+the group later than that; L = q = 0 is PipeSwitch's model.
 
 # NOTE [Exact grouping by dynamic programming]
-With k groups and the last group ending at layer j, T_k = k*alpha + prefix_t(j) does
-not depend on where the earlier cuts are, and E_k is non-decreasing in E_{k-1}. So
-the best E over groupings of the first j layers into k groups, F[k][j], satisfies
-F[k][j] = min_i max(F[k-1][i], k*alpha + prefix_t(j) + L) + beta + prefix_c(j) - prefix_c(i)
-and the optimum is min_k F[k][n]: O(n^3) time, vectorised over (i, j) per k. PipeSwitch
-searched the 2^(n-1) groupings with pruning; the tests check this against brute force.
+With k groups and the last group ending at layer j, T_k = max(q + k*alpha, k*q + alpha)
++ prefix_t(j) does not depend on where the earlier cuts are, and E_k is non-decreasing
+in E_{k-1}. So, starting from E_0 = 0, the best E over groupings of the first j layers
+into k groups, F[k][j], satisfies
+F[k][j] = min_i max(F[k-1][i], T_k(j) + L) + beta + prefix_c(j) - prefix_c(i).
+The forward's later start is a constant per group count: unrolled, E_m is the largest
+of E_0 + m*beta + prefix_c(n) and terms that do not involve E_0, so with E_0 = m*q it is
+max(m*(q + beta) + prefix_c(n), E_m from E_0 = 0), and the optimum is
+min_m max(F[m][n], m*(q + beta) + prefix_c(n)): O(n^3) time, vectorised over (i, j) per
+k. PipeSwitch searched the 2^(n-1) groupings with pruning; the tests check this
+against brute force.
 """
 
 from __future__ import annotations
@@ -36,14 +57,15 @@ STRATEGIES = ("optimal", "per_layer", "whole", "fixed")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-layer transfer and compute seconds, the per-group overheads and the
-    delivery latency (seconds); see NOTE [Pipeline cost model]."""
+    """Per-layer transfer and compute seconds, the per-group overheads, the delivery
+    latency and the host's time to queue a group (seconds); see NOTE [Pipeline cost model]."""
 
     transfer: tuple[float, ...]
     compute: tuple[float, ...]
     alpha: float = 0.0
     beta: float = 0.0
     latency: float = 0.0
+    queue: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.transfer) != len(self.compute):
@@ -52,12 +74,16 @@ class CostModel:
             )
         if len(self.transfer) == 0:
             raise ConfigError("cost model needs at least one layer")
-        if min(self.transfer) < 0 or min(self.compute) < 0 or min(self.alpha, self.beta, self.latency) < 0:
+        if min(self.transfer) < 0 or min(self.compute) < 0 or min(self.alpha, self.beta, self.latency, self.queue) < 0:
             raise ConfigError("cost model times must be non-negative")
 
     @property
     def n(self) -> int:
         return len(self.transfer)
+
+    def copy_overheads(self, k: int) -> float:
+        """The fixed part of T_k, the arrival of group k (1-based): see NOTE [Pipeline cost model]."""
+        return max(self.queue + k * self.alpha, k * self.queue + self.alpha)
 
 
 @dataclass(frozen=True)
@@ -80,10 +106,12 @@ class Plan:
 def first_inference_time(cost: CostModel, ends: Sequence[int]) -> float:
     """E_m of the grouping ``ends`` under ``cost`` (see NOTE [Pipeline cost model])."""
     _check_ends(ends, cost.n)
-    t_done = e_done = 0.0
+    bytes_s = 0.0  # transfer seconds of the layers up to the current group's end
+    e_done = len(ends) * cost.queue  # the forward starts once every group is queued
     start = 0
-    for end in ends:
-        t_done += cost.alpha + sum(cost.transfer[start:end])
+    for k, end in enumerate(ends, 1):
+        bytes_s += sum(cost.transfer[start:end])
+        t_done = cost.copy_overheads(k) + bytes_s
         e_done = max(e_done, t_done + cost.latency) + cost.beta + sum(cost.compute[start:end])
         start = end
     return e_done
@@ -105,7 +133,7 @@ def optimal(cost: CostModel) -> Plan:
     below = r[:, None] > r[None, :]  # block row r is i = k-1+r, column c is j = k+c; i >= j iff r > c
     for k in range(1, n + 1):
         m = n - k + 1
-        arrive = k * cost.alpha + pt[k:] + cost.latency  # T_k + L when group k ends at j = k..n
+        arrive = cost.copy_overheads(k) + pt[k:] + cost.latency  # T_k + L when group k ends at j = k..n
         prev = f_prev[k - 1 : n]
         cand = np.maximum(prev[:, None], arrive[None, :]) + cost.beta + (pc[None, k:] - pc[k - 1 : n, None])
         cand[below[:m, :m]] = inf
@@ -113,8 +141,10 @@ def optimal(cost: CostModel) -> Plan:
         f_cur = np.full(n + 1, inf)
         f_cur[k:] = cand[arg, np.arange(m)]
         back[k, k:] = arg + (k - 1)
-        if f_cur[n] < best_e:
-            best_e, best_k = float(f_cur[n]), k
+        # k groups in all: the forward starts at k*q (NOTE [Exact grouping by dynamic programming])
+        e_k = max(float(f_cur[n]), k * (cost.queue + cost.beta) + float(pc[n]))
+        if e_k < best_e:
+            best_e, best_k = e_k, k
         f_prev = f_cur
     ends: list[int] = []
     j = n

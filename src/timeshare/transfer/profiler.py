@@ -36,7 +36,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from timeshare.transfer.copy import CopyEngine
+from timeshare.errors import PipelineError
+from timeshare.transfer.copy import CopyEngine, LoadEvents, LoadHandle
 from timeshare.transfer.planner import Plan
 
 
@@ -157,42 +158,27 @@ def time_layers(
     order. Also measures the forward without hooks (the ready model).
     """
     n = len(layer_modules)
-    index = {id(m): i for i, m in enumerate(layer_modules)}
-    cuda = device.type == "cuda"
-    marks: list[object | None] = [None] * (n + 1)
-
-    def now():
-        if cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(device))
-            return ev
-        return time.perf_counter()
-
-    def elapsed(a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if cuda else b - a
+    index = {id(m): i + 1 for i, m in enumerate(layer_modules)}  # mark 0 is the start, n + 1 the end
+    marks = _Marks(device, n + 2)
+    hit = [False] * (n + 2)
 
     def pre(mod, _args):
         i = index.get(id(mod))
-        if i is not None and marks[i] is None:
-            marks[i] = now()
+        if i is not None and not hit[i]:
+            hit[i] = True
+            marks.mark(i)
 
     handles = [register_module_forward_pre_hook(pre)]  # global, as in the pipelined forward
     per_layer: list[list[float]] = [[] for _ in range(n)]
     try:
         for _ in range(repeats):
-            marks[:] = [None] * (n + 1)
-            start = now()
+            hit[:] = [True] + [False] * n + [True]
+            marks.mark(0)
             run()
-            marks[n] = now()
-            if cuda:
-                torch.cuda.synchronize(device)
-            # A layer never reached in this call inherits the next mark (zero time).
-            for i in range(n - 1, -1, -1):
-                if marks[i] is None:
-                    marks[i] = marks[i + 1]
-            for i in range(n):
-                a = start if i == 0 else marks[i]  # time before the first wait point counts to layer 0
-                per_layer[i].append(max(0.0, elapsed(a, marks[i + 1])))
+            marks.mark(n + 1)
+            marks.sync()  # the marks are read, and then recorded again by the next repeat
+            for i, seconds in enumerate(_layer_seconds(marks, hit)):
+                per_layer[i].append(seconds)
     finally:
         for h in handles:
             h.remove()
@@ -205,6 +191,45 @@ def time_layers(
     if total > ready > 0:
         compute = [c * ready / total for c in compute]
     return LayerTimes(compute, ready, repeats)
+
+
+class _Marks:
+    """``count`` time marks, made once and recorded again by every repeat: CUDA events on
+    the current stream, or the host clock."""
+
+    def __init__(self, device: torch.device, count: int):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.times = [0.0] * count
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(count)] if self.cuda else []
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
+
+    def mark(self, i: int) -> None:
+        if self.cuda:
+            self.events[i].record(self.stream)
+        else:
+            self.times[i] = time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def elapsed(self, a: int, b: int) -> float:
+        if self.cuda:
+            return self.events[a].elapsed_time(self.events[b]) / 1e3
+        return self.times[b] - self.times[a]
+
+
+def _layer_seconds(marks: _Marks, hit: Sequence[bool]) -> list[float]:
+    """Each layer's seconds in one call: from its mark to the next layer's (marks 1..n;
+    0 is the start, n + 1 the end). A layer never reached in the call takes the next
+    mark (zero time); time before the first wait point counts to layer 0."""
+    n = len(hit) - 2
+    at = list(range(n + 2))
+    for i in range(n, 0, -1):
+        if not hit[i]:
+            at[i] = at[i + 1]
+    return [max(0.0, marks.elapsed(0 if i == 0 else at[i + 1], at[i + 2])) for i in range(n)]
 
 
 def time_callable(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -223,49 +248,102 @@ def time_callable(fn: Callable[[], object], device: torch.device, repeats: int) 
 
 @dataclass
 class LinkCosts:
-    """The host-to-device link as the copy engine sees it."""
+    """The host-to-device link as the copy engine sees it. Fields added later have
+    defaults, so a profile made before them still loads (and reads them as zero)."""
 
     bandwidth_Bps: float  # bytes per second for large copies
-    alpha_s: float  # extra seconds per group on the copy side
+    alpha_s: float  # extra seconds per group on the copy side (the copy engine's own, on CUDA)
     beta_s: float  # extra seconds per group on the compute side (a wait that is already satisfied)
     latency_s: float = 0.0  # arrival to a blocked compute resuming (host-side waits only)
     probe_bytes: int = field(default=0)
+    queue_s: float = 0.0  # host seconds to queue one more group of a load (NOTE [Pipeline cost model])
+    overhead_s: float = 0.0  # a one-group load's seconds beyond its bytes: the floor's fixed part
+
+
+PROBE_GROUPS = 64  # tiny groups of the many-group probe load
+PROBE_GROUP_BYTES = 512
 
 
 def measure_link(
     engine: CopyEngine, src: torch.Tensor, dst: torch.Tensor, device: torch.device, repeats: int = 5
 ) -> LinkCosts:
-    """Bandwidth from whole-buffer copies; alpha and beta from many tiny groups."""
+    """The link's costs from loads through ``engine``, as ``_LinkProbe`` times them:
+    bandwidth and the fixed cost of a load from a whole-buffer and a one-tiny-group
+    load; alpha and the host's queueing cost per group from many tiny groups; beta
+    from waits for groups that have arrived."""
     nbytes = min(int(src.numel()), int(dst.numel()))
-
-    def copy(ranges):
-        h = engine.start(src, dst, ranges, "link probe")
-        h.wait_all()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return h
-
-    copy([(0, nbytes)])  # warm-up
-    big = time_callable(lambda: copy([(0, nbytes)]), device, repeats)
-    n_small = 64
-    step = max(512, nbytes // n_small // 512 * 512)
-    small_ranges = [(i * step, i * step + min(512, nbytes)) for i in range(n_small) if i * step + 512 <= nbytes]
-    one = time_callable(lambda: copy(small_ranges[:1]), device, repeats)
-    many = time_callable(lambda: copy(small_ranges), device, repeats)
-    alpha = max(0.0, (many - one) / max(1, len(small_ranges) - 1))
-    h = copy(small_ranges)
+    tiny = min(PROBE_GROUP_BYTES, nbytes)
+    step = max(PROBE_GROUP_BYTES, nbytes // PROBE_GROUPS // 512 * 512)
+    small = [(i * step, i * step + tiny) for i in range(PROBE_GROUPS) if i * step + tiny <= nbytes]
+    whole, one = [(0, nbytes)], small[:1]
+    probe = _LinkProbe(engine, src, dst, device)
+    for ranges in (whole, one, small):
+        probe.load(ranges)  # warm-up; makes each probe's events, as a plan's first load does
+    _, big = probe.median(whole, repeats)
+    queue_one, one_s = probe.median(one, repeats)
+    queue_many, many_s = probe.median(small, repeats)
+    extra = max(1, len(small) - 1)
+    # The whole-buffer load less the one-group load: what remains is bytes over the link,
+    # without the fixed cost of a load (which, host-timed, holds the start, the hand-off
+    # and the synchronize).
+    bandwidth = (nbytes - tiny) / max(big - one_s, 1e-9)
+    overhead = max(0.0, one_s - tiny / bandwidth)
+    alpha = max(0.0, (many_s - one_s - (len(small) - 1) * tiny / bandwidth) / extra)
+    queue = max(0.0, (queue_many - queue_one) / extra)
+    h = probe.load(small)[2]
     t0 = time.perf_counter()
     for k in range(h.n_groups):
         h.wait(k)
     beta = (time.perf_counter() - t0) / h.n_groups
-    # The whole-buffer copy less a one-group copy: what remains is bytes over the link,
-    # without the fixed cost of a call (start, hand-off, synchronize), which alpha and
-    # latency account for. Host-timed, so the fixed part must be taken out this way.
-    bandwidth = (nbytes - min(512, nbytes)) / max(big - one, 1e-9)
     # A one-group load, start to resumed waiter, less its copy: the hand-off to the copy
     # thread and back. Device-side waits (CUDA) have no such cost on the compute's path.
-    latency = max(0.0, one - alpha - 512 / bandwidth) if engine.host_waits else 0.0
-    return LinkCosts(bandwidth, alpha, beta, latency, nbytes)
+    latency = max(0.0, overhead - alpha) if engine.host_waits else 0.0
+    return LinkCosts(bandwidth, alpha, beta, latency, nbytes, queue_s=queue, overhead_s=overhead)
+
+
+class _LinkProbe:
+    """Times loads of scratch buffers through a copy engine, each kind of load with its
+    own events kept across repeats (NOTE [Events made once per plan]), as a plan's are.
+
+    A load's seconds come from the engine's device events where it has them (CUDA: the
+    first copy's start to the last arrival, no host launch or synchronize in it), and
+    the copy stream is held until every group is queued, so they show the copy
+    engine's own costs; the host's cost of queueing is timed apart, around ``start``.
+    Otherwise (the CPU copy thread) they are host wall time, from the start to the
+    waiter resuming."""
+
+    HOLD_S = 1e-3  # plus HOLD_PER_GROUP_S per group: well above any host's queueing time
+    HOLD_PER_GROUP_S = 50e-6
+
+    def __init__(self, engine: CopyEngine, src: torch.Tensor, dst: torch.Tensor, device: torch.device):
+        self.engine, self.src, self.dst, self.device = engine, src, dst, device
+        self.events: dict[tuple, LoadEvents] = {}
+
+    def load(self, ranges: Sequence[tuple[int, int]]) -> tuple[float, float, LoadHandle]:
+        """One load: (host seconds to queue it, seconds of the load, its handle)."""
+        engine = self.engine
+        events = self.events.setdefault(tuple(ranges), LoadEvents())
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        if engine.device_timed:
+            engine.hold(self.HOLD_S + self.HOLD_PER_GROUP_S * len(ranges))
+        t0 = time.perf_counter()
+        h = engine.start(self.src, self.dst, ranges, "link probe", events=events)
+        queued = time.perf_counter() - t0
+        h.wait_all()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t0
+        seconds = h.copy_seconds() if engine.device_timed else wall
+        if seconds is None:
+            raise PipelineError("the copy engine has no timing for a finished load", where="link probe")
+        return queued, seconds, h
+
+    def median(self, ranges: Sequence[tuple[int, int]], repeats: int) -> tuple[float, float]:
+        """Medians over ``repeats`` loads: (host seconds to queue, seconds of the load)."""
+        samples = [self.load(ranges)[:2] for _ in range(repeats)]
+        return statistics.median(q for q, _ in samples), statistics.median(s for _, s in samples)
 
 
 @dataclass
@@ -290,8 +368,9 @@ class ModelProfile:
     def cost_model(self):
         from timeshare.transfer.planner import CostModel
 
+        link = self.link
         return CostModel(
-            tuple(self.transfer_s), tuple(self.compute_s), self.link.alpha_s, self.link.beta_s, self.link.latency_s
+            tuple(self.transfer_s), tuple(self.compute_s), link.alpha_s, link.beta_s, link.latency_s, link.queue_s
         )
 
     def summary(self) -> dict:
@@ -306,6 +385,8 @@ class ModelProfile:
             "alpha_us": self.link.alpha_s * 1e6,
             "beta_us": self.link.beta_s * 1e6,
             "latency_us": self.link.latency_s * 1e6,
+            "queue_us": self.link.queue_s * 1e6,
+            "overhead_us": self.link.overhead_s * 1e6,
             "ready_ms": self.ready_s * 1e3,
             "compute_ms": sum(self.compute_s) * 1e3,
             "plans": {
