@@ -6,11 +6,18 @@ receives a ``torch.device``. Importing this module never initializes CUDA.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from timeshare.errors import ConfigError, DeviceError
+
+log = logging.getLogger(__name__)
 
 _KNOWN = ("auto", "cpu", "cuda")
 
@@ -51,6 +58,115 @@ def synchronize(device: torch.device) -> None:
     """Wait until all work queued on ``device`` has finished (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# NOTE [Current device]
+# CUDA calls that take no device act on the process's current one, cuda:0 unless set:
+# the runtime API behind ``torch.cuda.cudart()`` (cudaHostRegister), and torch's own
+# ``synchronize()``, ``current_stream()``, ``Stream()``, ``manual_seed()`` when called
+# without a device. A call on a device without a context creates one there (hundreds of
+# MB). So timeshare passes its device to every such call, and:
+# - a worker process computes on one device only: it makes that device current before
+#   its first CUDA call (``make_current``), so its context, the arena's IPC mapping and
+#   its host registrations all live there, and nothing touches cuda:0 on a cuda:1 run;
+# - the controller runs in the caller's process, whose current device is the caller's
+#   business: it never changes it, and guards the calls that have no device argument
+#   (``CudaHostRegistrar``).
+def make_current(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device; a no-op on the CPU. Only
+    for a process of timeshare's own (a worker): NOTE [Current device]."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+# NOTE [Exact host pinning]
+# Host memory that the device reads asynchronously (a host store, a worker's input
+# staging buffer) is a plain allocation of exactly its size, page-locked with
+# cudaHostRegister, never a block of PyTorch's caching host allocator
+# (``pin_memory=True``): that one rounds every block up to a power of two (a 70 MB store
+# would lock 128 MB) and keeps freed blocks locked in its cache. Whoever registers a
+# range unregisters it, after the last copy from it has finished and before the memory
+# is freed (``HostPin`` in transfer/host_store.py), and the bytes are counted where they
+# were registered, so the pinned-bytes metric reports what is locked.
+class HostRegistrar(Protocol):
+    """Page-locks host memory for a device's copies (a fake stands in for it in tests)."""
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Page-lock ``nbytes`` bytes at ``ptr``; raises if that fails."""
+
+    def unregister(self, ptr: int) -> None:
+        """Undo ``register(ptr, ...)``. Never raises: it runs from finalizers."""
+
+
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every context of the process
+
+
+class CudaHostRegistrar:
+    """cudaHostRegister and cudaHostUnregister, with ``device`` current during the call
+    (NOTE [Current device]). Registered portable: the pages are locked for every CUDA
+    context of the process, whichever device made the call."""
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise DeviceError(f"host memory is page-locked for a CUDA device, not {device}")
+        self.device = device
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        with torch.cuda.device(self.device):
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+        if err != 0:
+            clear_cuda_error()
+            raise DeviceError(f"cannot page-lock {nbytes:,} bytes of host memory for {self.device}: "
+                              f"cudaHostRegister failed with CUDA error {err}")
+
+    def unregister(self, ptr: int) -> None:
+        try:
+            with torch.cuda.device(self.device):
+                err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        except RuntimeError as exc:  # CUDA itself is broken now (a sticky error): nothing to give back
+            log.warning("cudaHostUnregister(0x%x) failed: %s", ptr, exc)
+            return
+        if err != 0:
+            clear_cuda_error()
+            log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
+
+
+def clear_cuda_error() -> None:
+    """Consume the CUDA runtime's pending error after a failed call that was handled.
+    A failed runtime call leaves its error pending for the thread, and PyTorch checks
+    ``cudaGetLastError()`` after every kernel launch: the next unrelated launch would fail
+    with it. torch's cudart binding has no ``cudaGetLastError``, so it is called in every
+    CUDA runtime library this process loaded (opening a loaded library again returns
+    the same instance). Best effort: a runtime linked statically cannot be reached."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = loaded_cudart(f)
+    except OSError:
+        return
+    for path in paths:
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError) as exc:
+            log.debug("cannot clear the CUDA error through %s: %s", path, exc)
+
+
+def loaded_cudart(maps: Iterable[str]) -> list[str]:
+    """The CUDA runtime libraries among the lines of a ``/proc/<pid>/maps``: torch wheels
+    bundle them as ``libcudart-<hash>.so.N``; a replaced file reads "(deleted)"."""
+    paths: list[str] = []
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip().removesuffix(" (deleted)")
+        if os.path.basename(path).startswith("libcudart") and path not in paths:
+            paths.append(path)
+    return paths
+
+
+def host_registrar(device: torch.device) -> HostRegistrar | None:
+    """What page-locks host memory for ``device``: None on the CPU, where nothing needs it."""
+    return CudaHostRegistrar(device) if device.type == "cuda" else None
 
 
 # The objects whose ``fp32_precision`` (PyTorch's newer TF32 API) selects the kernels'

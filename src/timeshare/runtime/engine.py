@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from timeshare.device import resolve_device, synchronize
+from timeshare.device import host_registrar, resolve_device, synchronize
 from timeshare.errors import (
     ConfigError,
     DuplicateModelError,
@@ -89,7 +89,7 @@ class _Model:
     loads: int = 0
     priority: Priority = Priority.LATENCY_CRITICAL
     slo_s: float | None = None
-    host_pinned: bool = False  # its host store is in page-locked memory
+    host_pinned: bool = False  # with workers: they page-lock its store's segment (an AddModel fails if not)
 
     @property
     def name(self) -> str:
@@ -259,9 +259,11 @@ class Runtime:
         if spec.dtype is not None:
             layout.entries = [_with_dtype(e, spec.dtype) for e in layout.entries]
             tensors = {e.key: tensors[e.key].to(e.dtype) for e in layout.entries}
-        # Page-locked on CUDA: here, or by each worker over the shared segment.
+        # Page-locked on CUDA, at its exact size (NOTE [Exact host pinning]): here, or by
+        # each worker over the shared segment.
         host_pinned = self.device.type == "cuda"
-        store = HostStore.pack(layout.entries, tensors, pin=host_pinned and self._pool is None)
+        store = HostStore.pack(layout.entries, tensors, pin=host_pinned and self._pool is None,
+                               registrar=host_registrar(self.device))
         del tensors, current
         shm = order = None
         if self._pool is not None:
@@ -298,7 +300,7 @@ class Runtime:
                     _drop_segment(shm)
                 raise
             self._models[name] = _Model(spec, nbytes, pinned=pin, priority=priority, slo_s=slo_s,
-                                        host_pinned=host_pinned)
+                                        host_pinned=host_pinned and self._pool is not None)
         log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(nbytes))
 
     def infer(self, name: str, *args, **kwargs):
@@ -479,7 +481,7 @@ class Runtime:
             "used_bytes": alloc.used,
             "resident": {m.name: m.nbytes for m in models if m.block is not None},
             "host_bytes": sum(m.nbytes for m in models),
-            "host_pinned_bytes": sum(m.nbytes for m in models if m.host_pinned),
+            "host_pinned_bytes": self._host_pinned_bytes(models),
             "loads": {m.name: m.loads for m in models},
             "evictions": self._evictions,
             "failures": self._failures,
@@ -489,6 +491,14 @@ class Runtime:
             # With workers: the pool's size, the workers ready to serve, replacements so far.
             "workers": self._pool.health() if self._pool is not None else None,
         }
+
+    def _host_pinned_bytes(self, models: list[_Model]) -> int:
+        """Host memory page-locked for the stores (NOTE [Exact host pinning]): what the
+        in-process worker registered; with workers, each store's segment, which every
+        worker registers (the same pages, counted once)."""
+        if self._worker is not None:
+            return self._worker.pinned_host_bytes()
+        return sum(m.nbytes for m in models if m.host_pinned)
 
     def subscribe(self, listener: Listener) -> None:
         """Call ``listener`` with a :class:`~timeshare.runtime.events.CallRecord` after
@@ -678,8 +688,9 @@ class Runtime:
 
     def _to_device(self, obj):
         # With workers, inputs stay on the host: they cross the pipe as host bytes and the
-        # worker uploads them once. Moving them here would send device tensors through
-        # pickling, a device-to-host copy in the controller and another upload in the worker.
+        # worker uploads them once, pinned (NOTE [Input staging]). Moving them here would send
+        # device tensors through pickling, a device-to-host copy in the controller and another
+        # upload in the worker.
         if self._pool is not None:
             return map_tensors(obj, lambda t: t.cpu())
         return map_tensors(obj, lambda t: t.to(self.device))

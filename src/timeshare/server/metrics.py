@@ -107,8 +107,9 @@ class _Levels:
                                 value=snap["capacity_bytes"])
         yield GaugeMetricFamily("timeshare_host_store_bytes", "Host copies of the registered models' weights",
                                 value=snap["host_bytes"])
-        yield GaugeMetricFamily("timeshare_host_pinned_bytes", "Of those, page-locked (pinned) host memory",
-                                value=snap["host_pinned_bytes"])
+        # The bytes registered with CUDA, exactly (NOTE [Exact host pinning]), not a flag per model.
+        yield GaugeMetricFamily("timeshare_host_pinned_bytes", "Of those, page-locked (pinned) host memory: the "
+                                "bytes registered with the device, exactly", value=snap["host_pinned_bytes"])
         yield _by_label(CounterMetricFamily, "timeshare_model_loads", "Loads of each model onto the device", "model",
                         snap["loads"])
         yield CounterMetricFamily("timeshare_preemptions", "Training jobs told to stop at their next "

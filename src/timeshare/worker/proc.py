@@ -38,13 +38,13 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     """Entry point of a worker process (spawned)."""
     import torch
 
-    from timeshare.device import resolve_device
+    from timeshare.device import host_registrar, make_current, resolve_device
     from timeshare.memory.arena import Arena, attach_shared_memory
     from timeshare.models.binding import collect
     from timeshare.models.spec import resolve_builder
-    from timeshare.runtime.tree import map_tensors
+    from timeshare.runtime.tree import map_tensors, tensors_in
     from timeshare.transfer.copy import make_copy_engine
-    from timeshare.transfer.host_store import HostStore
+    from timeshare.transfer.host_store import HostStore, InputStaging
     from timeshare.worker.trainer import TrainingTask
     from timeshare.worker.worker import Worker
 
@@ -52,18 +52,26 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     if start.backend_flags is not None:  # before the first kernel: the creator's numerics, bit for bit
         start.backend_flags.apply()
     device = resolve_device(start.device)
-    arena = Arena.attach(start.arena, start.arena_capacity, device)  # creates the device context on CUDA
+    make_current(device)  # creates the device context, before any other CUDA call: NOTE [Current device]
+    arena = Arena.attach(start.arena, start.arena_capacity, device)  # on CUDA, an IPC mapping on that device
     engine = make_copy_engine(device, start.load_timeout_s, start.copy_delay_s)
+    registrar = host_registrar(device)  # None on the CPU
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
-                    fixed_group_bytes=start.fixed_group_bytes)
+                    fixed_group_bytes=start.fixed_group_bytes, registrar=registrar)
+    staging = InputStaging(registrar, alignment=arena.allocator.alignment)
     segments = {}  # model -> its host store's shared memory, kept open while the model is known
 
     unpickled = [0.0]  # seconds the last message took to unpickle
     in_task = [False]  # inside the task's own code (a forward, a training step): its errors are the task's
 
-    def to_device(obj):
-        """Inputs arrive as host tensors (pickled bytes): one upload each, here."""
-        return map_tensors(obj, lambda t: t.to(device, non_blocking=False))
+    def to_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Inputs arrive as host tensors (pickled bytes). On CUDA they are uploaded once
+        each, from the pinned staging buffer, in one call for args and kwargs (NOTE
+        [Input staging]); on the CPU they already are where the model runs."""
+        if device.type != "cuda":
+            return args, kwargs
+        moved = iter(staging.upload(tensors_in((args, kwargs)), device))
+        return map_tensors((args, kwargs), lambda _t: next(moved))
 
     tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
 
@@ -85,9 +93,10 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         layout.entries = [manifest[e.key] for e in layout.entries]
         shm = attach_shared_memory(msg.store_name)
         buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=msg.store_nbytes)
-        if device.type == "cuda":
-            pin_host_memory(buffer)  # page-locked in this process, so copies are asynchronous DMA
         store = HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment)
+        del buffer
+        if registrar is not None:
+            store.pin(registrar)  # page-locked in this process, so copies are asynchronous DMA
         worker.add(msg.model, module, layout, store, order=msg.order)
         segments[msg.model] = shm
 
@@ -96,11 +105,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             add_model(msg)
             return P.Ack(msg.seq)
         if isinstance(msg, P.RemoveModel):
-            store = worker.models[msg.model].store
-            worker.remove(msg.model)
-            if device.type == "cuda":
-                unpin_host_memory(store.buffer)
-            del store
+            worker.remove(msg.model)  # unpins its store and drops every view of the segment
             segments.pop(msg.model).close()
             return P.Ack(msg.seq)
         if isinstance(msg, P.Run):
@@ -109,17 +114,19 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             for profile in msg.profiles:
                 worker.adopt_profile(msg.model, profile)
             known = set(worker.models[msg.model].profiles)
-            args, kwargs = to_device(msg.args), to_device(msg.kwargs)
+            args, kwargs = to_device(msg.args, msg.kwargs)
             t_up = time.perf_counter()
             in_task[0] = True
             out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy)
             in_task[0] = False
             t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
-            out = worker.to_host(out)
+            out = worker.to_host(out)  # each output comes down once; pickling sends it as it is
             t_host = time.perf_counter()
             if device.type == "cuda":
-                torch.cuda.synchronize(device)  # nothing of this task is still queued when we answer
+                # Nothing of this task is still queued when we answer: no copy from the
+                # host store or the input staging buffer (NOTE [Input staging]) is in flight.
+                torch.cuda.synchronize(device)
             t_sync = time.perf_counter()
             load = worker.last_load.copy_seconds() if worker.last_load is not None else None
             profiles = worker.models[msg.model].profiles
@@ -129,9 +136,12 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                        "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+                # What the inputs took through the pinned staging buffer (NOTE [Input staging]).
+                timings["input_staged_bytes"] = staging.staged_nbytes
+                timings["input_pinned_bytes"] = staging.pinned_nbytes
             return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
         if isinstance(msg, P.Profile):
-            profile = worker.profile(msg.model, msg.offset, to_device(msg.args), to_device(msg.kwargs))
+            profile = worker.profile(msg.model, msg.offset, *to_device(msg.args, msg.kwargs))
             return P.Result(msg.seq, profile, profiles=(profile,))
         if isinstance(msg, P.Train):
             return train(msg)
@@ -216,28 +226,13 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         engine.close()
         for model in list(worker.models):
             worker.remove(model)
-
+        staging.release()
         arena.close()
         for shm in segments.values():
             try:
                 shm.close()
             except BufferError:
                 pass
-
-
-def pin_host_memory(buffer) -> None:
-    """Page-lock a host buffer this process mapped (a host store in shared memory)."""
-    import torch
-
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
-
-
-def unpin_host_memory(buffer) -> None:
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 # ------------------------------------------------------------------ controller side

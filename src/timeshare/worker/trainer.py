@@ -77,7 +77,8 @@ class TrainingTask:
         self._rng_cuda = None
         if device.type == "cuda":
             with torch.random.fork_rng(devices=[device]):
-                torch.cuda.manual_seed(seed)
+                with torch.cuda.device(device):  # manual_seed seeds the current device only
+                    torch.cuda.manual_seed(seed)
                 self._rng_cuda = torch.cuda.get_rng_state(device)
 
     @classmethod

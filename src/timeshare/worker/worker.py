@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from timeshare.device import HostRegistrar, host_registrar, synchronize
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, unbind
 from timeshare.runtime.tree import map_tensors, shape_key, tensors_in
-from timeshare.transfer.copy import CopyEngine, LoadHandle
+from timeshare.transfer.copy import CopyEngine, LoadEvents, LoadHandle
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.planner import STRATEGIES, make_plan
 from timeshare.transfer.profiler import (
@@ -39,11 +40,13 @@ LINK_PROBE_BYTES = 64 << 20  # large enough to reach the link's full bandwidth
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """A plan made ready for the switch path: byte ranges to copy and, for each
-    wait-point module (by id), the group it waits for."""
+    """A plan made ready for the switch path: byte ranges to copy, for each wait-point
+    module (by id) the group it waits for, and the copy engine's per-group events, made
+    by the plan's first load and re-recorded by the next (NOTE [Events made once per plan])."""
 
     ranges: tuple[tuple[int, int], ...]
     wait_of: dict[int, int]
+    events: LoadEvents = field(default_factory=LoadEvents, compare=False, repr=False)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Worker:
         profile_repeats: int = 3,
         fixed_group_bytes: int = 2 << 20,
         pin_host: bool | None = None,
+        registrar: HostRegistrar | None = None,
     ):
         self.device = device
         self.arena = arena
@@ -86,6 +90,10 @@ class Worker:
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = fixed_group_bytes
         self.pin_host = device.type == "cuda" if pin_host is None else pin_host
+        # Page-locks the host stores this worker packs (NOTE [Exact host pinning]); a
+        # test passes a fake one to check the bookkeeping on the CPU.
+        default = host_registrar(device) if self.pin_host else None
+        self.host_registrar = registrar if registrar is not None else default
         self.models: dict[str, WorkerModel] = {}
         self._link: LinkCosts | None = None
         self._fences: list[object] = []  # CUDA: last-use events of evicted models
@@ -110,8 +118,14 @@ class Worker:
             self._link = profile.link
 
     def remove(self, name: str) -> None:
+        """Forget ``name``; its host store is unpinned (NOTE [Exact host pinning])."""
         wm = self.models.pop(name)
         unbind(wm.layout)
+        self._drop_store(wm.store)
+
+    def pinned_host_bytes(self) -> int:
+        """Host memory this worker's stores hold page-locked (safe to call from any thread)."""
+        return sum(wm.store.pinned_nbytes for wm in list(self.models.values()))
 
     # ------------------------------------------------------------------ execution
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str):
@@ -167,7 +181,10 @@ class Worker:
 
     def to_host(self, out):
         """``out`` with every tensor on the CPU and none aliasing the arena, so that it
-        stays valid after the model leaves (and can cross a process boundary)."""
+        stays valid after the model leaves (and can cross a process boundary). Each
+        output is copied at most once: a device tensor comes down once, a host tensor
+        that is a view of the arena is cloned once, any other host tensor is returned
+        as it is. A worker process then pickles the result, with no further copy."""
         ptr = self.arena.buffer.untyped_storage().data_ptr()
 
         def give(t: torch.Tensor) -> torch.Tensor:
@@ -212,7 +229,11 @@ class Worker:
 
     # NOTE [Pipelined forward]
     # All groups (and the tail) are queued on the copy engine before the forward starts.
-    # For the forward, one global module pre-hook looks each module up in the plan's
+    # Queuing costs host time per group (slicing, the copy call, recording its event;
+    # the events themselves are made once per plan, NOTE [Events made once per plan]).
+    # The planner charges it, as a later start of the forward and copies that start no
+    # earlier than they are queued (NOTE [Pipeline cost model]). For the forward, one
+    # global module pre-hook looks each module up in the plan's
     # wait map and waits for the last group holding a tensor that module needs; groups
     # arrive in order, so waiting for group g covers every earlier group and a module
     # whose group was already waited for costs a dict lookup. On CUDA the wait is a
@@ -225,7 +246,9 @@ class Worker:
         plan = self._load_plan(wm, shape_key(args, kwargs), strategy)
         self._bind(wm, offset)
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
-        handle = self.engine.start(wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences())
+        handle = self.engine.start(
+            wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences(), plan.events
+        )
         wm.pending = self.last_load = handle
         wait_of = plan.wait_of
         last = handle.n_groups - 1
@@ -302,9 +325,11 @@ class Worker:
         if repack:
             by_key = {e.key: e for e in wm.store.entries}
             entries = [by_key[k] for k in order.key_order()]
-            wm.store = HostStore.pack(entries, wm.store.state(), pin=self.pin_host)
+            old = wm.store
+            wm.store = HostStore.pack(entries, old.state(), pin=self.host_registrar is not None,
+                                      registrar=self.host_registrar)
             wm.bound_at = None
-            release_host_cache(self.device)  # the store in registration order is gone
+            self._drop_store(old)  # the store in registration order
         elif [e.key for e in wm.store.entries] != order.key_order():
             raise TimeshareError(f"model {wm.name!r}: the host store is not laid out in the traced order")
         wm.order = order
@@ -380,9 +405,10 @@ class Worker:
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
             release_host_cache(self.device)
-            log.info("link: %.2f GB/s, alpha %.1f us, beta %.1f us, latency %.1f us",
-                     self._link.bandwidth_Bps / 1e9, self._link.alpha_s * 1e6, self._link.beta_s * 1e6,
-                     self._link.latency_s * 1e6)
+            link = self._link
+            log.info("link: %.2f GB/s + %.1f us per load, alpha %.1f us, beta %.1f us, latency %.1f us, "
+                     "queue %.1f us per group", link.bandwidth_Bps / 1e9, link.overhead_s * 1e6, link.alpha_s * 1e6,
+                     link.beta_s * 1e6, link.latency_s * 1e6, link.queue_s * 1e6)
         return self._link
 
     # ------------------------------------------------------------------ helpers
@@ -398,6 +424,19 @@ class Worker:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             wm.last_use = ev
+
+    def _drop_store(self, store: HostStore) -> None:
+        """Unpin ``store`` once no copy reads it. A device-side wait does not mean the
+        copies ran, and unregistering memory a DMA still reads is undefined, so a pinned
+        store waits for the device first (off the switch path: a first load, a removal).
+        The latest load, kept for its timing, then lets go of the store and of the arena
+        range it copied (``done()`` drops them once the copies are over), so that an
+        unregister frees the host memory and a close the device memory."""
+        if store.pinned:
+            synchronize(self.device)
+        if self.last_load is not None:
+            self.last_load.done()
+        store.release()
 
     def _take_fences(self) -> list:
         fences, self._fences = self._fences, []
