@@ -124,8 +124,7 @@ def test_workers_share_the_cuda_arena_and_switch_without_device_allocation():
         segments = []
         for _ in range(6):
             rt.evict("r")
-            while job.stats.iterations < 2:
-                pass
+            models.wait_until(lambda: job.stats.iterations >= 2, what="2 training iterations")
             assert same(rt.infer("r", *x), expected)
             reply_timings = rt._pool.last_timings
             segments.append(reply_timings["cuda_segments"])
@@ -141,23 +140,30 @@ def test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was():
 
     zoo = ZOO["bert_base"]
     x = zoo.example_inputs(8)
-    with timeshare.Runtime(device="cuda", memory="1GiB", workers=2, profile_repeats=1, task_timeout_s=60) as rt:
+    import threading
+
+    from timeshare.errors import WorkerCrashedError
+
+    # Each group's copy is held back 20 ms, so the load lasts well past the kill at 50 ms.
+    with timeshare.Runtime(device="cuda", memory="1GiB", workers=2, profile_repeats=1, task_timeout_s=60,
+                           copy_delay_s=0.02) as rt:
         rt.register("b", zoo.builder, weights_path("bert_base"), x)
         ref = rt.infer("b", *x)
         torch.cuda.synchronize()
         free_before, _ = torch.cuda.mem_get_info()
         for _ in range(3):
             rt.evict("b")
-            victim = rt._pool.workers[0]
-            import threading
+            pids, replaced = rt.worker_pids(), rt.snapshot()["workers"]["replacements"]
 
-            threading.Timer(0.005, lambda: os.kill(victim.os_pid, signal.SIGKILL)).start()
-            try:
+            def kill_all():  # both workers: whichever serves dies mid-load
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+
+            threading.Timer(0.05, kill_all).start()
+            with pytest.raises(WorkerCrashedError):
                 rt.infer("b", *x)
-            except timeshare.TimeshareError:
-                pass
-            for w in rt._pool.workers:  # let replacements boot
-                rt._pool._ready(w)
+            models.wait_until(lambda: rt.snapshot()["workers"]["replacements"] >= replaced + 2
+                              and rt.snapshot()["workers"]["ready"] == 2, 120, "two replacements ready")
             assert same(rt.infer("b", *x), ref)
         torch.cuda.synchronize()
         free_after, _ = torch.cuda.mem_get_info()

@@ -106,4 +106,4 @@ def test_inputs_of_every_kind_reach_a_worker_and_outputs_come_back_equal():
         rt.register("h", "tests.models:optional_head", None, (x,))
         got = rt.infer("h", x, use_head=True)
         assert type(got) is type(expected)
-        assert all(torch.equal(a, b) for a, b in zip(tensors_in(got), tensors_in(expected)))
+        assert all(torch.equal(a, b) for a, b in zip(tensors_in(got), tensors_in(expected), strict=True))

@@ -175,7 +175,7 @@ def test_staging_packs_every_input_aligned_into_one_locked_buffer_equal_to_the_i
     base = staging.buffer.data_ptr()
     offsets, total = aligned_offsets([t.nbytes for t in xs], 512)
     assert fake.live == {base: total} and staging.pinned_nbytes == total  # exact, not rounded
-    for x, s, offset in zip(xs, staged, offsets):
+    for x, s, offset in zip(xs, staged, offsets, strict=True):
         assert s.dtype == x.dtype and s.shape == x.shape and torch.equal(s, x)
         assert s.stride() == x.to("meta").stride()  # the layout x.to(device) would have
         assert s.untyped_storage().data_ptr() == base and offset % 512 == 0
@@ -189,7 +189,7 @@ def test_staging_reuses_its_buffer_grows_it_exactly_and_unlocks_the_old_one():
     staging.stage([torch.randn(1000)])  # 4,000 bytes -> 4,096
     first = staging.buffer.data_ptr()
     smaller = [torch.randn(10), torch.arange(3)]
-    assert all(torch.equal(a, b) for a, b in zip(staging.stage(smaller), smaller))
+    assert all(torch.equal(a, b) for a, b in zip(staging.stage(smaller), smaller, strict=True))
     assert staging.buffer.data_ptr() == first and fake.registered == [4096]  # reused, not registered again
     bigger = [torch.randn(3000)]
     assert torch.equal(staging.stage(bigger)[0], bigger[0])
@@ -235,7 +235,7 @@ def test_staging_never_rewrites_or_unlocks_bytes_a_copy_may_still_read():
 def test_upload_leaves_inputs_alone_on_the_cpu():
     staging = InputStaging(FakeRegistrar())
     xs = inputs()
-    assert all(a is b for a, b in zip(staging.upload(xs, CPU), xs))
+    assert all(a is b for a, b in zip(staging.upload(xs, CPU), xs, strict=True))
     assert staging.buffer.numel() == 0
 
 
@@ -305,7 +305,7 @@ def test_a_worker_makes_its_device_current_and_pins_through_it(two_gpus, monkeyp
     assert len(cleared) == 1  # the pending error must not fail the next kernel launch
     registrar.unregister(4096)  # logged, never raised: it runs from finalizers
     assert len(cleared) == 2
-    with pytest.raises(DeviceError):
+    with pytest.raises(DeviceError, match="for a CUDA device, not cpu"):
         CudaHostRegistrar(CPU)
 
 
