@@ -263,3 +263,19 @@ def wait_until(condition, timeout_s: float = 60.0, what: str = "the condition") 
     while not condition():
         assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s:g} s"
         time.sleep(0.005)
+
+
+def offload_batches():
+    """Endless regression batches for offload tests (a fixed seed: every run sees the same)."""
+    g = torch.Generator().manual_seed(1)
+    while True:
+        yield torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+
+
+def mse_step(model, optimizer, batch):
+    x, y = batch
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss

@@ -7,24 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests import models
 from timeshare.worker.trainer import TrainingTask
 
 pytestmark = pytest.mark.cuda
-
-
-def _batches(device):
-    g = torch.Generator().manual_seed(1)
-    while True:
-        yield torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
-
-
-def _step(model, optimizer, batch):
-    x, y = batch
-    optimizer.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def _task(device) -> TrainingTask:
@@ -32,7 +18,8 @@ def _task(device) -> TrainingTask:
     net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).to(device)
     # capturable: Adam keeps its 0-dim ``step`` on the device, which offload must carry both ways
     adam = torch.optim.Adam(net.parameters(), lr=1e-2, capturable=True)
-    return TrainingTask(net, adam, _batches(device), _step, None, device=device, offload=True, seed=3)
+    return TrainingTask(net, adam, models.offload_batches(), models.mse_step, None, device=device, offload=True,
+                        seed=3)
 
 
 def _optimizer_tensors(task):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tests import models
 from timeshare.worker.trainer import TrainingTask
 
 
@@ -14,25 +15,11 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    while True:
-        yield torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
-
-
-def _step(model, optimizer, batch):
-    x, y = batch
-    optimizer.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
 def _task() -> TrainingTask:
     net = _net()
-    return TrainingTask(net, torch.optim.Adam(net.parameters(), lr=1e-2), _batches(), _step, None,
-                        device=torch.device("cpu"), offload=True, seed=3)
+    adam = torch.optim.Adam(net.parameters(), lr=1e-2)
+    return TrainingTask(net, adam, models.offload_batches(), models.mse_step, None, device=torch.device("cpu"),
+                        offload=True, seed=3)
 
 
 def _state(task: TrainingTask) -> dict[str, torch.Tensor]:
