@@ -24,6 +24,7 @@ demo: $(STAMP)
 	@$(BIN)/timeshare demo
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest
 
 test-gpu: $(STAMP)

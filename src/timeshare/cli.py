@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                          "at once, and a device-to-device copy, timed with device events; the fixed per-copy "
                          "overhead and the bandwidth from a straight-line fit. The floor every load is judged by.")
     p.add_argument("--device", default="auto")
-    p.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 64KiB,1MiB,1GiB (default 64KiB..1GiB, x4)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated sizes, e.g. 64KiB,1MiB,1GiB (default 64KiB..1GiB, x4)")
     p.add_argument("--repeats", type=int, default=20, help="timed copies per size (median)")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args, console, _run_bench)
         if args.command == "sim":
             return run_sim(args, console, _write_json)
-        if args.command in ("serve", "demo", "models", "zoo") or getattr(args, "bench", None) in ("serve", "chaos", "hostile"):
+        if args.command in ("serve", "demo", "models", "zoo") \
+                or getattr(args, "bench", None) in ("serve", "chaos", "hostile"):
             return cli_serve.run(args, console, _write_json, _run_bench)
     except TimeshareError as exc:
         err.print(f"[red]error:[/red] {exc}")
@@ -158,7 +160,8 @@ def _bench_link(args) -> int:
     if args.repeats < 1 or min(sizes) < 1:
         err.print("[red]error:[/red] --repeats and every size must be at least 1")
         return 2
-    return _run_bench(run, LinkBenchConfig(device=args.device, sizes=sizes, repeats=args.repeats), _print_link, args.json)
+    return _run_bench(run, LinkBenchConfig(device=args.device, sizes=sizes, repeats=args.repeats), _print_link,
+                      args.json)
 
 
 def _print_link(result: dict) -> None:
@@ -173,7 +176,8 @@ def _print_link(result: dict) -> None:
                       f"{r['d2d_GBps']:.0f}", f"{r['h2d_us']:.1f}")
     console.print(table)
     for k, v in result["fit"].items():
-        console.print(f"{k}: {v['bandwidth_GBps']:.2f} GB/s + {v['overhead_us']:.1f} us per copy (fit over sizes >= 1 MiB)")
+        console.print(f"{k}: {v['bandwidth_GBps']:.2f} GB/s + {v['overhead_us']:.1f} us per copy "
+                      "(fit over sizes >= 1 MiB)")
     console.print(f"round trip exact: {result['round_trip_exact']}")
 
 
@@ -189,12 +193,14 @@ def _print_pipeline(result: dict) -> None:
     )
     strategies = result["config"]["strategies"]
     table = Table(show_lines=False)
-    for col in ["model", "MB", "layers", "native ms", "ready ms", "floor ms", *[f"{s} ms" for s in strategies], "optimal/floor",
+    for col in ["model", "MB", "layers", "native ms", "ready ms", "floor ms",
+                *[f"{s} ms" for s in strategies], "optimal/floor",
                 "optimal vs best", "exact"]:
         table.add_column(col, justify="right" if col != "model" else "left")
     for r in result["results"]:
         cells = [
-            r["model"], f"{r['needed_bytes'] / 1e6:.1f}", str(r["layers"]), f"{r['native_ms']:.2f}", f"{r['ready_ms']:.2f}",
+            r["model"], f"{r['needed_bytes'] / 1e6:.1f}", str(r["layers"]),
+            f"{r['native_ms']:.2f}", f"{r['ready_ms']:.2f}",
             f"{r['floor_ms']:.2f}",
         ]
         cells += [f"{r['strategies'][s]['ms']:.2f} ({r['strategies'][s]['groups']}g)" for s in strategies]
@@ -212,8 +218,10 @@ def _print_pipeline(result: dict) -> None:
     console.print(table)
     console.print(
         "Medians over rounds; (Ng) = groups. native: the same module in plain PyTorch, weights resident, "
-        "inference mode, inputs from and outputs to the host. ready: the model already resident (± half the interquartile "
-        "range). floor: max(fixed per-load overhead + bytes / measured bandwidth, ready compute), no loader can beat it. whole: copy "
+        "inference mode, inputs from and outputs to the host. "
+        "ready: the model already resident (± half the interquartile "
+        "range). floor: max(fixed per-load overhead + bytes / measured bandwidth, ready compute), "
+        "no loader can beat it. whole: copy "
         "everything, then run. per_layer: one group per layer. fixed: ~2 MiB groups. optimal: the grouping "
         "that minimises the profiled cost model. optimal vs best: its median minus the best strategy's, "
         "against the larger interquartile range. exact: every first-inference output is bitwise equal to "
@@ -294,7 +302,8 @@ def _print_switch(result: dict) -> None:
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in result["results"]:
         c = r["components_ms"]
-        row = [r["model"], f"{r['native_ms']:.1f}", f"{r['ready_ms']:.1f}", f"{r['timeshare_ms']:.1f}", f"{r['timeshare_vs_ready']:.2f}x",
+        row = [r["model"], f"{r['native_ms']:.1f}", f"{r['ready_ms']:.1f}", f"{r['timeshare_ms']:.1f}",
+               f"{r['timeshare_vs_ready']:.2f}x",
                fmt(c["stop"]), fmt(c["start"]), fmt(c["load"]), fmt(c["clean"])]
         row += [f"{r[b + '_ms']:.0f}" for b in cfg["baselines"]]
         ratio = r.get("stop_and_start_vs_timeshare")
@@ -330,7 +339,8 @@ def _bench_cycles(args) -> int:
                   "--copy-delay-ms at least 0")
         return 2
     cfg = CyclesBenchConfig(model=args.model, batch=args.batch, dtype=args.dtype, device=args.device, cycles=cycles,
-                            rounds=args.rounds, min_inference_s=args.min_inference_s, evict=not args.keep_resident, train=args.train, memory=args.memory,
+                            rounds=args.rounds, min_inference_s=args.min_inference_s, evict=not args.keep_resident,
+                            train=args.train, memory=args.memory,
                             copy_delay_s=args.copy_delay_ms / 1e3)
     return _run_bench(run, cfg, _print_cycles, args.json)
 
@@ -340,7 +350,8 @@ def _print_cycles(result: dict) -> None:
     where = env.get("gpu") or env.get("cpu") or env["device"]
     console.print(
         f"[bold]Inference throughput time-sharing with training[/bold] on {env['device']} ({where}), "
-        f"{cfg['model']} batch {cfg['batch']} {cfg['dtype']}, training {cfg['train']}; model {'evicted' if cfg['evict'] else 'kept resident'} each training turn"
+        f"{cfg['model']} batch {cfg['batch']} {cfg['dtype']}, training {cfg['train']}; "
+        f"model {'evicted' if cfg['evict'] else 'kept resident'} each training turn"
     )
     table = Table()
     for col in ["cycle s", "requests", "inference time s", "req/s", "ready req/s", "of ready", "switches"]:

@@ -54,7 +54,8 @@ def add_parsers(sub, bench) -> None:
         "them, sends --requests requests from --clients threads (503s are retried after Retry-After), and "
         "checks every response against the model's reference output computed alone: reports lost, "
         "duplicated and mismatched responses, 5xx, throughput and latency percentiles.")
-    p.add_argument("--models", nargs="+", default=None, help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--device", default="cpu")
@@ -73,7 +74,8 @@ def add_parsers(sub, bench) -> None:
         "reference, while every --fault-every seconds a worker is killed (computing or loading, training, "
         "idle, or still starting) or stopped and resumed. Reports wrong answers (must be 0), failures by "
         "status and whether a fault explains each, time to heal, and what is left after shutdown.")
-    p.add_argument("--models", nargs="+", default=None, help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of faults and requests")
     p.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults (jittered +-30%%)")
@@ -112,20 +114,23 @@ def run(args, console, write_json, run_bench) -> int:
     if args.command in ("models", "zoo"):
         return _models(args, console)
     if args.command == "bench" and args.bench == "serve":
-        from timeshare.bench.serve import ServeBenchConfig, run as bench_run
+        from timeshare.bench.serve import ServeBenchConfig
+        from timeshare.bench.serve import run as bench_run
 
         kwargs = {} if args.models is None else {"models": args.models}
         cfg = ServeBenchConfig(clients=args.clients, requests=args.requests, device=args.device, memory=args.memory,
                                workers=args.workers, max_batch=args.max_batch, seed=args.seed, **kwargs)
         return run_bench(bench_run, cfg, lambda r: _print_bench_serve(console, r), args.json)
     if args.command == "bench" and args.bench == "hostile":
-        from timeshare.bench.hostile import HostileBenchConfig, run as hostile_run
+        from timeshare.bench.hostile import HostileBenchConfig
+        from timeshare.bench.hostile import run as hostile_run
 
         hcfg = HostileBenchConfig(model=args.model, body_mib=args.body_mib, idle_connections=args.idle,
                                   header_timeout_s=args.header_timeout)
         return run_bench(hostile_run, hcfg, lambda r: _print_bench_hostile(console, r), args.json)
     if args.command == "bench" and args.bench == "chaos":
-        from timeshare.bench.chaos import ChaosBenchConfig, run as chaos_run
+        from timeshare.bench.chaos import ChaosBenchConfig
+        from timeshare.bench.chaos import run as chaos_run
 
         kwargs = {} if args.models is None else {"models": args.models}
         ccfg = ChaosBenchConfig(clients=args.clients, duration_s=args.duration, fault_every_s=args.fault_every,
@@ -224,7 +229,8 @@ def _print_demo(console, s: dict) -> None:
     if util is not None:
         console.print(f"device busy {s['device_busy_s']:.1f} s of {s['duration_s']:.0f}: utilization {100 * util:.0f}% "
                       f"(inference {100 * s['inference_utilization']:.0f}%, the training job the rest)")
-    console.print(f"server: ready in {s['startup_s']:.1f} s; stopped by SIGTERM with exit code {s['server_exit_code']}, "
+    console.print(f"server: ready in {s['startup_s']:.1f} s; stopped by SIGTERM "
+                  f"with exit code {s['server_exit_code']}, "
                   f"{s['server_leftover_processes']} processes left; errors: {s['errors']}")
     for line in s.get("server_leftovers", []):
         console.print(f"  left running: {line}", markup=False)
@@ -249,7 +255,8 @@ def _print_bench_hostile(console, result: dict) -> None:
         ("idle connections closed", f"{idle['closed']} of {idle['connections']} within {idle['within_s']} s "
                                     f"(last at {idle['last_closed_s']} s)"),
         ("oversized header", ours["large_header"]["status"]),
-        ("admin: cross-site / rebinding", f"{ours['admin']['cross_site_status']} / {ours['admin']['rebinding_status']}"),
+        ("admin: cross-site / rebinding", f"{ours['admin']['cross_site_status']} / "
+                                          f"{ours['admin']['rebinding_status']}"),
     ):
         table.add_row(what, str(value))
     console.print(table)
@@ -317,7 +324,8 @@ def _models(args, console) -> int:
         for col in ("name", "source", "weights", "pinned", "priority", "SLO ms", "max batch"):
             table.add_column(col)
         for m in config.models:
-            table.add_row(m.name, f"zoo:{m.zoo}" if m.zoo else m.build, m.weights or ("seeded" if m.zoo else "module's own"),
+            table.add_row(m.name, f"zoo:{m.zoo}" if m.zoo else m.build,
+                          m.weights or ("seeded" if m.zoo else "module's own"),
                           "yes" if m.pinned else "", m.priority, _ms(m.slo_ms), str(m.max_batch))
         console.print(table)
         return 0

@@ -16,7 +16,8 @@ from rich.table import Table
 
 
 def add_sim_parser(sub) -> None:
-    sim = sub.add_parser("sim", help="trace-driven simulation of the scheduler").add_subparsers(dest="sim", required=True)
+    sim = sub.add_parser("sim",
+                         help="trace-driven simulation of the scheduler").add_subparsers(dest="sim", required=True)
     p = sim.add_parser("salus", help="Salus's Table 1: every policy on 100 jobs from Salus's job pool")
     p.add_argument("--pool", default=None, help="Salus's job pool CSV (default: data/salus-workloads.csv)")
     p.add_argument("--jobs", type=int, default=100)
@@ -28,7 +29,8 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the table next to Salus's")
 
-    p = sim.add_parser("serving", help="many models with Zipf popularity: eviction policies vs Ray Serve and stop-and-start")
+    p = sim.add_parser("serving",
+                       help="many models with Zipf popularity: eviction policies vs Ray Serve and stop-and-start")
     p.add_argument("--models", type=int, default=50)
     p.add_argument("--fit", type=int, default=5, help="device memory holds this many models (by mean size)")
     p.add_argument("--requests", type=int, default=100_000)
@@ -39,7 +41,8 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--slo-factor", type=float, default=10.0, help="SLO = this x the model's ready latency")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--costs", nargs="+", default=None,
-                   help="bench pipeline JSON at batch 1 [, at batch 8 [, bench switch JSON]] (default: committed CPU results)")
+                   help="bench pipeline JSON at batch 1 [, at batch 8 [, bench switch JSON]] "
+                        "(default: committed CPU results)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
 
@@ -62,7 +65,8 @@ def add_bench_parsers(bench) -> None:
     p.add_argument("--model", default="tiny_bert", help="zoo model serving requests")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--device", default="auto")
-    p.add_argument("--train", default=None, help="training MODEL:BATCH (default resnet152:64 on CUDA, tiny_cnn:32 on the CPU)")
+    p.add_argument("--train", default=None,
+                   help="training MODEL:BATCH (default resnet152:64 on CUDA, tiny_cnn:32 on the CPU)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of requests per mode")
     p.add_argument("--rate", type=float, default=None, help="requests per second (default: ~10%% of the device)")
     p.add_argument("--time-slice", type=float, default=0.1, help="FIFO time-slicing: the job's slice in seconds")
@@ -187,13 +191,15 @@ def _print_salus(console, result: dict) -> None:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for p, r in result["table"].items():
         s = result["salus_table1"][p]
-        table.add_row(p.upper(), *(f"{r[k]:.1f}" for k in ("makespan_min", "avg_queuing_min", "avg_jct_min", "p95_jct_min")),
+        table.add_row(p.upper(),
+                      *(f"{r[k]:.1f}" for k in ("makespan_min", "avg_queuing_min", "avg_jct_min", "p95_jct_min")),
                       *(f"{s[k]:.1f}" for k in ("makespan_min", "avg_queuing_min", "avg_jct_min", "p95_jct_min")),
                       str(r["preemptions"]))
     console.print(table)
     o = result["over_seeds"]
     console.print(
-        f"Minutes. Over {o['srtf_over_fifo_avg_jct']['n']} traces: SRTF/FIFO avg JCT {_fmt(o['srtf_over_fifo_avg_jct'])} "
+        f"Minutes. Over {o['srtf_over_fifo_avg_jct']['n']} traces: "
+        f"SRTF/FIFO avg JCT {_fmt(o['srtf_over_fifo_avg_jct'])} "
         f"(Salus 0.31); FAIR/FIFO {_fmt(o['fair_over_fifo_avg_jct'])} (Salus 0.57); PACK best makespan in "
         f"{o['pack_best_makespan_share']:.0%} of traces, PACK/FIFO makespan {_fmt(o['pack_over_fifo_makespan'])} "
         "(Salus 0.95). Salus ran 2 P100s; its arrival process is unpublished."
@@ -242,7 +248,8 @@ def _print_colocate(console, result: dict) -> None:
 
 
 def _print_scheduler(console, result: dict) -> None:
-    table = Table(title=f"scheduler decision with {result['config']['queued']} tasks queued (Salus memory model, 16 GiB)")
+    table = Table(title=f"scheduler decision with {result['config']['queued']} tasks queued "
+                        "(Salus memory model, 16 GiB)")
     for col in ("policy", "median us", "p99 us"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for d in result["decision"]:

@@ -113,7 +113,8 @@ def _replay(client, models, rate: float, cfg: DemoConfig) -> list[dict]:
             records.append({"id": i, "model": name, "sent_s": sent, "latency_ms": (done - sent) * 1e3,
                             "status": answer.status, "error": answer.error,
                             "queue_ms": p.get("timeshare_queue_ms"), "compute_ms": p.get("timeshare_compute_ms"),
-                            "loaded": bool(p.get("timeshare_loaded")), "switched_from": p.get("timeshare_switched_from"),
+                            "loaded": bool(p.get("timeshare_loaded")),
+                            "switched_from": p.get("timeshare_switched_from"),
                             "batch_rows": p.get("timeshare_batch_rows")})
 
     with ThreadPoolExecutor(cfg.clients) as pool:

@@ -203,7 +203,7 @@ class BackendFlags:
     legacy: tuple[bool, bool, str] | None = None  # (cudnn allow_tf32, matmul allow_tf32, matmul precision)
 
     @classmethod
-    def capture(cls) -> "BackendFlags":
+    def capture(cls) -> BackendFlags:
         m = torch.backends.cuda.matmul
         precisions: tuple[tuple[str, str], ...] = ()
         legacy = None

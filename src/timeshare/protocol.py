@@ -179,7 +179,7 @@ class ErrorInfo:
     in_task: bool = False  # raised by the task's own code (a forward, a training step), not the worker's
 
     @classmethod
-    def capture(cls, exc: BaseException, where: str, *, in_task: bool = False) -> "ErrorInfo":
+    def capture(cls, exc: BaseException, where: str, *, in_task: bool = False) -> ErrorInfo:
         own = type(exc).__name__ if isinstance(exc, errors.TimeshareError) else None
         message = exc.message if isinstance(exc, errors.TimeshareError) else str(exc)
         inner = getattr(exc, "where", None)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import timeshare
-from timeshare.device import BackendFlags
 from tests import models
+from timeshare.device import BackendFlags
 from timeshare.models.zoo import ZOO, names, weights_path
 from timeshare.runtime.tree import tensors_in
 from timeshare.transfer.planner import STRATEGIES

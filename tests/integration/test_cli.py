@@ -70,7 +70,8 @@ def test_bench_switch_measures_every_baseline_with_exact_outputs(tmp_path, capsy
 def test_bench_cycles_reports_a_fraction_of_ready(tmp_path, capsys):
     path = tmp_path / "cycles.json"
     code = cli.main(
-        ["bench", "cycles", "--model", "tiny_cnn", "--cycles", "0.3,0.6", "--rounds", "1", "--min-inference-s", "0.6", "--train", "tiny_mlp:8",
+        ["bench", "cycles", "--model", "tiny_cnn", "--cycles", "0.3,0.6", "--rounds", "1", "--min-inference-s", "0.6",
+         "--train", "tiny_mlp:8",
          "--device", "cpu", "--memory", "16MiB", "--json", str(path), "--copy-delay-ms", "2"]
     )
     assert code == 0

@@ -2,6 +2,7 @@
 worker mid-request, the training job's home, a replacement still booting), every reply
 that comes back is the output of its own request's inputs, and the pool heals."""
 
+import functools
 import os
 import random
 import signal
@@ -37,8 +38,9 @@ def test_every_reply_answers_its_own_request_while_workers_are_killed():
             x = torch.randn(4, 64)
             if i % 3 == 1:  # kill a worker while the request is in flight
                 pids = rt.worker_pids()
+                victim = rng.choice(pids)
                 timer = threading.Timer(rng.uniform(0.005, 0.08),
-                                        lambda p=rng.choice(pids): _kill(p) and killed.add(p))
+                                        functools.partial(lambda p: _kill(p) and killed.add(p), victim))
                 timer.start()
             try:
                 out = rt.infer("slow", x, delay_s=0.002)

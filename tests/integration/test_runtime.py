@@ -46,7 +46,8 @@ def reference(build, weights, *args, **kwargs):
 
 @pytest.fixture
 def rt():
-    with timeshare.Runtime(device="cpu", memory="64MiB", profile_repeats=1, poison_evicted=True) as r:  # NOTE [Poisoned reloads]
+    with timeshare.Runtime(device="cpu", memory="64MiB", profile_repeats=1,
+                           poison_evicted=True) as r:  # NOTE [Poisoned reloads]
         yield r
 
 
@@ -137,7 +138,8 @@ def test_lru_eviction_pinning_and_memory_given_back():
     with timeshare.Runtime(device="cpu", memory="1MiB", profile_repeats=1) as rt:
         x = (torch.randn(2, 32),)
         for name in "abc":
-            rt.register(name, lambda: torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.Linear(2048, 10)), None, x)
+            rt.register(name, lambda: torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.Linear(2048, 10)),
+                        None, x)
             sizes[name] = rt._models[name].nbytes
         assert 2 * sizes["a"] < rt.stats()["capacity_bytes"] < 3 * sizes["a"]  # room for two
         rt.infer("a", *x)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import timeshare
+from tests import models
 from timeshare import cli
 from timeshare.errors import ConfigError
-from tests import models
 
 
 def _iterations_while_inference_waits(rt) -> tuple[int, int]:

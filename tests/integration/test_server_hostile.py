@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.serving import running_server, tiny_config
-from timeshare.errors import WorkerTimeoutError
 from timeshare.bench.hostile import measure_admin_guard, measure_idle, measure_large_header
+from timeshare.errors import WorkerTimeoutError
 from timeshare.server.parsing import ParserPool, parse_infer
 from timeshare.server.tensors import BadRequest
 

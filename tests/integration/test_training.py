@@ -11,7 +11,6 @@ import timeshare
 from tests import models
 from timeshare.errors import ConfigError, TimeshareError
 
-
 # The same job as the worker tests' (importable, in tests/models.py).
 net, batches, step, adam = models.train_net, models.train_batches, models.train_step, models.adam
 

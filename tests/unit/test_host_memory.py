@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tests import models
 import timeshare.device
+from tests import models
 from timeshare.device import CudaHostRegistrar, host_registrar, loaded_cudart, make_current, resolve_device
 from timeshare.errors import DeviceError
 from timeshare.memory.allocator import align_up

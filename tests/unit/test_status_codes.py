@@ -3,8 +3,14 @@ hung worker, no memory, not started, a bug) is 5xx, never 400."""
 
 import pytest
 
-from timeshare.errors import (PipelineError, RemoteError, TimeshareError, UnknownModelError, WorkerCrashedError,
-                              WorkerTimeoutError)
+from timeshare.errors import (
+    PipelineError,
+    RemoteError,
+    TimeshareError,
+    UnknownModelError,
+    WorkerCrashedError,
+    WorkerTimeoutError,
+)
 from timeshare.server.app import status_of
 from timeshare.server.service import Overloaded, Unavailable, served_error
 from timeshare.server.tensors import BadRequest

@@ -77,7 +77,7 @@ def run_step(step: Step, out: Path, python: str = sys.executable, max_s: int | N
     else:
         cmd = [python, *step.args]
     shown = " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    started = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("TIMESHARE_CACHE", str(ROOT / ".cache"))  # the test tier's cache: weights made once
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p)
@@ -270,7 +270,8 @@ def _markdown(s: dict) -> str:
                   f"{s['link']['peak']['both_GBps']:.1f} GB/s (peak)."]
     if s["pipeline"]:
         lines += ["", "## First inference, model not resident (ms, median)", "",
-                  "| model | dtype | MB | native | ready | floor | whole | per_layer | fixed | optimal | optimal/floor | exact |",
+                  "| model | dtype | MB | native | ready | floor | whole | per_layer | fixed | optimal "
+                  "| optimal/floor | exact |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in s["pipeline"]:
             fl = r.get("link_floor_ms", r["floor_ms"])
@@ -286,7 +287,8 @@ def _markdown(s: dict) -> str:
         for r in s["switch"]:
             c = r["components_ms"]
             lines.append(
-                f"| {r['model']} | {r['dtype']} | {f(r['ready_ms'])} | {f(r['timeshare_ms'])} | {f(r['overhead_ms'])} | "
+                f"| {r['model']} | {r['dtype']} | {f(r['ready_ms'])} | {f(r['timeshare_ms'])} | "
+                f"{f(r['overhead_ms'])} | "
                 f"{f(c.get('stop'))} | {f(c.get('start'))} | {f(c.get('load'))} | {f(c.get('clean'))} | "
                 f"{f(r.get('two_processes_ms'), 0)} | {f(r.get('one_process_ms'), 0)} | "
                 f"{f(r.get('stop_and_start_ms'), 0)} | {f(r.get('stop_and_start_vs_timeshare'), 0)}x | "
@@ -306,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--summary-only", action="store_true", help="rewrite the summary from the JSON present")
     parser.add_argument("--max-step-s", type=int, default=None, help="cap every step's time limit (seconds)")
-    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU backend (to check the campaign itself)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run on the CPU backend (to check the campaign itself)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.steps.split(",") if n.strip()]
     unknown = [n for n in names if n not in STEPS]

@@ -111,7 +111,8 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
     return {
         "benchmark": "cycles",
         "config": {"model": name, "batch": batch, "dtype": config.dtype, "cycles": list(config.cycles),
-                   "rounds": config.rounds, "min_inference_s": config.min_inference_s, "evict": config.evict, "train": str(train),
+                   "rounds": config.rounds, "min_inference_s": config.min_inference_s,
+                   "evict": config.evict, "train": str(train),
                    "copy_delay_ms": config.copy_delay_s * 1e3},
         "environment": env,
         "ready_rps": all_ready_n / all_ready_s,

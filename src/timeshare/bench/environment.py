@@ -12,7 +12,7 @@ import torch
 
 def describe(device: torch.device) -> dict:
     info = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),

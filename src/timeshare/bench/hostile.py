@@ -15,9 +15,8 @@ import selectors
 import socket
 import threading
 import time
-from urllib.parse import urlsplit
-
 from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
 
 import httpx
 

@@ -89,7 +89,6 @@ def run(config: LinkBenchConfig, progress: Callable[[str], None] = lambda s: Non
         torch.cuda.synchronize(device)
     exact = bool(torch.equal(host_a, host_b))
     fits = {k: fit_line([r["bytes"] for r in rows], [r[f"{k}_us"] / 1e6 for r in rows]) for k in ("h2d", "d2h")}
-    del dev_a, dev_b
     return {
         "benchmark": "link",
         "config": {"sizes": sizes, "repeats": config.repeats, "min_seconds": config.min_seconds,

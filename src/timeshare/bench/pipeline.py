@@ -17,6 +17,7 @@ by no more than the larger of the two interquartile ranges.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -111,7 +112,7 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
                     if strategy is not None:
                         rt.evict(name)
                     if label == "native":
-                        ms, out = _time_ms(lambda: _native_call(native, inputs, rt.device), rt.device)
+                        ms, out = _time_ms(functools.partial(_native_call, native, inputs, rt.device), rt.device)
                     else:
                         ms, out = _time_ms(lambda: rt._infer(name, inputs, {}, strategy), rt.device)
                     if round_ >= config.warmup:

@@ -119,7 +119,8 @@ def main(argv: list[str]) -> None:
         train, tbatch = rest[0], int(rest[1])
         name, batch, device, dtype = rest[2], int(rest[3]), resolve_device(rest[4]), parse_dtype(rest[5])
         out_path = rest[6]
-        host = {k: v.to(dtype) if v.is_floating_point() else v for k, v in read_weights(str(weights_path(name))).items()}
+        host = {k: v.to(dtype) if v.is_floating_point() else v
+                for k, v in read_weights(str(weights_path(name))).items()}
         if device.type == "cuda":
             host = {k: v.pin_memory() for k, v in host.items()}
         with torch.device("meta"):

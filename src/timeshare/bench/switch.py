@@ -24,6 +24,7 @@ with the ready model's.
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import subprocess
@@ -128,7 +129,7 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
             ready.append(ms)
             if calls and calls[-1].timings:
                 breakdown.append({**calls[-1].timings, "call_s": ms / 1e3})
-        ms, out = _time_ms(lambda: _native_call(native_module, inputs, rt.device), rt.device)
+        ms, out = _time_ms(functools.partial(_native_call, native_module, inputs, rt.device), rt.device)
         exact &= _equal(out, reference)
         if round_ >= config.warmup:
             native.append(ms)

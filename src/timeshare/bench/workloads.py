@@ -21,7 +21,7 @@ class TrainingWorkload:
     batch: int
 
     @classmethod
-    def parse(cls, text: str) -> "TrainingWorkload":
+    def parse(cls, text: str) -> TrainingWorkload:
         """"resnet152:64" -> ResNet-152 at batch 64."""
         name, _, batch = text.partition(":")
         zoo_get(name)  # an unknown model fails here, with the list of known ones

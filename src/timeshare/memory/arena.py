@@ -62,7 +62,7 @@ class Arena:
         return ("cuda_ipc", rebuild, args)
 
     @classmethod
-    def attach(cls, handle, capacity: int, device: torch.device) -> "Arena":
+    def attach(cls, handle, capacity: int, device: torch.device) -> Arena:
         """Map an arena that another process created and shared (``share()``): a
         worker's view of the controller's arena. Closing it unmaps; only the creator
         unlinks or frees."""

@@ -44,7 +44,8 @@ def read_weights(source: WeightsSource) -> dict[str, torch.Tensor]:
         raise WeightsError(f"weights file {str(path)!r} is corrupt or unreadable: {exc}") from exc
 
 
-def apply_weights(layout: TensorLayout, current: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def apply_weights(layout: TensorLayout, current: dict[str, torch.Tensor],
+                  state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Match ``state`` (by name) to the layout's tensors; return new tensors by key.
 
     Tied tensors may appear under any of their names. Non-persistent buffers keep the

@@ -18,12 +18,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from multiprocessing.shared_memory import SharedMemory
 from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
 
 import torch
 from torch import nn
 
+from timeshare import protocol as P
 from timeshare.device import host_registrar, resolve_device, synchronize
 from timeshare.errors import (
     ConfigError,
@@ -34,29 +35,28 @@ from timeshare.errors import (
     TimeshareError,
     UnknownModelError,
 )
-from timeshare import protocol as P
 from timeshare.memory import Arena, Block
 from timeshare.memory.arena import reserve_shared_memory
 from timeshare.models.binding import TensorLayout, bind, collect, unbind
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
-from timeshare.runtime.tree import map_tensors
-from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
-from timeshare.scheduler.task import Kind, Priority
-from timeshare.scheduler.eviction import make_eviction_policy
-from timeshare.transfer.copy import LoadHandle, make_copy_engine
-from timeshare.transfer.host_store import HostStore, TensorEntry
-from timeshare.transfer.planner import STRATEGIES
-from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
-from timeshare.units import format_bytes, parse_bytes
-from timeshare.runtime.pool import ProcessPool
 from timeshare.runtime.dispatch import Dispatcher
+from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
+from timeshare.runtime.pool import ProcessPool
 from timeshare.runtime.training import (
     LocalTrainingJob,
     TrainingJob,
     WorkerTrainingJob,
     validate_training_args,
 )
+from timeshare.runtime.tree import map_tensors
+from timeshare.scheduler.eviction import make_eviction_policy
+from timeshare.scheduler.task import Kind, Priority
+from timeshare.transfer.copy import LoadHandle, make_copy_engine
+from timeshare.transfer.host_store import HostStore, TensorEntry
+from timeshare.transfer.planner import STRATEGIES
+from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
+from timeshare.units import format_bytes, parse_bytes
 from timeshare.worker.trainer import TrainingTask, TrainSpec
 from timeshare.worker.worker import Worker, owners_of, release_host_cache
 
@@ -552,7 +552,7 @@ class Runtime:
                     self._arena.close()
                     release_host_cache(self.device)
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -635,7 +635,8 @@ class Runtime:
         block = allocate()
         while block is None:
             protected = {n for n, x in self._models.items() if x.pinned or x is m}
-            victims = [n for n in self._policy.candidates(time.monotonic(), protected) if self._models[n].block is not None]
+            victims = [n for n in self._policy.candidates(time.monotonic(), protected)
+                       if self._models[n].block is not None]
             if not victims:
                 alloc = self._arena.allocator
                 raise MemoryBudgetError(

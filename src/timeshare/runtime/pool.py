@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from multiprocessing.connection import wait
 from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import wait
 
 from timeshare import protocol as P
 from timeshare.device import BackendFlags

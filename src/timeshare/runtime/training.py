@@ -49,7 +49,7 @@ class TrainingJob:
     :class:`LocalTrainingJob`) or in a worker process (:class:`WorkerTrainingJob`);
     the handle is the same."""
 
-    def __init__(self, name: str, iterations: int | None, *, gate: "Dispatcher", offload: bool):
+    def __init__(self, name: str, iterations: int | None, *, gate: Dispatcher, offload: bool):
         self.name = name
         self.iterations = iterations
         self.offload = offload
@@ -114,7 +114,7 @@ class TrainingJob:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ loop
-    def start(self) -> "TrainingJob":
+    def start(self) -> TrainingJob:
         self._thread.start()
         return self
 
@@ -155,7 +155,7 @@ class TrainingJob:
 class LocalTrainingJob(TrainingJob):
     """Iterations in a thread of this process, one at a time under the runtime's lock."""
 
-    def __init__(self, task: TrainingTask, name: str, *, lock: threading.RLock, gate: "Dispatcher"):
+    def __init__(self, task: TrainingTask, name: str, *, lock: threading.RLock, gate: Dispatcher):
         super().__init__(name, task.iterations, gate=gate, offload=task.offload)
         self.task = task
         self.stats = task.stats
@@ -193,7 +193,7 @@ class WorkerTrainingJob(TrainingJob):
     """Iterations in a worker process that holds the job's state; the controller's
     thread runs segments there and parks between them (NOTE [Switch protocol])."""
 
-    def __init__(self, spec: TrainSpec, *, pool, lock: threading.RLock, gate: "Dispatcher"):
+    def __init__(self, spec: TrainSpec, *, pool, lock: threading.RLock, gate: Dispatcher):
         super().__init__(spec.name, spec.iterations, gate=gate, offload=spec.offload)
         self.spec = spec
         self._pool = pool

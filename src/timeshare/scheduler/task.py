@@ -26,7 +26,7 @@ class Priority(enum.IntEnum):
     BEST_EFFORT = 1
 
     @classmethod
-    def parse(cls, value: "Priority | int | str") -> "Priority":
+    def parse(cls, value: Priority | int | str) -> Priority:
         if isinstance(value, str):
             names = {"lc": cls.LATENCY_CRITICAL, "latency_critical": cls.LATENCY_CRITICAL,
                      "latency-critical": cls.LATENCY_CRITICAL, "high": cls.LATENCY_CRITICAL,

@@ -19,11 +19,11 @@ import time
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
+import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-import torch
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -251,7 +251,8 @@ def encode_reply(model: str, req: InferenceRequest, reply, wanted) -> Response:
         else:
             entry["data"] = to_json_data(t)
         outputs.append(entry)
-    params = {"timeshare_queue_ms": round(reply.queue_s * 1e3, 3), "timeshare_compute_ms": round(reply.compute_s * 1e3, 3),
+    params = {"timeshare_queue_ms": round(reply.queue_s * 1e3, 3),
+              "timeshare_compute_ms": round(reply.compute_s * 1e3, 3),
               "timeshare_batch_rows": reply.batch_rows, "timeshare_loaded": reply.loaded}
     if reply.switched_from is not None:
         params["timeshare_switched_from"] = reply.switched_from

@@ -57,12 +57,12 @@ class ConnectionLimits:
     max_connections: int
 
     @classmethod
-    def from_config(cls, server: ServerConfig) -> "ConnectionLimits":
+    def from_config(cls, server: ServerConfig) -> ConnectionLimits:
         return cls(server.header_timeout_s, server.body_timeout_s, int(server.max_header_bytes),
                    server.max_connections)
 
 
-def protocol_class(limits: ConnectionLimits) -> type["LimitedH11Protocol"]:
+def protocol_class(limits: ConnectionLimits) -> type[LimitedH11Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)``, bound to ``limits``."""
     return type("LimitedH11Protocol", (LimitedH11Protocol,), {"limits": limits})
 

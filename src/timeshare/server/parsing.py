@@ -190,7 +190,7 @@ class ParserPool:
         self._closed = False
 
     @classmethod
-    def from_config(cls, server: ServerConfig) -> "ParserPool":
+    def from_config(cls, server: ServerConfig) -> ParserPool:
         return cls(in_process_bytes=int(server.parse_in_process_bytes), processes=server.parse_processes,
                    queue=server.parse_queue, timeout_s=server.request_timeout_s)
 
@@ -230,7 +230,7 @@ class ParserPool:
                               f"{self.capacity - len(self._parsers)} waiting: server.parse_processes, "
                               "server.parse_queue)")
 
-    def _release(self, loop: asyncio.AbstractEventLoop, parser: "_Parser", _job: Future) -> None:
+    def _release(self, loop: asyncio.AbstractEventLoop, parser: _Parser, _job: Future) -> None:
         try:
             loop.call_soon_threadsafe(self._idle.put_nowait, parser)
         except RuntimeError:  # the loop is closed: the server has stopped
@@ -280,7 +280,7 @@ class _Watchdog:
         self.expired = True
         self._proc.kill()
 
-    def __enter__(self) -> "_Watchdog":
+    def __enter__(self) -> _Watchdog:
         self._timer.start()
         return self
 

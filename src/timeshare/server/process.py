@@ -43,7 +43,7 @@ class ServerProcess:
         self.exit_code: int | None = None
         self.children: list[int] = []
 
-    def start(self, progress=None) -> "ServerProcess":
+    def start(self, progress=None) -> ServerProcess:
         from timeshare.server.client import Client
 
         log = open(self.log_path, "wb")
@@ -121,7 +121,7 @@ class ServerProcess:
         self.stop()
         self._dir.cleanup()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

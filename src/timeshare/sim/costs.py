@@ -77,7 +77,7 @@ class CostModel:
             raise ConfigError(f"the cost model ({self.source}) has no model {name!r}; "
                               f"known: {sorted(self.models)[:20]}") from None
 
-    def variants(self, n: int) -> "CostModel":
+    def variants(self, n: int) -> CostModel:
         """``n`` served models named m00, m01..., cycling through the measured ones."""
         if n < 1:
             raise ConfigError(f"the number of models must be positive, got {n}")
@@ -87,7 +87,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ loaders
     @classmethod
-    def from_salus_csv(cls, path: str | Path) -> "CostModel":
+    def from_salus_csv(cls, path: str | Path) -> CostModel:
         """One entry per job of the pool, named like the CSV rows (NOTE [Salus job pool])."""
         path = Path(path)
         try:
@@ -115,7 +115,7 @@ class CostModel:
             timing[key] = (it, max(0.0, short["jct"] - short["iters"] * it))
             per_sample[key] = it / key[1]
         best = {}
-        for (model, batch), s in per_sample.items():
+        for (model, _batch), s in per_sample.items():
             best[model] = min(best.get(model, math.inf), s)
         models = {}
         for (model, batch), jobs in groups.items():
@@ -132,7 +132,7 @@ class CostModel:
 
     @classmethod
     def from_bench(cls, pipeline: str | Path, pipeline_b8: str | Path | None = None,
-                   switch: str | Path | None = None) -> "CostModel":
+                   switch: str | Path | None = None) -> CostModel:
         """Served-model costs from ``timeshare bench pipeline`` JSON (batch 1), optionally
         the same at batch 8 and ``timeshare bench switch`` JSON (stop-and-start)."""
         b1 = _read_json(pipeline)
@@ -157,7 +157,8 @@ class CostModel:
                 load_s=max(0.0, piped - ready), nbytes=nbytes, restart_s=restarts.get(r["model"]),
             )
         env = b1.get("environment", {})
-        return cls(models, f"bench pipeline on {env.get('device', '?')} {env.get('cpu') or env.get('gpu') or ''}".strip())
+        return cls(models,
+                   f"bench pipeline on {env.get('device', '?')} {env.get('cpu') or env.get('gpu') or ''}".strip())
 
 
 def _read_json(path: str | Path) -> dict:

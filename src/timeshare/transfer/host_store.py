@@ -126,7 +126,7 @@ class HostStore:
         registrar: HostRegistrar | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
         buffer: torch.Tensor | None = None,
-    ) -> "HostStore":
+    ) -> HostStore:
         """Lay ``tensors`` (by entry key) out in the order of ``entries`` and copy them in,
         into ``buffer`` when given (shared memory, say), else a new one of exactly the
         store's size. With ``pin``, the store's bytes are page-locked through ``registrar``."""

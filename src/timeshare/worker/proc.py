@@ -292,7 +292,8 @@ class WorkerHandle:
     def leased(self, timeout_s: float, what: str):
         """Hold the pipe for a request; a worker busy for longer than ``timeout_s`` is an error."""
         if not self.try_lease(timeout_s):
-            raise WorkerTimeoutError(f"worker {self.id} stayed busy for {timeout_s:g} s", where=f"worker {self.id}, {what}")
+            raise WorkerTimeoutError(f"worker {self.id} stayed busy for {timeout_s:g} s",
+                                     where=f"worker {self.id}, {what}")
         try:
             yield self
         finally:
@@ -364,7 +365,8 @@ class WorkerHandle:
             raise self._crashed(what)
         self.kill()
         raise WorkerTimeoutError(
-            f"worker {self.id} did not answer within {deadline_s or timeout_s:g} s; it was killed", where=f"worker {self.id}, {what}"
+            f"worker {self.id} did not answer within {deadline_s or timeout_s:g} s; it was killed",
+            where=f"worker {self.id}, {what}"
         )
 
     def exit_description(self) -> str:

@@ -82,7 +82,7 @@ class TrainingTask:
                 self._rng_cuda = torch.cuda.get_rng_state(device)
 
     @classmethod
-    def build(cls, spec: TrainSpec, device: torch.device) -> "TrainingTask":
+    def build(cls, spec: TrainSpec, device: torch.device) -> TrainingTask:
         if isinstance(spec.model, nn.Module):
             module = spec.model
         else:
