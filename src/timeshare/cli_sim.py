@@ -136,14 +136,14 @@ def _sim_run(args) -> dict:
     from timeshare.errors import ConfigError
     from timeshare.scheduler.core import Scheduler
     from timeshare.sim.cache import ModelCache
-    from timeshare.sim.costs import CostModel
+    from timeshare.sim.costs import WorkloadCosts
     from timeshare.sim.engine import Simulator
     from timeshare.sim.experiments import find_salus_pool
     from timeshare.sim.trace import read_trace
 
     trace = read_trace(args.trace)
     if args.salus_pool:
-        costs = CostModel.from_salus_csv(find_salus_pool(args.salus_pool))
+        costs = WorkloadCosts.from_salus_csv(find_salus_pool(args.salus_pool))
     else:
         costs = load_costs(args.costs or ())
     models = {a.model for a in trace}

@@ -65,6 +65,9 @@ class RuntimeConfig(_Strict):
     """With "fifo" or "fair": how long a training job keeps the device before waiting calls run."""
     eviction: Literal["lru", "clock", "second_chance", "working_set", "cost"] = "lru"
     """Which resident model leaves when a new one needs room."""
+    thrashing: bool = False
+    """Thrashing control: while loads take most of the device's time, the models used
+    recently are kept resident and each model's requests wait longer to form batches."""
     strategy: Literal["optimal", "per_layer", "whole", "fixed"] = "optimal"
     """How loads are grouped."""
     task_timeout_s: Annotated[float, Field(gt=0)] | None = None

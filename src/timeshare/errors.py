@@ -12,11 +12,17 @@ Every error timeshare raises derives from :class:`TimeshareError`::
      ├── MemoryBudgetError        a model cannot be placed in the device arena
      │    └── ModelTooLargeError  the model alone is larger than the whole budget
      ├── PipelineError            a pipelined load failed or did not finish in time
-     └── WorkerError              a worker process failed a task (recoverable: a new
-          │                       worker takes its place)
-          ├── WorkerCrashedError  the worker process died
-          ├── WorkerTimeoutError  the worker did not answer before the deadline
-          └── RemoteError         the task's own code raised in the worker
+     ├── WorkerError              a worker process failed a task (recoverable: a new
+     │    │                       worker takes its place)
+     │    ├── WorkerCrashedError  the worker process died
+     │    ├── WorkerTimeoutError  the worker did not answer before the deadline
+     │    └── RemoteError         the task's own code raised in the worker
+     └── ServingError             the HTTP server refuses or cannot answer a request
+          ├── BadRequest          the request is malformed (400)
+          ├── Unavailable         the model cannot take requests now (503, Retry-After)
+          ├── Overloaded          its queue is full or the server is stopping (503)
+          ├── Timeout             no answer within the request timeout (504)
+          └── Conflict            the operation conflicts with the current state (409)
 
 Errors carry ``where``: a short human description of the place they happened
 ("loading resnet152, group 14"), so that an error re-raised in another process
@@ -113,3 +119,36 @@ class RemoteError(WorkerError):
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
         self.in_task = in_task
+
+
+class ServingError(TimeshareError):
+    """The HTTP server refuses or cannot answer a request; the subclass says how
+    (``server/app.py`` maps each to its status code)."""
+
+
+class BadRequest(ServingError):
+    """The request is malformed (HTTP 400); the message says what and where."""
+
+
+class Unavailable(ServingError):
+    """The model exists but cannot take requests now: the server is starting, or the model
+    is unloaded or failed to load (HTTP 503 with Retry-After: the server's state, not the
+    request, is at fault)."""
+
+    retry_after = 1
+
+
+class Overloaded(ServingError):
+    """The queue is full or the server is stopping (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Timeout(ServingError):
+    """No answer within ``server.request_timeout_s`` (HTTP 504)."""
+
+
+class Conflict(ServingError):
+    """The operation conflicts with the current state (HTTP 409)."""

@@ -12,18 +12,18 @@ handles.
     (spawn args: Start)             Hello(worker, pid)       after start-up
     AddModel(model, ...)            Ack(seq)                 model ready
     RemoveModel(model)              Ack(seq)
-    Run(seq, model, offset, ...)    Result(seq, output, ...) or Failure(seq, error)
+    RunModel(seq, model, ...)       Result(seq, output, ...) or Failure(seq, error)
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
     Train(seq, job, spec)           Progress(seq, ...) after every iteration, then
-                                    Stopped(seq, reason, ...) or Failure(seq, error)
-    Preempt(seq)                    (the Train with that seq stops at its next
+                                    SegmentStopped(seq, ...) or Failure(seq, error)
+    PreemptSegment(seq)             (the Train with that seq stops at its next
                                     preemption point; ignored if it already ended)
-    JobState(seq, job)              Result(seq, state dict)
+    GetJobState(seq, job)           Result(seq, state dict)
     DropJob(seq, job)               Ack(seq)
     Shutdown()                      (exits)
 
 A worker answers one request at a time, except that a Train segment reads the pipe
-at every preemption point, where only Preempt and Shutdown can arrive.
+at every preemption point, where only PreemptSegment and Shutdown can arrive.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class RemoveModel:
 
 
 @dataclass(frozen=True)
-class Run:
+class RunModel:
     seq: int
     model: str
     offset: int
@@ -111,7 +111,7 @@ class Train:
 
 
 @dataclass(frozen=True)
-class Preempt:
+class PreemptSegment:
     seq: int  # the Train segment to stop
 
 
@@ -124,7 +124,7 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Stopped:
+class SegmentStopped:
     """A Train segment ended: "finished" (iterations or data exhausted) or
     "preempted". Times are ``time.perf_counter()`` in the worker, which on Linux reads
     the same monotonic clock as the controller's."""
@@ -137,7 +137,7 @@ class Stopped:
 
 
 @dataclass(frozen=True)
-class JobState:
+class GetJobState:
     seq: int
     job: str
 

@@ -8,8 +8,8 @@ import timeshare
 from tests import models
 from timeshare.device import BackendFlags
 from timeshare.models.zoo import ZOO, names, weights_path
-from timeshare.runtime.tree import tensors_in
 from timeshare.transfer.planner import STRATEGIES
+from timeshare.tree import tensors_in
 
 pytestmark = pytest.mark.cuda
 
@@ -42,11 +42,11 @@ def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
         rt.register(name, zoo.builder, weights_path(name), x)
         rt.infer(name, *x)
         ready = rt.infer(name, *x)
-        assert rt._worker.models[name].store.pinned
+        assert rt.in_process_worker().models[name].store.pinned
         for strategy in STRATEGIES:
             for _ in range(3):
                 rt.evict(name)
-                assert same(rt._infer(name, x, {}, strategy), ready), strategy
+                assert same(rt.call(name, x, strategy=strategy).output, ready), strategy
 
 
 @pytest.mark.parametrize("case", sorted(models.CASES))
@@ -58,7 +58,7 @@ def test_weight_sharing_cases_on_cuda(case):
         ready = rt.infer(case, *x)
         for strategy in STRATEGIES:
             rt.evict(case)
-            assert same(rt._infer(case, x, {}, strategy), ready), strategy
+            assert same(rt.call(case, x, strategy=strategy).output, ready), strategy
 
 
 def test_a_load_allocates_nothing_from_the_cuda_allocator():
@@ -101,7 +101,7 @@ def test_copies_overlap_compute():
                 rt.evict("b")
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                rt._infer("b", x, {}, strategy)
+                rt.call("b", x, strategy=strategy)
                 best = min(best, time.perf_counter() - t0)
             return best
 
@@ -125,9 +125,9 @@ def test_workers_share_the_cuda_arena_and_switch_without_device_allocation():
         for _ in range(6):
             rt.evict("r")
             models.wait_until(lambda: job.stats.iterations >= 2, what="2 training iterations")
-            assert same(rt.infer("r", *x), expected)
-            reply_timings = rt._pool.last_timings
-            segments.append(reply_timings["cuda_segments"])
+            call = rt.call("r", x)
+            assert same(call.output, expected)
+            segments.append(call.record.timings["cuda_segments"])
         job.cancel()
         assert job.wait(60)
         assert len(set(segments[2:])) == 1, segments  # no cudaMalloc on the switch path once warm

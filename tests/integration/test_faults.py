@@ -184,7 +184,7 @@ def test_a_reply_left_in_the_pipe_is_never_taken_for_the_next_requests():
     try:
         with w.leased(60, "test"):
             w.wait_ready(60)
-            w.post(P.JobState(1, "no such job"))  # answered with a Failure nobody reads
+            w.post(P.GetJobState(1, "no such job"))  # answered with a Failure nobody reads
             reply = w.request(P.DropJob(2, "x"), 30, "dropping x")
             assert isinstance(reply, P.Ack) and reply.seq == 2
     finally:

@@ -3,6 +3,7 @@ runtime consistent. Copies are slowed down and the arena poisoned before each lo
 so an early read shows up as a wrong output instead of passing by luck."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -13,11 +14,11 @@ import timeshare
 from tests import models
 from timeshare.errors import MemoryBudgetError, PipelineError
 from timeshare.models.zoo import ZOO, weights_path
-from timeshare.runtime.tree import tensors_in
 from timeshare.transfer import copy as copy_mod
 from timeshare.transfer.planner import STRATEGIES
+from timeshare.tree import tensors_in
 
-_original_copy_group = copy_mod._CpuLoad._copy_group
+_original_copy_group = copy_mod.CpuLoad.copy_group
 
 
 def same(a, b):
@@ -99,7 +100,7 @@ def test_modules_wait_for_their_own_layer_not_the_tail():
         rt.register("cnn", zoo.builder, weights_path("tiny_cnn"), zoo.example_inputs(2))
         prof = rt.profile("cnn")
         assert prof.tail_bytes == 0
-        plan = rt._worker._load_plan(rt._worker.models["cnn"], prof.shape_key, "per_layer")
+        plan = rt.in_process_worker().load_plan("cnn", prof.shape_key, "per_layer")
         assert sorted(plan.wait_of.values()) == list(range(len(prof.layer_bytes)))
         assert len(plan.ranges) == len(prof.layer_bytes)
 
@@ -115,10 +116,10 @@ def test_a_failed_copy_fails_the_call_and_loses_nothing(monkeypatch):
                 raise OSError("disk on fire")
             _original_copy_group(self, k)
 
-        monkeypatch.setattr(copy_mod._CpuLoad, "_copy_group", broken)
+        monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", broken)
         rt.evict("m")
         with pytest.raises(PipelineError, match=r"copying group 1 failed.*disk on fire.*loading m, group 1"):
-            rt._infer("m", (x,), {}, "per_layer")
+            rt.call("m", (x,), strategy="per_layer")
         assert rt.resident() == [] and rt.stats()["used_bytes"] == 0
         monkeypatch.undo()
         assert same(rt.infer("m", x), ready)
@@ -135,16 +136,16 @@ def test_a_stuck_copy_quarantines_its_block_until_done(monkeypatch):
             gate.wait(10)
             _original_copy_group(self, k)
 
-        monkeypatch.setattr(copy_mod._CpuLoad, "_copy_group", stuck)
+        monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", stuck)
         rt.evict("m")
         with pytest.raises(PipelineError, match="did not arrive within 0.2 s"):
-            rt._infer("m", (x,), {}, "whole")
+            rt.call("m", (x,), strategy="whole")
         assert rt.resident() == []
         assert rt.stats()["used_bytes"] > 0  # the copy may still write there: not reused yet
         gate.set()
         monkeypatch.undo()
         deadline = time.monotonic() + 10
-        while not all(h.done() for _, h in rt._quarantine) and time.monotonic() < deadline:
+        while rt.diagnostics()["quarantined"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert same(rt.infer("m", x), ready)
         rt.evict("m")
@@ -178,8 +179,9 @@ def test_a_failure_while_profiling_lets_the_next_load_start_over(monkeypatch):
 def test_close_after_a_failed_load_leaves_nothing_behind(monkeypatch):
     x = torch.randn(2, 8)
     rt = timeshare.Runtime(device="cpu", memory="16MiB", profile_repeats=1)
-    name = rt._arena.shm_name
-    thread = rt._engine._thread
+    name = rt.diagnostics()["arena"]["name"]
+    copy_threads = [t for t in threading.enumerate() if t.name == "timeshare-copy"]
+    assert copy_threads
     rt.register("m", models.optional_head, None, (x,))
     rt.infer("m", x)
 
@@ -188,12 +190,12 @@ def test_close_after_a_failed_load_leaves_nothing_behind(monkeypatch):
             raise OSError("tail lost")
         _original_copy_group(self, k)
 
-    monkeypatch.setattr(copy_mod._CpuLoad, "_copy_group", tail_breaks)
+    monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", tail_breaks)
     rt.evict("m")
     rt.infer("m", x)  # the tail is not needed by this call; its copy fails behind it
     rt.close()
     assert not os.path.exists(f"/dev/shm/{name}")
-    assert not thread.is_alive()
+    assert not any(t.is_alive() for t in copy_threads)
 
 
 def test_an_arena_larger_than_shared_memory_is_refused_at_once():

@@ -165,7 +165,7 @@ def _hold_device(server):
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with server.service.runtime._turn():  # noqa: SLF001 (the test needs the device taken)
+        with server.service.runtime.hold_device():  # the test needs the device taken
             held.set()
             release.wait(30)
 
@@ -195,13 +195,13 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
 
 def test_the_slo_deadline_counts_from_the_oldest_arrival_in_the_batch(server, monkeypatch):
     runtime = server.service.runtime
-    calls, infer_since = [], runtime.infer_since
+    calls, call = [], runtime.call
 
-    def spy(name, arrived_at, args=(), kwargs=None):
+    def spy(name, args=(), kwargs=None, *, strategy=None, arrived_at=None):
         calls.append((name, arrived_at, time.monotonic()))
-        return infer_since(name, arrived_at, args, kwargs)
+        return call(name, args, kwargs, strategy=strategy, arrived_at=arrived_at)
 
-    monkeypatch.setattr(runtime, "infer_since", spy)
+    monkeypatch.setattr(runtime, "call", spy)
     release, t = _hold_device(server)
     with Client(server.url) as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
         sent = time.monotonic()

@@ -35,8 +35,11 @@ def rt():
         yield r
 
 
-def home_of(rt, job):
-    return rt._pool._homes[job]
+def home_of(rt, job) -> dict:
+    """The job's home worker as the pool reports it: its id, pid and state."""
+    workers = rt.snapshot()["workers"]
+    home = workers["homes"][job]
+    return next(w for w in workers["workers"] if w["id"] == home)
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -85,7 +88,7 @@ def test_inference_never_runs_on_the_training_worker(rt):
     try:
         models.wait_until(lambda: job.stats.iterations >= 3, what="3 iterations")
         home = home_of(rt, "endless")
-        assert home is not rt._pool.workers[0]
+        assert home["id"] != rt.snapshot()["workers"]["workers"][0]["id"]  # the first worker stays free
         for _ in range(5):
             rt.infer("inf", X)
         assert job.status == "running" and job.stats.preemptions >= 1
@@ -120,24 +123,25 @@ def test_killing_the_training_worker_fails_the_job_and_keeps_everything_else(rt)
     replaces the dead one; nothing leaks (the suite checks shared memory too)."""
     ref = rt.infer("inf", X)
     fds = len(os.listdir("/proc/self/fd"))
-    replaced = rt._pool.replacements
+    replaced = rt.snapshot()["workers"]["replacements"]
     for i in range(20):
         job = rt.train(f"k{i}", models.train_net, models.adam, models.endless_batches, models.train_step)
         while job.stats.iterations < 2 and not job.wait(0):
             time.sleep(0.005)
         home = home_of(rt, f"k{i}")
         queued = [rt.submit("inf", X) for _ in range(3)]
-        kill(home.os_pid)
+        kill(home["pid"])
         with pytest.raises(WorkerCrashedError, match="killed by signal 9") as info:
             job.result(timeout=60)
-        assert f"training k{i}" in info.value.where and f"worker {home.id}" in info.value.where
+        assert f"training k{i}" in info.value.where and f"worker {home['id']}" in info.value.where
         assert job.status == "failed"
         for f in queued:
             assert torch.equal(f.result(timeout=60)["y"], ref["y"])
-        assert home not in rt._pool.workers and len(rt._pool.workers) == 2
+        workers = rt.snapshot()["workers"]["workers"]
+        assert home["id"] not in [w["id"] for w in workers] and len(workers) == 2
         with pytest.raises(WorkerCrashedError, match="lost its state"):
             job.state_dict()
-    assert rt._pool.replacements == replaced + 20
+    assert rt.snapshot()["workers"]["replacements"] == replaced + 20
     assert torch.equal(rt.infer("inf", X)["y"], ref["y"])
     assert len(os.listdir("/proc/self/fd")) <= fds + 2
 
@@ -149,7 +153,7 @@ def test_a_hung_training_step_is_killed_at_the_deadline():
         with pytest.raises(WorkerTimeoutError, match="did not answer within 2 s"):
             job.result(timeout=60)
         assert rt.infer("inf", X)["y"].shape == (2, 8)
-        assert all(w.alive() for w in rt._pool.workers)
+        assert all(w["state"] != "dead" for w in rt.snapshot()["workers"]["workers"])
 
 
 def test_a_finished_job_is_forgotten_with_the_state_its_worker_held(rt):

@@ -14,8 +14,8 @@ import timeshare
 from tests import models
 from timeshare.errors import ConfigError, RemoteError, WorkerCrashedError, WorkerTimeoutError
 from timeshare.models.zoo import ZOO, weights_path
-from timeshare.runtime.tree import tensors_in
 from timeshare.transfer.planner import STRATEGIES
+from timeshare.tree import tensors_in
 
 X = torch.randn(4, 64)
 
@@ -58,7 +58,7 @@ def test_workers_return_exactly_the_in_process_outputs(rt, name):
         assert same(rt.infer(name, *x), expected)  # resident
         for strategy in STRATEGIES:
             rt.evict(name)
-            assert same(rt._infer(name, x, {}, strategy), expected), strategy
+            assert same(rt.call(name, x, strategy=strategy).output, expected), strategy
     finally:
         rt.unregister(name)
 
@@ -75,13 +75,18 @@ def test_the_models_own_errors_come_back_with_where_they_happened(rt):
     assert rt.snapshot()["workers"]["replacements"] == replacements
 
 
+def first_worker(rt) -> dict:
+    """The pool's first worker (the one a call goes to when nothing trains): id, pid, state."""
+    return rt.snapshot()["workers"]["workers"][0]
+
+
 def _kill_during(rt, call, delay_s: float):
     """Run ``call`` in a thread and SIGKILL the active worker ``delay_s`` into it."""
     deadline = time.monotonic() + 60
     while rt.snapshot()["workers"]["ready"] < 2:  # a replacement still starting would not be the active one
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    victim = rt._pool.workers[0]
+    victim = first_worker(rt)
     result = {}
 
     def target():
@@ -93,7 +98,7 @@ def _kill_during(rt, call, delay_s: float):
     t = threading.Thread(target=target)
     t.start()
     time.sleep(delay_s)
-    os.kill(victim.os_pid, signal.SIGKILL)
+    os.kill(victim["pid"], signal.SIGKILL)
     t.join(30)
     assert not t.is_alive()
     return victim, result
@@ -112,11 +117,12 @@ def test_killed_workers_fail_their_task_and_are_replaced(rt, phase):
         victim, result = _kill_during(rt, lambda: rt.infer("slow", X, delay_s=0.01), 0.05)
         err = result.get("error")
         assert isinstance(err, WorkerCrashedError), result
-        assert f"worker {victim.id} was killed by signal 9" in str(err) and "running slow" in str(err)
-        dead.append(victim.os_pid)
+        assert f"worker {victim['id']} was killed by signal 9" in str(err) and "running slow" in str(err)
+        dead.append(victim["pid"])
         assert same(rt.infer("slow", X, delay_s=0.0), reference)  # a standby took over, nothing lost
     assert not any(alive(pid) for pid in dead)
-    assert len(rt._pool.workers) == 2 and all(w.alive() for w in rt._pool.workers)
+    workers = rt.snapshot()["workers"]["workers"]
+    assert len(workers) == 2 and all(w["state"] != "dead" for w in workers)
     assert len(os.listdir("/proc/self/fd")) - fds_before <= 2  # pipes and sentinels of dead workers are closed
 
 
@@ -124,12 +130,12 @@ def test_a_hung_worker_is_killed_at_the_deadline_and_replaced():
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=1.0) as rt:
         rt.register("slow", "tests.models:slow", None, (X,), example_kwargs={"delay_s": 0.0})
         reference = rt.infer("slow", X, delay_s=0.0)
-        hung = rt._pool.workers[0]
+        hung = first_worker(rt)["pid"]
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match=r"did not answer within 1 s; it was killed"):
             rt.infer("slow", X, delay_s=1.0)  # 20 layers x 1 s
         assert time.monotonic() - t0 < 10
-        assert not hung.alive()
+        assert not alive(hung)
         assert same(rt.infer("slow", X, delay_s=0.0), reference)
 
 
@@ -146,7 +152,7 @@ def test_registration_needs_what_workers_can_rebuild():
 
 def test_close_leaves_no_process_and_workers_die_with_their_controller(tmp_path):
     rt = timeshare.Runtime(device="cpu", memory="16MiB", workers=2)
-    pids = rt._pool.pids()
+    pids = rt.worker_pids()
     assert all(alive(p) for p in pids)
     rt.close()
     assert not any(alive(p) for p in pids)
@@ -157,7 +163,7 @@ def test_close_leaves_no_process_and_workers_die_with_their_controller(tmp_path)
         "import os, signal, sys, timeshare\n"
         "if __name__ == '__main__':\n"
         "    rt = timeshare.Runtime(device='cpu', memory='16MiB', workers=2)\n"
-        "    print(*rt._pool.pids(), flush=True)\n"
+        "    print(*rt.worker_pids(), flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
@@ -174,12 +180,12 @@ def test_a_profile_measured_by_one_worker_serves_every_other():
         rt.register("cnn", ZOO["tiny_cnn"].builder, weights_path("tiny_cnn"), ZOO["tiny_cnn"].example_inputs(2))
         x = ZOO["tiny_cnn"].example_inputs(2)
         ref = rt.infer("cnn", *x)  # the first load profiles, in the active worker
-        assert rt._pool.profilings == 1
-        first = rt._pool.workers[0]
+        assert rt.snapshot()["workers"]["profilings"] == 1
+        first = first_worker(rt)["pid"]
         rt.evict("cnn")
-        os.kill(first.os_pid, signal.SIGKILL)  # idle: the pool's watcher replaces it
+        os.kill(first, signal.SIGKILL)  # idle: the pool's watcher replaces it
         deadline = time.monotonic() + 60
-        while first.os_pid in rt.worker_pids() or rt.snapshot()["workers"]["ready"] < 2:
+        while first in rt.worker_pids() or rt.snapshot()["workers"]["ready"] < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         # Whichever worker serves now is sent the profile with its first task: it loads
@@ -187,8 +193,9 @@ def test_a_profile_measured_by_one_worker_serves_every_other():
         assert torch.equal(rt.infer("cnn", *x), ref)
         rt.evict("cnn")
         assert torch.equal(rt.infer("cnn", *x), ref)
-        assert rt._pool.profilings == 1
-        assert any(len(w.profiles) == 1 for w in rt._pool.workers)
+        workers = rt.snapshot()["workers"]
+        assert workers["profilings"] == 1
+        assert any(w["profiles"] == 1 for w in workers["workers"])
 
 
 def test_every_spawned_worker_gets_its_own_arena_handle(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 from timeshare.errors import ConfigError
 from timeshare.scheduler import Finished, Kind, Priority, Scheduler, Stopped
 from timeshare.sim.cache import ModelCache
-from timeshare.sim.costs import CostModel, ModelCosts
+from timeshare.sim.costs import ModelCosts, WorkloadCosts
 from timeshare.sim.engine import Simulator
 from timeshare.sim.experiments import SALUS_POLICIES, find_salus_pool, salus, serving
 from timeshare.sim.trace import Arrival, read_trace, write_trace
@@ -26,8 +26,8 @@ class RecordingScheduler(Scheduler):
         super().update(results)
 
 
-def _costs(*models: ModelCosts) -> CostModel:
-    return CostModel({m.name: m for m in models}, "by hand")
+def _costs(*models: ModelCosts) -> WorkloadCosts:
+    return WorkloadCosts({m.name: m for m in models}, "by hand")
 
 
 def _events(sched: RecordingScheduler) -> list:
@@ -98,7 +98,7 @@ def test_packing_waits_for_memory():
     assert res.starts == [0.0, 2.0] and res.finishes == pytest.approx([2.0, 4.0])
 
 
-def _serving_costs(restart_s=None) -> CostModel:
+def _serving_costs(restart_s=None) -> WorkloadCosts:
     return _costs(*(ModelCosts(m, unit_s=1.0, load_s=0.5, nbytes=100, restart_s=restart_s) for m in "xy"))
 
 
@@ -139,7 +139,7 @@ def test_serving_batches_waiting_requests_of_one_model():
     assert res.finishes == pytest.approx([1.0, 3.0, 3.0, 3.0])
 
 
-def _hand_serving_costs() -> CostModel:
+def _hand_serving_costs() -> WorkloadCosts:
     return _costs(
         ModelCosts("small", unit_s=0.004, batch8_s=0.010, load_s=0.02, nbytes=40_000_000, restart_s=0.5),
         ModelCosts("mid", unit_s=0.008, batch8_s=0.020, load_s=0.05, nbytes=100_000_000, restart_s=1.0),

@@ -159,7 +159,7 @@ def test_nth_chance_matches_step_by_step_hand(chances):
             if expected:
                 assert ref.evict(protected) == expected[0]
                 p.removed(expected[0])
-        assert list(p._ring) == ref.ring[ref.hand:] + ref.ring[: ref.hand]
+        assert [m for m, _ in p.ring()] == ref.ring[ref.hand:] + ref.ring[: ref.hand]
 
 
 def test_working_set_window_boundary():
@@ -319,8 +319,7 @@ def test_victims_let_the_clock_hand_pass_hot_models():
     d = ThrashingDetector()
     d.loaded("b", 2.0, 1.0)
     assert victims(p, d, 2.0) == ["c"]
-    assert p._ring["b"].ref  # the hand passed hot b as a protected model: bit kept
-    assert list(p._ring) == ["c", "b"]
+    assert p.ring() == [("c", False), ("b", True)]  # the hand passed hot b as a protected model: bit kept
 
 
 def _seconds_per_touch(name: str, resident: int, touches: int = 100_000, repeats: int = 5) -> float:

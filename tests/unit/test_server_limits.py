@@ -8,11 +8,10 @@ import h11
 import pytest
 
 from timeshare.config import AdminConfig, TrainingConfig, parse_config
-from timeshare.errors import ConfigError
+from timeshare.errors import BadRequest, ConfigError
 from timeshare.server.admission import check_training, training_state_bytes
 from timeshare.server.connections import ConnectionLimits, head_size
 from timeshare.server.parsing import ParserPool, json_size, parse_infer
-from timeshare.server.tensors import BadRequest
 
 
 def test_hardening_defaults_and_their_validation():

@@ -4,16 +4,18 @@ hung worker, no memory, not started, a bug) is 5xx, never 400."""
 import pytest
 
 from timeshare.errors import (
+    BadRequest,
+    Overloaded,
     PipelineError,
     RemoteError,
     TimeshareError,
+    Unavailable,
     UnknownModelError,
     WorkerCrashedError,
     WorkerTimeoutError,
 )
 from timeshare.server.app import status_of
-from timeshare.server.service import Overloaded, Unavailable, served_error
-from timeshare.server.tensors import BadRequest
+from timeshare.server.service import served_error
 
 
 def _remote(type_name: str, in_task: bool = True) -> RemoteError:

@@ -115,7 +115,7 @@ def run(cfg: ChaosBenchConfig, progress=None) -> dict:
         threads.append(threading.Thread(target=_poll, args=(server.url, cfg, rec, stop), daemon=True))
         for t in threads:
             t.start()
-        segments = _segments_of(server.pid)
+        segments = _segments_of_tree(server.pid)
         _fault_loop(cfg, rec)
         _wait_healed(rec, cfg.heal_timeout_s)
         time.sleep(1.0)  # requests after the heal, with every worker back
@@ -123,7 +123,7 @@ def run(cfg: ChaosBenchConfig, progress=None) -> dict:
         for t in threads:
             t.join(90)
         final = _final_check(server.url, cfg, cases)
-        segments |= _segments_of(server.pid)
+        segments |= _segments_of_tree(server.pid)
         code = server.stop()
         leftovers = [server.describe(pid) for pid in server.leftovers()]
     shm_left = sorted(name for name in segments if (SHM / name).exists())
@@ -272,6 +272,29 @@ def _final_check(url: str, cfg: ChaosBenchConfig, cases) -> dict:
                 elif (why := compare_outputs(answer.outputs, case.reference)) is not None:
                     wrong.append(f"{model}: {why}")
     return {"requests": len(cfg.models) * cfg.distinct_inputs, "wrong": wrong, "failed": failed}
+
+
+def _segments_of_tree(pid: int) -> set[str]:
+    """The segments the server and its descendants (worker and parser processes) map:
+    host stores are mapped by the workers only."""
+    names: set[str] = set()
+    for p in _descendants(pid) | {pid}:
+        names |= _segments_of(p)
+    return names
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            todo.extend(c for c in children if c not in found)
+            found.update(children)
+    return found
 
 
 def _segments_of(pid: int) -> set[str]:

@@ -25,12 +25,12 @@ import numpy as np
 
 from timeshare.bench.environment import describe
 from timeshare.bench.pipeline import _equal
-from timeshare.bench.workloads import TrainingWorkload
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError
+from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.runtime.engine import Runtime
+from timeshare.runtime.facade import Runtime
 
 MODES = ("fifo", "priority")
 

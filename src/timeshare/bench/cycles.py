@@ -22,11 +22,12 @@ import torch
 from timeshare.bench.environment import describe
 from timeshare.bench.pipeline import _equal
 from timeshare.bench.switch import _cast, _pause, _resume_training
-from timeshare.bench.workloads import TrainingWorkload
 from timeshare.device import resolve_device
+from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.runtime.engine import Runtime, parse_dtype
+from timeshare.runtime.facade import Runtime
+from timeshare.runtime.registration import parse_dtype
 
 
 @dataclass

@@ -30,7 +30,8 @@ from timeshare.bench.environment import describe
 from timeshare.bench.link import load_floor_ms
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.runtime.engine import Runtime, parse_dtype
+from timeshare.runtime.facade import Runtime
+from timeshare.runtime.registration import parse_dtype
 from timeshare.transfer.planner import STRATEGIES
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
                     if label == "native":
                         ms, out = _time_ms(functools.partial(_native_call, native, inputs, rt.device), rt.device)
                     else:
-                        ms, out = _time_ms(lambda: rt._infer(name, inputs, {}, strategy), rt.device)
+                        ms, out = _time_ms(lambda: rt.call(name, inputs, strategy=strategy).output, rt.device)
                     if round_ >= config.warmup:
                         samples[label].append(ms)
                     if strategy is not None:
@@ -195,7 +196,7 @@ def _native_module(name: str, dtype, device: torch.device) -> torch.nn.Module:
 
 def _native_call(module: torch.nn.Module, inputs: tuple, device: torch.device):
     """One inference as the runtime's caller sees it: inputs from the host, outputs back."""
-    from timeshare.runtime.tree import map_tensors
+    from timeshare.tree import map_tensors
 
     with torch.inference_mode():
         out = module(*(t.to(device, non_blocking=True) for t in inputs))
@@ -225,7 +226,7 @@ def _stats(samples: list[float]) -> dict:
 
 
 def _equal(a, b) -> bool:
-    from timeshare.runtime.tree import tensors_in
+    from timeshare.tree import tensors_in
 
     ta, tb = tensors_in(a), tensors_in(b)
     return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))

@@ -20,7 +20,7 @@ from timeshare.bench.environment import describe
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.policies import POLICIES
 from timeshare.scheduler.task import Finished, Kind, Priority, Run, Stopped, Task
-from timeshare.sim.costs import CostModel
+from timeshare.sim.costs import WorkloadCosts
 
 
 @dataclass
@@ -94,11 +94,11 @@ def run(cfg: SchedulerBenchConfig, progress=lambda msg: None) -> dict:
     return result
 
 
-def load_costs(paths: tuple[str, ...] | list[str]) -> CostModel:
+def load_costs(paths: tuple[str, ...] | list[str]) -> WorkloadCosts:
     from pathlib import Path
 
     if not paths:
         root = Path(__file__).resolve().parents[3] / "bench" / "results"
         paths = [str(root / "pipeline-cpu-epyc-2core-b1-fp32.json"), str(root / "pipeline-cpu-epyc-2core-b8-fp32.json"),
                  str(root / "switch-cpu-epyc-2core-b1-fp32.json")]
-    return CostModel.from_bench(*paths[:3])
+    return WorkloadCosts.from_bench(*paths[:3])

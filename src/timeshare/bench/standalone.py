@@ -46,7 +46,7 @@ def _sync(device) -> None:
 def _trainer(train: str, batch: int, device):
     import torch
 
-    from timeshare.bench import workloads
+    from timeshare.models import workloads
     from timeshare.models.zoo import get
 
     model = get(train).build().to(device).train()
@@ -74,7 +74,7 @@ def _save(out, path: str) -> None:
     """The output, on the host, for the benchmark to compare (after the timing)."""
     import torch
 
-    from timeshare.runtime.tree import tensors_in
+    from timeshare.tree import tensors_in
 
     torch.save([t.detach().cpu() for t in tensors_in(out)], path)  # plain tensors: torch.load needs no trust
     _say("saved")
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> None:
     import torch  # noqa: F401  (part of what a fresh process pays)
 
     from timeshare.device import resolve_device
-    from timeshare.runtime.engine import parse_dtype
+    from timeshare.runtime.registration import parse_dtype
 
     if mode == "train":
         train, batch, device = rest[0], int(rest[1]), resolve_device(rest[2])

@@ -38,13 +38,14 @@ import torch
 
 from timeshare.bench.environment import describe
 from timeshare.bench.pipeline import DEFAULT_MODELS, _equal, _native_call, _native_module, _stats
-from timeshare.bench.workloads import TrainingWorkload
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError, TimeshareError
+from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.runtime.engine import Runtime, parse_dtype
 from timeshare.runtime.events import CallRecord
+from timeshare.runtime.facade import Runtime
+from timeshare.runtime.registration import parse_dtype
 
 BASELINES = ("two_processes", "one_process", "stop_and_start")
 
@@ -163,7 +164,7 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
                 _resume_training(job)
                 t0 = time.perf_counter()
                 _pause(job)
-                out = rt._infer_in_new_process(name, inputs)
+                out = rt.infer_in_new_process(name, inputs)
                 samples.append((time.perf_counter() - t0) * 1e3)
                 exact &= _equal(out, reference)
             else:

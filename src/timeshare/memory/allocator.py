@@ -98,7 +98,7 @@ class Allocator:
         """Place ``size`` bytes exactly at ``offset`` if that range is free, else None.
 
         Used to put a model back where it lived before, so that its bound views are
-        still valid (see NOTE [Sticky placement] in the runtime engine).
+        still valid (see NOTE [Sticky placement] in worker/worker.py).
         """
         need = self.rounded(size)
         if offset % self.alignment or offset < 0 or offset + need > self.capacity:

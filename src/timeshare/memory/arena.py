@@ -148,13 +148,6 @@ def map_shared_memory(name: str, size: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8, count=size)
 
 
-def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
-    """Open a segment another process created. Workers are spawned by the creator and
-    share its resource tracker, where registration is a set: attaching adds nothing,
-    and the creator's unlink clears it. So a worker must not unregister the name."""
-    return shared_memory.SharedMemory(name=name)
-
-
 def reserve_shared_memory(shm: shared_memory.SharedMemory, what: str, hint: str) -> None:
     """Back the whole segment now, or close and unlink it and raise MemoryBudgetError
     naming ``what``, its size and the free space. A tmpfs smaller than the segment

@@ -1,5 +1,7 @@
-"""The runtime: the public ``Runtime`` and the engine behind it."""
+"""The runtime: the public ``Runtime`` (``facade``), and behind it registration,
+residency, the executors, the dispatcher and training jobs."""
 
-from timeshare.runtime.engine import Runtime
+from timeshare.runtime.calls import Call
+from timeshare.runtime.facade import Runtime
 
-__all__ = ["Runtime"]
+__all__ = ["Call", "Runtime"]

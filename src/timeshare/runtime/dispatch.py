@@ -19,6 +19,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from timeshare.errors import ConfigError
 from timeshare.scheduler.core import Scheduler
@@ -27,6 +28,32 @@ from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # a waiter re-runs the step at least this often (a slice may end meanwhile)
+
+
+class Preemptible(Protocol):
+    """What the dispatcher may ask of a training job, and all it may ask: its name,
+    length and progress, whether it was cancelled or paused, and to stop its running
+    segment at the next preemption point (``for_model``: the inference it makes way
+    for, "" for none). The dispatcher is the one owner of the decision to stop it."""
+
+    name: str
+    iterations: int | None
+
+    @property
+    def stats(self) -> _Progressing: ...
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+    def interrupt(self, for_model: str = "") -> None: ...
+
+
+class _Progressing(Protocol):
+    iterations: int
+    step_seconds: float
 
 
 @dataclass
@@ -48,7 +75,9 @@ class Dispatcher:
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._local = threading.local()
-        self._jobs: dict[int, object] = {}  # task id -> TrainingJob
+        self._jobs: dict[int, Preemptible] = {}  # task id -> its job
+        self._job_tasks: dict[Preemptible, Task] = {}  # a job -> its task
+        self._outbox: list[tuple[Preemptible, str]] = []  # interrupts decided, not yet sent
         self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
         self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
 
@@ -97,20 +126,20 @@ class Dispatcher:
                 self._step()
 
     # ------------------------------------------------------------------ training jobs
-    def job_task(self, job) -> Task:
+    def job_task(self, job: Preemptible) -> Task:
         """The job's task, created (queued) on first use."""
-        task = getattr(job, "_sched_task", None)
-        if task is None:
-            with self._cond:
+        with self._cond:
+            task = self._job_tasks.get(job)
+            if task is None:
                 now = self.clock()
                 task = Task(next(self._ids), Kind.TRAINING, job.name, now,
                             float(job.iterations) if job.iterations else float("inf"), 0.0, Priority.BEST_EFFORT)
-                job._sched_task = task
+                self._job_tasks[job] = task
                 self._jobs[task.id] = job
                 self.scheduler.submit(task, now)
-        return task
+            return task
 
-    def must_yield(self, job) -> bool:
+    def must_yield(self, job: Preemptible) -> bool:
         """At a preemption point: must the job stop now? Reports its progress."""
         task = self.job_task(job)
         with self._cond:
@@ -121,15 +150,15 @@ class Dispatcher:
             self._step()
             return task.state is not State.RUNNING
 
-    def wait_for_training_turn(self, job, poll_s: float = _POLL_S) -> None:
+    def wait_for_training_turn(self, job: Preemptible, poll_s: float = _POLL_S) -> None:
         """Stop the job's segment in the scheduler's books and wait until it runs again
         (or is cancelled). A paused job is held out of the queue until resumed."""
         task = self.job_task(job)
         with self._cond:
             if task.state in (State.RUNNING, State.STOPPING):
                 self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
-            while not job._cancel.is_set():
-                if job._pause.is_set():
+            while not job.cancelled:
+                if job.paused:
                     if task.state in (State.RUNNING, State.STOPPING):  # given the device, then paused: hand it back
                         self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
                     if task.state is State.WAITING:
@@ -139,21 +168,22 @@ class Dispatcher:
                 self._step()
                 # Given the device, even if already told to stop again: the job runs one
                 # iteration first, so back-to-back calls cannot starve it.
-                if task.state in (State.RUNNING, State.STOPPING) and not job._pause.is_set():
+                if task.state in (State.RUNNING, State.STOPPING) and not job.paused:
                     return
                 self._cond.wait(min(poll_s, self._timeout()))
 
-    def holds_turn(self, job) -> bool:
+    def holds_turn(self, job: Preemptible) -> bool:
         """Whether the scheduler gave the job the device (it may already be told to stop:
         it still runs one iteration, see ``wait_for_training_turn``)."""
-        task = getattr(job, "_sched_task", None)
-        return task is not None and task.state in (State.RUNNING, State.STOPPING)
-
-    def job_ended(self, job) -> None:
-        task = getattr(job, "_sched_task", None)
-        if task is None:
-            return
         with self._cond:
+            task = self._job_tasks.get(job)
+            return task is not None and task.state in (State.RUNNING, State.STOPPING)
+
+    def job_ended(self, job: Preemptible) -> None:
+        with self._cond:
+            task = self._job_tasks.pop(job, None)
+            if task is None:
+                return
             self._jobs.pop(task.id, None)
             if task.state in (State.RUNNING, State.STOPPING):
                 self.scheduler.update(Finished(task.id, self.clock()))
@@ -181,14 +211,29 @@ class Dispatcher:
                 continue
             job = self._jobs.get(d.task.id)
             if job is not None:
-                # Lock order: dispatcher, then pool; the pool never calls the
-                # dispatcher while it holds its own lock.
                 # A worker segment: Preempt goes out now (NOTE [Switch protocol]), and the
                 # switch is recorded for the inference it makes way for.
                 by = d.by
-                job._interrupt(by.model if by is not None and by.kind is Kind.INFERENCE else "")
+                self._outbox.append((job, by.model if by is not None and by.kind is Kind.INFERENCE else ""))
         if decisions:
             self._cond.notify_all()
+        self._send_interrupts()
+
+    # NOTE [Interrupts outside the lock]
+    # A Preempt for a job reaches it through ``job.interrupt``, which takes the pool's
+    # lock. The dispatcher never calls it with its own condition held: decisions queue
+    # interrupts in an outbox, and the step sends them after releasing the condition,
+    # then takes it back. So no lock order between dispatcher and pool needs keeping:
+    # the pool may call the dispatcher (``holds_turn``) under its own lock.
+    def _send_interrupts(self) -> None:
+        while self._outbox:
+            pending, self._outbox = self._outbox, []
+            self._cond.release()
+            try:
+                for job, model in pending:
+                    job.interrupt(model)
+            finally:
+                self._cond.acquire()
 
     def _timeout(self) -> float:
         wake = self.scheduler.next_wakeup(self.clock())

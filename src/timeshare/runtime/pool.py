@@ -29,13 +29,19 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
 from timeshare.errors import TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
-from timeshare.runtime.tree import shape_key
+from timeshare.tree import shape_key
 from timeshare.worker.proc import WorkerHandle, spawn_context
+
+if TYPE_CHECKING:
+    from timeshare.runtime.dispatch import Dispatcher, Preemptible
+    from timeshare.worker.trainer import TrainSpec
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +123,6 @@ class ProcessPool:
         self._unclaimed: dict[str, Switch] = {}  # model -> its switch, until its task takes it (NOTE [Switch records])
         self._profiles: dict[str, dict[str, object]] = {}  # model -> shape key -> ModelProfile
         self.profilings = 0  # profiles measured by any worker
-        self.last_timings: dict = {}  # the latest task's timings, as the worker reported them
         self._retired: list[WorkerHandle] = []  # started for one task (benchmarks), to stop
         self.workers: list[WorkerHandle] = [self._spawn() for _ in range(n)]  # they boot in parallel
         try:
@@ -164,9 +169,10 @@ class ProcessPool:
 
     # ------------------------------------------------------------------ tasks
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str):
-        msg = P.Run(self._next_seq(), model, offset, resident, args, kwargs, strategy)
+        msg = P.RunModel(self._next_seq(), model, offset, resident, args, kwargs, strategy)
         kind = (model, "resident" if resident else "load", shape_key(args, kwargs))
-        return self._task(msg, f"running {model}", kind).value
+        reply = self._task(msg, f"running {model}", kind)
+        return Ran(reply.value, dict(reply.timings), reply.timings.get("load_s"))
 
     def profile(self, model: str, offset: int, args: tuple, kwargs: dict):
         msg = P.Profile(self._next_seq(), model, offset, args, kwargs)
@@ -181,7 +187,7 @@ class ProcessPool:
         model = getattr(msg, "model", "")
         with self._cv:
             self._preempt_segment(model, requested)
-            switch = self._claim_switch(model, requested) if isinstance(msg, P.Run) else None
+            switch = self._claim_switch(model, requested) if isinstance(msg, P.RunModel) else None
             w = self._take_standby(what)
         try:
             return self._task_on(w, msg, what, requested, switch, kind)
@@ -206,7 +212,7 @@ class ProcessPool:
         self._ready(w)
         model = getattr(msg, "model", "")
         known = self._profiles.get(model, {})
-        if isinstance(msg, P.Run) and known:  # profiles measured elsewhere: no profiling here
+        if isinstance(msg, P.RunModel) and known:  # profiles measured elsewhere: no profiling here
             missing = tuple(p for k, p in known.items() if (model, k) not in w.profiles)
             if missing:
                 msg = replace(msg, profiles=missing)
@@ -221,10 +227,8 @@ class ProcessPool:
         replied = time.perf_counter()
         if kind is not None:
             self.deadlines.observe(kind, replied - sent)
-        self.last_timings = dict(reply.timings) if isinstance(reply, P.Result) else {}
         if isinstance(reply, P.Result):  # the whole round trip, and the worker's own share of it
-            self.last_timings["round_trip_s"] = replied - sent
-            self.last_timings["worker_s"] = reply.seconds
+            reply = replace(reply, timings={**reply.timings, "round_trip_s": replied - sent, "worker_s": reply.seconds})
         self.profilings += len(reply.profiles)
         for p in reply.profiles:
             self._profiles.setdefault(model, {})[p.shape_key] = p
@@ -247,7 +251,7 @@ class ProcessPool:
             w.wait_ready(self.startup_timeout_s)
             w.request(self._renumber(self._models[model]), self.startup_timeout_s, f"adding {model}")
             profiles = tuple(self._profiles.get(model, {}).values())
-            msg = P.Run(self._next_seq(), model, offset, False, args, kwargs, strategy, profiles)
+            msg = P.RunModel(self._next_seq(), model, offset, False, args, kwargs, strategy, profiles)
             return w.request(msg, self.task_timeout_s, f"running {model}").value
 
     def _stop_retired(self) -> None:
@@ -256,7 +260,8 @@ class ProcessPool:
             w.stop()
 
     # ------------------------------------------------------------------ training
-    def begin_segment(self, job: str, spec, gate, job_handle) -> _Segment | None:
+    def begin_segment(self, job: str, spec: TrainSpec | None, gate: Dispatcher,
+                      job_handle: Preemptible) -> _Segment | None:
         """Start (``spec`` given) or resume a training job in its home worker. None when the
         scheduler no longer runs the job or another segment runs: the job parks and retries."""
         home = self._home(job, spec is not None)
@@ -280,7 +285,7 @@ class ProcessPool:
             self._segment = _Segment(job, home, seq)
             return self._segment
 
-    def run_segment(self, seg: _Segment, on_progress) -> P.Stopped:
+    def run_segment(self, seg: _Segment, on_progress) -> P.SegmentStopped:
         """Follow a segment until it stops. Progress after each iteration is the
         heartbeat: a worker silent for ``task_timeout_s`` is killed as hung."""
         what = f"training {seg.job}"
@@ -301,7 +306,7 @@ class ProcessPool:
                     last = now
                     on_progress(reply)
                     continue
-                if not isinstance(reply, P.Stopped):
+                if not isinstance(reply, P.SegmentStopped):
                     raise WorkerError(f"worker {seg.worker.id} answered a training segment with "
                                       f"{type(reply).__name__}", where=f"worker {seg.worker.id}, {what}")
                 if seg.switch is not None and seg.preempted_at is not None:
@@ -333,7 +338,7 @@ class ProcessPool:
         """The job's parameters and buffers, from its home worker (between segments)."""
         home = self._home(job, False)
         with self._claim(home, f"state of {job}"):
-            return home.request(P.JobState(self._next_seq(), job), self.task_timeout_s, f"state of {job}").value
+            return home.request(P.GetJobState(self._next_seq(), job), self.task_timeout_s, f"state of {job}").value
 
     def drop_job(self, job: str) -> None:
         self.deadlines.forget(job)
@@ -373,7 +378,7 @@ class ProcessPool:
             return None
         if seg.preempted_at is None:
             seg.preempted_at = now
-            seg.worker.post(P.Preempt(seg.seq))  # if already dead, the segment's reader reports it
+            seg.worker.post(P.PreemptSegment(seg.seq))  # if already dead, the segment's reader reports it
         if model and seg.switch is None:
             seg.switch = self._unclaimed[model] = Switch(seg.job, model, now)
             self.switches.append(seg.switch)
@@ -524,18 +529,20 @@ class ProcessPool:
 
     def health(self) -> dict:
         """The pool's size, how many of its workers have started and learned every model,
-        the replacements it made and why, and each worker's process and state (starting,
-        idle, busy with a task, training), read without waiting for any worker."""
+        the replacements it made and why, each worker's process, state (starting, idle,
+        busy with a task, training, dead), and the profiles it holds, which worker is
+        each training job's home, and how many profiles were measured in all. Read
+        without waiting for any worker."""
         with self._cv:
             workers = list(self.workers)
             training = self._segment.worker if self._segment is not None else None
             return {"size": len(workers), "ready": sum(1 for w in workers if w.ready and w.alive()),
                     "replacements": self.replacements, "failures": dict(self.failures),
                     "last_failure": None if self.last_failure is None else dict(self.last_failure),
-                    "failing_to_start": self._boot_failures,
-                    "workers": [{"id": w.id, "pid": w.os_pid,
-                                 "state": "starting" if not w.ready else "training" if w is training
-                                 else "busy" if w.leased_now else "idle"} for w in workers]}
+                    "failing_to_start": self._boot_failures, "profilings": self.profilings,
+                    "homes": {job: w.id for job, w in self._homes.items()},
+                    "workers": [{"id": w.id, "pid": w.os_pid, "state": _state_of(w, training),
+                                 "profiles": len(w.profiles)} for w in workers]}
 
     def pids(self) -> list[int]:
         return [w.os_pid for w in self.workers]
@@ -547,3 +554,11 @@ class ProcessPool:
         for w in workers:
             w.stop()
         self._stop_retired()
+
+
+def _state_of(w: WorkerHandle, training: WorkerHandle | None) -> str:
+    if not w.alive():
+        return "dead"
+    if not w.ready:
+        return "starting"
+    return "training" if w is training else "busy" if w.leased_now else "idle"

@@ -76,10 +76,22 @@ class TrainingJob:
     def error(self) -> BaseException | None:
         return self._error
 
+    # What the dispatcher may ask of a job (``dispatch.Preemptible``).
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def paused(self) -> bool:
+        return self._pause.is_set()
+
+    def interrupt(self, for_model: str = "") -> None:
+        """Make a running segment stop at its next preemption point (to run ``for_model``)."""
+
     def pause(self) -> None:
         """Stop at the next preemption point and stay stopped until ``resume()``."""
         self._pause.set()
-        self._interrupt()
+        self.interrupt()
 
     def hold(self) -> None:
         """Stay stopped once stopped, without stopping now: the job runs on until the
@@ -94,7 +106,7 @@ class TrainingJob:
     def cancel(self) -> None:
         """Stop at the next preemption point for good."""
         self._cancel.set()
-        self._interrupt()
+        self.interrupt()
         self._gate.notify()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -137,9 +149,6 @@ class TrainingJob:
 
     def _finish(self) -> None:
         pass
-
-    def _interrupt(self, for_model: str = "") -> None:
-        """Make a running segment stop at its next preemption point (to run ``for_model``)."""
 
     def _park(self) -> None:
         """Wait at a preemption point until inference is served and the job not paused."""
@@ -203,7 +212,7 @@ class WorkerTrainingJob(TrainingJob):
         with self._gate.priority(), self._lock:
             return self._pool.job_state(self.name)
 
-    def _interrupt(self, for_model: str = "") -> None:
+    def interrupt(self, for_model: str = "") -> None:
         self._pool.preempt(self.name, for_model)
 
     def _progress(self, p) -> None:

@@ -189,6 +189,10 @@ class SecondChancePolicy(EvictionPolicy):
             ring.move_to_end(first)
         return [m for _, _, m in order]
 
+    def ring(self) -> list[tuple[str, bool]]:
+        """The resident models in sweep order, the hand's first, with their reference bits."""
+        return [(m, slot.ref) for m, slot in self._ring.items()]
+
     def __contains__(self, model: object) -> bool:
         return model in self._ring
 

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from timeshare.errors import ConfigError
 from timeshare.scheduler.eviction import EvictionPolicy
 
-__all__ = ["ThrashingDetector", "victims"]
+__all__ = ["NothingToEvict", "ThrashingDetector", "make_room", "victims"]
+
+T = TypeVar("T")
 
 MAX_BATCH_FACTOR = 5.0
 
@@ -136,3 +139,31 @@ def victims(
         if cold or not need_one:
             return cold
     return policy.candidates(now, protected)
+
+
+class NothingToEvict(LookupError):
+    """``make_room`` ran out of victims: every resident model is protected."""
+
+
+def make_room(
+    policy: EvictionPolicy,
+    detector: ThrashingDetector | None,
+    now: float,
+    protected: Iterable[str],
+    attempt: Callable[[], T | None],
+    evict: Callable[[str], None],
+) -> tuple[T, list[str]]:
+    """The make-room loop of every model cache (the runtime's residency and the
+    simulator's): ``attempt()`` the placement; while it gives None, ``evict`` the first
+    of ``victims``. Returns the placement and the models evicted, in order. Raises
+    NothingToEvict when no unprotected model is left. Pure: the clock is ``now``."""
+    evicted: list[str] = []
+    placed = attempt()
+    while placed is None:
+        order = victims(policy, detector, now, protected)
+        if not order:
+            raise NothingToEvict(f"every resident model is protected: {sorted(set(protected))}")
+        evict(order[0])
+        evicted.append(order[0])
+        placed = attempt()
+    return placed, evicted

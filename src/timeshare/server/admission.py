@@ -9,11 +9,11 @@ number of jobs running at once (``admin.max_training_jobs``) counts them all
 from __future__ import annotations
 
 from timeshare.config import AdminConfig, TrainingConfig
+from timeshare.errors import BadRequest
 from timeshare.models.zoo import get as zoo_get
-from timeshare.server.tensors import BadRequest
 from timeshare.units import format_bytes
 
-# Parameters, their gradients and SGD's momentum, in fp32 (bench/workloads.py's sgd).
+# Parameters, their gradients and SGD's momentum, in fp32 (models/workloads.py's sgd).
 TRAINING_BYTES_PER_PARAMETER = 3 * 4
 
 

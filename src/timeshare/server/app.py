@@ -29,11 +29,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from timeshare import __version__
-from timeshare.errors import TimeshareError
+from timeshare.errors import BadRequest, TimeshareError
 from timeshare.server.parsing import HEADER_LENGTH, describe_validation, load_json
 from timeshare.server.schemas import InferenceRequest, RepositoryIndexRequest, TrainingRequest
 from timeshare.server.service import STATUS, Service
-from timeshare.server.tensors import BadRequest, to_binary, to_json_data
+from timeshare.server.tensors import to_binary, to_json_data
 
 log = logging.getLogger(__name__)
 

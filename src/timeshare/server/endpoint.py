@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from timeshare.config import ModelConfig, TensorSpec
+from timeshare.errors import BadRequest
 from timeshare.models.zoo import get as zoo_get
-from timeshare.runtime.engine import parse_dtype
-from timeshare.server.tensors import TORCH_DTYPES, BadRequest, datatype_of
+from timeshare.runtime.registration import parse_dtype
+from timeshare.server.tensors import TORCH_DTYPES, datatype_of
 
 
 class ModelState(enum.Enum):

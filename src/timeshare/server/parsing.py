@@ -39,9 +39,9 @@ import torch
 from pydantic import ValidationError
 
 from timeshare.config import ServerConfig
-from timeshare.errors import TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.errors import BadRequest, TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.server.schemas import InferenceRequest
-from timeshare.server.tensors import KNOWN, TORCH_DTYPES, BadRequest, from_binary, from_json
+from timeshare.server.tensors import KNOWN, TORCH_DTYPES, from_binary, from_json
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class ParserPool:
 
 def _overloaded(message: str) -> Exception:
     """503 with Retry-After: the service's Overloaded (the service imports this module)."""
-    from timeshare.server.service import Overloaded
+    from timeshare.errors import Overloaded
 
     return Overloaded(message, 1)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,50 +30,30 @@ import torch
 
 from timeshare.config import Config, ModelConfig, TrainingConfig
 from timeshare.errors import (
+    BadRequest,
     ConfigError,
+    Conflict,
     DuplicateModelError,
     MemoryBudgetError,
+    Overloaded,
     PipelineError,
     RemoteError,
+    Timeout,
     TimeshareError,
+    Unavailable,
     UnknownModelError,
     WorkerError,
 )
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.runtime.engine import Runtime
 from timeshare.runtime.events import CallRecord, EvictionRecord
+from timeshare.runtime.facade import Runtime
 from timeshare.server.admission import check_training
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs, split_outputs
 from timeshare.server.metrics import Metrics
 from timeshare.server.parsing import ParserPool
-from timeshare.server.tensors import BadRequest
 
 log = logging.getLogger(__name__)
-
-
-class Unavailable(TimeshareError):
-    """The model exists but cannot take requests now: the server is starting, or the model
-    is unloaded or failed to load (HTTP 503 with Retry-After: the server's state, not the
-    request, is at fault)."""
-
-    retry_after = 1
-
-
-class Overloaded(TimeshareError):
-    """The queue is full or the server is stopping (HTTP 503 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class Timeout(TimeshareError):
-    """No answer within ``server.request_timeout_s`` (HTTP 504)."""
-
-
-class Conflict(TimeshareError):
-    """The operation conflicts with the current state (HTTP 409)."""
 
 
 @dataclass
@@ -106,7 +85,6 @@ class Service:
         self._submitting = asyncio.Lock()  # one submission at a time: the running-jobs count holds
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parsing.py)
         self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + 4, thread_name_prefix="timeshare-serve")
-        self._local = threading.local()
         self._started = asyncio.Event()
         self._opened = False
         self.start_error: str | None = None
@@ -123,6 +101,7 @@ class Service:
         if self.runtime is None:
             r = self.config.runtime
             self.runtime = Runtime(r.device, r.memory, eviction=r.eviction, strategy=r.strategy, workers=r.workers,
+                                   thrashing=r.thrashing,
                                    scheduling=r.scheduling, time_slice_s=r.time_slice_s,
                                    task_timeout_s=r.task_timeout_s or self.config.server.request_timeout_s,
                                    task_deadline_factor=r.task_deadline_factor,
@@ -252,12 +231,24 @@ class Service:
     def queue_depths(self) -> dict[str, int]:
         return {n: len(ep.queue) for n, ep in self.endpoints.items()}
 
+    def _linger_s(self, ep: Endpoint) -> float:
+        """How long a non-resident model's queue waits before its batch is taken: while
+        the runtime thrashes (loads take most of its time), ``factor - 1`` batch durations,
+        so that one load serves more requests; at most a tenth of the request timeout."""
+        factor = self.runtime.thrashing_factor()
+        if factor <= 1.0 or ep.name in self.runtime.snapshot()["resident"]:
+            return 0.0
+        return min((factor - 1.0) * ep.batch_s, self.config.server.request_timeout_s / 10)
+
     async def _run_queue(self, ep: Endpoint) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await ep.wake.wait()
             ep.wake.clear()
             while ep.queue and ep.state in (ModelState.READY, ModelState.UNLOADING):
+                linger = self._linger_s(ep)
+                if linger:  # thrashing: let more requests share the coming load
+                    await asyncio.sleep(linger)
                 batch = ep.take_batch()
                 if not batch:
                     break
@@ -287,10 +278,9 @@ class Service:
             args = batch[0].tensors
         else:
             args = [torch.cat([p.tensors[i] for p in batch]) for i in range(len(batch[0].tensors))]
-        self._local.records = records = []
         try:
             # The SLO counts from the oldest request's arrival, not from the dispatcher.
-            out = self.runtime.infer_since(ep.name, min(p.enqueued for p in batch), args)
+            call = self.runtime.call(ep.name, tuple(args), arrived_at=min(p.enqueued for p in batch))
         except Exception as exc:
             err = served_error(ep.name, exc)
             if len(batch) > 1 and isinstance(err, (BadRequest, Overloaded)):
@@ -298,8 +288,7 @@ class Service:
                 # (or size) may be at fault, not its batch-mates'. Each is answered on its own.
                 return [r for p in batch for r in self._execute(ep, [p])]
             return [err] * len(batch)
-        finally:
-            self._local.records = None
+        out, rec = call.output, call.record
         rows = [p.rows for p in batch]
         named = flatten_outputs(out)
         if not ep.outputs:
@@ -309,19 +298,16 @@ class Service:
             log.info("model %s: an output has no batch dimension; requests now run one at a time", ep.name)
             ep.batchable = False
             return [self._execute(ep, [p])[0] for p in batch]
-        rec = records[-1] if records else None
-        if rec is not None:
-            if rec.loaded:
-                ep.load_s = rec.seconds
-            else:
-                ep.batch_s = 0.8 * ep.batch_s + 0.2 * rec.seconds
+        if rec.loaded:
+            ep.load_s = rec.seconds
+        else:
+            ep.batch_s = 0.8 * ep.batch_s + 0.2 * rec.seconds
         replies = []
         for p, part in zip(batch, parts):
             r = Reply(part, batch_rows=sum(rows))
-            if rec is not None:
-                r.queue_s = max(0.0, rec.started - p.enqueued)
-                r.compute_s, r.loaded, r.switched_from = rec.seconds, rec.loaded, rec.switched_from
-                self.metrics.queued(ep.name, r.queue_s)
+            r.queue_s = max(0.0, rec.started - p.enqueued)
+            r.compute_s, r.loaded, r.switched_from = rec.seconds, rec.loaded, rec.switched_from
+            self.metrics.queued(ep.name, r.queue_s)
             replies.append(r)
         self.metrics.batched(ep.name, sum(rows))
         return replies
@@ -330,9 +316,6 @@ class Service:
         """Runtime listener (in the calling thread, NOTE in ``runtime/events.py``)."""
         if isinstance(record, CallRecord):
             self._busy_s += record.seconds
-            records = getattr(self._local, "records", None)
-            if records is not None:
-                records.append(record)
         self.metrics.record(record)
 
     # ------------------------------------------------------------------ repository (admin)
@@ -441,7 +424,7 @@ class Service:
         """Start a training job. One submitted through the admin plane is held to the
         admin section's bounds (``server/admission.py``): batch, iterations, memory
         (400), and the number of jobs running (409); one ``from_config`` is not."""
-        from timeshare.bench.workloads import TrainingWorkload, sgd
+        from timeshare.models.workloads import TrainingWorkload, sgd
 
         admin = self.config.admin
         async with self._submitting:

@@ -12,12 +12,7 @@ import math
 import numpy as np
 import torch
 
-from timeshare.errors import TimeshareError
-
-
-class BadRequest(TimeshareError):
-    """The request is malformed (HTTP 400); the message says what and where."""
-
+from timeshare.errors import BadRequest, TimeshareError
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "UINT8": torch.uint8, "UINT16": torch.uint16, "UINT32": torch.uint32,

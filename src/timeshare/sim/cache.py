@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from timeshare.errors import ConfigError, ModelTooLargeError
 from timeshare.scheduler.eviction import make_eviction_policy
-from timeshare.scheduler.thrashing import ThrashingDetector, victims
+from timeshare.scheduler.thrashing import NothingToEvict, ThrashingDetector, make_room
 
 
 class ModelCache:
@@ -39,12 +39,11 @@ class ModelCache:
             return False
         if self.capacity is not None and nbytes > self.capacity:
             raise ModelTooLargeError(model, nbytes, self.capacity)
-        protected = set(in_use)
-        while not self._fits(nbytes):
-            order = victims(self.policy, self.detector, now, protected)
-            if not order:
-                raise ConfigError(f"cannot make room for {model}: every resident model is in use")
-            self._evict(order[0])
+        try:
+            make_room(self.policy, self.detector, now, set(in_use), lambda: True if self._fits(nbytes) else None,
+                      self._evict)
+        except NothingToEvict:
+            raise ConfigError(f"cannot make room for {model}: every resident model is in use") from None
         self.sizes[model] = nbytes
         self.used += nbytes
         self.loads += 1

@@ -66,7 +66,7 @@ class ModelCosts:
 
 
 @dataclass
-class CostModel:
+class WorkloadCosts:
     models: dict[str, ModelCosts]
     source: str
 
@@ -77,17 +77,17 @@ class CostModel:
             raise ConfigError(f"the cost model ({self.source}) has no model {name!r}; "
                               f"known: {sorted(self.models)[:20]}") from None
 
-    def variants(self, n: int) -> CostModel:
+    def variants(self, n: int) -> WorkloadCosts:
         """``n`` served models named m00, m01..., cycling through the measured ones."""
         if n < 1:
             raise ConfigError(f"the number of models must be positive, got {n}")
         base = sorted(self.models)
-        return CostModel({f"m{i:02d}": replace(self.models[base[i % len(base)]], name=f"m{i:02d}")
+        return WorkloadCosts({f"m{i:02d}": replace(self.models[base[i % len(base)]], name=f"m{i:02d}")
                           for i in range(n)}, f"{n} variants of {self.source}")
 
     # ------------------------------------------------------------------ loaders
     @classmethod
-    def from_salus_csv(cls, path: str | Path) -> CostModel:
+    def from_salus_csv(cls, path: str | Path) -> WorkloadCosts:
         """One entry per job of the pool, named like the CSV rows (NOTE [Salus job pool])."""
         path = Path(path)
         try:
@@ -132,7 +132,7 @@ class CostModel:
 
     @classmethod
     def from_bench(cls, pipeline: str | Path, pipeline_b8: str | Path | None = None,
-                   switch: str | Path | None = None) -> CostModel:
+                   switch: str | Path | None = None) -> WorkloadCosts:
         """Served-model costs from ``timeshare bench pipeline`` JSON (batch 1), optionally
         the same at batch 8 and ``timeshare bench switch`` JSON (stop-and-start)."""
         b1 = _read_json(pipeline)

@@ -30,7 +30,7 @@ from timeshare.errors import ConfigError
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.task import Finished, Kind, Preempt, Run, Stopped, Task
 from timeshare.sim.cache import ModelCache
-from timeshare.sim.costs import CostModel
+from timeshare.sim.costs import WorkloadCosts
 from timeshare.sim.trace import Arrival
 
 
@@ -115,7 +115,7 @@ class Simulator:
     costs the model's whole stop-and-start time (Ollama-style process swap).
     ``resume_s``: set-up of a training job resumed after preemption."""
 
-    def __init__(self, scheduler: Scheduler, costs: CostModel, *, cache: ModelCache | None = None,
+    def __init__(self, scheduler: Scheduler, costs: WorkloadCosts, *, cache: ModelCache | None = None,
                  restart: bool = False, resume_s: float = 0.0):
         self.scheduler = scheduler
         self.costs = costs

@@ -15,7 +15,7 @@ from timeshare.errors import ConfigError
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.thrashing import ThrashingDetector
 from timeshare.sim.cache import ModelCache
-from timeshare.sim.costs import CostModel
+from timeshare.sim.costs import WorkloadCosts
 from timeshare.sim.engine import Simulator
 from timeshare.sim.trace import salus_trace, serving_trace
 
@@ -48,7 +48,7 @@ def salus(*, pool: str | Path | None = None, jobs: int = 100, seeds: int = 1, se
     """Every policy on the same traces of ``jobs`` jobs from Salus's pool; the first
     seed's table plus, with ``seeds`` > 1, the ratios over seeds."""
     path = find_salus_pool(pool)
-    costs = CostModel.from_salus_csv(path)
+    costs = WorkloadCosts.from_salus_csv(path)
     with path.open(newline="") as f:
         iterations = {r["name"]: float(r["iterations"]) for r in csv.DictReader(f)}
     names = sorted(costs.models)
@@ -96,7 +96,7 @@ def _spread(values: np.ndarray) -> dict:
 SERVING_MODES = ("lru", "clock", "second_chance", "working_set", "cost", "lru+thrash", "lru_count", "stop_and_start")
 
 
-def serving(*, costs: CostModel, models: int = 50, requests: int = 100_000, rate_per_s: float | None = None,
+def serving(*, costs: WorkloadCosts, models: int = 50, requests: int = 100_000, rate_per_s: float | None = None,
             zipf_s: float = 1.0, fit_models: int = 5, slo_factor: float = 10.0, seed: int = 0,
             policy: str = "edf", max_batch: int = 8, modes=SERVING_MODES) -> dict:
     """Many models with Zipf popularity on a device that holds ``fit_models`` of them

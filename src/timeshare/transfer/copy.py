@@ -130,7 +130,10 @@ def make_copy_engine(device: torch.device, deadline_s: float = 60.0, delay_s: fl
 # --- CPU -------------------------------------------------------------------------------
 
 
-class _CpuLoad(LoadHandle):
+class CpuLoad(LoadHandle):
+    """One load on the CPU copy thread. ``copy_group`` is its one copy step (tests
+    replace it to inject a failed or a stuck copy)."""
+
     def __init__(self, src, dst, ranges: Sequence[Range], where: str, deadline_s: float, delay_s: float = 0.0):
         self.src, self.dst, self.ranges = src, dst, list(ranges)
         self.delay_s = delay_s
@@ -147,9 +150,10 @@ class _CpuLoad(LoadHandle):
         self._started = time.perf_counter()
         for k in range(self.n_groups):
             try:
-                self._copy_group(k)
+                self.copy_group(k)
             except BaseException as exc:  # handed to the waiter, which re-raises it
                 self.error, self.failed_group = exc, k
+                self.src = self.dst = None
                 for ev in self.events[k:]:
                     ev.set()
                 return
@@ -161,7 +165,7 @@ class _CpuLoad(LoadHandle):
     def copy_seconds(self) -> float | None:
         return self._ended - self._started if self._ended else None
 
-    def _copy_group(self, k: int) -> None:
+    def copy_group(self, k: int) -> None:
         a, b = self.ranges[k]
         if self.delay_s:
             time.sleep(self.delay_s)  # diagnostic: NOTE [Poisoned reloads]
@@ -188,7 +192,7 @@ class CpuCopyEngine(CopyEngine):
     def __init__(self, deadline_s: float = 60.0, delay_s: float = 0.0):
         self.deadline_s = deadline_s
         self.delay_s = delay_s
-        self._queue: queue.Queue[_CpuLoad | None] = queue.Queue()
+        self._queue: queue.Queue[CpuLoad | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="timeshare-copy", daemon=True)
         self._thread.start()
 
@@ -200,7 +204,7 @@ class CpuCopyEngine(CopyEngine):
             load.run()
 
     def start(self, src, dst, ranges, where, fences=(), events=None):
-        load = _CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s)
+        load = CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s)
         if not self._thread.is_alive():
             raise PipelineError("the copy thread is not running (engine closed?)", where=where)
         self._queue.put(load)

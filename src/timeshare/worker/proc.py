@@ -39,12 +39,12 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     import torch
 
     from timeshare.device import host_registrar, make_current, resolve_device
-    from timeshare.memory.arena import Arena, attach_shared_memory
+    from timeshare.memory.arena import Arena, map_shared_memory
     from timeshare.models.binding import collect
     from timeshare.models.spec import resolve_builder
-    from timeshare.runtime.tree import map_tensors, tensors_in
     from timeshare.transfer.copy import make_copy_engine
     from timeshare.transfer.host_store import HostStore, InputStaging
+    from timeshare.tree import map_tensors, tensors_in
     from timeshare.worker.trainer import TrainingTask
     from timeshare.worker.worker import Worker
 
@@ -59,7 +59,6 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
                     fixed_group_bytes=start.fixed_group_bytes, registrar=registrar)
     staging = InputStaging(registrar, alignment=arena.allocator.alignment)
-    segments = {}  # model -> its host store's shared memory, kept open while the model is known
 
     unpickled = [0.0]  # seconds the last message took to unpickle
     in_task = [False]  # inside the task's own code (a forward, a training step): its errors are the task's
@@ -91,24 +90,22 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         if len(layout.entries) != len(manifest):
             raise ModelError(f"model {msg.model!r} built in the worker has a different set of tensors")
         layout.entries = [manifest[e.key] for e in layout.entries]
-        shm = attach_shared_memory(msg.store_name)
-        buffer = torch.frombuffer(shm.buf, dtype=torch.uint8, count=msg.store_nbytes)
+        # Mapped on its own: the mapping goes with the store's last view (NOTE [Mappings outlive close]).
+        buffer = map_shared_memory(msg.store_name, msg.store_nbytes)
         store = HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment)
         del buffer
         if registrar is not None:
             store.pin(registrar)  # page-locked in this process, so copies are asynchronous DMA
         worker.add(msg.model, module, layout, store, order=msg.order)
-        segments[msg.model] = shm
 
     def handle(msg):
         if isinstance(msg, P.AddModel):
             add_model(msg)
             return P.Ack(msg.seq)
         if isinstance(msg, P.RemoveModel):
-            worker.remove(msg.model)  # unpins its store and drops every view of the segment
-            segments.pop(msg.model).close()
+            worker.remove(msg.model)  # unpins its store and drops every view: the segment is unmapped
             return P.Ack(msg.seq)
-        if isinstance(msg, P.Run):
+        if isinstance(msg, P.RunModel):
             t0 = time.perf_counter()
             worker.last_load = None
             for profile in msg.profiles:
@@ -145,12 +142,12 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             return P.Result(msg.seq, profile, profiles=(profile,))
         if isinstance(msg, P.Train):
             return train(msg)
-        if isinstance(msg, P.JobState):
+        if isinstance(msg, P.GetJobState):
             return P.Result(msg.seq, tasks[msg.job].state_dict())
         if isinstance(msg, P.DropJob):
             tasks.pop(msg.job, None)
             return P.Ack(msg.seq)
-        if isinstance(msg, P.Preempt):
+        if isinstance(msg, P.PreemptSegment):
             return None  # its segment already ended
         raise TypeError(f"unexpected message {type(msg).__name__}")
 
@@ -169,10 +166,10 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                     ctl = P.loads(conn.recv_bytes())
                     if isinstance(ctl, P.Shutdown):
                         raise _Exit
-                    if isinstance(ctl, P.Preempt) and ctl.seq == msg.seq:
+                    if isinstance(ctl, P.PreemptSegment) and ctl.seq == msg.seq:
                         reason = "preempted"
                         break
-                    if not isinstance(ctl, P.Preempt):
+                    if not isinstance(ctl, P.PreemptSegment):
                         raise TypeError(f"{type(ctl).__name__} arrived while training {msg.job}")
                 t0 = time.perf_counter()
                 in_task[0] = True
@@ -189,7 +186,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         stopped = time.perf_counter()
         if reason == "preempted":
             task.preempted()  # cleaning: offload if the job asked for it
-        return P.Stopped(msg.seq, reason, task.stats, stopped, time.perf_counter())
+        return P.SegmentStopped(msg.seq, reason, task.stats, stopped, time.perf_counter())
 
     conn.send_bytes(P.dumps(P.Hello(start.worker, os.getpid())))
     try:
@@ -212,7 +209,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 return
             except Exception as exc:
                 subject = getattr(msg, "model", None) or getattr(msg, "job", "")
-                what = f"{where}, {type(msg).__name__.lower()} {subject}".rstrip()
+                what = f"{where}, {_VERBS.get(type(msg), type(msg).__name__.lower())} {subject}".rstrip()
                 if isinstance(msg, P.Train) and msg.job in tasks:
                     what += f" (iteration {tasks.pop(msg.job).stats.iterations + 1})"  # its state is undefined now
                 elif isinstance(msg, P.Train):
@@ -228,11 +225,9 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             worker.remove(model)
         staging.release()
         arena.close()
-        for shm in segments.values():
-            try:
-                shm.close()
-            except BufferError:
-                pass
+
+
+_VERBS = {P.RunModel: "run", P.GetJobState: "job state", P.AddModel: "adding", P.RemoveModel: "removing"}
 
 
 # ------------------------------------------------------------------ controller side

@@ -17,7 +17,7 @@ from torch import nn
 
 from timeshare.errors import ConfigError
 from timeshare.models.spec import resolve_builder
-from timeshare.runtime.tree import map_tensors
+from timeshare.tree import map_tensors
 
 
 @dataclass

@@ -20,7 +20,6 @@ from timeshare.device import HostRegistrar, host_registrar, synchronize
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, unbind
-from timeshare.runtime.tree import map_tensors, shape_key, tensors_in
 from timeshare.transfer.copy import CopyEngine, LoadEvents, LoadHandle
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.planner import STRATEGIES, make_plan
@@ -32,6 +31,7 @@ from timeshare.transfer.profiler import (
     time_layers,
     trace_execution_order,
 )
+from timeshare.tree import map_tensors, shape_key, tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +274,11 @@ class Worker:
         if upto[0] >= handle.n_groups - 1:
             wm.pending = None  # everything arrived and was waited for
         return out
+
+    def load_plan(self, name: str, key: str, strategy: str) -> LoadPlan:
+        """The ready-made plan that loads of ``name`` for input shape ``key`` follow:
+        its byte ranges and which group each wait-point module waits for."""
+        return self._load_plan(self.models[name], key, strategy)
 
     def _load_plan(self, wm: WorkerModel, key: str, strategy: str) -> LoadPlan:
         if strategy not in STRATEGIES:

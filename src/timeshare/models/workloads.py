@@ -1,6 +1,7 @@
-"""Background training for the benchmarks: any zoo model trained on a synthetic
-objective (the mean square of its outputs) with SGD, on one fixed random batch. Every
-piece is a top-level function, so a worker process can rebuild it."""
+"""Background training workloads, for the benchmarks and the server's admin plane: any
+zoo model trained on a synthetic objective (the mean square of its outputs) with SGD, on
+one fixed random batch. Every piece is a top-level function, so a worker process can
+rebuild it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from timeshare.errors import ConfigError
 from timeshare.models.zoo import get as zoo_get
-from timeshare.runtime.tree import tensors_in
+from timeshare.tree import tensors_in
 
 
 @dataclass(frozen=True)

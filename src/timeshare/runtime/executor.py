@@ -1,0 +1,334 @@
+"""Where models execute, behind one interface: this process (``InProcessExecutor``: one
+:class:`~timeshare.worker.worker.Worker` and a copy engine here) or a pool of worker
+processes (``PoolExecutor``: the :class:`~timeshare.runtime.pool.ProcessPool`). The
+runtime's facade decides what runs and where it lives in the arena; an executor carries
+it out and never asks the facade anything back. Runs in the controller.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from timeshare import protocol as P
+from timeshare.device import host_registrar
+from timeshare.errors import ConfigError
+from timeshare.memory import Arena
+from timeshare.memory.arena import map_shared_memory, reserve_shared_memory
+from timeshare.models.binding import TensorLayout, bind
+from timeshare.models.spec import ModelSpec
+from timeshare.runtime.calls import Ran
+from timeshare.runtime.pool import ProcessPool
+from timeshare.runtime.training import LocalTrainingJob, TrainingJob, WorkerTrainingJob
+from timeshare.transfer.copy import CopyEngine, LoadHandle
+from timeshare.transfer.host_store import HostStore
+from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
+from timeshare.tree import map_tensors
+from timeshare.worker.trainer import TrainingTask, TrainSpec
+from timeshare.worker.worker import Worker, owners_of, release_host_cache
+
+if TYPE_CHECKING:
+    from timeshare.runtime.dispatch import Dispatcher
+
+
+@dataclass
+class Packed:
+    """A registered model's weights made ready for an executor, before it is added."""
+
+    name: str
+    spec: ModelSpec
+    module: nn.Module
+    layout: TensorLayout
+    store: HostStore | None
+    nbytes: int
+    segment: SharedMemory | None = None  # with workers: the store's shared memory
+    order: ExecutionOrder | None = None  # with workers: traced at registration
+    entries: tuple = ()  # with workers: the store's entries, in the traced order
+
+
+class Executor(Protocol):
+    """What the runtime's facade asks of where models run."""
+
+    device: torch.device
+
+    def check_registrable(self, spec: ModelSpec) -> None:
+        """Raise ConfigError if ``spec`` cannot run here (before anything is built)."""
+
+    def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
+        """Make a checked, packed model ready to add (outside the runtime's lock)."""
+
+    def add(self, packed: Packed) -> None:
+        """Make the model runnable; on failure the caller ``discard``s it."""
+
+    def discard(self, packed: Packed) -> None:
+        """Give back what ``pack`` took for a model that was never added."""
+
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str) -> Ran:
+        """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there."""
+
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
+        """Profile the resident model ``name`` for these inputs."""
+
+    def release(self, name: str) -> LoadHandle | None:
+        """``name`` leaves the arena: a load still copying into its block, if any."""
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` and give back its host memory."""
+
+    def inputs(self, obj: Any) -> Any:
+        """Inputs made ready for ``run``: on the device in-process, on the host for workers."""
+
+    def check_trainable(self, spec: TrainSpec) -> None:
+        """Raise ConfigError if the training job cannot run here."""
+
+    def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
+        """A training job's handle (not started)."""
+
+    def drop_job(self, name: str) -> None:
+        """Forget a finished job's state."""
+
+    def switches(self) -> list[dict]:
+        """Records of the latest switches from training to inference."""
+
+    def pids(self) -> list[int]:
+        """Operating-system ids of the worker processes (none in-process)."""
+
+    def health(self) -> dict | None:
+        """The workers' state for operators (None in-process)."""
+
+    def pinned_host_bytes(self) -> int:
+        """Host memory page-locked for the host stores."""
+
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
+        """Benchmarks' "two processes" baseline: a new worker started for this call."""
+
+    def in_process_worker(self) -> Worker | None:
+        """The worker in this process, if models run here (a test hook)."""
+
+    def close(self) -> None:
+        """Stop everything; the arena is closed by its owner afterwards."""
+
+
+class InProcessExecutor:
+    """Models run in this process: one worker and its copy engine."""
+
+    def __init__(self, device: torch.device, arena: Arena, engine: CopyEngine, *, profile_repeats: int,
+                 fixed_group_bytes: int):
+        self.device = device
+        self._engine = engine
+        self._worker = Worker(device, arena, engine, profile_repeats=profile_repeats,
+                              fixed_group_bytes=fixed_group_bytes)
+
+    def check_registrable(self, spec: ModelSpec) -> None:
+        return None
+
+    def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
+        if self.device.type == "cuda":  # NOTE [Exact host pinning]
+            registrar = host_registrar(self.device)
+            assert registrar is not None
+            store.pin(registrar)
+        return Packed(spec.name, spec, module, layout, store, store.nbytes)
+
+    def add(self, packed: Packed) -> None:
+        assert packed.store is not None
+        self._worker.add(packed.name, packed.module, packed.layout, packed.store)
+
+    def discard(self, packed: Packed) -> None:
+        if packed.store is not None:
+            packed.store.release()
+
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str) -> Ran:
+        self._worker.last_load = None
+        out = self._worker.run(name, offset, resident, args, kwargs, strategy)
+        load = self._worker.last_load
+        return Ran(self._worker.to_host(out), load_s=load.copy_seconds() if load is not None else None)
+
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
+        return self._worker.profile(name, offset, args, kwargs)
+
+    def release(self, name: str) -> LoadHandle | None:
+        return self._worker.release(name)
+
+    def remove(self, name: str) -> None:
+        self._worker.remove(name)
+
+    def inputs(self, obj: Any) -> Any:
+        return map_tensors(obj, lambda t: t.to(self.device))
+
+    def check_trainable(self, spec: TrainSpec) -> None:
+        return None
+
+    def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
+        return LocalTrainingJob(TrainingTask.build(spec, self.device), spec.name, lock=lock, gate=gate)
+
+    def drop_job(self, name: str) -> None:
+        return None
+
+    def switches(self) -> list[dict]:
+        return []
+
+    def pids(self) -> list[int]:
+        return []
+
+    def health(self) -> dict | None:
+        return None
+
+    def pinned_host_bytes(self) -> int:
+        return self._worker.pinned_host_bytes()
+
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
+        raise ConfigError("a new-process inference needs workers")
+
+    def in_process_worker(self) -> Worker | None:
+        return self._worker
+
+    def close(self) -> None:
+        for name in list(self._worker.models):
+            self._worker.remove(name)
+        self._engine.close()
+
+
+class PoolExecutor:
+    """Models run in worker processes that map the arena; host stores live in shared
+    memory that every worker maps (and page-locks, on CUDA)."""
+
+    def __init__(self, device: torch.device, pool: ProcessPool):
+        self.device = device
+        self._pool = pool
+        self._segments: dict[str, SharedMemory] = {}  # model -> its host store's segment
+
+    @property
+    def pool(self) -> ProcessPool:
+        return self._pool
+
+    def check_registrable(self, spec: ModelSpec) -> None:
+        """Worker processes rebuild the module from ``build`` and trace it with the example
+        inputs, so both must be sendable to another process."""
+        if not spec.example_inputs and not spec.example_kwargs:
+            raise ConfigError(
+                f"model {spec.name!r}: with workers, register() needs example_inputs (the execution order is "
+                "traced at registration)"
+            )
+        try:
+            pickle.dumps(spec.build)
+        except Exception as exc:
+            raise ConfigError(
+                f"model {spec.name!r}: with workers, build must be a 'module:function' string or a top-level "
+                f"function that worker processes can import, not {spec.build!r} ({exc})"
+            ) from None
+
+    def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
+        # Workers map the store, so it is laid out in execution order once, here.
+        order = _trace_on_host(module, layout, store, spec)
+        by_key = {e.key: e for e in store.entries}
+        segment = SharedMemory(create=True, size=store.nbytes)
+        try:
+            reserve_shared_memory(segment, f"the host copy of model {spec.name!r}",
+                                  "free space in /dev/shm (unregister models, or enlarge it: Docker's default "
+                                  "is 64 MB, --shm-size raises it)")
+            buffer = map_shared_memory(segment.name, store.nbytes)  # NOTE [Mappings outlive close]
+            segment.close()
+            packed = HostStore.pack([by_key[k] for k in order.key_order()], store.state(), pin=False, buffer=buffer)
+        except BaseException:
+            _unlink(segment)
+            raise
+        # The controller keeps no view of the store: only the workers map it from now on.
+        return Packed(spec.name, spec, module, layout, None, packed.nbytes, segment, order, tuple(packed.entries))
+
+    def add(self, packed: Packed) -> None:
+        assert packed.segment is not None and packed.order is not None
+        self._pool.add(P.AddModel(0, packed.name, packed.spec.build, packed.entries, packed.segment.name,
+                                  packed.nbytes, packed.order))
+        self._segments[packed.name] = packed.segment
+
+    def discard(self, packed: Packed) -> None:
+        if packed.segment is not None and packed.name not in self._segments:
+            _unlink(packed.segment)
+
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str) -> Ran:
+        return self._pool.run(name, offset, resident, args, kwargs, strategy)
+
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
+        return self._pool.profile(name, offset, args, kwargs)
+
+    def release(self, name: str) -> LoadHandle | None:
+        return self._pool.release(name)
+
+    def remove(self, name: str) -> None:
+        self._pool.remove(name)
+        segment = self._segments.pop(name, None)
+        if segment is not None:
+            _unlink(segment)
+
+    def inputs(self, obj: Any) -> Any:
+        # Inputs stay on the host: they cross the pipe as host bytes and the worker uploads
+        # them once, pinned (NOTE [Input staging]). Moving them here would send device
+        # tensors through pickling, a device-to-host copy here and another upload there.
+        return map_tensors(obj, lambda t: t.cpu())
+
+    def check_trainable(self, spec: TrainSpec) -> None:
+        spec.check_shippable()
+        if len(self._pool.workers) < 2:
+            raise ConfigError("training with workers needs workers >= 2: one holds the job, another "
+                              "stays free so that inference never waits for a process to start")
+
+    def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
+        self._pool.drop_job(spec.name)  # a finished job of that name
+        return WorkerTrainingJob(spec, pool=self._pool, lock=lock, gate=gate)
+
+    def drop_job(self, name: str) -> None:
+        self._pool.drop_job(name)
+
+    def switches(self) -> list[dict]:
+        return [s.as_dict() for s in self._pool.switches]
+
+    def pids(self) -> list[int]:
+        return list(self._pool.pids())
+
+    def health(self) -> dict | None:
+        return self._pool.health()
+
+    def pinned_host_bytes(self) -> int:
+        """Every worker registers each store's segment: the same pages, counted once."""
+        return sum(s.size for s in self._segments.values()) if self.device.type == "cuda" else 0
+
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
+        return self._pool.run_in_new_worker(name, offset, args, kwargs, strategy)
+
+    def in_process_worker(self) -> Worker | None:
+        return None
+
+    def close(self) -> None:
+        try:
+            self._pool.close()
+        finally:
+            for segment in self._segments.values():
+                _unlink(segment)
+            self._segments.clear()
+            release_host_cache(self.device)
+
+
+def _trace_on_host(module: nn.Module, layout: TensorLayout, store: HostStore, spec: ModelSpec) -> ExecutionOrder:
+    """The execution order from one forward on the CPU, with the module bound to the store."""
+    bind(layout, store.state())
+    spans = store.spans(store.buffer.data_ptr())
+    args = map_tensors(spec.example_inputs, lambda t: t.to("cpu"))
+    kwargs = map_tensors(spec.example_kwargs, lambda t: t.to("cpu"))
+    with torch.no_grad():
+        order, _ = trace_execution_order(module, args, kwargs, spans, owners_of(layout))
+    return order
+
+
+def _unlink(segment: SharedMemory) -> None:
+    """Remove a store's segment: its name now, its memory when the last mapping goes
+    (NOTE [Mappings outlive close])."""
+    try:
+        segment.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,592 @@
+"""The runtime's facade: the public API and lifecycle. Runs in the caller's process.
+
+A model's life: ``register`` builds it on the CPU and packs its weights into a host
+store (``registration``), then points its slots at meta tensors (it holds no weights
+of its own). Residency decides where in the arena a model lives and which models leave
+to make room, in integers (``residency``); an executor does the rest: binding,
+pipelined loads, tracing and profiling, in this process or in worker processes
+(``executor``). The facade never asks which executor it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+from timeshare.device import resolve_device, synchronize
+from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, TimeshareError, UnknownModelError
+from timeshare.memory import Arena
+from timeshare.models.binding import unbind
+from timeshare.models.spec import Builder, ModelSpec
+from timeshare.runtime.calls import Call
+from timeshare.runtime.dispatch import Dispatcher
+from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
+from timeshare.runtime.executor import Executor, InProcessExecutor, PoolExecutor
+from timeshare.runtime.pool import ProcessPool
+from timeshare.runtime.registration import build_and_pack, parse_dtype
+from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.runtime.training import TrainingJob, validate_training_args
+from timeshare.scheduler.eviction import make_eviction_policy
+from timeshare.scheduler.task import Kind, Priority
+from timeshare.scheduler.thrashing import ThrashingDetector
+from timeshare.transfer.copy import make_copy_engine
+from timeshare.transfer.planner import STRATEGIES
+from timeshare.transfer.profiler import ModelProfile
+from timeshare.units import format_bytes, parse_bytes
+from timeshare.worker.trainer import TrainSpec
+from timeshare.worker.worker import Worker, release_host_cache
+
+__all__ = ["Call", "Runtime", "parse_dtype"]
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """Time-shares one device among registered models.
+
+    ``device``: "auto", "cpu", "cuda" or "cuda:N". ``memory``: the arena's size in bytes
+    or a string like "4GiB"; "auto" takes half the free device memory on CUDA and an
+    eighth of RAM (at most 2 GiB) on the CPU. ``eviction``: the policy that picks which
+    resident model leaves when a new one needs room, fed with each model's measured
+    load time (NOTE [Measured reload times]); ``thrashing``: while loads take most of the
+    device's time, keep the recently used models resident (``thrashing_factor()`` tells
+    callers how much longer to batch). ``strategy``: how loads are grouped: "optimal"
+    (default), "per_layer", "whole" or "fixed".
+
+    ``scheduling``: who gets the device next (``timeshare.runtime.dispatch``):
+    "priority" (default; calls preempt training at its next iteration boundary),
+    "fifo", "fair", "srtf" or "edf"; ``time_slice_s``: how long a training job keeps
+    the device before waiting calls get it (FIFO time-slicing; FAIR's default 1 s).
+
+    ``workers``: worker processes (0: models run in this process). With workers, a
+    worker that does not answer a call within its deadline is killed and replaced
+    (NOTE [Call deadlines]): ``task_deadline_factor`` times the slowest recent call of the
+    same kind, at least ``task_deadline_min_s``, at most ``task_timeout_s`` (also the
+    deadline of a kind of call not seen yet).
+
+    Outputs are returned on the CPU, so the same call works when the model runs in
+    another process.
+
+    Diagnostics, for checks of exactness (NOTE [Poisoned reloads]), never for serving:
+    ``poison_evicted`` overwrites an evicted model's block with NaN bytes, so that a load
+    that skipped a group's wait reads poison instead of the old bytes sticky placement
+    left there; ``copy_delay_s`` starts every group's copy that much later.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "auto",
+        memory: int | str = "auto",
+        *,
+        eviction: str = "lru",
+        strategy: str = "optimal",
+        profile_repeats: int = 3,
+        fixed_group_bytes: int | str = "2MiB",
+        load_timeout_s: float = 60.0,
+        workers: int = 0,
+        task_timeout_s: float = 300.0,
+        task_deadline_factor: float = 10.0,
+        task_deadline_min_s: float = 5.0,
+        startup_timeout_s: float = 120.0,
+        scheduling: str = "priority",
+        time_slice_s: float | None = None,
+        poison_evicted: bool = False,
+        copy_delay_s: float = 0.0,
+        thrashing: bool = False,
+    ):
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
+        if profile_repeats < 1:
+            raise ConfigError(f"profile_repeats must be at least 1, got {profile_repeats}")
+        for what, value in (("load_timeout_s", load_timeout_s), ("task_timeout_s", task_timeout_s),
+                            ("startup_timeout_s", startup_timeout_s), ("task_deadline_min_s", task_deadline_min_s)):
+            if value <= 0:
+                raise ConfigError(f"{what} must be positive, got {value}")
+        if copy_delay_s < 0:
+            raise ConfigError(f"copy_delay_s must not be negative, got {copy_delay_s}")
+        if task_deadline_factor < 1:
+            raise ConfigError(f"task_deadline_factor must be at least 1, got {task_deadline_factor}")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
+        # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
+        # before any memory is taken.
+        self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s)
+        self.task_timeout_s = task_timeout_s  # a worker silent this long on a task is killed and replaced
+        self.device = resolve_device(device)
+        self.strategy = strategy
+        self.profile_repeats = profile_repeats
+        self.fixed_group_bytes = parse_bytes(fixed_group_bytes, what="fixed_group_bytes")
+        policy = make_eviction_policy(eviction)
+        capacity = self._resolve_memory(memory)
+        try:
+            arena = Arena(self.device, capacity)
+        except torch.OutOfMemoryError as exc:
+            raise MemoryBudgetError(
+                f"cannot reserve an arena of {format_bytes(capacity)} on {self.device}: {exc}"
+            ) from exc
+        self._arena = arena
+        self._residency = Residency(arena, policy, poison=poison_evicted,
+                                    detector=ThrashingDetector() if thrashing else None)
+        try:
+            self._exec: Executor = self._make_executor(
+                workers, load_timeout_s=load_timeout_s, task_timeout_s=task_timeout_s,
+                startup_timeout_s=startup_timeout_s, task_deadline_factor=task_deadline_factor,
+                task_deadline_min_s=task_deadline_min_s, copy_delay_s=copy_delay_s,
+            )
+        except BaseException:
+            arena.close()
+            raise
+        self._jobs: dict[str, TrainingJob] = {}
+        self._submitter: ThreadPoolExecutor | None = None
+        self._models: dict[str, ModelEntry] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        self._failures = 0
+        self._listeners: list[Listener] = []
+
+    def _make_executor(self, workers: int, *, load_timeout_s: float, copy_delay_s: float, **pool_options) -> Executor:
+        if not workers:
+            engine = make_copy_engine(self.device, load_timeout_s, copy_delay_s)
+            return InProcessExecutor(self.device, self._arena, engine, profile_repeats=self.profile_repeats,
+                                     fixed_group_bytes=self.fixed_group_bytes)
+        pool = ProcessPool(
+            workers, device=str(self.device), share_arena=self._arena.share, arena_capacity=self._arena.capacity,
+            profile_repeats=self.profile_repeats, fixed_group_bytes=self.fixed_group_bytes,
+            load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s, **pool_options,
+        )
+        return PoolExecutor(self.device, pool)
+
+    @property
+    def poison_evicted(self) -> bool:
+        """The exactness diagnostic (NOTE [Poisoned reloads]): evicted blocks get NaN bytes."""
+        return self._residency.poison
+
+    # ------------------------------------------------------------------ models
+    def register(
+        self,
+        name: str,
+        build: Builder,
+        weights=None,
+        example_inputs: tuple = (),
+        *,
+        example_kwargs: dict | None = None,
+        dtype: str | torch.dtype | None = None,
+        pin: bool = False,
+        priority: Priority | str = Priority.LATENCY_CRITICAL,
+        slo_s: float | None = None,
+    ) -> None:
+        """Register a model: build it, check and pack its weights. Nothing is loaded yet.
+
+        ``build`` is a callable or a "module:function" string returning an ``nn.Module``;
+        ``weights`` a safetensors path or a state dict (None keeps the module's own
+        initial values); ``example_inputs`` the positional inputs used to profile it;
+        ``dtype`` converts floating tensors; ``pin`` keeps it resident once loaded;
+        ``priority`` ("latency_critical" or "best_effort") and ``slo_s`` (a latency
+        objective, the deadline of EDF within a priority class) order its calls.
+        """
+        self._check_open()
+        try:
+            priority = Priority.parse(priority)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if slo_s is not None and not slo_s > 0:
+            raise ConfigError(f"slo_s must be positive, got {slo_s!r}")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"model name must be a non-empty string without '/', got {name!r}")
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        with self._turn():
+            if name in self._models:
+                raise DuplicateModelError(f"a model named {name!r} is already registered")
+        spec = ModelSpec(name, build, weights, example_inputs, dict(example_kwargs or {}), parse_dtype(dtype))
+        self._exec.check_registrable(spec)
+        module, layout, store = build_and_pack(spec)
+        packed = self._exec.pack(spec, module, layout, store)
+        del store
+        unbind(layout)  # the module now holds no weights of its own
+        with self._turn():
+            try:
+                if name in self._models:
+                    raise DuplicateModelError(f"a model named {name!r} is already registered")
+                if packed.nbytes > self._arena.capacity:
+                    log.warning("model %s (%s) is larger than the arena (%s)", name,
+                                format_bytes(packed.nbytes), format_bytes(self._arena.capacity))
+                self._exec.add(packed)
+            except BaseException:
+                self._exec.discard(packed)
+                raise
+            self._models[name] = ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s)
+        log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(packed.nbytes))
+
+    def unregister(self, name: str) -> None:
+        with self._turn():
+            m = self._get(name)
+            self._evict(m)
+            self._exec.remove(name)
+            del self._models[name]
+            release_host_cache(self.device)
+
+    def models(self) -> list[str]:
+        with self._turn():
+            return list(self._models)
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        """A pinned model is never evicted to make room for another."""
+        with self._turn():
+            self._get(name).pinned = pinned
+
+    def evict(self, name: str) -> bool:
+        """Remove ``name`` from device memory; True if it was resident."""
+        with self._turn():
+            return self._evict(self._get(name))
+
+    def resident(self) -> list[str]:
+        """Names of the models in device memory, the first to evict first under the policy."""
+        with self._turn():
+            return self._residency.order(self._models)
+
+    def profile(self, name: str, *args, **kwargs) -> ModelProfile:
+        """Profile ``name`` for these inputs (default: its example inputs) and plan its
+        groupings. Loads the model if needed; plans are cached per input shape."""
+        with self._turn():
+            m = self._get(name)
+            if not args and not kwargs:
+                args, kwargs = m.spec.example_inputs, m.spec.example_kwargs
+            if not args and not kwargs:
+                raise ConfigError(f"model {name!r} has no example inputs; pass inputs to profile()")
+            args, kwargs = self._exec.inputs(args), self._exec.inputs(kwargs)
+            if m.block is None:
+                self._run(m, args, kwargs, None)
+            assert m.block is not None
+            return self._exec.profile(name, m.block.offset, args, kwargs)
+
+    # ------------------------------------------------------------------ inference
+    def infer(self, name: str, *args, **kwargs):
+        """Run model ``name`` on the inputs, loading it first (pipelined) if needed.
+
+        Tensors in the inputs may live anywhere; outputs come back on the CPU with the
+        structure the module returned (tensor, tuple, dict, dataclass...).
+        """
+        return self.call(name, args, kwargs).output
+
+    def infer_since(self, name: str, arrived_at: float, args: tuple = (), kwargs: dict | None = None):
+        """``infer`` for a request that arrived at ``arrived_at`` (``time.monotonic()``)
+        and has queued elsewhere since (a server's queue): the model's SLO deadline
+        counts from then, not from when the call reaches the runtime."""
+        return self.call(name, args, kwargs, arrived_at=arrived_at).output
+
+    def call(self, name: str, args: tuple = (), kwargs: dict | None = None, *, strategy: str | None = None,
+             arrived_at: float | None = None) -> Call:
+        """``infer`` that also returns the call's own record (timings, whether it loaded
+        the model, what it switched from). ``strategy`` overrides the runtime's grouping
+        for this call's load, if it loads; ``arrived_at`` as in ``infer_since``."""
+        if strategy is not None and strategy not in STRATEGIES:
+            raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
+        args, kwargs = tuple(args), dict(kwargs or {})
+        m = self._get(name)
+        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
+                                 arrived_at=arrived_at) as turn, self._lock:
+            m = self._get(name)  # unregistered while this call waited
+            t0 = time.monotonic()
+            loaded = m.block is None
+            prev = turn.previous
+            switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
+            try:
+                ran = self._run(m, self._exec.inputs(args), self._exec.inputs(kwargs), strategy)
+            except BaseException as exc:
+                self._failures += 1
+                self._emit(CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched,
+                                      type(exc).__name__))
+                raise
+            record = CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched, None, ran.timings)
+            self._emit(record)
+            return Call(ran.output, record)
+
+    def submit(self, name: str, *args, **kwargs) -> Future:
+        """Queue an inference; the future resolves to what ``infer`` would return. Queued
+        requests run in order, one at a time, and survive a worker failure (only the
+        request in flight fails)."""
+        with self._turn():
+            self._check_open()
+            self._get(name)
+            if self._submitter is None:
+                self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="timeshare-submit")
+            return self._submitter.submit(self.infer, name, *args, **kwargs)
+
+    def infer_in_new_process(self, name: str, args: tuple, kwargs: dict | None = None):
+        """Benchmarks only (``bench switch``'s "two processes" baseline, PipeSwitch's): run
+        ``name`` in a worker process started for this call, loading it from the host store."""
+        with self._turn():
+            m = self._get(name)
+            self._evict(m)
+            self._place(m)
+            assert m.block is not None
+            try:
+                return self._exec.run_in_new_process(name, m.block.offset, self._exec.inputs(tuple(args)),
+                                                     self._exec.inputs(kwargs or {}), self.strategy)
+            finally:
+                self._evict(m)
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self,
+        name: str,
+        model,
+        optimizer,
+        data,
+        step,
+        iterations: int | None = None,
+        *,
+        offload: bool = False,
+        seed: int | None = None,
+    ) -> TrainingJob:
+        """Start a training job that time-shares the device with inference.
+
+        ``model``: an ``nn.Module``, a callable returning one or a "module:function"
+        string; ``optimizer``: a callable
+        taking the parameters; ``data``: an iterable of batches (tensors anywhere) or a
+        callable returning one; ``step(model, optimizer, batch)``: one iteration,
+        returning the loss; ``iterations``: stop after this many (None: when ``data``
+        ends). Inference preempts the job between iterations (NOTE [Preemption points]);
+        ``offload`` moves its state to host memory while preempted; ``seed`` seeds the
+        job's own random state (default: ``torch.initial_seed()``).
+
+        With workers the job runs in a worker process that keeps its state between
+        segments (NOTE [Switch protocol]); then every argument must be picklable, and
+        the model is built there. Returns the job's handle.
+        """
+        validate_training_args(name, model, optimizer, data, step, iterations)
+        spec = TrainSpec(name, model, optimizer, data, step, iterations, offload,
+                         torch.initial_seed() if seed is None else int(seed))
+        self._exec.check_trainable(spec)
+        with self._turn():
+            self._check_open()
+            if name in self._jobs and not self._jobs[name].wait(0):
+                raise DuplicateModelError(f"a training job named {name!r} is running")
+            job = self._exec.start_job(spec, self._lock, self._gate)
+            self._jobs[name] = job
+        return job.start()
+
+    def jobs(self) -> dict[str, TrainingJob]:
+        with self._turn():
+            return dict(self._jobs)
+
+    def forget_job(self, name: str) -> None:
+        """Drop a finished training job: its handle, and with workers the parameters and
+        optimizer state its home worker still holds (kept until now for the handle's
+        ``state_dict()``). A running job must be cancelled first."""
+        with self._turn():
+            job = self._jobs.get(name)
+            if job is None:
+                raise UnknownModelError(f"no training job named {name!r}")
+            if not job.wait(0):
+                raise DuplicateModelError(f"training job {name!r} is still running; cancel it first")
+            del self._jobs[name]
+            self._exec.drop_job(name)
+
+    def switches(self) -> list[dict]:
+        """The latest switches from a training job to an inference (workers only): stop,
+        start, load, clean and total seconds of each (NOTE [Switch protocol])."""
+        with self._turn():
+            return self._exec.switches()
+
+    # ------------------------------------------------------------------ observing
+    def worker_pids(self) -> list[int]:
+        """The operating-system ids of the worker processes now in the pool (empty
+        without workers): for operators and fault-injection tests."""
+        return self._exec.pids()
+
+    def stats(self) -> dict:
+        with self._turn():
+            alloc = self._arena.allocator
+            return {
+                "device": str(self.device),
+                "capacity_bytes": alloc.capacity,
+                "used_bytes": alloc.used,
+                "free_bytes": alloc.free,
+                "largest_free_bytes": alloc.largest_free,
+                "blocks": len(alloc.blocks()),
+                "resident": self._residency.order(self._models),
+                "loads": {n: m.loads for n, m in self._models.items()},
+                "evictions": self._residency.evictions,
+            }
+
+    def snapshot(self) -> dict:
+        """Counters and memory for metrics, read without waiting for the device (a
+        scrape must not queue behind a long inference): a consistent-enough view, not
+        an atomic one."""
+        alloc = self._arena.allocator
+        models = list(self._models.values())
+        jobs = list(self._jobs.values())
+        return {
+            "device": str(self.device),
+            "capacity_bytes": alloc.capacity,
+            "used_bytes": alloc.used,
+            "resident": {m.name: m.nbytes for m in models if m.block is not None},
+            "host_bytes": sum(m.nbytes for m in models),
+            "host_pinned_bytes": self._exec.pinned_host_bytes(),
+            "loads": {m.name: m.loads for m in models},
+            "evictions": self._residency.evictions,
+            "failures": self._failures,
+            "preemptions": self._gate.scheduler.preemptions,
+            "training_seconds": sum(j.stats.step_seconds for j in jobs),
+            "training_iterations": sum(j.stats.iterations for j in jobs),
+            # With workers: the pool's size, the workers ready to serve, replacements so far.
+            "workers": self._exec.health(),
+        }
+
+    def diagnostics(self) -> dict:
+        """For operators and white-box tests, without waiting for the device: the arena
+        (its shared-memory segment's name on the CPU, its free ranges), each model's size
+        and placement, the blocks quarantined because a copy may still write them, the
+        tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
+        with self._lock:
+            alloc = self._arena.allocator
+            return {
+                "arena": {"name": self._arena.shm_name, "capacity_bytes": alloc.capacity,
+                          "free_ranges": alloc.free_ranges()},
+                "models": {n: {"nbytes": m.nbytes, "offset": m.block.offset if m.block is not None else None,
+                               "last_offset": m.last_offset, "loads": m.loads, "pinned": m.pinned}
+                           for n, m in self._models.items()},
+                "quarantined": self._residency.quarantined(),
+                "scheduler_tasks": len(self._gate.scheduler.tasks),
+                "workers": self._exec.health(),
+            }
+
+    def in_process_worker(self) -> Worker | None:
+        """A test hook: the worker that runs the models in this process (None with
+        workers), for white-box tests of loading and pinning."""
+        return self._exec.in_process_worker()
+
+    def thrashing_factor(self) -> float:
+        """How much longer callers should let requests gather into batches: 1.0 unless
+        thrashing control is on and loads dominate the device's recent time (up to 5.0)."""
+        detector = self._residency.detector
+        return 1.0 if detector is None else detector.batch_factor(time.monotonic())
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener`` with a :class:`~timeshare.runtime.events.CallRecord` after
+        every inference and an :class:`~timeshare.runtime.events.EvictionRecord` after
+        every eviction. It runs while the runtime is held: keep it quick; what it
+        raises is logged, never passed to the caller."""
+        self._listeners.append(listener)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Evict everything and give the arena back. Idempotent; every step runs even if
+        an earlier one fails, so no segment, thread or device memory is left behind."""
+        with self._turn():
+            if self._closed:
+                return
+            self._closed = True
+            jobs = list(self._jobs.values())
+            submitter, self._submitter = self._submitter, None
+        for job in jobs:  # outside the lock: a job needs it to reach its preemption point
+            job.cancel()
+        for job in jobs:
+            if not job.wait(60):
+                log.warning("training job %s did not stop within 60 s", job.name)
+        if submitter is not None:
+            submitter.shutdown(wait=True, cancel_futures=True)
+        with self._turn():
+            try:
+                for m in self._models.values():
+                    self._evict(m)
+                self._models.clear()
+            finally:
+                try:
+                    self._exec.close()
+                    synchronize(self.device)
+                finally:
+                    self._residency.clear()
+                    self._arena.close()
+                    release_host_cache(self.device)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # a forgotten close() must not leak the shared-memory segment
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # interpreter shutdown: modules may be half torn down
+            pass
+
+    @contextmanager
+    def hold_device(self) -> Iterator[None]:
+        """A test hook: take the device for the block, as a call does, so that every
+        other call, control request and training iteration waits until it ends."""
+        with self._turn():
+            yield
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None):
+        """Forward ``m`` on executor-ready inputs, loading it first if it is not resident."""
+        resident = m.block is not None
+        if not resident:
+            self._place(m)
+        assert m.block is not None
+        t0 = time.monotonic()
+        try:
+            ran = self._exec.run(m.name, m.block.offset, resident, args, kwargs, strategy or self.strategy)
+        except BaseException:
+            if not resident:
+                self._evict(m)  # a failed load leaves nothing behind
+            raise
+        if not resident:
+            m.loads += 1
+        self._residency.ran(m, loaded=not resident, seconds=time.monotonic() - t0, load_s=ran.load_s)
+        return ran
+
+    def _place(self, m: ModelEntry) -> None:
+        for victim in self._residency.place(m, self._models, self._exec.release):
+            self._emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
+
+    def _evict(self, m: ModelEntry) -> bool:
+        if not self._residency.evict(m, self._exec.release):
+            return False
+        self._emit(EvictionRecord(m.name, m.nbytes, time.monotonic()))
+        return True
+
+    def _emit(self, record: CallRecord | EvictionRecord) -> None:
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("runtime listener %r failed on %r", listener, record)
+
+    def _get(self, name: str) -> ModelEntry:
+        self._check_open()
+        try:
+            return self._models[name]
+        except KeyError:
+            raise UnknownModelError(f"no model named {name!r} is registered; known: {sorted(self._models)}") from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TimeshareError("this runtime is closed")
+
+    @contextmanager
+    def _turn(self, model: str = "", kind: Kind = Kind.CONTROL):
+        """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
+        with self._gate.priority(model, kind), self._lock:
+            yield
+
+    def _resolve_memory(self, memory: int | str) -> int:
+        if memory != "auto":
+            return parse_bytes(memory, what="memory")
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return free // 2
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(2 << 30, total // 8)

@@ -1,0 +1,53 @@
+"""Registration: a model built on the CPU, its weights checked against the module and
+packed into one host buffer (a :class:`~timeshare.transfer.host_store.HostStore`), the
+floating tensors converted to the requested dtype. Runs in the controller, outside the
+runtime's lock (building and reading weights take seconds for large models).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from timeshare.errors import ConfigError, ModelError
+from timeshare.models.binding import TensorLayout, collect
+from timeshare.models.spec import ModelSpec, build_module
+from timeshare.models.weights import apply_weights, read_weights
+from timeshare.transfer.host_store import HostStore, TensorEntry
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp64": torch.float64, "float64": torch.float64,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {value!r}; known: {sorted(_DTYPES)}") from None
+
+
+def build_and_pack(spec: ModelSpec) -> tuple[nn.Module, TensorLayout, HostStore]:
+    """The module in eval mode, its layout, and its weights packed into a host store
+    (not pinned: the executor decides where the store lives)."""
+    module = build_module(spec.name, spec.build)
+    module.eval()
+    layout = collect(module)
+    if not layout.entries:
+        raise ModelError(f"model {spec.name!r} has no parameters or buffers to manage")
+    current = layout.tensors()
+    tensors = current if spec.weights is None else apply_weights(layout, current, read_weights(spec.weights))
+    if spec.dtype is not None:
+        layout.entries = [_with_dtype(e, spec.dtype) for e in layout.entries]
+        tensors = {e.key: tensors[e.key].to(e.dtype) for e in layout.entries}
+    store = HostStore.pack(layout.entries, tensors, pin=False)
+    return module, layout, store
+
+
+def _with_dtype(e: TensorEntry, dtype: torch.dtype) -> TensorEntry:
+    if not e.dtype.is_floating_point:
+        return e
+    return TensorEntry(e.key, e.names, e.kind, e.shape, dtype, e.requires_grad, e.offset)

@@ -1,0 +1,142 @@
+"""Placement and residency: which models hold blocks of the arena, where, and which
+leave to make room. Integers and policy only; it never touches a tensor but through
+the arena's ``poison`` diagnostic. Runs in the controller, under the runtime's lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from timeshare.errors import MemoryBudgetError, ModelTooLargeError
+from timeshare.memory import Arena, Block
+from timeshare.models.spec import ModelSpec
+from timeshare.scheduler.eviction import EvictionPolicy
+from timeshare.scheduler.task import Priority
+from timeshare.scheduler.thrashing import NothingToEvict, ThrashingDetector, make_room
+from timeshare.transfer.copy import LoadHandle
+from timeshare.units import format_bytes
+
+Release = Callable[[str], LoadHandle | None]  # a model leaves: the load still copying into its block, if any
+
+
+@dataclass
+class ModelEntry:
+    """What the controller knows of a registered model: its size and where it lives."""
+
+    spec: ModelSpec
+    nbytes: int
+    block: Block | None = None
+    last_offset: int | None = None
+    pinned: bool = False
+    loads: int = 0
+    priority: Priority = Priority.LATENCY_CRITICAL
+    slo_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class Residency:
+    """Blocks for models: sticky placement (NOTE [Sticky placement]), eviction in the
+    policy's order through the make-room loop the simulator runs too (``make_room``,
+    with the thrashing detector when there is one), and quarantine of blocks a stuck
+    copy may still write.
+
+    # NOTE [Measured reload times]
+    The policy learns a model's reload time when its load has been measured: a model is
+    admitted to the policy once its loading call succeeded, with that call's load time
+    (the copies, from the worker's timings, or the whole call in-process), so the
+    cost-aware policy ranks by real costs. The detector hears of every loading call
+    (load time) and every resident one (useful time)."""
+
+    def __init__(self, arena: Arena, policy: EvictionPolicy, *, poison: bool = False,
+                 detector: ThrashingDetector | None = None):
+        self.arena = arena
+        self.policy = policy
+        self.detector = detector
+        self.poison = poison  # NOTE [Poisoned reloads]
+        self.evictions = 0
+        self.reload_s: dict[str, float] = {}  # the latest measured load of each model
+        self._quarantine: list[tuple[Block, LoadHandle]] = []
+
+    def place(self, m: ModelEntry, models: Mapping[str, ModelEntry], release: Release) -> list[ModelEntry]:
+        """Give ``m`` a block, evicting unpinned models in policy order until it fits;
+        returns the models it evicted."""
+        need = m.nbytes
+        if self.arena.allocator.rounded(need) > self.arena.capacity:
+            raise ModelTooLargeError(m.name, need, self.arena.capacity)
+        self.reclaim()
+        protected = {n for n, x in models.items() if x.pinned or x is m or x.block is None}
+        try:
+            block, evicted = make_room(self.policy, self.detector, time.monotonic(), protected,
+                                       lambda: self._allocate(m), lambda name: self.evict(models[name], release))
+        except NothingToEvict:
+            alloc = self.arena.allocator
+            raise MemoryBudgetError(
+                f"cannot place model {m.name!r} ({format_bytes(need)}): {format_bytes(alloc.free)} free, "
+                f"largest free range {format_bytes(alloc.largest_free)}, and every resident model is pinned"
+            ) from None
+        m.block = block
+        m.last_offset = block.offset
+        return [models[name] for name in evicted]
+
+    def ran(self, m: ModelEntry, *, loaded: bool, seconds: float, load_s: float | None = None) -> None:
+        """A call on ``m`` succeeded in ``seconds``; ``loaded``: it loaded the model first
+        (``load_s``: the copies' share, when measured). NOTE [Measured reload times]."""
+        now = time.monotonic()
+        if loaded:
+            self.reload_s[m.name] = seconds if load_s is None else load_s
+            self.policy.admitted(m.name, now, reload_s=self.reload_s[m.name])
+            if self.detector is not None:
+                self.detector.loaded(m.name, now, self.reload_s[m.name])
+        elif self.detector is not None:
+            self.detector.worked(m.name, now, seconds)
+        self.policy.touched(m.name, now)
+
+    def evict(self, m: ModelEntry, release: Release) -> bool:
+        """Make ``m`` non-resident; True if it was. Never raises: a block a copy may
+        still be writing (its deadline passed) is quarantined until the copy ends."""
+        if m.block is None:
+            return False
+        block, m.block = m.block, None
+        self.policy.removed(m.name)
+        self.evictions += 1
+        still_copying = release(m.name)
+        if still_copying is not None:
+            self._quarantine.append((block, still_copying))
+        else:
+            if self.poison:  # NOTE [Poisoned reloads]
+                self.arena.poison(block)
+            self.arena.release(block)  # the module keeps stale views: NOTE [Sticky placement]
+        return True
+
+    def order(self, models: Mapping[str, ModelEntry]) -> list[str]:
+        """The resident models, the first to evict first under the policy."""
+        return [n for n in self.policy.candidates(time.monotonic()) if models[n].block is not None]
+
+    def quarantined(self) -> int:
+        """Blocks held back because a copy may still be writing them."""
+        self.reclaim()
+        return len(self._quarantine)
+
+    def reclaim(self) -> None:
+        still = []
+        for block, handle in self._quarantine:
+            if handle.done():
+                self.arena.release(block)
+            else:
+                still.append((block, handle))
+        self._quarantine = still
+
+    def clear(self) -> None:
+        self._quarantine.clear()
+
+    def _allocate(self, m: ModelEntry) -> Block | None:
+        """Its old offset first (NOTE [Sticky placement]), else anywhere it fits."""
+        block = None
+        if m.last_offset is not None:
+            block = self.arena.allocator.allocate_at(m.last_offset, m.nbytes, m.name)
+        return block or self.arena.allocate(m.nbytes, m.name)
