@@ -123,7 +123,7 @@ class RemoteError(WorkerError):
 
 class ServingError(TimeshareError):
     """The HTTP server refuses or cannot answer a request; the subclass says how
-    (``server/app.py`` maps each to its status code)."""
+    (``server/status.py`` maps each to its status code)."""
 
 
 class BadRequest(ServingError):

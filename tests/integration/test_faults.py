@@ -167,7 +167,7 @@ def _bare_worker():
     """One worker process on a small CPU arena, outside any runtime."""
     from timeshare import protocol as P
     from timeshare.memory.arena import Arena
-    from timeshare.worker.proc import WorkerHandle, spawn_context
+    from timeshare.worker.handle import WorkerHandle, spawn_context
 
     arena = Arena(torch.device("cpu"), 1 << 20)
     start = P.Start(worker=0, parent_pid=os.getpid(), device="cpu", arena=arena.share(), arena_capacity=arena.capacity,

@@ -153,11 +153,11 @@ def test_a_stuck_copy_quarantines_its_block_until_done(monkeypatch):
 
 
 def test_a_failure_while_profiling_lets_the_next_load_start_over(monkeypatch):
-    from timeshare.worker import worker
+    from timeshare.worker import profiling
 
     x = torch.randn(2, 8)
     calls = {"n": 0}
-    real = worker.time_layers
+    real = profiling.time_layers
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -165,7 +165,7 @@ def test_a_failure_while_profiling_lets_the_next_load_start_over(monkeypatch):
             raise RuntimeError("profiler crashed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker, "time_layers", flaky)
+    monkeypatch.setattr(profiling, "time_layers", flaky)
     with timeshare.Runtime(device="cpu", memory="16MiB", profile_repeats=1) as rt:
         rt.register("m", models.out_of_order, None, (x,))
         with pytest.raises(RuntimeError, match="profiler crashed"):

@@ -363,10 +363,10 @@ def test_admin_token(monkeypatch):
 
 
 def test_admin_plane_refuses_other_hosts_without_a_token():
-    from timeshare.server.app import _is_loopback
+    from timeshare.server.admin import is_loopback
 
-    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("127.5.0.1")
-    assert not _is_loopback("10.0.0.7") and not _is_loopback("testclient") and not _is_loopback("")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("127.5.0.1")
+    assert not is_loopback("10.0.0.7") and not is_loopback("testclient") and not is_loopback("")
 
 
 def test_a_web_page_cannot_drive_the_loopback_admin_plane(http, server):

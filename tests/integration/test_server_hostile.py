@@ -19,7 +19,8 @@ import torch
 from tests.serving import running_server, tiny_config
 from timeshare.bench.hostile import measure_admin_guard, measure_idle, measure_large_header
 from timeshare.errors import BadRequest, WorkerTimeoutError
-from timeshare.server.parsing import ParserPool, parse_infer
+from timeshare.server.parser_pool import ParserPool
+from timeshare.server.parsing import parse_infer
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 1.0, 2.0
 WIDE = {"name": "wide", "build": "tests.models:row_sum",

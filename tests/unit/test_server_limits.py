@@ -11,7 +11,8 @@ from timeshare.config import AdminConfig, TrainingConfig, parse_config
 from timeshare.errors import BadRequest, ConfigError
 from timeshare.server.admission import check_training, training_state_bytes
 from timeshare.server.connections import ConnectionLimits, head_size
-from timeshare.server.parsing import ParserPool, json_size, parse_infer
+from timeshare.server.parser_pool import ParserPool
+from timeshare.server.parsing import json_size, parse_infer
 
 
 def test_hardening_defaults_and_their_validation():

@@ -14,8 +14,7 @@ from timeshare.errors import (
     WorkerCrashedError,
     WorkerTimeoutError,
 )
-from timeshare.server.app import status_of
-from timeshare.server.service import served_error
+from timeshare.server.status import served_error, status_of
 
 
 def _remote(type_name: str, in_task: bool = True) -> RemoteError:

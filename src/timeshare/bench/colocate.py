@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from timeshare.bench.common import outputs_equal
 from timeshare.bench.environment import describe
-from timeshare.bench.pipeline import _equal
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError
 from timeshare.models.workloads import TrainingWorkload
@@ -137,7 +137,7 @@ def _colocated(config, device, train, zoo, inputs, mode, arrivals, reference) ->
             def request(k: int, due: float) -> None:
                 out = rt.infer(config.model, *inputs)
                 latencies[k] = time.perf_counter() - due
-                if not _equal(out, reference):
+                if not outputs_equal(out, reference):
                     with lock:
                         exact[0] = False
 

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from timeshare.bench.common import cast_inputs, outputs_equal, pause_job, resume_training
 from timeshare.bench.environment import describe
-from timeshare.bench.pipeline import _equal
-from timeshare.bench.switch import _cast, _pause, _resume_training
 from timeshare.device import resolve_device
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
@@ -52,7 +51,7 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
     train = TrainingWorkload.parse(config.train or ("resnet152:64" if device.type == "cuda" else "tiny_cnn:32"))
     name = config.model
     zoo = zoo_get(name)
-    inputs = _cast(zoo.example_inputs(batch, torch.float32), dtype)
+    inputs = cast_inputs(zoo.example_inputs(batch, torch.float32), dtype)
     results = []
     # poison_evicted (NOTE [Poisoned reloads]): the bench evicts before each training turn,
     # outside the timed inference turns, so the poison costs the throughput nothing and the
@@ -64,7 +63,7 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
         rt.register(name, zoo.builder, weights_path(name), inputs, dtype=dtype)
         job = rt.train("background", **train.train_args(), seed=0)
         try:
-            _pause(job)
+            pause_job(job)
             reference = rt.infer(name, *inputs)  # first load and profile
             for _ in range(2):  # warm up the pipelined path and the resident one
                 rt.evict(name)
@@ -85,14 +84,14 @@ def run(config: CyclesBenchConfig, progress: Callable[[str], None] = lambda s: N
                     if config.evict:
                         rt.evict(name)
                     before = len(rt.switches())
-                    _resume_training(job, iterations=1)
+                    resume_training(job, iterations=1)
                     time.sleep(max(0.0, cycle - 0.0))
                     progress(f"cycle {cycle:g} s: round {round_ + 1}/{rounds}, inference")
                     # Inference's turn: its first request preempts the job (the switch), which
                     # then stays stopped for the rest of the turn.
                     job.hold()
                     n, elapsed, ok = _serve(rt, name, inputs, reference, cycle)
-                    _pause(job)  # stopped by the first request; waits until it is parked
+                    pause_job(job)  # stopped by the first request; waits until it is parked
                     exact &= ok
                     total_n, total_s = total_n + n, total_s + elapsed
                     switches += len(rt.switches()) - before
@@ -129,7 +128,7 @@ def _serve(rt: Runtime, name: str, inputs: tuple, reference, seconds: float) -> 
     t0 = time.perf_counter()
     while True:
         out = rt.infer(name, *inputs)
-        exact &= _equal(out, reference)
+        exact &= outputs_equal(out, reference)
         n += 1
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:

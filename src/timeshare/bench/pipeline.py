@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from timeshare.bench.common import native_call, native_module, outputs_equal, stats_of
 from timeshare.bench.environment import describe
 from timeshare.bench.link import load_floor_ms
 from timeshare.models.zoo import get as zoo_get
@@ -102,8 +102,8 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             prof = rt.profile(name, *inputs)
             reference = rt.infer(name, *inputs)
 
-            native = _native_module(name, dtype, rt.device)
-            native_out = _native_call(native, inputs, rt.device)
+            native = native_module(name, dtype, rt.device)
+            native_out = native_call(native, inputs, rt.device)
             samples: dict[str, list[float]] = {k: [] for k in ["native", "ready", *config.strategies]}
             matches = {k: True for k in config.strategies}
             for round_ in range(config.warmup + config.repeats):
@@ -113,16 +113,16 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
                     if strategy is not None:
                         rt.evict(name)
                     if label == "native":
-                        ms, out = _time_ms(functools.partial(_native_call, native, inputs, rt.device), rt.device)
+                        ms, out = _time_ms(functools.partial(native_call, native, inputs, rt.device), rt.device)
                     else:
                         ms, out = _time_ms(lambda: rt.call(name, inputs, strategy=strategy).output, rt.device)
                     if round_ >= config.warmup:
                         samples[label].append(ms)
                     if strategy is not None:
-                        matches[strategy] &= _equal(out, reference)
+                        matches[strategy] &= outputs_equal(out, reference)
             del native
-            ready = _stats(samples["ready"])
-            native_stats = _stats(samples["native"])
+            ready = stats_of(samples["ready"])
+            native_stats = stats_of(samples["native"])
             needed = sum(prof.layer_bytes)
             link = prof.link
             r = ModelResult(
@@ -138,10 +138,10 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
                 profile=prof.summary(),
                 native_ms=native_stats["median_ms"],
                 native=native_stats,
-                native_matches_ready=_equal(native_out, reference),
+                native_matches_ready=outputs_equal(native_out, reference),
             )
             for strategy in config.strategies:
-                st = _stats(samples[strategy])
+                st = stats_of(samples[strategy])
                 r.outputs_match_ready &= matches[strategy]
                 r.strategies[strategy] = {
                     **st,
@@ -182,27 +182,6 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
     }
 
 
-def _native_module(name: str, dtype, device: torch.device) -> torch.nn.Module:
-    """The zoo model in plain PyTorch: built, its weights file loaded strictly, moved to
-    the device, eval mode. What a user without timeshare runs with weights resident."""
-    from timeshare.models.weights import load_strictly, read_weights
-
-    module = zoo_get(name).build()
-    load_strictly(module, read_weights(weights_path(name)), name)
-    if dtype is not None:
-        module = module.to(dtype)
-    return module.to(device).eval()
-
-
-def _native_call(module: torch.nn.Module, inputs: tuple, device: torch.device):
-    """One inference as the runtime's caller sees it: inputs from the host, outputs back."""
-    from timeshare.tree import map_tensors
-
-    with torch.inference_mode():
-        out = module(*(t.to(device, non_blocking=True) for t in inputs))
-        return map_tensors(out, lambda t: t.cpu())
-
-
 def _time_ms(fn, device) -> tuple[float, object]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -213,20 +192,3 @@ def _time_ms(fn, device) -> tuple[float, object]:
     return (time.perf_counter() - t0) * 1e3, out
 
 
-def _stats(samples: list[float]) -> dict:
-    q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
-    return {
-        "median_ms": statistics.median(samples),
-        "p25_ms": q[0],
-        "p75_ms": q[2],
-        "iqr_ms": q[2] - q[0],
-        "min_ms": min(samples),
-        "samples_ms": samples,
-    }
-
-
-def _equal(a, b) -> bool:
-    from timeshare.tree import tensors_in
-
-    ta, tb = tensors_in(a), tensors_in(b)
-    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))

@@ -33,11 +33,21 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from timeshare.bench.common import (
+    cast_inputs,
+    native_call,
+    native_module,
+    outputs_equal,
+    pause_job,
+    resume_training,
+    stats_of,
+)
 from timeshare.bench.environment import describe
-from timeshare.bench.pipeline import DEFAULT_MODELS, _equal, _native_call, _native_module, _stats
+from timeshare.bench.pipeline import DEFAULT_MODELS
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.workloads import TrainingWorkload
@@ -87,7 +97,7 @@ def run(config: SwitchBenchConfig, progress: Callable[[str], None] = lambda s: N
         for name in config.models:
             progress(f"{name}: registering")
             zoo = zoo_get(name)
-            inputs[name] = _cast(zoo.example_inputs(batch, torch.float32), dtype)
+            inputs[name] = cast_inputs(zoo.example_inputs(batch, torch.float32), dtype)
             rt.register(name, zoo.builder, weights_path(name), inputs[name], dtype=dtype)
         job = rt.train("background", **train.train_args(), seed=0)
         try:
@@ -112,9 +122,9 @@ def run(config: SwitchBenchConfig, progress: Callable[[str], None] = lambda s: N
 
 def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConfig, batch: int,
              train: TrainingWorkload, progress) -> dict:
-    _pause(job)
+    pause_job(job)
     reference = rt.infer(name, *inputs)  # first load: profiles, in the active worker
-    native_module = _native_module(name, parse_dtype(config.dtype), rt.device)
+    plain = native_module(name, parse_dtype(config.dtype), rt.device)
     ready, native, shared, parts = [], [], [], []
     calls: list = []  # the runtime's record of each call: where a call through a worker spends its time
     rt.subscribe(lambda rec: calls.append(rec) if isinstance(rec, CallRecord) else None)
@@ -122,30 +132,30 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
     exact = True
     for round_ in range(config.warmup + config.repeats):
         progress(f"{name}: round {round_ + 1}/{config.warmup + config.repeats}")
-        _pause(job)
+        pause_job(job)
         rt.infer(name, *inputs)  # resident
         ms, out = _time_ms(lambda: rt.infer(name, *inputs), rt.device)
-        exact &= _equal(out, reference)
+        exact &= outputs_equal(out, reference)
         if round_ >= config.warmup:
             ready.append(ms)
             if calls and calls[-1].timings:
                 breakdown.append({**calls[-1].timings, "call_s": ms / 1e3})
-        ms, out = _time_ms(functools.partial(_native_call, native_module, inputs, rt.device), rt.device)
-        exact &= _equal(out, reference)
+        ms, out = _time_ms(functools.partial(native_call, plain, inputs, rt.device), rt.device)
+        exact &= outputs_equal(out, reference)
         if round_ >= config.warmup:
             native.append(ms)
         rt.evict(name)
-        _resume_training(job)
+        resume_training(job)
         before = len(rt.switches())
         ms, out = _time_ms(lambda: rt.infer(name, *inputs), rt.device)
-        exact &= _equal(out, reference)
+        exact &= outputs_equal(out, reference)
         switch = _last_switch(rt, before)
         if round_ >= config.warmup:
             shared.append(ms)
             parts.append(switch)
-    del native_module
-    r = {"model": name, "native": _stats(native), "ready": _stats(ready), "timeshare": _stats(shared),
-         "outputs_match_ready": exact}
+    del plain
+    r: dict[str, Any] = {"model": name, "native": stats_of(native), "ready": stats_of(ready),
+                         "timeshare": stats_of(shared), "outputs_match_ready": exact}
     r["native_ms"], r["ready_ms"], r["timeshare_ms"] = (r["native"]["median_ms"], r["ready"]["median_ms"],
                                                         r["timeshare"]["median_ms"])
     r["timeshare_vs_ready"] = r["timeshare_ms"] / r["ready_ms"]
@@ -161,18 +171,18 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
         for i in range(config.baseline_repeats):
             progress(f"{name}: {baseline} {i + 1}/{config.baseline_repeats}")
             if baseline == "two_processes":
-                _resume_training(job)
+                resume_training(job)
                 t0 = time.perf_counter()
-                _pause(job)
+                pause_job(job)
                 out = rt.infer_in_new_process(name, inputs)
                 samples.append((time.perf_counter() - t0) * 1e3)
-                exact &= _equal(out, reference)
+                exact &= outputs_equal(out, reference)
             else:
-                _pause(job)  # the baseline's own process trains meanwhile
+                pause_job(job)  # the baseline's own process trains meanwhile
                 ms, out = _standalone(baseline, name, batch, config.dtype, train, str(rt.device))
                 samples.append(ms)
-                exact &= _equal(out, reference)  # its weights loaded strictly, its output bit for bit
-        r[baseline] = _stats(samples)
+                exact &= outputs_equal(out, reference)  # its weights loaded strictly, its output bit for bit
+        r[baseline] = stats_of(samples)
         r[f"{baseline}_ms"] = r[baseline]["median_ms"]
     r["outputs_match_ready"] = exact
     if "stop_and_start" in config.baselines:
@@ -195,10 +205,6 @@ def _breakdown(samples: list[dict]) -> dict:
     return out
 
 
-def _cast(inputs: tuple, dtype) -> tuple:
-    return tuple(t.to(dtype) if t.is_floating_point() and dtype is not None else t for t in inputs)
-
-
 def _time_ms(fn, device) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn()  # outputs come back on the host: the copy synchronizes
@@ -209,31 +215,6 @@ def _median(xs: list[float]) -> float | None:
     import statistics
 
     return statistics.median(xs) if xs else None
-
-
-def _pause(job, timeout_s: float = 120.0) -> None:
-    """Stop the background job at its next preemption point and wait until it has."""
-    job.pause()
-    deadline = time.monotonic() + timeout_s
-    while job.status != "paused":
-        if job.wait(0):
-            raise TimeshareError(f"the background training job ended: {job.status} ({job.error})")
-        if time.monotonic() > deadline:
-            raise TimeshareError(f"the background training job did not stop within {timeout_s:g} s")
-        time.sleep(0.002)
-
-
-def _resume_training(job, iterations: int = 3, timeout_s: float = 120.0) -> None:
-    """Let the background job run a few iterations, so that a switch finds it mid-run."""
-    start = job.stats.iterations
-    job.resume()
-    deadline = time.monotonic() + timeout_s
-    while job.stats.iterations < start + iterations:
-        if job.wait(0):
-            raise TimeshareError(f"the background training job ended: {job.status} ({job.error})")
-        if time.monotonic() > deadline:
-            raise TimeshareError(f"the background training job made no progress within {timeout_s:g} s")
-        time.sleep(0.001)
 
 
 def _last_switch(rt: Runtime, before: int, timeout_s: float = 60.0) -> dict | None:
@@ -284,6 +265,7 @@ def _run_standalone(cmd: list[str], baseline: str, name: str, batch: int, dtype:
                          out_path], log)
     try:
         _expect(proc, "training", log)
+        assert proc.stdin is not None, "_start opens stdin as a pipe"
         t0 = time.perf_counter()
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
@@ -308,6 +290,7 @@ def _start(cmd: list[str], log) -> subprocess.Popen:
 
 
 def _expect(proc: subprocess.Popen, word: str, log, timeout_s: float = 300.0) -> None:
+    assert proc.stdout is not None, "_start opens stdout as a pipe"
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline().decode().strip() if ready else ""
     if line != word:

@@ -30,8 +30,9 @@ from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
 from timeshare.tree import map_tensors
+from timeshare.worker.profiling import owners_of, release_host_cache
 from timeshare.worker.trainer import TrainingTask, TrainSpec
-from timeshare.worker.worker import Worker, owners_of, release_host_cache
+from timeshare.worker.worker import Worker
 
 if TYPE_CHECKING:
     from timeshare.runtime.dispatch import Dispatcher
@@ -258,7 +259,8 @@ class PoolExecutor:
         return self._pool.profile(name, offset, args, kwargs)
 
     def release(self, name: str) -> LoadHandle | None:
-        return self._pool.release(name)
+        self._pool.release(name)  # workers finish every copy before they answer: no handle to wait on
+        return None
 
     def remove(self, name: str) -> None:
         self._pool.remove(name)

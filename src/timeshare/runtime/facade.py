@@ -11,7 +11,6 @@ pipelined loads, tracing and profiling, in this process or in worker processes
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -21,27 +20,26 @@ from contextlib import contextmanager
 import torch
 
 from timeshare.device import resolve_device, synchronize
-from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, TimeshareError, UnknownModelError
-from timeshare.memory import Arena
+from timeshare.errors import ConfigError, DuplicateModelError, TimeshareError, UnknownModelError
 from timeshare.models.binding import unbind
-from timeshare.models.spec import Builder, ModelSpec
+from timeshare.models.spec import Builder
+from timeshare.runtime import assembly, observe
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
-from timeshare.runtime.executor import Executor, InProcessExecutor, PoolExecutor
-from timeshare.runtime.pool import ProcessPool
-from timeshare.runtime.registration import build_and_pack, parse_dtype
+from timeshare.runtime.executor import Executor
+from timeshare.runtime.jobs import JobTable, training_spec
+from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry, Residency
-from timeshare.runtime.training import TrainingJob, validate_training_args
+from timeshare.runtime.training import TrainingJob
 from timeshare.scheduler.eviction import make_eviction_policy
 from timeshare.scheduler.task import Kind, Priority
 from timeshare.scheduler.thrashing import ThrashingDetector
-from timeshare.transfer.copy import make_copy_engine
 from timeshare.transfer.planner import STRATEGIES
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.units import format_bytes, parse_bytes
-from timeshare.worker.trainer import TrainSpec
-from timeshare.worker.worker import Worker, release_host_cache
+from timeshare.worker.profiling import release_host_cache
+from timeshare.worker.worker import Worker
 
 __all__ = ["Call", "Runtime", "parse_dtype"]
 
@@ -101,20 +99,10 @@ class Runtime:
         copy_delay_s: float = 0.0,
         thrashing: bool = False,
     ):
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
-        if profile_repeats < 1:
-            raise ConfigError(f"profile_repeats must be at least 1, got {profile_repeats}")
-        for what, value in (("load_timeout_s", load_timeout_s), ("task_timeout_s", task_timeout_s),
-                            ("startup_timeout_s", startup_timeout_s), ("task_deadline_min_s", task_deadline_min_s)):
-            if value <= 0:
-                raise ConfigError(f"{what} must be positive, got {value}")
-        if copy_delay_s < 0:
-            raise ConfigError(f"copy_delay_s must not be negative, got {copy_delay_s}")
-        if task_deadline_factor < 1:
-            raise ConfigError(f"task_deadline_factor must be at least 1, got {task_deadline_factor}")
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
-            raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
+        assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
+                               task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
+                               task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,
+                               copy_delay_s=copy_delay_s, workers=workers)
         # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
         # before any memory is taken.
         self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s)
@@ -124,44 +112,26 @@ class Runtime:
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = parse_bytes(fixed_group_bytes, what="fixed_group_bytes")
         policy = make_eviction_policy(eviction)
-        capacity = self._resolve_memory(memory)
-        try:
-            arena = Arena(self.device, capacity)
-        except torch.OutOfMemoryError as exc:
-            raise MemoryBudgetError(
-                f"cannot reserve an arena of {format_bytes(capacity)} on {self.device}: {exc}"
-            ) from exc
-        self._arena = arena
+        self._arena = arena = assembly.open_arena(self.device, memory)
         self._residency = Residency(arena, policy, poison=poison_evicted,
                                     detector=ThrashingDetector() if thrashing else None)
         try:
-            self._exec: Executor = self._make_executor(
-                workers, load_timeout_s=load_timeout_s, task_timeout_s=task_timeout_s,
-                startup_timeout_s=startup_timeout_s, task_deadline_factor=task_deadline_factor,
-                task_deadline_min_s=task_deadline_min_s, copy_delay_s=copy_delay_s,
+            self._exec: Executor = assembly.make_executor(
+                self.device, arena, workers, profile_repeats=profile_repeats,
+                fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
+                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
+                task_deadline_factor=task_deadline_factor, task_deadline_min_s=task_deadline_min_s,
             )
         except BaseException:
             arena.close()
             raise
-        self._jobs: dict[str, TrainingJob] = {}
+        self._jobs = JobTable()
         self._submitter: ThreadPoolExecutor | None = None
         self._models: dict[str, ModelEntry] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._failures = 0
         self._listeners: list[Listener] = []
-
-    def _make_executor(self, workers: int, *, load_timeout_s: float, copy_delay_s: float, **pool_options) -> Executor:
-        if not workers:
-            engine = make_copy_engine(self.device, load_timeout_s, copy_delay_s)
-            return InProcessExecutor(self.device, self._arena, engine, profile_repeats=self.profile_repeats,
-                                     fixed_group_bytes=self.fixed_group_bytes)
-        pool = ProcessPool(
-            workers, device=str(self.device), share_arena=self._arena.share, arena_capacity=self._arena.capacity,
-            profile_repeats=self.profile_repeats, fixed_group_bytes=self.fixed_group_bytes,
-            load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s, **pool_options,
-        )
-        return PoolExecutor(self.device, pool)
 
     @property
     def poison_evicted(self) -> bool:
@@ -192,20 +162,10 @@ class Runtime:
         objective, the deadline of EDF within a priority class) order its calls.
         """
         self._check_open()
-        try:
-            priority = Priority.parse(priority)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if slo_s is not None and not slo_s > 0:
-            raise ConfigError(f"slo_s must be positive, got {slo_s!r}")
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ConfigError(f"model name must be a non-empty string without '/', got {name!r}")
-        if not isinstance(example_inputs, tuple):
-            example_inputs = (example_inputs,)
+        spec, priority = model_spec(name, build, weights, example_inputs, example_kwargs, dtype, priority, slo_s)
         with self._turn():
             if name in self._models:
                 raise DuplicateModelError(f"a model named {name!r} is already registered")
-        spec = ModelSpec(name, build, weights, example_inputs, dict(example_kwargs or {}), parse_dtype(dtype))
         self._exec.check_registrable(spec)
         module, layout, store = build_and_pack(spec)
         packed = self._exec.pack(spec, module, layout, store)
@@ -362,33 +322,24 @@ class Runtime:
         segments (NOTE [Switch protocol]); then every argument must be picklable, and
         the model is built there. Returns the job's handle.
         """
-        validate_training_args(name, model, optimizer, data, step, iterations)
-        spec = TrainSpec(name, model, optimizer, data, step, iterations, offload,
-                         torch.initial_seed() if seed is None else int(seed))
+        spec = training_spec(name, model, optimizer, data, step, iterations, offload, seed)
         self._exec.check_trainable(spec)
         with self._turn():
             self._check_open()
-            if name in self._jobs and not self._jobs[name].wait(0):
-                raise DuplicateModelError(f"a training job named {name!r} is running")
-            job = self._exec.start_job(spec, self._lock, self._gate)
-            self._jobs[name] = job
+            self._jobs.check_free(name)
+            job = self._jobs.add(self._exec.start_job(spec, self._lock, self._gate))
         return job.start()
 
     def jobs(self) -> dict[str, TrainingJob]:
         with self._turn():
-            return dict(self._jobs)
+            return self._jobs.all()
 
     def forget_job(self, name: str) -> None:
         """Drop a finished training job: its handle, and with workers the parameters and
         optimizer state its home worker still holds (kept until now for the handle's
         ``state_dict()``). A running job must be cancelled first."""
         with self._turn():
-            job = self._jobs.get(name)
-            if job is None:
-                raise UnknownModelError(f"no training job named {name!r}")
-            if not job.wait(0):
-                raise DuplicateModelError(f"training job {name!r} is still running; cancel it first")
-            del self._jobs[name]
+            self._jobs.forget(name)
             self._exec.drop_job(name)
 
     def switches(self) -> list[dict]:
@@ -405,42 +356,14 @@ class Runtime:
 
     def stats(self) -> dict:
         with self._turn():
-            alloc = self._arena.allocator
-            return {
-                "device": str(self.device),
-                "capacity_bytes": alloc.capacity,
-                "used_bytes": alloc.used,
-                "free_bytes": alloc.free,
-                "largest_free_bytes": alloc.largest_free,
-                "blocks": len(alloc.blocks()),
-                "resident": self._residency.order(self._models),
-                "loads": {n: m.loads for n, m in self._models.items()},
-                "evictions": self._residency.evictions,
-            }
+            return observe.stats(self.device, self._arena, self._residency, self._models)
 
     def snapshot(self) -> dict:
         """Counters and memory for metrics, read without waiting for the device (a
         scrape must not queue behind a long inference): a consistent-enough view, not
         an atomic one."""
-        alloc = self._arena.allocator
-        models = list(self._models.values())
-        jobs = list(self._jobs.values())
-        return {
-            "device": str(self.device),
-            "capacity_bytes": alloc.capacity,
-            "used_bytes": alloc.used,
-            "resident": {m.name: m.nbytes for m in models if m.block is not None},
-            "host_bytes": sum(m.nbytes for m in models),
-            "host_pinned_bytes": self._exec.pinned_host_bytes(),
-            "loads": {m.name: m.loads for m in models},
-            "evictions": self._residency.evictions,
-            "failures": self._failures,
-            "preemptions": self._gate.scheduler.preemptions,
-            "training_seconds": sum(j.stats.step_seconds for j in jobs),
-            "training_iterations": sum(j.stats.iterations for j in jobs),
-            # With workers: the pool's size, the workers ready to serve, replacements so far.
-            "workers": self._exec.health(),
-        }
+        return observe.snapshot(self.device, self._arena, self._residency, self._models.values(),
+                                self._jobs.all().values(), self._exec, self._gate, self._failures)
 
     def diagnostics(self) -> dict:
         """For operators and white-box tests, without waiting for the device: the arena
@@ -448,17 +371,7 @@ class Runtime:
         and placement, the blocks quarantined because a copy may still write them, the
         tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
         with self._lock:
-            alloc = self._arena.allocator
-            return {
-                "arena": {"name": self._arena.shm_name, "capacity_bytes": alloc.capacity,
-                          "free_ranges": alloc.free_ranges()},
-                "models": {n: {"nbytes": m.nbytes, "offset": m.block.offset if m.block is not None else None,
-                               "last_offset": m.last_offset, "loads": m.loads, "pinned": m.pinned}
-                           for n, m in self._models.items()},
-                "quarantined": self._residency.quarantined(),
-                "scheduler_tasks": len(self._gate.scheduler.tasks),
-                "workers": self._exec.health(),
-            }
+            return observe.diagnostics(self._arena, self._residency, self._models, self._exec, self._gate)
 
     def in_process_worker(self) -> Worker | None:
         """A test hook: the worker that runs the models in this process (None with
@@ -486,13 +399,8 @@ class Runtime:
             if self._closed:
                 return
             self._closed = True
-            jobs = list(self._jobs.values())
             submitter, self._submitter = self._submitter, None
-        for job in jobs:  # outside the lock: a job needs it to reach its preemption point
-            job.cancel()
-        for job in jobs:
-            if not job.wait(60):
-                log.warning("training job %s did not stop within 60 s", job.name)
+        self._jobs.stop_all()  # outside the lock: a job needs it to reach its preemption point
         if submitter is not None:
             submitter.shutdown(wait=True, cancel_futures=True)
         with self._turn():
@@ -581,12 +489,3 @@ class Runtime:
         """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
         with self._gate.priority(model, kind), self._lock:
             yield
-
-    def _resolve_memory(self, memory: int | str) -> int:
-        if memory != "auto":
-            return parse_bytes(memory, what="memory")
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            return free // 2
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return min(2 << 30, total // 8)

@@ -11,8 +11,9 @@ from torch import nn
 
 from timeshare.errors import ConfigError, ModelError
 from timeshare.models.binding import TensorLayout, collect
-from timeshare.models.spec import ModelSpec, build_module
+from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
+from timeshare.scheduler.task import Priority
 from timeshare.transfer.host_store import HostStore, TensorEntry
 
 _DTYPES = {
@@ -28,6 +29,24 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
         return _DTYPES[str(value).lower()]
     except KeyError:
         raise ConfigError(f"unknown dtype {value!r}; known: {sorted(_DTYPES)}") from None
+
+
+def model_spec(name: str, build: Builder, weights, example_inputs, example_kwargs: dict | None,
+               dtype: str | torch.dtype | None, priority: Priority | str,
+               slo_s: float | None) -> tuple[ModelSpec, Priority]:
+    """A registration's arguments checked (``Runtime.register`` says what each is)."""
+    try:
+        priority = Priority.parse(priority)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if slo_s is not None and not slo_s > 0:
+        raise ConfigError(f"slo_s must be positive, got {slo_s!r}")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ConfigError(f"model name must be a non-empty string without '/', got {name!r}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    spec = ModelSpec(name, build, weights, example_inputs, dict(example_kwargs or {}), parse_dtype(dtype))
+    return spec, priority
 
 
 def build_and_pack(spec: ModelSpec) -> tuple[nn.Module, TensorLayout, HostStore]:

@@ -3,7 +3,7 @@ batch, its iterations and its memory. Pure functions; run in the server's proces
 
 Jobs of the config file are the operator's own and are not held to these bounds; the
 number of jobs running at once (``admin.max_training_jobs``) counts them all
-(``Service.submit_training``).
+(``TrainingJobs.submit``, ``server/jobs.py``).
 """
 
 from __future__ import annotations

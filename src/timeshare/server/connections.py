@@ -102,8 +102,9 @@ class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol under NOTE [Connection limits]. Use :func:`protocol_class`."""
 
     limits: ConnectionLimits  # set on the class by protocol_class
+    conn: _Connection  # h11's connection, with the head limit
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.conn = _Connection(self.limits.max_header_bytes)
         self._timer: asyncio.TimerHandle | None = None  # the running deadline (or linger)

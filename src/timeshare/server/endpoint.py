@@ -174,6 +174,7 @@ class Endpoint:
 
 
 def _zoo_inputs(cfg: ModelConfig) -> list[TensorSpec]:
+    assert cfg.zoo is not None, "a model without 'inputs' is a zoo model (ModelConfig._source)"
     zoo = zoo_get(cfg.zoo)
     example = zoo.example_inputs(1, parse_dtype(cfg.dtype) or torch.float32)
     specs = []
@@ -193,7 +194,7 @@ def flatten_outputs(obj, name: str = "") -> list[tuple[str, torch.Tensor]]:
         return [(name or "output", obj)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields") and hasattr(obj, "_asdict"):  # a namedtuple
         obj = obj._asdict()
     out: list[tuple[str, torch.Tensor]] = []
     if isinstance(obj, dict):

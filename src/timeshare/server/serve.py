@@ -54,7 +54,9 @@ def uvicorn_config(app, server: ServerConfig, *, log_level: str = "info"):
     from timeshare.server.connections import ConnectionLimits, protocol_class
 
     return uvicorn.Config(app, host=server.host, port=server.http_port, log_level=log_level, access_log=False,
-                          timeout_graceful_shutdown=server.drain_timeout_s, proxy_headers=False, ws="none",
+                          # uvicorn annotates it int, but passes it on as asyncio.wait_for's timeout (a float)
+                          timeout_graceful_shutdown=server.drain_timeout_s,  # type: ignore[arg-type]
+                          proxy_headers=False, ws="none",
                           http=protocol_class(ConnectionLimits.from_config(server)),
                           # h11 refuses an incomplete request head beyond this (431 in connections.py)
                           h11_max_incomplete_event_size=int(server.max_header_bytes))

@@ -1,20 +1,9 @@
-"""The serving layer: between the HTTP routes and the runtime. Runs in the server's
-process, on two sides:
-
-- the event loop: per model a bounded queue of waiting requests and a runner task
-  that takes the next batch (concurrent requests with the same shapes, up to
-  ``max_batch`` rows, NOTE [Request batching]) and awaits its result;
-- a thread pool: the calls into :class:`~timeshare.Runtime`, which block. The runtime's
-  dispatcher orders them (priority, SLO) and loads a model that is not resident.
-
-# NOTE [Request batching]
-Requests for one model that wait together run as one forward: their inputs are
-concatenated along dimension 0 and every output is split back along it. A model whose
-outputs are not all batched along dimension 0 (a scalar, say) is found out on the
-first batch: that batch is re-run one request at a time and the model is not batched
-again. Batched outputs equal the per-request ones up to floating-point reassociation
-(kernels may pick other paths for other batch sizes); the load test checks them
-against references computed alone.
+"""The serving layer: between the HTTP routes and the runtime; the routes call only
+:class:`Service`. Runs in the server's process, on the event loop: it owns the runtime,
+the models' endpoints and their queues (run by ``server/runner.py``, NOTE [Request
+batching]), the model repository's operations (load, unload, pin), the training jobs
+(``server/jobs.py``) and the parser processes (``server/parser_pool.py``). Calls into
+:class:`~timeshare.Runtime` block: they run in the service's thread pool.
 """
 
 from __future__ import annotations
@@ -24,53 +13,24 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from timeshare.config import Config, ModelConfig, TrainingConfig
-from timeshare.errors import (
-    BadRequest,
-    ConfigError,
-    Conflict,
-    DuplicateModelError,
-    MemoryBudgetError,
-    Overloaded,
-    PipelineError,
-    RemoteError,
-    Timeout,
-    TimeshareError,
-    Unavailable,
-    UnknownModelError,
-    WorkerError,
-)
+from timeshare.errors import Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
+from timeshare.models.spec import Builder
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
-from timeshare.server.admission import check_training
-from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs, split_outputs
+from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs
+from timeshare.server.jobs import TrainingJobs
 from timeshare.server.metrics import Metrics
-from timeshare.server.parsing import ParserPool
+from timeshare.server.parser_pool import ParserPool
+from timeshare.server.runner import QueueRunner, Reply
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Reply:
-    outputs: dict[str, torch.Tensor]
-    queue_s: float = 0.0  # from arrival until the device ran it
-    compute_s: float = 0.0  # the device call (with its load, when it loaded)
-    batch_rows: int = 0
-    loaded: bool = False
-    switched_from: str | None = None
-
-
-@dataclass
-class _Job:
-    cfg: TrainingConfig
-    handle: object  # TrainingJob
-    submitted: float = field(default_factory=time.time)
 
 
 class Service:
@@ -81,10 +41,11 @@ class Service:
         self.endpoints = {m.name: Endpoint(m) for m in config.models}
         self.metrics = Metrics(self)
         self.runtime = runtime
-        self._jobs: dict[str, _Job] = {}  # in submission order; finished ones pruned (_prune_jobs)
-        self._submitting = asyncio.Lock()  # one submission at a time: the running-jobs count holds
-        self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parsing.py)
+        self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
         self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + 4, thread_name_prefix="timeshare-serve")
+        self.training = TrainingJobs(config.admin, runtime=lambda: self._rt, call=self._call)
+        self.runner = QueueRunner(runtime=lambda: self._rt, executor=self._executor, metrics=self.metrics,
+                                  request_timeout_s=config.server.request_timeout_s)
         self._started = asyncio.Event()
         self._opened = False
         self.start_error: str | None = None
@@ -109,6 +70,13 @@ class Service:
         self.runtime.subscribe(self._on_record)
         self._opened = True
 
+    @property
+    def _rt(self) -> Runtime:
+        """The runtime, for the code that runs once :meth:`open` has made it (the queues'
+        runners, the routes behind the lifespan, the admin operations)."""
+        assert self.runtime is not None, "the service is not open"
+        return self.runtime
+
     async def start(self) -> None:
         """Register and warm up every model, then start the training jobs; the server
         answers (live, not ready) meanwhile. A model that fails is UNAVAILABLE with
@@ -116,7 +84,7 @@ class Service:
         self.open()
         try:
             for ep in self.endpoints.values():
-                ep.runner = asyncio.create_task(self._run_queue(ep), name=f"timeshare-queue-{ep.name}")
+                ep.runner = asyncio.create_task(self.runner.run(ep), name=f"timeshare-queue-{ep.name}")
                 ep.runner.add_done_callback(functools.partial(self._runner_ended, ep))
             # Pinned models last: they are resident when start-up ends, whatever the budget.
             for ep in sorted(self.endpoints.values(), key=lambda e: e.pinned):
@@ -214,7 +182,7 @@ class Service:
             raise Unavailable(f"model {name!r} is not loaded ({ep.state.value}: {ep.reason}); "
                               f"POST /v2/repository/models/{name}/load")
         if len(ep.queue) >= ep.cfg.max_queue:
-            resident = name in self.runtime.snapshot()["resident"]
+            resident = name in self._rt.snapshot()["resident"]
             self.metrics.rejected(name)
             raise Overloaded(f"model {name!r} has {len(ep.queue)} requests waiting (max_queue)",
                              ep.retry_after(resident))
@@ -230,87 +198,6 @@ class Service:
 
     def queue_depths(self) -> dict[str, int]:
         return {n: len(ep.queue) for n, ep in self.endpoints.items()}
-
-    def _linger_s(self, ep: Endpoint) -> float:
-        """How long a non-resident model's queue waits before its batch is taken: while
-        the runtime thrashes (loads take most of its time), ``factor - 1`` batch durations,
-        so that one load serves more requests; at most a tenth of the request timeout."""
-        factor = self.runtime.thrashing_factor()
-        if factor <= 1.0 or ep.name in self.runtime.snapshot()["resident"]:
-            return 0.0
-        return min((factor - 1.0) * ep.batch_s, self.config.server.request_timeout_s / 10)
-
-    async def _run_queue(self, ep: Endpoint) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await ep.wake.wait()
-            ep.wake.clear()
-            while ep.queue and ep.state in (ModelState.READY, ModelState.UNLOADING):
-                linger = self._linger_s(ep)
-                if linger:  # thrashing: let more requests share the coming load
-                    await asyncio.sleep(linger)
-                batch = ep.take_batch()
-                if not batch:
-                    break
-                ep.in_flight = batch
-                try:
-                    replies = await loop.run_in_executor(self._executor, self._execute, ep, batch)
-                except Exception as exc:  # a bug in the batching itself: every request learns of it
-                    replies = [exc] * len(batch)
-                finally:
-                    ep.in_flight = []
-                for p, r in zip(batch, replies):
-                    if not p.future.done():
-                        if isinstance(r, BaseException):
-                            p.future.set_exception(r)
-                        else:
-                            p.future.set_result(r)
-            if ep.state is ModelState.UNAVAILABLE:
-                while ep.queue:
-                    p = ep.queue.popleft()
-                    if not p.future.done():
-                        p.future.set_exception(Unavailable(f"model {ep.name!r} was unloaded"))
-
-    def _execute(self, ep: Endpoint, batch: list[Pending]) -> list[Reply | BaseException]:
-        """In a pool thread: one forward for the batch (NOTE [Request batching]); each
-        request's reply or error."""
-        if len(batch) == 1:
-            args = batch[0].tensors
-        else:
-            args = [torch.cat([p.tensors[i] for p in batch]) for i in range(len(batch[0].tensors))]
-        try:
-            # The SLO counts from the oldest request's arrival, not from the dispatcher.
-            call = self.runtime.call(ep.name, tuple(args), arrived_at=min(p.enqueued for p in batch))
-        except Exception as exc:
-            err = served_error(ep.name, exc)
-            if len(batch) > 1 and isinstance(err, (BadRequest, Overloaded)):
-                # The model's own code raised, or the batch did not fit: one request's values
-                # (or size) may be at fault, not its batch-mates'. Each is answered on its own.
-                return [r for p in batch for r in self._execute(ep, [p])]
-            return [err] * len(batch)
-        out, rec = call.output, call.record
-        rows = [p.rows for p in batch]
-        named = flatten_outputs(out)
-        if not ep.outputs:
-            ep.outputs = describe_outputs(named, sum(rows))
-        parts = [dict(named)] if len(batch) == 1 else split_outputs(named, rows)
-        if parts is None:
-            log.info("model %s: an output has no batch dimension; requests now run one at a time", ep.name)
-            ep.batchable = False
-            return [self._execute(ep, [p])[0] for p in batch]
-        if rec.loaded:
-            ep.load_s = rec.seconds
-        else:
-            ep.batch_s = 0.8 * ep.batch_s + 0.2 * rec.seconds
-        replies = []
-        for p, part in zip(batch, parts):
-            r = Reply(part, batch_rows=sum(rows))
-            r.queue_s = max(0.0, rec.started - p.enqueued)
-            r.compute_s, r.loaded, r.switched_from = rec.seconds, rec.loaded, rec.switched_from
-            self.metrics.queued(ep.name, r.queue_s)
-            replies.append(r)
-        self.metrics.batched(ep.name, sum(rows))
-        return replies
 
     def _on_record(self, record: CallRecord | EvictionRecord) -> None:
         """Runtime listener (in the calling thread, NOTE in ``runtime/events.py``)."""
@@ -335,7 +222,7 @@ class Service:
             if ep.state is ModelState.UNAVAILABLE or ep.state is ModelState.LOADING:
                 await self._load(ep)
             else:
-                await self._call(self.runtime.infer, name, *ep.example_inputs())
+                await self._call(self._rt.infer, name, *ep.example_inputs())
             if ep.state is not ModelState.READY:
                 raise Conflict(f"model {name!r} did not load: {ep.reason}")
 
@@ -357,8 +244,8 @@ class Service:
                     p.future.set_exception(Unavailable(f"model {name!r} was unloaded"))
             try:
                 if ep.pinned:
-                    await self._call(self.runtime.pin, name, False)
-                await self._call(self.runtime.unregister, name)
+                    await self._call(self._rt.pin, name, False)
+                await self._call(self._rt.unregister, name)
             except UnknownModelError:
                 pass
             ep.pinned = False  # the config's pin applies again only through pin
@@ -370,19 +257,19 @@ class Service:
         ep = self.endpoint(name)
         if not pinned:
             ep.pinned = False
-            if name in await self._call(self.runtime.models):
-                await self._call(self.runtime.pin, name, False)
+            if name in await self._call(self._rt.models):
+                await self._call(self._rt.pin, name, False)
             return
         if ep.state is not ModelState.READY:
             await self.load(name)
         async with ep.lock:
             if ep.state is not ModelState.READY:
                 raise Conflict(f"model {name!r} is {ep.state.value}; load it first")
-            await self._call(self.runtime.pin, name, True)
+            await self._call(self._rt.pin, name, True)
             try:  # resident now, or not pinned at all: readiness waits for pinned models
-                await self._call(self.runtime.infer, name, *ep.example_inputs())
+                await self._call(self._rt.infer, name, *ep.example_inputs())
             except BaseException:
-                await self._call(self.runtime.pin, name, False)
+                await self._call(self._rt.pin, name, False)
                 raise
             ep.pinned = True
 
@@ -392,17 +279,17 @@ class Service:
         cfg = ep.cfg
         t0 = time.monotonic()
         try:
-            if ep.name not in await self._call(self.runtime.models):
+            if ep.name not in await self._call(self._rt.models):
                 await self._call(self._register, cfg, ep.pinned, ep.example_inputs())
             if self.config.server.warmup or ep.pinned:
-                out = await self._call(self.runtime.infer, ep.name, *ep.example_inputs())
+                out = await self._call(self._rt.infer, ep.name, *ep.example_inputs())
                 ep.outputs = describe_outputs(flatten_outputs(out), cfg.example_batch)
         except Exception as exc:
             ep.state, ep.reason = ModelState.UNAVAILABLE, f"{type(exc).__name__}: {exc}"
             log.error("model %s is unavailable: %s", ep.name, ep.reason)
             try:  # a half-registered model must not keep memory
-                if ep.name in await self._call(self.runtime.models):
-                    await self._call(self.runtime.unregister, ep.name)
+                if ep.name in await self._call(self._rt.models):
+                    await self._call(self._rt.unregister, ep.name)
             except Exception:
                 log.exception("cleaning up model %s failed", ep.name)
         else:
@@ -411,128 +298,40 @@ class Service:
         ep.wake.set()
 
     def _register(self, cfg: ModelConfig, pinned: bool, example: tuple) -> None:
+        build: Builder
+        weights: str | Path | None
         if cfg.zoo is not None:
             build = zoo_get(cfg.zoo).builder
             weights = cfg.weights or weights_path(cfg.zoo)
         else:
+            assert cfg.build is not None, "ModelConfig._source: exactly one of zoo and build"
             build, weights = cfg.build, cfg.weights
-        self.runtime.register(cfg.name, build, weights, example, dtype=cfg.dtype, pin=pinned,
-                              priority=cfg.priority, slo_s=None if cfg.slo_ms is None else cfg.slo_ms / 1000)
+        self._rt.register(cfg.name, build, weights, example, dtype=cfg.dtype, pin=pinned,
+                          priority=cfg.priority, slo_s=None if cfg.slo_ms is None else cfg.slo_ms / 1000)
 
     # ------------------------------------------------------------------ training (admin)
     async def submit_training(self, cfg: TrainingConfig, *, from_config: bool = False) -> dict:
-        """Start a training job. One submitted through the admin plane is held to the
-        admin section's bounds (``server/admission.py``): batch, iterations, memory
-        (400), and the number of jobs running (409); one ``from_config`` is not."""
-        from timeshare.models.workloads import TrainingWorkload, sgd
-
-        admin = self.config.admin
-        async with self._submitting:
-            job = self._jobs.get(cfg.name)
-            if job is not None and not job.handle.wait(0):
-                raise Conflict(f"a training job named {cfg.name!r} is running")
-            if not from_config:
-                check_training(cfg, admin, budget_bytes=self.runtime.snapshot()["capacity_bytes"])
-                running = [n for n, j in self._jobs.items() if not j.handle.wait(0)]
-                if len(running) >= admin.max_training_jobs:
-                    raise Conflict(f"{len(running)} training jobs are running ({', '.join(running)}), the limit "
-                                   f"(admin.max_training_jobs); cancel one or wait for one to finish")
-            args = TrainingWorkload(cfg.model, cfg.batch).train_args()
-            args["optimizer"] = functools.partial(sgd, lr=cfg.lr)
-            try:
-                handle = await self._call(self.runtime.train, cfg.name, iterations=cfg.iterations,
-                                          offload=cfg.offload, seed=cfg.seed, **args)
-            except DuplicateModelError as exc:
-                raise Conflict(str(exc)) from None
-            self._jobs.pop(cfg.name, None)  # a resubmitted name is the newest
-            await self._prune_jobs()
-            self._jobs[cfg.name] = _Job(cfg, handle)
-        return self.job_status(cfg.name)
-
-    async def _prune_jobs(self) -> None:
-        """Forget the oldest finished jobs beyond ``admin.max_finished_jobs``, here and in
-        the runtime (whose workers hold their state). Only submissions add jobs, so pruning
-        before each keeps the count bounded (by the limit plus the jobs that were running then)."""
-        finished = [n for n, j in self._jobs.items() if j.handle.wait(0)]
-        for name in finished[:max(0, len(finished) - self.config.admin.max_finished_jobs)]:
-            del self._jobs[name]
-            try:
-                await self._call(self.runtime.forget_job, name)
-            except (UnknownModelError, DuplicateModelError):
-                pass  # resubmitted under that name meanwhile: the runtime's job is the new one
+        """Start a training job (:meth:`TrainingJobs.submit`); its status."""
+        return await self.training.submit(cfg, from_config=from_config)
 
     def job_names(self) -> list[str]:
-        return list(self._jobs)
+        return self.training.names()
 
     def job_status(self, name: str) -> dict:
-        job = self._job(name)
-        h = job.handle
-        s = h.stats
-        return {
-            "name": name, "model": job.cfg.model, "batch": job.cfg.batch, "status": h.status,
-            "iterations": s.iterations, "target_iterations": job.cfg.iterations, "preemptions": s.preemptions,
-            "step_seconds": round(s.step_seconds, 6), "preempted_seconds": round(s.preempted_seconds, 6),
-            "loss": s.losses[-1] if s.losses else None,
-            "error": None if h.error is None else f"{type(h.error).__name__}: {h.error}",
-        }
+        return self.training.status(name)
 
     def control_job(self, name: str, action: str) -> dict:
-        h = self._job(name).handle
-        if action == "pause":
-            h.pause()
-        elif action == "resume":
-            h.resume()
-        elif action == "cancel":
-            h.cancel()
-        else:
-            raise BadRequest(f"unknown action {action!r}; known: pause, resume, cancel")
-        return self.job_status(name)
-
-    def _job(self, name: str) -> _Job:
-        try:
-            return self._jobs[name]
-        except KeyError:
-            raise UnknownModelError(f"no training job named {name!r}; known: {sorted(self._jobs)}") from None
+        """pause, resume or cancel a training job; its status."""
+        return self.training.control(name, action)
 
     # ------------------------------------------------------------------ metrics
     def snapshot(self) -> dict:
         snap = self.runtime.snapshot() if self.runtime is not None else {}
         snap["queue_depth"] = self.queue_depths()
         snap["inference_seconds"] = self._busy_s
-        snap["jobs"] = {n: j.handle.stats.iterations for n, j in list(self._jobs.items())}  # other threads scrape
+        snap["jobs"] = self.training.iterations()
         return snap
 
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-
-def served_error(model: str, exc: BaseException) -> BaseException:
-    """What a failed device call becomes for the client. What the model's own code raised
-    on these inputs, here or in a worker, is the request's fault (400) and says so;
-    running out of memory is the server's state (503, retry). Every other error of
-    timeshare keeps its type, and the routes map it to a status: a worker that crashed
-    or hung is 503, a bug is 500, never 400."""
-    if isinstance(exc, asyncio.CancelledError) or not isinstance(exc, Exception):
-        return exc
-    if isinstance(exc, RemoteError) and exc.in_task:  # the model's code, in a worker: its type by name
-        kind, message = exc.remote_type.rsplit(".", 1)[-1], str(exc)
-    elif isinstance(exc, TimeshareError):
-        return exc
-    else:
-        kind, message = type(exc).__name__, f"{type(exc).__name__}: {exc}"
-    if kind in OUT_OF_MEMORY:
-        return Overloaded(f"model {model!r} ran out of memory on this batch: {message}", 1)
-    return BadRequest(f"model {model!r} failed on these inputs: {message}")
-
-
-# Exceptions that mean the device or the host ran out of memory, not that the inputs are wrong.
-OUT_OF_MEMORY = {"OutOfMemoryError", "MemoryError"}
-
-# Status codes per error type, most specific first (used by the routes). A fault of the
-# server's own (a crashed or hung worker, no room, not started) is 5xx; only what the
-# request did wrong is 4xx.
-STATUS = [
-    (BadRequest, 400), (ConfigError, 400), (Unavailable, 503), (Conflict, 409), (Overloaded, 503), (Timeout, 504),
-    (UnknownModelError, 404), (DuplicateModelError, 409), (MemoryBudgetError, 503), (RemoteError, 500),
-    (WorkerError, 503), (PipelineError, 503), (TimeshareError, 500),
-]

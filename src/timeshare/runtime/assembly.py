@@ -1,0 +1,69 @@
+"""Putting a runtime together: its options checked, the arena reserved, the executor
+started. Everything here runs once, in ``Runtime.__init__``; a refused option fails
+before any memory is taken.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from timeshare.errors import ConfigError, MemoryBudgetError
+from timeshare.memory import Arena
+from timeshare.runtime.executor import Executor, InProcessExecutor, PoolExecutor
+from timeshare.runtime.pool import ProcessPool
+from timeshare.transfer.copy import make_copy_engine
+from timeshare.transfer.planner import STRATEGIES
+from timeshare.units import format_bytes, parse_bytes
+
+
+def check_options(*, strategy: str, profile_repeats: int, load_timeout_s: float, task_timeout_s: float,
+                  startup_timeout_s: float, task_deadline_min_s: float, task_deadline_factor: float,
+                  copy_delay_s: float, workers: object) -> None:
+    """Raise ConfigError naming the first option out of its range."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
+    if profile_repeats < 1:
+        raise ConfigError(f"profile_repeats must be at least 1, got {profile_repeats}")
+    for what, value in (("load_timeout_s", load_timeout_s), ("task_timeout_s", task_timeout_s),
+                        ("startup_timeout_s", startup_timeout_s), ("task_deadline_min_s", task_deadline_min_s)):
+        if value <= 0:
+            raise ConfigError(f"{what} must be positive, got {value}")
+    if copy_delay_s < 0:
+        raise ConfigError(f"copy_delay_s must not be negative, got {copy_delay_s}")
+    if task_deadline_factor < 1:
+        raise ConfigError(f"task_deadline_factor must be at least 1, got {task_deadline_factor}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
+
+
+def open_arena(device: torch.device, memory: int | str) -> Arena:
+    """The arena of ``memory`` bytes ("auto": half the free device memory on CUDA, an
+    eighth of RAM and at most 2 GiB on the CPU)."""
+    if memory != "auto":
+        capacity = parse_bytes(memory, what="memory")
+    elif device.type == "cuda":
+        capacity = torch.cuda.mem_get_info(device)[0] // 2
+    else:
+        capacity = min(2 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
+    try:
+        return Arena(device, capacity)
+    except torch.OutOfMemoryError as exc:
+        raise MemoryBudgetError(f"cannot reserve an arena of {format_bytes(capacity)} on {device}: {exc}") from exc
+
+
+def make_executor(device: torch.device, arena: Arena, workers: int, *, profile_repeats: int,
+                  fixed_group_bytes: int, load_timeout_s: float, copy_delay_s: float,
+                  **pool_options) -> Executor:
+    """Models run in this process (``workers == 0``) or in ``workers`` worker processes."""
+    if not workers:
+        engine = make_copy_engine(device, load_timeout_s, copy_delay_s)
+        return InProcessExecutor(device, arena, engine, profile_repeats=profile_repeats,
+                                 fixed_group_bytes=fixed_group_bytes)
+    pool = ProcessPool(
+        workers, device=str(device), share_arena=arena.share, arena_capacity=arena.capacity,
+        profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
+        load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s, **pool_options,
+    )
+    return PoolExecutor(device, pool)

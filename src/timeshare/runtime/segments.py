@@ -1,0 +1,179 @@
+"""Training segments on the pool's workers, as bookkeeping: which worker is each job's
+home, the segment running (one at a time), and the switch records. Used by the
+:class:`~timeshare.runtime.pool.ProcessPool`, which holds the pipes; this module sends
+nothing but the one-way ``PreemptSegment``. Runs in the controller (the caller's process).
+
+# NOTE [Switch protocol]
+One worker is active at a time; the others are standbys, fully initialized. A training
+job lives in one worker (its home), which holds the job's parameters and optimizer
+state between segments. When an inference arrives while a training segment runs:
+  1. stop: the controller sends Preempt to the training worker, which stops at its
+     next preemption point (between iterations; never a per-layer synchronize);
+  2. start: at the same moment, the inference goes to a standby (never the training
+     worker), which starts its pipelined load at once: nothing waits for step 1;
+  3. clean: the training worker, once stopped, cleans up in parallel (offloads the
+     job's state if it asked for that) and is a standby again;
+  4. the job's thread parks until the runtime is free and starts a new segment.
+Weights go to the arena and training memory is the job's own, so the new task never
+waits for the old one's memory. Each switch records stop, start, load, clean and total
+times (``Switch``). A worker that fails is replaced: a standby becomes active at once
+and a new one boots behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from timeshare import protocol as P
+from timeshare.errors import WorkerCrashedError, WorkerError
+from timeshare.worker.handle import WorkerHandle
+
+KEEP_SWITCHES = 1000  # switch records kept, the latest
+
+
+@dataclass
+class Switch:
+    """One switch from a training segment to an inference (seconds; None: not known yet
+    or not applicable). The clock is the monotonic one all processes share."""
+
+    job: str
+    model: str
+    requested_at: float
+    stop_s: float | None = None  # Preempt sent -> the job stopped at its preemption point
+    clean_s: float | None = None  # stopped -> cleaned (offload), in parallel with the new task
+    start_s: float | None = None  # Run sent -> the standby began it
+    load_s: float | None = None  # first copy queued -> last group arrived (None: resident)
+    total_s: float | None = None  # request -> result back in the controller
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def task_done(self, sent: float, timings: dict) -> None:
+        """The inference's task is back: ``sent``, when its Run went out; ``timings``, its
+        reply's (NOTE [Switch records])."""
+        self.total_s = time.perf_counter() - self.requested_at
+        received = timings.get("received_at")
+        self.start_s = received - sent if received is not None else None
+        self.load_s = timings.get("load_s")
+
+
+@dataclass
+class Segment:
+    """A training segment on its job's home: from ``Train`` (request ``seq``) to
+    ``SegmentStopped``. The thread that started it holds the worker's lease."""
+
+    job: str
+    worker: WorkerHandle
+    seq: int
+    preempted_at: float | None = None
+    switch: Switch | None = None
+
+    def stopped(self, reply: P.SegmentStopped) -> None:
+        """Fill in the switch's stop and clean times, if a switch stopped this segment."""
+        if self.switch is not None and self.preempted_at is not None:
+            self.switch.stop_s = max(0.0, reply.stopped_at - self.preempted_at)
+            self.switch.clean_s = reply.cleaned_at - reply.stopped_at
+
+
+class Segments:
+    """Homes, the running segment and the switch records. Not locked on its own: the
+    pool calls every method with its lock held. ``claim_within_s``: how long a switch
+    record waits for its task (the task deadline's cap)."""
+
+    def __init__(self, claim_within_s: float):
+        self._claim_within_s = claim_within_s
+        self._running: Segment | None = None  # the training segment running, if any
+        self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
+        self._lost: dict[str, str] = {}  # job -> why its state is gone
+        self.switches: list[Switch] = []  # the latest, oldest first
+        self._unclaimed: dict[str, Switch] = {}  # model -> its switch, until its task takes it (NOTE [Switch records])
+
+    # ------------------------------------------------------------------ the running segment
+    @property
+    def running(self) -> Segment | None:
+        return self._running
+
+    def training_worker(self) -> WorkerHandle | None:
+        """The worker a segment runs on: no task goes there."""
+        return self._running.worker if self._running is not None else None
+
+    def start(self, job: str, home: WorkerHandle, seq: int) -> Segment:
+        """Record the segment whose ``Train`` (``seq``) went to ``home``."""
+        self._running = Segment(job, home, seq)
+        return self._running
+
+    def end(self, seg: Segment) -> None:
+        if self._running is seg:
+            self._running = None
+
+    def preempt(self, model: str, now: float) -> Switch | None:
+        """Send Preempt to the running segment (once); ``model``: the inference it makes
+        way for, which gets the switch record (NOTE [Switch records])."""
+        seg = self._running
+        if seg is None:
+            return None
+        if seg.preempted_at is None:
+            seg.preempted_at = now
+            seg.worker.post(P.PreemptSegment(seg.seq))  # if already dead, the segment's reader reports it
+        if model and seg.switch is None:
+            seg.switch = self._unclaimed[model] = Switch(seg.job, model, now)
+            self.switches.append(seg.switch)
+            del self.switches[:-KEEP_SWITCHES]
+            return seg.switch
+        return None
+
+    # NOTE [Switch records]
+    # A switch is recorded where the stop is decided: by the scheduler's Preempt for an
+    # inference (through ``preempt(job, for_model)``), or by the inference's own task
+    # finding a segment still running. The segment may have stopped and gone by the time
+    # the inference's task reaches the pool, so the record waits, unclaimed, for the next
+    # task of its model, which fills in its start, load and total times. A record that no
+    # task claims within the task deadline belongs to a request that never came through.
+    def claim_switch(self, model: str, now: float) -> Switch | None:
+        switch = self._unclaimed.pop(model, None)
+        if switch is not None and now - switch.requested_at > self._claim_within_s:
+            return None
+        return switch
+
+    # ------------------------------------------------------------------ homes
+    def new_home(self, job: str, workers: list[WorkerHandle]) -> WorkerHandle:
+        """Choose the job's home among ``workers``: the least used, never the first."""
+        if len(workers) < 2:
+            raise WorkerError("training with workers needs at least 2 workers (one stays free for inference)")
+        # Not the first worker: inference goes there while the job runs.
+        counts = {id(w): 0 for w in workers}
+        for h in self._homes.values():
+            counts[id(h)] = counts.get(id(h), 0) + 1
+        home = min(workers[1:], key=lambda w: counts[id(w)])
+        self._homes[job] = home
+        self._lost.pop(job, None)
+        return home
+
+    def home(self, job: str, workers: list[WorkerHandle]) -> WorkerHandle:
+        """The job's home, still one of ``workers``; an error saying why the state is gone."""
+        kept = self._homes.get(job)
+        if kept is None or kept not in workers:
+            why = self._lost.get(job, "its worker is gone")
+            raise WorkerCrashedError(f"training job {job!r} lost its state: {why}", where=f"training {job}")
+        return kept
+
+    def forget(self, job: str) -> WorkerHandle | None:
+        """Forget the job; its home, if it had one, still holds its state."""
+        self._lost.pop(job, None)
+        return self._homes.pop(job, None)
+
+    def state_dropped(self, job: str) -> None:
+        """The job's step raised: its home dropped the job's state."""
+        self._homes.pop(job, None)
+
+    def worker_lost(self, w: WorkerHandle) -> None:
+        """``w`` failed: the jobs it was home to lose their state."""
+        for job, home in list(self._homes.items()):
+            if home is w:
+                del self._homes[job]
+                self._lost[job] = f"worker {w.id} held it and failed"
+
+    def homes(self) -> dict[str, int]:
+        """Job -> its home worker's id."""
+        return {job: w.id for job, w in self._homes.items()}

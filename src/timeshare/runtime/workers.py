@@ -1,0 +1,200 @@
+"""The pool's worker processes (``WorkerSet``, runs in the controller, the caller's
+process): spawning them, finishing their start-up and teaching them every registered
+model, watching their sentinels, and replacing the ones that fail, with a back-off for
+replacements that keep dying before they are ready. It knows nothing of tasks or
+training segments: the :class:`~timeshare.runtime.pool.ProcessPool` runs those on the
+workers it holds, and hears of each failed worker (``on_lost``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from timeshare import protocol as P
+from timeshare.errors import WorkerCrashedError, WorkerTimeoutError
+from timeshare.worker.handle import WorkerHandle, spawn_context
+
+log = logging.getLogger(__name__)
+
+# What went wrong with a replaced worker: it died before it was ready, stopped answering
+# within its deadline, died, or broke the protocol (answered something unexpected).
+FAILURE_KINDS = ("starting", "hung", "crashed", "protocol")
+
+
+class WorkerSet:
+    """``n`` workers, started in parallel and ready when the constructor returns.
+
+    ``start`` makes a worker's ``Start`` message from its ``worker``, ``parent_pid`` and
+    ``arena``; ``share_arena`` gives each spawned worker its own arena handle; ``cv`` is
+    the pool's condition, which guards the worker list and is notified when a worker is
+    replaced; ``on_lost`` is called with it held for each worker replaced."""
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        start: Callable[..., P.Start],
+        share_arena: Callable[[], object],
+        startup_timeout_s: float,
+        cv: threading.Condition,
+        on_lost: Callable[[WorkerHandle], None],
+    ):
+        self._ctx = spawn_context()
+        self._start = start
+        # A fresh handle per spawned worker: a CUDA IPC handle carries a reference count
+        # that each receiving process consumes once, so one handle must not serve two.
+        self._share_arena = share_arena
+        self.startup_timeout_s = startup_timeout_s
+        self._cv = cv
+        self._on_lost = on_lost
+        self._next_id = 0
+        self._seq = 0
+        self._models: dict[str, P.AddModel] = {}  # replayed on every new worker
+        self.replacements = 0
+        self.failures = {kind: 0 for kind in FAILURE_KINDS}  # replaced workers, by what went wrong
+        self.last_failure: dict | None = None  # the latest replaced worker: which, why, when
+        self._boot_failures = 0  # replacements in a row that died before they were ready (back-off)
+        self._closed = False
+        self.workers: list[WorkerHandle] = [self.spawn() for _ in range(n)]  # they boot in parallel
+        try:
+            for w in self.workers:
+                self.ready(w)
+        except BaseException:
+            self.close()
+            raise
+        # A worker that dies while idle is noticed here, not at its next task.
+        self._watcher = threading.Thread(target=self._watch, name="timeshare-pool-watch", daemon=True)
+        self._watcher.start()
+
+    @property
+    def failing_to_start(self) -> int:
+        """Replacements in a row that died before they were ready."""
+        return self._boot_failures
+
+    # ------------------------------------------------------------------ models
+    def register(self, msg: P.AddModel) -> None:
+        """Every worker started from now on learns the model while it starts."""
+        self._models[msg.model] = msg
+
+    def unregister(self, model: str) -> bool:
+        """Whether the model was registered."""
+        return self._models.pop(model, None) is not None
+
+    def registration(self, model: str) -> P.AddModel:
+        return self._models[model]
+
+    def teach(self, w: WorkerHandle, msg: P.AddModel) -> None:
+        """Teach ``w`` one model; the caller holds its lease."""
+        w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+        w.taught.add(msg.model)
+
+    def _renumber(self, msg: P.AddModel) -> P.AddModel:
+        return P.AddModel(self.next_seq(), msg.model, msg.builder, msg.entries, msg.store_name,
+                          msg.store_nbytes, msg.order)
+
+    def next_seq(self) -> int:
+        """A fresh request number (NOTE [One owner per pipe])."""
+        self._seq += 1
+        return self._seq
+
+    # ------------------------------------------------------------------ lifecycle
+    def spawn(self) -> WorkerHandle:
+        """Start a worker process (not added to the set)."""
+        start = self._start(worker=self._next_id, parent_pid=os.getpid(), arena=self._share_arena())
+        self._next_id += 1
+        return WorkerHandle(self._ctx, start)
+
+    def ready(self, w: WorkerHandle) -> None:
+        """Finish a worker's start-up and teach it every model (new workers only)."""
+        if w.ready:
+            return
+        with w.leased(self.startup_timeout_s, "starting"):  # the lease also serializes teaching
+            if w.ready:
+                return
+            try:
+                w.wait_ready(self.startup_timeout_s)  # a worker that dies before its Hello is replaced too
+                for msg in list(self._models.values()):
+                    self.teach(w, msg)
+            except BaseException as exc:
+                self.replace(w, exc)  # half taught: start over with a fresh one
+                raise
+            w.ready = True
+
+    def replace(self, w: WorkerHandle, cause: BaseException | str) -> None:
+        """Drop a failed worker: a standby becomes active; a new one boots behind it. The
+        training jobs it held lose their state (``on_lost``). ``cause`` (what its user
+        saw) is kept for the pool's health."""
+        with self._cv:
+            if self._closed:
+                return  # close() stops every worker
+            hung = isinstance(cause, WorkerTimeoutError)  # its reader killed it already
+            w.kill()
+            if w not in self.workers:
+                return  # replaced already
+            if not w.ready:
+                self._boot_failures += 1
+            kind = "starting" if not w.ready else "hung" if hung else "crashed" if not w.alive() or \
+                isinstance(cause, WorkerCrashedError) else "protocol"
+            self.failures[kind] += 1
+            self.last_failure = {"worker": w.id, "kind": kind, "cause": str(cause), "at": time.time()}
+            new = self.spawn()
+            self.workers[self.workers.index(w)] = new  # in place: homes are never the first worker
+            self.replacements += 1
+            self._on_lost(w)
+            self._cv.notify_all()
+            delay = min(30.0, 0.25 * (2 ** self._boot_failures - 1))
+        log.warning("worker %d replaced by worker %d%s", w.id, new.id,
+                    f" ({self._boot_failures} in a row died starting; teaching it in {delay:g} s)" if delay else "")
+        # The pool heals by itself: the new worker learns every model now, not at its first task.
+        threading.Thread(target=self._teach, args=(new, delay), name=f"timeshare-teach-{new.id}", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Replace workers that die while nobody talks to them. One that a thread holds the
+        lease of is left to that thread, which sees the death on its pipe."""
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                workers = [w for w in self.workers if w.alive()]
+                dead = [w for w in self.workers if w not in workers]
+            sentinels = {}
+            for w in workers:
+                try:
+                    sentinels[w.proc.sentinel] = w
+                except ValueError:  # released meanwhile
+                    continue
+            if not sentinels:
+                time.sleep(0.5)
+                continue
+            try:
+                ended = wait(list(sentinels), timeout=0.5)
+            except (OSError, ValueError):  # a sentinel was closed meanwhile (a replacement): look again
+                continue
+            for w in dead + [sentinels[x] for x in ended]:
+                if w.try_lease():
+                    w.unlease()
+                    self.replace(w, f"worker {w.id} {w.exit_description()} while idle")
+
+    def _teach(self, w: WorkerHandle, delay_s: float) -> None:
+        if delay_s:
+            time.sleep(delay_s)  # back off from replacements that keep dying
+        try:
+            self.ready(w)
+        except Exception as exc:  # ready() replaced it already; that replacement teaches itself
+            log.warning("worker %d failed while starting: %s", w.id, exc)
+            return
+        with self._cv:
+            self._boot_failures = 0
+
+    def close(self) -> None:
+        """Stop every worker (escalating, see ``WorkerHandle.stop``); nothing is replaced after."""
+        with self._cv:
+            self._closed = True
+            workers, self.workers = self.workers, []
+        for w in workers:
+            w.stop()

@@ -1,0 +1,163 @@
+"""The admin plane's routes: Triton's model repository extension (index, load, unload),
+pinning, training jobs and ``/admin/status``, all behind one guard: a bearer token when
+``admin.token`` is set, else loopback clients only, with the Host and Origin checked
+against DNS rebinding and cross-site requests. Runs in the server's process and talks
+only to :class:`~timeshare.server.service.Service`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from urllib.parse import urlsplit
+
+from fastapi import Depends, FastAPI, Request
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from timeshare.errors import BadRequest
+from timeshare.server.parsing import describe_validation, load_json
+from timeshare.server.schemas import RepositoryIndexRequest, TrainingRequest
+from timeshare.server.service import Service
+
+
+def add_admin_plane(app: FastAPI, service: Service) -> None:
+    """The admin routes on ``app``, each behind the guard."""
+    cfg = service.config.admin
+    token = cfg.resolved_token()
+    # Admin bodies are small JSON objects, read only once the guard let the request
+    # through, and parsed on the event loop: larger ones are refused (413).
+    limit = int(service.config.server.parse_in_process_bytes)
+
+    def admin(request: Request) -> None:
+        if not cfg.enabled:
+            raise HTTPException(403, "the admin plane is disabled (admin.enabled: false)")
+        if token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                raise HTTPException(401, "the admin plane needs 'Authorization: Bearer <admin token>'",
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return
+        host = request.client.host if request.client else ""
+        if not is_loopback(host):
+            raise HTTPException(403, "the admin plane answers loopback clients only; set admin.token (or "
+                                     "$TIMESHARE_ADMIN_TOKEN) to use it from elsewhere")
+        # A loopback peer may still be a browser running someone else's page: the Host of a
+        # rebound DNS name, or the Origin of a cross-site request, gives it away.
+        named = _hostname(request.headers.get("host", ""))
+        if not _local_name(named, cfg.allowed_hosts):
+            raise HTTPException(403, f"the admin plane refuses Host {named or '(none)'!r}: only localhost, loopback "
+                                     "addresses and admin.allowed_hosts")
+        origin = request.headers.get("origin")
+        if origin is not None and not _local_name(_hostname(origin, url=True), cfg.allowed_hosts):
+            raise HTTPException(403, f"the admin plane refuses cross-site requests (Origin {origin!r})")
+
+    guard = [Depends(admin)]
+
+    @app.post("/v2/repository/index", dependencies=guard, summary="Models in the repository and their state")
+    async def repository_index(request: Request):
+        body = await _optional_json(request, limit)
+        try:
+            opts = RepositoryIndexRequest.model_validate(body)
+        except ValidationError as exc:
+            raise BadRequest(describe_validation(exc.errors())) from None
+        return service.index(ready_only=opts.ready)
+
+    @app.post("/v2/repository/models/{model}/load", dependencies=guard, summary="Load a model onto the device")
+    async def load(model: str, request: Request):
+        await _no_parameters(request, "load", limit)
+        await service.load(model)
+        return {}
+
+    @app.post("/v2/repository/models/{model}/unload", dependencies=guard,
+              summary="Unload a model: finish its queue, free its device and host memory")
+    async def unload(model: str, request: Request):
+        await _no_parameters(request, "unload", limit)
+        await service.unload(model)
+        return {}
+
+    @app.post("/admin/models/{model}/pin", dependencies=guard, summary="Pin: load now, never evict")
+    async def pin(model: str):
+        await service.pin(model, True)
+        return {"name": model, "pinned": True}
+
+    @app.post("/admin/models/{model}/unpin", dependencies=guard, summary="Unpin: evictable again")
+    async def unpin(model: str):
+        await service.pin(model, False)
+        return {"name": model, "pinned": False}
+
+    @app.get("/admin/training", dependencies=guard, summary="Training jobs")
+    def jobs():
+        return [service.job_status(n) for n in service.job_names()]
+
+    training_body = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": TrainingRequest.model_json_schema()}}}}
+
+    @app.post("/admin/training", dependencies=guard, status_code=201, summary="Start a training job",
+              openapi_extra=training_body)
+    async def submit(request: Request):
+        # Read here, after the guard: a body parameter would be read and parsed before it.
+        try:
+            job = TrainingRequest.model_validate(await _optional_json(request, limit))
+        except ValidationError as exc:
+            raise BadRequest(describe_validation(exc.errors())) from None
+        return await service.submit_training(job)
+
+    @app.get("/admin/training/{job}", dependencies=guard, summary="A training job's status")
+    def job(job: str):
+        return service.job_status(job)
+
+    @app.post("/admin/training/{job}/{action}", dependencies=guard, summary="pause, resume or cancel a training job")
+    def control(job: str, action: str):
+        return service.control_job(job, action)
+
+    @app.get("/admin/status", dependencies=guard, summary="Runtime state: memory, residency, counters")
+    def status():
+        snap = service.snapshot()
+        snap["not_ready_reason"] = service.not_ready_reason()
+        snap["ready"] = snap["not_ready_reason"] is None
+        snap["start_error"] = service.start_error
+        snap["models"] = service.index()
+        return snap
+
+
+def _hostname(value: str, *, url: bool = False) -> str:
+    """The host name of a Host header ("name:port", "[::1]:port") or of an Origin URL."""
+    try:
+        return (urlsplit(value if url else f"//{value}").hostname or "").lower()
+    except ValueError:
+        return ""
+
+
+def _local_name(name: str, allowed: list[str]) -> bool:
+    return name == "localhost" or is_loopback(name) or name in {a.lower() for a in allowed}
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _optional_json(request: Request, limit: int) -> dict:
+    """An admin request's body: a JSON object ({} when empty) of at most ``limit`` bytes."""
+    body = await request.body()
+    if len(body) > limit:
+        raise HTTPException(413, f"admin request bodies are at most {limit} bytes (server.parse_in_process_bytes); "
+                                 f"this one has {len(body)}")
+    if not body.strip():
+        return {}
+    obj = load_json(body)
+    if not isinstance(obj, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return obj
+
+
+async def _no_parameters(request: Request, what: str, limit: int) -> None:
+    """Triton's load and unload take optional parameters (config overrides, files);
+    timeshare's models come from its config file, so none are accepted."""
+    body = await _optional_json(request, limit)
+    extra = sorted(k for k, v in body.items() if not (k == "parameters" and not v))
+    if extra:
+        raise BadRequest(f"{what} takes no {extra[0]!r} here: models are defined in the server's config file")

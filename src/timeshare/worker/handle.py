@@ -1,0 +1,232 @@
+"""The controller's end of one worker process (``WorkerHandle``, runs in the controller):
+it spawns the process (whose loop is ``worker_main`` in :mod:`timeshare.worker.proc`),
+owns its pipe (NOTE [One owner per pipe]) and ends it.
+
+Every wait has a deadline: the handle waits on the pipe and the process sentinel
+together, kills a worker that misses its deadline, and escalates shutdown from a
+request to terminate to kill.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from multiprocessing.connection import wait
+
+from timeshare import protocol as P
+from timeshare.errors import WorkerCrashedError, WorkerTimeoutError
+from timeshare.worker.proc import worker_main
+
+log = logging.getLogger(__name__)
+
+
+class WorkerHandle:
+    """The controller's end of one worker process."""
+
+    def __init__(self, ctx, start: P.Start):
+        self.start = start
+        self.id = start.worker
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=worker_main, args=(start, child), name=f"timeshare-worker-{self.id}",
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.booted = False  # sent Hello
+        self.ready = False  # booted and taught every model (set by the pool)
+        self.pid: int | None = None
+        self.os_pid: int = self.proc.pid  # kept after the process object is released
+        self._released = False
+        self.profiles: set[tuple[str, str]] = set()  # (model, shape key) this worker has measured or been sent
+        self.taught: set[str] = set()  # models this worker has learned (AddModel answered)
+        # NOTE [One owner per pipe]
+        # Only the thread that holds a worker's lease reads its pipe or sends it a request:
+        # a task for the whole request, a training segment from Train to Stopped. Anyone
+        # may post a one-way message (Preempt, Shutdown) under the send lock. Every reply
+        # carries the seq of the request it answers, and the owner discards (and logs) any
+        # other message, so a reply left over from a failed or abandoned request can never
+        # be taken for the answer to a later one.
+        self._lease = threading.RLock()
+        self._owner: int | None = None
+        self._depth = 0
+        self._send_lock = threading.Lock()
+        self._life = threading.Lock()  # kill and stop, one at a time
+
+    # ------------------------------------------------------------------ ownership
+    def try_lease(self, timeout_s: float = 0.0) -> bool:
+        """Take the pipe for this thread (re-entrant); False if another thread holds it."""
+        got = self._lease.acquire(timeout=timeout_s) if timeout_s > 0 else self._lease.acquire(blocking=False)
+        if not got:
+            return False
+        self._owner = threading.get_ident()
+        self._depth += 1
+        return True
+
+    @property
+    def leased_now(self) -> bool:
+        """Whether some thread holds the pipe (a task, a segment, a control request)."""
+        return self._owner is not None
+
+    def unlease(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lease.release()
+
+    @contextmanager
+    def leased(self, timeout_s: float, what: str):
+        """Hold the pipe for a request; a worker busy for longer than ``timeout_s`` is an error."""
+        if not self.try_lease(timeout_s):
+            raise WorkerTimeoutError(f"worker {self.id} stayed busy for {timeout_s:g} s",
+                                     where=f"worker {self.id}, {what}")
+        try:
+            yield self
+        finally:
+            self.unlease()
+
+    def _check_owner(self) -> None:
+        if self._owner != threading.get_ident():
+            raise RuntimeError(f"worker {self.id}'s pipe used by a thread that does not hold its lease")
+
+    def post(self, msg) -> bool:
+        """Send a one-way message (no reply expected); False if the pipe is gone."""
+        return self.post_bytes(P.dumps(msg))
+
+    def post_bytes(self, data: bytes) -> bool:
+        try:
+            with self._send_lock:
+                self.conn.send_bytes(data)
+            return True
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            return False
+
+    # ------------------------------------------------------------------ requests
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self.booted:
+            self._check_owner()
+            hello = self._recv(timeout_s, "starting")
+            if not isinstance(hello, P.Hello):
+                raise WorkerCrashedError(f"worker {self.id} sent {type(hello).__name__} instead of Hello")
+            self.pid, self.booted = hello.pid, True
+
+    def request(self, msg, timeout_s: float, what: str):
+        """Send ``msg`` and wait for the reply that carries its seq; a Failure is re-raised
+        as an error. The caller holds the lease (NOTE [One owner per pipe])."""
+        self._check_owner()
+        if not self.post(msg):
+            raise self._crashed(what)
+        return self.receive(timeout_s, what, msg.seq)
+
+    def receive(self, timeout_s: float, what: str, seq: int):
+        """The next message from the worker that answers request ``seq`` (a reply, a
+        training segment's Progress or Stopped); a Failure is re-raised as an error.
+        Messages for other requests are discarded and logged."""
+        self._check_owner()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._recv(max(0.0, deadline - time.monotonic()), what, timeout_s)
+            got = getattr(reply, "seq", None)
+            if got == seq:
+                break
+            log.warning("worker %d: discarding %s for request %s while %s (request %d)",
+                        self.id, type(reply).__name__, got, what, seq)
+        if isinstance(reply, P.Failure):
+            raise reply.error.to_exception()
+        return reply
+
+    def _recv(self, timeout_s: float, what: str, deadline_s: float | None = None):
+        if self._released:  # killed and replaced by another thread meanwhile
+            raise WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}")
+        try:
+            ready = wait([self.conn, self.proc.sentinel], timeout_s)
+        except (ValueError, OSError):  # released by another thread between the check and the wait
+            raise WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}") from None
+        if self.conn in ready:
+            try:
+                return P.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                pass  # the process died: report it below
+        if self.proc.sentinel in ready or self.conn in ready:
+            raise self._crashed(what)
+        self.kill()
+        raise WorkerTimeoutError(
+            f"worker {self.id} did not answer within {deadline_s or timeout_s:g} s; it was killed",
+            where=f"worker {self.id}, {what}"
+        )
+
+    def exit_description(self) -> str:
+        """How the process ended ("was killed by signal 9 (SIGKILL)", "exited with code 1"),
+        waiting a moment for it to be reaped; for a worker that never said Hello, a hint
+        at why."""
+        try:
+            self.proc.join(5)
+            code = self.proc.exitcode
+            deadline = time.monotonic() + 5
+            while code is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # another thread (the pool's watcher) is reaping it right now
+                code = self.proc.exitcode
+        except ValueError:  # its process object was closed by another thread: how it ended is unknown
+            return "was stopped"
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            try:
+                name = f" ({signal.Signals(-code).name})"
+            except ValueError:
+                name = ""
+            how = f"was killed by signal {-code}{name}"
+        else:
+            how = f"exited with code {code}"
+        if not self.booted:
+            how += " before it was ready"
+            if code is not None and code > 0:  # it failed by itself (a signal is someone else's doing)
+                how += ("; its stderr says why. A script that starts workers must create the Runtime under"
+                        " `if __name__ == '__main__':` (workers are spawned)")
+        return how
+
+    def _crashed(self, what: str) -> WorkerCrashedError:
+        """The error for a worker whose process ended, with how it ended."""
+        return WorkerCrashedError(f"worker {self.id} {self.exit_description()}", where=f"worker {self.id}, {what}")
+
+    def alive(self) -> bool:
+        try:
+            return not self._released and self.proc.is_alive()
+        except ValueError:  # released by another thread between the two checks
+            return False
+
+    def kill(self) -> None:
+        """Kill the process (if alive) and release its pipe and sentinel."""
+        with self._life:
+            self._kill()
+
+    def _kill(self) -> None:
+        if self._released:
+            return
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+        if self.proc.exitcode is not None:
+            self.proc.close()  # frees the sentinel's file descriptor
+            self._released = True
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit; terminate, then kill, if it does not."""
+        with self._life:  # one thread at a time ends a process (the pool's watcher may race a close)
+            if self._released:
+                return
+            if self.proc.is_alive():
+                self.post(P.Shutdown())
+                self.proc.join(timeout_s)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout_s)
+            self._kill()
+
+
+def spawn_context():
+    """The start method of worker processes: spawn, never a fork after CUDA started."""
+    return mp.get_context("spawn")

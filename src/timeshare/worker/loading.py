@@ -1,0 +1,159 @@
+"""Pipelined loading, the worker's side (runs in the process that computes): what a
+worker knows of one model's layout in execution order (``WorkerModel``), the load plans
+made from its profiles (``LoadPlan``), and the forward that waits for each group of
+weights as it is first needed (NOTE [Pipelined forward]).
+
+The :class:`~timeshare.worker.worker.Worker` places, binds and starts the copies; the
+functions here derive a model's layers, wait points and plans, and run the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from timeshare.errors import ConfigError
+from timeshare.models.binding import TensorLayout
+from timeshare.transfer.copy import LoadEvents, LoadHandle
+from timeshare.transfer.host_store import HostStore
+from timeshare.transfer.planner import STRATEGIES
+from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A plan made ready for the switch path: byte ranges to copy, for each wait-point
+    module (by id) the group it waits for, and the copy engine's per-group events, made
+    by the plan's first load and re-recorded by the next (NOTE [Events made once per plan])."""
+
+    ranges: tuple[tuple[int, int], ...]
+    wait_of: dict[int, int]
+    events: LoadEvents = field(default_factory=LoadEvents, compare=False, repr=False)
+
+
+@dataclass
+class WorkerModel:
+    """What a worker knows of one model: its module and how to load it."""
+
+    name: str
+    module: nn.Module
+    layout: TensorLayout
+    store: HostStore
+    order: ExecutionOrder | None = None
+    layer_modules: list[nn.Module] = field(default_factory=list)
+    layer_spans: list[tuple[int, int]] = field(default_factory=list)  # byte range of each layer in the store
+    tail_span: tuple[int, int] = (0, 0)  # tensors of modules that never ran in the trace
+    waits: list[tuple[nn.Module, int]] = field(default_factory=list)  # module -> layer index it waits for
+    profiles: dict[str, ModelProfile] = field(default_factory=dict)
+    last_profile: str | None = None
+    bound_at: int | None = None  # arena offset the module's slots point at (see NOTE [Sticky placement])
+    load_plans: dict[tuple[str, str], LoadPlan] = field(default_factory=dict)
+    pending: LoadHandle | None = None
+    last_use: object = None  # CUDA: an event after the model's last forward (see NOTE [Arena reuse ordering])
+
+
+def adopt_order(wm: WorkerModel, order: ExecutionOrder) -> None:
+    """Take ``order`` as the model's layers, its host store being laid out in that order:
+    each layer's byte span, the tail's, and which module waits for which layer."""
+    wm.order = order
+    wm.load_plans.clear()
+    offsets = {e.key: e.offset for e in wm.store.entries}
+    starts = [offsets[layer.keys[0]] for layer in order.layers]
+    tail_start = offsets[order.unused[0]] if order.unused else wm.store.nbytes
+    wm.layer_spans = list(zip(starts, starts[1:] + [tail_start]))
+    wm.tail_span = (tail_start, wm.store.nbytes)
+    # Layer modules wait for their layer; modules owning tail tensors (they never ran
+    # in the trace) wait for the tail. See NOTE [Layers are wait points].
+    n = len(order.layers)
+    modules = dict(wm.module.named_modules(remove_duplicate=False))
+    wm.layer_modules = [modules[layer.module] if layer.module else wm.module for layer in order.layers]
+    wm.waits = [(mod, i) for i, mod in enumerate(wm.layer_modules)]
+    waiting = {id(mod) for mod in wm.layer_modules}
+    tail = set(order.unused)
+    for slot in wm.layout.slots:
+        if slot.key in tail and id(slot.module) not in waiting:
+            wm.waits.append((slot.module, n))
+            waiting.add(id(slot.module))
+
+
+def forget_order(wm: WorkerModel) -> None:
+    """Drop the execution order and everything made from it: the next load starts over."""
+    wm.order = None
+    wm.layer_modules, wm.layer_spans, wm.waits = [], [], []
+    wm.tail_span = (0, 0)
+    wm.load_plans.clear()
+    wm.profiles.clear()
+    wm.last_profile = None
+
+
+def load_plan_of(wm: WorkerModel, key: str, strategy: str) -> LoadPlan:
+    """The ready-made plan that loads of ``wm`` for input shape ``key`` follow (the last
+    profiled shape's when ``key`` was never profiled), made once and cached."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
+    if key not in wm.profiles:
+        key = wm.last_profile  # type: ignore[assignment]
+    cached = wm.load_plans.get((key, strategy))
+    if cached is not None:
+        return cached
+    plan = wm.profiles[key].plans[strategy]
+    ranges = [(wm.layer_spans[a][0], wm.layer_spans[b - 1][1]) for a, b in plan.groups]
+    has_tail = wm.tail_span[1] > wm.tail_span[0]
+    if has_tail:
+        ranges.append(wm.tail_span)
+    group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
+    wait_of = {}
+    for mod, layer in wm.waits:
+        if layer < len(group_of_layer):
+            wait_of[id(mod)] = group_of_layer[layer]
+        elif has_tail:  # a module that only owns tail tensors (an empty tail needs no wait)
+            wait_of[id(mod)] = len(plan)
+    made = wm.load_plans[(key, strategy)] = LoadPlan(tuple(ranges), wait_of)
+    return made
+
+
+# NOTE [Pipelined forward]
+# All groups (and the tail) are queued on the copy engine before the forward starts.
+# Queuing costs host time per group (slicing, the copy call, recording its event;
+# the events themselves are made once per plan, NOTE [Events made once per plan]).
+# The planner charges it, as a later start of the forward and copies that start no
+# earlier than they are queued (NOTE [Pipeline cost model]). For the forward, one
+# global module pre-hook looks each module up in the plan's
+# wait map and waits for the last group holding a tensor that module needs; groups
+# arrive in order, so waiting for group g covers every earlier group and a module
+# whose group was already waited for costs a dict lookup. On CUDA the wait is a
+# device-side stream wait, so the host never blocks and keeps queuing kernels. The
+# hook removes itself once the last group has been waited for (a global hook sends
+# every module call down nn.Module's slow path, a few microseconds each, which on a
+# launch-bound GPU forward is the largest cost of a load), and at the latest when the
+# forward ends: a resident model runs exactly the code of a plain module.
+def forward_while_loading(module: nn.Module, handle: LoadHandle, wait_of: dict[int, int], args: tuple,
+                          kwargs: dict, aliases_arena: Callable[[object], bool]) -> tuple[object, bool]:
+    """Forward ``module`` while ``handle``'s groups arrive, each module waiting for the
+    group ``wait_of`` gives it. Returns the output and whether every group was waited
+    for (an output that aliases the arena, a weight, waits for all of them)."""
+    last = handle.n_groups - 1
+    upto = [-1]
+
+    def hook(mod, _args):
+        group = wait_of.get(id(mod))
+        if group is not None and group > upto[0]:
+            handle.wait(group)
+            upto[0] = group
+            if group >= last:  # everything is waited for: the rest of the forward runs hook-free
+                registration.remove()
+
+    registration = register_module_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            out = module(*args, **kwargs)
+    finally:
+        registration.remove()  # idempotent
+    if upto[0] < handle.n_groups - 1 and aliases_arena(out):
+        handle.wait_all()  # an output that is a weight must have arrived
+        upto[0] = handle.n_groups - 1
+    return out, upto[0] >= handle.n_groups - 1

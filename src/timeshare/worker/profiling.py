@@ -1,0 +1,94 @@
+"""Measuring, the worker's side (runs in the process that computes): a resident model's
+profile for one input shape, with a plan for every grouping strategy, and the link's
+costs, measured once per worker. Also who owns each tensor, which tracing the execution
+order needs (NOTE [Layers are wait points], ``transfer/profiler.py``).
+
+Never on the switch path: a model is profiled at its first load of a shape, and the
+link at a worker's first profile.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from timeshare.models.binding import TensorLayout
+from timeshare.transfer.copy import CopyEngine
+from timeshare.transfer.planner import STRATEGIES, make_plan
+from timeshare.transfer.profiler import LinkCosts, ModelProfile, measure_link, time_layers
+from timeshare.tree import shape_key
+from timeshare.worker.loading import WorkerModel
+
+log = logging.getLogger(__name__)
+
+LINK_PROBE_BYTES = 64 << 20  # large enough to reach the link's full bandwidth
+
+
+def profile_resident(wm: WorkerModel, args: tuple, kwargs: dict, link: LinkCosts, device: torch.device, *,
+                     repeats: int, fixed_group_bytes: int) -> ModelProfile:
+    """Profile ``wm``, resident and bound, for these inputs: each layer's compute time,
+    and a plan for every strategy over ``link``. The caller keeps the profile."""
+    assert wm.order is not None
+
+    def run():
+        with torch.no_grad():
+            wm.module(*args, **kwargs)
+
+    run()  # warm-up
+    times = time_layers(wm.module, run, wm.layer_modules, device, repeats)
+    layer_bytes = [b - a for a, b in wm.layer_spans]
+    key = shape_key(args, kwargs)
+    profile = ModelProfile(
+        model=wm.name,
+        device=str(device),
+        shape_key=key,
+        layer_names=[layer.module or "<root>" for layer in wm.order.layers],
+        layer_bytes=layer_bytes,
+        compute_s=times.compute_s,
+        link=link,
+        ready_s=times.ready_s,
+        tail_bytes=wm.tail_span[1] - wm.tail_span[0],
+        plans={},
+    )
+    cost = profile.cost_model()
+    profile.plans = {s: make_plan(s, cost, layer_bytes, fixed_group_bytes) for s in STRATEGIES}
+    best = profile.plans["optimal"]
+    log.info("profiled %s for %s: %d layers, optimal %d groups, predicted %.2f ms (ready %.2f ms)",
+             wm.name, key, len(layer_bytes), len(best), best.predicted_s * 1e3, times.ready_s * 1e3)
+    return profile
+
+
+def probe_link(engine: CopyEngine, device: torch.device, *, pin_host: bool) -> LinkCosts:
+    """The link's costs, by copying a scratch host buffer to a scratch device buffer
+    through ``engine``; the scratch memory is given back before this returns."""
+    src = torch.full((LINK_PROBE_BYTES,), 7, dtype=torch.uint8, pin_memory=pin_host)
+    dst = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    link = measure_link(engine, src, dst, device)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    release_host_cache(device)
+    log.info("link: %.2f GB/s + %.1f us per load, alpha %.1f us, beta %.1f us, latency %.1f us, "
+             "queue %.1f us per group", link.bandwidth_Bps / 1e9, link.overhead_s * 1e6, link.alpha_s * 1e6,
+             link.beta_s * 1e6, link.latency_s * 1e6, link.queue_s * 1e6)
+    return link
+
+
+def owners_of(layout: TensorLayout) -> dict[str, list[nn.Module]]:
+    """Per tensor key, the distinct modules holding it, in store-entry order."""
+    owners: dict[str, list[nn.Module]] = {e.key: [] for e in layout.entries}
+    for slot in layout.slots:
+        if all(slot.module is not o for o in owners[slot.key]):
+            owners[slot.key].append(slot.module)
+    return owners
+
+
+def release_host_cache(device: torch.device) -> None:
+    """Give cached pinned host blocks back to the OS (CUDA builds that expose it)."""
+    if device.type == "cuda":
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
