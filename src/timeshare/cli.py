@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     global _COMMAND
     _COMMAND = shlex.join(["timeshare", *(sys.argv[1:] if argv is None else argv)])
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints where every thread is (the campaign does, on a time-out)
-        try:
-            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    stderr = sys.__stderr__ or sys.stderr  # faulthandler's own fallback; both are None without an fd 2
+    if hasattr(signal, "SIGUSR1") and stderr is not None:  # `kill -USR1 <pid>` prints where every thread is
+        try:  # (the campaign does, on a time-out)
+            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
         except (AttributeError, ValueError, OSError):  # no real stderr (embedded, captured): no stacks
             pass
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

@@ -332,10 +332,10 @@ def _models(args, console) -> int:
     table = Table()
     for col in ["name", "parameters", "inputs", "builder", "description"]:
         table.add_column(col)
-    for m in ZOO.values():
-        table.add_row(m.name, f"{m.parameters:,}", ", ".join(m.input_names), m.builder, m.description)
+    for zm in ZOO.values():
+        table.add_row(zm.name, f"{zm.parameters:,}", ", ".join(zm.input_names), zm.builder, zm.description)
         if args.generate:
-            weights_path(m.name)
+            weights_path(zm.name)
     console.print(table)
     return 0
 

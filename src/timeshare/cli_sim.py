@@ -165,18 +165,20 @@ def _sim_run(args) -> dict:
 
 def run_bench(args, console, run_bench_fn) -> int:
     if args.bench == "colocate":
-        from timeshare.bench.colocate import ColocateBenchConfig, run
+        from timeshare.bench.colocate import ColocateBenchConfig
+        from timeshare.bench.colocate import run as run_colocate
 
-        cfg = ColocateBenchConfig(model=args.model, batch=args.batch, device=args.device, train=args.train,
-                                  duration_s=args.duration, rate_per_s=args.rate, time_slice_s=args.time_slice,
-                                  workers=args.workers, memory=args.memory, seed=args.seed)
-        return run_bench_fn(run, cfg, lambda r: _print_colocate(console, r), args.json)
+        colocate = ColocateBenchConfig(model=args.model, batch=args.batch, device=args.device, train=args.train,
+                                       duration_s=args.duration, rate_per_s=args.rate, time_slice_s=args.time_slice,
+                                       workers=args.workers, memory=args.memory, seed=args.seed)
+        return run_bench_fn(run_colocate, colocate, lambda r: _print_colocate(console, r), args.json)
     if args.bench == "scheduler":
-        from timeshare.bench.scheduler import SchedulerBenchConfig, run
+        from timeshare.bench.scheduler import SchedulerBenchConfig
+        from timeshare.bench.scheduler import run as run_scheduler
 
-        cfg = SchedulerBenchConfig(queued=args.queued, decisions=args.decisions, requests=args.requests,
-                                   costs=tuple(args.costs or ()), seed=args.seed)
-        return run_bench_fn(run, cfg, lambda r: _print_scheduler(console, r), args.json)
+        scheduler = SchedulerBenchConfig(queued=args.queued, decisions=args.decisions, requests=args.requests,
+                                         costs=tuple(args.costs or ()), seed=args.seed)
+        return run_bench_fn(run_scheduler, scheduler, lambda r: _print_scheduler(console, r), args.json)
     return 2
 
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from timeshare.errors import ConfigError
 from timeshare.units import parse_bytes
@@ -340,7 +341,7 @@ def load_config(path: str | os.PathLike) -> Config:
     return parse_config(data, str(p))
 
 
-def _describe(error: dict) -> str:
+def _describe(error: ErrorDetails) -> str:
     path = ""
     for part in error["loc"]:
         if isinstance(part, int):

@@ -42,9 +42,9 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
 
     doc = yaml.safe_load(Path(cfg.config).read_text()) or {}
     config = parse_config(doc, str(cfg.config))
-    models = [(m.name, m.zoo) for m in config.models]
-    if not models or any(z is None for _, z in models):
+    if not config.models or any(m.zoo is None for m in config.models):
         raise ValueError("the demo replays zoo models: every model of its config needs 'zoo'")
+    models = [(m.name, m.zoo) for m in config.models if m.zoo is not None]  # all of them (checked above)
     cfg.out.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(doc, log_path=cfg.out / "server.log")
     t_start = time.perf_counter()

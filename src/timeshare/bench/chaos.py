@@ -17,6 +17,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Container
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def chaos_server_config(cfg: ChaosBenchConfig) -> dict:
 class _Recorder:
     """What the clients, the faults and the status poller saw, with times on one clock."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests: list[dict] = []
         self.faults: list[dict] = []
@@ -186,7 +187,8 @@ def _latest(rec: _Recorder) -> dict | None:
         return rec.status[-1][1] if rec.status else None
 
 
-def _find(rec: _Recorder, states: tuple[str, ...], within_s: float, exclude: set[int] = frozenset()) -> dict | None:
+def _find(rec: _Recorder, states: tuple[str, ...], within_s: float,
+          exclude: Container[int] = frozenset()) -> dict | None:
     """A worker in one of ``states`` (as the latest status says), waiting up to ``within_s``."""
     deadline = time.monotonic() + within_s
     while True:

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -102,14 +103,15 @@ def measure_idle(url: str, *, connections: int, header_timeout_s: float) -> dict
     try:
         while len(closed) < len(socks) and time.monotonic() < deadline:
             for key, _ in sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                s = key.fileobj
+                conn = key.fileobj
+                assert isinstance(conn, socket.socket), "only sockets are registered"
                 try:
-                    data = s.recv(65536)  # type: ignore[union-attr]
+                    data = conn.recv(65536)
                 except ConnectionError:
                     data = b""
                 if not data:  # closed by the server (an answer before the close is fine too)
-                    closed[s] = time.monotonic() - t0  # type: ignore[index]
-                    sel.unregister(s)
+                    closed[conn] = time.monotonic() - t0
+                    sel.unregister(conn)
     finally:
         sel.close()
         for s in socks:
@@ -122,6 +124,7 @@ def measure_idle(url: str, *, connections: int, header_timeout_s: float) -> dict
 
 def measure_large_header(url: str, *, header_bytes: int) -> dict:
     """See :func:`measure` (``large_header``)."""
+    status: int | str
     try:
         with httpx.Client(base_url=url, timeout=30) as http:
             status = http.get("/v2/health/live", headers={"X-Padding": "a" * header_bytes}).status_code
@@ -174,7 +177,7 @@ def run(cfg: HostileBenchConfig, progress=None) -> dict:
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
     body = int(cfg.body_mib * (1 << 20))
-    server = {"runtime": {"device": "cpu", "memory": "64MiB", "workers": 0},
+    server: dict[str, Any] = {"runtime": {"device": "cpu", "memory": "64MiB", "workers": 0},
               "server": {"header_timeout_s": cfg.header_timeout_s, "max_connections": cfg.idle_connections + 64,
                          "max_request_bytes": max(64 << 20, body + (1 << 20))},
               "models": [{"name": cfg.model, "zoo": cfg.model}]}

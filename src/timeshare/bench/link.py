@@ -130,7 +130,7 @@ def _host_buffer(n: int, device: torch.device) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
-def fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least squares ``y = a + x / bw`` over the sizes of at least 1 MiB (where the
     intercept is not lost in noise); returns ``(a, bw)``."""
     pts = [(x, y) for x, y in zip(xs, ys, strict=True) if x >= MiB] or list(zip(xs, ys, strict=True))

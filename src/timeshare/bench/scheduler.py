@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,8 +78,8 @@ def decision_latency(policy: str, queued: int, decisions: int, seed: int) -> dic
 def run(cfg: SchedulerBenchConfig, progress=lambda msg: None) -> dict:
     from timeshare.sim.experiments import serving
 
-    result = {"benchmark": "scheduler", "config": vars(cfg).copy(), "environment": describe(torch.device("cpu")),
-              "decision": []}
+    result: dict[str, Any] = {"benchmark": "scheduler", "config": vars(cfg).copy(),
+                              "environment": describe(torch.device("cpu")), "decision": []}
     for policy in sorted(POLICIES):
         progress(f"decision latency: {policy}")
         result["decision"].append(decision_latency(policy, cfg.queued, cfg.decisions, cfg.seed))

@@ -22,7 +22,7 @@ from timeshare.errors import ConfigError
 from timeshare.models.weights import read_weights
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.server.client import Client
+from timeshare.server.client import Answer, Client
 from timeshare.server.endpoint import flatten_outputs
 
 SMALL_MODELS = ["tiny_mlp", "tiny_cnn", "tiny_bert", "tied_lm"]
@@ -74,7 +74,7 @@ def references(cfg: ServeBenchConfig) -> dict[str, list[_Case]]:
 
 
 def server_config(cfg: ServeBenchConfig) -> dict:
-    memory = cfg.memory
+    memory: str | int | None = cfg.memory
     if memory is None:
         # The weights files' sizes stand for the models' (alignment and buffers add a little).
         sizes = sorted(weights_path(m).stat().st_size for m in cfg.models)
@@ -101,7 +101,8 @@ def drive(url: str, cfg: ServeBenchConfig, cases: dict[str, list[_Case]]) -> dic
         case = cases[model][k]
         rid = f"req-{i}"
         t0 = time.perf_counter()
-        statuses, answer = [], None
+        statuses: list[int | str] = []
+        answer: Answer | None = None
         for _attempt in range(cfg.retries + 1):
             try:
                 answer = client.infer(model, case.inputs, request_id=rid)
@@ -114,21 +115,24 @@ def drive(url: str, cfg: ServeBenchConfig, cases: dict[str, list[_Case]]) -> dic
                 break
             time.sleep(min(5.0, float(answer.retry_after or 1)))
         latency = time.perf_counter() - t0
-        ok = answer is not None and answer.status == 200
+        good = answer if answer is not None and answer.status == 200 else None
+        ok = good is not None
         mismatch = None
-        if ok:
-            if answer.id != rid:
-                mismatch = f"answer id {answer.id!r} for request {rid!r}"
+        if good is not None:
+            if good.id != rid:
+                mismatch = f"answer id {good.id!r} for request {rid!r}"
             else:
-                mismatch = compare_outputs(answer.outputs, case.reference)
+                mismatch = compare_outputs(good.outputs, case.reference)
         with lock:
-            if ok:  # an answer delivered for two requests shows up as one id seen twice
-                seen[answer.id] = seen.get(answer.id, 0) + 1
+            # An answer delivered for two requests shows up as one id seen twice; an answer
+            # without an id is a mismatch (above), not a duplicate.
+            if good is not None and good.id is not None:
+                seen[good.id] = seen.get(good.id, 0) + 1
             records.append({"id": i, "model": model, "latency_s": latency, "statuses": statuses, "ok": ok,
                             "mismatch": mismatch,
-                            "switched": bool(ok and answer.parameters.get("timeshare_switched_from")),
-                            "loaded": bool(ok and answer.parameters.get("timeshare_loaded")),
-                            "batch_rows": answer.parameters.get("timeshare_batch_rows") if ok else None})
+                            "switched": bool(good is not None and good.parameters.get("timeshare_switched_from")),
+                            "loaded": bool(good is not None and good.parameters.get("timeshare_loaded")),
+                            "batch_rows": good.parameters.get("timeshare_batch_rows") if good is not None else None})
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(cfg.clients) as pool:

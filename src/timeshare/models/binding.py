@@ -9,6 +9,7 @@ every slot, so the tie survives.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +41,9 @@ class TensorLayout:
         for s in self.slots:
             if s.key not in out:
                 holder = s.module._parameters if s.kind == "parameter" else s.module._buffers
-                out[s.key] = holder[s.attr]
+                t = holder[s.attr]
+                assert t is not None, f"slot {s.key} is empty: collect skips empty slots and bind fills them"
+                out[s.key] = t
         return out
 
 
@@ -52,7 +55,7 @@ def collect(module: nn.Module) -> TensorLayout:
     slots: list[Slot] = []
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
-        non_persistent = getattr(mod, "_non_persistent_buffers_set", set())
+        non_persistent: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
         for kind, holder in (("parameter", mod._parameters), ("buffer", mod._buffers)):
             for attr, t in holder.items():
                 if t is None:
@@ -101,7 +104,8 @@ def bind(layout: TensorLayout, tensors: dict[str, torch.Tensor]) -> dict[int, st
             else:
                 obj = t
             made[s.key] = obj
-        holder = s.module._parameters if s.kind == "parameter" else s.module._buffers
+        # Parameters (obj is the nn.Parameter made above) or buffers: two dict types under one name.
+        holder: dict[str, Any] = s.module._parameters if s.kind == "parameter" else s.module._buffers
         holder[s.attr] = obj
     return {id(obj): key for key, obj in made.items()}
 

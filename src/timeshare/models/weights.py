@@ -20,8 +20,9 @@ from timeshare.models.binding import TensorLayout
 WeightsSource = str | os.PathLike | Mapping[str, torch.Tensor]
 
 
-def read_weights(source: WeightsSource) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file (by name), or a copy of a state dict's mapping."""
+def read_weights(source: WeightsSource | object) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file (by name), or a copy of a state dict's mapping.
+    Anything else (a user's ``weights`` as given) raises :class:`WeightsError`."""
     if isinstance(source, Mapping):
         bad = [k for k, v in source.items() if not isinstance(v, torch.Tensor)]
         if bad:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, ModelError
 from timeshare.models.zoo import get as zoo_get
 from timeshare.tree import tensors_in
 
@@ -56,7 +56,10 @@ def synthetic_batches(model: str, batch: int) -> Iterator[tuple]:
 def synthetic_step(model, optimizer, batch) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     out = model(*batch)
-    loss = sum(t.float().pow(2).mean() for t in tensors_in(out) if t.is_floating_point())
+    terms = [t.float().pow(2).mean() for t in tensors_in(out) if t.is_floating_point()]
+    if not terms:  # sum() of nothing is the int 0, which has no backward()
+        raise ModelError(f"{type(model).__name__} has no floating-point output to train on")
+    loss = sum(terms[1:], terms[0])  # sum(terms) less its exact ``0 +``: the same additions, in order
     loss.backward()
     optimizer.step()
     return loss.detach()

@@ -48,6 +48,12 @@ _RUNNING = State.RUNNING
 _STOPPING = State.STOPPING
 
 
+def _lane(t: Task) -> int:
+    """The lane of an admitted task: set when it is admitted, kept until it leaves."""
+    assert t.lane is not None, f"task {t.id} is admitted but has no lane"
+    return t.lane
+
+
 class Scheduler:
     """Orders tasks by ``policy`` (a name or a :class:`Policy`), admits them under
     Salus's memory model when ``capacity`` (bytes) is given, preempts at preemption
@@ -206,13 +212,13 @@ class Scheduler:
     # Admitted tasks whose lane is busy are stepped over, at most _ASIDE of them.
     def _take(self) -> Task | None:
         """Pop the best task that can start now (admitting it if needed), or None."""
-        aside = []
+        aside: list[tuple] = []
         a = None
         if self.lanes is not None:
             lanes = self.lanes.lanes
             while len(aside) < _ASIDE:
                 a = self._peek(self._admitted)
-                if a is None or lanes[a.lane].busy is None:
+                if a is None or lanes[_lane(a)].busy is None:
                     break
                 aside.append(heappop(self._admitted))
                 a = None
@@ -231,8 +237,10 @@ class Scheduler:
             return None
         entry = heappop(self._heap)
         if self.lanes is not None:
-            n.lane = self.lanes.admit(n.id, n.persistent, n.ephemeral)
-            if self.lanes.lanes[n.lane].busy is not None:  # joined a busy lane: admitted, waits its turn
+            lane = self.lanes.admit(n.id, n.persistent, n.ephemeral)
+            assert lane is not None, "admit refused a task that _admissible accepted"
+            n.lane = lane
+            if self.lanes.lanes[lane].busy is not None:  # joined a busy lane: admitted, waits its turn
                 heappush(self._admitted, entry)
                 return self._take()
         return n
@@ -243,11 +251,13 @@ class Scheduler:
         n = self._peek(self._heap)
         if n is not None and not self._admissible(n):
             n = None
-        a = self._peek(self._admitted) if self.lanes is not None else None
-        if a is not None:
-            busy = self.lanes.lanes[a.lane].busy
-            if busy is not None and busy not in self.running:
-                a = None  # its lane is held by a task already stopping
+        a = None
+        if self.lanes is not None:
+            a = self._peek(self._admitted)
+            if a is not None:
+                busy = self.lanes.lanes[_lane(a)].busy
+                if busy is not None and busy not in self.running:
+                    a = None  # its lane is held by a task already stopping
         if a is None or n is None:
             return a or n
         return a if self.policy.key(a) < self.policy.key(n) else n
@@ -259,7 +269,7 @@ class Scheduler:
             if t is None:
                 break
             if lanes is not None:
-                lanes.lanes[t.lane].busy = t.id
+                lanes.lanes[_lane(t)].busy = t.id
             self._waiting -= 1
             self._run(t, now, t.lane)
             if self.max_batch > 1 and t.kind is Kind.INFERENCE:
@@ -281,7 +291,7 @@ class Scheduler:
         limit = max(1, int(self.max_batch * self.batch_factor)) - 1
         if not queue or limit <= 0:
             return
-        batch = []
+        batch: list[Task] = []
         while queue and len(batch) < limit:
             t = queue.popleft()
             if t.state is not _WAITING or t is head:
@@ -325,18 +335,21 @@ class Scheduler:
         """A running task whose time slice is used up and that a waiting task would come
         before. Packing with lanes: the waiting task must share its lane."""
         policy, q = self.policy, self.quantum_s
-        packed = self.lanes is not None and self.slots == math.inf
+        assert q is not None, "_slice_over is only called with time slices"
+        packed_lanes = self.lanes if self.slots == math.inf else None
+        packed = packed_lanes is not None
         best_key = policy.key(best) if best is not None else None
         for t in candidates:
+            assert t.segment_start is not None, "_run starts a segment for every running task"
             if now - t.segment_start < q or (best is None and not packed):
                 continue
-            if packed:
-                lane = self.lanes.lanes.get(t.lane)
+            if packed_lanes is not None:
+                lane = packed_lanes.lanes.get(t.lane) if t.lane is not None else None
                 waiting = [self.tasks[i] for i in lane.tasks if i != t.id and self.tasks[i].state is _WAITING] \
                     if lane is not None else []
                 if waiting and min(policy.key(w) for w in waiting) < policy.requeue_key(t, now):
                     return t
-            elif best_key < policy.requeue_key(t, now):
+            elif best_key is not None and best_key < policy.requeue_key(t, now):  # not packed: best is set
                 return t
         return None
 

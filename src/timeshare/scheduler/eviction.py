@@ -136,7 +136,7 @@ class SecondChancePolicy(EvictionPolicy):
     """
 
     name = "second_chance"
-    options = ("chances",)
+    options: tuple[str, ...] = ("chances",)
 
     def __init__(self, chances: int = 2) -> None:
         if isinstance(chances, bool) or not isinstance(chances, int) or chances < 1:

@@ -151,7 +151,7 @@ def make_room(
     now: float,
     protected: Iterable[str],
     attempt: Callable[[], T | None],
-    evict: Callable[[str], None],
+    evict: Callable[[str], object],  # its return value, if any, is not used
 ) -> tuple[T, list[str]]:
     """The make-room loop of every model cache (the runtime's residency and the
     simulator's): ``attempt()`` the placement; while it gives None, ``evict`` the first

@@ -54,6 +54,7 @@ class ModelCache:
     def _fits(self, nbytes: int) -> bool:
         if self.max_models is not None:
             return len(self.sizes) < self.max_models
+        assert self.capacity is not None, "__init__ sets exactly one of capacity and max_models"
         return self.used + nbytes <= self.capacity
 
     def _evict(self, model: str) -> None:

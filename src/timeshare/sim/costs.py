@@ -114,7 +114,7 @@ class WorkloadCosts:
             it = (long["jct"] - short["jct"]) / (long["iters"] - short["iters"])
             timing[key] = (it, max(0.0, short["jct"] - short["iters"] * it))
             per_sample[key] = it / key[1]
-        best = {}
+        best: dict[str, float] = {}
         for (model, _batch), s in per_sample.items():
             best[model] = min(best.get(model, math.inf), s)
         models = {}
