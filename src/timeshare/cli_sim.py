@@ -19,7 +19,7 @@ def add_sim_parser(sub) -> None:
     sim = sub.add_parser("sim",
                          help="trace-driven simulation of the scheduler").add_subparsers(dest="sim", required=True)
     p = sim.add_parser("salus", help="Salus's Table 1: every policy on 100 jobs from Salus's job pool")
-    p.add_argument("--pool", default=None, help="Salus's job pool CSV (default: data/salus-workloads.csv)")
+    p.add_argument("--pool", default=None, help="Salus's job pool CSV (default: the copy in timeshare/sim/data)")
     p.add_argument("--jobs", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=10, help="traces to run (the table shows the first; ratios over all)")

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
+from timeshare.dtypes import DATATYPE_NAMES
 from timeshare.errors import ConfigError
 from timeshare.units import parse_bytes
 
@@ -27,8 +28,7 @@ _UNION_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*\]|dict\[.*\]|functi
                         r"|constrained-\w+)$")
 
 # The Open Inference Protocol's tensor datatypes that models here can take or return.
-DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-             "FP16", "FP32", "FP64", "BF16")
+DATATYPES = DATATYPE_NAMES
 
 
 class _Strict(BaseModel):

@@ -37,7 +37,7 @@ def inputs_of(zoo: str, batch: int = 1, seed: int = 0) -> dict[str, torch.Tensor
 
 
 def json_request(inputs: dict[str, torch.Tensor], **extra) -> dict:
-    from timeshare.server.tensors import DATATYPES
+    from timeshare.dtypes import DATATYPES
 
     return {"inputs": [{"name": n, "shape": list(t.shape), "datatype": DATATYPES[t.dtype], "data": to_json_data(t)}
                        for n, t in inputs.items()], **extra}

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from timeshare.config import DEFAULT_CONFIG, ModelConfig, TensorSpec, load_config, parse_config
+from timeshare.dtypes import TORCH_DTYPES
 from timeshare.errors import BadRequest, ConfigError
 from timeshare.server.endpoint import Endpoint, OutputSpec, Pending, describe_outputs, flatten_outputs, split_outputs
-from timeshare.server.tensors import TORCH_DTYPES, from_binary, from_json, to_binary, to_json_data
+from timeshare.server.tensors import from_binary, from_json, to_binary, to_json_data
 
 ZOO_MODELS = ["resnet152", "inception_v3", "bert_base", "tiny_mlp", "tiny_cnn", "tiny_bert", "tied_lm"]
 

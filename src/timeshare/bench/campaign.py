@@ -33,7 +33,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+# The campaign is a tool of the repository (it runs the GPU test tier and writes into
+# bench/results): it runs from the checkout's root, as `make gpu-campaign` does.
+ROOT = Path.cwd()
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run on the CPU backend (to check the campaign itself)")
     args = parser.parse_args(argv)
+    if not (ROOT / "tests" / "gpu").is_dir():
+        print(f"the GPU campaign runs from the repository's root (no tests/gpu under {ROOT})", file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.steps.split(",") if n.strip()]
     unknown = [n for n in names if n not in STEPS]
     if unknown:

@@ -22,11 +22,11 @@ import torch
 from timeshare.bench.common import cast_inputs, outputs_equal, pause_job, resume_training
 from timeshare.bench.environment import describe
 from timeshare.device import resolve_device
+from timeshare.dtypes import parse_dtype
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.facade import Runtime
-from timeshare.runtime.registration import parse_dtype
 
 
 @dataclass

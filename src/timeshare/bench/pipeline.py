@@ -28,10 +28,10 @@ import torch
 from timeshare.bench.common import native_call, native_module, outputs_equal, stats_of
 from timeshare.bench.environment import describe
 from timeshare.bench.link import load_floor_ms
+from timeshare.dtypes import parse_dtype
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.facade import Runtime
-from timeshare.runtime.registration import parse_dtype
 from timeshare.transfer.planner import STRATEGIES
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from timeshare.bench.environment import describe
+from timeshare.errors import ConfigError
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.policies import POLICIES
 from timeshare.scheduler.task import Finished, Kind, Priority, Run, Stopped, Task
@@ -99,7 +100,10 @@ def load_costs(paths: tuple[str, ...] | list[str]) -> WorkloadCosts:
     from pathlib import Path
 
     if not paths:
-        root = Path(__file__).resolve().parents[3] / "bench" / "results"
+        root = Path("bench") / "results"  # the repository's measured costs, from its root
         paths = [str(root / "pipeline-cpu-epyc-2core-b1-fp32.json"), str(root / "pipeline-cpu-epyc-2core-b8-fp32.json"),
                  str(root / "switch-cpu-epyc-2core-b1-fp32.json")]
+    missing = [p for p in paths[:3] if not Path(p).is_file()]
+    if missing:
+        raise ConfigError(f"bench result files not found: {missing} (run from the repository's root, or pass them)")
     return WorkloadCosts.from_bench(*paths[:3])

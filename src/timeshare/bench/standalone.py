@@ -90,7 +90,7 @@ def main(argv: list[str]) -> None:
     import torch  # noqa: F401  (part of what a fresh process pays)
 
     from timeshare.device import resolve_device
-    from timeshare.runtime.registration import parse_dtype
+    from timeshare.dtypes import parse_dtype
 
     if mode == "train":
         train, batch, device = rest[0], int(rest[1]), resolve_device(rest[2])

@@ -49,13 +49,13 @@ from timeshare.bench.common import (
 from timeshare.bench.environment import describe
 from timeshare.bench.pipeline import DEFAULT_MODELS
 from timeshare.device import resolve_device
+from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.events import CallRecord
 from timeshare.runtime.facade import Runtime
-from timeshare.runtime.registration import parse_dtype
 
 BASELINES = ("two_processes", "one_process", "stop_and_start")
 

@@ -9,26 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError, ModelError
 from timeshare.models.binding import TensorLayout, collect
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, read_weights
 from timeshare.scheduler.task import Priority
 from timeshare.transfer.host_store import HostStore, TensorEntry
-
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp64": torch.float64, "float64": torch.float64,
-}
-
-
-def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    try:
-        return _DTYPES[str(value).lower()]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {value!r}; known: {sorted(_DTYPES)}") from None
 
 
 def model_spec(name: str, build: Builder, weights, example_inputs, example_kwargs: dict | None,

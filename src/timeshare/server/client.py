@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from timeshare.server.tensors import DATATYPES, TORCH_DTYPES, from_binary, to_binary
+from timeshare.dtypes import DATATYPES, TORCH_DTYPES
+from timeshare.server.tensors import from_binary, to_binary
 
 
 @dataclass

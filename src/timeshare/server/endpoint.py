@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from timeshare.config import ModelConfig, TensorSpec
+from timeshare.dtypes import TORCH_DTYPES, parse_dtype
 from timeshare.errors import BadRequest
 from timeshare.models.zoo import get as zoo_get
-from timeshare.runtime.registration import parse_dtype
-from timeshare.server.tensors import TORCH_DTYPES, datatype_of
+from timeshare.server.tensors import datatype_of
 
 
 class ModelState(enum.Enum):

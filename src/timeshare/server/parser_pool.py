@@ -35,11 +35,11 @@ from multiprocessing.context import SpawnProcess
 import torch
 
 from timeshare.config import ServerConfig
+from timeshare.dtypes import TORCH_DTYPES
 from timeshare.errors import BadRequest, TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.server.parser_process import parser_main
 from timeshare.server.parsing import json_size, parse_infer
 from timeshare.server.schemas import InferenceRequest
-from timeshare.server.tensors import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,9 @@ import math
 import numpy as np
 import torch
 
+from timeshare.dtypes import DATATYPES, TORCH_DTYPES
 from timeshare.errors import BadRequest, TimeshareError
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "UINT8": torch.uint8, "UINT16": torch.uint16, "UINT32": torch.uint32,
-    "UINT64": torch.uint64, "INT8": torch.int8, "INT16": torch.int16, "INT32": torch.int32,
-    "INT64": torch.int64, "FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64,
-    "BF16": torch.bfloat16,
-}
-DATATYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 _NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
           "FP32": np.float32, "FP64": np.float64}

@@ -2,7 +2,7 @@
 from measured data only. Runs in the simulator's process (the CLI).
 
 Two sources:
-  * Salus's job pool (``data/salus-workloads.csv``): per model and batch
+  * Salus's job pool (``timeshare/sim/data/salus-workloads.csv``): per model and batch
     size, the iteration time and start-up of a training job (NOTE [Salus job pool]);
   * timeshare's own benchmark JSON (``bench/results/pipeline-*.json``, and optionally
     ``switch-*.json``): per model, the ready latency at batch 1 and 8, the pipelined

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,6 @@ from timeshare.sim.trace import salus_trace, serving_trace
 
 log = logging.getLogger(__name__)
 
-_ROOT = Path(__file__).resolve().parents[3]
-DATA_DIRS = (_ROOT / "data", _ROOT.parent / "shared" / "data")  # the repository's copy first
 
 # Salus's Table 1 (minutes; 100 jobs, 2 x P100): ../shared/data/README.md
 SALUS_TABLE1 = {
@@ -35,11 +34,11 @@ SALUS_POLICIES = ("fifo", "srtf", "pack", "fair")
 
 
 def find_salus_pool(path: str | Path | None = None) -> Path:
-    candidates = [Path(path)] if path else [d / "salus-workloads.csv" for d in DATA_DIRS]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise ConfigError(f"Salus's job pool not found (looked at {', '.join(map(str, candidates))}); pass --pool")
+    """``path``, or the copy of Salus's job pool that ships with the package."""
+    candidate = Path(path) if path else Path(str(resources.files("timeshare.sim") / "data" / "salus-workloads.csv"))
+    if candidate.is_file():
+        return candidate
+    raise ConfigError(f"Salus's job pool not found at {candidate}; pass --pool")
 
 
 def salus(*, pool: str | Path | None = None, jobs: int = 100, seeds: int = 1, seed: int = 0,
