@@ -20,17 +20,18 @@ from contextlib import contextmanager
 import torch
 
 from timeshare.device import resolve_device, synchronize
-from timeshare.errors import ConfigError, DuplicateModelError, TimeshareError, UnknownModelError
+from timeshare.errors import ConfigError, DuplicateModelError, TimeshareError
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
 from timeshare.runtime import assembly, observe
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
+from timeshare.runtime.events import CallRecord, Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
 from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.runtime.table import ModelTable
 from timeshare.runtime.training import TrainingJob
 from timeshare.scheduler.eviction import make_eviction_policy
 from timeshare.scheduler.task import Kind, Priority
@@ -108,7 +109,6 @@ class Runtime:
         self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s)
         self.task_timeout_s = task_timeout_s  # a worker silent this long on a task is killed and replaced
         self.device = resolve_device(device)
-        self.strategy = strategy
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = parse_bytes(fixed_group_bytes, what="fixed_group_bytes")
         policy = make_eviction_policy(eviction)
@@ -127,11 +127,20 @@ class Runtime:
             raise
         self._jobs = JobTable()
         self._submitter: ThreadPoolExecutor | None = None
-        self._models: dict[str, ModelEntry] = {}
+        self._table = ModelTable(self._residency, self._exec, strategy)
         self._lock = threading.RLock()
         self._closed = False
-        self._failures = 0
-        self._listeners: list[Listener] = []
+
+    @property
+    def strategy(self) -> str:
+        """How loads are grouped when a call names no strategy; may be changed at any time."""
+        return self._table.strategy
+
+    @strategy.setter
+    def strategy(self, value: str) -> None:
+        if value not in STRATEGIES:
+            raise ConfigError(f"unknown grouping strategy {value!r}; known: {list(STRATEGIES)}")
+        self._table.strategy = value
 
     @property
     def poison_evicted(self) -> bool:
@@ -164,7 +173,7 @@ class Runtime:
         self._check_open()
         spec, priority = model_spec(name, build, weights, example_inputs, example_kwargs, dtype, priority, slo_s)
         with self._turn():
-            if name in self._models:
+            if name in self._table.entries:
                 raise DuplicateModelError(f"a model named {name!r} is already registered")
         self._exec.check_registrable(spec)
         module, layout, store = build_and_pack(spec)
@@ -173,7 +182,7 @@ class Runtime:
         unbind(layout)  # the module now holds no weights of its own
         with self._turn():
             try:
-                if name in self._models:
+                if name in self._table.entries:
                     raise DuplicateModelError(f"a model named {name!r} is already registered")
                 if packed.nbytes > self._arena.capacity:
                     log.warning("model %s (%s) is larger than the arena (%s)", name,
@@ -182,20 +191,20 @@ class Runtime:
             except BaseException:
                 self._exec.discard(packed)
                 raise
-            self._models[name] = ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s)
+            self._table.entries[name] = ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s)
         log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(packed.nbytes))
 
     def unregister(self, name: str) -> None:
         with self._turn():
             m = self._get(name)
-            self._evict(m)
+            self._table.evict(m)
             self._exec.remove(name)
-            del self._models[name]
+            del self._table.entries[name]
             release_host_cache(self.device)
 
     def models(self) -> list[str]:
         with self._turn():
-            return list(self._models)
+            return list(self._table.entries)
 
     def pin(self, name: str, pinned: bool = True) -> None:
         """A pinned model is never evicted to make room for another."""
@@ -205,12 +214,12 @@ class Runtime:
     def evict(self, name: str) -> bool:
         """Remove ``name`` from device memory; True if it was resident."""
         with self._turn():
-            return self._evict(self._get(name))
+            return self._table.evict(self._get(name))
 
     def resident(self) -> list[str]:
         """Names of the models in device memory, the first to evict first under the policy."""
         with self._turn():
-            return self._residency.order(self._models)
+            return self._residency.order(self._table.entries)
 
     def profile(self, name: str, *args, **kwargs) -> ModelProfile:
         """Profile ``name`` for these inputs (default: its example inputs) and plan its
@@ -223,7 +232,7 @@ class Runtime:
                 raise ConfigError(f"model {name!r} has no example inputs; pass inputs to profile()")
             args, kwargs = self._exec.inputs(args), self._exec.inputs(kwargs)
             if m.block is None:
-                self._run(m, args, kwargs, None)
+                self._table.run(m, args, kwargs, None)
             assert m.block is not None
             return self._exec.profile(name, m.block.offset, args, kwargs)
 
@@ -259,14 +268,14 @@ class Runtime:
             prev = turn.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
             try:
-                ran = self._run(m, self._exec.inputs(args), self._exec.inputs(kwargs), strategy)
+                ran = self._table.run(m, self._exec.inputs(args), self._exec.inputs(kwargs), strategy)
             except BaseException as exc:
-                self._failures += 1
-                self._emit(CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched,
+                self._table.failures += 1
+                self._table.emit(CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched,
                                       type(exc).__name__))
                 raise
             record = CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched, None, ran.timings)
-            self._emit(record)
+            self._table.emit(record)
             return Call(ran.output, record)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
@@ -285,14 +294,14 @@ class Runtime:
         ``name`` in a worker process started for this call, loading it from the host store."""
         with self._turn():
             m = self._get(name)
-            self._evict(m)
-            self._place(m)
+            self._table.evict(m)
+            self._table.place(m)
             assert m.block is not None
             try:
                 return self._exec.run_in_new_process(name, m.block.offset, self._exec.inputs(tuple(args)),
                                                      self._exec.inputs(kwargs or {}), self.strategy)
             finally:
-                self._evict(m)
+                self._table.evict(m)
 
     # ------------------------------------------------------------------ training
     def train(
@@ -356,14 +365,14 @@ class Runtime:
 
     def stats(self) -> dict:
         with self._turn():
-            return observe.stats(self.device, self._arena, self._residency, self._models)
+            return observe.stats(self.device, self._arena, self._residency, self._table.entries)
 
     def snapshot(self) -> dict:
         """Counters and memory for metrics, read without waiting for the device (a
         scrape must not queue behind a long inference): a consistent-enough view, not
         an atomic one."""
-        return observe.snapshot(self.device, self._arena, self._residency, self._models.values(),
-                                self._jobs.all().values(), self._exec, self._gate, self._failures)
+        return observe.snapshot(self.device, self._arena, self._residency, self._table.entries.values(),
+                                self._jobs.all().values(), self._exec, self._gate, self._table.failures)
 
     def diagnostics(self) -> dict:
         """For operators and white-box tests, without waiting for the device: the arena
@@ -371,7 +380,7 @@ class Runtime:
         and placement, the blocks quarantined because a copy may still write them, the
         tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
         with self._lock:
-            return observe.diagnostics(self._arena, self._residency, self._models, self._exec, self._gate)
+            return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate)
 
     def in_process_worker(self) -> Worker | None:
         """A test hook: the worker that runs the models in this process (None with
@@ -389,7 +398,7 @@ class Runtime:
         every inference and an :class:`~timeshare.runtime.events.EvictionRecord` after
         every eviction. It runs while the runtime is held: keep it quick; what it
         raises is logged, never passed to the caller."""
-        self._listeners.append(listener)
+        self._table.listeners.append(listener)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -405,9 +414,7 @@ class Runtime:
             submitter.shutdown(wait=True, cancel_futures=True)
         with self._turn():
             try:
-                for m in self._models.values():
-                    self._evict(m)
-                self._models.clear()
+                self._table.evict_all()
             finally:
                 try:
                     self._exec.close()
@@ -438,47 +445,9 @@ class Runtime:
             yield
 
     # ------------------------------------------------------------------ internals
-    def _run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None):
-        """Forward ``m`` on executor-ready inputs, loading it first if it is not resident."""
-        resident = m.block is not None
-        if not resident:
-            self._place(m)
-        assert m.block is not None
-        t0 = time.monotonic()
-        try:
-            ran = self._exec.run(m.name, m.block.offset, resident, args, kwargs, strategy or self.strategy)
-        except BaseException:
-            if not resident:
-                self._evict(m)  # a failed load leaves nothing behind
-            raise
-        if not resident:
-            m.loads += 1
-        self._residency.ran(m, loaded=not resident, seconds=time.monotonic() - t0, load_s=ran.load_s)
-        return ran
-
-    def _place(self, m: ModelEntry) -> None:
-        for victim in self._residency.place(m, self._models, self._exec.release):
-            self._emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
-
-    def _evict(self, m: ModelEntry) -> bool:
-        if not self._residency.evict(m, self._exec.release):
-            return False
-        self._emit(EvictionRecord(m.name, m.nbytes, time.monotonic()))
-        return True
-
-    def _emit(self, record: CallRecord | EvictionRecord) -> None:
-        for listener in self._listeners:
-            try:
-                listener(record)
-            except Exception:
-                log.exception("runtime listener %r failed on %r", listener, record)
-
     def _get(self, name: str) -> ModelEntry:
         self._check_open()
-        try:
-            return self._models[name]
-        except KeyError:
-            raise UnknownModelError(f"no model named {name!r} is registered; known: {sorted(self._models)}") from None
+        return self._table.get(name)
 
     def _check_open(self) -> None:
         if self._closed:
