@@ -398,3 +398,28 @@ def test_the_worker_task_deadline_is_settable_and_defaults_to_the_request_timeou
             assert service.runtime.task_timeout_s == expected
         finally:
             service.runtime.close()
+
+
+def test_a_non_resident_models_queue_lingers_only_while_the_runtime_thrashes():
+    from timeshare.server.runner import QueueRunner
+
+    class Runtime:  # stands in for the runtime's two readings the runner takes
+        factor, resident = 1.0, {}
+
+        def thrashing_factor(self):
+            return self.factor
+
+        def snapshot(self):
+            return {"resident": self.resident}
+
+    rt = Runtime()
+    runner = QueueRunner(runtime=lambda: rt, executor=None, metrics=None, request_timeout_s=30.0)
+    ep = Endpoint(ModelConfig(name="tiny_mlp", zoo="tiny_mlp"))
+    ep.batch_s = 0.1
+    assert runner.linger_s(ep) == 0.0  # not thrashing
+    rt.factor = 3.0
+    assert runner.linger_s(ep) == pytest.approx(0.2)  # two more batch durations
+    rt.resident = {"tiny_mlp": 1}
+    assert runner.linger_s(ep) == 0.0  # resident: nothing to amortize
+    rt.resident, ep.batch_s = {}, 100.0
+    assert runner.linger_s(ep) == pytest.approx(3.0)  # at most a tenth of the request timeout
