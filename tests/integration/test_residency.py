@@ -40,6 +40,7 @@ def _resident_after_pressure(policy: str) -> set[str]:
         rt.infer("big", xb)
         rt.infer("s1", xs)
         assert set(rt.resident()) == {"big", "s1"}
+        assert rt.is_resident("big") and not rt.is_resident("s2") and not rt.is_resident("nope")
         rt.infer("s2", xs)
         return set(rt.resident())
 

@@ -409,8 +409,8 @@ def test_a_non_resident_models_queue_lingers_only_while_the_runtime_thrashes():
         def thrashing_factor(self):
             return self.factor
 
-        def snapshot(self):
-            return {"resident": self.resident}
+        def is_resident(self, name):
+            return name in self.resident
 
     rt = Runtime()
     runner = QueueRunner(runtime=lambda: rt, executor=None, metrics=None, request_timeout_s=30.0)

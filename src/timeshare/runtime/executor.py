@@ -145,10 +145,8 @@ class InProcessExecutor:
             packed.store.release()
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str) -> Ran:
-        self._worker.last_load = None
         out = self._worker.run(name, offset, resident, args, kwargs, strategy)
-        load = self._worker.last_load
-        return Ran(self._worker.to_host(out), load_s=load.copy_seconds() if load is not None else None)
+        return Ran(self._worker.to_host(out), load_s=self._worker.load_seconds())
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         return self._worker.profile(name, offset, args, kwargs)

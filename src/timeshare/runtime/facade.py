@@ -387,6 +387,12 @@ class Runtime:
         workers), for white-box tests of loading and pinning."""
         return self._exec.in_process_worker()
 
+    def is_resident(self, name: str) -> bool:
+        """Whether ``name`` is in device memory now, read without waiting for the device
+        (for a server's queueing decisions; ``resident()`` waits its turn)."""
+        m = self._table.entries.get(name)
+        return m is not None and m.block is not None
+
     def thrashing_factor(self) -> float:
         """How much longer callers should let requests gather into batches: 1.0 unless
         thrashing control is on and loads dominate the device's recent time (up to 5.0)."""

@@ -61,7 +61,7 @@ class QueueRunner:
         so that one load serves more requests; at most a tenth of the request timeout."""
         rt = self._runtime()
         factor = rt.thrashing_factor()
-        if factor <= 1.0 or ep.name in rt.snapshot()["resident"]:
+        if factor <= 1.0 or rt.is_resident(ep.name):
             return 0.0
         return min((factor - 1.0) * ep.batch_s, self.request_timeout_s / 10)
 

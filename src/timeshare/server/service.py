@@ -182,7 +182,7 @@ class Service:
             raise Unavailable(f"model {name!r} is not loaded ({ep.state.value}: {ep.reason}); "
                               f"POST /v2/repository/models/{name}/load")
         if len(ep.queue) >= ep.cfg.max_queue:
-            resident = name in self._rt.snapshot()["resident"]
+            resident = self._rt.is_resident(name)
             self.metrics.rejected(name)
             raise Overloaded(f"model {name!r} has {len(ep.queue)} requests waiting (max_queue)",
                              ep.retry_after(resident))

@@ -100,7 +100,6 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             return P.Ack(msg.seq)
         if isinstance(msg, P.RunModel):
             t0 = time.perf_counter()
-            worker.last_load = None
             for profile in msg.profiles:
                 worker.adopt_profile(msg.model, profile)
             known = set(worker.models[msg.model].profiles)
@@ -118,7 +117,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 # host store or the input staging buffer (NOTE [Input staging]) is in flight.
                 torch.cuda.synchronize(device)
             t_sync = time.perf_counter()
-            load = worker.last_load.copy_seconds() if worker.last_load is not None else None
+            load = worker.load_seconds()
             profiles = worker.models[msg.model].profiles
             learned = tuple(p for k, p in profiles.items() if k not in known)
             # Where the worker's time went (the bench's breakdown of a call through a worker).

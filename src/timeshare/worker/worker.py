@@ -95,9 +95,15 @@ class Worker:
         return sum(wm.store.pinned_nbytes for wm in list(self.models.values()))
 
     # ------------------------------------------------------------------ execution
+    def load_seconds(self) -> float | None:
+        """How long the copies of the latest ``run``'s pipelined load took, once they are
+        over (None: that run loaded nothing pipelined, or its copies still run)."""
+        return self.last_load.copy_seconds() if self.last_load is not None else None
+
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str):
         """Forward ``name`` on device inputs. Its bytes are at ``offset`` if ``resident``;
         otherwise they are loaded there first (pipelined once the model is profiled)."""
+        self.last_load = None
         wm = self.models[name]
         if resident:
             self.finish_pending(name)
