@@ -113,5 +113,6 @@ def test_a_group_that_never_arrives_hits_the_deadline():
         h = engine.start(torch.ones(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8), [(0, 8)], "loading m")
         with pytest.raises(PipelineError, match=r"group 0 of 1 did not arrive within 0.2 s \(at loading m\)"):
             h.wait(0)
+        models.wait_until(h.done, 10, "the late copy")  # no copy thread left running past the test
     finally:
         engine.close()
