@@ -20,13 +20,13 @@ from contextlib import contextmanager
 import torch
 
 from timeshare.device import resolve_device, synchronize
-from timeshare.errors import ConfigError, DuplicateModelError, TimeshareError
+from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
 from timeshare.runtime import assembly, observe
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.events import CallRecord, Listener
+from timeshare.runtime.events import Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
 from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
@@ -173,25 +173,14 @@ class Runtime:
         self._check_open()
         spec, priority = model_spec(name, build, weights, example_inputs, example_kwargs, dtype, priority, slo_s)
         with self._turn():
-            if name in self._table.entries:
-                raise DuplicateModelError(f"a model named {name!r} is already registered")
+            self._table.check_free(name)
         self._exec.check_registrable(spec)
         module, layout, store = build_and_pack(spec)
         packed = self._exec.pack(spec, module, layout, store)
         del store
         unbind(layout)  # the module now holds no weights of its own
         with self._turn():
-            try:
-                if name in self._table.entries:
-                    raise DuplicateModelError(f"a model named {name!r} is already registered")
-                if packed.nbytes > self._arena.capacity:
-                    log.warning("model %s (%s) is larger than the arena (%s)", name,
-                                format_bytes(packed.nbytes), format_bytes(self._arena.capacity))
-                self._exec.add(packed)
-            except BaseException:
-                self._exec.discard(packed)
-                raise
-            self._table.entries[name] = ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s)
+            self._table.add(ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s), packed)
         log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(packed.nbytes))
 
     def unregister(self, name: str) -> None:
@@ -230,11 +219,7 @@ class Runtime:
                 args, kwargs = m.spec.example_inputs, m.spec.example_kwargs
             if not args and not kwargs:
                 raise ConfigError(f"model {name!r} has no example inputs; pass inputs to profile()")
-            args, kwargs = self._exec.inputs(args), self._exec.inputs(kwargs)
-            if m.block is None:
-                self._table.run(m, args, kwargs, None)
-            assert m.block is not None
-            return self._exec.profile(name, m.block.offset, args, kwargs)
+            return self._table.profile(m, args, kwargs)
 
     # ------------------------------------------------------------------ inference
     def infer(self, name: str, *args, **kwargs):
@@ -245,17 +230,12 @@ class Runtime:
         """
         return self.call(name, args, kwargs).output
 
-    def infer_since(self, name: str, arrived_at: float, args: tuple = (), kwargs: dict | None = None):
-        """``infer`` for a request that arrived at ``arrived_at`` (``time.monotonic()``)
-        and has queued elsewhere since (a server's queue): the model's SLO deadline
-        counts from then, not from when the call reaches the runtime."""
-        return self.call(name, args, kwargs, arrived_at=arrived_at).output
-
     def call(self, name: str, args: tuple = (), kwargs: dict | None = None, *, strategy: str | None = None,
              arrived_at: float | None = None) -> Call:
         """``infer`` that also returns the call's own record (timings, whether it loaded
         the model, what it switched from). ``strategy`` overrides the runtime's grouping
-        for this call's load, if it loads; ``arrived_at`` as in ``infer_since``."""
+        for this call's load, if it loads; ``arrived_at`` (``time.monotonic()``) is when a
+        request that queued elsewhere (a server's queue) arrived: its SLO deadline counts from then."""
         if strategy is not None and strategy not in STRATEGIES:
             raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
         args, kwargs = tuple(args), dict(kwargs or {})
@@ -263,20 +243,9 @@ class Runtime:
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
                                  arrived_at=arrived_at) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited
-            t0 = time.monotonic()
-            loaded = m.block is None
             prev = turn.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
-            try:
-                ran = self._table.run(m, self._exec.inputs(args), self._exec.inputs(kwargs), strategy)
-            except BaseException as exc:
-                self._table.failures += 1
-                self._table.emit(CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched,
-                                      type(exc).__name__))
-                raise
-            record = CallRecord(name, t0, time.monotonic() - t0, turn.waited_s, loaded, switched, None, ran.timings)
-            self._table.emit(record)
-            return Call(ran.output, record)
+            return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
@@ -293,15 +262,7 @@ class Runtime:
         """Benchmarks only (``bench switch``'s "two processes" baseline, PipeSwitch's): run
         ``name`` in a worker process started for this call, loading it from the host store."""
         with self._turn():
-            m = self._get(name)
-            self._table.evict(m)
-            self._table.place(m)
-            assert m.block is not None
-            try:
-                return self._exec.run_in_new_process(name, m.block.offset, self._exec.inputs(tuple(args)),
-                                                     self._exec.inputs(kwargs or {}), self.strategy)
-            finally:
-                self._table.evict(m)
+            return self._table.run_in_new_process(self._get(name), tuple(args), kwargs or {})
 
     # ------------------------------------------------------------------ training
     def train(

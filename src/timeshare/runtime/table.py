@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import time
 
-from timeshare.errors import UnknownModelError
-from timeshare.runtime.calls import Ran
+from timeshare.errors import DuplicateModelError, UnknownModelError
+from timeshare.runtime.calls import Call, Ran
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
-from timeshare.runtime.executor import Executor
+from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.transfer.profiler import ModelProfile
+from timeshare.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,25 @@ class ModelTable:
         except KeyError:
             raise UnknownModelError(f"no model named {name!r} is registered; known: {sorted(self.entries)}") from None
 
+    def check_free(self, name: str) -> None:
+        if name in self.entries:
+            raise DuplicateModelError(f"a model named {name!r} is already registered")
+
+    def add(self, entry: ModelEntry, packed: Packed) -> None:
+        """Hand ``packed`` to the executor and list ``entry``; on failure the executor
+        discards what it was handed, so a refused registration leaves nothing behind."""
+        try:
+            self.check_free(entry.name)
+            capacity = self.residency.arena.capacity
+            if packed.nbytes > capacity:
+                log.warning("model %s (%s) is larger than the arena (%s)", entry.name,
+                            format_bytes(packed.nbytes), format_bytes(capacity))
+            self.executor.add(packed)
+        except BaseException:
+            self.executor.discard(packed)
+            raise
+        self.entries[entry.name] = entry
+
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None) -> Ran:
         """Forward ``m`` on executor-ready inputs, loading it first if it is not resident."""
         resident = m.block is not None
@@ -49,6 +70,43 @@ class ModelTable:
             m.loads += 1
         self.residency.ran(m, loaded=not resident, seconds=time.monotonic() - t0, load_s=ran.load_s)
         return ran
+
+    def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
+             switched_from: str | None) -> Call:
+        """One inference on caller inputs: ``run`` with its record, emitted to the listeners
+        whether it succeeded or raised, and counted in ``failures`` if it raised."""
+        t0 = time.monotonic()
+        loaded = m.block is None
+        try:
+            ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy)
+        except BaseException as exc:
+            self.failures += 1
+            self.emit(CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from,
+                                 type(exc).__name__))
+            raise
+        record = CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from, None, ran.timings)
+        self.emit(record)
+        return Call(ran.output, record)
+
+    def profile(self, m: ModelEntry, args: tuple, kwargs: dict) -> ModelProfile:
+        """Profile ``m`` on caller inputs, loading it first if it is not resident."""
+        args, kwargs = self.executor.inputs(args), self.executor.inputs(kwargs)
+        if m.block is None:
+            self.run(m, args, kwargs, None)
+        assert m.block is not None
+        return self.executor.profile(m.name, m.block.offset, args, kwargs)
+
+    def run_in_new_process(self, m: ModelEntry, args: tuple, kwargs: dict):
+        """Load ``m`` from its host store into a worker started for this call and run it
+        there; its block is given back afterwards."""
+        self.evict(m)
+        self.place(m)
+        assert m.block is not None
+        try:
+            return self.executor.run_in_new_process(m.name, m.block.offset, self.executor.inputs(args),
+                                                    self.executor.inputs(kwargs), self.strategy)
+        finally:
+            self.evict(m)
 
     def place(self, m: ModelEntry) -> None:
         for victim in self.residency.place(m, self.entries, self.executor.release):
