@@ -10,7 +10,8 @@ Every error timeshare raises derives from :class:`TimeshareError`::
      │    ├── DuplicateModelError the name is taken
      │    └── WeightsError        weights missing, corrupt, or not matching the module
      ├── MemoryBudgetError        a model cannot be placed in the device arena
-     │    └── ModelTooLargeError  the model alone is larger than the whole budget
+     │    ├── ModelTooLargeError  the model alone is larger than the whole budget
+     │    └── LaneExceededError   a task's ephemeral memory outgrew its lane
      ├── PipelineError            a pipelined load failed or did not finish in time
      ├── WorkerError              a worker process failed a task (recoverable: a new
      │    │                       worker takes its place)
@@ -88,6 +89,25 @@ class ModelTooLargeError(MemoryBudgetError):
         self.model = model
         self.needed = needed
         self.capacity = capacity
+
+
+class LaneExceededError(MemoryBudgetError):
+    """A task's ephemeral memory outgrew its lane (NOTE [Salus lanes]): it fails alone,
+    and the tasks in other lanes go on."""
+
+    def __init__(self, task: str, lane: int | None, lane_bytes: int, asked: int):
+        where = f"lane {lane}" if lane is not None else "its lane"
+        super().__init__(
+            f"task {task!r} asked for {asked:,} bytes of ephemeral memory but {where} holds {lane_bytes:,}; "
+            "its profile is smaller than this request (a larger input?): profile it for these inputs"
+        )
+        self.task = task
+        self.lane = lane
+        self.lane_bytes = lane_bytes
+        self.asked = asked
+
+    def __reduce__(self):  # crosses processes as data
+        return (type(self), (self.task, self.lane, self.lane_bytes, self.asked))
 
 
 class PipelineError(TimeshareError):

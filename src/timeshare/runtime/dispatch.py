@@ -64,13 +64,26 @@ class Turn:
 
     waited_s: float = 0.0
     previous: tuple[Kind, str] | None = None
+    nested: bool = False  # a call inside a call: the outer one holds the runtime
+    lane: int | None = None  # with lanes (PACK): the lane it runs in, its size, and
+    lane_bytes: int | None = None  # how many tasks ran at once when it started
+    running: int = 1
 
 
 class Dispatcher:
-    def __init__(self, policy: str = "priority", *, time_slice_s: float | None = None, clock=time.monotonic):
-        if policy == "pack":
-            raise ConfigError("the runtime runs one task at a time; 'pack' is for the simulator")
-        self.scheduler = Scheduler(policy, quantum_s=time_slice_s, slots=1)
+    """``lane_memory``: with "pack", the bytes for lanes of ephemeral memory (NOTE [Salus
+    lanes]): tasks of different lanes run at the same time. Other policies run one task
+    at a time and take no lanes."""
+
+    def __init__(self, policy: str = "priority", *, time_slice_s: float | None = None,
+                 lane_memory: int | None = None, clock=time.monotonic):
+        self.packs = policy == "pack"
+        if self.packs:
+            if lane_memory is None or lane_memory <= 0:
+                raise ConfigError("scheduling 'pack' needs lane_memory: the bytes for ephemeral memory")
+            self.scheduler = Scheduler(policy, capacity=lane_memory, quantum_s=time_slice_s)
+        else:
+            self.scheduler = Scheduler(policy, quantum_s=time_slice_s, slots=1)
         self.clock = clock
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
@@ -84,15 +97,17 @@ class Dispatcher:
     # ------------------------------------------------------------------ calls
     @contextmanager
     def priority(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
-                 unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None):
+                 unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None,
+                 ephemeral: int = 0):
         """Hold the runtime for one call; yields its :class:`Turn`. Re-entrant in a
         thread (a call inside a call). ``deadline_s`` (an SLO) counts from ``arrived_at``
-        (on this dispatcher's clock) when given, else from now."""
+        (on this dispatcher's clock) when given, else from now. ``ephemeral``: with
+        lanes, the bytes the call's lane must hold (all of them: it runs alone)."""
         depth = getattr(self._local, "depth", 0)
         if depth:
             self._local.depth = depth + 1
             try:
-                yield Turn()
+                yield Turn(nested=True)
             finally:
                 self._local.depth -= 1
             return
@@ -100,7 +115,7 @@ class Dispatcher:
             now = self.clock()
             start = now if arrived_at is None else min(arrived_at, now)
             task = Task(next(self._ids), kind, model, now, 1.0, unit_s, priority,
-                        None if deadline_s is None else start + deadline_s)
+                        None if deadline_s is None else start + deadline_s, ephemeral=ephemeral)
             self.scheduler.submit(task, now)
             self._step()
             try:
@@ -115,7 +130,8 @@ class Dispatcher:
                     self.scheduler.update(Finished(task.id, self.clock()))
                 self._step()
                 raise
-            turn = Turn(self.clock() - now, self._previous.pop(task.id, None))
+            turn = Turn(self.clock() - now, self._previous.pop(task.id, None), lane=task.lane,
+                        lane_bytes=self._lane_size(task.lane), running=len(self.scheduler.running))
         self._local.depth = 1
         try:
             yield turn
@@ -192,6 +208,37 @@ class Dispatcher:
                     self.scheduler.release(task.id, self.clock())
                 self.scheduler.withdraw(task.id)
             self._step()
+
+    @property
+    def lane_capacity(self) -> int | None:
+        """The bytes for lanes (None without lanes)."""
+        lanes = self.scheduler.lanes
+        return None if lanes is None else lanes.capacity
+
+    def lanes(self) -> dict | None:
+        """The lanes now, for operators (None without lanes): capacity, bytes in lanes,
+        each lane's size, tasks and the one running, and tasks waiting for admission."""
+        with self._cond:
+            lanes = self.scheduler.lanes
+            if lanes is None:
+                return None
+            tasks = self.scheduler.tasks
+            return {
+                "capacity": lanes.capacity,
+                "persistent": lanes.persistent,
+                "in_lanes": lanes.lane_total,
+                "waiting_admission": sum(1 for t in tasks.values()
+                                         if t.state is State.WAITING and not lanes.admitted(t.id)),
+                "lanes": [{"id": lane.id, "size": lane.size, "tasks": len(lane.tasks),
+                           "running": tasks[lane.busy].model if lane.busy in tasks else None}
+                          for lane in lanes.lanes.values()],
+            }
+
+    def _lane_size(self, lane: int | None) -> int | None:
+        lanes = self.scheduler.lanes
+        if lanes is None or lane is None:
+            return None
+        return lanes.lanes[lane].size
 
     def notify(self) -> None:
         with self._cond:

@@ -21,6 +21,7 @@ from timeshare.device import host_registrar
 from timeshare.errors import ConfigError
 from timeshare.memory import Arena
 from timeshare.memory.arena import map_shared_memory, reserve_shared_memory
+from timeshare.memory.ephemeral import EphemeralMeter
 from timeshare.models.binding import TensorLayout, bind
 from timeshare.models.spec import ModelSpec
 from timeshare.runtime.calls import Ran
@@ -70,8 +71,10 @@ class Executor(Protocol):
     def discard(self, packed: Packed) -> None:
         """Give back what ``pack`` took for a model that was never added."""
 
-    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str) -> Ran:
-        """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there."""
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
+            meter: EphemeralMeter | None = None) -> Ran:
+        """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
+        ``meter``: count the forward's ephemeral bytes, and bound them (a lane's guard)."""
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         """Profile the resident model ``name`` for these inputs."""
@@ -144,9 +147,15 @@ class InProcessExecutor:
         if packed.store is not None:
             packed.store.release()
 
-    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str) -> Ran:
-        out = self._worker.run(name, offset, resident, args, kwargs, strategy)
-        return Ran(self._worker.to_host(out), load_s=self._worker.load_seconds())
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
+            meter: EphemeralMeter | None = None) -> Ran:
+        if meter is None:
+            out = self._worker.run(name, offset, resident, args, kwargs, strategy)
+        else:
+            with meter:  # NOTE [Counting ephemeral bytes]: this thread's operators only
+                out = self._worker.run(name, offset, resident, args, kwargs, strategy)
+        # A resident run may overlap another model's load (lanes): only a load reads the latest load.
+        return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds())
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         return self._worker.profile(name, offset, args, kwargs)
@@ -250,7 +259,10 @@ class PoolExecutor:
         if packed.segment is not None and packed.name not in self._segments:
             _unlink(packed.segment)
 
-    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str) -> Ran:
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
+            meter: EphemeralMeter | None = None) -> Ran:
+        if meter is not None:  # assembly refuses lanes with workers
+            raise ConfigError("lanes run in this process; a worker process cannot be metered")
         return self._pool.run(name, offset, resident, args, kwargs, strategy)
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:

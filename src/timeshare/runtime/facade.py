@@ -29,6 +29,7 @@ from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
+from timeshare.runtime.lanes import lanes_call, wait_idle
 from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.table import ModelTable
@@ -38,6 +39,7 @@ from timeshare.scheduler.task import Kind, Priority
 from timeshare.scheduler.thrashing import ThrashingDetector
 from timeshare.transfer.planner import STRATEGIES
 from timeshare.transfer.profiler import ModelProfile
+from timeshare.tree import shape_key
 from timeshare.units import format_bytes, parse_bytes
 from timeshare.worker.profiling import release_host_cache
 from timeshare.worker.worker import Worker
@@ -99,20 +101,27 @@ class Runtime:
         poison_evicted: bool = False,
         copy_delay_s: float = 0.0,
         thrashing: bool = False,
+        lane_memory: int | str = "auto",
     ):
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                                task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,
-                               copy_delay_s=copy_delay_s, workers=workers)
+                               copy_delay_s=copy_delay_s, workers=workers, scheduling=scheduling)
         # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
-        # before any memory is taken.
-        self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s)
+        # before any memory is taken (the lanes' budget is known once the arena is).
+        Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=1 if scheduling == "pack" else None)
         self.task_timeout_s = task_timeout_s  # a worker silent this long on a task is killed and replaced
         self.device = resolve_device(device)
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = parse_bytes(fixed_group_bytes, what="fixed_group_bytes")
         policy = make_eviction_policy(eviction)
         self._arena = arena = assembly.open_arena(self.device, memory)
+        try:
+            lanes = assembly.lane_budget(self.device, arena, lane_memory) if scheduling == "pack" else None
+            self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=lanes)
+        except BaseException:
+            arena.close()
+            raise
         self._residency = Residency(arena, policy, poison=poison_evicted,
                                     detector=ThrashingDetector() if thrashing else None)
         try:
@@ -129,6 +138,7 @@ class Runtime:
         self._submitter: ThreadPoolExecutor | None = None
         self._table = ModelTable(self._residency, self._exec, strategy)
         self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
         self._closed = False
 
     @property
@@ -186,6 +196,7 @@ class Runtime:
     def unregister(self, name: str) -> None:
         with self._turn():
             m = self._get(name)
+            self._wait_idle(m)
             self._table.evict(m)
             self._exec.remove(name)
             del self._table.entries[name]
@@ -203,7 +214,9 @@ class Runtime:
     def evict(self, name: str) -> bool:
         """Remove ``name`` from device memory; True if it was resident."""
         with self._turn():
-            return self._table.evict(self._get(name))
+            m = self._get(name)
+            self._wait_idle(m)
+            return self._table.evict(m)
 
     def resident(self) -> list[str]:
         """Names of the models in device memory, the first to evict first under the policy."""
@@ -240,12 +253,17 @@ class Runtime:
             raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
         args, kwargs = tuple(args), dict(kwargs or {})
         m = self._get(name)
+        lanes = self._gate.lane_capacity
+        ask = 0 if lanes is None else self._table.lane_ask(m, shape_key(args, kwargs), lanes)
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
-                                 arrived_at=arrived_at) as turn, self._lock:
+                                 arrived_at=arrived_at, ephemeral=ask) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited
             prev = turn.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
-            return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
+            if lanes is None:
+                return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
+            return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
+                              self.device)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
@@ -292,6 +310,8 @@ class Runtime:
         segments (NOTE [Switch protocol]); then every argument must be picklable, and
         the model is built there. Returns the job's handle.
         """
+        if self._gate.packs:
+            raise ConfigError("training jobs do not run in lanes yet: use a scheduling other than 'pack'")
         spec = training_spec(name, model, optimizer, data, step, iterations, offload, seed)
         self._exec.check_trainable(spec)
         with self._turn():
@@ -381,6 +401,8 @@ class Runtime:
             submitter.shutdown(wait=True, cancel_futures=True)
         with self._turn():
             try:
+                for m in self._table.entries.values():
+                    self._wait_idle(m)
                 self._table.evict_all()
             finally:
                 try:
@@ -419,6 +441,9 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise TimeshareError("this runtime is closed")
+
+    def _wait_idle(self, m: ModelEntry) -> None:
+        wait_idle(self._idle, m, self.task_timeout_s)
 
     @contextmanager
     def _turn(self, model: str = "", kind: Kind = Kind.CONTROL):

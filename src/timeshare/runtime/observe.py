@@ -50,6 +50,8 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
         "training_iterations": sum(j.stats.iterations for j in jobs),
         # With workers: the pool's size, the workers ready to serve, replacements so far.
         "workers": executor.health(),
+        # With lanes (PACK): their budget, each lane, admissions waiting (NOTE [Lanes in the runtime]).
+        "lanes": gate.lanes(),
     }
 
 
@@ -59,9 +61,11 @@ def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEn
     return {
         "arena": {"name": arena.shm_name, "capacity_bytes": alloc.capacity, "free_ranges": alloc.free_ranges()},
         "models": {n: {"nbytes": m.nbytes, "offset": m.block.offset if m.block is not None else None,
-                       "last_offset": m.last_offset, "loads": m.loads, "pinned": m.pinned}
+                       "last_offset": m.last_offset, "loads": m.loads, "pinned": m.pinned,
+                       "ephemeral_bytes": dict(m.ephemeral)}
                    for n, m in models.items()},
         "quarantined": residency.quarantined(),
         "scheduler_tasks": len(gate.scheduler.tasks),
+        "lanes": gate.lanes(),
         "workers": executor.health(),
     }

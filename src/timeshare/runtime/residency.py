@@ -5,9 +5,10 @@ the arena's ``poison`` diagnostic. Runs in the controller, under the runtime's l
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from timeshare.errors import MemoryBudgetError, ModelTooLargeError
 from timeshare.memory import Arena, Block
@@ -33,6 +34,12 @@ class ModelEntry:
     loads: int = 0
     priority: Priority = Priority.LATENCY_CRITICAL
     slo_s: float | None = None
+    # With lanes (NOTE [Lanes in the runtime]): calls running it outside the runtime's
+    # lock (its block cannot move meanwhile), the one-at-a-time lock of those calls,
+    # and the peak ephemeral bytes measured per input shape.
+    running: int = 0
+    alone: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    ephemeral: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -69,7 +76,7 @@ class Residency:
         if self.arena.allocator.rounded(need) > self.arena.capacity:
             raise ModelTooLargeError(m.name, need, self.arena.capacity)
         self.reclaim()
-        protected = {n for n, x in models.items() if x.pinned or x is m or x.block is None}
+        protected = {n for n, x in models.items() if x.pinned or x is m or x.block is None or x.running}
         try:
             block, evicted = make_room(self.policy, self.detector, time.monotonic(), protected,
                                        lambda: self._allocate(m), lambda name: self.evict(models[name], release))

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from timeshare.errors import DuplicateModelError, UnknownModelError
+from timeshare.memory.ephemeral import EphemeralMeter, lane_bytes
 from timeshare.runtime.calls import Call, Ran
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.transfer.profiler import ModelProfile
+from timeshare.tree import shape_key
 from timeshare.units import format_bytes
+
+Unlocked = Callable[[], AbstractContextManager]  # runs a block without the runtime's lock
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +59,33 @@ class ModelTable:
             raise
         self.entries[entry.name] = entry
 
-    def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None) -> Ran:
-        """Forward ``m`` on executor-ready inputs, loading it first if it is not resident."""
+    def lane_ask(self, m: ModelEntry, key: str, capacity: int) -> int:
+        """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
+        measured peak with headroom, or all of ``capacity`` (it runs alone) until measured."""
+        peak = m.ephemeral.get(key)
+        return capacity if peak is None else min(capacity, lane_bytes(peak))
+
+    def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
+            meter: EphemeralMeter | None = None, unlocked: Unlocked | None = None) -> Ran:
+        """Forward ``m`` on executor-ready inputs, loading it first if it is not resident.
+        ``unlocked``: a resident model's forward runs inside it, without the runtime's
+        lock (NOTE [Lanes in the runtime]); its block stays put meanwhile."""
         resident = m.block is not None
         if not resident:
             self.place(m)
         assert m.block is not None
         t0 = time.monotonic()
+        offset, strategy = m.block.offset, strategy or self.strategy
         try:
-            ran = self.executor.run(m.name, m.block.offset, resident, args, kwargs, strategy or self.strategy)
+            if resident and unlocked is not None:
+                m.running += 1
+                try:
+                    with unlocked(), m.alone:
+                        ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, meter)
+                finally:
+                    m.running -= 1
+            else:
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, meter)
         except BaseException:
             if not resident:
                 self.evict(m)  # a failed load leaves nothing behind
@@ -72,13 +96,19 @@ class ModelTable:
         return ran
 
     def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
-             switched_from: str | None) -> Call:
+             switched_from: str | None, meter: EphemeralMeter | None = None,
+             unlocked: Unlocked | None = None) -> Call:
         """One inference on caller inputs: ``run`` with its record, emitted to the listeners
-        whether it succeeded or raised, and counted in ``failures`` if it raised."""
+        whether it succeeded or raised, and counted in ``failures`` if it raised. With a
+        ``meter``, the call's peak ephemeral bytes are kept per input shape."""
         t0 = time.monotonic()
         loaded = m.block is None
         try:
-            ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy)
+            ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
+                           meter=meter, unlocked=unlocked)
+            if meter is not None:
+                key = shape_key(args, kwargs)
+                m.ephemeral[key] = max(m.ephemeral.get(key, 0), meter.peak)
         except BaseException as exc:
             self.failures += 1
             self.emit(CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from,
@@ -94,7 +124,9 @@ class ModelTable:
         if m.block is None:
             self.run(m, args, kwargs, None)
         assert m.block is not None
-        return self.executor.profile(m.name, m.block.offset, args, kwargs)
+        profile = self.executor.profile(m.name, m.block.offset, args, kwargs)
+        m.ephemeral[profile.shape_key] = max(m.ephemeral.get(profile.shape_key, 0), profile.ephemeral_bytes)
+        return profile
 
     def run_in_new_process(self, m: ModelEntry, args: tuple, kwargs: dict):
         """Load ``m`` from its host store into a worker started for this call and run it

@@ -360,6 +360,7 @@ class ModelProfile:
     ready_s: float
     tail_bytes: int
     plans: dict[str, Plan]
+    ephemeral_bytes: int = 0  # peak bytes of one call beyond the weights (NOTE [Counting ephemeral bytes])
 
     @property
     def transfer_s(self) -> list[float]:
@@ -381,6 +382,7 @@ class ModelProfile:
             "layers": len(self.layer_names),
             "bytes": sum(self.layer_bytes),
             "tail_bytes": self.tail_bytes,
+            "ephemeral_bytes": self.ephemeral_bytes,
             "bandwidth_GBps": self.link.bandwidth_Bps / 1e9,
             "alpha_us": self.link.alpha_s * 1e6,
             "beta_us": self.link.beta_s * 1e6,

@@ -117,7 +117,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 # host store or the input staging buffer (NOTE [Input staging]) is in flight.
                 torch.cuda.synchronize(device)
             t_sync = time.perf_counter()
-            load = worker.load_seconds()
+            load = None if msg.resident else worker.load_seconds()
             profiles = worker.models[msg.model].profiles
             learned = tuple(p for k, p in profiles.items() if k not in known)
             # Where the worker's time went (the bench's breakdown of a call through a worker).

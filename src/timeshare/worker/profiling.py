@@ -10,10 +10,12 @@ link at a worker's first profile.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from timeshare.memory.ephemeral import EphemeralMeter
 from timeshare.models.binding import TensorLayout
 from timeshare.transfer.copy import CopyEngine
 from timeshare.transfer.planner import STRATEGIES, make_plan
@@ -36,7 +38,7 @@ def profile_resident(wm: WorkerModel, args: tuple, kwargs: dict, link: LinkCosts
         with torch.no_grad():
             wm.module(*args, **kwargs)
 
-    run()  # warm-up
+    ephemeral = measure_ephemeral(run, device)  # also the warm-up
     times = time_layers(wm.module, run, wm.layer_modules, device, repeats)
     layer_bytes = [b - a for a, b in wm.layer_spans]
     key = shape_key(args, kwargs)
@@ -51,6 +53,7 @@ def profile_resident(wm: WorkerModel, args: tuple, kwargs: dict, link: LinkCosts
         ready_s=times.ready_s,
         tail_bytes=wm.tail_span[1] - wm.tail_span[0],
         plans={},
+        ephemeral_bytes=ephemeral,
     )
     cost = profile.cost_model()
     profile.plans = {s: make_plan(s, cost, layer_bytes, fixed_group_bytes) for s in STRATEGIES}
@@ -58,6 +61,23 @@ def profile_resident(wm: WorkerModel, args: tuple, kwargs: dict, link: LinkCosts
     log.info("profiled %s for %s: %d layers, optimal %d groups, predicted %.2f ms (ready %.2f ms)",
              wm.name, key, len(layer_bytes), len(best), best.predicted_s * 1e3, times.ready_s * 1e3)
     return profile
+
+
+def measure_ephemeral(run: Callable[[], object], device: torch.device) -> int:
+    """The peak bytes ``run`` holds beyond what exists before it: counted through the
+    dispatcher (NOTE [Counting ephemeral bytes]) and, on CUDA, also read from the
+    caching allocator's peak; the larger of the two."""
+    counted = EphemeralMeter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with counted:
+        run()
+    if device.type != "cuda":
+        return counted.peak
+    torch.cuda.synchronize(device)
+    return max(counted.peak, torch.cuda.max_memory_allocated(device) - base)
 
 
 def probe_link(engine: CopyEngine, device: torch.device, *, pin_host: bool) -> LinkCosts:

@@ -102,9 +102,11 @@ class Worker:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str):
         """Forward ``name`` on device inputs. Its bytes are at ``offset`` if ``resident``;
-        otherwise they are loaded there first (pipelined once the model is profiled)."""
-        self.last_load = None
+        otherwise they are loaded there first (pipelined once the model is profiled).
+        A resident run leaves ``last_load`` alone: with lanes it may overlap a load."""
         wm = self.models[name]
+        if not resident:
+            self.last_load = None
         if resident:
             self.finish_pending(name)
             self._bind(wm, offset)

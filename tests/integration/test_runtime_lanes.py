@@ -1,0 +1,180 @@
+"""Salus's lanes in the runtime (NOTE [Lanes in the runtime]): models of different lanes
+run side by side, each bounded by its lane; one that outgrows its lane fails alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from timeshare.errors import ConfigError, LaneExceededError
+from timeshare.runtime.facade import Runtime
+
+X = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+
+
+class Meeting(nn.Module):
+    """A linear layer whose forward, while ``barrier`` is set, waits for the forwards of
+    the other models sharing the barrier: it completes only if they run at the same time."""
+
+    barrier: threading.Barrier | None = None
+
+    def __init__(self, seed: int, meet: bool = True):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(64, 64)
+        self.meet = meet
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.meet and Meeting.barrier is not None:
+            Meeting.barrier.wait(timeout=10)
+        return torch.relu(y)
+
+
+class Greedy(nn.Module):
+    """Allocates as many floats as its input's first value says: same shape, any size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        scratch = torch.ones(int(x[0, 0].item()), 1024)
+        return self.lin(x) + scratch.sum() * 0
+
+
+@pytest.fixture
+def packed():
+    rt = Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB")
+    yield rt
+    Meeting.barrier = None
+    rt.close()
+
+
+def _reference(seed: int, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return Meeting(seed, meet=False)(x)
+
+
+def test_models_of_different_lanes_run_at_the_same_time(packed):
+    names = [f"m{i}" for i in range(3)]
+    for i, n in enumerate(names):
+        packed.register(n, lambda i=i: Meeting(i), example_inputs=(X,))
+        packed.infer(n, X)  # the first call of a shape runs alone and measures it
+    Meeting.barrier = threading.Barrier(len(names))
+    outs: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def call(n):
+        try:
+            outs[n] = packed.infer(n, X)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors  # a broken barrier: the forwards did not overlap
+    for i, n in enumerate(names):
+        assert torch.equal(outs[n], _reference(i, X))
+    lanes = packed.diagnostics()["lanes"]
+    assert lanes["capacity"] == 4 << 20 and lanes["lanes"] == []  # all given back
+
+
+def test_time_slicing_runs_them_one_at_a_time():
+    with Runtime("cpu", "16MiB", scheduling="fifo") as rt:
+        for i in range(2):
+            rt.register(f"m{i}", lambda i=i: Meeting(i), example_inputs=(X,))
+            rt.infer(f"m{i}", X)
+        Meeting.barrier = threading.Barrier(2, timeout=1)
+        errors: list[BaseException] = []
+
+        def call(n):
+            try:
+                rt.infer(n, X)
+            except BaseException as exc:
+                errors.append(exc)
+
+        try:
+            threads = [threading.Thread(target=call, args=(f"m{i}",)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+        finally:
+            Meeting.barrier = None
+        assert errors and all(isinstance(e, threading.BrokenBarrierError) for e in errors)
+
+
+def test_a_task_that_outgrows_its_lane_fails_alone(packed):
+    packed.register("greedy", Greedy, example_inputs=(torch.full((8, 64), 4.0),))
+    small = torch.full((8, 64), 4.0)  # 16 KiB of scratch
+    packed.infer("greedy", small)  # measured: the lane holds about this much
+    for i in range(2):
+        packed.register(f"m{i}", lambda i=i: Meeting(i), example_inputs=(X,))
+        packed.infer(f"m{i}", X)
+    Meeting.barrier = threading.Barrier(2)  # m0 and m1 meet while greedy overflows
+    huge = torch.full((8, 64), 512.0)  # 2 MiB of scratch: same shape, far beyond its profile
+    results: dict[str, object] = {}
+
+    def call(n, x):
+        try:
+            results[n] = packed.infer(n, x)
+        except BaseException as exc:
+            results[n] = exc
+
+    threads = [threading.Thread(target=call, args=a) for a in (("greedy", huge), ("m0", X), ("m1", X))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    err = results["greedy"]
+    assert isinstance(err, LaneExceededError), err
+    assert err.task == "greedy" and err.asked > err.lane_bytes and err.lane_bytes < (1 << 20)
+    for i in range(2):
+        assert torch.equal(results[f"m{i}"], _reference(i, X))
+    # The failed task left its model usable and nothing held.
+    assert torch.equal(packed.infer("greedy", small), _ref_greedy(packed, small))
+    assert packed.diagnostics()["lanes"]["lanes"] == []
+
+
+def _ref_greedy(rt: Runtime, x: torch.Tensor) -> torch.Tensor:
+    return rt.infer("greedy", x)  # deterministic: the same call twice gives the same bits
+
+
+def test_evicting_a_running_model_waits_for_its_call(packed):
+    packed.register("m0", lambda: Meeting(0), example_inputs=(X,))
+    packed.infer("m0", X)
+    Meeting.barrier = threading.Barrier(2)
+    out: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: out.append(packed.infer("m0", X)))
+    t.start()
+    evicted: list[bool] = []
+    e = threading.Thread(target=lambda: evicted.append(packed.evict("m0")))
+    e.start()
+    e.join(0.5)
+    assert e.is_alive() and "m0" in packed.resident()  # the eviction waits for the running call
+    Meeting.barrier.wait(timeout=10)  # let the forward finish
+    t.join(10)
+    e.join(10)
+    assert evicted == [True] and torch.equal(out[0], _reference(0, X))
+
+
+def test_the_profile_carries_ephemeral_bytes_and_sets_the_lane(packed):
+    packed.register("m0", lambda: Meeting(0), example_inputs=(X,))
+    profile = packed.profile("m0")
+    assert profile.ephemeral_bytes == 2 * 8 * 64 * 4  # the linear's output and the relu's
+    assert profile.summary()["ephemeral_bytes"] == profile.ephemeral_bytes
+
+
+def test_pack_is_refused_with_workers_and_for_training():
+    with pytest.raises(ConfigError, match="workers"):
+        Runtime("cpu", "16MiB", scheduling="pack", workers=2)
+    with Runtime("cpu", "16MiB", scheduling="pack") as rt, pytest.raises(ConfigError, match="lanes"):
+        rt.train("job", nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), [torch.ones(1, 2)],
+                 lambda model, opt, b: model(b).sum())
