@@ -60,8 +60,12 @@ class RuntimeConfig(_Strict):
     workers: Annotated[int, Field(ge=0, le=64)] = 0
     """Worker processes (0: models run in the server's process). Training jobs with
     workers need at least 2."""
-    scheduling: Literal["priority", "fifo", "fair", "srtf", "edf"] = "priority"
-    """Who gets the device next; "priority" lets inference preempt training."""
+    scheduling: Literal["priority", "fifo", "fair", "srtf", "edf", "pack"] = "priority"
+    """Who gets the device next; "priority" lets inference preempt training; "pack" runs
+    the calls of different memory lanes side by side (Salus's PACK; workers: 0, no training yet)."""
+    lane_memory: int | str = "auto"
+    """With "pack": the bytes for lanes of ephemeral memory (activations), beside the
+    arena; "auto": as much as the arena."""
     time_slice_s: Annotated[float, Field(gt=0)] | None = None
     """With "fifo" or "fair": how long a training job keeps the device before waiting calls run."""
     eviction: Literal["lru", "clock", "second_chance", "working_set", "cost"] = "lru"
@@ -83,13 +87,19 @@ class RuntimeConfig(_Strict):
     task_deadline_min_s: Annotated[float, Field(gt=0)] = 5.0
     """The shortest deadline a call gets, whatever its history."""
 
-    @field_validator("memory", mode="before")
+    @field_validator("memory", "lane_memory", mode="before")
     @classmethod
-    def _memory(cls, v):
+    def _memory(cls, v, info):
         if v == "auto":
             return v
-        _bytes_field(v, "memory")
+        _bytes_field(v, info.field_name)
         return v
+
+    @model_validator(mode="after")
+    def _pack(self):
+        if self.scheduling == "pack" and self.workers:
+            raise ValueError("scheduling 'pack' runs its lanes in the server's process: set workers to 0")
+        return self
 
 
 class ServerConfig(_Strict):
@@ -307,6 +317,8 @@ class Config(_Strict):
         dup = sorted({n for n in jobs if jobs.count(n) > 1})
         if dup:
             raise ValueError(f"training job names must be distinct; repeated: {dup}")
+        if self.training and self.runtime.scheduling == "pack":
+            raise ValueError("training jobs do not run in lanes yet: use a scheduling other than 'pack'")
         if self.training and self.runtime.workers == 1:
             raise ValueError("runtime.workers: training with workers needs at least 2 (or 0 for in-process)")
         return self

@@ -119,6 +119,17 @@ class _Levels:
                         {"inference": snap["inference_seconds"], "training": snap["training_seconds"]})
         yield _by_label(CounterMetricFamily, "timeshare_training_iterations", "Iterations done by each training job",
                         "job", snap["jobs"])
+        lanes = snap.get("lanes")
+        if lanes is not None:  # NOTE [Lanes in the runtime]
+            yield GaugeMetricFamily("timeshare_lanes", "Memory lanes now (scheduling: pack)", value=len(lanes["lanes"]))
+            yield GaugeMetricFamily("timeshare_lane_capacity_bytes", "The bytes for lanes of ephemeral memory",
+                                    value=lanes["capacity"])
+            yield GaugeMetricFamily("timeshare_lane_bytes", "Bytes the lanes now hold (the sum of their sizes)",
+                                    value=lanes["in_lanes"])
+            yield GaugeMetricFamily("timeshare_lanes_busy", "Lanes running a task now",
+                                    value=sum(1 for lane in lanes["lanes"] if lane["running"] is not None))
+            yield GaugeMetricFamily("timeshare_lane_admissions_waiting", "Tasks waiting for lane memory",
+                                    value=lanes["waiting_admission"])
         workers = snap.get("workers")
         if workers is not None:
             yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers["size"])
