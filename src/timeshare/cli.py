@@ -84,6 +84,24 @@ def main(argv: list[str] | None = None) -> int:
     _copy_delay_option(p)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    p = bench.add_parser("lanes", help="small models side by side in Salus's lanes vs time-slicing (PACK)",
+                         description="N small inference models, each with a closed-loop client, under "
+                         "scheduling 'pack' (memory lanes, calls of different lanes at the same time) and 'fifo' "
+                         "(one at a time) on the same runtime: aggregate throughput, added latency per request over "
+                         "each model alone, outputs bitwise equal to the model alone; plain PyTorch threads and the "
+                         "hardware bound beside them.")
+    p.add_argument("--model", default="small_resnet", help="zoo model of which N copies are served")
+    p.add_argument("--counts", default="4,8,16,42", help="numbers of models, comma-separated")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds of requests per mode and count")
+    p.add_argument("--memory", default="auto", help="arena size, e.g. 1GiB")
+    p.add_argument("--lane-memory", default="auto", help="bytes for lanes of ephemeral memory")
+    p.add_argument("--workers", type=int, default=0,
+                   help="worker processes (0: lanes are threads of this process, sharing its interpreter lock)")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    p.add_argument("--plot", type=Path, default=None, help="write the PACK timeline as a PNG")
+
     p = bench.add_parser("link", help="the ceilings: pinned host<->device and device copy bandwidth by size",
                          description="Pinned host-to-device and device-to-host bandwidth from 64 KiB to 1 GiB, both "
                          "at once, and a device-to-device copy, timed with device events; the fixed per-copy "
@@ -120,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_cycles(args)
         if args.command == "bench" and args.bench == "link":
             return _bench_link(args)
+        if args.command == "bench" and args.bench == "lanes":
+            return _bench_lanes(args)
         if args.command == "bench" and args.bench in ("colocate", "scheduler"):
             return run_bench(args, console, _run_bench)
         if args.command == "sim":
@@ -147,6 +167,44 @@ def _bench_pipeline(args) -> int:
     cfg = PipelineBenchConfig(models=models, batch=args.batch, dtype=args.dtype, device=args.device,
                               repeats=args.repeats, warmup=args.warmup, memory=args.memory)
     return _run_bench(run, cfg, _print_pipeline, args.json)
+
+
+def _bench_lanes(args) -> int:
+    from timeshare.bench.lanes import LanesBenchConfig, plot, run
+
+    try:
+        counts = tuple(int(c) for c in args.counts.split(",") if c.strip())
+    except ValueError:
+        err.print(f"[red]error:[/red] --counts must be comma-separated integers, got {args.counts!r}")
+        return 2
+    cfg = LanesBenchConfig(model=args.model, counts=counts, batch=args.batch, device=args.device,
+                           duration_s=args.duration, memory=args.memory, lane_memory=args.lane_memory,
+                           workers=args.workers)
+
+    def show(result: dict) -> None:
+        _print_lanes(result)
+        if args.plot:
+            plot(result, args.plot)
+            console.print(f"wrote {args.plot}")
+
+    return _run_bench(run, cfg, show, args.json)
+
+
+def _print_lanes(result: dict) -> None:
+    t = Table(title=f"bench lanes: {result['config']['model']} x N, batch {result['config']['batch']} on "
+                    f"{result['environment']['device']} ({result['environment']['cores']} cores); alone "
+                    f"{result['alone_ms']:.2f} ms")
+    for col in ("models", "fifo req/s", "pack req/s", "pack / fifo", "added ms fifo", "added ms pack",
+                "plain PyTorch req/s", "bound req/s", "exact"):
+        t.add_column(col, justify="right")
+    for r in result["rows"]:
+        bound = r["bound_req_per_s"]
+        t.add_row(str(r["models"]), f"{r['fifo']['req_per_s']:.0f}", f"{r['pack']['req_per_s']:.0f}",
+                  f"{r['pack_over_fifo']:.2f}x", f"{r['fifo']['added_latency_ms']:.2f}",
+                  f"{r['pack']['added_latency_ms']:.2f}", f"{r['plain_pytorch_req_per_s']:.0f}",
+                  "-" if bound is None else f"{bound:.0f}",
+                  "yes" if r["fifo"]["outputs_exact"] and r["pack"]["outputs_exact"] else "NO")
+    console.print(t)
 
 
 def _bench_link(args) -> int:

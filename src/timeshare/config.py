@@ -62,10 +62,12 @@ class RuntimeConfig(_Strict):
     workers need at least 2."""
     scheduling: Literal["priority", "fifo", "fair", "srtf", "edf", "pack"] = "priority"
     """Who gets the device next; "priority" lets inference preempt training; "pack" runs
-    the calls of different memory lanes side by side (Salus's PACK; workers: 0, no training yet)."""
+    the calls of different memory lanes side by side (Salus's PACK; no training jobs yet)."""
     lane_memory: int | str = "auto"
     """With "pack": the bytes for lanes of ephemeral memory (activations), beside the
     arena; "auto": as much as the arena."""
+    lane_threads: Annotated[int, Field(ge=1)] | None = None
+    """With "pack" on the CPU: the cores each lane's forward uses (default: half of them)."""
     time_slice_s: Annotated[float, Field(gt=0)] | None = None
     """With "fifo" or "fair": how long a training job keeps the device before waiting calls run."""
     eviction: Literal["lru", "clock", "second_chance", "working_set", "cost"] = "lru"
@@ -94,12 +96,6 @@ class RuntimeConfig(_Strict):
             return v
         _bytes_field(v, info.field_name)
         return v
-
-    @model_validator(mode="after")
-    def _pack(self):
-        if self.scheduling == "pack" and self.workers:
-            raise ValueError("scheduling 'pack' runs its lanes in the server's process: set workers to 0")
-        return self
 
 
 class ServerConfig(_Strict):

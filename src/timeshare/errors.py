@@ -105,9 +105,10 @@ class LaneExceededError(MemoryBudgetError):
         self.lane = lane
         self.lane_bytes = lane_bytes
         self.asked = asked
+        self.init_args = (task, lane, lane_bytes, asked)  # crosses processes as data (protocol.ErrorInfo)
 
-    def __reduce__(self):  # crosses processes as data
-        return (type(self), (self.task, self.lane, self.lane_bytes, self.asked))
+    def __reduce__(self):
+        return (type(self), self.init_args)
 
 
 class PipelineError(TimeshareError):

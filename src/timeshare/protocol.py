@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timeshare import errors
+from timeshare.memory.ephemeral import LaneBound
 from timeshare.transfer.host_store import TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder
 
@@ -89,6 +90,7 @@ class RunModel:
     kwargs: dict
     strategy: str
     profiles: tuple = ()  # ModelProfiles other workers measured that this one lacks
+    lane: LaneBound | None = None  # NOTE [Lanes in the runtime]: the forward is metered and bounded
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class ErrorInfo:
     traceback: str = ""
     timeshare_type: str | None = None  # set when it is one of timeshare's own errors
     in_task: bool = False  # raised by the task's own code (a forward, a training step), not the worker's
+    init_args: tuple | None = None  # for an error built from fields (``init_args``), not from a message
 
     @classmethod
     def capture(cls, exc: BaseException, where: str, *, in_task: bool = False) -> ErrorInfo:
@@ -190,6 +193,7 @@ class ErrorInfo:
             traceback="".join(traceback.format_exception(exc)),
             timeshare_type=own,
             in_task=in_task,
+            init_args=getattr(exc, "init_args", None) if own else None,
         )
 
     def to_exception(self) -> errors.TimeshareError:
@@ -198,9 +202,12 @@ class ErrorInfo:
         cls = getattr(errors, self.timeshare_type or "", None)
         if isinstance(cls, type) and issubclass(cls, errors.TimeshareError) and cls is not errors.ModelTooLargeError:
             try:
-                return cls(self.message, where=self.where)
+                exc = cls(*self.init_args) if self.init_args is not None else cls(self.message, where=self.where)
             except TypeError:
                 pass
+            else:
+                exc.where = self.where
+                return exc
         return errors.RemoteError(
             f"{self.type_name}: {self.message}", where=self.where, remote_type=self.type_name,
             remote_traceback=self.traceback, in_task=self.in_task,

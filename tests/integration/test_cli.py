@@ -108,3 +108,22 @@ def test_bench_hostile_measures_the_limits_and_the_baseline(tmp_path, capsys):
     assert ours["large_header"]["status"] == 431
     assert ours["admin"]["cross_site_status"] == 403 and ours["admin"]["rebinding_status"] == 403
     assert "bench hostile" in capsys.readouterr().out
+
+
+def test_bench_lanes_packs_and_time_slices_with_exact_outputs(tmp_path, capsys):
+    path, png = tmp_path / "lanes.json", tmp_path / "lanes.png"
+    code = cli.main(["bench", "lanes", "--model", "tiny_cnn", "--counts", "2,3", "--duration", "0.5", "--device", "cpu",
+                     "--memory", "16MiB", "--json", str(path), "--plot", str(png)])
+    assert code == 0
+    assert "bench lanes" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["outputs_exact"] is True and [r["models"] for r in data["rows"]] == [2, 3]
+    for r in data["rows"]:
+        assert r["fifo"]["requests"] > 0 and r["pack"]["requests"] > 0 and r["plain_pytorch_req_per_s"] > 0
+        assert r["pack"]["lanes_seen"] and not r["fifo"]["lanes_seen"]
+    # Under PACK, forwards of different models overlap in time (the timeline's point).
+    spans = sorted(data["timeline"], key=lambda s: s["start_s"])
+    assert any(b["model"] != a["model"] and b["start_s"] < a["start_s"] + a["seconds"]
+               for a, b in zip(spans, spans[1:]))
+    assert png.stat().st_size > 0
+    assert cli.main(["bench", "lanes", "--counts", "2,x"]) == 2

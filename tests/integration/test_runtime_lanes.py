@@ -3,7 +3,11 @@ run side by side, each bounded by its lane; one that outgrows its lane fails alo
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,9 +176,68 @@ def test_the_profile_carries_ephemeral_bytes_and_sets_the_lane(packed):
     assert profile.summary()["ephemeral_bytes"] == profile.ephemeral_bytes
 
 
-def test_pack_is_refused_with_workers_and_for_training():
-    with pytest.raises(ConfigError, match="workers"):
-        Runtime("cpu", "16MiB", scheduling="pack", workers=2)
+def test_pack_refuses_training_jobs_for_now():
     with Runtime("cpu", "16MiB", scheduling="pack") as rt, pytest.raises(ConfigError, match="lanes"):
         rt.train("job", nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), [torch.ones(1, 2)],
                  lambda model, opt, b: model(b).sum())
+
+
+class FileMeeting(nn.Module):
+    """``Meeting`` across processes: once ``$TS_MEET_DIR/go`` exists, each forward leaves
+    a mark in that directory and waits until two marks are there."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = torch.relu(self.lin(x))
+        where = Path(os.environ["TS_MEET_DIR"])
+        if (where / "go").exists():
+            (where / f"mark-{os.getpid()}-{time.monotonic_ns()}").touch()
+            deadline = time.monotonic() + 10
+            while len(list(where.glob("mark-*"))) < 2:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the other model's forward never ran at the same time")
+                time.sleep(0.005)
+        return y
+
+
+def file_meeting_0() -> FileMeeting:
+    return FileMeeting(0)
+
+
+def file_meeting_1() -> FileMeeting:
+    return FileMeeting(1)
+
+
+def test_with_workers_lanes_run_in_worker_processes_side_by_side(tmp_path, monkeypatch):
+    monkeypatch.setenv("TS_MEET_DIR", str(tmp_path))  # the workers inherit it
+    here = "tests.integration.test_runtime_lanes"
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", workers=2) as rt:
+        for i in range(2):
+            rt.register(f"m{i}", f"{here}:file_meeting_{i}", example_inputs=(X,))
+            rt.infer(f"m{i}", X)
+            rt.infer(f"m{i}", X)  # measured: no longer asks for every lane's bytes
+        (tmp_path / "go").touch()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = {i: pool.submit(rt.infer, f"m{i}", X) for i in range(2)}
+            outs = {i: f.result(60) for i, f in futures.items()}
+        for i in range(2):
+            with torch.no_grad():
+                assert torch.equal(outs[i], torch.relu(FileMeeting(i).lin(X)))
+        # A worker's lane guard fails its call with the lane's own error, fields and all.
+        (tmp_path / "go").unlink()
+        rt.register("greedy", f"{here}:greedy", example_inputs=(torch.full((8, 64), 4.0),))
+        rt.infer("greedy", torch.full((8, 64), 4.0))
+        rt.infer("greedy", torch.full((8, 64), 4.0))
+        with pytest.raises(LaneExceededError) as info:
+            rt.infer("greedy", torch.full((8, 64), 512.0))
+        assert info.value.task == "greedy" and info.value.asked > info.value.lane_bytes
+        assert torch.equal(rt.infer("m0", X), outs[0])  # the pool is whole
+
+
+def greedy() -> Greedy:
+    torch.manual_seed(0)
+    return Greedy()

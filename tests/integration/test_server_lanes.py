@@ -38,7 +38,6 @@ def test_packed_models_answer_correctly_and_lanes_are_observable():
 
 
 @pytest.mark.parametrize("runtime, extra, words", [
-    ({"scheduling": "pack", "workers": 2}, {}, "workers to 0"),
     ({"scheduling": "pack"}, {"training": [{"name": "bg", "model": "tiny_cnn"}]}, "lanes yet"),
     ({"scheduling": "pack", "lane_memory": "lots"}, {}, "lane_memory"),
 ])

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from timeshare.errors import LaneExceededError, MemoryBudgetError
-from timeshare.memory.ephemeral import EphemeralMeter, lane_bytes
-from timeshare.runtime.lanes import cpu_share
+from timeshare.memory.ephemeral import EphemeralMeter, cpu_share, lane_bytes
 
 KIB4 = 1024 * 4  # bytes of 1024 float32
 
@@ -82,7 +81,7 @@ def test_cpu_share_is_per_thread_and_put_back():
     inside = []
 
     def run():
-        with cpu_share(torch.device("cpu"), running=64):
+        with cpu_share(torch.device("cpu"), threads=1):
             inside.append(torch.get_num_threads())
         inside.append(torch.get_num_threads())
 

@@ -4,7 +4,7 @@ persistent weights and state, counted as it runs, and the bound of a memory lane
 # NOTE [Counting ephemeral bytes]
 A meter is a dispatch mode: every operator's outputs pass through it. An output whose
 storage is new (not one of the operator's inputs: views and in-place results share
-theirs) is counted live until its storage is freed, through a finalizer on the storage.
+theirs) is counted live until its storage is freed, through a weak reference to it.
 The peak of the live count is the task's ephemeral memory. Temporaries that a kernel
 allocates and frees inside one operator are not seen, and neither is the caching
 allocator's rounding: on CUDA, profiling also reads the allocator's peak, and lanes
@@ -20,12 +20,16 @@ the guard bounds what a task may hold, one operator's worth of overshoot aside.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from timeshare.errors import LaneExceededError
 
@@ -43,39 +47,94 @@ class EphemeralMeter(TorchDispatchMode):
         self.lane = lane
         self.live = 0
         self.peak = 0
-        self._sizes: dict[int, int] = {}
+        self._sizes: dict[int, tuple[int, weakref.ref]] = {}  # storage -> its bytes, a ref that reports its end
         self._lock = threading.Lock()  # finalizers run in whichever thread frees the storage
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = None
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            nbytes = storage.nbytes()
-            key = storage.data_ptr()
-            if nbytes == 0 or key in self._sizes:
-                continue
-            if inputs is None:
-                inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
-                          if isinstance(a, torch.Tensor)}
-            if key in inputs:
-                continue
-            with self._lock:
-                self._sizes[key] = nbytes
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-                over = self.limit is not None and self.live > self.limit
-            weakref.finalize(storage, self._freed, key)
-            if over:
-                assert self.limit is not None
-                raise LaneExceededError(self.task, self.lane, self.limit, self.live)
+        if type(out) is torch.Tensor:  # the common case first: this runs for every operator
+            self._count(out, args)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if type(t) is torch.Tensor:
+                    self._count(t, args)
         return out
 
-    def _freed(self, key: int) -> None:
+    def _count(self, t: torch.Tensor, args: tuple) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._sizes:
+            return
+        for a in args:  # a view or an in-place result shares its input's storage
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == key:
+                return
+            if isinstance(a, (tuple, list)) and any(
+                    isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == key for x in a):
+                return
+        nbytes = storage.nbytes()
+        if not nbytes:
+            return
         with self._lock:
-            self.live -= self._sizes.pop(key, 0)
+            self._sizes[key] = (nbytes, weakref.ref(storage, functools.partial(self._freed, key)))
+            self.live += nbytes
+            if self.live > self.peak:
+                self.peak = self.live
+            over = self.limit is not None and self.live > self.limit
+        if over:
+            assert self.limit is not None
+            raise LaneExceededError(self.task, self.lane, self.limit, self.live)
+
+    def _freed(self, key: int, _ref: object = None) -> None:
+        with self._lock:
+            entry = self._sizes.pop(key, None)
+            if entry is not None:
+                self.live -= entry[0]
+
+
+@dataclass(frozen=True)
+class LaneBound:
+    """What a call in a lane runs with, in whichever process runs it: its task's name,
+    the lane and its size in bytes (None: metered, not bounded), and the cores it may
+    use (None: all)."""
+
+    task: str
+    lane: int | None
+    limit: int | None
+    threads: int | None = None
+
+
+@contextmanager
+def in_lane(lane: LaneBound | None, device: torch.device) -> Iterator[EphemeralMeter | None]:
+    """Run a block as a call in ``lane``: metered and bounded (NOTE [Counting ephemeral
+    bytes]), on its share of the cores. Without a lane: nothing changes, no meter."""
+    if lane is None:
+        yield None
+        return
+    with cpu_share(device, lane.threads), EphemeralMeter(lane.limit, task=lane.task, lane=lane.lane) as meter:
+        yield meter
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def cpu_share(device: torch.device, threads: int | None) -> Iterator[None]:
+    """On the CPU, this thread's operators use ``threads`` cores (None: unchanged); the
+    setting is per thread and is put back afterwards."""
+    if device.type != "cpu" or threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def lane_bytes(peak: int) -> int:

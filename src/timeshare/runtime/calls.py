@@ -17,6 +17,7 @@ class Ran:
     output: Any
     timings: dict | None = None
     load_s: float | None = None  # the copies of a load, first start to last arrival, when measured
+    ephemeral_peak: int | None = None  # in a lane: the forward's peak ephemeral bytes
 
 
 @dataclass(frozen=True)

@@ -65,23 +65,23 @@ class Turn:
     waited_s: float = 0.0
     previous: tuple[Kind, str] | None = None
     nested: bool = False  # a call inside a call: the outer one holds the runtime
-    lane: int | None = None  # with lanes (PACK): the lane it runs in, its size, and
-    lane_bytes: int | None = None  # how many tasks ran at once when it started
-    running: int = 1
+    lane: int | None = None  # with lanes (PACK): the lane it runs in and its size
+    lane_bytes: int | None = None
 
 
 class Dispatcher:
     """``lane_memory``: with "pack", the bytes for lanes of ephemeral memory (NOTE [Salus
-    lanes]): tasks of different lanes run at the same time. Other policies run one task
-    at a time and take no lanes."""
+    lanes]): tasks of different lanes run at the same time, at most ``slots`` (None: as
+    many as lanes allow; with workers, one per worker). Other policies run one task at a
+    time and take no lanes."""
 
     def __init__(self, policy: str = "priority", *, time_slice_s: float | None = None,
-                 lane_memory: int | None = None, clock=time.monotonic):
+                 lane_memory: int | None = None, slots: int | None = None, clock=time.monotonic):
         self.packs = policy == "pack"
         if self.packs:
             if lane_memory is None or lane_memory <= 0:
                 raise ConfigError("scheduling 'pack' needs lane_memory: the bytes for ephemeral memory")
-            self.scheduler = Scheduler(policy, capacity=lane_memory, quantum_s=time_slice_s)
+            self.scheduler = Scheduler(policy, capacity=lane_memory, quantum_s=time_slice_s, slots=slots)
         else:
             self.scheduler = Scheduler(policy, quantum_s=time_slice_s, slots=1)
         self.clock = clock
@@ -131,7 +131,7 @@ class Dispatcher:
                 self._step()
                 raise
             turn = Turn(self.clock() - now, self._previous.pop(task.id, None), lane=task.lane,
-                        lane_bytes=self._lane_size(task.lane), running=len(self.scheduler.running))
+                        lane_bytes=self._lane_size(task.lane))
         self._local.depth = 1
         try:
             yield turn

@@ -21,7 +21,7 @@ from timeshare.device import host_registrar
 from timeshare.errors import ConfigError
 from timeshare.memory import Arena
 from timeshare.memory.arena import map_shared_memory, reserve_shared_memory
-from timeshare.memory.ephemeral import EphemeralMeter
+from timeshare.memory.ephemeral import LaneBound, in_lane
 from timeshare.models.binding import TensorLayout, bind
 from timeshare.models.spec import ModelSpec
 from timeshare.runtime.calls import Ran
@@ -72,9 +72,9 @@ class Executor(Protocol):
         """Give back what ``pack`` took for a model that was never added."""
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            meter: EphemeralMeter | None = None) -> Ran:
+            lane: LaneBound | None = None) -> Ran:
         """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
-        ``meter``: count the forward's ephemeral bytes, and bound them (a lane's guard)."""
+        ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime])."""
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         """Profile the resident model ``name`` for these inputs."""
@@ -148,14 +148,12 @@ class InProcessExecutor:
             packed.store.release()
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            meter: EphemeralMeter | None = None) -> Ran:
-        if meter is None:
+            lane: LaneBound | None = None) -> Ran:
+        with in_lane(lane, self.device) as meter:  # NOTE [Counting ephemeral bytes]: this thread only
             out = self._worker.run(name, offset, resident, args, kwargs, strategy)
-        else:
-            with meter:  # NOTE [Counting ephemeral bytes]: this thread's operators only
-                out = self._worker.run(name, offset, resident, args, kwargs, strategy)
         # A resident run may overlap another model's load (lanes): only a load reads the latest load.
-        return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds())
+        return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds(),
+                   ephemeral_peak=None if meter is None else meter.peak)
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         return self._worker.profile(name, offset, args, kwargs)
@@ -260,10 +258,8 @@ class PoolExecutor:
             _unlink(packed.segment)
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            meter: EphemeralMeter | None = None) -> Ran:
-        if meter is not None:  # assembly refuses lanes with workers
-            raise ConfigError("lanes run in this process; a worker process cannot be metered")
-        return self._pool.run(name, offset, resident, args, kwargs, strategy)
+            lane: LaneBound | None = None) -> Ran:
+        return self._pool.run(name, offset, resident, args, kwargs, strategy, lane)
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         return self._pool.profile(name, offset, args, kwargs)

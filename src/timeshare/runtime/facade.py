@@ -29,7 +29,7 @@ from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
-from timeshare.runtime.lanes import lanes_call, wait_idle
+from timeshare.runtime.lanes import default_lane_threads, lanes_call, wait_idle
 from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.table import ModelTable
@@ -63,8 +63,11 @@ class Runtime:
 
     ``scheduling``: who gets the device next (``timeshare.runtime.dispatch``):
     "priority" (default; calls preempt training at its next iteration boundary),
-    "fifo", "fair", "srtf" or "edf"; ``time_slice_s``: how long a training job keeps
-    the device before waiting calls get it (FIFO time-slicing; FAIR's default 1 s).
+    "fifo", "fair", "srtf", "edf" or "pack"; ``time_slice_s``: how long a training job
+    keeps the device before waiting calls get it (FIFO time-slicing; FAIR's default 1 s).
+    "pack" runs calls of different memory lanes at the same time (NOTE [Lanes in the
+    runtime]): ``lane_memory`` bytes for their ephemeral memory ("auto": the arena's
+    size), each lane's forward on ``lane_threads`` CPU cores (default: half of them).
 
     ``workers``: worker processes (0: models run in this process). With workers, a
     worker that does not answer a call within its deadline is killed and replaced
@@ -102,11 +105,12 @@ class Runtime:
         copy_delay_s: float = 0.0,
         thrashing: bool = False,
         lane_memory: int | str = "auto",
+        lane_threads: int | None = None,
     ):
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                                task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,
-                               copy_delay_s=copy_delay_s, workers=workers, scheduling=scheduling)
+                               copy_delay_s=copy_delay_s, workers=workers)
         # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
         # before any memory is taken (the lanes' budget is known once the arena is).
         Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=1 if scheduling == "pack" else None)
@@ -118,7 +122,7 @@ class Runtime:
         self._arena = arena = assembly.open_arena(self.device, memory)
         try:
             lanes = assembly.lane_budget(self.device, arena, lane_memory) if scheduling == "pack" else None
-            self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=lanes)
+            self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=lanes, slots=workers or None)
         except BaseException:
             arena.close()
             raise
@@ -139,6 +143,7 @@ class Runtime:
         self._table = ModelTable(self._residency, self._exec, strategy)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
+        self._lane_threads = lane_threads or default_lane_threads()
         self._closed = False
 
     @property
@@ -263,7 +268,7 @@ class Runtime:
             if lanes is None:
                 return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
-                              self.device)
+                              self._lane_threads)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued

@@ -11,20 +11,24 @@ without the runtime's lock, metered and bounded by its lane (NOTE [Counting ephe
 bytes]), on its share of the cores; loads, placement, eviction and records stay under
 the lock, and a running model cannot be evicted (``ModelEntry.running``). Calls of one
 model run one at a time (``ModelEntry.alone``), as Salus runs one iteration per lane.
+
+On the CPU a lane's forward uses a fixed number of cores (``lane_threads``), never one
+that depends on how many lanes are busy: kernels pick their blocking by thread count,
+so a share that followed the load would change a model's output bits with the load.
+With workers, each lane's call runs in a worker process of its own (at most one per
+worker at a time), so lanes do not share an interpreter lock; in-process, they are
+threads, and the metering of every operator serialises on the lock.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-import torch
-
 from timeshare.errors import TimeshareError
-from timeshare.memory.ephemeral import EphemeralMeter
+from timeshare.memory.ephemeral import LaneBound, cores
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Turn
 from timeshare.runtime.residency import ModelEntry
@@ -32,31 +36,8 @@ from timeshare.runtime.table import ModelTable
 from timeshare.tree import shape_key
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-@contextmanager
-def cpu_share(device: torch.device, running: int) -> Iterator[None]:
-    """On the CPU, this thread's operators use its share of the cores while ``running``
-    tasks run at once (the setting is per thread; it is put back afterwards)."""
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, cores() // max(1, running)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, turn: Turn,
-               switched: str | None, lock: threading.RLock, idle: threading.Condition, device: torch.device) -> Call:
+               switched: str | None, lock: threading.RLock, idle: threading.Condition, threads: int) -> Call:
     """An inference given its lane (``turn``), with ``lock`` held: metered and bounded by
     the lane; a resident model's forward runs without the lock. Waiters on ``idle`` hear
     when it ends."""
@@ -65,22 +46,20 @@ def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, stra
             call = table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
             table.profile(m, args, kwargs)  # measures its ephemeral bytes (cached if the load profiled)
             return call
-        meter = EphemeralMeter(turn.lane_bytes, task=m.name, lane=turn.lane)
-        return table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, meter=meter,
-                          unlocked=None if turn.nested else unlocked(lock, device, turn.running))
+        lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
+        return table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=lane,
+                          unlocked=None if turn.nested else unlocked(lock))
     finally:
         idle.notify_all()
 
 
-def unlocked(lock: threading.RLock, device: torch.device, running: int) -> Callable[[], AbstractContextManager]:
-    """A lane's forward without the runtime's ``lock`` (held once by this thread), on
-    its share of the cores."""
+def unlocked(lock: threading.RLock) -> Callable[[], AbstractContextManager]:
+    """A lane's forward without the runtime's ``lock`` (held once by this thread)."""
     @contextmanager
     def outside() -> Iterator[None]:
         lock.release()
         try:
-            with cpu_share(device, running):
-                yield
+            yield
         finally:
             lock.acquire()
     return outside
@@ -95,3 +74,8 @@ def wait_idle(idle: threading.Condition, m: ModelEntry, timeout_s: float) -> Non
             raise TimeshareError(f"model {m.name!r} is still running after {timeout_s:g} s",
                                  where=f"waiting for {m.name} to go idle")
         idle.wait(min(left, 0.05))
+
+
+def default_lane_threads() -> int:
+    """Half the cores (at least one): two busy lanes fill the machine."""
+    return max(1, cores() // 2)

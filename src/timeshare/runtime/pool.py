@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
 from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
+from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
 from timeshare.runtime.segments import Segment, Segments, Switch
@@ -128,11 +129,12 @@ class ProcessPool:
                 self._set.replace(w, exc)
 
     # ------------------------------------------------------------------ tasks
-    def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str):
-        msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy)
+    def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
+            lane: LaneBound | None = None):
+        msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane)
         kind = (model, "resident" if resident else "load", shape_key(args, kwargs))
         reply = self._task(msg, f"running {model}", kind)
-        return Ran(reply.value, dict(reply.timings), reply.timings.get("load_s"))
+        return Ran(reply.value, dict(reply.timings), reply.timings.get("load_s"), reply.timings.get("ephemeral_peak"))
 
     def profile(self, model: str, offset: int, args: tuple, kwargs: dict):
         msg = P.Profile(self._set.next_seq(), model, offset, args, kwargs)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from timeshare.errors import DuplicateModelError, UnknownModelError
-from timeshare.memory.ephemeral import EphemeralMeter, lane_bytes
+from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
@@ -66,7 +66,7 @@ class ModelTable:
         return capacity if peak is None else min(capacity, lane_bytes(peak))
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
-            meter: EphemeralMeter | None = None, unlocked: Unlocked | None = None) -> Ran:
+            lane: LaneBound | None = None, unlocked: Unlocked | None = None) -> Ran:
         """Forward ``m`` on executor-ready inputs, loading it first if it is not resident.
         ``unlocked``: a resident model's forward runs inside it, without the runtime's
         lock (NOTE [Lanes in the runtime]); its block stays put meanwhile."""
@@ -81,11 +81,11 @@ class ModelTable:
                 m.running += 1
                 try:
                     with unlocked(), m.alone:
-                        ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, meter)
+                        ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, lane)
                 finally:
                     m.running -= 1
             else:
-                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, meter)
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane)
         except BaseException:
             if not resident:
                 self.evict(m)  # a failed load leaves nothing behind
@@ -96,19 +96,19 @@ class ModelTable:
         return ran
 
     def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
-             switched_from: str | None, meter: EphemeralMeter | None = None,
+             switched_from: str | None, lane: LaneBound | None = None,
              unlocked: Unlocked | None = None) -> Call:
         """One inference on caller inputs: ``run`` with its record, emitted to the listeners
-        whether it succeeded or raised, and counted in ``failures`` if it raised. With a
-        ``meter``, the call's peak ephemeral bytes are kept per input shape."""
+        whether it succeeded or raised, and counted in ``failures`` if it raised. In a
+        ``lane``, the call's peak ephemeral bytes are kept per input shape."""
         t0 = time.monotonic()
         loaded = m.block is None
         try:
             ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
-                           meter=meter, unlocked=unlocked)
-            if meter is not None:
+                           lane=lane, unlocked=unlocked)
+            if ran.ephemeral_peak is not None:
                 key = shape_key(args, kwargs)
-                m.ephemeral[key] = max(m.ephemeral.get(key, 0), meter.peak)
+                m.ephemeral[key] = max(m.ephemeral.get(key, 0), ran.ephemeral_peak)
         except BaseException as exc:
             self.failures += 1
             self.emit(CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from,

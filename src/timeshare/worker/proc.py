@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 
 from timeshare import protocol as P
 from timeshare.errors import ModelError
+from timeshare.memory.ephemeral import in_lane
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             args, kwargs = to_device(msg.args, msg.kwargs)
             t_up = time.perf_counter()
             in_task[0] = True
-            out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy)
+            with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
+                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy)
             in_task[0] = False
             t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
@@ -122,7 +124,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             learned = tuple(p for k, p in profiles.items() if k not in known)
             # Where the worker's time went (the bench's breakdown of a call through a worker).
             timings = {"received_at": t0, "load_s": load, "unpickle_s": unpickled[0], "upload_s": t_up - t0,
-                       "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host}
+                       "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
+                       "ephemeral_peak": None if meter is None else meter.peak}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
                 # What the inputs took through the pinned staging buffer (NOTE [Input staging]).

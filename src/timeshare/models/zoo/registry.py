@@ -87,6 +87,8 @@ ZOO: dict[str, ZooModel] = {
                  "Inception-v3 with auxiliary head, 299x299 images"),
         ZooModel("bert_base", f"{_P}.bert:bert_base", 109_482_240, _tokens(30522, 128), False,
                  "BERT-base encoder + pooler, 128 tokens", ("input_ids", "attention_mask"), ((0, 30521), (0, 1))),
+        ZooModel("small_resnet", f"{_P}.resnet:small_resnet", 557_684, _images(64), True,
+                 "ResNet of one bottleneck per stage, quarter width, 64x64 images (bench lanes)"),
         ZooModel("tiny_mlp", f"{_P}.small:tiny_mlp", 6_922, _vectors(32), True, "3-layer MLP"),
         ZooModel("tiny_cnn", f"{_P}.small:tiny_cnn", 2_970, _images(16), True, "2 convs with BatchNorm"),
         ZooModel("tiny_bert", f"{_P}.bert:tiny_bert", 139_456, _tokens(1000, 16), True, "2-layer BERT",

@@ -66,3 +66,9 @@ class ResNet(nn.Module):
 
 def resnet152(num_classes: int = 1000) -> ResNet:
     return ResNet((3, 8, 36, 3), num_classes)
+
+
+def small_resnet(num_classes: int = 100) -> ResNet:
+    """A ResNet of one bottleneck per stage, a quarter of ResNet's widths: the size of
+    the small inference services Salus packed (a few MB, a few ms on a CPU core)."""
+    return ResNet((1, 1, 1, 1), num_classes, base=16)

@@ -1,0 +1,198 @@
+"""``timeshare bench lanes``: N small inference models served together in Salus's lanes
+(``scheduling="pack"``) against time-slicing them one at a time on the same runtime
+(``scheduling="fifo"``). Runs in the CLI's process.
+
+Each model has one closed-loop client thread (a request as soon as the previous one
+answered) for ``duration_s`` per mode. Reported per N: aggregate requests per second
+in each mode, the added latency per request over each model alone (the mean latency
+in the mode minus the model's own latency measured alone, idle runtime), and whether
+every output is bitwise equal to the model's output alone. Beside them: plain PyTorch
+(the same N modules and threads, no runtime: what concurrency gives without lanes or
+bounds) and the hardware bound (the model alone at one core, times min(N, cores)).
+The timeline (``--plot``) shows each model's forwards in time under PACK.
+
+"Alone" for exactness is the model alone on the same runtime (a lane computes on
+``lane_threads`` cores whatever the load, so its bits do not change with the load;
+whether they equal plain PyTorch's at the default thread count is reported too).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from timeshare.bench.common import native_call, native_module, outputs_equal
+from timeshare.bench.environment import describe
+from timeshare.device import resolve_device
+from timeshare.errors import ConfigError
+from timeshare.memory.ephemeral import cores, cpu_share
+from timeshare.models.zoo import get as zoo_get
+from timeshare.models.zoo import weights_path
+from timeshare.runtime.events import CallRecord
+from timeshare.runtime.facade import Runtime
+
+
+@dataclass
+class LanesBenchConfig:
+    model: str = "small_resnet"
+    counts: tuple[int, ...] = field(default=(4, 8, 16, 42))
+    batch: int = 1
+    device: str = "auto"
+    duration_s: float = 5.0  # of requests, per mode and count
+    memory: str = "auto"
+    lane_memory: str = "auto"
+    workers: int = 0  # 0: lanes are threads of this process; else worker processes, one lane each at a time
+
+
+def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
+    if not config.counts or min(config.counts) < 1 or config.duration_s <= 0 or config.batch < 1:
+        raise ConfigError("counts must be at least 1, duration_s positive, batch at least 1")
+    device = resolve_device(config.device)
+    zoo = zoo_get(config.model)
+    inputs = zoo.example_inputs(config.batch)
+    progress(f"{config.model} alone")
+    native = native_module(config.model, None, device)
+    for _ in range(3):  # kernels chosen and caches warm before anything is timed
+        reference = native_call(native, inputs, device)
+    alone_s = _alone_latency(native, inputs, device, threads=None)
+    one_core_s = _alone_latency(native, inputs, device, threads=1)
+    rows = []
+    timeline: list[dict] = []
+    for n in config.counts:
+        row: dict = {"models": n}
+        for mode in ("fifo", "pack"):
+            progress(f"{n} models, {mode}")
+            row[mode] = _served(config, device, zoo, inputs, reference, n, mode,
+                                timeline if mode == "pack" and n == min(config.counts) else None)
+        progress(f"{n} models, plain PyTorch threads")
+        row["plain_pytorch_req_per_s"] = _native_threads(native, inputs, device, n, config.duration_s)
+        row["bound_req_per_s"] = min(n, cores()) / one_core_s if device.type == "cpu" else None
+        row["pack_over_fifo"] = row["pack"]["req_per_s"] / row["fifo"]["req_per_s"]
+        rows.append(row)
+    return {
+        "benchmark": "lanes",
+        "config": {**vars(config), "counts": list(config.counts)},
+        "environment": {**describe(device), "cores": cores()},
+        "alone_ms": alone_s * 1e3,
+        "alone_one_core_ms": one_core_s * 1e3,
+        "rows": rows,
+        "timeline": timeline,
+        "outputs_exact": all(r[m]["outputs_exact"] for r in rows for m in ("fifo", "pack")),
+    }
+
+
+def _alone_latency(module, inputs, device, *, threads: int | None, repeats: int = 50) -> float:
+    samples = []
+    with cpu_share(device, threads):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            native_call(module, inputs, device)
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _served(config, device, zoo, inputs, reference, n: int, mode: str, timeline: list | None) -> dict:
+    names = [f"{config.model}_{i}" for i in range(n)]
+    with Runtime(device, config.memory, scheduling=mode, lane_memory=config.lane_memory,
+                 workers=config.workers) as rt:
+        own = {}
+        for name in names:
+            rt.register(name, zoo.builder, weights_path(config.model), inputs)
+            rt.infer(name, *inputs)  # resident, profiled, its lane measured
+            own[name] = rt.infer(name, *inputs)  # the model alone on this runtime: what every call must give
+        alone = {}
+        for name in names:  # each model's own latency on this runtime, idle
+            samples = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                rt.infer(name, *inputs)
+                samples.append(time.perf_counter() - t0)
+            alone[name] = statistics.median(samples)
+        records: list[CallRecord] = []
+        rt.subscribe(lambda r: records.append(r) if isinstance(r, CallRecord) else None)
+        latencies: dict[str, list[float]] = {name: [] for name in names}
+        exact = [True]
+        stop = time.perf_counter() + config.duration_s
+        start_line = threading.Barrier(n)
+
+        def client(name: str) -> None:
+            start_line.wait(60)
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                out = rt.infer(name, *inputs)
+                latencies[name].append(time.perf_counter() - t0)
+                if not outputs_equal(out, own[name]):
+                    exact[0] = False
+
+        t0 = time.perf_counter()
+        _run_threads([threading.Thread(target=client, args=(name,)) for name in names])
+        elapsed = time.perf_counter() - t0
+        done = sum(len(v) for v in latencies.values())
+        added = [statistics.fmean(v) - alone[name] for name, v in latencies.items() if v]
+        if timeline is not None and records:
+            base = records[0].started
+            timeline.extend({"model": r.model, "start_s": r.started - base, "seconds": r.seconds}
+                            for r in records[: 2000])
+        return {
+            "requests": done,
+            "req_per_s": done / elapsed,
+            "mean_latency_ms": statistics.fmean(x for v in latencies.values() for x in v) * 1e3,
+            "alone_ms": statistics.fmean(alone.values()) * 1e3,
+            "added_latency_ms": statistics.fmean(added) * 1e3 if added else None,
+            "outputs_exact": exact[0],
+            # Whether the model alone on this runtime gives plain PyTorch's bits (lanes use
+            # ``lane_threads`` cores; kernels may block by thread count).
+            "alone_equals_plain_pytorch": all(outputs_equal(o, reference) for o in own.values()),
+            "lanes_seen": rt.snapshot()["lanes"] is not None,
+        }
+
+
+def _native_threads(module, inputs, device, n: int, duration_s: float) -> float:
+    count = [0] * n
+    stop = time.perf_counter() + duration_s
+
+    def client(i: int) -> None:
+        with cpu_share(device, max(1, cores() // n)):
+            while time.perf_counter() < stop:
+                native_call(module, inputs, device)
+                count[i] += 1
+
+    t0 = time.perf_counter()
+    _run_threads([threading.Thread(target=client, args=(i,)) for i in range(n)])
+    return sum(count) / (time.perf_counter() - t0)
+
+
+def _run_threads(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+        if t.is_alive():
+            raise ConfigError("a benchmark client did not finish within 600 s")
+
+
+def plot(result: dict, path) -> None:
+    """The PACK timeline: one row per model, a bar for each forward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spans = result["timeline"]
+    models = sorted({s["model"] for s in spans}, key=lambda m: int(m.rsplit("_", 1)[1]))
+    end = min((s["start_s"] + s["seconds"] for s in spans), default=0.0) + 0.2  # the first 200 ms
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.4 * len(models)))
+    for row, model in enumerate(models):
+        bars = [(s["start_s"] * 1e3, s["seconds"] * 1e3) for s in spans if s["model"] == model and s["start_s"] < end]
+        ax.broken_barh(bars, (row - 0.4, 0.8))
+    ax.set_yticks(range(len(models)), models)
+    ax.set_xlabel("ms since the first request")
+    first = result["rows"][0]
+    ax.set_title(f"PACK: {first['models']} x {result['config']['model']}, calls overlapping in time "
+                 f"({first['pack_over_fifo']:.2f}x time-slicing's throughput)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
