@@ -241,3 +241,17 @@ def test_with_workers_lanes_run_in_worker_processes_side_by_side(tmp_path, monke
 def greedy() -> Greedy:
     torch.manual_seed(0)
     return Greedy()
+
+
+def test_training_jobs_measure_their_persistent_and_ephemeral_memory():
+    from tests.models import adam, train_batches, train_net, train_step
+
+    with Runtime("cpu", "16MiB") as rt:
+        job = rt.train("job", train_net, adam, train_batches(4), train_step, iterations=4)
+        job.wait(60)
+        assert job.error is None
+        params = sum(p.numel() for p in train_net().parameters()) * 4
+        # Parameters, their gradients, Adam's two moments, and one 4-byte step count per tensor.
+        assert job.stats.persistent_bytes == 4 * params + 4 * 4
+        # One iteration's activations (a batch of 8 through 64 hidden units) and gradients, at least.
+        assert 8 * 64 * 4 * 2 < job.stats.ephemeral_bytes < 1 << 20

@@ -63,6 +63,8 @@ def test_a_job_in_a_worker_preempted_many_times_ends_exactly_like_an_uninterrupt
     stats = job.result(timeout=120)
     assert job.status == "finished" and stats.iterations == 150 and paused_once
     assert stats.preemptions >= 10
+    # Measured in the worker at the second iteration, reported with the segment's end.
+    assert stats.persistent_bytes is not None and stats.persistent_bytes > 0 and stats.ephemeral_bytes > 0
     if offload:
         # A segment preempted before its first step finds the state still offloaded: no move.
         assert 0 < stats.offloads <= stats.preemptions

@@ -237,6 +237,8 @@ class WorkerTrainingJob(TrainingJob):
             spec = None
             stopped = self._pool.run_segment(segment, self._progress)
             self.stats.offloads = stopped.stats.offloads
+            self.stats.ephemeral_bytes = stopped.stats.ephemeral_bytes
+            self.stats.persistent_bytes = stopped.stats.persistent_bytes
             if stopped.reason == "finished":
                 return JobState.FINISHED
             self.stats.preemptions += 1

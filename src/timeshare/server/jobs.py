@@ -92,6 +92,7 @@ class TrainingJobs:
             "iterations": s.iterations, "target_iterations": job.cfg.iterations, "preemptions": s.preemptions,
             "step_seconds": round(s.step_seconds, 6), "preempted_seconds": round(s.preempted_seconds, 6),
             "loss": s.losses[-1] if s.losses else None,
+            "ephemeral_bytes": s.ephemeral_bytes, "persistent_bytes": s.persistent_bytes,
             "error": None if h.error is None else f"{type(h.error).__name__}: {h.error}",
         }
 

@@ -18,6 +18,7 @@ from torch import nn
 from timeshare.errors import ConfigError
 from timeshare.models.spec import resolve_builder
 from timeshare.tree import map_tensors
+from timeshare.worker.profiling import measure_ephemeral
 
 
 @dataclass
@@ -28,6 +29,11 @@ class TrainingStats:
     losses: list[float] = field(default_factory=list)
     step_seconds: float = 0.0
     preempted_seconds: float = 0.0
+    # Salus's memory classes, measured once at the second iteration (the optimizer's
+    # state exists by then): the bytes one iteration holds at its peak beyond the job's
+    # state, and the state itself (parameters, buffers, gradients kept, optimizer state).
+    ephemeral_bytes: int | None = None
+    persistent_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,9 +110,19 @@ class TrainingTask:
         StopIteration when the data has ended."""
         self.restore()
         batch = next(self._data)
-        batch = map_tensors(batch, lambda t: t.to(self.device))
-        with _swapped_rng(self):
-            loss = self._step(self.model, self.optimizer, batch)
+        loss = None
+
+        def iteration() -> None:
+            nonlocal loss
+            moved = map_tensors(batch, lambda t: t.to(self.device))
+            with _swapped_rng(self):
+                loss = self._step(self.model, self.optimizer, moved)
+
+        if self.stats.iterations == 1:  # NOTE [Counting ephemeral bytes]: once, off the steady state
+            self.stats.ephemeral_bytes = measure_ephemeral(iteration, self.device)
+            self.stats.persistent_bytes = self.state_bytes()
+        else:
+            iteration()
         if isinstance(loss, torch.Tensor):
             loss = float(loss.detach())
         if loss is not None:
@@ -114,6 +130,16 @@ class TrainingTask:
             self.stats.losses.append(loss)
         self.stats.iterations += 1
         return loss
+
+    def state_bytes(self) -> int:
+        """Bytes of the job's state on its device: parameters, buffers, gradients and
+        optimizer state, each storage once."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        tensors += [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                    if t.device.type == self.device.type}
+        return sum(storages.values())
 
     def preempted(self) -> None:
         """At a preemption point: offload the state if the job asked for it."""
