@@ -62,10 +62,11 @@ class RuntimeConfig(_Strict):
     workers need at least 2."""
     scheduling: Literal["priority", "fifo", "fair", "srtf", "edf", "pack"] = "priority"
     """Who gets the device next; "priority" lets inference preempt training; "pack" runs
-    the calls of different memory lanes side by side (Salus's PACK; no training jobs yet)."""
+    the calls and training iterations of different memory lanes side by side (Salus's
+    PACK; training in lanes needs workers: 0 for now)."""
     lane_memory: int | str = "auto"
-    """With "pack": the bytes for lanes of ephemeral memory (activations), beside the
-    arena; "auto": as much as the arena."""
+    """With "pack": the bytes for lanes of ephemeral memory (activations) and training
+    jobs' state, beside the arena; "auto": as much as the arena."""
     lane_threads: Annotated[int, Field(ge=1)] | None = None
     """With "pack" on the CPU: the cores each lane's forward uses (default: half of them)."""
     time_slice_s: Annotated[float, Field(gt=0)] | None = None
@@ -313,8 +314,8 @@ class Config(_Strict):
         dup = sorted({n for n in jobs if jobs.count(n) > 1})
         if dup:
             raise ValueError(f"training job names must be distinct; repeated: {dup}")
-        if self.training and self.runtime.scheduling == "pack":
-            raise ValueError("training jobs do not run in lanes yet: use a scheduling other than 'pack'")
+        if self.training and self.runtime.scheduling == "pack" and self.runtime.workers:
+            raise ValueError("with workers, training jobs do not run in lanes yet: use workers: 0 with 'pack'")
         if self.training and self.runtime.workers == 1:
             raise ValueError("runtime.workers: training with workers needs at least 2 (or 0 for in-process)")
         return self

@@ -176,10 +176,66 @@ def test_the_profile_carries_ephemeral_bytes_and_sets_the_lane(packed):
     assert profile.summary()["ephemeral_bytes"] == profile.ephemeral_bytes
 
 
-def test_pack_refuses_training_jobs_for_now():
-    with Runtime("cpu", "16MiB", scheduling="pack") as rt, pytest.raises(ConfigError, match="lanes"):
-        rt.train("job", nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), [torch.ones(1, 2)],
-                 lambda model, opt, b: model(b).sum())
+def _meeting_job(rt: Runtime, name: str, barrier: threading.Barrier, iterations: int = 8, scratch=None):
+    """A job whose iterations from the fourth on wait at ``barrier`` for the other job's
+    (so both finish only if they run side by side); ``scratch(i)``: floats iteration i
+    allocates besides."""
+    done = [0]
+
+    def step(model, optimizer, batch):
+        optimizer.zero_grad()
+        loss = model(batch).square().mean()
+        if scratch is not None:
+            loss = loss + torch.ones(scratch(done[0])).sum() * 0
+        loss.backward()
+        optimizer.step()
+        done[0] += 1
+        if done[0] >= 4:
+            barrier.wait(timeout=10)
+        return loss
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    batches = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(iterations)]
+    return rt.train(name, model, lambda p: torch.optim.SGD(p, lr=0.01), batches, step, iterations=iterations)
+
+
+def test_training_jobs_in_different_lanes_run_side_by_side_and_train_as_alone(packed):
+    alone = _meeting_job(packed, "alone", threading.Barrier(1))
+    alone.wait(60)
+    assert alone.error is None, alone.error
+    want = alone.state_dict()
+    barrier = threading.Barrier(2)
+    jobs = [_meeting_job(packed, f"job{i}", barrier) for i in range(2)]
+    for job in jobs:
+        job.wait(60)
+    for job in jobs:
+        assert job.error is None, job.error  # a broken barrier: the iterations did not overlap
+        got = job.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert jobs[0].stats.persistent_bytes > 0 and jobs[0].stats.ephemeral_bytes > 0
+
+
+def test_a_job_that_outgrows_its_lane_fails_alone(packed):
+    barrier = threading.Barrier(2)
+    # From its sixth iteration on, the greedy job asks for 2 MiB more than it measured.
+    greedy = _meeting_job(packed, "greedy", threading.Barrier(1), scratch=lambda i: (1 << 19) if i >= 5 else 16)
+    steady = [_meeting_job(packed, f"steady{i}", barrier) for i in range(2)]
+    packed.register("m0", lambda: Meeting(0), example_inputs=(X,))
+    for job in (greedy, *steady):
+        job.wait(60)
+    assert isinstance(greedy.error, LaneExceededError) and greedy.error.task == "greedy", greedy.error
+    assert greedy.stats.iterations == 5
+    for job in steady:
+        assert job.error is None and job.stats.iterations == 8
+    assert torch.equal(packed.infer("m0", X), _reference(0, X))
+
+
+def test_pack_refuses_training_jobs_with_workers_for_now():
+    with Runtime("cpu", "16MiB", scheduling="pack", workers=2) as rt, pytest.raises(ConfigError, match="lanes"):
+        from tests.models import adam, train_batches, train_net, train_step
+
+        rt.train("job", train_net, adam, train_batches(4), train_step)
 
 
 class FileMeeting(nn.Module):

@@ -46,8 +46,8 @@ def test_priority_preempts_at_the_next_iteration_boundary():
 def test_unknown_scheduling_policy_is_refused_with_the_known_names():
     with pytest.raises(ConfigError, match=r"unknown scheduling policy 'lottery'; known: \["):
         timeshare.Runtime(device="cpu", memory="1MiB", scheduling="lottery")
-    with pytest.raises(ConfigError, match="one task at a time; 'pack' is for the simulator"):
-        timeshare.Runtime(device="cpu", memory="1MiB", scheduling="pack")
+    with pytest.raises(ConfigError, match="lane_memory must be positive"):
+        timeshare.Runtime(device="cpu", memory="1MiB", scheduling="pack", lane_memory=0)
 
 
 def test_concurrent_calls_all_answered_exactly_next_to_training():

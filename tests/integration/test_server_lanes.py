@@ -38,7 +38,7 @@ def test_packed_models_answer_correctly_and_lanes_are_observable():
 
 
 @pytest.mark.parametrize("runtime, extra, words", [
-    ({"scheduling": "pack"}, {"training": [{"name": "bg", "model": "tiny_cnn"}]}, "lanes yet"),
+    ({"scheduling": "pack", "workers": 2}, {"training": [{"name": "bg", "model": "tiny_cnn"}]}, "lanes yet"),
     ({"scheduling": "pack", "lane_memory": "lots"}, {}, "lane_memory"),
 ])
 def test_what_pack_cannot_do_yet_is_refused_with_the_reason(runtime, extra, words):

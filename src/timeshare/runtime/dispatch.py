@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from timeshare.errors import ConfigError
+from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress, State, Stopped, Task
 
@@ -54,6 +55,8 @@ class Preemptible(Protocol):
 class _Progressing(Protocol):
     iterations: int
     step_seconds: float
+    ephemeral_bytes: int | None  # measured once (Salus's memory classes), None until then
+    persistent_bytes: int | None
 
 
 @dataclass
@@ -76,8 +79,10 @@ class Dispatcher:
     time and take no lanes."""
 
     def __init__(self, policy: str = "priority", *, time_slice_s: float | None = None,
-                 lane_memory: int | None = None, slots: int | None = None, clock=time.monotonic):
+                 lane_memory: int | None = None, slots: int | None = None, lane_threads: int = 1,
+                 clock=time.monotonic):
         self.packs = policy == "pack"
+        self.lane_threads = lane_threads  # CPU cores of each lane's forward or iteration
         if self.packs:
             if lane_memory is None or lane_memory <= 0:
                 raise ConfigError("scheduling 'pack' needs lane_memory: the bytes for ephemeral memory")
@@ -90,6 +95,7 @@ class Dispatcher:
         self._local = threading.local()
         self._jobs: dict[int, Preemptible] = {}  # task id -> its job
         self._job_tasks: dict[Preemptible, Task] = {}  # a job -> its task
+        self._sized: set[Preemptible] = set()  # jobs re-admitted with their measured memory (lanes)
         self._outbox: list[tuple[Preemptible, str]] = []  # interrupts decided, not yet sent
         self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
         self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
@@ -150,15 +156,53 @@ class Dispatcher:
                 now = self.clock()
                 task = Task(next(self._ids), Kind.TRAINING, job.name, now,
                             float(job.iterations) if job.iterations else float("inf"), 0.0, Priority.BEST_EFFORT)
+                # With lanes, a job's memory is unknown until its iterations measure it:
+                # it asks for what is free now, then is re-admitted (``_resize``).
+                task.ephemeral = self._free_lane_bytes()
                 self._job_tasks[job] = task
                 self._jobs[task.id] = job
                 self.scheduler.submit(task, now)
             return task
 
+    def lane_bound(self, job: Preemptible) -> LaneBound | None:
+        """With lanes: what the job's next iteration runs with (its lane, the lane's size,
+        the cores); None without lanes."""
+        with self._cond:
+            task = self._job_tasks.get(job)
+            if not self.packs or task is None:
+                return None
+            return LaneBound(job.name, task.lane, self._lane_size(task.lane), self.lane_threads)
+
+    def _resize(self, job: Preemptible, task: Task) -> Task:
+        """With the condition held, at a preemption point: once the job has measured its
+        memory, re-admit it with it (persistent state, and one iteration's peak with
+        headroom) in place of the whole budget, as Salus resizes lanes at iteration
+        boundaries. The old task leaves its lane; the new one keeps its progress."""
+        stats = job.stats
+        if not self.packs or stats.ephemeral_bytes is None or job in self._sized:
+            return task
+        self._sized.add(job)
+        now = self.clock()
+        if task.state in (State.RUNNING, State.STOPPING):
+            self.scheduler.update(Stopped(task.id, now, float(stats.iterations)))
+        if task.state is State.HELD:
+            self.scheduler.release(task.id, now)
+        self.scheduler.withdraw(task.id)
+        new = Task(next(self._ids), Kind.TRAINING, job.name, task.arrival, task.work, task.unit_s, task.priority,
+                   persistent=stats.persistent_bytes or 0,
+                   ephemeral=min(lane_bytes(stats.ephemeral_bytes), self.lane_capacity or 0))
+        new.done, new.service = task.done, task.service
+        self._jobs.pop(task.id, None)
+        self._job_tasks[job] = new
+        self._jobs[new.id] = job
+        self.scheduler.submit(new, now)
+        return new
+
     def must_yield(self, job: Preemptible) -> bool:
         """At a preemption point: must the job stop now? Reports its progress."""
         task = self.job_task(job)
         with self._cond:
+            task = self._resize(job, task)
             if task.state is State.RUNNING:
                 stats = job.stats
                 unit = stats.step_seconds / stats.iterations if stats.iterations else None
@@ -198,6 +242,7 @@ class Dispatcher:
     def job_ended(self, job: Preemptible) -> None:
         with self._cond:
             task = self._job_tasks.pop(job, None)
+            self._sized.discard(job)
             if task is None:
                 return
             self._jobs.pop(task.id, None)
@@ -233,6 +278,18 @@ class Dispatcher:
                            "running": tasks[lane.busy].model if lane.busy in tasks else None}
                           for lane in lanes.lanes.values()],
             }
+
+    def free_lane_bytes(self) -> int:
+        """With lanes: what a task of unknown memory asks for (NOTE [Lanes in the runtime])."""
+        with self._cond:
+            return self._free_lane_bytes()
+
+    def _free_lane_bytes(self) -> int:
+        lanes = self.scheduler.lanes
+        if lanes is None:
+            return 0
+        free = lanes.capacity - lanes.used
+        return free if free > 0 else lanes.capacity  # nothing free: wait for the device to drain
 
     def _lane_size(self, lane: int | None) -> int | None:
         lanes = self.scheduler.lanes

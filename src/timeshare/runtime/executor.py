@@ -88,8 +88,8 @@ class Executor(Protocol):
     def inputs(self, obj: Any) -> Any:
         """Inputs made ready for ``run``: on the device in-process, on the host for workers."""
 
-    def check_trainable(self, spec: TrainSpec) -> None:
-        """Raise ConfigError if the training job cannot run here."""
+    def check_trainable(self, spec: TrainSpec, *, lanes: bool) -> None:
+        """Raise ConfigError if the training job cannot run here (``lanes``: in a lane)."""
 
     def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
         """A training job's handle (not started)."""
@@ -167,7 +167,7 @@ class InProcessExecutor:
     def inputs(self, obj: Any) -> Any:
         return map_tensors(obj, lambda t: t.to(self.device))
 
-    def check_trainable(self, spec: TrainSpec) -> None:
+    def check_trainable(self, spec: TrainSpec, *, lanes: bool) -> None:
         return None
 
     def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
@@ -280,7 +280,10 @@ class PoolExecutor:
         # tensors through pickling, a device-to-host copy here and another upload there.
         return map_tensors(obj, lambda t: t.cpu())
 
-    def check_trainable(self, spec: TrainSpec) -> None:
+    def check_trainable(self, spec: TrainSpec, *, lanes: bool) -> None:
+        if lanes:
+            raise ConfigError("with workers, training jobs do not run in lanes yet: use workers: 0 with 'pack', "
+                              "or another scheduling")
         spec.check_shippable()
         if len(self._pool.workers) < 2:
             raise ConfigError("training with workers needs workers >= 2: one holds the job, another "

@@ -122,7 +122,8 @@ class Runtime:
         self._arena = arena = assembly.open_arena(self.device, memory)
         try:
             lanes = assembly.lane_budget(self.device, arena, lane_memory) if scheduling == "pack" else None
-            self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=lanes, slots=workers or None)
+            self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=lanes, slots=workers or None,
+                                    lane_threads=lane_threads or default_lane_threads())
         except BaseException:
             arena.close()
             raise
@@ -143,7 +144,6 @@ class Runtime:
         self._table = ModelTable(self._residency, self._exec, strategy)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
-        self._lane_threads = lane_threads or default_lane_threads()
         self._closed = False
 
     @property
@@ -259,7 +259,7 @@ class Runtime:
         args, kwargs = tuple(args), dict(kwargs or {})
         m = self._get(name)
         lanes = self._gate.lane_capacity
-        ask = 0 if lanes is None else self._table.lane_ask(m, shape_key(args, kwargs), lanes)
+        ask = 0 if lanes is None else self._table.lane_ask(m, shape_key(args, kwargs), self._gate.free_lane_bytes())
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
                                  arrived_at=arrived_at, ephemeral=ask) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited
@@ -268,7 +268,7 @@ class Runtime:
             if lanes is None:
                 return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
-                              self._lane_threads)
+                              self._gate.lane_threads)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
@@ -315,10 +315,8 @@ class Runtime:
         segments (NOTE [Switch protocol]); then every argument must be picklable, and
         the model is built there. Returns the job's handle.
         """
-        if self._gate.packs:
-            raise ConfigError("training jobs do not run in lanes yet: use a scheduling other than 'pack'")
         spec = training_spec(name, model, optimizer, data, step, iterations, offload, seed)
-        self._exec.check_trainable(spec)
+        self._exec.check_trainable(spec, lanes=self._gate.packs)
         with self._turn():
             self._check_open()
             self._jobs.check_free(name)

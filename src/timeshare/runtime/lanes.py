@@ -4,8 +4,13 @@
 With ``scheduling="pack"`` the dispatcher's scheduler holds Salus's lanes (NOTE [Salus
 lanes]) over ``lane_memory`` bytes; the arena is the persistent region, so an inference
 task asks only for ephemeral bytes: its model's measured peak for that input shape with
-headroom, or the whole budget until measured: such a call runs alone, then the model is
-profiled for its shape (the profile counts the peak; a first load profiles anyway). Tasks of
+headroom, or until measured all the lane memory free at that moment (all of it when the
+device is idle): the call is metered, and the model is then profiled for its shape (the
+profile counts the peak; a first load profiles anyway). A training job does the same:
+it asks for what is free, measures its state and one iteration's peak at its second
+iteration, and is re-admitted with them at its next preemption point (``Dispatcher._resize``),
+as Salus resizes lanes at iteration boundaries. A first call or iteration that needs
+more than was free fails with ``LaneExceededError``; nothing else does. Tasks of
 different lanes run at the same time: a call whose model is resident runs its forward
 without the runtime's lock, metered and bounded by its lane (NOTE [Counting ephemeral
 bytes]), on its share of the cores; loads, placement, eviction and records stay under
@@ -42,9 +47,12 @@ def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, stra
     the lane; a resident model's forward runs without the lock. Waiters on ``idle`` hear
     when it ends."""
     try:
-        if shape_key(args, kwargs) not in m.ephemeral:  # asked for every lane's bytes: it runs alone
-            call = table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
-            table.profile(m, args, kwargs)  # measures its ephemeral bytes (cached if the load profiled)
+        if shape_key(args, kwargs) not in m.ephemeral:
+            # Its first call of this shape, under the lock, on the lane's cores but not
+            # bounded: a first load also traces and profiles. The profile measures it.
+            first = LaneBound(m.name, turn.lane, None, threads)
+            call = table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=first)
+            table.profile(m, args, kwargs)  # cached if the load profiled
             return call
         lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
         return table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=lane,

@@ -59,11 +59,11 @@ class ModelTable:
             raise
         self.entries[entry.name] = entry
 
-    def lane_ask(self, m: ModelEntry, key: str, capacity: int) -> int:
+    def lane_ask(self, m: ModelEntry, key: str, free: int) -> int:
         """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
-        measured peak with headroom, or all of ``capacity`` (it runs alone) until measured."""
+        measured peak with headroom, or until measured all the lane memory ``free`` now."""
         peak = m.ephemeral.get(key)
-        return capacity if peak is None else min(capacity, lane_bytes(peak))
+        return free if peak is None else lane_bytes(peak)
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
             lane: LaneBound | None = None, unlocked: Unlocked | None = None) -> Ran:
@@ -106,7 +106,7 @@ class ModelTable:
         try:
             ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
                            lane=lane, unlocked=unlocked)
-            if ran.ephemeral_peak is not None:
+            if ran.ephemeral_peak is not None and lane is not None and lane.limit is not None:
                 key = shape_key(args, kwargs)
                 m.ephemeral[key] = max(m.ephemeral.get(key, 0), ran.ephemeral_peak)
         except BaseException as exc:

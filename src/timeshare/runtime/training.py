@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError, TimeshareError
+from timeshare.memory.ephemeral import in_lane
 from timeshare.runtime.dispatch import Dispatcher  # noqa: F401 (annotations)
 from timeshare.worker.trainer import TrainingStats, TrainingTask, TrainSpec
 
@@ -162,7 +163,8 @@ class TrainingJob:
 
 
 class LocalTrainingJob(TrainingJob):
-    """Iterations in a thread of this process, one at a time under the runtime's lock."""
+    """Iterations in a thread of this process, one at a time under the runtime's lock,
+    or with lanes in the job's lane."""
 
     def __init__(self, task: TrainingTask, name: str, *, lock: threading.RLock, gate: Dispatcher):
         super().__init__(name, task.iterations, gate=gate, offload=task.offload)
@@ -182,7 +184,10 @@ class LocalTrainingJob(TrainingJob):
                 self._park()
             if self._cancel.is_set():
                 return JobState.CANCELLED
-            with self._lock:
+            lane = self._gate.lane_bound(self)
+            # Time-shared, an iteration holds the runtime; in a lane, it runs beside the
+            # other lanes, metered and bounded (NOTE [Lanes in the runtime]).
+            with self._lock if lane is None else in_lane(lane, self.task.device):
                 t0 = time.perf_counter()
                 try:
                     self.task.step_once()
