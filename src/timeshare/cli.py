@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-memory", default="auto", help="bytes for lanes of ephemeral memory")
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (0: lanes are threads of this process, sharing its interpreter lock)")
+    p.add_argument("--train", default="small_resnet:8",
+                   help="two training jobs MODEL:BATCH packed vs FIFO (in-process); 'none' to skip")
+    p.add_argument("--train-iterations", type=int, default=20)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
     p.add_argument("--plot", type=Path, default=None, help="write the PACK timeline as a PNG")
 
@@ -179,7 +182,8 @@ def _bench_lanes(args) -> int:
         return 2
     cfg = LanesBenchConfig(model=args.model, counts=counts, batch=args.batch, device=args.device,
                            duration_s=args.duration, memory=args.memory, lane_memory=args.lane_memory,
-                           workers=args.workers)
+                           workers=args.workers, train=None if args.train == "none" else args.train,
+                           train_iterations=args.train_iterations)
 
     def show(result: dict) -> None:
         _print_lanes(result)
@@ -205,6 +209,13 @@ def _print_lanes(result: dict) -> None:
                   "-" if bound is None else f"{bound:.0f}",
                   "yes" if r["fifo"]["outputs_exact"] and r["pack"]["outputs_exact"] else "NO")
     console.print(t)
+    tr = result.get("training")
+    if tr:
+        console.print(f"two {tr['workload']} jobs x {tr['iterations']} iterations: "
+                      f"FIFO {tr['fifo']['makespan_s']:.2f} s "
+                      f"({tr['fifo']['it_per_s']:.1f} it/s), PACK {tr['pack']['makespan_s']:.2f} s "
+                      f"({tr['pack']['it_per_s']:.1f} it/s), {tr['pack_over_fifo']:.2f}x; weights as alone: "
+                      f"{tr['fifo']['weights_exact'] and tr['pack']['weights_exact']}")
 
 
 def _bench_link(args) -> int:

@@ -113,7 +113,8 @@ def test_bench_hostile_measures_the_limits_and_the_baseline(tmp_path, capsys):
 def test_bench_lanes_packs_and_time_slices_with_exact_outputs(tmp_path, capsys):
     path, png = tmp_path / "lanes.json", tmp_path / "lanes.png"
     code = cli.main(["bench", "lanes", "--model", "tiny_cnn", "--counts", "2,3", "--duration", "0.5", "--device", "cpu",
-                     "--memory", "16MiB", "--json", str(path), "--plot", str(png)])
+                     "--memory", "16MiB", "--json", str(path), "--plot", str(png), "--train", "tiny_cnn:4",
+                     "--train-iterations", "4"])
     assert code == 0
     assert "bench lanes" in capsys.readouterr().out
     data = json.loads(path.read_text())
@@ -126,4 +127,6 @@ def test_bench_lanes_packs_and_time_slices_with_exact_outputs(tmp_path, capsys):
     assert any(b["model"] != a["model"] and b["start_s"] < a["start_s"] + a["seconds"]
                for a, b in zip(spans, spans[1:]))
     assert png.stat().st_size > 0
+    tr = data["training"]  # two jobs packed and time-sliced, each ending with the weights it has alone
+    assert tr["fifo"]["weights_exact"] and tr["pack"]["weights_exact"] and tr["pack"]["makespan_s"] > 0
     assert cli.main(["bench", "lanes", "--counts", "2,x"]) == 2

@@ -9,6 +9,8 @@ in the mode minus the model's own latency measured alone, idle runtime), and whe
 every output is bitwise equal to the model's output alone. Beside them: plain PyTorch
 (the same N modules and threads, no runtime: what concurrency gives without lanes or
 bounds) and the hardware bound (the model alone at one core, times min(N, cores)).
+Then two training jobs (``train``) packed against FIFO time-slicing: the makespan of
+both, and whether each ends with the weights of the same job run alone.
 The timeline (``--plot``) shows each model's forwards in time under PACK.
 
 "Alone" for exactness is the model alone on the same runtime (a lane computes on
@@ -29,6 +31,7 @@ from timeshare.bench.environment import describe
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError
 from timeshare.memory.ephemeral import cores, cpu_share
+from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.events import CallRecord
@@ -45,6 +48,9 @@ class LanesBenchConfig:
     memory: str = "auto"
     lane_memory: str = "auto"
     workers: int = 0  # 0: lanes are threads of this process; else worker processes, one lane each at a time
+    train: str | None = "small_resnet:8"  # two jobs of this workload, packed vs FIFO (None: skip)
+    train_iterations: int = 20
+    time_slice_s: float = 0.1  # FIFO time-slicing between the two jobs
 
 
 def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -72,6 +78,7 @@ def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: No
         row["bound_req_per_s"] = min(n, cores()) / one_core_s if device.type == "cpu" else None
         row["pack_over_fifo"] = row["pack"]["req_per_s"] / row["fifo"]["req_per_s"]
         rows.append(row)
+    training = _training(config, device, progress) if config.train else None
     return {
         "benchmark": "lanes",
         "config": {**vars(config), "counts": list(config.counts)},
@@ -80,8 +87,44 @@ def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: No
         "alone_one_core_ms": one_core_s * 1e3,
         "rows": rows,
         "timeline": timeline,
+        "training": training,
         "outputs_exact": all(r[m]["outputs_exact"] for r in rows for m in ("fifo", "pack")),
     }
+
+
+def _training(config: LanesBenchConfig, device, progress) -> dict:
+    """Two jobs of the same workload, ``train_iterations`` each, started together: the
+    makespan and aggregate iterations per second under FIFO time-slicing and under PACK,
+    and whether each job's final weights equal the same job run alone in that mode."""
+    workload = TrainingWorkload.parse(config.train or "")
+    out: dict = {"workload": str(workload), "iterations": config.train_iterations}
+    for mode in ("fifo", "pack"):
+        slice_s = config.time_slice_s if mode == "fifo" else None
+        with Runtime(device, config.memory, scheduling=mode, lane_memory=config.lane_memory,
+                     time_slice_s=slice_s) as rt:
+            progress(f"training alone, {mode}")
+            alone = rt.train("alone", **workload.train_args(), iterations=config.train_iterations, seed=0)
+            t0 = time.perf_counter()
+            _finish(alone)
+            alone_s = time.perf_counter() - t0
+            want = alone.state_dict()
+            progress(f"two jobs, {mode}")
+            t0 = time.perf_counter()
+            jobs = [rt.train(f"job{i}", **workload.train_args(), iterations=config.train_iterations, seed=0)
+                    for i in range(2)]
+            for job in jobs:
+                _finish(job)
+            makespan = time.perf_counter() - t0
+            exact = all(outputs_equal(list(job.state_dict().values()), list(want.values())) for job in jobs)
+        out[mode] = {"alone_s": alone_s, "makespan_s": makespan,
+                     "it_per_s": 2 * config.train_iterations / makespan, "weights_exact": exact}
+    out["pack_over_fifo"] = out["pack"]["it_per_s"] / out["fifo"]["it_per_s"]
+    return out
+
+
+def _finish(job, timeout_s: float = 600.0) -> None:
+    if not job.wait(timeout_s) or job.error is not None:
+        raise ConfigError(f"training job {job.name} did not finish: {job.error or 'timed out'}")
 
 
 def _alone_latency(module, inputs, device, *, threads: int | None, repeats: int = 50) -> float:

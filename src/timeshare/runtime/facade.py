@@ -309,7 +309,8 @@ class Runtime:
         returning the loss; ``iterations``: stop after this many (None: when ``data``
         ends). Inference preempts the job between iterations (NOTE [Preemption points]);
         ``offload`` moves its state to host memory while preempted; ``seed`` seeds the
-        job's own random state (default: ``torch.initial_seed()``).
+        job's own random state and, when ``model`` is a builder, its initial weights
+        (default: ``torch.initial_seed()``).
 
         With workers the job runs in a worker process that keeps its state between
         segments (NOTE [Switch protocol]); then every argument must be picklable, and

@@ -92,7 +92,10 @@ class TrainingTask:
         if isinstance(spec.model, nn.Module):
             module = spec.model
         else:
-            module = (resolve_builder(spec.model) if isinstance(spec.model, str) else spec.model)()
+            build = resolve_builder(spec.model) if isinstance(spec.model, str) else spec.model
+            with torch.random.fork_rng(devices=[]):  # the job's seed makes its initial weights too
+                torch.manual_seed(spec.seed)
+                module = build()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"model for training job {spec.name!r} is {type(module).__name__}, not an nn.Module")
         module.to(device).train()
