@@ -454,3 +454,49 @@ def test_the_profile_charges_the_measured_queueing_to_every_plan():
         assert q > 0 and prof.cost_model().queue == q
         for plan in prof.plans.values():  # the forward starts once every group is queued
             assert plan.predicted_s >= (len(plan) * q + sum(prof.compute_s)) * (1 - 1e-9)
+
+
+def test_lanes_on_cuda_overlap_on_their_own_streams_exactly_and_fail_alone():
+    """Salus's lanes on a GPU (NOTE [Lanes in the runtime]): packed calls give the bits of
+    the model alone, each lane's kernels go to a stream of its own, and a call that
+    outgrows its lane fails alone."""
+    import threading
+
+    from tests.integration.test_runtime_lanes import Greedy
+    from timeshare.errors import LaneExceededError
+    from timeshare.memory.ephemeral import lane_stream
+
+    zoo = ZOO["small_resnet"]
+    x = zoo.example_inputs(8)
+    with timeshare.Runtime(device="cuda", memory="1GiB", scheduling="pack", lane_memory="1GiB") as rt:
+        names_ = [f"m{i}" for i in range(4)]
+        alone = {}
+        for n in names_:
+            rt.register(n, zoo.builder, weights_path("small_resnet"), x)
+            rt.infer(n, *x)
+            alone[n] = rt.infer(n, *x)
+        assert rt.profile("m0", *x).ephemeral_bytes > 0
+        outs: dict = {}
+
+        def client(n):
+            outs[n] = [rt.infer(n, *x) for _ in range(20)]
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in names_]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for n in names_:
+            assert all(same(o, alone[n]) for o in outs[n]), n
+        rt.register("greedy", Greedy, example_inputs=(torch.full((8, 64), 4.0),))
+        rt.infer("greedy", torch.full((8, 64), 4.0))
+        rt.infer("greedy", torch.full((8, 64), 4.0))
+        with pytest.raises(LaneExceededError):
+            rt.infer("greedy", torch.full((8, 64), 4096.0))
+        assert same(rt.infer("m0", *x), alone["m0"])
+    device = torch.device("cuda")
+    with lane_stream(device, 0):
+        s0 = torch.cuda.current_stream(device)
+    with lane_stream(device, 1):
+        s1 = torch.cuda.current_stream(device)
+    assert s0 != s1 and s0 != torch.cuda.current_stream(device)

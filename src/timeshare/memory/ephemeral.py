@@ -106,12 +106,42 @@ class LaneBound:
 @contextmanager
 def in_lane(lane: LaneBound | None, device: torch.device) -> Iterator[EphemeralMeter | None]:
     """Run a block as a call in ``lane``: metered and bounded (NOTE [Counting ephemeral
-    bytes]), on its share of the cores. Without a lane: nothing changes, no meter."""
+    bytes]), on the lane's CUDA stream or its share of the CPU's cores. Without a lane:
+    nothing changes, no meter."""
     if lane is None:
         yield None
         return
-    with cpu_share(device, lane.threads), EphemeralMeter(lane.limit, task=lane.task, lane=lane.lane) as meter:
+    with lane_stream(device, lane.lane), cpu_share(device, lane.threads), \
+            EphemeralMeter(lane.limit, task=lane.task, lane=lane.lane) as meter:
         yield meter
+
+
+LANE_STREAMS = 8  # lanes beyond this many share streams (lane id modulo): serialised, still correct
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+@contextmanager
+def lane_stream(device: torch.device, lane: int | None) -> Iterator[None]:
+    """On CUDA, the block's kernels go to a stream of the lane's own, so that lanes overlap
+    on the device: the stream first waits for the work queued before (the inputs'
+    upload), and the work queued after waits for it (the outputs' download)."""
+    if device.type != "cuda" or lane is None:
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, lane % LANE_STREAMS)
+    with _streams_lock:
+        stream = _streams.get(key)
+        if stream is None:
+            stream = _streams[key] = torch.cuda.Stream(device)
+    before = torch.cuda.current_stream(device)
+    stream.wait_stream(before)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        before.wait_stream(stream)
 
 
 def cores() -> int:
