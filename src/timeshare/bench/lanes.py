@@ -128,12 +128,18 @@ def _finish(job, timeout_s: float = 600.0) -> None:
 
 
 def _alone_latency(module, inputs, device, *, threads: int | None, repeats: int = 50) -> float:
-    samples = []
-    with cpu_share(device, threads):
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            native_call(module, inputs, device)
-            samples.append(time.perf_counter() - t0)
+    """The median latency of the module alone, in a thread of its own (on ``threads``
+    cores; None: the default), so no thread count set here stays behind."""
+    samples: list[float] = []
+
+    def measure() -> None:
+        with cpu_share(device, threads):
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                native_call(module, inputs, device)
+                samples.append(time.perf_counter() - t0)
+
+    _run_threads([threading.Thread(target=measure)])
     return statistics.median(samples)
 
 

@@ -154,17 +154,13 @@ def cores() -> int:
 
 @contextmanager
 def cpu_share(device: torch.device, threads: int | None) -> Iterator[None]:
-    """On the CPU, this thread's operators use ``threads`` cores (None: unchanged); the
-    setting is per thread and is put back afterwards."""
-    if device.type != "cpu" or threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    """On the CPU, this thread's operators use ``threads`` cores (None: unchanged). The
+    setting stays: part of it (MKL's) is process-wide, so putting it back after each call
+    would change the thread count under a concurrent call of another lane, and with it
+    that call's bits. Every lane sets the same count."""
+    if device.type == "cpu" and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(max(1, threads))
+    yield
 
 
 def lane_bytes(peak: int) -> int:
