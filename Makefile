@@ -62,7 +62,7 @@ bench-serve: $(STAMP)
 	$(BIN)/timeshare bench serve --json bench/results/serve-$$(date +%Y%m%d).json
 
 sim-salus: $(STAMP)
-	$(BIN)/timeshare sim salus --json bench/results/sim-salus.json --plot bench/results/sim-salus.png
+	$(BIN)/timeshare sim salus --seeds 10 --out bench/results/sim/salus-table1.json --plot bench/results/sim/salus-table1.png
 
 sim-serving: $(STAMP)
 	$(BIN)/timeshare sim serving --json bench/results/sim-serving-cpu-costs.json --plot bench/results/sim-serving-cpu-costs.png

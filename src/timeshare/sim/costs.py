@@ -11,7 +11,10 @@ Two sources:
 # NOTE [Salus job pool]
 For each model and batch size the pool has jobs of about 1, 5 and 10 minutes. The
 iteration time is (JCT_long - JCT_short) / (iterations_long - iterations_short), the
-start-up JCT_short - iterations_short x iteration time (data/README.md).
+start-up JCT_short - iterations_short x iteration time (data/README.md). Upstream names
+one job twice (``vgg16_100_1min``, the second the 10-minute job); ``read_salus_pool``
+relabels that model and batch size's jobs by iteration count, so the pool has 99
+distinct jobs.
 Memory: the peak is measured; Salus splits it into persistent (weights and optimizer
 slots) and ephemeral (activations) memory, which the pool does not record. We take
 persistent = parameters x 8 bytes (fp32 weights and one momentum slot; parameter counts
@@ -30,6 +33,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from timeshare.errors import ConfigError
 
@@ -89,21 +93,9 @@ class WorkloadCosts:
     @classmethod
     def from_salus_csv(cls, path: str | Path) -> WorkloadCosts:
         """One entry per job of the pool, named like the CSV rows (NOTE [Salus job pool])."""
-        path = Path(path)
-        try:
-            with path.open(newline="") as f:
-                rows = list(csv.DictReader(f))
-        except OSError as exc:
-            raise ConfigError(f"cannot read the Salus job pool {path}: {exc}") from None
         groups: dict[tuple[str, int], list[dict]] = {}
-        for r in rows:
-            try:
-                model, batch, _length = r["name"].rsplit("_", 2)
-                groups.setdefault((model, int(batch)), []).append(
-                    {"name": r["name"], "jct": float(r["jct_seconds"]), "iters": int(r["iterations"]),
-                     "peak": float(r["peak_mem_mb"])})
-            except (KeyError, ValueError) as exc:
-                raise ConfigError(f"{path}: malformed row {r!r} ({exc})") from None
+        for j in read_salus_pool(path):
+            groups.setdefault((j["model"], j["batch"]), []).append(j)
         per_sample: dict[tuple[str, int], float] = {}
         timing: dict[tuple[str, int], tuple[float, float]] = {}
         for key, jobs in groups.items():
@@ -128,7 +120,7 @@ class WorkloadCosts:
                     j["name"], unit_s=it, startup_s=startup, persistent=persistent, ephemeral=peak - persistent,
                     utilization=min(1.0, best[model] / per_sample[(model, batch)]),
                 )
-        return cls(models, f"Salus job pool ({path.name})")
+        return cls(models, f"Salus job pool ({Path(path).name})")
 
     @classmethod
     def from_bench(cls, pipeline: str | Path, pipeline_b8: str | Path | None = None,
@@ -159,6 +151,46 @@ class WorkloadCosts:
         env = b1.get("environment", {})
         return cls(models,
                    f"bench pipeline on {env.get('device', '?')} {env.get('cpu') or env.get('gpu') or ''}".strip())
+
+
+_LENGTH_LABELS = ("1min", "5min", "10min")
+
+
+def read_salus_pool(path: str | Path) -> list[dict]:
+    """The pool's jobs: name, model, batch, jct (s), iters, peak (MB). Names are made
+    unique: where a name occurs twice (upstream labels ``vgg16_100_1min`` twice, the
+    second the 10-minute job), the jobs of that model and batch size are relabelled
+    1min, 5min, 10min by iteration count (NOTE [Salus job pool])."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the Salus job pool {path}: {exc}") from None
+    jobs: list[dict[str, Any]] = []
+    for r in rows:
+        try:
+            model, batch, _length = r["name"].rsplit("_", 2)
+            jobs.append({"name": r["name"], "model": model, "batch": int(batch), "jct": float(r["jct_seconds"]),
+                         "iters": int(r["iterations"]), "peak": float(r["peak_mem_mb"])})
+        except (KeyError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{path}: malformed row {r!r} ({exc})") from None
+    seen: dict[str, int] = {}
+    for j in jobs:
+        seen[j["name"]] = seen.get(j["name"], 0) + 1
+    for dup in [n for n, k in seen.items() if k > 1]:
+        model, batch, _ = dup.rsplit("_", 2)
+        group = sorted((j for j in jobs if j["model"] == model and j["batch"] == int(batch)), key=lambda j: j["iters"])
+        if len(group) != len(_LENGTH_LABELS):
+            raise ConfigError(f"{path}: job name {dup!r} repeats and its model and batch size do not have "
+                              f"{len(_LENGTH_LABELS)} jobs to relabel by length")
+        for j, label in zip(group, _LENGTH_LABELS):
+            j["name"] = f"{model}_{batch}_{label}"
+    names = [j["name"] for j in jobs]
+    if len(set(names)) != len(names):
+        repeats = sorted(n for n in set(names) if names.count(n) > 1)
+        raise ConfigError(f"{path}: job names still repeat after relabelling: {repeats}")
+    return jobs
 
 
 def _read_json(path: str | Path) -> dict:

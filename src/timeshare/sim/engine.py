@@ -26,12 +26,14 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, TimeshareError
 from timeshare.scheduler.core import Scheduler
-from timeshare.scheduler.task import Finished, Kind, Preempt, Run, Stopped, Task
+from timeshare.scheduler.task import Finished, Kind, Preempt, Run, State, Stopped, Task
 from timeshare.sim.cache import ModelCache
 from timeshare.sim.costs import WorkloadCosts
 from timeshare.sim.trace import Arrival
+
+_STUCK_DECISIONS = 100_000  # decisions at one instant before the replay is called stuck
 
 
 class _Job:
@@ -70,18 +72,35 @@ class SimResult:
     evictions: int = 0
     unfinished: int = 0
     events: int = 0
+    devices: int = 1
+
+    @classmethod
+    def merge(cls, results: list[SimResult]) -> SimResult:
+        """One record of several devices' replays of one trace (sim/cluster.py): the
+        per-task lists joined, the counters and busy seconds summed."""
+        if not results:
+            raise ConfigError("nothing to merge: no device results")
+        out = cls(results[0].policy, devices=sum(r.devices for r in results))
+        for r in results:
+            for name in ("kinds", "arrivals", "starts", "finishes", "deadlines"):
+                getattr(out, name).extend(getattr(r, name))
+            for name in ("busy_s", "useful_s", "load_s", "preemptions", "loads", "evictions", "unfinished", "events"):
+                setattr(out, name, getattr(out, name) + getattr(r, name))
+        return out
 
     def report(self) -> dict:
         """Makespan, queuing and completion times of training jobs; latency
-        percentiles and SLO attainment of requests; utilization, switches, evictions."""
+        percentiles and SLO attainment of requests; utilization (busy device-seconds
+        over makespan x devices), switches, evictions."""
         kinds = np.array(self.kinds)
         arr, start, fin = np.array(self.arrivals), np.array(self.starts), np.array(self.finishes)
         out: dict = {"policy": self.policy, "tasks": int(len(fin)), "unfinished": self.unfinished}
         if len(fin):
             span = float(fin.max() - arr.min())
             out["makespan_s"] = span
-            out["utilization"] = self.busy_s / span if span > 0 else 0.0
-            out["useful_utilization"] = self.useful_s / span if span > 0 else 0.0
+            capacity = span * self.devices
+            out["utilization"] = self.busy_s / capacity if span > 0 else 0.0
+            out["useful_utilization"] = self.useful_s / capacity if span > 0 else 0.0
         train = kinds == "t"
         if train.any():
             jct = fin[train] - arr[train]
@@ -104,8 +123,8 @@ class SimResult:
                 "mean_ms": float(lat.mean() * 1e3),
                 "slo_attainment": float((fin[inf][has] <= dl[has]).mean()) if has.any() else None,
             }
-        out.update(switches=self.preemptions + self.loads, preemptions=self.preemptions, loads=self.loads,
-                   evictions=self.evictions, load_s=self.load_s, events=self.events)
+        out.update(devices=self.devices, switches=self.preemptions + self.loads, preemptions=self.preemptions,
+                   loads=self.loads, evictions=self.evictions, load_s=self.load_s, events=self.events)
         return out
 
 
@@ -126,57 +145,111 @@ class Simulator:
         self._events: list = []
         self._seq = 0
         self._last = 0.0
+        self._wake_at = math.inf
+        self._res = SimResult(scheduler.policy.name)
+        self._busy_at, self._busy_n = -math.inf, 0  # decisions at one instant (a livelock guard)
 
     def run(self, trace: list[Arrival], *, horizon_s: float = math.inf) -> SimResult:
-        sched = self.scheduler
-        res = SimResult(sched.policy.name)
-        self._res = res
-        costs = self.costs
-        n = len(trace)
-        i = 0
-        now = 0.0
+        self.begin()
+        for i, a in enumerate(trace):
+            if a.time > horizon_s:
+                break
+            self.step_until(a.time, horizon_s=horizon_s)
+            self.arrive(i, a)
+        return self.finish(horizon_s=horizon_s)
+
+    # NOTE [Stepping a device]: ``run`` is begin, then for each arrival step_until(its
+    # time) and arrive, then finish. A cluster (sim/cluster.py) drives several
+    # simulators the same way, choosing the device between the step and the arrival.
+    # At one instant the order is arrivals, then completions, then time-slice ends.
+    def begin(self) -> None:
+        """Start a replay: empty device, clock at 0."""
+        self._res = SimResult(self.scheduler.policy.name)
+        self._jobs.clear()
+        self._events.clear()
+        self._last = 0.0
+        self._wake_at = math.inf
+        self._busy_at, self._busy_n = -math.inf, 0
+
+    def step_until(self, t: float, *, horizon_s: float = math.inf) -> None:
+        """Carry out completions and time-slice ends before ``t`` (and not after ``horizon_s``)."""
         events = self._events
-        wake_at = math.inf
+        res = self._res
         while True:
-            t_arr = trace[i].time if i < n else math.inf
             t_ev = events[0][0] if events else math.inf
-            if t_arr == math.inf and t_ev == math.inf and wake_at == math.inf:
-                break
-            if min(t_arr, t_ev, wake_at) > horizon_s:
-                break
+            nxt = min(t_ev, self._wake_at)
+            if nxt >= t or nxt > horizon_s:
+                return
             res.events += 1
-            if t_arr <= t_ev and t_arr <= wake_at:
-                now = t_arr
-                self._advance(now)
-                a = trace[i]
-                c = costs[a.model]
-                sched.submit(Task(i, a.kind, a.model, now, a.work, c.unit_s, a.priority,
-                                  None if a.slo_s is None else now + a.slo_s, c.persistent, c.ephemeral,
-                                  c.startup_s), now)
-                i += 1
-            elif t_ev <= wake_at:
-                t, _, job, epoch = heappop(events)
+            if t_ev <= self._wake_at:
+                _, _, job, epoch = heappop(events)
                 if job.epoch != epoch or job.task.id not in self._jobs:
                     continue
-                now = t
-                self._advance(now)
-                self._complete(job, now)
+                self._advance(t_ev)
+                self._complete(job, t_ev)
+                self._decide(t_ev)
             else:
-                now = wake_at
-                self._advance(now)
-            wake_at = math.inf
-            decisions = sched.schedule(now)
-            if decisions:
-                self._execute(decisions, now)
-            if sched.quantum_s:
-                w = sched.next_wakeup(now)
-                if w is not None:
-                    wake_at = max(w, now)
+                self._advance(nxt)
+                self._decide(nxt)
+
+    def arrive(self, task_id: int, a: Arrival) -> None:
+        """Submit ``a`` as task ``task_id`` at its time (call ``step_until(a.time)`` first)."""
+        now = a.time
+        self._res.events += 1
+        self._advance(now)
+        c = self.costs[a.model]
+        self.scheduler.submit(Task(task_id, a.kind, a.model, now, a.work, c.unit_s, a.priority,
+                                   None if a.slo_s is None else now + a.slo_s, c.persistent, c.ephemeral,
+                                   c.startup_s), now)
+        self._decide(now)
+
+    def finish(self, *, horizon_s: float = math.inf) -> SimResult:
+        """Run to the end (or ``horizon_s``) and return the records."""
+        self.step_until(math.inf, horizon_s=horizon_s)
+        res = self._res
+        sched = self.scheduler
         res.unfinished = len(sched.tasks)
         res.evictions = self.cache.evictions if self.cache is not None else 0
         res.loads = self.cache.loads if self.cache is not None else res.loads
         res.preemptions = sched.preemptions
         return res
+
+    def backlog_s(self, now: float) -> float:
+        """Device seconds still needed by the tasks on this device, alone: for running
+        ones what the device model has left (the progress a real executor reports),
+        for waiting ones the scheduler's estimate (start-up included if never started).
+        What a dispatcher in front of several devices can know (sim/cluster.py); call
+        after ``step_until(now)``."""
+        self._advance(now)
+        total = 0.0
+        for job in self._jobs.values():
+            total += max(0.0, job.left)
+            if job.stop_at is not None:  # stops at the boundary, then waits with the rest
+                total += (job.task.work - job.stop_at) * job.unit_s + self.resume_s
+        for t in self.scheduler.tasks.values():
+            if t.state is State.WAITING:
+                total += t.remaining_s()
+        return total
+
+    def _decide(self, now: float) -> None:
+        """Ask the scheduler after an event, carry out its decisions, note its next wake-up."""
+        sched = self.scheduler
+        self._wake_at = math.inf
+        decisions = sched.schedule(now)
+        if decisions:
+            if now == self._busy_at:
+                self._busy_n += 1
+                if self._busy_n > _STUCK_DECISIONS:
+                    raise TimeshareError(
+                        f"simulation stuck at t={now:.6f} s: {self._busy_n} decisions without the clock moving, "
+                        f"the last {decisions!r} (a scheduler that preempts and restarts the same task?)")
+            else:
+                self._busy_at, self._busy_n = now, 1
+            self._execute(decisions, now)
+        if sched.quantum_s:
+            w = sched.next_wakeup(now)
+            if w is not None:
+                self._wake_at = max(w, now)
 
     # ------------------------------------------------------------------ device model
     def _advance(self, now: float) -> None:

@@ -72,32 +72,93 @@ def write_trace(path: str | Path, trace: list[Arrival]) -> None:
                         "" if a.slo_s is None else repr(a.slo_s)])
 
 
+@dataclass(frozen=True, slots=True)
+class SalusArrivals:
+    """How the jobs of a Salus trace arrive: Salus does not publish its arrival process,
+    so these are fitted to its FIFO row (NOTE [Salus arrival calibration] in
+    ``sim/table1.py``)."""
+
+    mean_interarrival_s: float
+    """Mean gap between arrivals in seconds (Poisson: exponential gaps); 0 submits every
+    job at once."""
+    length_mix: tuple[float, float, float] | None
+    """Shares of the pool's short, medium and long jobs (about 1, 5 and 10 minutes); the
+    counts are exact (largest remainder), the model and batch size within a length
+    uniform. None: every job drawn uniformly from the pool."""
+    order_correlation: float = 0.0
+    """0..1: how strongly longer jobs arrive earlier. Each job gets the key
+    -rho * z + sqrt(1 - rho^2) * noise (z: its solo time, standardized; noise standard
+    normal) and jobs arrive in the order of their keys: 0 is a random order, 1 longest
+    first."""
+
+    def __post_init__(self):
+        if not (math.isfinite(self.mean_interarrival_s) and self.mean_interarrival_s >= 0):
+            raise ConfigError(f"mean_interarrival_s must be a finite number >= 0, got {self.mean_interarrival_s!r}")
+        mix = self.length_mix
+        if mix is not None and (len(mix) != 3 or min(mix) < 0 or not sum(mix) > 0):
+            raise ConfigError(f"length_mix must be three non-negative shares with a positive sum, got {mix!r}")
+        if not 0.0 <= self.order_correlation <= 1.0:
+            raise ConfigError(f"order_correlation must be in [0, 1], got {self.order_correlation!r}")
+
+    @classmethod
+    def one_knob_mix(cls, mean_interarrival_s: float, not_short: float, order_correlation: float) -> SalusArrivals:
+        """The calibrated family: a share ``not_short`` of jobs split evenly between the
+        medium and long ones, the rest short."""
+        return cls(mean_interarrival_s, (1.0 - not_short, not_short / 2, not_short / 2), order_correlation)
+
+
+def length_tiers(jobs: list[str], iterations: dict[str, float]) -> list[list[str]]:
+    """The pool's short, medium and long jobs: for each model and batch size its jobs by
+    iteration count (the length labels are not reliable upstream: data/README.md)."""
+    groups: dict[str, list[str]] = {}
+    for j in jobs:
+        groups.setdefault(j.rsplit("_", 1)[0], []).append(j)
+    tiers: list[list[str]] = [[], [], []]
+    for members in groups.values():
+        members.sort(key=lambda j: iterations[j])
+        for tier, j in zip(tiers, (members[0], members[len(members) // 2], members[-1])):
+            tier.append(j)
+    return tiers
+
+
+def exact_counts(shares, n: int) -> list[int]:
+    """``n`` split by ``shares`` into whole counts that sum to ``n`` (largest remainder)."""
+    p = np.asarray(shares, dtype=float)
+    raw = p / p.sum() * n
+    counts = np.floor(raw).astype(int)
+    for i in np.argsort(-(raw - counts), kind="stable")[: n - int(counts.sum())]:
+        counts[i] += 1
+    return [int(c) for c in counts]
+
+
 def salus_trace(jobs: list[str], iterations: dict[str, float], n: int = 100, *, seed: int = 0,
-                mean_interarrival_s: float = 60.0,
-                length_mix: tuple[float, float, float] | None = (0.7, 0.15, 0.15)) -> list[Arrival]:
-    """``n`` training jobs drawn from the pool ``jobs``, Poisson arrivals (Salus does
-    not publish its arrival process). ``length_mix``: the shares of short, medium and
-    long jobs (the pool's 1, 5 and 10-minute jobs of each model and batch, told apart
-    by their iteration counts); None draws uniformly from the pool."""
+                arrivals: SalusArrivals, solo_s: dict[str, float] | None = None) -> list[Arrival]:
+    """``n`` training jobs drawn from the pool ``jobs`` as ``arrivals`` says; ``solo_s``
+    (each job's seconds alone on the device) orders them when ``order_correlation`` is
+    not 0. Deterministic for a seed."""
+    if n < 1:
+        raise ConfigError(f"a Salus trace needs at least one job, got {n}")
     rng = np.random.default_rng(seed)
-    if length_mix is None:
+    if arrivals.length_mix is None:
         picks = [jobs[i] for i in rng.integers(0, len(jobs), size=n)]
     else:
-        if len(length_mix) != 3 or min(length_mix) < 0 or sum(length_mix) <= 0:
-            raise ConfigError(f"length_mix must be three non-negative shares, got {length_mix!r}")
-        groups: dict[str, list[str]] = {}
-        for j in jobs:
-            groups.setdefault(j.rsplit("_", 1)[0], []).append(j)
-        tiers: list[list[str]] = [[], [], []]
-        for members in groups.values():
-            members.sort(key=lambda j: iterations[j])
-            for tier, j in zip(tiers, (members[0], members[len(members) // 2], members[-1])):
-                tier.append(j)
-        p = np.asarray(length_mix, dtype=float)
-        which = rng.choice(3, size=n, p=p / p.sum())
-        picks = [tiers[w][rng.integers(0, len(tiers[w]))] for w in which]
-    times = np.cumsum(rng.exponential(mean_interarrival_s, size=n))
-    times -= times[0]
+        tiers = length_tiers(jobs, iterations)
+        picks = [tiers[w][rng.integers(0, len(tiers[w]))]
+                 for w, count in enumerate(exact_counts(arrivals.length_mix, n)) for _ in range(count)]
+        picks = [picks[i] for i in rng.permutation(n)]
+    rho = arrivals.order_correlation
+    if rho > 0:
+        if solo_s is None:
+            raise ConfigError("order_correlation needs each job's solo time (solo_s)")
+        d = np.array([solo_s[j] for j in picks])
+        z = (d - d.mean()) / d.std() if d.std() > 0 else np.zeros(n)
+        key = -rho * z + math.sqrt(max(0.0, 1.0 - rho * rho)) * rng.standard_normal(n)
+        picks = [picks[i] for i in np.argsort(key, kind="stable")]
+    if arrivals.mean_interarrival_s > 0:
+        times = np.cumsum(rng.exponential(arrivals.mean_interarrival_s, size=n))
+        times -= times[0]
+    else:
+        times = np.zeros(n)
     return [Arrival(float(t), Kind.TRAINING, j, float(iterations[j])) for t, j in zip(times, picks)]
 
 
