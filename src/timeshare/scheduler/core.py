@@ -316,8 +316,9 @@ class Scheduler:
         policy = self.policy
         victim = None
         if policy.preemptive and best is not None:
-            worst = max(candidates, key=lambda t: (policy.rank(t, now), t.seq))
-            if policy.rank(best, now) < policy.rank(worst, now):
+            blockers = self._blockers(best, candidates)
+            worst = max(blockers, key=lambda t: (policy.rank(t, now), t.seq), default=None)
+            if worst is not None and policy.rank(best, now) < policy.rank(worst, now):
                 victim = worst
         if victim is None and self.quantum_s:
             victim = self._slice_over(best, candidates, now)
@@ -330,6 +331,16 @@ class Scheduler:
         self.preemptions += 1
         decisions.append(Preempt(victim, best))
         return True
+
+    def _blockers(self, best: Task, candidates: list[Task]) -> list[Task]:
+        """The running tasks whose stop would let ``best`` start. With a slot free, what
+        holds it back is memory: the task running in the lane it was admitted to (a
+        preempted task keeps its memory, so stopping any other frees nothing, and it
+        would start again at once: a livelock at one instant)."""
+        if len(self.running) < self.slots and self.lanes is not None:
+            lane = self.lanes.lanes.get(best.lane) if best.lane is not None else None
+            return [t for t in candidates if lane is not None and t.id == lane.busy]
+        return candidates
 
     def _slice_over(self, best: Task | None, candidates: list[Task], now: float) -> Task | None:
         """A running task whose time slice is used up and that a waiting task would come
