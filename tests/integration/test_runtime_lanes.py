@@ -217,11 +217,13 @@ def test_training_jobs_in_different_lanes_run_side_by_side_and_train_as_alone(pa
 
 
 def test_a_job_that_outgrows_its_lane_fails_alone(packed):
+    # Built before the jobs start: an in-process job's step swaps the process's random
+    # state, which a module built meanwhile in another thread would draw its weights from.
+    packed.register("m0", lambda: Meeting(0), example_inputs=(X,))
     barrier = threading.Barrier(2)
     # From its sixth iteration on, the greedy job asks for 2 MiB more than it measured.
     greedy = _meeting_job(packed, "greedy", threading.Barrier(1), scratch=lambda i: (1 << 19) if i >= 5 else 16)
     steady = [_meeting_job(packed, f"steady{i}", barrier) for i in range(2)]
-    packed.register("m0", lambda: Meeting(0), example_inputs=(X,))
     for job in (greedy, *steady):
         job.wait(60)
     assert isinstance(greedy.error, LaneExceededError) and greedy.error.task == "greedy", greedy.error

@@ -11,6 +11,8 @@ import torch
 
 from timeshare.errors import ConfigError, MemoryBudgetError
 from timeshare.memory import Arena
+from timeshare.memory.ephemeral import cores
+from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.executor import Executor, InProcessExecutor, PoolExecutor
 from timeshare.runtime.pool import ProcessPool
 from timeshare.transfer.copy import make_copy_engine
@@ -61,6 +63,15 @@ def open_arena(device: torch.device, memory: int | str) -> Arena:
         return Arena(device, capacity)
     except torch.OutOfMemoryError as exc:
         raise MemoryBudgetError(f"cannot reserve an arena of {format_bytes(capacity)} on {device}: {exc}") from exc
+
+
+def make_dispatcher(scheduling: str, time_slice_s: float | None, device: torch.device, arena: Arena, *,
+                    lane_memory: int | str, workers: int, lane_threads: int | None) -> Dispatcher:
+    """The dispatcher; with "pack", over lanes of ``lane_memory`` bytes (NOTE [Lanes in the
+    runtime]), at most one lane per worker at a time, ``lane_threads`` cores each."""
+    lanes = lane_budget(device, arena, lane_memory) if scheduling == "pack" else None
+    return Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=lanes, slots=workers or None,
+                      lane_threads=lane_threads or max(1, cores() // 2))
 
 
 def make_executor(device: torch.device, arena: Arena, workers: int, *, profile_repeats: int,

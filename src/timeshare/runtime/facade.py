@@ -29,7 +29,7 @@ from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
-from timeshare.runtime.lanes import default_lane_threads, lanes_call, wait_idle
+from timeshare.runtime.lanes import lanes_call, wait_idle
 from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.table import ModelTable
@@ -121,15 +121,8 @@ class Runtime:
         policy = make_eviction_policy(eviction)
         self._arena = arena = assembly.open_arena(self.device, memory)
         try:
-            lanes = assembly.lane_budget(self.device, arena, lane_memory) if scheduling == "pack" else None
-            self._gate = Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=lanes, slots=workers or None,
-                                    lane_threads=lane_threads or default_lane_threads())
-        except BaseException:
-            arena.close()
-            raise
-        self._residency = Residency(arena, policy, poison=poison_evicted,
-                                    detector=ThrashingDetector() if thrashing else None)
-        try:
+            self._gate = assembly.make_dispatcher(scheduling, time_slice_s, self.device, arena, lane_memory=lane_memory,
+                                                  workers=workers, lane_threads=lane_threads)
             self._exec: Executor = assembly.make_executor(
                 self.device, arena, workers, profile_repeats=profile_repeats,
                 fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
@@ -139,6 +132,8 @@ class Runtime:
         except BaseException:
             arena.close()
             raise
+        self._residency = Residency(arena, policy, poison=poison_evicted,
+                                    detector=ThrashingDetector() if thrashing else None)
         self._jobs = JobTable()
         self._submitter: ThreadPoolExecutor | None = None
         self._table = ModelTable(self._residency, self._exec, strategy)

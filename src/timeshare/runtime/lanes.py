@@ -5,12 +5,13 @@ With ``scheduling="pack"`` the dispatcher's scheduler holds Salus's lanes (NOTE 
 lanes]) over ``lane_memory`` bytes; the arena is the persistent region, so an inference
 task asks only for ephemeral bytes: its model's measured peak for that input shape with
 headroom, or until measured all the lane memory free at that moment (all of it when the
-device is idle): the call is metered, and the model is then profiled for its shape (the
-profile counts the peak; a first load profiles anyway). A training job does the same:
-it asks for what is free, measures its state and one iteration's peak at its second
-iteration, and is re-admitted with them at its next preemption point (``Dispatcher._resize``),
-as Salus resizes lanes at iteration boundaries. A first call or iteration that needs
-more than was free fails with ``LaneExceededError``; nothing else does. Tasks of
+device is idle). That first call of a shape runs under the lock and unbounded (a first
+load also traces and profiles), and the model is then profiled for the shape (the
+profile counts the peak; a first load profiles anyway). A training job asks for what is
+free too, measures its state and one iteration's peak at its second iteration, and is
+re-admitted with them at its next preemption point (``Dispatcher._resize``), as Salus
+resizes lanes at iteration boundaries; its first iterations are bounded by what was
+free, and fail with ``LaneExceededError`` if they need more. Tasks of
 different lanes run at the same time: a call whose model is resident runs its forward
 without the runtime's lock, metered and bounded by its lane (NOTE [Counting ephemeral
 bytes]), on its share of the cores; loads, placement, eviction and records stay under
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from timeshare.errors import TimeshareError
-from timeshare.memory.ephemeral import LaneBound, cores
+from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Turn
 from timeshare.runtime.residency import ModelEntry
@@ -82,8 +83,3 @@ def wait_idle(idle: threading.Condition, m: ModelEntry, timeout_s: float) -> Non
             raise TimeshareError(f"model {m.name!r} is still running after {timeout_s:g} s",
                                  where=f"waiting for {m.name} to go idle")
         idle.wait(min(left, 0.05))
-
-
-def default_lane_threads() -> int:
-    """Half the cores (at least one): two busy lanes fill the machine."""
-    return max(1, cores() // 2)
