@@ -214,8 +214,14 @@ class Picky(nn.Module):
 
 
 def picky_linear() -> Picky:
-    torch.manual_seed(0)
-    return Picky()
+    # Weights from a generator of its own: an in-process training job elsewhere in the
+    # test process swaps the global random state around its steps (a documented limit).
+    g = torch.Generator().manual_seed(0)
+    p = Picky()
+    with torch.no_grad():
+        p.fc.weight.copy_(torch.randn(4, 4, generator=g))
+        p.fc.bias.copy_(torch.randn(4, generator=g))
+    return p
 
 
 class FlagsProbe(nn.Module):

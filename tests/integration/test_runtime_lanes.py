@@ -27,8 +27,11 @@ class Meeting(nn.Module):
 
     def __init__(self, seed: int, meet: bool = True):
         super().__init__()
-        torch.manual_seed(seed)
         self.lin = nn.Linear(64, 64)
+        g = torch.Generator().manual_seed(seed)  # not the global state, which running jobs swap
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(64, 64, generator=g) * 0.1)
+            self.lin.bias.copy_(torch.randn(64, generator=g) * 0.1)
         self.meet = meet
 
     def forward(self, x):
@@ -194,8 +197,11 @@ def _meeting_job(rt: Runtime, name: str, barrier: threading.Barrier, iterations:
             barrier.wait(timeout=10)
         return loss
 
-    torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    g = torch.Generator().manual_seed(3)  # not the global state, which running jobs swap
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     batches = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(iterations)]
     return rt.train(name, model, lambda p: torch.optim.SGD(p, lr=0.01), batches, step, iterations=iterations)
 
