@@ -130,3 +130,5 @@ def test_bench_lanes_packs_and_time_slices_with_exact_outputs(tmp_path, capsys):
     tr = data["training"]  # two jobs packed and time-sliced, each ending with the weights it has alone
     assert tr["fifo"]["weights_exact"] and tr["pack"]["weights_exact"] and tr["pack"]["makespan_s"] > 0
     assert cli.main(["bench", "lanes", "--counts", "2,x"]) == 2
+    assert cli.main(["bench", "lanes", "--counts", "0"]) == 2
+    assert cli.main(["bench", "lanes", "--train", "nope:3", "--device", "cpu"]) == 2  # before any model runs

@@ -239,6 +239,16 @@ def test_a_job_that_outgrows_its_lane_fails_alone(packed):
     assert torch.equal(packed.infer("m0", X), _reference(0, X))
 
 
+@pytest.mark.parametrize("options, words", [
+    ({"lane_threads": 0}, "lane_threads must be a positive integer"),
+    ({"lane_memory": "lots"}, "lane_memory"),
+    ({"lane_memory": 0}, "lane_memory must be positive"),
+])
+def test_bad_lane_options_are_refused_before_anything_is_taken(options, words):
+    with pytest.raises(ConfigError, match=words):
+        Runtime("cpu", "16MiB", scheduling="pack", **options)
+
+
 def test_pack_refuses_training_jobs_with_workers_for_now():
     with Runtime("cpu", "16MiB", scheduling="pack", workers=2) as rt, pytest.raises(ConfigError, match="lanes"):
         from tests.models import adam, train_batches, train_net, train_step

@@ -56,6 +56,9 @@ class LanesBenchConfig:
 def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
     if not config.counts or min(config.counts) < 1 or config.duration_s <= 0 or config.batch < 1:
         raise ConfigError("counts must be at least 1, duration_s positive, batch at least 1")
+    workload = TrainingWorkload.parse(config.train) if config.train else None  # refused before any work
+    if config.train_iterations < 1:
+        raise ConfigError("train_iterations must be at least 1")
     device = resolve_device(config.device)
     zoo = zoo_get(config.model)
     inputs = zoo.example_inputs(config.batch)
@@ -78,7 +81,7 @@ def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: No
         row["bound_req_per_s"] = min(n, cores()) / one_core_s if device.type == "cpu" else None
         row["pack_over_fifo"] = row["pack"]["req_per_s"] / row["fifo"]["req_per_s"]
         rows.append(row)
-    training = _training(config, device, progress) if config.train else None
+    training = _training(config, workload, device, progress) if workload is not None else None
     return {
         "benchmark": "lanes",
         "config": {**vars(config), "counts": list(config.counts)},
@@ -92,11 +95,10 @@ def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: No
     }
 
 
-def _training(config: LanesBenchConfig, device, progress) -> dict:
+def _training(config: LanesBenchConfig, workload: TrainingWorkload, device, progress) -> dict:
     """Two jobs of the same workload, ``train_iterations`` each, started together: the
     makespan and aggregate iterations per second under FIFO time-slicing and under PACK,
     and whether each job's final weights equal the same job run alone in that mode."""
-    workload = TrainingWorkload.parse(config.train or "")
     out: dict = {"workload": str(workload), "iterations": config.train_iterations}
     for mode in ("fifo", "pack"):
         slice_s = config.time_slice_s if mode == "fifo" else None

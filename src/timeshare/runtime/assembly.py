@@ -22,7 +22,7 @@ from timeshare.units import format_bytes, parse_bytes
 
 def check_options(*, strategy: str, profile_repeats: int, load_timeout_s: float, task_timeout_s: float,
                   startup_timeout_s: float, task_deadline_min_s: float, task_deadline_factor: float,
-                  copy_delay_s: float, workers: object) -> None:
+                  copy_delay_s: float, workers: object, lane_threads: object = None) -> None:
     """Raise ConfigError naming the first option out of its range."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
@@ -38,6 +38,9 @@ def check_options(*, strategy: str, profile_repeats: int, load_timeout_s: float,
         raise ConfigError(f"task_deadline_factor must be at least 1, got {task_deadline_factor}")
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ConfigError(f"workers must be a non-negative integer, got {workers!r}")
+    if lane_threads is not None and (not isinstance(lane_threads, int) or isinstance(lane_threads, bool)
+                                     or lane_threads < 1):
+        raise ConfigError(f"lane_threads must be a positive integer, got {lane_threads!r}")
 
 
 def lane_budget(device: torch.device, arena: Arena, lane_memory: int | str) -> int:

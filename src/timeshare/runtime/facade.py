@@ -110,7 +110,7 @@ class Runtime:
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                                task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,
-                               copy_delay_s=copy_delay_s, workers=workers)
+                               copy_delay_s=copy_delay_s, workers=workers, lane_threads=lane_threads)
         # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
         # before any memory is taken (the lanes' budget is known once the arena is).
         Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=1 if scheduling == "pack" else None)
