@@ -333,13 +333,22 @@ class Scheduler:
         return True
 
     def _blockers(self, best: Task, candidates: list[Task]) -> list[Task]:
-        """The running tasks whose stop would let ``best`` start. With a slot free, what
-        holds it back is memory: the task running in the lane it was admitted to (a
-        preempted task keeps its memory, so stopping any other frees nothing, and it
-        would start again at once: a livelock at one instant)."""
-        if len(self.running) < self.slots and self.lanes is not None:
-            lane = self.lanes.lanes.get(best.lane) if best.lane is not None else None
-            return [t for t in candidates if lane is not None and t.id == lane.busy]
+        """The running tasks whose stop would let ``best`` start. With memory lanes, a
+        ``best`` admitted to (or bound for) a lane another task holds waits for it alone:
+        a preempted task keeps its memory, so stopping any other frees at most a slot
+        that ``best`` cannot use, and the stopped task, still the best startable one,
+        would start again at once (a livelock at one instant). Otherwise a full set of
+        slots is what holds ``best`` back, and any running task will do."""
+        if self.lanes is not None:
+            lane_id = best.lane
+            if lane_id is None:  # not admitted yet: the lane Algorithm 1 would put it in
+                choice = self.lanes.choose(best.persistent, best.ephemeral)
+                lane_id = choice[1] if choice is not None else None
+            lane = self.lanes.lanes.get(lane_id) if lane_id is not None else None
+            if lane is not None and lane.busy is not None:
+                return [t for t in candidates if t.id == lane.busy]
+            if len(self.running) < self.slots:
+                return []
         return candidates
 
     def _slice_over(self, best: Task | None, candidates: list[Task], now: float) -> Task | None:
