@@ -285,3 +285,34 @@ def mse_step(model, optimizer, batch):
     loss.backward()
     optimizer.step()
     return loss
+
+
+class TierNet(nn.Module):
+    """A small net with persistent buffers (batch norm) and a non-persistent one that a
+    weights file does not carry (the host tier keeps the module's own value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 256)
+        self.bn = nn.BatchNorm1d(256)
+        self.fc2 = nn.Linear(256, 256)
+        self.fc3 = nn.Linear(256, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5), persistent=False)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.bn(self.fc1(x)))))) * self.scale
+
+
+def tier_net() -> TierNet:
+    return TierNet()
+
+
+def seeded_tier_net(seed: int) -> TierNet:
+    """``tier_net`` with weights and batch-norm statistics drawn from ``seed`` (a generator
+    of its own: running jobs swap the global random state)."""
+    net = TierNet().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in list(net.parameters()) + [net.bn.running_mean, net.bn.running_var]:
+            t.copy_(torch.rand(t.shape, generator=g) * 0.2 + (0.5 if t is net.bn.running_var else -0.1))
+    return net

@@ -72,7 +72,18 @@ class RuntimeConfig(_Strict):
     time_slice_s: Annotated[float, Field(gt=0)] | None = None
     """With "fifo" or "fair": how long a training job keeps the device before waiting calls run."""
     eviction: Literal["lru", "clock", "second_chance", "working_set", "cost"] = "lru"
-    """Which resident model leaves when a new one needs room."""
+    """Which resident model leaves when a new one needs room (on the device, and in host
+    memory under ``host_memory``)."""
+    host_memory: int | str | None = None
+    """A budget for the models' host copies: bytes, "8GiB" or "auto" (half the RAM). Under
+    it host memory is a cache over disk: a model whose weights are a safetensors file is
+    read from it only when a load needs it, and dropped again under pressure; others are
+    written once to ``spill_dir``. Null (the default): every host copy stays in memory.
+    With a budget every model needs example inputs (its layer order is traced at
+    registration)."""
+    spill_dir: str | None = None
+    """Under ``host_memory``: where host copies with no weights file behind them go when
+    dropped (default: a temporary folder, removed at shutdown)."""
     thrashing: bool = False
     """Thrashing control: while loads take most of the device's time, the models used
     recently are kept resident and each model's requests wait longer to form batches."""
@@ -90,10 +101,10 @@ class RuntimeConfig(_Strict):
     task_deadline_min_s: Annotated[float, Field(gt=0)] = 5.0
     """The shortest deadline a call gets, whatever its history."""
 
-    @field_validator("memory", "lane_memory", mode="before")
+    @field_validator("memory", "lane_memory", "host_memory", mode="before")
     @classmethod
     def _memory(cls, v, info):
-        if v == "auto":
+        if v == "auto" or (v is None and info.field_name == "host_memory"):
             return v
         _bytes_field(v, info.field_name)
         return v

@@ -72,6 +72,7 @@ class AddModel:
     store_name: str
     store_nbytes: int
     order: ExecutionOrder
+    pin_host: bool = True  # page-lock the store (on CUDA); not under a host budget (NOTE [Host tier])
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from timeshare.errors import WeightsError
 from timeshare.models.binding import TensorLayout
+from timeshare.transfer.backing import SafetensorsIndex
 
 WeightsSource = str | os.PathLike | Mapping[str, torch.Tensor]
 
@@ -83,6 +84,44 @@ def apply_weights(layout: TensorLayout, current: dict[str, torch.Tensor],
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
         raise WeightsError(f"weights have tensor {unexpected[0]!r}{more} that the module does not have")
     return out
+
+
+def match_file(layout: TensorLayout, index: SafetensorsIndex,
+               current: dict[str, torch.Tensor]) -> tuple[dict[str, str], dict[str, torch.Tensor], dict]:
+    """``apply_weights`` from a file's header alone (NOTE [Host tier]): for each of the
+    layout's tensors, the file's tensor to read it from, or the module's own value when
+    the file has none (a non-persistent buffer). The same errors as ``apply_weights``
+    except for the values of tied tensors, which are compared when the file is read.
+    Returns ``(sources, kept, tied)``: key -> file name, key -> tensor kept in memory,
+    key -> the other file names of a tied tensor."""
+    sources: dict[str, str] = {}
+    kept: dict[str, torch.Tensor] = {}
+    tied: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    for e in layout.entries:
+        present = [n for n in e.names if n in index.tensors]
+        if not present:
+            if not layout.persistent[e.key]:
+                kept[e.key] = current[e.key].detach().clone()
+                continue
+            raise WeightsError(f"weights have no tensor {e.names[0]!r} ({e.kind}, shape {list(e.shape)})")
+        name = present[0]
+        used.update(present)
+        ft = index.tensors[name]
+        if ft.shape != e.shape:
+            raise WeightsError(
+                f"tensor {name!r} has shape {list(ft.shape)} in the weights but {list(e.shape)} in the module"
+            )
+        if ft.dtype != e.dtype and not (ft.dtype.is_floating_point and e.dtype.is_floating_point):
+            raise WeightsError(f"tensor {name!r} has dtype {ft.dtype} in the weights but {e.dtype} in the module")
+        sources[e.key] = name
+        if len(present) > 1:
+            tied[e.key] = tuple(present[1:])
+    unexpected = sorted(set(index.tensors) - used)
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise WeightsError(f"weights have tensor {unexpected[0]!r}{more} that the module does not have")
+    return sources, kept, tied
 
 
 def save_weights(module: torch.nn.Module, path: str | os.PathLike) -> Path:

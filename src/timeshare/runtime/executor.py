@@ -22,16 +22,18 @@ from timeshare.errors import ConfigError
 from timeshare.memory import Arena
 from timeshare.memory.arena import map_shared_memory, reserve_shared_memory
 from timeshare.memory.ephemeral import LaneBound, in_lane
-from timeshare.models.binding import TensorLayout, bind
+from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.pool import ProcessPool
+from timeshare.runtime.registration import Tiered, trace_on_host
 from timeshare.runtime.training import LocalTrainingJob, TrainingJob, WorkerTrainingJob
+from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.host_store import HostStore
-from timeshare.transfer.profiler import ExecutionOrder, ModelProfile, trace_execution_order
+from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 from timeshare.tree import map_tensors
-from timeshare.worker.profiling import owners_of, release_host_cache
+from timeshare.worker.profiling import release_host_cache
 from timeshare.worker.trainer import TrainingTask, TrainSpec
 from timeshare.worker.worker import Worker
 
@@ -52,6 +54,8 @@ class Packed:
     segment: SharedMemory | None = None  # with workers: the store's shared memory
     order: ExecutionOrder | None = None  # with workers: traced at registration
     entries: tuple = ()  # with workers: the store's entries, in the traced order
+    pages: HostPages | None = None  # with a host budget: the store's droppable pages (NOTE [Host tier])
+    view: HostStore | None = None  # with a host budget: the controller's view of the store
 
 
 class Executor(Protocol):
@@ -64,6 +68,16 @@ class Executor(Protocol):
 
     def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
         """Make a checked, packed model ready to add (outside the runtime's lock)."""
+
+    def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
+        """``pack`` for a registration under a host budget: its store, already in
+        execution order, in pages this executor can share (NOTE [Host tier])."""
+
+    def host_dropping(self, name: str) -> None:
+        """``name``'s host store is about to lose its pages: no copy may read it after."""
+
+    def host_filled(self, name: str) -> None:
+        """``name``'s host store holds its bytes again."""
 
     def add(self, packed: Packed) -> None:
         """Make the model runnable; on failure the caller ``discard``s it."""
@@ -139,9 +153,28 @@ class InProcessExecutor:
             store.pin(registrar)
         return Packed(spec.name, spec, module, layout, store, store.nbytes)
 
+    def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
+        if tiered.filled:
+            self._pin(tiered.store)
+        return Packed(spec.name, spec, tiered.module, tiered.layout, tiered.store, tiered.store.nbytes,
+                      order=tiered.order, pages=tiered.pages, view=tiered.store)
+
+    def host_dropping(self, name: str) -> None:
+        self._worker.finish_pending(name)  # a tail still copying reads the store
+        self._worker.models[name].store.release()  # NOTE [Exact host pinning]: unpinned before the pages go
+
+    def host_filled(self, name: str) -> None:
+        self._pin(self._worker.models[name].store)
+
+    def _pin(self, store: HostStore) -> None:
+        if self.device.type == "cuda":  # NOTE [Exact host pinning]
+            registrar = host_registrar(self.device)
+            assert registrar is not None
+            store.pin(registrar)
+
     def add(self, packed: Packed) -> None:
         assert packed.store is not None
-        self._worker.add(packed.name, packed.module, packed.layout, packed.store)
+        self._worker.add(packed.name, packed.module, packed.layout, packed.store, order=packed.order)
 
     def discard(self, packed: Packed) -> None:
         if packed.store is not None:
@@ -208,6 +241,7 @@ class PoolExecutor:
         self.device = device
         self._pool = pool
         self._segments: dict[str, SharedMemory] = {}  # model -> its host store's segment
+        self._unpinned: set[str] = set()  # models whose stores workers do not page-lock (host tier)
 
     @property
     def pool(self) -> ProcessPool:
@@ -231,15 +265,11 @@ class PoolExecutor:
 
     def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
         # Workers map the store, so it is laid out in execution order once, here.
-        order = _trace_on_host(module, layout, store, spec)
+        order = trace_on_host(module, layout, store, spec)
         by_key = {e.key: e for e in store.entries}
-        segment = SharedMemory(create=True, size=store.nbytes)
+        segment = self._segment(spec.name, store.nbytes)
         try:
-            reserve_shared_memory(segment, f"the host copy of model {spec.name!r}",
-                                  "free space in /dev/shm (unregister models, or enlarge it: Docker's default "
-                                  "is 64 MB, --shm-size raises it)")
             buffer = map_shared_memory(segment.name, store.nbytes)  # NOTE [Mappings outlive close]
-            segment.close()
             packed = HostStore.pack([by_key[k] for k in order.key_order()], store.state(), pin=False, buffer=buffer)
         except BaseException:
             _unlink(segment)
@@ -247,15 +277,50 @@ class PoolExecutor:
         # The controller keeps no view of the store: only the workers map it from now on.
         return Packed(spec.name, spec, module, layout, None, packed.nbytes, segment, order, tuple(packed.entries))
 
+    def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
+        store = tiered.store
+        segment = self._segment(spec.name, store.nbytes)
+        try:
+            pages = HostPages(store.nbytes, shared_name=segment.name)
+            view = HostStore(store.entries, pages.tensor, store.alignment)
+            if tiered.filled:
+                view.buffer.copy_(store.buffer)
+            else:
+                pages.drop()  # reserved, and empty until a load needs it
+        except BaseException:
+            _unlink(segment)
+            raise
+        return Packed(spec.name, spec, tiered.module, tiered.layout, None, store.nbytes, segment, tiered.order,
+                      tuple(store.entries), pages=pages, view=view)
+
+    def host_dropping(self, name: str) -> None:
+        return None  # workers answer a call only once its copies are over, and do not pin tiered stores
+
+    def host_filled(self, name: str) -> None:
+        return None
+
     def add(self, packed: Packed) -> None:
         assert packed.segment is not None and packed.order is not None
         self._pool.add(P.AddModel(0, packed.name, packed.spec.build, packed.entries, packed.segment.name,
-                                  packed.nbytes, packed.order))
+                                  packed.nbytes, packed.order, pin_host=packed.pages is None))
         self._segments[packed.name] = packed.segment
+        if packed.pages is not None:
+            self._unpinned.add(packed.name)
 
     def discard(self, packed: Packed) -> None:
         if packed.segment is not None and packed.name not in self._segments:
             _unlink(packed.segment)
+
+    @staticmethod
+    def _segment(name: str, nbytes: int) -> SharedMemory:
+        """A shared-memory segment for ``name``'s host store, reserved (closed here: it is
+        mapped by name)."""
+        segment = SharedMemory(create=True, size=nbytes)
+        reserve_shared_memory(segment, f"the host copy of model {name!r}",
+                              "free space in /dev/shm (unregister models, or enlarge it: Docker's default "
+                              "is 64 MB, --shm-size raises it)")
+        segment.close()
+        return segment
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None) -> Ran:
@@ -270,6 +335,7 @@ class PoolExecutor:
 
     def remove(self, name: str) -> None:
         self._pool.remove(name)
+        self._unpinned.discard(name)
         segment = self._segments.pop(name, None)
         if segment is not None:
             _unlink(segment)
@@ -307,7 +373,9 @@ class PoolExecutor:
 
     def pinned_host_bytes(self) -> int:
         """Every worker registers each store's segment: the same pages, counted once."""
-        return sum(s.size for s in self._segments.values()) if self.device.type == "cuda" else 0
+        if self.device.type != "cuda":
+            return 0
+        return sum(s.size for name, s in self._segments.items() if name not in self._unpinned)
 
     def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
         return self._pool.run_in_new_worker(name, offset, args, kwargs, strategy)
@@ -323,17 +391,6 @@ class PoolExecutor:
                 _unlink(segment)
             self._segments.clear()
             release_host_cache(self.device)
-
-
-def _trace_on_host(module: nn.Module, layout: TensorLayout, store: HostStore, spec: ModelSpec) -> ExecutionOrder:
-    """The execution order from one forward on the CPU, with the module bound to the store."""
-    bind(layout, store.state())
-    spans = store.spans(store.buffer.data_ptr())
-    args = map_tensors(spec.example_inputs, lambda t: t.to("cpu"))
-    kwargs = map_tensors(spec.example_kwargs, lambda t: t.to("cpu"))
-    with torch.no_grad():
-        order, _ = trace_execution_order(module, args, kwargs, spans, owners_of(layout))
-    return order
 
 
 def _unlink(segment: SharedMemory) -> None:

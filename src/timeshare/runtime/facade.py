@@ -23,7 +23,7 @@ from timeshare.device import resolve_device, synchronize
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
-from timeshare.runtime import assembly, observe
+from timeshare.runtime import assembly, host_tier, observe
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import Listener
@@ -69,6 +69,12 @@ class Runtime:
     runtime]): ``lane_memory`` bytes for their ephemeral memory ("auto": the arena's
     size), each lane's forward on ``lane_threads`` CPU cores (default: half of them).
 
+    ``host_memory``: a budget for the models' host copies (NOTE [Host tier]; None, the
+    default: every model's host copy stays in memory). Under it, host memory is a cache
+    over disk with the same eviction policy as the device: a model registered from a
+    safetensors file is read only when a load needs it, others are written once to
+    ``spill_dir`` (default: a temporary folder) when first dropped. "auto": half the RAM.
+
     ``workers``: worker processes (0: models run in this process). With workers, a
     worker that does not answer a call within its deadline is killed and replaced
     (NOTE [Call deadlines]): ``task_deadline_factor`` times the slowest recent call of the
@@ -106,6 +112,8 @@ class Runtime:
         thrashing: bool = False,
         lane_memory: int | str = "auto",
         lane_threads: int | None = None,
+        host_memory: int | str | None = None,
+        spill_dir: str | None = None,
     ):
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
@@ -136,7 +144,13 @@ class Runtime:
                                     detector=ThrashingDetector() if thrashing else None)
         self._jobs = JobTable()
         self._submitter: ThreadPoolExecutor | None = None
-        self._table = ModelTable(self._residency, self._exec, strategy)
+        try:
+            host = host_tier.make_host_tier(host_memory, eviction, self._exec, workers=workers, spill_dir=spill_dir)
+        except BaseException:
+            self._exec.close()
+            arena.close()
+            raise
+        self._table = ModelTable(self._residency, self._exec, strategy, host)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
         self._closed = False
@@ -185,21 +199,24 @@ class Runtime:
         with self._turn():
             self._table.check_free(name)
         self._exec.check_registrable(spec)
-        module, layout, store = build_and_pack(spec)
-        packed = self._exec.pack(spec, module, layout, store)
-        del store
-        unbind(layout)  # the module now holds no weights of its own
+        stored = None
+        if self._table.host is not None:
+            packed, stored = host_tier.pack(spec, self._exec, self._table.host)
+        else:
+            module, layout, store = build_and_pack(spec)
+            packed = self._exec.pack(spec, module, layout, store)
+            del store
+        unbind(packed.layout)  # the module now holds no weights of its own
         with self._turn():
-            self._table.add(ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s), packed)
-        log.info("registered %s: %d tensors, %s", name, len(layout.entries), format_bytes(packed.nbytes))
+            self._table.add(ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s), packed,
+                            stored)
+        log.info("registered %s: %d tensors, %s", name, len(packed.layout.entries), format_bytes(packed.nbytes))
 
     def unregister(self, name: str) -> None:
         with self._turn():
             m = self._get(name)
             self._wait_idle(m)
-            self._table.evict(m)
-            self._exec.remove(name)
-            del self._table.entries[name]
+            self._table.remove(m)
             release_host_cache(self.device)
 
     def models(self) -> list[str]:
@@ -352,7 +369,8 @@ class Runtime:
         scrape must not queue behind a long inference): a consistent-enough view, not
         an atomic one."""
         return observe.snapshot(self.device, self._arena, self._residency, self._table.entries.values(),
-                                self._jobs.all().values(), self._exec, self._gate, self._table.failures)
+                                self._jobs.all().values(), self._exec, self._gate, self._table.failures,
+                                self._table.host)
 
     def diagnostics(self) -> dict:
         """For operators and white-box tests, without waiting for the device: the arena
@@ -360,7 +378,8 @@ class Runtime:
         and placement, the blocks quarantined because a copy may still write them, the
         tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
         with self._lock:
-            return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate)
+            return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
+                                       self._table.host)
 
     def in_process_worker(self) -> Worker | None:
         """A test hook: the worker that runs the models in this process (None with
@@ -409,6 +428,8 @@ class Runtime:
                     synchronize(self.device)
                 finally:
                     self._residency.clear()
+                    if self._table.host is not None:
+                        self._table.host.close()
                     self._arena.close()
                     release_host_cache(self.device)
 

@@ -12,6 +12,7 @@ import torch
 from timeshare.memory import Arena
 from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.executor import Executor
+from timeshare.runtime.host_tier import HostTier
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.training import TrainingJob
 
@@ -32,7 +33,8 @@ def stats(device: torch.device, arena: Arena, residency: Residency, models: Mapp
 
 
 def snapshot(device: torch.device, arena: Arena, residency: Residency, models: Iterable[ModelEntry],
-             jobs: Iterable[TrainingJob], executor: Executor, gate: Dispatcher, failures: int) -> dict:
+             jobs: Iterable[TrainingJob], executor: Executor, gate: Dispatcher, failures: int,
+             host: HostTier | None = None) -> dict:
     alloc = arena.allocator
     models, jobs = list(models), list(jobs)
     return {
@@ -40,7 +42,7 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
         "capacity_bytes": alloc.capacity,
         "used_bytes": alloc.used,
         "resident": {m.name: m.nbytes for m in models if m.block is not None},
-        "host_bytes": sum(m.nbytes for m in models),
+        "host_bytes": sum(m.nbytes for m in models) if host is None else host.used,
         "host_pinned_bytes": executor.pinned_host_bytes(),
         "loads": {m.name: m.loads for m in models},
         "evictions": residency.evictions,
@@ -52,11 +54,13 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
         "workers": executor.health(),
         # With lanes (PACK): their budget, each lane, admissions waiting (NOTE [Lanes in the runtime]).
         "lanes": gate.lanes(),
+        # With a host budget: host memory as a cache over disk (NOTE [Host tier]).
+        "host_tier": None if host is None else host.snapshot(),
     }
 
 
 def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Executor,
-                gate: Dispatcher) -> dict:
+                gate: Dispatcher, host: HostTier | None = None) -> dict:
     alloc = arena.allocator
     return {
         "arena": {"name": arena.shm_name, "capacity_bytes": alloc.capacity, "free_ranges": alloc.free_ranges()},
@@ -68,4 +72,5 @@ def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEn
         "scheduler_tasks": len(gate.scheduler.tasks),
         "lanes": gate.lanes(),
         "workers": executor.health(),
+        "host_tier": None if host is None else host.snapshot() | {"stores": host.models_view()},
     }

@@ -15,6 +15,7 @@ from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
+from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
@@ -26,10 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class ModelTable:
-    def __init__(self, residency: Residency, executor: Executor, strategy: str):
+    def __init__(self, residency: Residency, executor: Executor, strategy: str, host: HostTier | None = None):
         self.entries: dict[str, ModelEntry] = {}
         self.residency = residency
         self.executor = executor
+        self.host = host  # with a host budget: the host stores under it (NOTE [Host tier])
         self.strategy = strategy  # the runtime's grouping, when a call names none
         self.listeners: list[Listener] = []
         self.failures = 0  # calls that raised
@@ -44,20 +46,37 @@ class ModelTable:
         if name in self.entries:
             raise DuplicateModelError(f"a model named {name!r} is already registered")
 
-    def add(self, entry: ModelEntry, packed: Packed) -> None:
-        """Hand ``packed`` to the executor and list ``entry``; on failure the executor
-        discards what it was handed, so a refused registration leaves nothing behind."""
+    def add(self, entry: ModelEntry, packed: Packed, stored: Stored | None = None) -> None:
+        """Hand ``packed`` to the executor and list ``entry`` (``stored``: its store under
+        the host budget); on failure the executor discards what it was handed, so a
+        refused registration leaves nothing behind."""
+        hosted = False
         try:
             self.check_free(entry.name)
             capacity = self.residency.arena.capacity
             if packed.nbytes > capacity:
                 log.warning("model %s (%s) is larger than the arena (%s)", entry.name,
                             format_bytes(packed.nbytes), format_bytes(capacity))
+            if stored is not None:
+                assert self.host is not None, "a tiered registration needs the host tier"
+                self.host.add(entry.name, stored)
+                hosted = True
             self.executor.add(packed)
         except BaseException:
+            if hosted:
+                assert self.host is not None
+                self.host.remove(entry.name)
             self.executor.discard(packed)
             raise
         self.entries[entry.name] = entry
+
+    def remove(self, m: ModelEntry) -> None:
+        """Forget ``m``: out of device memory, its host memory and spill file given back."""
+        self.evict(m)
+        self.executor.remove(m.name)
+        if self.host is not None:
+            self.host.remove(m.name)
+        del self.entries[m.name]
 
     def lane_ask(self, m: ModelEntry, key: str, free: int) -> int:
         """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
@@ -141,6 +160,8 @@ class ModelTable:
             self.evict(m)
 
     def place(self, m: ModelEntry) -> None:
+        if self.host is not None:
+            self.host.ensure(m.name)  # its bytes in host memory first (NOTE [Host tier])
         for victim in self.residency.place(m, self.entries, self.executor.release):
             self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
 

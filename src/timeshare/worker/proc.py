@@ -88,7 +88,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         buffer = map_shared_memory(msg.store_name, msg.store_nbytes)
         store = HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment)
         del buffer
-        if registrar is not None:
+        if registrar is not None and msg.pin_host:
             store.pin(registrar)  # page-locked in this process, so copies are asynchronous DMA
         worker.add(msg.model, module, layout, store, order=msg.order)
 

@@ -1,0 +1,217 @@
+"""The host tier: which models' host stores are in memory under the host budget, and which
+go back to disk to make room (NOTE [Host tier]). Runs in the controller, under the
+runtime's lock; the eviction policy and the make-room loop are the device tier's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from timeshare.errors import ConfigError, MemoryBudgetError, WeightsError
+from timeshare.models.spec import ModelSpec
+from timeshare.runtime.executor import Executor, Packed
+from timeshare.runtime.registration import build_tiered
+from timeshare.scheduler.eviction import EvictionPolicy, make_eviction_policy
+from timeshare.scheduler.thrashing import NothingToEvict, make_room
+from timeshare.transfer.backing import Backing, HostPages
+from timeshare.transfer.host_store import HostStore
+from timeshare.units import format_bytes, parse_bytes
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[str], None]  # the executor, told that a model's store is about to go / is back
+
+
+@dataclass
+class Stored:
+    """A model's host store as the host tier sees it."""
+
+    store: HostStore  # the controller's view of its bytes
+    pages: HostPages
+    backing: Backing
+    filled: bool
+    failed: WeightsError | None = None  # the latest fill's error, shown until a fill succeeds
+
+
+class HostTier:
+    """Host memory as a cache over disk: at most ``budget`` bytes of stores filled."""
+
+    def __init__(self, budget: int, policy: EvictionPolicy, *, dropping: Hook, filled: Hook,
+                 spill_dir: Path, own_spill_dir: bool = False):
+        if budget <= 0:
+            raise ValueError(f"host budget must be positive, got {budget}")
+        self.budget = budget
+        self.policy = policy
+        self.spill_dir = spill_dir
+        self._own_spill_dir = own_spill_dir  # made for this runtime: removed at close
+        self._dropping = dropping
+        self._filled = filled
+        self.models: dict[str, Stored] = {}
+        self.drops = 0
+        self.fills = 0
+        self.bytes_read = 0
+        self.read_s = 0.0
+        self.spill_bytes = 0
+
+    @property
+    def used(self) -> int:
+        return sum(s.store.nbytes for s in list(self.models.values()) if s.filled)  # read without the lock too
+
+    def check_fits(self, name: str, nbytes: int) -> None:
+        if nbytes > self.budget:
+            raise MemoryBudgetError(f"model {name!r} needs {format_bytes(nbytes)} of host memory, more than the "
+                                    f"whole host budget ({format_bytes(self.budget)}); raise host_memory")
+
+    def add(self, name: str, stored: Stored, protected: Iterable[str] = ()) -> None:
+        """A registered model's store; a filled one is made room for (others dropped)."""
+        self.check_fits(name, stored.store.nbytes)
+        self.models[name] = stored
+        if stored.filled:
+            try:
+                self._make_room(name, stored.store.nbytes, protected)
+            except BaseException:
+                del self.models[name]
+                raise
+            self.policy.admitted(name, time.monotonic())
+
+    def remove(self, name: str) -> None:
+        s = self.models.pop(name, None)
+        if s is not None:
+            self.policy.removed(name)
+            s.backing.discard()
+
+    def ensure(self, name: str, protected: Iterable[str] = ()) -> None:
+        """``name``'s store filled, dropping others (not ``protected``) first if the
+        budget needs it. A file that is no longer the one registered raises
+        ``WeightsError`` and leaves the store empty."""
+        s = self.models[name]
+        now = time.monotonic()
+        if s.filled:
+            self.policy.touched(name, now)
+            return
+        self._make_room(name, s.store.nbytes, protected)
+        t0 = time.perf_counter()
+        try:
+            n = s.backing.fill(s.store)
+        except WeightsError as exc:
+            s.pages.drop()  # whatever was read is not the model's
+            s.failed = exc
+            raise
+        self.read_s += time.perf_counter() - t0
+        self.bytes_read += n
+        self.fills += 1
+        s.filled, s.failed = True, None
+        self._filled(name)
+        self.policy.admitted(name, time.monotonic())
+
+    def drop(self, name: str) -> bool:
+        """Give ``name``'s host memory back (its bytes are on disk); True if it was filled."""
+        s = self.models[name]
+        if not s.filled:
+            return False
+        if not s.backing.ready():
+            t0 = time.perf_counter()
+            s.backing.save(s.store)
+            self.spill_bytes += s.store.nbytes
+            log.info("host tier: wrote %s of %s to %s in %.2f s", format_bytes(s.store.nbytes), name,
+                     s.backing.path, time.perf_counter() - t0)
+        self._dropping(name)
+        s.pages.drop()
+        s.filled = False
+        self.policy.removed(name)
+        self.drops += 1
+        return True
+
+    def close(self) -> None:
+        """Remove every spill file (and the spill folder, if the runtime made it)."""
+        for name in list(self.models):
+            self.remove(name)
+        if self._own_spill_dir:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+    def snapshot(self) -> dict:
+        return {
+            "budget": self.budget,
+            "used": self.used,
+            "models": len(self.models),
+            "filled": sum(1 for s in list(self.models.values()) if s.filled),
+            "drops": self.drops,
+            "fills": self.fills,
+            "bytes_read": self.bytes_read,
+            "read_seconds": round(self.read_s, 6),
+            "spilled_bytes": self.spill_bytes,
+        }
+
+    def models_view(self) -> dict[str, dict]:
+        """Each store: its size, whether it is in memory, the memory its pages hold now
+        (measured), its backing file, and the latest fill's error."""
+        return {n: {"nbytes": s.store.nbytes, "filled": s.filled, "resident_bytes": s.pages.resident_bytes(),
+                    "backing": str(s.backing.path), "error": None if s.failed is None else str(s.failed)}
+                for n, s in self.models.items()}
+
+    def _make_room(self, name: str, nbytes: int, protected: Iterable[str]) -> None:
+        keep = set(protected) | {name}
+        try:
+            make_room(self.policy, None, time.monotonic(), keep,
+                      lambda: True if self._used_without(name) + nbytes <= self.budget else None, self.drop)
+        except NothingToEvict:
+            raise MemoryBudgetError(
+                f"cannot bring model {name!r} ({format_bytes(nbytes)}) into host memory: "
+                f"{format_bytes(self.budget - self._used_without(name))} of the host budget "
+                f"({format_bytes(self.budget)}) is free and every other store in memory is in use"
+            ) from None
+
+    def _used_without(self, name: str) -> int:
+        return sum(s.store.nbytes for n, s in self.models.items() if s.filled and n != name)
+
+
+def make_host_tier(host_memory: int | str | None, eviction: str, executor: Executor, *, workers: int,
+                   spill_dir: str | os.PathLike | None) -> HostTier | None:
+    """The host tier of a runtime (None without a budget). ``host_memory``: bytes, a
+    string like "8GiB", or "auto" (half the RAM; with workers, at most nine tenths of
+    what /dev/shm has free, where their stores live)."""
+    if host_memory is None:
+        return None
+    shm_free = None
+    if workers:
+        try:
+            st = os.statvfs("/dev/shm")
+            shm_free = st.f_bavail * st.f_frsize
+        except OSError:
+            pass
+    if host_memory == "auto":
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        if shm_free is not None:
+            budget = min(budget, shm_free * 9 // 10)
+    else:
+        budget = parse_bytes(host_memory, what="host_memory")
+        if budget <= 0:
+            raise ConfigError(f"host_memory must be positive, got {host_memory!r}")
+        if shm_free is not None and budget > shm_free:
+            raise ConfigError(f"host_memory {format_bytes(budget)} is more than /dev/shm has free "
+                              f"({format_bytes(shm_free)}), where workers' host stores live: lower it or "
+                              "enlarge /dev/shm (Docker: --shm-size)")
+    if spill_dir is None:
+        path, own = Path(tempfile.mkdtemp(prefix="timeshare-spill-")), True
+    else:
+        path, own = Path(spill_dir), False
+        path.mkdir(parents=True, exist_ok=True)
+    return HostTier(budget, make_eviction_policy(eviction), dropping=executor.host_dropping,
+                    filled=executor.host_filled, spill_dir=path, own_spill_dir=own)
+
+
+def pack(spec: ModelSpec, executor: Executor, tier: HostTier) -> tuple[Packed, Stored]:
+    """A registration under the host budget (``build_tiered``), made ready for the
+    executor; outside the runtime's lock."""
+    tiered = build_tiered(spec, tier.spill_dir)
+    tier.check_fits(spec.name, tiered.store.nbytes)
+    packed = executor.pack_tiered(spec, tiered)
+    assert packed.view is not None and packed.pages is not None
+    return packed, Stored(packed.view, packed.pages, tiered.backing, tiered.filled)
