@@ -35,6 +35,7 @@ from typing import Any
 
 from timeshare import errors
 from timeshare.memory.ephemeral import LaneBound
+from timeshare.transfer.backing import FillSpec
 from timeshare.transfer.host_store import TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder
 
@@ -92,6 +93,7 @@ class RunModel:
     strategy: str
     profiles: tuple = ()  # ModelProfiles other workers measured that this one lacks
     lane: LaneBound | None = None  # NOTE [Lanes in the runtime]: the forward is metered and bounded
+    fill: FillSpec | None = None  # NOTE [Disk to device]: the store is read from disk during the load
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ def test_models_beyond_the_host_budget_are_served_exactly_and_their_pages_given_
             assert sum(held) <= budget + n * (64 << 10)
         tier = rt.snapshot()["host_tier"]
         assert tier["drops"] > 0 and tier["fills"] > n // 2 and rt.stats()["evictions"] > 0
+        assert tier["streamed_fills"] > 0  # reloads read from disk while their groups were copied
         assert tier["spilled_bytes"] > 0 and len(list((tmp_path / "spill").iterdir())) > 0
 
 
@@ -151,3 +152,28 @@ def test_bad_host_options_are_refused_up_front(tmp_path):
         with pytest.raises(ConfigError, match="example_inputs"):
             rt.register("a", "tests.models:tier_net", write(tmp_path, 1))
         assert rt.models() == []
+
+
+def test_a_reload_streamed_from_slow_disk_computes_with_every_group_in_place(tmp_path, monkeypatch):
+    # Reads slowed to a crawl and evicted blocks poisoned: a group copied before its
+    # bytes were read, or computed on before it was copied, would give other outputs.
+    from timeshare.transfer import backing
+
+    real = os.preadv
+
+    def slow(fd, buffers, offset):
+        import time
+        time.sleep(0.003)
+        return real(fd, buffers, offset)
+
+    with Runtime("cpu", NBYTES + (64 << 10), host_memory=int(1.5 * NBYTES), poison_evicted=True) as rt:
+        for i in range(2):
+            rt.register(f"m{i}", "tests.models:tier_net", write(tmp_path, i), (X,))
+        for i in (0, 1):  # first loads: profiled, so the reloads are pipelined
+            assert torch.equal(rt.infer(f"m{i}", X), reference(i))
+        before = rt.snapshot()["host_tier"]["streamed_fills"]
+        monkeypatch.setattr(backing, "READ_CHUNK", 4096)
+        monkeypatch.setattr(backing.os, "preadv", slow)
+        for i in (0, 1, 0, 1):
+            assert torch.equal(rt.infer(f"m{i}", X), reference(i))
+        assert rt.snapshot()["host_tier"]["streamed_fills"] == before + 4  # each reload read from disk

@@ -18,6 +18,7 @@ class Ran:
     timings: dict | None = None
     load_s: float | None = None  # the copies of a load, first start to last arrival, when measured
     ephemeral_peak: int | None = None  # in a lane: the forward's peak ephemeral bytes
+    read_s: float | None = None  # a load from disk: its reads, first to last (NOTE [Disk to device])
 
 
 @dataclass(frozen=True)

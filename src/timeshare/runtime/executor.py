@@ -28,7 +28,7 @@ from timeshare.runtime.calls import Ran
 from timeshare.runtime.pool import ProcessPool
 from timeshare.runtime.registration import Tiered, trace_on_host
 from timeshare.runtime.training import LocalTrainingJob, TrainingJob, WorkerTrainingJob
-from timeshare.transfer.backing import HostPages
+from timeshare.transfer.backing import FillSpec, HostPages
 from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
@@ -86,9 +86,10 @@ class Executor(Protocol):
         """Give back what ``pack`` took for a model that was never added."""
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None) -> Ran:
         """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
-        ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime])."""
+        ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime]);
+        ``fill``: the host store is read from disk during the load (NOTE [Disk to device])."""
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         """Profile the resident model ``name`` for these inputs."""
@@ -181,12 +182,14 @@ class InProcessExecutor:
             packed.store.release()
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None) -> Ran:
         with in_lane(lane, self.device) as meter:  # NOTE [Counting ephemeral bytes]: this thread only
-            out = self._worker.run(name, offset, resident, args, kwargs, strategy)
+            out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill)
         # A resident run may overlap another model's load (lanes): only a load reads the latest load.
+        stream = self._worker.last_fill if fill is not None else None
         return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds(),
-                   ephemeral_peak=None if meter is None else meter.peak)
+                   ephemeral_peak=None if meter is None else meter.peak,
+                   read_s=stream.read_s if stream is not None else None)
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         return self._worker.profile(name, offset, args, kwargs)
@@ -323,8 +326,8 @@ class PoolExecutor:
         return segment
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None) -> Ran:
-        return self._pool.run(name, offset, resident, args, kwargs, strategy, lane)
+            lane: LaneBound | None = None, fill: FillSpec | None = None) -> Ran:
+        return self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill)
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         return self._pool.profile(name, offset, args, kwargs)

@@ -20,7 +20,7 @@ from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.registration import build_tiered
 from timeshare.scheduler.eviction import EvictionPolicy, make_eviction_policy
 from timeshare.scheduler.thrashing import NothingToEvict, make_room
-from timeshare.transfer.backing import Backing, HostPages
+from timeshare.transfer.backing import Backing, FillSpec, HostPages
 from timeshare.transfer.host_store import HostStore
 from timeshare.units import format_bytes, parse_bytes
 
@@ -38,6 +38,7 @@ class Stored:
     backing: Backing
     filled: bool
     failed: WeightsError | None = None  # the latest fill's error, shown until a fill succeeds
+    streaming: bool = False  # a load is reading it from disk now (NOTE [Disk to device])
 
 
 class HostTier:
@@ -56,6 +57,7 @@ class HostTier:
         self.models: dict[str, Stored] = {}
         self.drops = 0
         self.fills = 0
+        self.streamed_fills = 0  # fills made by a load reading from disk as it went
         self.bytes_read = 0
         self.read_s = 0.0
         self.spill_bytes = 0
@@ -87,29 +89,61 @@ class HostTier:
             self.policy.removed(name)
             s.backing.discard()
 
-    def ensure(self, name: str, protected: Iterable[str] = ()) -> None:
-        """``name``'s store filled, dropping others (not ``protected``) first if the
-        budget needs it. A file that is no longer the one registered raises
-        ``WeightsError`` and leaves the store empty."""
+    def ensure(self, name: str, protected: Iterable[str] = (), *, stream: bool = False) -> FillSpec | None:
+        """``name``'s store in memory, dropping others (not ``protected``) first if the
+        budget needs it. With ``stream``, a store the next load can read from disk as it
+        goes (NOTE [Disk to device]) is not filled here: its reads are returned, and the
+        caller reports ``streamed`` or ``abandon``. A file that is no longer the one
+        registered raises ``WeightsError`` and leaves the store empty."""
         s = self.models[name]
         now = time.monotonic()
         if s.filled:
             self.policy.touched(name, now)
-            return
+            return None
         self._make_room(name, s.store.nbytes, protected)
         t0 = time.perf_counter()
         try:
-            n = s.backing.fill(s.store)
+            spec = s.backing.stream(s.store) if stream else None
+            n = 0 if spec is not None else s.backing.fill(s.store)
         except WeightsError as exc:
-            s.pages.drop()  # whatever was read is not the model's
-            s.failed = exc
+            self.abandon(name, exc)
             raise
-        self.read_s += time.perf_counter() - t0
-        self.bytes_read += n
-        self.fills += 1
-        s.filled, s.failed = True, None
-        self._filled(name)
+        s.filled, s.failed = True, None  # counted from now: the load writes it
         self.policy.admitted(name, time.monotonic())
+        if spec is not None:
+            s.streaming = True
+            return spec
+        self._done(name, n, time.perf_counter() - t0)
+        return None
+
+    def streamed(self, name: str, spec: FillSpec, read_s: float | None) -> None:
+        """The load that streamed ``name``'s store from disk succeeded: it is whole."""
+        self.models[name].streaming = False
+        self.streamed_fills += 1
+        self._done(name, sum(n for _, _, n in spec.pieces), read_s or 0.0)
+
+    def abandon(self, name: str, exc: BaseException) -> None:
+        """A fill or the load streaming it failed: the store's pages go, and a file
+        that changed is remembered as the reason."""
+        s = self.models.get(name)
+        if s is None:
+            return
+        if s.filled:
+            try:
+                self._dropping(name)
+            except Exception:  # the failure being handled is the one to report
+                log.exception("host tier: settling %s after a failed fill", name)
+        s.pages.drop()
+        s.filled = s.streaming = False
+        self.policy.removed(name)
+        if isinstance(exc, WeightsError):
+            s.failed = exc
+
+    def _done(self, name: str, nbytes: int, seconds: float) -> None:
+        self.read_s += seconds
+        self.bytes_read += nbytes
+        self.fills += 1
+        self._filled(name)
 
     def drop(self, name: str) -> bool:
         """Give ``name``'s host memory back (its bytes are on disk); True if it was filled."""
@@ -144,6 +178,7 @@ class HostTier:
             "filled": sum(1 for s in list(self.models.values()) if s.filled),
             "drops": self.drops,
             "fills": self.fills,
+            "streamed_fills": self.streamed_fills,
             "bytes_read": self.bytes_read,
             "read_seconds": round(self.read_s, 6),
             "spilled_bytes": self.spill_bytes,
@@ -157,7 +192,7 @@ class HostTier:
                 for n, s in self.models.items()}
 
     def _make_room(self, name: str, nbytes: int, protected: Iterable[str]) -> None:
-        keep = set(protected) | {name}
+        keep = set(protected) | {name} | {n for n, s in self.models.items() if s.streaming}
         try:
             make_room(self.policy, None, time.monotonic(), keep,
                       lambda: True if self._used_without(name) + nbytes <= self.budget else None, self.drop)

@@ -25,6 +25,7 @@ from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
 from timeshare.runtime.segments import Segment, Segments, Switch
 from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
+from timeshare.transfer.backing import FillSpec
 from timeshare.tree import shape_key
 from timeshare.worker.handle import WorkerHandle
 
@@ -130,11 +131,12 @@ class ProcessPool:
 
     # ------------------------------------------------------------------ tasks
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None):
-        msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane)
-        kind = (model, "resident" if resident else "load", shape_key(args, kwargs))
+            lane: LaneBound | None = None, fill: FillSpec | None = None):
+        msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill)
+        kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape_key(args, kwargs))
         reply = self._task(msg, f"running {model}", kind)
-        return Ran(reply.value, dict(reply.timings), reply.timings.get("load_s"), reply.timings.get("ephemeral_peak"))
+        t = reply.timings
+        return Ran(reply.value, dict(t), t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"))
 
     def profile(self, model: str, offset: int, args: tuple, kwargs: dict):
         msg = P.Profile(self._set.next_seq(), model, offset, args, kwargs)

@@ -17,6 +17,7 @@ from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.transfer.backing import FillSpec
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
 from timeshare.units import format_bytes
@@ -90,8 +91,9 @@ class ModelTable:
         ``unlocked``: a resident model's forward runs inside it, without the runtime's
         lock (NOTE [Lanes in the runtime]); its block stays put meanwhile."""
         resident = m.block is not None
+        fill = None
         if not resident:
-            self.place(m)
+            fill = self.place(m, stream=True)
         assert m.block is not None
         t0 = time.monotonic()
         offset, strategy = m.block.offset, strategy or self.strategy
@@ -104,11 +106,15 @@ class ModelTable:
                 finally:
                     m.running -= 1
             else:
-                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane)
-        except BaseException:
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill)
+        except BaseException as exc:
             if not resident:
                 self.evict(m)  # a failed load leaves nothing behind
+                if fill is not None and self.host is not None:
+                    self.host.abandon(m.name, exc)
             raise
+        if fill is not None and self.host is not None:
+            self.host.streamed(m.name, fill, ran.read_s)
         if not resident:
             m.loads += 1
         self.residency.ran(m, loaded=not resident, seconds=time.monotonic() - t0, load_s=ran.load_s)
@@ -159,11 +165,20 @@ class ModelTable:
         finally:
             self.evict(m)
 
-    def place(self, m: ModelEntry) -> None:
+    def place(self, m: ModelEntry, *, stream: bool = False) -> FillSpec | None:
+        """Give ``m`` a block in the arena, its bytes in host memory first (NOTE [Host
+        tier]), or with ``stream`` the reads its load makes from disk (NOTE [Disk to device])."""
+        fill = None
         if self.host is not None:
-            self.host.ensure(m.name)  # its bytes in host memory first (NOTE [Host tier])
-        for victim in self.residency.place(m, self.entries, self.executor.release):
-            self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
+            fill = self.host.ensure(m.name, stream=stream)
+        try:
+            for victim in self.residency.place(m, self.entries, self.executor.release):
+                self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
+        except BaseException as exc:
+            if fill is not None and self.host is not None:
+                self.host.abandon(m.name, exc)
+            raise
+        return fill
 
     def evict(self, m: ModelEntry) -> bool:
         if not self.residency.evict(m, self.executor.release):

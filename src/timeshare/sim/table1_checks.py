@@ -3,8 +3,8 @@ these measure why. Runs in the CLI's process (``timeshare sim salus --explain``)
 
 Three measurements, all on the traces of the calibrated arrival process unless said:
   * variants: each policy without the memory model (every job admitted at once), and
-    SRTF running its two shortest jobs at once (a stand-in for Salus's work-conserving
-    SRTF run; our scheduler cannot run it with memory lanes, see the report);
+    SRTF and FAIR work-conserving (Salus ran SRTF so): as many jobs at once as memory
+    lanes allow, or two at once, with and without the memory model;
   * the FIFO-consistent region: every point of a grid around the fit whose FIFO figures
     are all within ``tolerance`` of Salus's, with the other policies run there, so
     that a claim can be told apart from an accident of the one fitted point;
@@ -14,6 +14,7 @@ Three measurements, all on the traces of the calibrated arrival process unless s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,9 @@ Progress = Callable[[str, int, int], None]
 VARIANTS: dict[str, tuple[str, dict]] = {
     "srtf, no memory model": ("srtf", {"capacity_gb": None}),
     "srtf, two shortest at once, no memory model": ("srtf", {"capacity_gb": None, "slots": 2}),
+    "srtf, work-conserving in lanes": ("srtf", {"slots": math.inf}),
+    "srtf, two at once in lanes": ("srtf", {"slots": 2}),
+    "fair, work-conserving in lanes": ("fair", {"slots": math.inf}),
     "fair, no memory model": ("fair", {"capacity_gb": None}),
     "fair, 32 GB": ("fair", {"capacity_gb": 32.0}),
     "pack, 32 GB": ("pack", {"capacity_gb": 32.0}),

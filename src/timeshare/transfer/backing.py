@@ -29,6 +29,8 @@ import mmap
 import os
 import struct
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,48 +58,39 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), (
 
 # ---------------------------------------------------------------------- host pages
 class HostPages:
-    """A mapping of ``nbytes`` whose pages can be given back (NOTE [Host tier]):
-    anonymous memory, or a shared-memory segment (``/dev/shm/<name>``) mapped here too."""
+    """A mapping of ``nbytes`` whose pages can be given back (NOTE [Host tier]): a memory
+    file of its own (``memfd``), or the shared-memory segment ``/dev/shm/<shared_name>``
+    that workers map too. Both are shared memory files, so ``drop()`` punches the pages
+    out of the file itself (``MADV_REMOVE``): the memory goes for every process that
+    maps it, and the file's allocated blocks say exactly what is held."""
 
     def __init__(self, nbytes: int, *, shared_name: str | None = None):
         self.nbytes = nbytes
         self.shared = shared_name is not None
         self.name = shared_name
+        size = max(nbytes, 1)
         if shared_name is None:
-            self._map = mmap.mmap(-1, max(nbytes, 1))
+            fd = os.memfd_create("timeshare-host-store", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
         else:
             fd = os.open(f"/dev/shm/{shared_name.lstrip('/')}", os.O_RDWR)
-            try:
-                self._map = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+        try:
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)[:nbytes]
 
     def drop(self) -> None:
-        """Give the pages back; the range reads as zeros until written again. For a
-        shared segment the pages go for every process that maps it."""
+        """Give the pages back; the range reads as zeros until written again."""
         if self.nbytes:
-            self._map.madvise(mmap.MADV_REMOVE if self.shared else mmap.MADV_DONTNEED)
+            self._map.madvise(mmap.MADV_REMOVE)
 
-    def resident_bytes(self) -> int | None:
-        """Bytes of memory the pages hold now, as the kernel counts them (Linux; None
-        elsewhere): the segment's allocated blocks, or this mapping's resident set."""
-        try:
-            if self.shared:
-                return os.stat(f"/dev/shm/{str(self.name).lstrip('/')}").st_blocks * 512
-            start = self.tensor.data_ptr()
-            with open("/proc/self/smaps") as f:
-                inside = False
-                for line in f:
-                    head = line.split(" ", 1)[0]
-                    if "-" in head and ":" not in head:
-                        lo = int(head.split("-")[0], 16)
-                        inside = lo == start
-                    elif inside and line.startswith("Rss:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+    def resident_bytes(self) -> int:
+        """Bytes of memory the pages hold now: the file's allocated blocks."""
+        return os.fstat(self._fd).st_blocks * 512
 
 
 # ---------------------------------------------------------------------- safetensors index
@@ -243,6 +236,143 @@ def _read_ranges(path: Path, jobs: Iterable[tuple[int, torch.Tensor]], threads: 
     return sum(len(v) for _, v in chunks)
 
 
+@dataclass(frozen=True)
+class FillSpec:
+    """A store's bytes to stream from one file while a load copies them on (NOTE [Disk
+    to device]): ``pieces`` of ``(file offset, store offset, bytes)``, every byte of the
+    store that comes from the file. Picklable: it travels to the worker that loads."""
+
+    path: str
+    pieces: tuple[tuple[int, int, int], ...]
+    nbytes: int  # of the whole store
+
+    def chunks(self, chunk: int = READ_CHUNK) -> list[tuple[int, int, int]]:
+        """The pieces cut into reads of at most ``chunk`` bytes, in store order."""
+        out = []
+        for f_off, s_off, n in sorted(self.pieces, key=lambda p: p[1]):
+            for pos in range(0, n, chunk):
+                out.append((f_off + pos, s_off + pos, min(chunk, n - pos)))
+        return out
+
+
+# NOTE [Disk to device]
+# A load of a model whose host store is on disk need not wait for the whole store: its
+# bytes are read in store order, which is execution order, by a few threads, straight
+# into the store, and the copy of each group to the device waits only until the reads
+# have covered that group (``StreamFill.wait_until``, the copy engine's ``ready``). So
+# the disk, the link and the compute work on three different groups at once, and the
+# load costs about the slowest of the three. The store is then filled as a side
+# effect, and the host tier counts it as in memory. A read that fails (the file was cut
+# short meanwhile) fails that load alone, with WeightsError naming the file; the
+# fingerprint was checked just before the load began.
+class StreamFill:
+    """Reads ``spec`` into ``buffer`` on background threads; ``wait_until(byte)`` blocks
+    until every byte before ``byte`` is in."""
+
+    def __init__(self, spec: FillSpec, buffer: torch.Tensor, *, threads: int = READ_THREADS,
+                 chunk: int = READ_CHUNK, deadline_s: float = 600.0):
+        self.spec = spec
+        self.deadline_s = deadline_s
+        self._chunks = spec.chunks(chunk)
+        self._views = [buffer[s: s + n] for _, s, n in self._chunks]
+        # Where each prefix of the store is covered: the store bytes below chunk i's end
+        # that come from the file are all in once chunks 0..i are done.
+        self._done = [False] * len(self._chunks)
+        self._prefix = 0  # chunks done in a row from the first
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._fd = -1
+        self.read_s = 0.0
+        self.bytes_read = 0
+
+    def start(self) -> StreamFill:
+        try:
+            self._fd = os.open(self.spec.path, os.O_RDONLY)
+        except OSError as exc:
+            raise WeightsError(f"weights file {self.spec.path!r} cannot be opened: {exc.strerror or exc}") from None
+        self._t0 = time.perf_counter()
+        if not self._chunks:
+            self._finish()
+            return self
+        self._pool = ThreadPoolExecutor(min(self._threads, len(self._chunks)), thread_name_prefix="timeshare-read")
+        for i in range(len(self._chunks)):
+            self._pool.submit(self._read, i)
+        return self
+
+    def _read(self, i: int) -> None:
+        f_off, _, n = self._chunks[i]
+        view = self._views[i].numpy().data.cast("B")
+        try:
+            if self._error is not None:
+                return
+            done = 0
+            while done < n:
+                got = os.preadv(self._fd, [view[done:]], f_off + done)
+                if got <= 0:
+                    raise WeightsError(f"weights file {self.spec.path!r} ended at byte {f_off + done} while a "
+                                       "load read it: truncated after registration")
+                done += got
+        except BaseException as exc:
+            with self._cv:
+                self._error = self._error or exc
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self._done[i] = True
+            while self._prefix < len(self._done) and self._done[self._prefix]:
+                self._prefix += 1
+            if self._prefix == len(self._done):
+                self._finish()
+            self._cv.notify_all()
+
+    def _finish(self) -> None:
+        self.read_s = time.perf_counter() - self._t0
+        self.bytes_read = sum(n for _, _, n in self._chunks)
+
+    def _covered(self) -> int:
+        """Store bytes below which everything from the file is in."""
+        if self._prefix == len(self._chunks):
+            return self.spec.nbytes
+        _, s_off, _ = self._chunks[self._prefix]
+        return s_off
+
+    def wait_until(self, byte: int) -> None:
+        deadline = time.monotonic() + self.deadline_s
+        with self._cv:
+            while self._covered() < byte:
+                if self._error is not None:
+                    raise self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightsError(f"reading {self.spec.path!r} did not reach byte {byte} within "
+                                       f"{self.deadline_s:g} s")
+                self._cv.wait(min(left, 1.0))
+            if self._error is not None and self._covered() < self.spec.nbytes and byte > self._covered():
+                raise self._error
+
+    def wait_all(self) -> None:
+        self.wait_until(self.spec.nbytes)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the reads, if a read failed before all were in."""
+        with self._cv:
+            return self._error if self._covered() < self.spec.nbytes else None
+
+    def close(self) -> None:
+        """Stop reading (what is queued is skipped) and give the file back."""
+        with self._cv:
+            self._error = self._error or WeightsError("the load that was reading this file ended")
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class Backing:
     """Where a dropped store's bytes come back from."""
 
@@ -258,6 +388,12 @@ class Backing:
 
     def save(self, store: HostStore) -> None:
         """Make the store droppable (write a spill file); nothing for a file backing."""
+
+    def stream(self, store: HostStore) -> FillSpec | None:
+        """Check the file and write what does not come from it; then the reads a load
+        streams (NOTE [Disk to device]), or None when the store must be filled whole
+        first (``fill``)."""
+        return None
 
     def discard(self) -> None:
         """The model is gone: remove what the runtime wrote for it."""
@@ -294,6 +430,22 @@ class FileBacking(Backing):
             tmp = torch.empty(ft.nbytes, dtype=torch.uint8)
             n += _read_ranges(self.path, [(ft.start, tmp)], threads=1)
             store.tensor(key).copy_(tmp.view(ft.dtype).view(ft.shape))
+        n += self._check_tied(store)
+        return n
+
+    def stream(self, store: HostStore) -> FillSpec | None:
+        by_key = store.by_key
+        if self.tied or any(self.index.tensors[self.sources[k]].dtype != by_key[k].dtype for k in self.sources):
+            return None  # converted or tied tensors: read whole, then converted or compared
+        self.index.check()
+        for key, t in self.kept.items():
+            store.tensor(key).copy_(t)
+        pieces = tuple((self.index.tensors[name].start, by_key[key].offset, by_key[key].nbytes)
+                       for key, name in self.sources.items() if by_key[key].nbytes)
+        return FillSpec(str(self.path), pieces, store.nbytes)
+
+    def _check_tied(self, store: HostStore) -> int:
+        n = 0
         for key, others in self.tied.items():
             for name in others:
                 ft = self.index.tensors[name]
@@ -306,11 +458,13 @@ class FileBacking(Backing):
 
 
 SPILL_MAGIC = b"TSSPILL1"
+SPILL_HEADER = 4096  # the bytes start page-aligned in the file
 
 
 class SpillBacking(Backing):
-    """A store with no file behind it, written once to ``path`` (its own bytes, after a
-    small header) the first time it is dropped, and read back whole."""
+    """A store with no file behind it, written once to ``path`` (a small header, then its
+    own bytes, page-aligned) the first time it is dropped, and read back whole. A store
+    under a host budget never moves (``build_tiered``), so the bytes go back where they were."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -326,24 +480,35 @@ class SpillBacking(Backing):
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.tmp")
-            header = SPILL_MAGIC + struct.pack("<Q", store.nbytes)
             with open(tmp, "wb") as f:
-                f.write(header)
+                f.write(self._header(store.nbytes))
                 f.write(store.buffer.numpy().data)
             os.replace(tmp, self.path)
             self._nbytes = store.nbytes
 
-    def fill(self, store: HostStore) -> int:
+    @staticmethod
+    def _header(nbytes: int) -> bytes:
+        head = SPILL_MAGIC + struct.pack("<Q", nbytes)
+        return head + bytes(SPILL_HEADER - len(head))
+
+    def _check(self, store: HostStore) -> None:
         where = f"spill file {str(self.path)!r}"
         try:
             size = os.stat(self.path).st_size
             with open(self.path, "rb") as f:
-                header = f.read(16)
+                header = f.read(SPILL_HEADER)
         except FileNotFoundError:
             raise WeightsError(f"{where} of this model disappeared") from None
-        if header != SPILL_MAGIC + struct.pack("<Q", store.nbytes) or size != 16 + store.nbytes:
+        if header != self._header(store.nbytes) or size != SPILL_HEADER + store.nbytes:
             raise WeightsError(f"{where} is damaged ({size} bytes for a store of {store.nbytes})")
-        return _read_ranges(self.path, [(16, store.buffer)])
+
+    def fill(self, store: HostStore) -> int:
+        self._check(store)
+        return _read_ranges(self.path, [(SPILL_HEADER, store.buffer)])
+
+    def stream(self, store: HostStore) -> FillSpec | None:
+        self._check(store)
+        return FillSpec(str(self.path), ((SPILL_HEADER, 0, store.nbytes),), store.nbytes)
 
     def discard(self) -> None:
         try:

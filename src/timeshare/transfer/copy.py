@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,6 +46,7 @@ from timeshare.errors import PipelineError
 log = logging.getLogger(__name__)
 
 Range = tuple[int, int]  # [start, end) in bytes
+Ready = Callable[[int], None]  # blocks until the source's bytes before the given one are in
 
 CYCLES_PER_S = 2e9  # torch.cuda._sleep spins for clock cycles; 2 GHz is about an H100's
 
@@ -100,10 +101,12 @@ class CopyEngine:
         where: str,
         fences: Sequence = (),
         events: LoadEvents | None = None,
+        ready: Ready | None = None,
     ) -> LoadHandle:
         """Queue the copies of ``ranges`` from ``src`` to ``dst``; ``fences`` are CUDA events
         the copies must wait for (the last uses of evicted models); ``events`` are kept
-        across loads of the same ranges (NOTE [Events made once per plan])."""
+        across loads of the same ranges (NOTE [Events made once per plan]); ``ready(b)``
+        returns once ``src`` holds its bytes before ``b`` (NOTE [Disk to device])."""
         raise NotImplementedError
 
     def hold(self, seconds: float) -> None:
@@ -134,8 +137,10 @@ class CpuLoad(LoadHandle):
     """One load on the CPU copy thread. ``copy_group`` is its one copy step (tests
     replace it to inject a failed or a stuck copy)."""
 
-    def __init__(self, src, dst, ranges: Sequence[Range], where: str, deadline_s: float, delay_s: float = 0.0):
+    def __init__(self, src, dst, ranges: Sequence[Range], where: str, deadline_s: float, delay_s: float = 0.0,
+                 ready: Ready | None = None):
         self.src, self.dst, self.ranges = src, dst, list(ranges)
+        self.ready = ready
         self.delay_s = delay_s
         self.n_groups = len(self.ranges)
         self.where = where
@@ -167,6 +172,8 @@ class CpuLoad(LoadHandle):
 
     def copy_group(self, k: int) -> None:
         a, b = self.ranges[k]
+        if self.ready is not None:
+            self.ready(b)  # NOTE [Disk to device]: the source bytes are read from disk up to here
         if self.delay_s:
             time.sleep(self.delay_s)  # diagnostic: NOTE [Poisoned reloads]
         self.dst[a:b].copy_(self.src[a:b])
@@ -203,8 +210,8 @@ class CpuCopyEngine(CopyEngine):
                 return
             load.run()
 
-    def start(self, src, dst, ranges, where, fences=(), events=None):
-        load = CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s)
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None):
+        load = CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s, ready)
         if not self._thread.is_alive():
             raise PipelineError("the copy thread is not running (engine closed?)", where=where)
         self._queue.put(load)
@@ -264,7 +271,12 @@ class CudaCopyEngine(CopyEngine):
             with torch.cuda.device(self.device):
                 torch.cuda._sleep(int(seconds * CYCLES_PER_S))
 
-    def start(self, src, dst, ranges, where, fences=(), events=None):
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None):
+        if ready is not None and ranges:
+            # NOTE [Disk to device]: on CUDA the reads are waited for in full before the
+            # copies are queued (queueing each group behind its read needs a feeder
+            # thread and device-side waits that have not run on a GPU yet).
+            ready(ranges[-1][1])
         if not src.is_pinned():
             log.warning("%s: host store is not pinned; copies will not overlap compute", where)
         events = LoadEvents() if events is None else events

@@ -108,7 +108,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             t_up = time.perf_counter()
             in_task[0] = True
             with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
-                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy)
+                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill)
             in_task[0] = False
             t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
@@ -125,7 +125,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             # Where the worker's time went (the bench's breakdown of a call through a worker).
             timings = {"received_at": t0, "load_s": load, "unpickle_s": unpickled[0], "upload_s": t_up - t0,
                        "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
-                       "ephemeral_peak": None if meter is None else meter.peak}
+                       "ephemeral_peak": None if meter is None else meter.peak,
+                       "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
                 # What the inputs took through the pinned staging buffer (NOTE [Input staging]).

@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from timeshare.device import HostRegistrar, host_registrar, synchronize
-from timeshare.errors import TimeshareError
+from timeshare.errors import PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, unbind
-from timeshare.transfer.copy import CopyEngine, LoadHandle
+from timeshare.transfer.backing import FillSpec, StreamFill
+from timeshare.transfer.copy import CopyEngine, LoadHandle, Ready
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, trace_execution_order
 from timeshare.tree import map_tensors, shape_key, tensors_in
@@ -65,6 +66,8 @@ class Worker:
         self._link: LinkCosts | None = None
         self._fences: list[object] = []  # CUDA: last-use events of evicted models
         self.last_load: LoadHandle | None = None  # the latest pipelined load, for its timing
+        self.last_fill: StreamFill | None = None  # the latest load's reads from disk, for their timing
+        self.read_deadline_s = 600.0  # a load's reads from disk
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -100,24 +103,48 @@ class Worker:
         over (None: that run loaded nothing pipelined, or its copies still run)."""
         return self.last_load.copy_seconds() if self.last_load is not None else None
 
-    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str):
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
+            fill: FillSpec | None = None):
         """Forward ``name`` on device inputs. Its bytes are at ``offset`` if ``resident``;
         otherwise they are loaded there first (pipelined once the model is profiled).
-        A resident run leaves ``last_load`` alone: with lanes it may overlap a load."""
+        ``fill``: the host store is on disk; its reads run beside the load (NOTE [Disk
+        to device]). A resident run leaves ``last_load`` alone: with lanes it may overlap a load."""
         wm = self.models[name]
         if not resident:
             self.last_load = None
+            self.last_fill = None
         if resident:
             self.finish_pending(name)
             self._bind(wm, offset)
             with torch.no_grad():
                 out = wm.module(*args, **kwargs)
+        elif fill is not None:
+            out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill)
         elif wm.order is None or not wm.profiles:
             out = self._first_load(wm, offset, args, kwargs)
         else:
             out = self._pipelined_load(wm, offset, args, kwargs, strategy)
         self._mark_used(wm)
         return out
+
+    def _load_from_disk(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
+                        fill: FillSpec):
+        """A load whose source is read from disk meanwhile; the store is whole at the end."""
+        stream = self.last_fill = StreamFill(fill, wm.store.buffer, deadline_s=self.read_deadline_s).start()
+        try:
+            if wm.order is None or not wm.profiles:
+                stream.wait_all()
+                out = self._first_load(wm, offset, args, kwargs)
+            else:
+                out = self._pipelined_load(wm, offset, args, kwargs, strategy, ready=stream.wait_until)
+            stream.wait_all()
+            return out
+        except PipelineError as exc:
+            if stream.error is not None:  # the copy waited for a read that failed: say which
+                raise stream.error from exc
+            raise
+        finally:
+            stream.close()
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
         """Profile a resident model for these inputs (cached per input shape)."""
@@ -202,13 +229,14 @@ class Worker:
                 forget_order(wm)  # the next load starts over
             raise
 
-    def _pipelined_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str):
+    def _pipelined_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
+                        ready: Ready | None = None):
         """Queue every group, then forward while they arrive (NOTE [Pipelined forward])."""
         plan = load_plan_of(wm, shape_key(args, kwargs), strategy)
         self._bind(wm, offset)
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
         handle = self.engine.start(
-            wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences(), plan.events
+            wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences(), plan.events, ready
         )
         wm.pending = self.last_load = handle
         out, arrived = forward_while_loading(wm.module, handle, plan.wait_of, args, kwargs, self.aliases_arena)

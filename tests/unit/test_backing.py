@@ -1,0 +1,105 @@
+"""The disk tier's pieces (NOTE [Host tier], NOTE [Disk to device]): a safetensors index
+from the header alone, damaged files refused, reads streamed into a store while a copy
+engine follows them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from timeshare.errors import WeightsError
+from timeshare.transfer import backing
+from timeshare.transfer.backing import FillSpec, HostPages, SafetensorsIndex, StreamFill
+from timeshare.transfer.copy import CpuCopyEngine
+
+
+def test_the_index_matches_what_safetensors_reads(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=g), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(4, generator=g).to(torch.bfloat16)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    index = SafetensorsIndex.read(path)
+    raw = path.read_bytes()
+    for name, t in tensors.items():
+        ft = index.tensors[name]
+        assert ft.dtype == t.dtype and ft.shape == tuple(t.shape)
+        got = torch.frombuffer(bytearray(raw[ft.start:ft.end]), dtype=torch.uint8).view(t.dtype).view(t.shape)
+        assert torch.equal(got, t)
+    index.check()
+
+
+@pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{}", b"\xff" * 16,
+                                     b"\x08\x00\x00\x00\x00\x00\x00\x00notjson!"])
+def test_a_file_that_is_not_safetensors_is_refused_clearly(tmp_path, content):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(WeightsError, match="bad.safetensors"):
+        SafetensorsIndex.read(path)
+
+
+def test_a_header_whose_ranges_overrun_the_file_is_refused(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(100)}, str(path))
+    os.truncate(path, os.path.getsize(path) - 8)
+    with pytest.raises(WeightsError, match="do not fit"):
+        SafetensorsIndex.read(path)
+
+
+def test_dropped_pages_read_as_zeros_and_are_given_back():
+    pages = HostPages(8 << 20)
+    pages.tensor.fill_(7)
+    held = pages.resident_bytes()
+    assert held is not None and held >= 8 << 20
+    pages.drop()
+    assert pages.resident_bytes() < 64 << 10
+    assert int(pages.tensor.max()) == 0
+
+
+def _slow_reads(monkeypatch):
+    real = os.preadv
+
+    def slow(fd, buffers, offset):
+        import time
+        time.sleep(0.002)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(backing.os, "preadv", slow)
+
+
+def test_copies_follow_the_reads_group_by_group(tmp_path, monkeypatch):
+    n = 1 << 20
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "store.bin"
+    path.write_bytes(b"H" * 4096 + data.numpy().tobytes())
+    _slow_reads(monkeypatch)  # about 0.5 s of reads: a copy that did not wait would copy zeros
+    src, dst = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    stream = StreamFill(FillSpec(str(path), ((4096, 0, n),), n), src, threads=2, chunk=4096).start()
+    engine = CpuCopyEngine(deadline_s=30)
+    try:
+        groups = [(i, min(i + (n // 8), n)) for i in range(0, n, n // 8)]
+        load = engine.start(src, dst, groups, "test", ready=stream.wait_until)
+        load.wait_all()
+        stream.wait_all()
+        assert torch.equal(dst, data) and torch.equal(src, data)
+        assert stream.bytes_read == n and stream.read_s > 0
+    finally:
+        stream.close()
+        engine.close()
+
+
+def test_a_file_cut_short_fails_the_reads_that_need_the_missing_bytes(tmp_path):
+    path = tmp_path / "store.bin"
+    path.write_bytes(bytes(4096 + 100_000))
+    buf = torch.zeros(200_000, dtype=torch.uint8)
+    stream = StreamFill(FillSpec(str(path), ((4096, 0, 200_000),), 200_000), buf, chunk=50_000).start()
+    try:
+        stream.wait_until(50_000)  # the bytes that are there are read
+        with pytest.raises(WeightsError, match="truncated"):
+            stream.wait_all()
+        assert isinstance(stream.error, WeightsError)
+    finally:
+        stream.close()
