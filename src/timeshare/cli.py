@@ -115,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20, help="timed copies per size (median)")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
-    from timeshare import cli_serve
+    from timeshare import cli_bench, cli_serve
     from timeshare.cli_sim import add_bench_parsers, add_sim_parser, run_bench, run_sim
 
     add_bench_parsers(bench)
+    cli_bench.add_parsers(bench)
     add_sim_parser(sub)
     cli_serve.add_parsers(sub, bench)
 
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_link(args)
         if args.command == "bench" and args.bench == "lanes":
             return _bench_lanes(args)
+        if args.command == "bench" and args.bench in cli_bench.NAMES:
+            return cli_bench.run(args, console, _run_bench)
         if args.command == "bench" and args.bench in ("colocate", "scheduler"):
             return run_bench(args, console, _run_bench)
         if args.command == "sim":

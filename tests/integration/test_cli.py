@@ -132,3 +132,19 @@ def test_bench_lanes_packs_and_time_slices_with_exact_outputs(tmp_path, capsys):
     assert cli.main(["bench", "lanes", "--counts", "2,x"]) == 2
     assert cli.main(["bench", "lanes", "--counts", "0"]) == 2
     assert cli.main(["bench", "lanes", "--train", "nope:3", "--device", "cpu"]) == 2  # before any model runs
+
+
+def test_bench_disk_streams_cold_models_from_disk_with_exact_outputs(tmp_path, capsys):
+    path = tmp_path / "disk.json"
+    code = cli.main(["bench", "disk", "--models", "tiny_cnn", "tied_lm", "--repeats", "1", "--device", "cpu",
+                     "--memory", "16MiB", "--json", str(path), "--plot", str(tmp_path / "disk.png")])
+    assert code == 0
+    assert "bench disk" in capsys.readouterr().out and (tmp_path / "disk.png").stat().st_size > 0
+    data = json.loads(path.read_text())
+    assert [r["model"] for r in data["rows"]] == ["tiny_cnn", "tied_lm"] and data["command"].startswith("timeshare")
+    for r in data["rows"]:
+        assert r["bitwise_equal"] is True
+        assert r["sequential_read_GBps"] > 0 and r["baseline_first_inference_s"] > 0
+        assert r["cold_first_inference_s"] > 0 and r["disk_stage_s"] > 0 and r["floor_s"] > 0
+    assert cli.main(["bench", "disk", "--models", "gpt9", "--device", "cpu"]) == 2
+    assert cli.main(["bench", "disk", "--repeats", "0", "--device", "cpu"]) == 2

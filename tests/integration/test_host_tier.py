@@ -49,6 +49,10 @@ def test_a_file_registration_reads_only_the_header_until_a_load_needs_the_weight
         s = stores(rt)["a"]
         assert s["filled"] and s["resident_bytes"] >= s["nbytes"] * 0.9
         assert rt.snapshot()["host_tier"]["bytes_read"] >= NBYTES * 0.95  # the buffer lives in memory
+        assert rt.evict("a", host=True)  # out of device and host memory, on request
+        s = stores(rt)["a"]
+        assert not s["filled"] and s["resident_bytes"] == 0
+        assert torch.equal(rt.infer("a", X), reference(1))
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -103,3 +103,21 @@ def test_a_file_cut_short_fails_the_reads_that_need_the_missing_bytes(tmp_path):
         assert isinstance(stream.error, WeightsError)
     finally:
         stream.close()
+
+
+def test_a_load_from_disk_is_planned_for_the_slower_of_disk_and_link():
+    from timeshare.transfer.planner import first_inference_time, make_plan
+    from timeshare.transfer.profiler import LinkCosts, ModelProfile
+
+    layer_bytes = [8 << 20] * 12
+    profile = ModelProfile("m", "cpu", "k", [f"l{i}" for i in range(12)], layer_bytes, [0.004] * 12,
+                           LinkCosts(bandwidth_Bps=20e9, alpha_s=1e-5, beta_s=1e-6), 0.048, 0, {})
+    assert profile.cost_model(1e9).transfer[0] == pytest.approx((8 << 20) / 1e9)  # the disk is slower
+    assert profile.cost_model(40e9).transfer == profile.cost_model().transfer  # the link is
+    slow = profile.cost_model(1e9)
+    on_disk, for_link = make_plan("optimal", slow, layer_bytes), make_plan("optimal", profile.cost_model(), layer_bytes)
+    # The plan made for the link is not the best one when the bytes come from disk.
+    best = first_inference_time(slow, on_disk.ends)
+    assert best < first_inference_time(slow, for_link.ends) * 0.9
+    for other in ("per_layer", "whole"):
+        assert best <= first_inference_time(slow, make_plan(other, slow, layer_bytes).ends)

@@ -228,12 +228,16 @@ class Runtime:
         with self._turn():
             self._get(name).pinned = pinned
 
-    def evict(self, name: str) -> bool:
-        """Remove ``name`` from device memory; True if it was resident."""
+    def evict(self, name: str, *, host: bool = False) -> bool:
+        """Remove ``name`` from device memory; True if it was resident. ``host``: under a
+        host budget, give its host memory back too (NOTE [Host tier])."""
         with self._turn():
             m = self._get(name)
             self._wait_idle(m)
-            return self._table.evict(m)
+            evicted = self._table.evict(m)
+            if host and self._table.host is not None:
+                self._table.host.drop(name)
+            return evicted
 
     def resident(self) -> list[str]:
         """Names of the models in device memory, the first to evict first under the policy."""

@@ -41,7 +41,7 @@ import torch
 from timeshare.errors import WeightsError
 from timeshare.transfer.host_store import HostStore
 
-READ_CHUNK = 16 << 20  # bytes per read call: large enough for the disk, small enough to spread
+READ_CHUNK = 4 << 20  # bytes per read call: large enough for the disk, small enough that the first group arrives early
 READ_THREADS = 4
 
 # safetensors' dtype names (its format specification) and torch's dtypes
@@ -198,6 +198,15 @@ class SafetensorsIndex:
 
 
 # ---------------------------------------------------------------------- reads
+def _forget_cached(fd: int, offset: int, nbytes: int) -> None:
+    """The page cache's copy of what was just read goes: the host tier is the cache of
+    these bytes, and a second copy in the page cache would only take memory from it."""
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
 def _read_ranges(path: Path, jobs: Iterable[tuple[int, torch.Tensor]], threads: int = READ_THREADS) -> int:
     """Read each ``(file offset, uint8 destination)`` pair, chunked, over ``threads``
     threads, straight into the destinations. Returns the bytes read; a short read (the
@@ -223,6 +232,7 @@ def _read_ranges(path: Path, jobs: Iterable[tuple[int, torch.Tensor]], threads: 
                     raise WeightsError(f"weights file {str(path)!r} ended at byte {offset + done} while reading "
                                        "the model's weights: truncated after registration")
                 done += got
+            _forget_cached(fd, offset, len(view))
 
         if len(chunks) == 1 or threads <= 1:
             for c in chunks:
@@ -314,6 +324,7 @@ class StreamFill:
                     raise WeightsError(f"weights file {self.spec.path!r} ended at byte {f_off + done} while a "
                                        "load read it: truncated after registration")
                 done += got
+            _forget_cached(self._fd, f_off, n)
         except BaseException as exc:
             with self._cv:
                 self._error = self._error or exc

@@ -366,12 +366,18 @@ class ModelProfile:
     def transfer_s(self) -> list[float]:
         return [b / self.link.bandwidth_Bps for b in self.layer_bytes]
 
-    def cost_model(self):
+    def cost_model(self, disk_Bps: float | None = None):
+        """The planner's costs; with ``disk_Bps``, for a load whose bytes are read from a
+        disk of that bandwidth as they are copied (NOTE [Disk to device]): disk and link
+        work in series on a stream of chunks, so each layer's bytes move at the slower
+        of the two."""
         from timeshare.transfer.planner import CostModel
 
         link = self.link
+        bw = link.bandwidth_Bps if disk_Bps is None else min(link.bandwidth_Bps, disk_Bps)
         return CostModel(
-            tuple(self.transfer_s), tuple(self.compute_s), link.alpha_s, link.beta_s, link.latency_s, link.queue_s
+            tuple(b / bw for b in self.layer_bytes), tuple(self.compute_s), link.alpha_s, link.beta_s,
+            link.latency_s, link.queue_s
         )
 
     def summary(self) -> dict:

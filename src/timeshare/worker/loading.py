@@ -9,6 +9,7 @@ functions here derive a model's layers, wait points and plans, and run the forwa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from timeshare.errors import ConfigError
 from timeshare.models.binding import TensorLayout
 from timeshare.transfer.copy import LoadEvents, LoadHandle
 from timeshare.transfer.host_store import HostStore
-from timeshare.transfer.planner import STRATEGIES
+from timeshare.transfer.planner import STRATEGIES, make_plan
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 
 
@@ -51,7 +52,7 @@ class WorkerModel:
     profiles: dict[str, ModelProfile] = field(default_factory=dict)
     last_profile: str | None = None
     bound_at: int | None = None  # arena offset the module's slots point at (see NOTE [Sticky placement])
-    load_plans: dict[tuple[str, str], LoadPlan] = field(default_factory=dict)
+    load_plans: dict[tuple[str, str, float | None], LoadPlan] = field(default_factory=dict)
     pending: LoadHandle | None = None
     last_use: object = None  # CUDA: an event after the model's last forward (see NOTE [Arena reuse ordering])
 
@@ -90,17 +91,26 @@ def forget_order(wm: WorkerModel) -> None:
     wm.last_profile = None
 
 
-def load_plan_of(wm: WorkerModel, key: str, strategy: str) -> LoadPlan:
+def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | None = None,
+                 fixed_group_bytes: int = 2 << 20) -> LoadPlan:
     """The ready-made plan that loads of ``wm`` for input shape ``key`` follow (the last
-    profiled shape's when ``key`` was never profiled), made once and cached."""
+    profiled shape's when ``key`` was never profiled), made once and cached. With
+    ``disk_Bps``, the plan of a load read from disk as it goes (NOTE [Disk to device]),
+    made for that bandwidth (rounded to a power of 2^(1/4), so that measurements that
+    differ a little share a plan)."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
     if key not in wm.profiles:
         key = wm.last_profile  # type: ignore[assignment]
-    cached = wm.load_plans.get((key, strategy))
+    profile = wm.profiles[key]
+    disk = None
+    if disk_Bps is not None and disk_Bps < profile.link.bandwidth_Bps:
+        disk = 2 ** (round(math.log2(disk_Bps) * 4) / 4)
+    cached = wm.load_plans.get((key, strategy, disk))
     if cached is not None:
         return cached
-    plan = wm.profiles[key].plans[strategy]
+    plan = profile.plans[strategy] if disk is None else \
+        make_plan(strategy, profile.cost_model(disk), profile.layer_bytes, fixed_group_bytes)
     ranges = [(wm.layer_spans[a][0], wm.layer_spans[b - 1][1]) for a, b in plan.groups]
     has_tail = wm.tail_span[1] > wm.tail_span[0]
     if has_tail:
@@ -112,7 +122,7 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str) -> LoadPlan:
             wait_of[id(mod)] = group_of_layer[layer]
         elif has_tail:  # a module that only owns tail tensors (an empty tail needs no wait)
             wait_of[id(mod)] = len(plan)
-    made = wm.load_plans[(key, strategy)] = LoadPlan(tuple(ranges), wait_of)
+    made = wm.load_plans[(key, strategy, disk)] = LoadPlan(tuple(ranges), wait_of)
     return made
 
 

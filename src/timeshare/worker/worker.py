@@ -20,7 +20,7 @@ from timeshare.device import HostRegistrar, host_registrar, synchronize
 from timeshare.errors import PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, unbind
-from timeshare.transfer.backing import FillSpec, StreamFill
+from timeshare.transfer.backing import READ_THREADS, FillSpec, StreamFill
 from timeshare.transfer.copy import CopyEngine, LoadHandle, Ready
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, trace_execution_order
@@ -68,6 +68,8 @@ class Worker:
         self.last_load: LoadHandle | None = None  # the latest pipelined load, for its timing
         self.last_fill: StreamFill | None = None  # the latest load's reads from disk, for their timing
         self.read_deadline_s = 600.0  # a load's reads from disk
+        self.read_threads = READ_THREADS
+        self.disk_Bps: float | None = None  # the latest load from disk's read bandwidth
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -130,14 +132,18 @@ class Worker:
     def _load_from_disk(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
                         fill: FillSpec):
         """A load whose source is read from disk meanwhile; the store is whole at the end."""
-        stream = self.last_fill = StreamFill(fill, wm.store.buffer, deadline_s=self.read_deadline_s).start()
+        stream = self.last_fill = StreamFill(fill, wm.store.buffer, threads=self.read_threads,
+                                             deadline_s=self.read_deadline_s).start()
         try:
             if wm.order is None or not wm.profiles:
                 stream.wait_all()
                 out = self._first_load(wm, offset, args, kwargs)
             else:
-                out = self._pipelined_load(wm, offset, args, kwargs, strategy, ready=stream.wait_until)
+                out = self._pipelined_load(wm, offset, args, kwargs, strategy, ready=stream.wait_until,
+                                           disk_Bps=self.disk_Bps)
             stream.wait_all()
+            if stream.read_s > 0:  # measured on every load from disk; the next plans for it
+                self.disk_Bps = stream.bytes_read / stream.read_s
             return out
         except PipelineError as exc:
             if stream.error is not None:  # the copy waited for a read that failed: say which
@@ -230,9 +236,10 @@ class Worker:
             raise
 
     def _pipelined_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
-                        ready: Ready | None = None):
-        """Queue every group, then forward while they arrive (NOTE [Pipelined forward])."""
-        plan = load_plan_of(wm, shape_key(args, kwargs), strategy)
+                        ready: Ready | None = None, disk_Bps: float | None = None):
+        """Queue every group, then forward while they arrive (NOTE [Pipelined forward]);
+        ``ready`` and ``disk_Bps``: the source is read from disk meanwhile (NOTE [Disk to device])."""
+        plan = load_plan_of(wm, shape_key(args, kwargs), strategy, disk_Bps, self.fixed_group_bytes)
         self._bind(wm, offset)
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
         handle = self.engine.start(
