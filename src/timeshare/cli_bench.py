@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-NAMES = ("disk",)
+NAMES = ("disk", "tiers")
 
 
 def add_parsers(bench) -> None:
@@ -25,8 +25,34 @@ def add_parsers(bench) -> None:
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
     p.add_argument("--plot", type=Path, default=None, help="write a bar chart as a PNG")
 
+    p = bench.add_parser("tiers", help="many zoo-size models beyond host memory, served from disk, host and device",
+                         description="N zoo-size models registered under a host budget of a fraction of their "
+                         "bytes, requests with Zipf popularity served one at a time, every output compared with "
+                         "plain PyTorch's; latency by where the model was, host and device evictions, against "
+                         "plain PyTorch with an LRU of loaded modules in the same memory and the floor.")
+    p.add_argument("--models", type=int, default=50)
+    p.add_argument("--zoo", nargs="+", default=["resnet152", "inception_v3", "bert_base"],
+                   help="zoo models the N models are made from, round robin, each with its own seed")
+    p.add_argument("--host-fraction", type=float, default=0.2, help="the host budget, a fraction of all weights")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--memory", default="auto", help="arena size, e.g. 2GiB")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+
 
 def run(args, console, run_bench) -> int:
+    if args.bench == "tiers":
+        from timeshare.bench.tiers import TiersBenchConfig
+        from timeshare.bench.tiers import run as run_tiers
+
+        tiers = TiersBenchConfig(models=args.models, zoo=tuple(args.zoo), host_fraction=args.host_fraction,
+                                 requests=args.requests, zipf=args.zipf, batch=args.batch, device=args.device,
+                                 memory=args.memory, workers=args.workers, seed=args.seed)
+        return run_bench(run_tiers, tiers, lambda r: _print_tiers(console, r), args.json)
     from timeshare.bench.disk import DEFAULT_MODELS, DiskBenchConfig, plot
     from timeshare.bench.disk import run as run_disk
 
@@ -40,6 +66,28 @@ def run(args, console, run_bench) -> int:
             console.print(f"wrote {args.plot}")
 
     return run_bench(run_disk, cfg, show, args.json)
+
+
+def _print_tiers(console, r: dict) -> None:
+    from timeshare.units import format_bytes as fb
+
+    console.print(f"bench tiers: {r['config']['models']} models, {fb(r['model_bytes_total'])} of weights, host "
+                  f"budget {fb(r['host_budget_bytes'])}, arena {fb(r['arena_bytes'])}; {r['requests']} requests "
+                  f"(Zipf {r['config']['zipf']}) over {r['distinct_models_requested']} models")
+    console.print(f"registered in {r['register_s']:.1f} s, host memory after registering "
+                  f"{fb(r['host_bytes_after_register'])}; outputs exact {r['requests_exact']}/{r['requests']}")
+    t = Table(title="latency by where the model was")
+    for col in ("where", "requests", "p50 s", "p95 s"):
+        t.add_column(col, justify="left" if col == "where" else "right")
+    for where, v in r["latency"].items():
+        t.add_row(where, str(v["n"]), f"{v.get('p50_s', 0):.3f}", f"{v.get('p95_s', 0):.3f}")
+    console.print(t)
+    h = r["host_tier"]
+    console.print(f"host: {h['drops']} drops, {h['fills']} fills ({h['streamed_fills']} streamed), "
+                  f"{fb(h['bytes_read'])} read; device: {r['device_loads']} loads, {r['device_evictions']} evictions")
+    console.print(f"total: timeshare {r['timeshare_total_s']:.1f} s, plain PyTorch LRU "
+                  f"{r['plain_pytorch']['total_s']:.1f} s ({r['plain_pytorch']['misses']} misses), "
+                  f"floor {r['floor_total_s']:.1f} s")
 
 
 def _print_disk(console, result: dict) -> None:

@@ -148,3 +148,17 @@ def test_bench_disk_streams_cold_models_from_disk_with_exact_outputs(tmp_path, c
         assert r["cold_first_inference_s"] > 0 and r["disk_stage_s"] > 0 and r["floor_s"] > 0
     assert cli.main(["bench", "disk", "--models", "gpt9", "--device", "cpu"]) == 2
     assert cli.main(["bench", "disk", "--repeats", "0", "--device", "cpu"]) == 2
+
+
+def test_bench_tiers_serves_models_beyond_host_memory_exactly(tmp_path, capsys):
+    path = tmp_path / "tiers.json"
+    code = cli.main(["bench", "tiers", "--models", "6", "--zoo", "tiny_cnn", "tiny_mlp", "--requests", "30",
+                     "--host-fraction", "0.4", "--memory", "64KiB", "--device", "cpu", "--json", str(path)])
+    assert code == 0
+    assert "bench tiers" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["requests_exact"] == data["requests"] == 30
+    assert data["host_tier"]["drops"] > 0 and data["device_evictions"] > 0
+    assert data["host_bytes_after_register"] == 0  # registered from files: nothing read yet
+    assert data["plain_pytorch"]["total_s"] > 0 and data["floor_total_s"] > 0
+    assert cli.main(["bench", "tiers", "--host-fraction", "0", "--device", "cpu"]) == 2

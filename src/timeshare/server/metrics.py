@@ -130,6 +130,19 @@ class _Levels:
                                     value=sum(1 for lane in lanes["lanes"] if lane["running"] is not None))
             yield GaugeMetricFamily("timeshare_lane_admissions_waiting", "Tasks waiting for lane memory",
                                     value=lanes["waiting_admission"])
+        host = snap.get("host_tier")
+        if host is not None:  # NOTE [Host tier]
+            yield GaugeMetricFamily("timeshare_host_budget_bytes", "The host memory budget for models' host copies",
+                                    value=host["budget"])
+            yield GaugeMetricFamily("timeshare_host_stores_in_memory", "Models whose host copy is in memory (the "
+                                    "others are on disk)", value=host["filled"])
+            yield CounterMetricFamily("timeshare_host_drops", "Host copies given back to make room (they are read "
+                                      "from disk again when needed)", value=host["drops"])
+            yield CounterMetricFamily("timeshare_host_fills", "Host copies read back from disk", value=host["fills"])
+            yield CounterMetricFamily("timeshare_disk_read_bytes", "Bytes read from weights and spill files",
+                                      value=host["bytes_read"])
+            yield CounterMetricFamily("timeshare_disk_read_seconds", "Seconds spent reading them",
+                                      value=host["read_seconds"])
         workers = snap.get("workers")
         if workers is not None:
             yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers["size"])
