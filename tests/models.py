@@ -316,3 +316,30 @@ def seeded_tier_net(seed: int) -> TierNet:
         for t in list(net.parameters()) + [net.bn.running_mean, net.bn.running_var]:
             t.copy_(torch.rand(t.shape, generator=g) * 0.2 + (0.5 if t is net.bn.running_var else -0.1))
     return net
+
+
+class EmbedNet(nn.Module):
+    """A large embedding table (20 MB) in front of a small net: the case for direct host
+    access (NOTE [Direct host access]), a few looked-up rows of a table worth a long copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(80_000, 64)
+        self.fc1 = nn.Linear(64, 128)
+        self.fc2 = nn.Linear(128, 8)
+
+    def forward(self, ids):
+        return self.fc2(torch.relu(self.fc1(self.embed(ids).mean(dim=1))))
+
+
+def embed_net() -> EmbedNet:
+    return EmbedNet()
+
+
+def seeded_embed_net(seed: int) -> EmbedNet:
+    net = EmbedNet().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return net

@@ -267,7 +267,7 @@ def _print_pipeline(result: dict) -> None:
     strategies = result["config"]["strategies"]
     table = Table(show_lines=False)
     for col in ["model", "MB", "layers", "native ms", "ready ms", "floor ms",
-                *[f"{s} ms" for s in strategies], "optimal/floor",
+                *[f"{s} ms" for s in strategies], "optimal+direct ms", "optimal/floor",
                 "optimal vs best", "exact"]:
         table.add_column(col, justify="right" if col != "model" else "left")
     for r in result["results"]:
@@ -277,6 +277,8 @@ def _print_pipeline(result: dict) -> None:
             f"{r['floor_ms']:.2f}",
         ]
         cells += [f"{r['strategies'][s]['ms']:.2f} ({r['strategies'][s]['groups']}g)" for s in strategies]
+        direct = r["strategies"].get("optimal+direct")  # NOTE [Direct host access]
+        cells.append(f"{direct['ms']:.2f} ({direct['direct_layers']} on host)" if direct else "-")
         cells[4] += f" ±{r['ready']['iqr_ms'] / 2:.2f}"
         opt = r["strategies"].get("optimal")
         cells.append(f"{opt['vs_floor']:.3f}x" if opt else "-")

@@ -35,7 +35,7 @@ from typing import Any
 
 from timeshare import errors
 from timeshare.memory.ephemeral import LaneBound
-from timeshare.transfer.backing import FillSpec
+from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder
 

@@ -18,7 +18,7 @@ def test_bench_pipeline_writes_json_with_exact_outputs(tmp_path, capsys):
     assert [r["model"] for r in data["results"]] == ["tiny_cnn", "tied_lm"]
     for r in data["results"]:
         assert r["outputs_match_ready"] is True
-        assert set(r["strategies"]) == {"optimal", "per_layer", "whole", "fixed"}
+        assert set(r["strategies"]) - {"optimal+direct"} == {"optimal", "per_layer", "whole", "fixed"}
         assert r["floor_ms"] >= r["transfer_ms"] > 0 and r["ready_ms"] > 0
         assert r["native_ms"] > 0 and r["native_matches_ready"] is True  # plain PyTorch computes the same bits
         for s in r["strategies"].values():

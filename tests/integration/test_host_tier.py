@@ -161,7 +161,7 @@ def test_bad_host_options_are_refused_up_front(tmp_path):
 def test_a_reload_streamed_from_slow_disk_computes_with_every_group_in_place(tmp_path, monkeypatch):
     # Reads slowed to a crawl and evicted blocks poisoned: a group copied before its
     # bytes were read, or computed on before it was copied, would give other outputs.
-    from timeshare.transfer import backing
+    from timeshare.transfer import disk as backing
 
     real = os.preadv
 
@@ -181,3 +181,21 @@ def test_a_reload_streamed_from_slow_disk_computes_with_every_group_in_place(tmp
         for i in (0, 1, 0, 1):
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
         assert rt.snapshot()["host_tier"]["streamed_fills"] == before + 4  # each reload read from disk
+
+
+def test_host_memory_keeps_what_the_device_lets_go_and_drops_second_copies_first(tmp_path):
+    # Host room for two stores, the arena for two models, three models: a model's host
+    # copy is redundant while it is on the device, so that copy goes first, and a model
+    # leaving the device leaves its bytes in host memory (a victim cache): coming back,
+    # it reads nothing from disk.
+    paths = [write(tmp_path, i) for i in range(3)]
+    with Runtime("cpu", 2 * NBYTES + (64 << 10), host_memory=int(2.2 * NBYTES), poison_evicted=True) as rt:
+        for i, path in enumerate(paths):
+            rt.register(f"m{i}", "tests.models:tier_net", path, (X,))
+        for i in (0, 1, 2, 0):
+            assert torch.equal(rt.infer(f"m{i}", X), reference(i))
+        tier = rt.snapshot()["host_tier"]
+        assert tier["fills"] == 3 and tier["demotions"] >= 1  # m0's second load came from host memory
+        assert rt.resident() == ["m2", "m0"]
+        for i in (1, 2, 0):
+            assert torch.equal(rt.infer(f"m{i}", X), reference(i))

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from timeshare.errors import WeightsError
-from timeshare.transfer import backing
-from timeshare.transfer.backing import FillSpec, HostPages, SafetensorsIndex, StreamFill
+from timeshare.transfer import disk
+from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import CpuCopyEngine
+from timeshare.transfer.disk import FillSpec, SafetensorsIndex, StreamFill
 
 
 def test_the_index_matches_what_safetensors_reads(tmp_path):
@@ -67,7 +68,7 @@ def _slow_reads(monkeypatch):
         time.sleep(0.002)
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(backing.os, "preadv", slow)
+    monkeypatch.setattr(disk.os, "preadv", slow)
 
 
 def test_copies_follow_the_reads_group_by_group(tmp_path, monkeypatch):

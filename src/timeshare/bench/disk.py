@@ -35,7 +35,7 @@ from timeshare.models.weights import load_strictly
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.facade import Runtime
-from timeshare.transfer.backing import READ_CHUNK, READ_THREADS
+from timeshare.transfer.disk import READ_CHUNK, READ_THREADS
 
 DEFAULT_MODELS = ("resnet152", "inception_v3", "bert_base")
 

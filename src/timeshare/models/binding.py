@@ -110,6 +110,12 @@ def bind(layout: TensorLayout, tensors: dict[str, torch.Tensor]) -> dict[int, st
     return {id(obj): key for key, obj in made.items()}
 
 
+def bind_some(layout: TensorLayout, tensors: dict[str, torch.Tensor]) -> None:
+    """Point the slots of the keys in ``tensors`` at them; the other slots stay as they are."""
+    bind(TensorLayout([e for e in layout.entries if e.key in tensors],
+                      [s for s in layout.slots if s.key in tensors], layout.persistent), tensors)
+
+
 def unbind(layout: TensorLayout) -> None:
     """Point every slot at a meta tensor, so that a module that is no longer managed
     holds no memory and any use of it fails loudly (done on unregister and close;

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from timeshare.errors import WeightsError
 from timeshare.models.binding import TensorLayout
-from timeshare.transfer.backing import SafetensorsIndex
+from timeshare.transfer.disk import SafetensorsIndex
 
 WeightsSource = str | os.PathLike | Mapping[str, torch.Tensor]
 

@@ -79,12 +79,18 @@ def make_dispatcher(scheduling: str, time_slice_s: float | None, device: torch.d
 
 def make_executor(device: torch.device, arena: Arena, workers: int, *, profile_repeats: int,
                   fixed_group_bytes: int, load_timeout_s: float, copy_delay_s: float,
-                  **pool_options) -> Executor:
+                  direct_host_access: bool | None = None, **pool_options) -> Executor:
     """Models run in this process (``workers == 0``) or in ``workers`` worker processes."""
+    if direct_host_access and device.type == "cuda":
+        raise ConfigError("direct_host_access is not available on CUDA yet (it needs a device-visible mapping of "
+                          "the pinned host copies, NOTE [Direct host access])")
     if not workers:
         engine = make_copy_engine(device, load_timeout_s, copy_delay_s)
         return InProcessExecutor(device, arena, engine, profile_repeats=profile_repeats,
-                                 fixed_group_bytes=fixed_group_bytes)
+                                 fixed_group_bytes=fixed_group_bytes, direct_host_access=direct_host_access)
+    if direct_host_access:
+        raise ConfigError("direct_host_access needs workers: 0 for now (worker processes do not compute from "
+                          "host memory yet)")
     pool = ProcessPool(
         workers, device=str(device), share_arena=arena.share, arena_capacity=arena.capacity,
         profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,

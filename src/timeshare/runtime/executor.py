@@ -28,8 +28,9 @@ from timeshare.runtime.calls import Ran
 from timeshare.runtime.pool import ProcessPool
 from timeshare.runtime.registration import Tiered, trace_on_host
 from timeshare.runtime.training import LocalTrainingJob, TrainingJob, WorkerTrainingJob
-from timeshare.transfer.backing import FillSpec, HostPages
+from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import CopyEngine, LoadHandle
+from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 from timeshare.tree import map_tensors
@@ -78,6 +79,10 @@ class Executor(Protocol):
 
     def host_filled(self, name: str) -> None:
         """``name``'s host store holds its bytes again."""
+
+    def reads_host(self, name: str) -> bool:
+        """Whether ``name`` computes from its host store when it runs (NOTE [Direct host
+        access]): the host tier must keep that store while the model is resident."""
 
     def add(self, packed: Packed) -> None:
         """Make the model runnable; on failure the caller ``discard``s it."""
@@ -138,11 +143,11 @@ class InProcessExecutor:
     """Models run in this process: one worker and its copy engine."""
 
     def __init__(self, device: torch.device, arena: Arena, engine: CopyEngine, *, profile_repeats: int,
-                 fixed_group_bytes: int):
+                 fixed_group_bytes: int, direct_host_access: bool | None = None):
         self.device = device
         self._engine = engine
         self._worker = Worker(device, arena, engine, profile_repeats=profile_repeats,
-                              fixed_group_bytes=fixed_group_bytes)
+                              fixed_group_bytes=fixed_group_bytes, direct_host_access=direct_host_access)
 
     def check_registrable(self, spec: ModelSpec) -> None:
         return None
@@ -166,6 +171,9 @@ class InProcessExecutor:
 
     def host_filled(self, name: str) -> None:
         self._pin(self._worker.models[name].store)
+
+    def reads_host(self, name: str) -> bool:
+        return self._worker.reads_host(name)
 
     def _pin(self, store: HostStore) -> None:
         if self.device.type == "cuda":  # NOTE [Exact host pinning]
@@ -301,6 +309,9 @@ class PoolExecutor:
 
     def host_filled(self, name: str) -> None:
         return None
+
+    def reads_host(self, name: str) -> bool:
+        return False  # worker processes do not compute from host stores (worker/proc.py)
 
     def add(self, packed: Packed) -> None:
         assert packed.segment is not None and packed.order is not None

@@ -74,6 +74,9 @@ class Runtime:
     over disk with the same eviction policy as the device: a model registered from a
     safetensors file is read only when a load needs it, others are written once to
     ``spill_dir`` (default: a temporary folder) when first dropped. "auto": half the RAM.
+    ``direct_host_access``: leading embedding layers may be computed from the host copy
+    instead of copied first, when the profile says it is cheaper (NOTE [Direct host
+    access]; None: on the CPU without workers, where host memory is the device's).
 
     ``workers``: worker processes (0: models run in this process). With workers, a
     worker that does not answer a call within its deadline is killed and replaced
@@ -114,6 +117,7 @@ class Runtime:
         lane_threads: int | None = None,
         host_memory: int | str | None = None,
         spill_dir: str | None = None,
+        direct_host_access: bool | None = None,
     ):
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
@@ -136,6 +140,7 @@ class Runtime:
                 fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
                 task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                 task_deadline_factor=task_deadline_factor, task_deadline_min_s=task_deadline_min_s,
+                direct_host_access=direct_host_access,
             )
         except BaseException:
             arena.close()

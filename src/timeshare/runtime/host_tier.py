@@ -14,13 +14,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from timeshare.errors import ConfigError, MemoryBudgetError, WeightsError
 from timeshare.models.spec import ModelSpec
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.registration import build_tiered
 from timeshare.scheduler.eviction import EvictionPolicy, make_eviction_policy
 from timeshare.scheduler.thrashing import NothingToEvict, make_room
-from timeshare.transfer.backing import Backing, FillSpec, HostPages
+from timeshare.transfer.backing import Backing, HostPages
+from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import HostStore
 from timeshare.units import format_bytes, parse_bytes
 
@@ -58,6 +61,7 @@ class HostTier:
         self.drops = 0
         self.fills = 0
         self.streamed_fills = 0  # fills made by a load reading from disk as it went
+        self.demotions = 0  # stores filled from the device's copy at its eviction (``demote``)
         self.bytes_read = 0
         self.read_s = 0.0
         self.spill_bytes = 0
@@ -89,7 +93,8 @@ class HostTier:
             self.policy.removed(name)
             s.backing.discard()
 
-    def ensure(self, name: str, protected: Iterable[str] = (), *, stream: bool = False) -> FillSpec | None:
+    def ensure(self, name: str, protected: Iterable[str] = (), *, stream: bool = False,
+               cheap: Iterable[str] = ()) -> FillSpec | None:
         """``name``'s store in memory, dropping others (not ``protected``) first if the
         budget needs it. With ``stream``, a store the next load can read from disk as it
         goes (NOTE [Disk to device]) is not filled here: its reads are returned, and the
@@ -100,7 +105,7 @@ class HostTier:
         if s.filled:
             self.policy.touched(name, now)
             return None
-        self._make_room(name, s.store.nbytes, protected)
+        self._make_room(name, s.store.nbytes, protected, cheap)
         t0 = time.perf_counter()
         try:
             spec = s.backing.stream(s.store) if stream else None
@@ -179,6 +184,7 @@ class HostTier:
             "drops": self.drops,
             "fills": self.fills,
             "streamed_fills": self.streamed_fills,
+            "demotions": self.demotions,
             "bytes_read": self.bytes_read,
             "read_seconds": round(self.read_s, 6),
             "spilled_bytes": self.spill_bytes,
@@ -191,8 +197,42 @@ class HostTier:
                     "backing": str(s.backing.path), "error": None if s.failed is None else str(s.failed)}
                 for n, s in self.models.items()}
 
-    def _make_room(self, name: str, nbytes: int, protected: Iterable[str]) -> None:
+    def demote(self, name: str, source: torch.Tensor, cheap: Iterable[str] = ()) -> bool:
+        """``name`` leaves the device with its bytes whole in ``source`` (its arena block):
+        if its store is not in memory, it is filled from there, so its next load needs no
+        disk; room is made only by dropping ``cheap`` stores (of models still on the
+        device: a second copy traded for an only one). So host memory holds mostly what
+        the device does not, as a victim cache. True if it did."""
+        s = self.models.get(name)
+        if s is None or s.filled or s.streaming:
+            return False
+        n = s.store.nbytes
+        if self.used + n > self.budget:
+            keep = {name} | {m for m, x in self.models.items() if x.streaming}
+            for victim in [m for m in self.policy.candidates(time.monotonic(), keep) if m in set(cheap)]:
+                self.drop(victim)
+                if self.used + n <= self.budget:
+                    break
+        if self.used + n > self.budget:
+            return False
+        s.store.buffer.copy_(source[:n])
+        s.filled, s.failed = True, None
+        self.demotions += 1
+        self._filled(name)
+        self.policy.admitted(name, time.monotonic())
+        return True
+
+    def _make_room(self, name: str, nbytes: int, protected: Iterable[str], cheap: Iterable[str] = ()) -> None:
+        """Drop stores until ``name``'s fits: first those in ``cheap`` (models resident on
+        the device, whose bytes are in the arena and on disk), then the others, each in
+        the policy's order."""
         keep = set(protected) | {name} | {n for n, s in self.models.items() if s.streaming}
+        cheap = set(cheap) - keep
+        if cheap and self._used_without(name) + nbytes > self.budget:
+            for victim in [n for n in self.policy.candidates(time.monotonic(), keep) if n in cheap]:
+                self.drop(victim)
+                if self._used_without(name) + nbytes <= self.budget:
+                    break
         try:
             make_room(self.policy, None, time.monotonic(), keep,
                       lambda: True if self._used_without(name) + nbytes <= self.budget else None, self.drop)

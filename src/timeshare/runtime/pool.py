@@ -25,7 +25,7 @@ from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
 from timeshare.runtime.segments import Segment, Segments, Switch
 from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
-from timeshare.transfer.backing import FillSpec
+from timeshare.transfer.disk import FillSpec
 from timeshare.tree import shape_key
 from timeshare.worker.handle import WorkerHandle
 

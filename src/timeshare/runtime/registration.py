@@ -22,7 +22,8 @@ from timeshare.models.binding import TensorLayout, bind, collect
 from timeshare.models.spec import Builder, ModelSpec, build_module
 from timeshare.models.weights import apply_weights, match_file, read_weights
 from timeshare.scheduler.task import Priority
-from timeshare.transfer.backing import Backing, FileBacking, HostPages, SafetensorsIndex, SpillBacking
+from timeshare.transfer.backing import Backing, FileBacking, HostPages, SpillBacking
+from timeshare.transfer.disk import SafetensorsIndex
 from timeshare.transfer.host_store import HostStore, TensorEntry, aligned_offsets
 from timeshare.transfer.profiler import ExecutionOrder, trace_execution_order
 from timeshare.tree import map_tensors

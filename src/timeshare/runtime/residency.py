@@ -5,6 +5,7 @@ the arena's ``poison`` diagnostic. Runs in the controller, under the runtime's l
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,6 +19,8 @@ from timeshare.scheduler.task import Priority
 from timeshare.scheduler.thrashing import NothingToEvict, ThrashingDetector, make_room
 from timeshare.transfer.copy import LoadHandle
 from timeshare.units import format_bytes
+
+log = logging.getLogger(__name__)
 
 Release = Callable[[str], LoadHandle | None]  # a model leaves: the load still copying into its block, if any
 
@@ -68,6 +71,9 @@ class Residency:
         self.evictions = 0
         self.reload_s: dict[str, float] = {}  # the latest measured load of each model
         self._quarantine: list[tuple[Block, LoadHandle]] = []
+        # Told of each model leaving with its bytes intact in its block, before the block
+        # is poisoned or reused: the host tier may keep them (NOTE [Host tier]).
+        self.on_evict: Callable[[ModelEntry, Block], object] | None = None
 
     def place(self, m: ModelEntry, models: Mapping[str, ModelEntry], release: Release) -> list[ModelEntry]:
         """Give ``m`` a block, evicting unpinned models in policy order until it fits;
@@ -115,6 +121,11 @@ class Residency:
         if still_copying is not None:
             self._quarantine.append((block, still_copying))
         else:
+            if self.on_evict is not None:
+                try:
+                    self.on_evict(m, block)
+                except Exception:  # keeping a copy is an optimisation: the eviction goes on
+                    log.exception("keeping %s's bytes on eviction", m.name)
             if self.poison:  # NOTE [Poisoned reloads]
                 self.arena.poison(block)
             self.arena.release(block)  # the module keeps stale views: NOTE [Sticky placement]

@@ -11,13 +11,14 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from timeshare.errors import DuplicateModelError, UnknownModelError
+from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
-from timeshare.transfer.backing import FillSpec
+from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
 from timeshare.units import format_bytes
@@ -33,6 +34,8 @@ class ModelTable:
         self.residency = residency
         self.executor = executor
         self.host = host  # with a host budget: the host stores under it (NOTE [Host tier])
+        if host is not None:
+            residency.on_evict = self._demote
         self.strategy = strategy  # the runtime's grouping, when a call names none
         self.listeners: list[Listener] = []
         self.failures = 0  # calls that raised
@@ -60,7 +63,7 @@ class ModelTable:
                             format_bytes(packed.nbytes), format_bytes(capacity))
             if stored is not None:
                 assert self.host is not None, "a tiered registration needs the host tier"
-                self.host.add(entry.name, stored)
+                self.host.add(entry.name, stored, self.host_readers())
                 hosted = True
             self.executor.add(packed)
         except BaseException:
@@ -70,6 +73,19 @@ class ModelTable:
             self.executor.discard(packed)
             raise
         self.entries[entry.name] = entry
+
+    def _demote(self, m: ModelEntry, block: Block) -> None:
+        """``m`` leaves the device: the host tier may keep its bytes (``HostTier.demote``),
+        dropping only second copies of models still on the device."""
+        assert self.host is not None
+        if m.name in self.host.models:
+            cheap = {n for n, e in self.entries.items() if e.block is not None} - self.host_readers()
+            self.host.demote(m.name, self.residency.arena.region(block), cheap)
+
+    def host_readers(self) -> set[str]:
+        """Resident models that compute from their host stores: those stores stay
+        (NOTE [Direct host access])."""
+        return {n for n, e in self.entries.items() if e.block is not None and self.executor.reads_host(n)}
 
     def remove(self, m: ModelEntry) -> None:
         """Forget ``m``: out of device memory, its host memory and spill file given back."""
@@ -170,7 +186,8 @@ class ModelTable:
         tier]), or with ``stream`` the reads its load makes from disk (NOTE [Disk to device])."""
         fill = None
         if self.host is not None:
-            fill = self.host.ensure(m.name, stream=stream)
+            resident = {n for n, e in self.entries.items() if e.block is not None}
+            fill = self.host.ensure(m.name, self.host_readers(), stream=stream, cheap=resident)
         try:
             for victim in self.residency.place(m, self.entries, self.executor.release):
                 self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))

@@ -361,6 +361,10 @@ class ModelProfile:
     tail_bytes: int
     plans: dict[str, Plan]
     ephemeral_bytes: int = 0  # peak bytes of one call beyond the weights (NOTE [Counting ephemeral bytes])
+    # NOTE [Direct host access]: the leading layers computed from the host store, not copied,
+    # and their compute seconds so (measured with them bound to the host store).
+    direct_layers: int = 0
+    direct_compute_s: list[float] = field(default_factory=list)
 
     @property
     def transfer_s(self) -> list[float]:
@@ -375,10 +379,10 @@ class ModelProfile:
 
         link = self.link
         bw = link.bandwidth_Bps if disk_Bps is None else min(link.bandwidth_Bps, disk_Bps)
-        return CostModel(
-            tuple(b / bw for b in self.layer_bytes), tuple(self.compute_s), link.alpha_s, link.beta_s,
-            link.latency_s, link.queue_s
-        )
+        k = self.direct_layers  # NOTE [Direct host access]: not moved, computed from the host
+        transfer = [0.0] * k + [b / bw for b in self.layer_bytes[k:]]
+        compute = list(self.direct_compute_s[:k]) + list(self.compute_s[k:])
+        return CostModel(tuple(transfer), tuple(compute), link.alpha_s, link.beta_s, link.latency_s, link.queue_s)
 
     def summary(self) -> dict:
         return {

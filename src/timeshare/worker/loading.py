@@ -34,6 +34,8 @@ class LoadPlan:
     ranges: tuple[tuple[int, int], ...]
     wait_of: dict[int, int]
     events: LoadEvents = field(default_factory=LoadEvents, compare=False, repr=False)
+    direct_keys: tuple[str, ...] = ()  # NOTE [Direct host access]: bound to the host store, never copied
+    direct_end: int = 0  # the store's bytes before this are those direct layers' own
 
 
 @dataclass
@@ -55,11 +57,30 @@ class WorkerModel:
     load_plans: dict[tuple[str, str, float | None], LoadPlan] = field(default_factory=dict)
     pending: LoadHandle | None = None
     last_use: object = None  # CUDA: an event after the model's last forward (see NOTE [Arena reuse ordering])
+    direct_candidates: int = 0  # leading layers that may be computed from the host store (NOTE [Direct host access])
+    host_bound: tuple[str, ...] = ()  # keys whose slots point at the host store now
 
 
-def adopt_order(wm: WorkerModel, order: ExecutionOrder) -> None:
+# NOTE [Direct host access]
+# A layer that reads a few rows of a large table (an embedding) costs far less to compute
+# from host memory than to copy first: BERT-base's word embedding is 94 MB, the first
+# thing a load copies and the first thing the forward waits for. Such leading layers of
+# the execution order are candidates (``direct_candidates``); a profile times them bound
+# to the host store and keeps them direct (``ModelProfile.direct_layers``) while the
+# extra compute costs less than their copy; the plan then copies from the first other
+# layer on, and a load binds the direct layers' tensors to the host store
+# (``LoadPlan.direct_keys``, ``WorkerModel.host_bound``). Only a prefix: a group is
+# one contiguous range of the store. On the CPU host memory is the device's memory, so
+# the compute costs the same. On CUDA a device-visible mapping of the pinned store is
+# needed and is not used yet: the candidates are none there. A model with host-bound
+# tensors reads its host store whenever it runs, so the host tier keeps that store.
+DIRECT_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def adopt_order(wm: WorkerModel, order: ExecutionOrder, direct: bool = False) -> None:
     """Take ``order`` as the model's layers, its host store being laid out in that order:
-    each layer's byte span, the tail's, and which module waits for which layer."""
+    each layer's byte span, the tail's, and which module waits for which layer; with
+    ``direct``, how many leading layers are candidates for direct host access."""
     wm.order = order
     wm.load_plans.clear()
     offsets = {e.key: e.offset for e in wm.store.entries}
@@ -72,6 +93,10 @@ def adopt_order(wm: WorkerModel, order: ExecutionOrder) -> None:
     n = len(order.layers)
     modules = dict(wm.module.named_modules(remove_duplicate=False))
     wm.layer_modules = [modules[layer.module] if layer.module else wm.module for layer in order.layers]
+    wm.direct_candidates = 0
+    while direct and wm.direct_candidates < n - 1 and \
+            isinstance(wm.layer_modules[wm.direct_candidates], DIRECT_MODULES):
+        wm.direct_candidates += 1
     wm.waits = [(mod, i) for i, mod in enumerate(wm.layer_modules)]
     waiting = {id(mod) for mod in wm.layer_modules}
     tail = set(order.unused)
@@ -111,18 +136,25 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | Non
         return cached
     plan = profile.plans[strategy] if disk is None else \
         make_plan(strategy, profile.cost_model(disk), profile.layer_bytes, fixed_group_bytes)
-    ranges = [(wm.layer_spans[a][0], wm.layer_spans[b - 1][1]) for a, b in plan.groups]
+    k = profile.direct_layers  # NOTE [Direct host access]: the leading k layers are not copied
+    first = wm.layer_spans[k][0]
+    ranges = [(wm.layer_spans[max(a, k)][0], wm.layer_spans[b - 1][1]) if b > k else (first, first)
+              for a, b in plan.groups]
     has_tail = wm.tail_span[1] > wm.tail_span[0]
     if has_tail:
         ranges.append(wm.tail_span)
     group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
     wait_of = {}
     for mod, layer in wm.waits:
+        if layer < k:
+            continue  # computed from the host store: nothing to wait for
         if layer < len(group_of_layer):
             wait_of[id(mod)] = group_of_layer[layer]
         elif has_tail:  # a module that only owns tail tensors (an empty tail needs no wait)
             wait_of[id(mod)] = len(plan)
-    made = wm.load_plans[(key, strategy, disk)] = LoadPlan(tuple(ranges), wait_of)
+    direct_keys = tuple(key for layer in wm.order.layers[:k] for key in layer.keys) if wm.order else ()
+    made = wm.load_plans[(key, strategy, disk)] = LoadPlan(tuple(ranges), wait_of, direct_keys=direct_keys,
+                                                           direct_end=first if k else 0)
     return made
 
 

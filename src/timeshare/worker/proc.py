@@ -50,8 +50,11 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     arena = Arena.attach(start.arena, start.arena_capacity, device)  # on CUDA, an IPC mapping on that device
     engine = make_copy_engine(device, start.load_timeout_s, start.copy_delay_s)
     registrar = host_registrar(device)  # None on the CPU
+    # Not direct host access (NOTE [Direct host access]): the controller would have to keep
+    # the host stores such a worker computes from, and it does not know which they are yet.
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
-                    fixed_group_bytes=start.fixed_group_bytes, registrar=registrar)
+                    fixed_group_bytes=start.fixed_group_bytes, registrar=registrar,
+                    direct_host_access=False)
     staging = InputStaging(registrar, alignment=arena.allocator.alignment)
 
     unpickled = [0.0]  # seconds the last message took to unpickle

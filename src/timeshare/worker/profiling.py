@@ -63,6 +63,25 @@ def profile_resident(wm: WorkerModel, args: tuple, kwargs: dict, link: LinkCosts
     return profile
 
 
+def with_direct_layers(profile: ModelProfile, direct_compute_s: list[float], fixed_group_bytes: int) -> ModelProfile:
+    """NOTE [Direct host access]: the longest prefix of the candidate layers whose compute
+    from the host store (``direct_compute_s``, measured) costs less extra than copying
+    them would take; the plans are made again with those layers direct."""
+    k = 0
+    for i, direct in enumerate(direct_compute_s):
+        if direct - profile.compute_s[i] >= profile.layer_bytes[i] / profile.link.bandwidth_Bps:
+            break
+        k = i + 1
+    if k == 0:
+        return profile
+    profile.direct_layers, profile.direct_compute_s = k, list(direct_compute_s[:k])
+    cost = profile.cost_model()
+    profile.plans = {s: make_plan(s, cost, profile.layer_bytes, fixed_group_bytes) for s in STRATEGIES}
+    log.info("%s: %d leading layers computed from host memory, optimal now %d groups, predicted %.2f ms",
+             profile.model, k, len(profile.plans["optimal"]), profile.plans["optimal"].predicted_s * 1e3)
+    return profile
+
+
 def measure_ephemeral(run: Callable[[], object], device: torch.device) -> int:
     """The peak bytes ``run`` holds beyond what exists before it: counted through the
     dispatcher (NOTE [Counting ephemeral bytes]) and, on CUDA, also read from the

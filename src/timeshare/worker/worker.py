@@ -19,11 +19,11 @@ from torch import nn
 from timeshare.device import HostRegistrar, host_registrar, synchronize
 from timeshare.errors import PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
-from timeshare.models.binding import TensorLayout, bind, unbind
-from timeshare.transfer.backing import READ_THREADS, FillSpec, StreamFill
+from timeshare.models.binding import TensorLayout, bind, bind_some, unbind
 from timeshare.transfer.copy import CopyEngine, LoadHandle, Ready
+from timeshare.transfer.disk import READ_THREADS, FillSpec, StreamFill
 from timeshare.transfer.host_store import HostStore
-from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, trace_execution_order
+from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, time_layers, trace_execution_order
 from timeshare.tree import map_tensors, shape_key, tensors_in
 from timeshare.worker.loading import (
     LoadPlan,
@@ -33,7 +33,7 @@ from timeshare.worker.loading import (
     forward_while_loading,
     load_plan_of,
 )
-from timeshare.worker.profiling import owners_of, probe_link, profile_resident
+from timeshare.worker.profiling import owners_of, probe_link, profile_resident, with_direct_layers
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class Worker:
         fixed_group_bytes: int = 2 << 20,
         pin_host: bool | None = None,
         registrar: HostRegistrar | None = None,
+        direct_host_access: bool | None = None,
     ):
         self.device = device
         self.arena = arena
@@ -58,6 +59,8 @@ class Worker:
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = fixed_group_bytes
         self.pin_host = device.type == "cuda" if pin_host is None else pin_host
+        # NOTE [Direct host access]: only where host memory is the device's, for now.
+        self.direct_host_access = device.type == "cpu" if direct_host_access is None else direct_host_access
         # Page-locks the host stores this worker packs (NOTE [Exact host pinning]); a
         # test passes a fake one to check the bookkeeping on the CPU.
         default = host_registrar(device) if self.pin_host else None
@@ -194,12 +197,15 @@ class Worker:
         that is a view of the arena is cloned once, any other host tensor is returned
         as it is. A worker process then pickles the result, with no further copy."""
         ptr = self.arena.buffer.untyped_storage().data_ptr()
+        # A model computing from its host store (NOTE [Direct host access]) may return one
+        # of those tensors: a copy, since the store's pages may go.
+        owned = {ptr} | {wm.store.buffer.untyped_storage().data_ptr() for wm in self.models.values() if wm.host_bound}
 
         def give(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
             if t.device.type != "cpu":
                 return t.cpu()
-            if t.untyped_storage().data_ptr() == ptr:
+            if t.untyped_storage().data_ptr() in owned:
                 return t.clone()
             return t
 
@@ -241,6 +247,11 @@ class Worker:
         ``ready`` and ``disk_Bps``: the source is read from disk meanwhile (NOTE [Disk to device])."""
         plan = load_plan_of(wm, shape_key(args, kwargs), strategy, disk_Bps, self.fixed_group_bytes)
         self._bind(wm, offset)
+        self._bind_direct(wm, plan.direct_keys)
+        if ready is not None and plan.direct_end:
+            # Computed from the store itself, which this load is still reading from disk
+            # (NOTE [Disk to device]): the direct layers wait for their bytes like a group.
+            ready(plan.direct_end)
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
         handle = self.engine.start(
             wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences(), plan.events, ready
@@ -276,6 +287,26 @@ class Worker:
         if wm.bound_at != offset:
             bind(wm.layout, self.arena.views(offset, wm.store.entries))
             wm.bound_at = offset
+            wm.host_bound = ()
+
+    def _bind_direct(self, wm: WorkerModel, keys: tuple[str, ...]) -> None:
+        """After ``_bind``: the slots of ``keys`` on the host store, the others' on the
+        arena (NOTE [Direct host access])."""
+        if keys == wm.host_bound:
+            return
+        back = [e for e in wm.store.entries if e.key in set(wm.host_bound) - set(keys)]
+        if back:  # copied by this load's plan: the arena's bytes again
+            assert wm.bound_at is not None
+            bind_some(wm.layout, self.arena.views(wm.bound_at, back))
+        if keys:
+            bind_some(wm.layout, {k: wm.store.tensor(k) for k in keys})
+        wm.host_bound = keys
+
+    def reads_host(self, name: str) -> bool:
+        """Whether ``name`` computes from its host store (NOTE [Direct host access]): the
+        store must stay in memory while the model may run."""
+        wm = self.models.get(name)
+        return wm is not None and bool(wm.host_bound)
 
     def _adopt_order(self, wm: WorkerModel, order: ExecutionOrder, *, repack: bool) -> None:
         """Take ``order`` as the model's layers; with ``repack``, lay the host store out in
@@ -290,14 +321,34 @@ class Worker:
             self._drop_store(old)  # the store in registration order
         elif [e.key for e in wm.store.entries] != order.key_order():
             raise TimeshareError(f"model {wm.name!r}: the host store is not laid out in the traced order")
-        adopt_order(wm, order)
+        adopt_order(wm, order, direct=self.direct_host_access)
 
     # ------------------------------------------------------------------ profiling
     def _profile_resident(self, wm: WorkerModel, args: tuple, kwargs: dict) -> None:
         profile = profile_resident(wm, args, kwargs, self._link_costs(), self.device,
                                    repeats=self.profile_repeats, fixed_group_bytes=self.fixed_group_bytes)
+        if wm.direct_candidates:
+            profile = with_direct_layers(profile, self._time_direct(wm, args, kwargs), self.fixed_group_bytes)
         wm.profiles[profile.shape_key] = profile
         wm.last_profile = profile.shape_key
+
+    def _time_direct(self, wm: WorkerModel, args: tuple, kwargs: dict) -> list[float]:
+        """The candidate layers' compute seconds with their tensors on the host store
+        (NOTE [Direct host access]); the binding is put back after."""
+        assert wm.order is not None and wm.bound_at is not None
+        keys = tuple(k for layer in wm.order.layers[:wm.direct_candidates] for k in layer.keys)
+        before = wm.host_bound
+        self._bind_direct(wm, keys)
+
+        def run():
+            with torch.no_grad():
+                wm.module(*args, **kwargs)
+
+        try:
+            times = time_layers(wm.module, run, wm.layer_modules, self.device, self.profile_repeats)
+        finally:
+            self._bind_direct(wm, before)
+        return times.compute_s[:wm.direct_candidates]
 
     def _link_costs(self) -> LinkCosts:
         """Measured once per worker, at the first profile (never on a switch), by copying

@@ -1,0 +1,332 @@
+"""Reading weights from disk: a safetensors file's tensor index from its header alone
+(``SafetensorsIndex``, with the ``Fingerprint`` that tells the registered file from a
+changed one), and the chunked, multi-threaded reads that fill a host store, whole
+(``read_ranges``) or streamed while a load copies it (``StreamFill``, NOTE [Disk to
+device]). Runs where a store is filled: the controller, or the worker that loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from timeshare.errors import WeightsError
+
+READ_CHUNK = 4 << 20  # bytes per read call: large enough for the disk, small enough that the first group arrives early
+READ_THREADS = 4
+
+# safetensors' dtype names (its format specification) and torch's dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
+
+
+
+# ---------------------------------------------------------------------- safetensors index
+@dataclass(frozen=True)
+class Fingerprint:
+    """What identifies a weights file as the one registered."""
+
+    size: int
+    mtime_ns: int
+    header: bytes
+
+    @classmethod
+    def of(cls, path: Path, header: bytes) -> Fingerprint:
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, header)
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of a safetensors file: absolute byte range in the file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SafetensorsIndex:
+    """A safetensors file's tensor index, from its header alone."""
+
+    path: Path
+    tensors: dict[str, FileTensor]
+    fingerprint: Fingerprint
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> SafetensorsIndex:
+        """The header of ``path`` parsed and checked against the file's size; a file
+        that is not safetensors, or is cut short, raises ``WeightsError``."""
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise WeightsError(f"weights file {str(path)!r} is too short for a safetensors header")
+                (n,) = struct.unpack("<Q", head)
+                size = os.fstat(f.fileno()).st_size
+                if n > size - 8 or n > 100 << 20:
+                    raise WeightsError(f"weights file {str(path)!r} has a header length of {n} bytes in a "
+                                       f"file of {size}: not safetensors, or truncated")
+                header = f.read(n)
+        except FileNotFoundError:
+            raise WeightsError(f"weights file {str(path)!r} does not exist") from None
+        except OSError as exc:
+            raise WeightsError(f"weights file {str(path)!r} cannot be read: {exc}") from exc
+        try:
+            meta = json.loads(header)
+        except ValueError as exc:
+            raise WeightsError(f"weights file {str(path)!r} has a header that is not JSON: {exc}") from None
+        if not isinstance(meta, dict):
+            raise WeightsError(f"weights file {str(path)!r} has a malformed header")
+        base = 8 + n
+        tensors: dict[str, FileTensor] = {}
+        for name, info in meta.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = SAFETENSORS_DTYPES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise WeightsError(f"weights file {str(path)!r}: tensor {name!r} has a malformed or "
+                                   f"unsupported entry {info!r}") from None
+            numel = 1
+            for d in shape:
+                numel *= d
+            if end - begin != numel * dtype.itemsize or begin < 0 or base + end > size:
+                raise WeightsError(f"weights file {str(path)!r}: tensor {name!r} spans bytes {begin}-{end}, "
+                                   f"which do not fit its shape {list(shape)} or the file ({size} bytes)")
+            tensors[name] = FileTensor(name, dtype, shape, base + begin, base + end)
+        return cls(path, tensors, Fingerprint.of(path, header))
+
+    def check(self) -> None:
+        """Raise ``WeightsError`` unless the file is still the one indexed."""
+        where = f"weights file {str(self.path)!r}"
+        try:
+            now = Fingerprint.of(self.path, b"")
+        except FileNotFoundError:
+            raise WeightsError(f"{where} disappeared after the model was registered") from None
+        old = self.fingerprint
+        if now.size != old.size:
+            raise WeightsError(f"{where} changed size after the model was registered ({old.size} bytes, now "
+                               f"{now.size}): truncated or rewritten; register the model again")
+        if now.mtime_ns != old.mtime_ns:
+            raise WeightsError(f"{where} was modified after the model was registered; register the model again")
+        with open(self.path, "rb") as f:
+            f.seek(8)
+            if f.read(len(old.header)) != old.header:
+                raise WeightsError(f"{where} has a different header than when the model was registered")
+
+# ---------------------------------------------------------------------- reads
+def _forget_cached(fd: int, offset: int, nbytes: int) -> None:
+    """The page cache's copy of what was just read goes: the host tier is the cache of
+    these bytes, and a second copy in the page cache would only take memory from it."""
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
+def read_ranges(path: Path, jobs: Iterable[tuple[int, torch.Tensor]], threads: int = READ_THREADS) -> int:
+    """Read each ``(file offset, uint8 destination)`` pair, chunked, over ``threads``
+    threads, straight into the destinations. Returns the bytes read; a short read (the
+    file shrank meanwhile) raises ``WeightsError``."""
+    chunks: list[tuple[int, memoryview]] = []
+    for offset, dest in jobs:
+        view = dest.numpy().data.cast("B")
+        for pos in range(0, len(view), READ_CHUNK):
+            chunks.append((offset + pos, view[pos: pos + READ_CHUNK]))
+    if not chunks:
+        return 0
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise WeightsError(f"weights file {str(path)!r} cannot be opened: {exc.strerror or exc}") from None
+    try:
+        def one(chunk: tuple[int, memoryview]) -> None:
+            offset, view = chunk
+            done = 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise WeightsError(f"weights file {str(path)!r} ended at byte {offset + done} while reading "
+                                       "the model's weights: truncated after registration")
+                done += got
+            _forget_cached(fd, offset, len(view))
+
+        if len(chunks) == 1 or threads <= 1:
+            for c in chunks:
+                one(c)
+        else:
+            with ThreadPoolExecutor(min(threads, len(chunks)), thread_name_prefix="timeshare-read") as pool:
+                for _ in pool.map(one, chunks):
+                    pass
+    finally:
+        os.close(fd)
+    return sum(len(v) for _, v in chunks)
+
+
+@dataclass(frozen=True)
+class FillSpec:
+    """A store's bytes to stream from one file while a load copies them on (NOTE [Disk
+    to device]): ``pieces`` of ``(file offset, store offset, bytes)``, every byte of the
+    store that comes from the file. Picklable: it travels to the worker that loads."""
+
+    path: str
+    pieces: tuple[tuple[int, int, int], ...]
+    nbytes: int  # of the whole store
+
+    def chunks(self, chunk: int) -> list[tuple[int, int, int]]:
+        """The pieces cut into reads of at most ``chunk`` bytes, in store order."""
+        out = []
+        for f_off, s_off, n in sorted(self.pieces, key=lambda p: p[1]):
+            for pos in range(0, n, chunk):
+                out.append((f_off + pos, s_off + pos, min(chunk, n - pos)))
+        return out
+
+
+# NOTE [Disk to device]
+# A load of a model whose host store is on disk need not wait for the whole store: its
+# bytes are read in store order, which is execution order, by a few threads, straight
+# into the store, and the copy of each group to the device waits only until the reads
+# have covered that group (``StreamFill.wait_until``, the copy engine's ``ready``). So
+# the disk, the link and the compute work on three different groups at once, and the
+# load costs about the slowest of the three. The store is then filled as a side
+# effect, and the host tier counts it as in memory. A read that fails (the file was cut
+# short meanwhile) fails that load alone, with WeightsError naming the file; the
+# fingerprint was checked just before the load began.
+class StreamFill:
+    """Reads ``spec`` into ``buffer`` on background threads; ``wait_until(byte)`` blocks
+    until every byte before ``byte`` is in."""
+
+    def __init__(self, spec: FillSpec, buffer: torch.Tensor, *, threads: int = READ_THREADS,
+                 chunk: int | None = None, deadline_s: float = 600.0):
+        self.spec = spec
+        self.deadline_s = deadline_s
+        self._chunks = spec.chunks(chunk or READ_CHUNK)
+        self._views = [buffer[s: s + n] for _, s, n in self._chunks]
+        # Where each prefix of the store is covered: the store bytes below chunk i's end
+        # that come from the file are all in once chunks 0..i are done.
+        self._done = [False] * len(self._chunks)
+        self._prefix = 0  # chunks done in a row from the first
+        self._error: BaseException | None = None
+        self._failed_at: int | None = None  # store offset of the first chunk that failed (0: closed)
+        self._cv = threading.Condition()
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._fd = -1
+        self.read_s = 0.0
+        self.bytes_read = 0
+
+    def start(self) -> StreamFill:
+        try:
+            self._fd = os.open(self.spec.path, os.O_RDONLY)
+        except OSError as exc:
+            raise WeightsError(f"weights file {self.spec.path!r} cannot be opened: {exc.strerror or exc}") from None
+        self._t0 = time.perf_counter()
+        if not self._chunks:
+            self._finish()
+            return self
+        self._pool = ThreadPoolExecutor(min(self._threads, len(self._chunks)), thread_name_prefix="timeshare-read")
+        for i in range(len(self._chunks)):
+            self._pool.submit(self._read, i)
+        return self
+
+    def _read(self, i: int) -> None:
+        f_off, s_off, n = self._chunks[i]
+        view = self._views[i].numpy().data.cast("B")
+        try:
+            failed = self._failed_at
+            if failed is not None and s_off >= failed:
+                return  # past a failed read (or closed): no one can wait for it
+            done = 0
+            while done < n:
+                got = os.preadv(self._fd, [view[done:]], f_off + done)
+                if got <= 0:
+                    raise WeightsError(f"weights file {self.spec.path!r} ended at byte {f_off + done} while a "
+                                       "load read it: truncated after registration")
+                done += got
+            _forget_cached(self._fd, f_off, n)
+        except BaseException as exc:
+            with self._cv:
+                if self._failed_at is None or s_off < self._failed_at:
+                    self._error, self._failed_at = exc, s_off
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self._done[i] = True
+            while self._prefix < len(self._done) and self._done[self._prefix]:
+                self._prefix += 1
+            if self._prefix == len(self._done):
+                self._finish()
+            self._cv.notify_all()
+
+    def _finish(self) -> None:
+        self.read_s = time.perf_counter() - self._t0
+        self.bytes_read = sum(n for _, _, n in self._chunks)
+
+    def _covered(self) -> int:
+        """Store bytes below which everything from the file is in."""
+        if self._prefix == len(self._chunks):
+            return self.spec.nbytes
+        _, s_off, _ = self._chunks[self._prefix]
+        return s_off
+
+    def wait_until(self, byte: int) -> None:
+        deadline = time.monotonic() + self.deadline_s
+        with self._cv:
+            while self._covered() < byte:
+                # Only a failure below ``byte`` concerns this wait: the reads before it
+                # still complete (a later chunk may fail first, on another thread).
+                if self._error is not None and self._failed_at is not None and self._failed_at < byte:
+                    raise self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightsError(f"reading {self.spec.path!r} did not reach byte {byte} within "
+                                       f"{self.deadline_s:g} s")
+                self._cv.wait(min(left, 1.0))
+
+    def wait_all(self) -> None:
+        self.wait_until(self.spec.nbytes)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the reads, if a read failed before all were in."""
+        with self._cv:
+            return self._error if self._covered() < self.spec.nbytes else None
+
+    def close(self) -> None:
+        """Stop reading (what is queued is skipped) and give the file back."""
+        with self._cv:
+            if self._covered() < self.spec.nbytes:
+                self._error = self._error or WeightsError("the load that was reading this file ended")
+                self._failed_at = 0
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

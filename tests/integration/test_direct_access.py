@@ -1,0 +1,98 @@
+"""Direct host access (NOTE [Direct host access]): leading embedding layers computed from
+the host copy, never copied to the arena, with outputs exact, and their host copy kept
+while the model is resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_host_tier import NBYTES, X, reference, seeded_tier_net
+from tests.models import EmbedNet, seeded_embed_net
+from timeshare.errors import ConfigError
+from timeshare.models.weights import save_weights
+from timeshare.runtime.facade import Runtime
+
+IDS = torch.randint(0, 80_000, (2, 12), generator=torch.Generator().manual_seed(5))
+EMBED_BYTES = sum(t.numel() * t.element_size() for t in EmbedNet().state_dict().values())
+
+
+def want(ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return seeded_embed_net(0)(ids)
+
+
+@pytest.fixture
+def weights(tmp_path):
+    return save_weights(seeded_embed_net(0), tmp_path / "embed.safetensors")
+
+
+def in_host_store(rt: Runtime, name: str, tensor: torch.Tensor) -> bool:
+    store = rt.in_process_worker().models[name].store.buffer
+    start = store.data_ptr()
+    return start <= tensor.data_ptr() < start + store.numel()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_leading_embeddings_are_computed_from_host_memory_with_exact_outputs(weights, direct):
+    # Evicted blocks poisoned, every group's copy held back: an embedding read from the
+    # arena without being copied there, or before its copy, would give other outputs.
+    with Runtime("cpu", "64MiB", poison_evicted=True, copy_delay_s=0.002, direct_host_access=direct) as rt:
+        rt.register("e", "tests.models:embed_net", weights, (IDS,))
+        assert torch.equal(rt.infer("e", IDS), want())
+        profile = rt.profile("e")
+        assert profile.direct_layers == (1 if direct else 0)  # 20 MB to copy, a few rows to read
+        assert len(profile.direct_compute_s) == profile.direct_layers
+        for _ in range(3):
+            rt.evict("e")
+            assert torch.equal(rt.infer("e", IDS), want())  # a pipelined reload
+            module = rt.in_process_worker().models["e"].module
+            assert in_host_store(rt, "e", module.embed.weight) == direct
+            assert not in_host_store(rt, "e", module.fc1.weight)
+            assert torch.equal(rt.infer("e", IDS), want())  # resident
+
+
+def test_the_host_tier_keeps_the_store_a_resident_model_computes_from(tmp_path, weights):
+    # Room in host memory for the embedding net's copy and one small net, in the arena for all.
+    with Runtime("cpu", "64MiB", host_memory=EMBED_BYTES + int(1.3 * NBYTES)) as rt:
+        rt.register("e", "tests.models:embed_net", weights, (IDS,))
+        for i in range(2):
+            path = save_weights(seeded_tier_net(i), tmp_path / f"{i}.safetensors")
+            rt.register(f"n{i}", "tests.models:tier_net", path, (X,))
+        assert torch.equal(rt.infer("e", IDS), want())  # the first load copies all and profiles
+        rt.evict("e")
+        assert torch.equal(rt.infer("e", IDS), want())  # then loads leave the embedding on the host
+        assert rt.in_process_worker().reads_host("e")
+        for i in (0, 1, 0, 1):  # LRU would drop the embedding net's copy first: it is kept
+            assert torch.equal(rt.infer(f"n{i}", X), reference(i))
+        tier = rt.diagnostics()["host_tier"]
+        assert tier["stores"]["e"]["filled"] and tier["drops"] >= 1
+        assert torch.equal(rt.infer("e", IDS), want())
+
+
+def test_embeddings_computed_from_a_store_still_being_read_from_disk_wait_for_their_bytes(weights, monkeypatch):
+    # A load from disk streams the store while the forward runs: the embedding computed
+    # from the store itself must wait for its bytes like any copied group.
+    from timeshare.transfer import disk as backing
+
+    real = backing.os.preadv
+
+    def slow(fd, buffers, offset):
+        import time
+        time.sleep(0.002)
+        return real(fd, buffers, offset)
+
+    with Runtime("cpu", "64MiB", host_memory=2 * EMBED_BYTES) as rt:
+        rt.register("e", "tests.models:embed_net", weights, (IDS,))
+        assert torch.equal(rt.infer("e", IDS), want())  # first load: copied whole, profiled
+        monkeypatch.setattr(backing, "READ_CHUNK", 64 << 10)
+        monkeypatch.setattr(backing.os, "preadv", slow)
+        for _ in range(2):
+            rt.evict("e", host=True)
+            assert torch.equal(rt.infer("e", IDS), want())
+            assert rt.in_process_worker().reads_host("e")
+
+
+def test_direct_host_access_is_refused_where_it_does_not_run():
+    with pytest.raises(ConfigError, match="workers"):
+        Runtime("cpu", "4MiB", workers=1, direct_host_access=True)
