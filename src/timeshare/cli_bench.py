@@ -75,7 +75,8 @@ def _print_tiers(console, r: dict) -> None:
                   f"budget {fb(r['host_budget_bytes'])}, arena {fb(r['arena_bytes'])}; {r['requests']} requests "
                   f"(Zipf {r['config']['zipf']}) over {r['distinct_models_requested']} models")
     console.print(f"registered in {r['register_s']:.1f} s, host memory after registering "
-                  f"{fb(r['host_bytes_after_register'])}; outputs exact {r['requests_exact']}/{r['requests']}")
+                  f"{fb(r['host_bytes_after_register'])}; each model profiled once in {r['profile_s']:.1f} s "
+                  f"(untimed); outputs exact {r['requests_exact']}/{r['requests']}")
     t = Table(title="latency by where the model was")
     for col in ("where", "requests", "p50 s", "p95 s"):
         t.add_column(col, justify="left" if col == "where" else "right")
