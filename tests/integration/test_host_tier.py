@@ -199,3 +199,20 @@ def test_host_memory_keeps_what_the_device_lets_go_and_drops_second_copies_first
         assert rt.resident() == ["m2", "m0"]
         for i in (1, 2, 0):
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
+
+
+def test_a_worker_killed_during_a_load_from_disk_fails_that_call_alone():
+    from tests.integration.test_workers import _kill_during
+    from timeshare.errors import WorkerCrashedError
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    with Runtime("cpu", "4MiB", workers=2, host_memory=1 << 20) as rt:
+        rt.register("slow", "tests.models:slow", None, (x,), example_kwargs={"delay_s": 0.0})
+        want = rt.infer("slow", x, delay_s=0.0)  # the first load traces and profiles
+        for _ in range(3):
+            rt.evict("slow", host=True)  # its bytes only in the spill file now
+            _, result = _kill_during(rt, lambda: rt.infer("slow", x, delay_s=0.01), 0.05)
+            assert isinstance(result.get("error"), WorkerCrashedError), result
+            assert not stores(rt)["slow"]["filled"]  # what the dead worker read is not trusted
+            assert torch.equal(rt.infer("slow", x, delay_s=0.0), want)  # read again, by a standby
+        assert rt.snapshot()["host_tier"]["streamed_fills"] >= 3
