@@ -216,3 +216,17 @@ def test_a_worker_killed_during_a_load_from_disk_fails_that_call_alone():
             assert not stores(rt)["slow"]["filled"]  # what the dead worker read is not trusted
             assert torch.equal(rt.infer("slow", x, delay_s=0.0), want)  # read again, by a standby
         assert rt.snapshot()["host_tier"]["streamed_fills"] >= 3
+
+
+def test_keeping_a_leaving_model_never_drops_the_store_being_loaded(tmp_path):
+    # Converted stores are filled whole before their load (not streamed). Host memory
+    # holds one, the arena one model: B's placement evicts A, whose bytes would stay in
+    # host memory only by dropping B's store, which B's load is about to read.
+    paths = [write(tmp_path, i) for i in range(2)]
+    half = NBYTES // 2
+    with Runtime("cpu", half + (64 << 10), host_memory=int(1.5 * half)) as rt:
+        for i, path in enumerate(paths):
+            rt.register(f"m{i}", "tests.models:tier_net", path, (X.to(torch.bfloat16),), dtype="bfloat16")
+        for i in (0, 1, 0, 1):
+            out = rt.infer(f"m{i}", X.to(torch.bfloat16))
+            assert torch.equal(out, reference(i, dtype=torch.bfloat16)), i

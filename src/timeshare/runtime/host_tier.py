@@ -197,24 +197,22 @@ class HostTier:
                     "backing": str(s.backing.path), "error": None if s.failed is None else str(s.failed)}
                 for n, s in self.models.items()}
 
-    def demote(self, name: str, source: torch.Tensor, cheap: Iterable[str] = ()) -> bool:
+    def demote(self, name: str, source: torch.Tensor, cheap: Iterable[str] = (),
+               protected: Iterable[str] = ()) -> bool:
         """``name`` leaves the device with its bytes whole in ``source`` (its arena block):
         if its store is not in memory, it is filled from there, so its next load needs no
-        disk; room is made only by dropping ``cheap`` stores (of models still on the
-        device: a second copy traded for an only one). So host memory holds mostly what
-        the device does not, as a victim cache. True if it did."""
+        disk. Room is made as for a fill: ``cheap`` stores first (second copies of models
+        still on the device), then the others in the policy's order, which left the device
+        before this one (so the two tiers age models as one LRU would). Host memory then
+        holds what the device does not, as a victim cache. True if it did."""
         s = self.models.get(name)
         if s is None or s.filled or s.streaming:
             return False
-        n = s.store.nbytes
-        if self.used + n > self.budget:
-            keep = {name} | {m for m, x in self.models.items() if x.streaming}
-            for victim in [m for m in self.policy.candidates(time.monotonic(), keep) if m in set(cheap)]:
-                self.drop(victim)
-                if self.used + n <= self.budget:
-                    break
-        if self.used + n > self.budget:
+        try:
+            self._make_room(name, s.store.nbytes, protected, cheap)
+        except MemoryBudgetError:
             return False
+        n = s.store.nbytes
         s.store.buffer.copy_(source[:n])
         s.filled, s.failed = True, None
         self.demotions += 1

@@ -34,6 +34,7 @@ class ModelTable:
         self.residency = residency
         self.executor = executor
         self.host = host  # with a host budget: the host stores under it (NOTE [Host tier])
+        self._placing: str | None = None  # the model whose placement is evicting others now
         if host is not None:
             residency.on_evict = self._demote
         self.strategy = strategy  # the runtime's grouping, when a call names none
@@ -79,8 +80,10 @@ class ModelTable:
         dropping only second copies of models still on the device."""
         assert self.host is not None
         if m.name in self.host.models:
-            cheap = {n for n, e in self.entries.items() if e.block is not None} - self.host_readers()
-            self.host.demote(m.name, self.residency.arena.region(block), cheap)
+            readers = self.host_readers()
+            cheap = {n for n, e in self.entries.items() if e.block is not None} - readers
+            keep = readers | ({self._placing} if self._placing else set())  # the store about to be loaded
+            self.host.demote(m.name, self.residency.arena.region(block), cheap, keep)
 
     def host_readers(self) -> set[str]:
         """Resident models that compute from their host stores: those stores stay
@@ -188,6 +191,7 @@ class ModelTable:
         if self.host is not None:
             resident = {n for n, e in self.entries.items() if e.block is not None}
             fill = self.host.ensure(m.name, self.host_readers(), stream=stream, cheap=resident)
+        self._placing = m.name
         try:
             for victim in self.residency.place(m, self.entries, self.executor.release):
                 self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
@@ -195,6 +199,8 @@ class ModelTable:
             if fill is not None and self.host is not None:
                 self.host.abandon(m.name, exc)
             raise
+        finally:
+            self._placing = None
         return fill
 
     def evict(self, m: ModelEntry) -> bool:
