@@ -21,9 +21,10 @@ what comes and goes are its pages:
 - Which stores go (``runtime/host_tier.py``): first the host copies of models resident
   on the device (a second copy: their bytes are in the arena and on disk), then the
   others, each in the eviction policy's order; and a model leaving the device leaves its
-  bytes in its store when that costs only such second copies (``HostTier.demote``). So
-  host memory holds mostly what the device does not, as a victim cache, and the two
-  tiers together hold about their sum of distinct models.
+  bytes in its store, making room the same way (``HostTier.demote``), but never by
+  dropping the store of the model whose placement evicted it. So host memory holds
+  what the device does not, as a victim cache, and the two tiers together age models
+  as one cache of their summed size would.
 Reads (``transfer/disk.py``) are chunked and spread over a few threads, each reading
 straight into the store (``os.preadv`` into its bytes), with no staging copy on the CPU.
 """
