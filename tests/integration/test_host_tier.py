@@ -209,13 +209,13 @@ def test_a_worker_killed_during_a_load_from_disk_fails_that_call_alone():
     with Runtime("cpu", "4MiB", workers=2, host_memory=1 << 20) as rt:
         rt.register("slow", "tests.models:slow", None, (x,), example_kwargs={"delay_s": 0.0})
         want = rt.infer("slow", x, delay_s=0.0)  # the first load traces and profiles
-        for _ in range(3):
+        for _ in range(2):
             rt.evict("slow", host=True)  # its bytes only in the spill file now
             _, result = _kill_during(rt, lambda: rt.infer("slow", x, delay_s=0.01), 0.05)
             assert isinstance(result.get("error"), WorkerCrashedError), result
             assert not stores(rt)["slow"]["filled"]  # what the dead worker read is not trusted
             assert torch.equal(rt.infer("slow", x, delay_s=0.0), want)  # read again, by a standby
-        assert rt.snapshot()["host_tier"]["streamed_fills"] >= 3
+        assert rt.snapshot()["host_tier"]["streamed_fills"] >= 2
 
 
 def test_keeping_a_leaving_model_never_drops_the_store_being_loaded(tmp_path):
