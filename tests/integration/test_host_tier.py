@@ -230,3 +230,33 @@ def test_keeping_a_leaving_model_never_drops_the_store_being_loaded(tmp_path):
         for i in (0, 1, 0, 1):
             out = rt.infer(f"m{i}", X.to(torch.bfloat16))
             assert torch.equal(out, reference(i, dtype=torch.bfloat16)), i
+
+
+def test_a_failed_first_load_keeps_the_store_its_owner_laid_out(tmp_path):
+    # The layout was traced at registration: a first load that fails (a bad input) must
+    # not retrace and repack the store into a buffer the host tier does not manage.
+    with Runtime("cpu", "4MiB", host_memory=4 * NBYTES) as rt:
+        rt.register("a", "tests.models:tier_net", write(tmp_path, 1), (X,))
+        store = rt.in_process_worker().models["a"].store
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            rt.infer("a", torch.randn(4, 31))
+        assert torch.equal(rt.infer("a", X), reference(1))
+        assert rt.in_process_worker().models["a"].store is store
+        rt.evict("a", host=True)
+        assert stores(rt)["a"]["resident_bytes"] == 0  # the tier's store is the one the worker reads
+        assert torch.equal(rt.infer("a", X), reference(1))
+
+
+def test_models_leaving_host_memory_are_not_kept_at_others_expense(tmp_path):
+    # Host room for one store, the arena for two models: m0's copy goes when m1 needs the
+    # room (m0 is on the device). Unregistering m0 must not bring its bytes back into host
+    # memory by dropping m1's, only to throw them away.
+    with Runtime("cpu", 2 * NBYTES + (64 << 10), host_memory=int(1.2 * NBYTES)) as rt:
+        for i in range(2):
+            rt.register(f"m{i}", "tests.models:tier_net", write(tmp_path, i), (X,))
+        for i in range(2):
+            assert torch.equal(rt.infer(f"m{i}", X), reference(i))
+        assert stores(rt)["m1"]["filled"] and not stores(rt)["m0"]["filled"]
+        rt.unregister("m0")
+        assert stores(rt)["m1"]["filled"] and rt.snapshot()["host_tier"]["demotions"] == 0
+        assert torch.equal(rt.infer("m1", X), reference(1))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from timeshare import protocol as P
-from timeshare.device import host_registrar
+from timeshare.device import host_registrar, synchronize
 from timeshare.errors import ConfigError
 from timeshare.memory import Arena
 from timeshare.memory.arena import map_shared_memory, reserve_shared_memory
@@ -167,6 +167,8 @@ class InProcessExecutor:
 
     def host_dropping(self, name: str) -> None:
         self._worker.finish_pending(name)  # a tail still copying reads the store
+        if self.device.type == "cuda":
+            synchronize(self.device)  # that wait is on the device: the host waits for the copies too
         self._worker.models[name].store.release()  # NOTE [Exact host pinning]: unpinned before the pages go
 
     def host_filled(self, name: str) -> None:

@@ -239,7 +239,7 @@ class Runtime:
         with self._turn():
             m = self._get(name)
             self._wait_idle(m)
-            evicted = self._table.evict(m)
+            evicted = self._table.evict(m, keep_host_copy=not host)
             if host and self._table.host is not None:
                 self._table.host.drop(name)
             return evicted

@@ -106,6 +106,7 @@ class HostTier:
             self.policy.touched(name, now)
             return None
         self._make_room(name, s.store.nbytes, protected, cheap)
+        s.pages.reserve()  # MemoryBudgetError now rather than a fault at a write into a full tmpfs
         t0 = time.perf_counter()
         try:
             spec = s.backing.stream(s.store) if stream else None
@@ -208,8 +209,11 @@ class HostTier:
         s = self.models.get(name)
         if s is None or s.filled or s.streaming:
             return False
+        if s.store.nbytes > self.budget - self._free_after_cheap(name, cheap, protected):
+            return False  # not even without every droppable store: drop nothing in vain
         try:
             self._make_room(name, s.store.nbytes, protected, cheap)
+            s.pages.reserve()
         except MemoryBudgetError:
             return False
         n = s.store.nbytes
@@ -225,21 +229,36 @@ class HostTier:
         the device, whose bytes are in the arena and on disk), then the others, each in
         the policy's order."""
         keep = set(protected) | {name} | {n for n, s in self.models.items() if s.streaming}
+
+        def drop(victim: str) -> None:
+            """A victim whose drop fails (its spill file cannot be written: a full disk)
+            is kept and passed over: the failure is not the caller's."""
+            try:
+                self.drop(victim)
+            except Exception:
+                log.exception("host tier: could not drop %s; keeping it", victim)
+                keep.add(victim)  # ``make_room`` reads ``keep`` again for every victim
+
         cheap = set(cheap) - keep
         if cheap and self._used_without(name) + nbytes > self.budget:
             for victim in [n for n in self.policy.candidates(time.monotonic(), keep) if n in cheap]:
-                self.drop(victim)
+                drop(victim)
                 if self._used_without(name) + nbytes <= self.budget:
                     break
         try:
             make_room(self.policy, None, time.monotonic(), keep,
-                      lambda: True if self._used_without(name) + nbytes <= self.budget else None, self.drop)
+                      lambda: True if self._used_without(name) + nbytes <= self.budget else None, drop)
         except NothingToEvict:
             raise MemoryBudgetError(
                 f"cannot bring model {name!r} ({format_bytes(nbytes)}) into host memory: "
                 f"{format_bytes(self.budget - self._used_without(name))} of the host budget "
                 f"({format_bytes(self.budget)}) is free and every other store in memory is in use"
             ) from None
+
+    def _free_after_cheap(self, name: str, cheap: Iterable[str], protected: Iterable[str]) -> int:
+        """Bytes that would stay in use if every store that may be dropped were."""
+        keep = set(protected) | {name}
+        return sum(s.store.nbytes for n, s in self.models.items() if s.filled and (n in keep or s.streaming))
 
     def _used_without(self, name: str) -> int:
         return sum(s.store.nbytes for n, s in self.models.items() if s.filled and n != name)

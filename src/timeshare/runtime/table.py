@@ -35,6 +35,7 @@ class ModelTable:
         self.executor = executor
         self.host = host  # with a host budget: the host stores under it (NOTE [Host tier])
         self._placing: str | None = None  # the model whose placement is evicting others now
+        self._leaving = False  # evictions of models leaving host memory too: nothing to keep
         if host is not None:
             residency.on_evict = self._demote
         self.strategy = strategy  # the runtime's grouping, when a call names none
@@ -79,7 +80,7 @@ class ModelTable:
         """``m`` leaves the device: the host tier may keep its bytes (``HostTier.demote``),
         dropping only second copies of models still on the device."""
         assert self.host is not None
-        if m.name in self.host.models:
+        if m.name in self.host.models and not self._leaving:
             readers = self.host_readers()
             cheap = {n for n, e in self.entries.items() if e.block is not None} - readers
             keep = readers | ({self._placing} if self._placing else set())  # the store about to be loaded
@@ -92,7 +93,7 @@ class ModelTable:
 
     def remove(self, m: ModelEntry) -> None:
         """Forget ``m``: out of device memory, its host memory and spill file given back."""
-        self.evict(m)
+        self.evict(m, keep_host_copy=False)
         self.executor.remove(m.name)
         if self.host is not None:
             self.host.remove(m.name)
@@ -203,15 +204,22 @@ class ModelTable:
             self._placing = None
         return fill
 
-    def evict(self, m: ModelEntry) -> bool:
-        if not self.residency.evict(m, self.executor.release):
+    def evict(self, m: ModelEntry, *, keep_host_copy: bool = True) -> bool:
+        """``m`` out of the arena; ``keep_host_copy=False``: it is leaving host memory too
+        (unregistered, closed, evicted with ``host=True``), so its bytes are not kept."""
+        self._leaving = not keep_host_copy
+        try:
+            evicted = self.residency.evict(m, self.executor.release)
+        finally:
+            self._leaving = False
+        if not evicted:
             return False
         self.emit(EvictionRecord(m.name, m.nbytes, time.monotonic()))
         return True
 
     def evict_all(self) -> None:
         for m in self.entries.values():
-            self.evict(m)
+            self.evict(m, keep_host_copy=False)
         self.entries.clear()
 
     def emit(self, record: CallRecord | EvictionRecord) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from timeshare.errors import WeightsError
+from timeshare.errors import MemoryBudgetError, WeightsError
 from timeshare.transfer.disk import FileTensor, FillSpec, SafetensorsIndex, read_ranges
 from timeshare.transfer.host_store import HostStore
 
@@ -76,6 +76,17 @@ class HostPages:
         """Give the pages back; the range reads as zeros until written again."""
         if self.nbytes:
             self._map.madvise(mmap.MADV_REMOVE)
+
+    def reserve(self) -> None:
+        """Allocate every page now (``posix_fallocate``), so that writing the store later
+        cannot fault on a full tmpfs (SIGBUS); MemoryBudgetError if it is full."""
+        if not self.nbytes:
+            return
+        try:
+            os.posix_fallocate(self._fd, 0, self.nbytes)
+        except OSError as exc:
+            raise MemoryBudgetError(f"cannot allocate {self.nbytes:,} bytes of host memory for a model's host copy "
+                                    f"({exc.strerror or exc}): shared memory is full") from exc
 
     def resident_bytes(self) -> int:
         """Bytes of memory the pages hold now: the file's allocated blocks."""

@@ -324,6 +324,7 @@ class StreamFill:
             if self._covered() < self.spec.nbytes:
                 self._error = self._error or WeightsError("the load that was reading this file ended")
                 self._failed_at = 0
+            self._cv.notify_all()  # a copy waiting for bytes that will not come stops now
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -57,6 +57,7 @@ class WorkerModel:
     load_plans: dict[tuple[str, str, float | None], LoadPlan] = field(default_factory=dict)
     pending: LoadHandle | None = None
     last_use: object = None  # CUDA: an event after the model's last forward (see NOTE [Arena reuse ordering])
+    order_fixed: bool = False  # the store was laid out in ``order`` by its owner: never retraced or repacked
     direct_candidates: int = 0  # leading layers that may be computed from the host store (NOTE [Direct host access])
     host_bound: tuple[str, ...] = ()  # keys whose slots point at the host store now
 

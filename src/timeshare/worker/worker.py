@@ -81,6 +81,10 @@ class Worker:
         self.models[name] = wm
         if order is not None:
             self._adopt_order(wm, order, repack=False)
+            # Traced at registration and laid out so by the store's owner (a pool's shared
+            # segment, a host tier's pages): a failed first load must not retrace and
+            # repack it into a buffer of this worker's own, out of its owner's reach.
+            wm.order_fixed = True
         return wm
 
     def adopt_profile(self, name: str, profile: ModelProfile) -> None:
@@ -237,7 +241,7 @@ class Worker:
             return out
         except BaseException:
             wm.pending = None
-            if not wm.profiles:
+            if not wm.profiles and not wm.order_fixed:
                 forget_order(wm)  # the next load starts over
             raise
 
@@ -312,6 +316,9 @@ class Worker:
         """Take ``order`` as the model's layers; with ``repack``, lay the host store out in
         that order (the store is then this worker's own)."""
         if repack:
+            if wm.order_fixed:
+                raise TimeshareError(f"model {wm.name!r}: its store's layout is fixed by its owner and cannot be "
+                                     "repacked")
             by_key = {e.key: e for e in wm.store.entries}
             entries = [by_key[k] for k in order.key_order()]
             old = wm.store
