@@ -209,7 +209,7 @@ class HostTier:
         s = self.models.get(name)
         if s is None or s.filled or s.streaming:
             return False
-        if s.store.nbytes > self.budget - self._free_after_cheap(name, cheap, protected):
+        if s.store.nbytes > self.budget - self._undroppable_bytes(name, protected):
             return False  # not even without every droppable store: drop nothing in vain
         try:
             self._make_room(name, s.store.nbytes, protected, cheap)
@@ -255,7 +255,7 @@ class HostTier:
                 f"({format_bytes(self.budget)}) is free and every other store in memory is in use"
             ) from None
 
-    def _free_after_cheap(self, name: str, cheap: Iterable[str], protected: Iterable[str]) -> int:
+    def _undroppable_bytes(self, name: str, protected: Iterable[str]) -> int:
         """Bytes that would stay in use if every store that may be dropped were."""
         keep = set(protected) | {name}
         return sum(s.store.nbytes for n, s in self.models.items() if s.filled and (n in keep or s.streaming))

@@ -100,7 +100,7 @@ def build_tiered(spec: ModelSpec, spill_dir: Path) -> Tiered:
         tensors = current if spec.weights is None else apply_weights(layout, current, read_weights(spec.weights))
         tensors = _converted(spec, layout, tensors)
         backing = SpillBacking(spill_dir / f"{spec.name}-{uuid.uuid4().hex[:8]}.store")
-    scratch = _store_in(layout.entries, HostPages(_span(layout.entries)))
+    scratch = HostStore.laid_out(layout.entries, HostPages(_span(layout.entries)).tensor)
     if tensors is not None:
         for e in scratch.entries:
             scratch.tensor(e.key).copy_(tensors[e.key])
@@ -108,7 +108,7 @@ def build_tiered(spec: ModelSpec, spill_dir: Path) -> Tiered:
     order = trace_on_host(module, layout, scratch, spec)
     by_key = {e.key: e for e in layout.entries}
     pages = HostPages(_span(layout.entries))
-    store = _store_in([by_key[k] for k in order.key_order()], pages)
+    store = HostStore.laid_out([by_key[k] for k in order.key_order()], pages.tensor)
     if not lazy:
         for e in store.entries:
             store.tensor(e.key).copy_(scratch.tensor(e.key))
@@ -137,15 +137,6 @@ def _entry(layout: TensorLayout, key: str) -> TensorEntry:
 
 def _span(entries: list[TensorEntry]) -> int:
     return aligned_offsets([e.nbytes for e in entries], DEFAULT_ALIGNMENT)[1]
-
-
-def _store_in(entries: list[TensorEntry], pages: HostPages) -> HostStore:
-    """A store of ``entries`` (in that order) over ``pages``, not written."""
-    offsets, total = aligned_offsets([e.nbytes for e in entries], DEFAULT_ALIGNMENT)
-    assert pages.nbytes >= total, "pages are sized by _span"
-    placed = [TensorEntry(e.key, e.names, e.kind, e.shape, e.dtype, e.requires_grad, o)
-              for e, o in zip(entries, offsets)]
-    return HostStore(placed, pages.tensor[:total], DEFAULT_ALIGNMENT)
 
 
 def trace_on_host(module: nn.Module, layout: TensorLayout, store: HostStore, spec: ModelSpec) -> ExecutionOrder:

@@ -132,6 +132,19 @@ class HostStore:
         store's size. With ``pin``, the store's bytes are page-locked through ``registrar``."""
         if pin and registrar is None:
             raise ValueError("pin=True needs a registrar (timeshare.device.host_registrar)")
+        store = cls.laid_out(entries, buffer, alignment)
+        for e in store.entries:
+            store.view(store.buffer, e).copy_(tensors[e.key].detach().to("cpu"))
+        if pin:
+            assert registrar is not None
+            store.pin(registrar)
+        return store
+
+    @classmethod
+    def laid_out(cls, entries: Sequence[TensorEntry], buffer: torch.Tensor | None = None,
+                 alignment: int = DEFAULT_ALIGNMENT) -> HostStore:
+        """A store of ``entries`` in that order, each at an aligned offset, over ``buffer``
+        (a new one of exactly the store's size when None); nothing written."""
         offsets, total = aligned_offsets([e.nbytes for e in entries], alignment)
         placed = [replace(e, offset=offset) for e, offset in zip(entries, offsets)]
         if buffer is None:
@@ -140,13 +153,7 @@ class HostStore:
             raise ValueError(f"buffer of {buffer.numel()} bytes is smaller than the store ({total})")
         else:
             buffer = buffer[:total]
-        store = cls(placed, buffer, alignment)
-        for e in placed:
-            store.view(buffer, e).copy_(tensors[e.key].detach().to("cpu"))
-        if pin:
-            assert registrar is not None
-            store.pin(registrar)
-        return store
+        return cls(placed, buffer, alignment)
 
     @staticmethod
     def view(region: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
