@@ -343,3 +343,37 @@ def seeded_embed_net(seed: int) -> EmbedNet:
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     return net
+
+
+class VariantNet(nn.Module):
+    """A base of four 256 KiB layers and a head: fine-tuned variants share the base
+    (NOTE [Shared tensors])."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(512, 128)
+        self.base = nn.ModuleList(nn.Linear(256 if i else 128, 256) for i in range(4))
+        self.norm = nn.LayerNorm(256)
+        self.head = nn.Linear(256, 256)
+        self.out = nn.Linear(256, 4)
+
+    def forward(self, ids):
+        x = self.embed(ids).mean(dim=1)
+        for layer in self.base:
+            x = torch.relu(layer(x))
+        return self.out(torch.tanh(self.head(self.norm(x))))
+
+
+def variant_net(variant: int, base_seed: int = 0, tuned: tuple[str, ...] = ("head", "out")) -> VariantNet:
+    """The base drawn from ``base_seed``; the modules named in ``tuned`` from ``variant``
+    (generators of their own: running jobs swap the global random state)."""
+    net = VariantNet().eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(base_seed)
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        g = torch.Generator().manual_seed(1000 + variant)
+        for name in tuned:
+            for p in getattr(net, name).parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return net

@@ -53,7 +53,7 @@ class DeviceTimedEngine(CopyEngine):
     def hold(self, seconds: float) -> None:
         self.held.append(seconds)
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None):
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
         assert isinstance(events, LoadEvents)
         self.events.setdefault(tuple(ranges), set()).add(id(events))
         nbytes = sum(b - a for a, b in ranges)
@@ -165,9 +165,9 @@ class SpyEngine(CpuCopyEngine):
         super().__init__(deadline_s=10)
         self.given: list[tuple[str, int, object]] = []
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None):
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
         self.given.append((where, len(ranges), events))
-        return super().start(src, dst, ranges, where, fences, events, ready)
+        return super().start(src, dst, ranges, where, fences, events, ready, shared)
 
 
 def test_a_worker_hands_the_engine_the_same_events_on_every_load_of_a_plan():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,7 +32,7 @@ from timeshare.runtime.training import LocalTrainingJob, TrainingJob, WorkerTrai
 from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.disk import FillSpec
-from timeshare.transfer.host_store import HostStore
+from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 from timeshare.tree import map_tensors
 from timeshare.worker.profiling import release_host_cache
@@ -40,6 +41,9 @@ from timeshare.worker.worker import Worker
 
 if TYPE_CHECKING:
     from timeshare.runtime.dispatch import Dispatcher
+
+
+Shared = Mapping[str, tuple[int, bool]] | None  # shared set -> (arena offset, its bytes are there)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Packed:
     entries: tuple = ()  # with workers: the store's entries, in the traced order
     pages: HostPages | None = None  # with a host budget: the store's droppable pages (NOTE [Host tier])
     view: HostStore | None = None  # with a host budget: the controller's view of the store
+    shared: dict[str, tuple[str, TensorEntry]] | None = None  # keys held in shared sets (NOTE [Shared tensors])
 
 
 class Executor(Protocol):
@@ -73,6 +78,20 @@ class Executor(Protocol):
     def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
         """``pack`` for a registration under a host budget: its store, already in
         execution order, in pages this executor can share (NOTE [Host tier])."""
+
+    def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
+                    order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:
+        """``pack`` for a model with tensors in shared sets (NOTE [Shared tensors]): ``store``
+        holds the others, in ``order``; ``shared`` maps each shared key to its set and entry."""
+
+    def add_shared(self, sid: str, store: HostStore) -> None:
+        """A shared set's host store, before the models that refer to it are added."""
+
+    def release_shared(self, sid: str) -> LoadHandle | None:
+        """The set leaves the arena: a load still copying into its block, if any."""
+
+    def remove_shared(self, sid: str) -> None:
+        """Forget a set no model refers to any more and give back its host memory."""
 
     def host_dropping(self, name: str) -> None:
         """``name``'s host store is about to lose its pages: no copy may read it after."""
@@ -91,12 +110,13 @@ class Executor(Protocol):
         """Give back what ``pack`` took for a model that was never added."""
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
         """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
         ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime]);
-        ``fill``: the host store is read from disk during the load (NOTE [Disk to device])."""
+        ``fill``: the host store is read from disk during the load (NOTE [Disk to device]);
+        ``shared``: its shared sets' offsets and whether they are loaded (NOTE [Shared tensors])."""
 
-    def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
         """Profile the resident model ``name`` for these inputs."""
 
     def release(self, name: str) -> LoadHandle | None:
@@ -159,6 +179,20 @@ class InProcessExecutor:
             store.pin(registrar)
         return Packed(spec.name, spec, module, layout, store, store.nbytes)
 
+    def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
+                    order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:
+        self._pin(store)
+        return Packed(spec.name, spec, module, layout, store, store.nbytes, order=order, shared=shared)
+
+    def add_shared(self, sid: str, store: HostStore) -> None:
+        self._worker.add_shared(sid, store)
+
+    def release_shared(self, sid: str) -> LoadHandle | None:
+        return self._worker.release_shared(sid)
+
+    def remove_shared(self, sid: str) -> None:
+        self._worker.remove_shared(sid)
+
     def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
         if tiered.filled:
             self._pin(tiered.store)
@@ -185,24 +219,25 @@ class InProcessExecutor:
 
     def add(self, packed: Packed) -> None:
         assert packed.store is not None
-        self._worker.add(packed.name, packed.module, packed.layout, packed.store, order=packed.order)
+        self._worker.add(packed.name, packed.module, packed.layout, packed.store, order=packed.order,
+                         shared=packed.shared)
 
     def discard(self, packed: Packed) -> None:
         if packed.store is not None:
             packed.store.release()
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
         with in_lane(lane, self.device) as meter:  # NOTE [Counting ephemeral bytes]: this thread only
-            out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill)
+            out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill, shared)
         # A resident run may overlap another model's load (lanes): only a load reads the latest load.
         stream = self._worker.last_fill if fill is not None else None
         return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds(),
                    ephemeral_peak=None if meter is None else meter.peak,
                    read_s=stream.read_s if stream is not None else None)
 
-    def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
-        return self._worker.profile(name, offset, args, kwargs)
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
+        return self._worker.profile(name, offset, args, kwargs, shared)
 
     def release(self, name: str) -> LoadHandle | None:
         return self._worker.release(name)
@@ -243,6 +278,8 @@ class InProcessExecutor:
     def close(self) -> None:
         for name in list(self._worker.models):
             self._worker.remove(name)
+        for sid in list(self._worker.shared):
+            self._worker.remove_shared(sid)
         self._engine.close()
 
 
@@ -306,6 +343,19 @@ class PoolExecutor:
         return Packed(spec.name, spec, tiered.module, tiered.layout, None, store.nbytes, segment, tiered.order,
                       tuple(store.entries), pages=pages, view=view)
 
+    def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
+                    order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:
+        raise ConfigError("shared tensors (dedup) do not run with workers yet: use workers: 0")
+
+    def add_shared(self, sid: str, store: HostStore) -> None:
+        raise ConfigError("shared tensors (dedup) do not run with workers yet: use workers: 0")
+
+    def release_shared(self, sid: str) -> LoadHandle | None:
+        return None
+
+    def remove_shared(self, sid: str) -> None:
+        return None
+
     def host_dropping(self, name: str) -> None:
         return None  # workers answer a call only once its copies are over, and do not pin tiered stores
 
@@ -339,10 +389,10 @@ class PoolExecutor:
         return segment
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
         return self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill)
 
-    def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
         return self._pool.profile(name, offset, args, kwargs)
 
     def release(self, name: str) -> LoadHandle | None:

@@ -23,7 +23,7 @@ from timeshare.device import resolve_device, synchronize
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
-from timeshare.runtime import assembly, host_tier, observe
+from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import Listener
@@ -77,6 +77,9 @@ class Runtime:
     ``direct_host_access``: leading embedding layers may be computed from the host copy
     instead of copied first, when the profile says it is cheaper (NOTE [Direct host
     access]; None: on the CPU without workers, where host memory is the device's).
+    ``dedup``: tensors of identical content across models (fine-tuned variants of one
+    base) are held once in host memory and once in the arena, and a load copies only
+    those not resident (NOTE [Shared tensors]); needs example inputs at registration.
 
     ``workers``: worker processes (0: models run in this process). With workers, a
     worker that does not answer a call within its deadline is killed and replaced
@@ -118,7 +121,10 @@ class Runtime:
         host_memory: int | str | None = None,
         spill_dir: str | None = None,
         direct_host_access: bool | None = None,
+        dedup: bool = False,
     ):
+        if dedup:
+            sharing.check_dedup(workers=workers, host_memory=host_memory, scheduling=scheduling)
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                                task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,
@@ -155,7 +161,8 @@ class Runtime:
             self._exec.close()
             arena.close()
             raise
-        self._table = ModelTable(self._residency, self._exec, strategy, host)
+        self._table = ModelTable(self._residency, self._exec, strategy, host,
+                                 sharing.SharedTensors() if dedup else None)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
         self._closed = False
@@ -205,6 +212,15 @@ class Runtime:
             self._table.check_free(name)
         self._exec.check_registrable(spec)
         stored = None
+        entry = ModelEntry(spec, 0, pinned=pin, priority=priority, slo_s=slo_s)
+        if self._table.sharing is not None:
+            member, digests = sharing.prepare(spec)
+            unbind(member.layout)
+            with self._turn():
+                self._table.add_deduped(entry, member, digests)
+            log.info("registered %s: %d tensors, %s of its own", name, len(member.layout.entries),
+                     format_bytes(entry.nbytes))
+            return
         if self._table.host is not None:
             packed, stored = host_tier.pack(spec, self._exec, self._table.host)
         else:
@@ -213,8 +229,8 @@ class Runtime:
             del store
         unbind(packed.layout)  # the module now holds no weights of its own
         with self._turn():
-            self._table.add(ModelEntry(spec, packed.nbytes, pinned=pin, priority=priority, slo_s=slo_s), packed,
-                            stored)
+            entry.nbytes = packed.nbytes
+            self._table.add(entry, packed, stored)
         log.info("registered %s: %d tensors, %s", name, len(packed.layout.entries), format_bytes(packed.nbytes))
 
     def unregister(self, name: str) -> None:
@@ -379,7 +395,7 @@ class Runtime:
         an atomic one."""
         return observe.snapshot(self.device, self._arena, self._residency, self._table.entries.values(),
                                 self._jobs.all().values(), self._exec, self._gate, self._table.failures,
-                                self._table.host)
+                                self._table.host, self._table.sharing)
 
     def diagnostics(self) -> dict:
         """For operators and white-box tests, without waiting for the device: the arena
@@ -388,7 +404,7 @@ class Runtime:
         tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
         with self._lock:
             return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
-                                       self._table.host)
+                                       self._table.host, self._table.sharing)
 
     def in_process_worker(self) -> Worker | None:
         """A test hook: the worker that runs the models in this process (None with

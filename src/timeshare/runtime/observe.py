@@ -14,6 +14,7 @@ from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.host_tier import HostTier
 from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.runtime.sharing import SharedTensors
 from timeshare.runtime.training import TrainingJob
 
 
@@ -34,15 +35,17 @@ def stats(device: torch.device, arena: Arena, residency: Residency, models: Mapp
 
 def snapshot(device: torch.device, arena: Arena, residency: Residency, models: Iterable[ModelEntry],
              jobs: Iterable[TrainingJob], executor: Executor, gate: Dispatcher, failures: int,
-             host: HostTier | None = None) -> dict:
+             host: HostTier | None = None, sharing: SharedTensors | None = None) -> dict:
     alloc = arena.allocator
     models, jobs = list(models), list(jobs)
+    shared = None if sharing is None else sharing.snapshot()
     return {
         "device": str(device),
         "capacity_bytes": alloc.capacity,
         "used_bytes": alloc.used,
         "resident": {m.name: m.nbytes for m in models if m.block is not None},
-        "host_bytes": sum(m.nbytes for m in models) if host is None else host.used,
+        "host_bytes": (sum(m.nbytes for m in models) + (shared["shared_bytes"] if shared else 0)) if host is None
+        else host.used,
         "host_pinned_bytes": executor.pinned_host_bytes(),
         "loads": {m.name: m.loads for m in models},
         "evictions": residency.evictions,
@@ -56,11 +59,13 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
         "lanes": gate.lanes(),
         # With a host budget: host memory as a cache over disk (NOTE [Host tier]).
         "host_tier": None if host is None else host.snapshot(),
+        # With dedup: tensors held once across models (NOTE [Shared tensors]).
+        "shared": shared,
     }
 
 
 def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Executor,
-                gate: Dispatcher, host: HostTier | None = None) -> dict:
+                gate: Dispatcher, host: HostTier | None = None, sharing: SharedTensors | None = None) -> dict:
     alloc = arena.allocator
     return {
         "arena": {"name": arena.shm_name, "capacity_bytes": alloc.capacity, "free_ranges": alloc.free_ranges()},
@@ -73,4 +78,5 @@ def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEn
         "lanes": gate.lanes(),
         "workers": executor.health(),
         "host_tier": None if host is None else host.snapshot() | {"stores": host.models_view()},
+        "shared": None if sharing is None else sharing.snapshot() | {"sets": sharing.view()},
     }

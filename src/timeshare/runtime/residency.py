@@ -74,27 +74,56 @@ class Residency:
         # Told of each model leaving with its bytes intact in its block, before the block
         # is poisoned or reused: the host tier may keep them (NOTE [Host tier]).
         self.on_evict: Callable[[ModelEntry, Block], object] | None = None
+        # Told of each model leaving, and asked to free one spare block (a shared set no
+        # resident model reads) before a model is evicted for room (NOTE [Shared tensors]).
+        self.on_leave: Callable[[ModelEntry], None] | None = None
+        self.spare: Callable[[], bool] | None = None
 
     def place(self, m: ModelEntry, models: Mapping[str, ModelEntry], release: Release) -> list[ModelEntry]:
         """Give ``m`` a block, evicting unpinned models in policy order until it fits;
         returns the models it evicted."""
-        need = m.nbytes
+        block, evicted = self.reserve(m.name, m.nbytes, lambda: self._allocate(m), models, release, m)
+        m.block = block
+        m.last_offset = block.offset
+        return evicted
+
+    def reserve(self, owner: str, need: int, allocate: Callable[[], Block | None], models: Mapping[str, ModelEntry],
+                release: Release, placing: ModelEntry | None = None,
+                what: str | None = None) -> tuple[Block, list[ModelEntry]]:
+        """A block of ``need`` bytes from ``allocate`` for ``owner`` (``what`` in errors),
+        evicting unpinned models (never ``placing``) in policy order until it fits, after
+        the spare blocks (``spare``); returns it and the models evicted."""
         if self.arena.allocator.rounded(need) > self.arena.capacity:
-            raise ModelTooLargeError(m.name, need, self.arena.capacity)
+            raise ModelTooLargeError(owner, need, self.arena.capacity)
         self.reclaim()
-        protected = {n for n, x in models.items() if x.pinned or x is m or x.block is None or x.running}
+        protected = {n for n, x in models.items() if x.pinned or x is placing or x.block is None or x.running}
+
+        def attempt() -> Block | None:
+            block = allocate()
+            while block is None and self.spare is not None and self.spare():
+                block = allocate()
+            return block
+
         try:
             block, evicted = make_room(self.policy, self.detector, time.monotonic(), protected,
-                                       lambda: self._allocate(m), lambda name: self.evict(models[name], release))
+                                       attempt, lambda name: self.evict(models[name], release))
         except NothingToEvict:
             alloc = self.arena.allocator
             raise MemoryBudgetError(
-                f"cannot place model {m.name!r} ({format_bytes(need)}): {format_bytes(alloc.free)} free, "
+                f"cannot place {what or f'model {owner!r}'} ({format_bytes(need)}): {format_bytes(alloc.free)} free, "
                 f"largest free range {format_bytes(alloc.largest_free)}, and every resident model is pinned"
             ) from None
-        m.block = block
-        m.last_offset = block.offset
-        return [models[name] for name in evicted]
+        return block, [models[name] for name in evicted]
+
+    def free(self, block: Block, still_copying: LoadHandle | None = None) -> None:
+        """Give ``block`` back (poisoned first under the diagnostic), or quarantine it
+        while ``still_copying`` may write it."""
+        if still_copying is not None:
+            self._quarantine.append((block, still_copying))
+            return
+        if self.poison:  # NOTE [Poisoned reloads]
+            self.arena.poison(block)
+        self.arena.release(block)
 
     def ran(self, m: ModelEntry, *, loaded: bool, seconds: float, load_s: float | None = None) -> None:
         """A call on ``m`` succeeded in ``seconds``; ``loaded``: it loaded the model first
@@ -118,17 +147,14 @@ class Residency:
         self.policy.removed(m.name)
         self.evictions += 1
         still_copying = release(m.name)
-        if still_copying is not None:
-            self._quarantine.append((block, still_copying))
-        else:
-            if self.on_evict is not None:
-                try:
-                    self.on_evict(m, block)
-                except Exception:  # keeping a copy is an optimisation: the eviction goes on
-                    log.exception("keeping %s's bytes on eviction", m.name)
-            if self.poison:  # NOTE [Poisoned reloads]
-                self.arena.poison(block)
-            self.arena.release(block)  # the module keeps stale views: NOTE [Sticky placement]
+        if still_copying is None and self.on_evict is not None:
+            try:
+                self.on_evict(m, block)
+            except Exception:  # keeping a copy is an optimisation: the eviction goes on
+                log.exception("keeping %s's bytes on eviction", m.name)
+        self.free(block, still_copying)  # the module keeps stale views: NOTE [Sticky placement]
+        if self.on_leave is not None:
+            self.on_leave(m)
         return True
 
     def order(self, models: Mapping[str, ModelEntry]) -> list[str]:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from timeshare.errors import DuplicateModelError, UnknownModelError
+from timeshare.errors import DuplicateModelError, ModelTooLargeError, UnknownModelError
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
@@ -18,7 +18,9 @@ from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.runtime.sharing import Member, SharedSet, SharedTensors
 from timeshare.transfer.disk import FillSpec
+from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
 from timeshare.units import format_bytes
@@ -29,11 +31,16 @@ log = logging.getLogger(__name__)
 
 
 class ModelTable:
-    def __init__(self, residency: Residency, executor: Executor, strategy: str, host: HostTier | None = None):
+    def __init__(self, residency: Residency, executor: Executor, strategy: str, host: HostTier | None = None,
+                 sharing: SharedTensors | None = None):
         self.entries: dict[str, ModelEntry] = {}
         self.residency = residency
         self.executor = executor
         self.host = host  # with a host budget: the host stores under it (NOTE [Host tier])
+        self.sharing = sharing  # with deduplication: the shared sets (NOTE [Shared tensors])
+        if sharing is not None:
+            residency.on_leave = self._left
+            residency.spare = self._free_spare
         self._placing: str | None = None  # the model whose placement is evicting others now
         self._leaving = False  # evictions of models leaving host memory too: nothing to keep
         if host is not None:
@@ -76,6 +83,95 @@ class ModelTable:
             raise
         self.entries[entry.name] = entry
 
+    def add_deduped(self, entry: ModelEntry, member: Member, digests: dict[str, str]) -> None:
+        """Register ``entry`` with its tensors found in other models held once (NOTE
+        [Shared tensors]): those models' matching tensors move to new shared sets (each is
+        evicted and laid out again), and ``member``'s store keeps only the rest."""
+        assert self.sharing is not None
+        self.check_free(entry.name)
+        sharing = self.sharing
+        split = sharing.split(member.store, digests)
+        made: dict[tuple[str, str], tuple[str, str]] = {}
+        for other, keys in split.moved.items():
+            sset, own = sharing.new_set(other, keys)
+            self.evict(self.entries[other])
+            self.executor.add_shared(sset.sid, sset.store)
+            self.executor.remove(other)
+            sharing.moved_out(other, sset, keys, own)
+            self.executor.add(self._packed(other, sharing.members[other]))
+            self.entries[other].nbytes = own.nbytes
+            made.update({(other, k): (sset.sid, d) for k, d in keys.items()})
+        refs = split.refs | {key: made[owner] for key, owner in split.claims.items()}
+        rest = [e for e in member.store.entries if e.key not in refs]
+        member.store = HostStore.pack(rest, {e.key: member.store.tensor(e.key) for e in rest})
+        member.refs = refs
+        member.digests = {k: d for k, d in digests.items() if k not in refs}
+        entry.nbytes = member.store.nbytes
+        for sid, _ in refs.values():
+            sharing.sets[sid].users.add(entry.name)  # held while the executor adds the model
+        try:
+            self.add(entry, self._packed(entry.name, member))
+        except BaseException:
+            for sid, _ in refs.values():
+                sharing.sets[sid].users.discard(entry.name)
+            raise
+        sharing.add(entry.name, member)
+
+    def _packed(self, name: str, member: Member) -> Packed:
+        assert self.sharing is not None
+        return self.executor.pack_shared(member.spec, member.module, member.layout, member.store, member.order,
+                                         member.shared_entries(self.sharing.sets))
+
+    def _left(self, m: ModelEntry) -> None:
+        """``m`` left the arena: its shared sets lose a reader (NOTE [Shared tensors])."""
+        assert self.sharing is not None
+        for sset in self.sharing.sets_of(m.name):
+            sset.resident.discard(m.name)
+
+    def _free_spare(self) -> bool:
+        """Free one shared set in the arena that no resident model reads and the model
+        being placed does not need; False if there is none."""
+        assert self.sharing is not None
+        needed = {s.sid for s in self.sharing.sets_of(self._placing)} if self._placing else set()
+        for sset in self.sharing.sets.values():
+            if sset.block is not None and not sset.resident and sset.sid not in needed:
+                self._free_set(sset)
+                return True
+        return False
+
+    def _free_set(self, sset: SharedSet) -> None:
+        block, sset.block, sset.loaded = sset.block, None, False
+        if block is not None:
+            self.residency.free(block, self.executor.release_shared(sset.sid))
+
+    def _place_sets(self, m: ModelEntry) -> None:
+        """Blocks for ``m``'s shared sets not in the arena; its load copies them."""
+        assert self.sharing is not None
+        sets = self.sharing.sets_of(m.name)
+        total = m.nbytes + sum(s.nbytes for s in sets if s.block is None)
+        if self.residency.arena.allocator.rounded(total) > self.residency.arena.capacity:
+            raise ModelTooLargeError(m.name, total, self.residency.arena.capacity)
+        for sset in sets:
+            if sset.block is None:
+                def allocate(s: SharedSet = sset) -> Block | None:
+                    return (self.residency.arena.allocator.allocate_at(s.last_offset, s.nbytes, s.sid)
+                            if s.last_offset is not None else None) or self.residency.arena.allocate(s.nbytes, s.sid)
+                sset.block, victims = self.residency.reserve(sset.sid, sset.nbytes, allocate, self.entries,
+                                                             self.executor.release, m, what=f"shared set {sset.sid!r}")
+                sset.last_offset, sset.loaded = sset.block.offset, False
+                for victim in victims:
+                    self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
+
+    def shared_at(self, m: ModelEntry) -> dict[str, tuple[int, bool]] | None:
+        """Each of ``m``'s shared sets: its arena offset and whether its bytes are there."""
+        if self.sharing is None:
+            return None
+        at = {}
+        for sset in self.sharing.sets_of(m.name):
+            assert sset.block is not None, f"{m.name}: shared set {sset.sid} has no block"
+            at[sset.sid] = (sset.block.offset, sset.loaded)
+        return at
+
     def _demote(self, m: ModelEntry, block: Block) -> None:
         """``m`` leaves the device: the host tier may keep its bytes (``HostTier.demote``),
         dropping only second copies of models still on the device."""
@@ -97,6 +193,10 @@ class ModelTable:
         self.executor.remove(m.name)
         if self.host is not None:
             self.host.remove(m.name)
+        if self.sharing is not None and m.name in self.sharing.members:
+            for sset in self.sharing.remove(m.name):  # sets no model uses any more
+                self._free_set(sset)
+                self.executor.remove_shared(sset.sid)
         del self.entries[m.name]
 
     def lane_ask(self, m: ModelEntry, key: str, free: int) -> int:
@@ -117,22 +217,31 @@ class ModelTable:
         assert m.block is not None
         t0 = time.monotonic()
         offset, strategy = m.block.offset, strategy or self.strategy
+        shared = self.shared_at(m)
         try:
             if resident and unlocked is not None:
                 m.running += 1
                 try:
                     with unlocked(), m.alone:
-                        ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, lane)
+                        ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, lane, shared=shared)
                 finally:
                     m.running -= 1
             else:
-                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill)
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared)
         except BaseException as exc:
             if not resident:
                 self.evict(m)  # a failed load leaves nothing behind
                 if fill is not None and self.host is not None:
                     self.host.abandon(m.name, exc)
+                if self.sharing is not None:  # nor do the sets it was copying
+                    for sset in self.sharing.sets_of(m.name):
+                        if not sset.loaded:
+                            self._free_set(sset)
             raise
+        if self.sharing is not None:
+            for sset in self.sharing.sets_of(m.name):
+                sset.loaded = True
+                sset.resident.add(m.name)
         if fill is not None and self.host is not None:
             self.host.streamed(m.name, fill, ran.read_s)
         if not resident:
@@ -169,7 +278,7 @@ class ModelTable:
         if m.block is None:
             self.run(m, args, kwargs, None)
         assert m.block is not None
-        profile = self.executor.profile(m.name, m.block.offset, args, kwargs)
+        profile = self.executor.profile(m.name, m.block.offset, args, kwargs, self.shared_at(m))
         m.ephemeral[profile.shape_key] = max(m.ephemeral.get(profile.shape_key, 0), profile.ephemeral_bytes)
         return profile
 
@@ -194,6 +303,8 @@ class ModelTable:
             fill = self.host.ensure(m.name, self.host_readers(), stream=stream, cheap=resident)
         self._placing = m.name
         try:
+            if self.sharing is not None:
+                self._place_sets(m)
             for victim in self.residency.place(m, self.entries, self.executor.release):
                 self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
         except BaseException as exc:

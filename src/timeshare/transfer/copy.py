@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -46,9 +47,26 @@ from timeshare.errors import PipelineError
 log = logging.getLogger(__name__)
 
 Range = tuple[int, int]  # [start, end) in bytes
+Piece = tuple[int, int, int]  # (source, start, end): those bytes of a shared source, see SharedCopies
 Ready = Callable[[int], None]  # blocks until the source's bytes before the given one are in
 
 CYCLES_PER_S = 2e9  # torch.cuda._sleep spins for clock cycles; 2 GHz is about an H100's
+
+
+@dataclass(frozen=True)
+class SharedCopies:
+    """The bytes of a load that come from host stores other than the model's own
+    (NOTE [Shared tensors]): ``sources`` are (host buffer, arena region) pairs laid out
+    alike, ``pieces[k]`` the ranges of them group k copies before its own range, so that
+    group k's completion covers both."""
+
+    sources: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    def copy(self, k: int, non_blocking: bool = False) -> None:
+        for i, a, b in self.pieces[k]:
+            src, dst = self.sources[i]
+            dst[a:b].copy_(src[a:b], non_blocking=non_blocking)
 
 
 class LoadEvents:
@@ -102,11 +120,13 @@ class CopyEngine:
         fences: Sequence = (),
         events: LoadEvents | None = None,
         ready: Ready | None = None,
+        shared: SharedCopies | None = None,
     ) -> LoadHandle:
         """Queue the copies of ``ranges`` from ``src`` to ``dst``; ``fences`` are CUDA events
         the copies must wait for (the last uses of evicted models); ``events`` are kept
         across loads of the same ranges (NOTE [Events made once per plan]); ``ready(b)``
-        returns once ``src`` holds its bytes before ``b`` (NOTE [Disk to device])."""
+        returns once ``src`` holds its bytes before ``b`` (NOTE [Disk to device]);
+        ``shared``: each group's pieces of other stores, copied before its range."""
         raise NotImplementedError
 
     def hold(self, seconds: float) -> None:
@@ -138,9 +158,10 @@ class CpuLoad(LoadHandle):
     replace it to inject a failed or a stuck copy)."""
 
     def __init__(self, src, dst, ranges: Sequence[Range], where: str, deadline_s: float, delay_s: float = 0.0,
-                 ready: Ready | None = None):
+                 ready: Ready | None = None, shared: SharedCopies | None = None):
         self.src, self.dst, self.ranges = src, dst, list(ranges)
         self.ready = ready
+        self.shared = shared
         self.delay_s = delay_s
         self.n_groups = len(self.ranges)
         self.where = where
@@ -158,14 +179,14 @@ class CpuLoad(LoadHandle):
                 self.copy_group(k)
             except BaseException as exc:  # handed to the waiter, which re-raises it
                 self.error, self.failed_group = exc, k
-                self.src = self.dst = None
+                self.src = self.dst = self.shared = None
                 for ev in self.events[k:]:
                     ev.set()
                 return
             if k == self.n_groups - 1:
                 self._ended = time.perf_counter()
             self.events[k].set()
-        self.src = self.dst = None  # drop references once everything is copied
+        self.src = self.dst = self.shared = None  # drop references once everything is copied
 
     def copy_seconds(self) -> float | None:
         return self._ended - self._started if self._ended else None
@@ -176,6 +197,8 @@ class CpuLoad(LoadHandle):
             self.ready(b)  # NOTE [Disk to device]: the source bytes are read from disk up to here
         if self.delay_s:
             time.sleep(self.delay_s)  # diagnostic: NOTE [Poisoned reloads]
+        if self.shared is not None:
+            self.shared.copy(k)
         self.dst[a:b].copy_(self.src[a:b])
 
     def wait(self, k: int) -> None:
@@ -210,8 +233,8 @@ class CpuCopyEngine(CopyEngine):
                 return
             load.run()
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None):
-        load = CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s, ready)
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
+        load = CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s, ready, shared)
         if not self._thread.is_alive():
             raise PipelineError("the copy thread is not running (engine closed?)", where=where)
         self._queue.put(load)
@@ -271,7 +294,7 @@ class CudaCopyEngine(CopyEngine):
             with torch.cuda.device(self.device):
                 torch.cuda._sleep(int(seconds * CYCLES_PER_S))
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None):
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
         if ready is not None and ranges:
             # NOTE [Disk to device]: on CUDA the reads are waited for in full before the
             # copies are queued (queueing each group behind its read needs a feeder
@@ -293,6 +316,8 @@ class CudaCopyEngine(CopyEngine):
             for k, (a, b) in enumerate(ranges):
                 if self._delay_cycles:
                     torch.cuda._sleep(self._delay_cycles)
+                if shared is not None:
+                    shared.copy(k, non_blocking=True)
                 dst[a:b].copy_(src[a:b], non_blocking=True)
                 groups[k].record(self.stream)
-        return _CudaLoad(self.device, groups, where, (src, dst), events.begin)
+        return _CudaLoad(self.device, groups, where, (src, dst, shared), events.begin)

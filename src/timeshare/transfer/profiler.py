@@ -370,17 +370,19 @@ class ModelProfile:
     def transfer_s(self) -> list[float]:
         return [b / self.link.bandwidth_Bps for b in self.layer_bytes]
 
-    def cost_model(self, disk_Bps: float | None = None):
+    def cost_model(self, disk_Bps: float | None = None, layer_bytes: Sequence[int] | None = None):
         """The planner's costs; with ``disk_Bps``, for a load whose bytes are read from a
         disk of that bandwidth as they are copied (NOTE [Disk to device]): disk and link
         work in series on a stream of chunks, so each layer's bytes move at the slower
-        of the two."""
+        of the two. ``layer_bytes``: a load that moves other bytes per layer than the
+        profiled ones (shared tensors not resident yet, NOTE [Shared tensors])."""
         from timeshare.transfer.planner import CostModel
 
         link = self.link
         bw = link.bandwidth_Bps if disk_Bps is None else min(link.bandwidth_Bps, disk_Bps)
         k = self.direct_layers  # NOTE [Direct host access]: not moved, computed from the host
-        transfer = [0.0] * k + [b / bw for b in self.layer_bytes[k:]]
+        moved = self.layer_bytes if layer_bytes is None else layer_bytes
+        transfer = [0.0] * k + [b / bw for b in moved[k:]]
         compute = list(self.direct_compute_s[:k]) + list(self.compute_s[k:])
         return CostModel(tuple(transfer), tuple(compute), link.alpha_s, link.beta_s, link.latency_s, link.queue_s)
 

@@ -18,9 +18,10 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from timeshare.errors import ConfigError
+from timeshare.memory.allocator import align_up
 from timeshare.models.binding import TensorLayout
-from timeshare.transfer.copy import LoadEvents, LoadHandle
-from timeshare.transfer.host_store import HostStore
+from timeshare.transfer.copy import LoadEvents, LoadHandle, Piece
+from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.planner import STRATEGIES, make_plan
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 
@@ -36,6 +37,10 @@ class LoadPlan:
     events: LoadEvents = field(default_factory=LoadEvents, compare=False, repr=False)
     direct_keys: tuple[str, ...] = ()  # NOTE [Direct host access]: bound to the host store, never copied
     direct_end: int = 0  # the store's bytes before this are those direct layers' own
+    # NOTE [Shared tensors]: the shared sets this load copies too (not resident yet), and
+    # each group's pieces of them, as (index in ``sources``, start, end).
+    sources: tuple[str, ...] = ()
+    pieces: tuple[tuple[Piece, ...], ...] = ()
 
 
 @dataclass
@@ -54,12 +59,19 @@ class WorkerModel:
     profiles: dict[str, ModelProfile] = field(default_factory=dict)
     last_profile: str | None = None
     bound_at: int | None = None  # arena offset the module's slots point at (see NOTE [Sticky placement])
-    load_plans: dict[tuple[str, str, float | None], LoadPlan] = field(default_factory=dict)
+    load_plans: dict[tuple[str, str, float | None, tuple[str, ...]], LoadPlan] = field(default_factory=dict)
     pending: LoadHandle | None = None
     last_use: object = None  # CUDA: an event after the model's last forward (see NOTE [Arena reuse ordering])
     order_fixed: bool = False  # the store was laid out in ``order`` by its owner: never retraced or repacked
     direct_candidates: int = 0  # leading layers that may be computed from the host store (NOTE [Direct host access])
     host_bound: tuple[str, ...] = ()  # keys whose slots point at the host store now
+    # NOTE [Shared tensors]: keys held once in a shared set, not in ``store``: the set and
+    # the key's entry there; each layer's (and the tail's) byte runs of those sets.
+    shared: dict[str, tuple[str, TensorEntry]] = field(default_factory=dict)
+    shared_sets: frozenset[str] = frozenset()
+    layer_shared: list[tuple[tuple[str, int, int], ...]] = field(default_factory=list)
+    tail_shared: tuple[tuple[str, int, int], ...] = ()
+    shared_bound: dict[str, int] = field(default_factory=dict)  # shared set -> arena offset the slots point at
 
 
 # NOTE [Direct host access]
@@ -85,16 +97,25 @@ def adopt_order(wm: WorkerModel, order: ExecutionOrder, direct: bool = False) ->
     wm.order = order
     wm.load_plans.clear()
     offsets = {e.key: e.offset for e in wm.store.entries}
-    starts = [offsets[layer.keys[0]] for layer in order.layers]
-    tail_start = offsets[order.unused[0]] if order.unused else wm.store.nbytes
+    # A layer's span in the store: from its first key held there (its tensors may all be
+    # shared: NOTE [Shared tensors]) to the next layer's start.
+    own_tail = [k for k in order.unused if k in offsets]
+    tail_start = offsets[own_tail[0]] if own_tail else wm.store.nbytes
+    starts, nxt = [0] * len(order.layers), tail_start
+    for i in reversed(range(len(order.layers))):
+        own = [k for k in order.layers[i].keys if k in offsets]
+        nxt = starts[i] = offsets[own[0]] if own else nxt
     wm.layer_spans = list(zip(starts, starts[1:] + [tail_start]))
     wm.tail_span = (tail_start, wm.store.nbytes)
+    wm.layer_shared = [shared_runs(wm, layer.keys) for layer in order.layers]
+    wm.tail_shared = shared_runs(wm, order.unused)
     # Layer modules wait for their layer; modules owning tail tensors (they never ran
     # in the trace) wait for the tail. See NOTE [Layers are wait points].
     n = len(order.layers)
     modules = dict(wm.module.named_modules(remove_duplicate=False))
     wm.layer_modules = [modules[layer.module] if layer.module else wm.module for layer in order.layers]
     wm.direct_candidates = 0
+    direct = direct and not wm.shared  # a prefix of the own store only (NOTE [Shared tensors])
     while direct and wm.direct_candidates < n - 1 and \
             isinstance(wm.layer_modules[wm.direct_candidates], DIRECT_MODULES):
         wm.direct_candidates += 1
@@ -105,6 +126,22 @@ def adopt_order(wm: WorkerModel, order: ExecutionOrder, direct: bool = False) ->
         if slot.key in tail and id(slot.module) not in waiting:
             wm.waits.append((slot.module, n))
             waiting.add(id(slot.module))
+
+
+def shared_runs(wm: WorkerModel, keys) -> tuple[tuple[str, int, int], ...]:
+    """The byte runs of ``keys``' tensors in shared sets, in order, as (set, start, end),
+    consecutive tensors of one set merged (the alignment gap between them goes along)."""
+    runs: list[tuple[str, int, int]] = []
+    for k in keys:
+        if k not in wm.shared:
+            continue
+        sid, e = wm.shared[k]
+        a, b = e.offset, e.offset + e.nbytes
+        if runs and runs[-1][0] == sid and runs[-1][2] <= a <= align_up(runs[-1][2], wm.store.alignment):
+            runs[-1] = (sid, runs[-1][1], b)
+        else:
+            runs.append((sid, a, b))
+    return tuple(runs)
 
 
 def forget_order(wm: WorkerModel) -> None:
@@ -118,12 +155,13 @@ def forget_order(wm: WorkerModel) -> None:
 
 
 def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | None = None,
-                 fixed_group_bytes: int = 2 << 20) -> LoadPlan:
+                 fixed_group_bytes: int = 2 << 20, missing: tuple[str, ...] = ()) -> LoadPlan:
     """The ready-made plan that loads of ``wm`` for input shape ``key`` follow (the last
     profiled shape's when ``key`` was never profiled), made once and cached. With
     ``disk_Bps``, the plan of a load read from disk as it goes (NOTE [Disk to device]),
     made for that bandwidth (rounded to a power of 2^(1/4), so that measurements that
-    differ a little share a plan)."""
+    differ a little share a plan). ``missing``: the shared sets of the model not in the
+    arena yet, copied by this load too (NOTE [Shared tensors])."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
     if key not in wm.profiles:
@@ -132,18 +170,29 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | Non
     disk = None
     if disk_Bps is not None and disk_Bps < profile.link.bandwidth_Bps:
         disk = 2 ** (round(math.log2(disk_Bps) * 4) / 4)
-    cached = wm.load_plans.get((key, strategy, disk))
+    missing = tuple(sorted(missing))
+    cached = wm.load_plans.get((key, strategy, disk, missing))
     if cached is not None:
         return cached
-    plan = profile.plans[strategy] if disk is None else \
-        make_plan(strategy, profile.cost_model(disk), profile.layer_bytes, fixed_group_bytes)
+    index = {sid: i for i, sid in enumerate(missing)}
+    extra = [[(index[sid], a, b) for sid, a, b in runs if sid in index] for runs in wm.layer_shared]
+    if any(extra):  # more bytes than the profile's: planned for what this load moves
+        moved = [n + sum(b - a for _, a, b in pieces) for n, pieces in zip(profile.layer_bytes, extra)]
+        plan = make_plan(strategy, profile.cost_model(disk, moved), moved, fixed_group_bytes)
+    elif disk is None:
+        plan = profile.plans[strategy]
+    else:
+        plan = make_plan(strategy, profile.cost_model(disk), profile.layer_bytes, fixed_group_bytes)
     k = profile.direct_layers  # NOTE [Direct host access]: the leading k layers are not copied
     first = wm.layer_spans[k][0]
     ranges = [(wm.layer_spans[max(a, k)][0], wm.layer_spans[b - 1][1]) if b > k else (first, first)
               for a, b in plan.groups]
-    has_tail = wm.tail_span[1] > wm.tail_span[0]
+    pieces = [tuple(p for i in range(a, b) for p in extra[i]) for a, b in plan.groups]
+    tail_pieces = tuple((index[sid], a, b) for sid, a, b in wm.tail_shared if sid in index)
+    has_tail = wm.tail_span[1] > wm.tail_span[0] or bool(tail_pieces)
     if has_tail:
         ranges.append(wm.tail_span)
+        pieces.append(tail_pieces)
     group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
     wait_of = {}
     for mod, layer in wm.waits:
@@ -154,8 +203,9 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | Non
         elif has_tail:  # a module that only owns tail tensors (an empty tail needs no wait)
             wait_of[id(mod)] = len(plan)
     direct_keys = tuple(key for layer in wm.order.layers[:k] for key in layer.keys) if wm.order else ()
-    made = wm.load_plans[(key, strategy, disk)] = LoadPlan(tuple(ranges), wait_of, direct_keys=direct_keys,
-                                                           direct_end=first if k else 0)
+    made = wm.load_plans[(key, strategy, disk, missing)] = LoadPlan(
+        tuple(ranges), wait_of, direct_keys=direct_keys, direct_end=first if k else 0, sources=missing,
+        pieces=tuple(pieces) if missing else ())
     return made
 
 

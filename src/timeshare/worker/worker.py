@@ -12,6 +12,8 @@ eviction policy (see docs/architecture.md).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -20,9 +22,9 @@ from timeshare.device import HostRegistrar, host_registrar, synchronize
 from timeshare.errors import PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, bind_some, unbind
-from timeshare.transfer.copy import CopyEngine, LoadHandle, Ready
+from timeshare.transfer.copy import CopyEngine, LoadHandle, Ready, SharedCopies
 from timeshare.transfer.disk import READ_THREADS, FillSpec, StreamFill
-from timeshare.transfer.host_store import HostStore
+from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, time_layers, trace_execution_order
 from timeshare.tree import map_tensors, shape_key, tensors_in
 from timeshare.worker.loading import (
@@ -66,6 +68,9 @@ class Worker:
         default = host_registrar(device) if self.pin_host else None
         self.host_registrar = registrar if registrar is not None else default
         self.models: dict[str, WorkerModel] = {}
+        self.shared: dict[str, HostStore] = {}  # NOTE [Shared tensors]: the host stores of shared sets
+        self._shared_loads: dict[str, LoadHandle] = {}  # the latest load that copied each set
+        self._at: dict[str, int] = {}  # the current call's shared sets' arena offsets
         self._link: LinkCosts | None = None
         self._fences: list[object] = []  # CUDA: last-use events of evicted models
         self.last_load: LoadHandle | None = None  # the latest pipelined load, for its timing
@@ -76,8 +81,14 @@ class Worker:
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
-            order: ExecutionOrder | None = None) -> WorkerModel:
-        wm = WorkerModel(name, module, layout, store)
+            order: ExecutionOrder | None = None,
+            shared: Mapping[str, tuple[str, TensorEntry]] | None = None) -> WorkerModel:
+        """``shared``: the model's keys held in shared sets (NOTE [Shared tensors]), which
+        needs ``order``; the store holds the others."""
+        if shared and order is None:
+            raise TimeshareError(f"model {name!r}: shared tensors need the execution order traced at registration")
+        wm = WorkerModel(name, module, layout, store, shared=dict(shared or {}),
+                         shared_sets=frozenset(sid for sid, _ in (shared or {}).values()))
         self.models[name] = wm
         if order is not None:
             self._adopt_order(wm, order, repack=False)
@@ -102,9 +113,35 @@ class Worker:
         unbind(wm.layout)
         self._drop_store(wm.store)
 
+    def add_shared(self, sid: str, store: HostStore) -> None:
+        """A shared set's host store (NOTE [Shared tensors]): models added later refer to it."""
+        if self.pin_host and self.host_registrar is not None:
+            store.pin(self.host_registrar)
+        self.shared[sid] = store
+
+    def release_shared(self, sid: str) -> LoadHandle | None:
+        """The set leaves the arena: waits for the latest load that copied it; returns
+        that load if it may still be writing (its deadline passed). Never raises."""
+        handle = self._shared_loads.pop(sid, None)
+        if handle is None:
+            return None
+        try:
+            handle.wait_all()
+        except TimeshareError as exc:
+            log.warning("releasing shared set %s after a failed load: %s", sid, exc)
+        if self.engine.host_waits and not handle.done():
+            return handle
+        return None
+
+    def remove_shared(self, sid: str) -> None:
+        """Forget a set no model refers to any more; its store is unpinned."""
+        self.release_shared(sid)
+        self._drop_store(self.shared.pop(sid))
+
     def pinned_host_bytes(self) -> int:
         """Host memory this worker's stores hold page-locked (safe to call from any thread)."""
-        return sum(wm.store.pinned_nbytes for wm in list(self.models.values()))
+        stores = [wm.store for wm in list(self.models.values())] + list(self.shared.values())
+        return sum(store.pinned_nbytes for store in stores)
 
     # ------------------------------------------------------------------ execution
     def load_seconds(self) -> float | None:
@@ -113,12 +150,18 @@ class Worker:
         return self.last_load.copy_seconds() if self.last_load is not None else None
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            fill: FillSpec | None = None):
+            fill: FillSpec | None = None, shared: Mapping[str, tuple[int, bool]] | None = None):
         """Forward ``name`` on device inputs. Its bytes are at ``offset`` if ``resident``;
         otherwise they are loaded there first (pipelined once the model is profiled).
         ``fill``: the host store is on disk; its reads run beside the load (NOTE [Disk
-        to device]). A resident run leaves ``last_load`` alone: with lanes it may overlap a load."""
+        to device]). ``shared``: each of its shared sets' arena offset and whether its
+        bytes are there; a load copies those that are not (NOTE [Shared tensors]). A
+        resident run leaves ``last_load`` alone: with lanes it may overlap a load."""
         wm = self.models[name]
+        self._at = self._shared_offsets(wm, shared)
+        missing = tuple(sid for sid, (_, there) in (shared or {}).items() if not there)
+        if resident and missing:
+            raise TimeshareError(f"model {name!r} is resident but its shared sets {list(missing)} are not")
         if not resident:
             self.last_load = None
             self.last_fill = None
@@ -130,11 +173,23 @@ class Worker:
         elif fill is not None:
             out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill)
         elif wm.order is None or not wm.profiles:
-            out = self._first_load(wm, offset, args, kwargs)
+            out = self._first_load(wm, offset, args, kwargs, missing)
         else:
-            out = self._pipelined_load(wm, offset, args, kwargs, strategy)
+            out = self._pipelined_load(wm, offset, args, kwargs, strategy, missing=missing)
         self._mark_used(wm)
         return out
+
+    def _shared_offsets(self, wm: WorkerModel, shared: Mapping[str, tuple[int, bool]] | None) -> dict[str, int]:
+        """Where ``wm``'s shared sets are, checked; those already there are waited for if
+        a load still copies them (a device-side wait on CUDA)."""
+        given = dict(shared or {})
+        if given.keys() != wm.shared_sets:
+            raise TimeshareError(f"model {wm.name!r} uses shared sets {sorted(wm.shared_sets)}, given {sorted(given)}")
+        for sid, (_, there) in given.items():
+            handle = self._shared_loads.get(sid)
+            if there and handle is not None:
+                handle.wait_all()
+        return {sid: off for sid, (off, _) in given.items()}
 
     def _load_from_disk(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
                         fill: FillSpec):
@@ -147,7 +202,7 @@ class Worker:
                 out = self._first_load(wm, offset, args, kwargs)
             else:
                 out = self._pipelined_load(wm, offset, args, kwargs, strategy, ready=stream.wait_until,
-                                           disk_Bps=self.disk_Bps)
+                                           disk_Bps=self.disk_Bps)  # no shared sets under a host budget
             stream.wait_all()
             if stream.read_s > 0:  # measured on every load from disk; the next plans for it
                 self.disk_Bps = stream.bytes_read / stream.read_s
@@ -159,9 +214,11 @@ class Worker:
         finally:
             stream.close()
 
-    def profile(self, name: str, offset: int, args: tuple, kwargs: dict) -> ModelProfile:
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict,
+                shared: Mapping[str, tuple[int, bool]] | None = None) -> ModelProfile:
         """Profile a resident model for these inputs (cached per input shape)."""
         wm = self.models[name]
+        self._at = self._shared_offsets(wm, shared)
         self.finish_pending(name)
         self._bind(wm, offset)
         key = shape_key(args, kwargs)
@@ -220,11 +277,11 @@ class Worker:
         return any(t.untyped_storage().data_ptr() == ptr for t in tensors_in(out))
 
     # ------------------------------------------------------------------ loading
-    def _first_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict):
+    def _first_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, missing: tuple[str, ...] = ()):
         """Load whole; trace the execution order if unknown (repacking the store in that
         order); profile for these inputs."""
         try:
-            self._copy_whole(wm, offset, "first load")
+            self._copy_whole(wm, offset, "first load", missing)
             self._bind(wm, offset)
             out = None
             if wm.order is None:
@@ -246,10 +303,11 @@ class Worker:
             raise
 
     def _pipelined_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
-                        ready: Ready | None = None, disk_Bps: float | None = None):
+                        ready: Ready | None = None, disk_Bps: float | None = None, missing: tuple[str, ...] = ()):
         """Queue every group, then forward while they arrive (NOTE [Pipelined forward]);
-        ``ready`` and ``disk_Bps``: the source is read from disk meanwhile (NOTE [Disk to device])."""
-        plan = load_plan_of(wm, shape_key(args, kwargs), strategy, disk_Bps, self.fixed_group_bytes)
+        ``ready`` and ``disk_Bps``: the source is read from disk meanwhile (NOTE [Disk to
+        device]); ``missing``: shared sets this load copies too (NOTE [Shared tensors])."""
+        plan = load_plan_of(wm, shape_key(args, kwargs), strategy, disk_Bps, self.fixed_group_bytes, missing)
         self._bind(wm, offset)
         self._bind_direct(wm, plan.direct_keys)
         if ready is not None and plan.direct_end:
@@ -258,9 +316,11 @@ class Worker:
             ready(plan.direct_end)
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
         handle = self.engine.start(
-            wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences(), plan.events, ready
+            wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences(), plan.events, ready,
+            self._shared_copies(plan.sources, plan.pieces)
         )
         wm.pending = self.last_load = handle
+        self._shared_loads.update(dict.fromkeys(plan.sources, handle))
         out, arrived = forward_while_loading(wm.module, handle, plan.wait_of, args, kwargs, self.aliases_arena)
         if arrived:
             wm.pending = None  # everything arrived and was waited for
@@ -288,9 +348,18 @@ class Worker:
     # copy later (a sleep on the CPU copy thread, a device-side spin on the CUDA copy
     # stream), so a compute that does not wait surely reads poison and the check fails.
     def _bind(self, wm: WorkerModel, offset: int) -> None:
-        if wm.bound_at != offset:
-            bind(wm.layout, self.arena.views(offset, wm.store.entries))
+        """The slots on the arena: the store's tensors at ``offset``, the shared ones where
+        the current call's sets are (``_at``, NOTE [Shared tensors])."""
+        if wm.bound_at != offset or wm.shared_bound != self._at:
+            views = self.arena.views(offset, wm.store.entries)
+            by_set: dict[str, list[TensorEntry]] = {}
+            for key, (sid, e) in wm.shared.items():
+                by_set.setdefault(sid, []).append(replace(e, key=key))
+            for sid, entries in by_set.items():
+                views.update(self.arena.views(self._at[sid], entries))
+            bind(wm.layout, views)
             wm.bound_at = offset
+            wm.shared_bound = dict(self._at)
             wm.host_bound = ()
 
     def _bind_direct(self, wm: WorkerModel, keys: tuple[str, ...]) -> None:
@@ -326,7 +395,7 @@ class Worker:
                                       registrar=self.host_registrar)
             wm.bound_at = None
             self._drop_store(old)  # the store in registration order
-        elif [e.key for e in wm.store.entries] != order.key_order():
+        elif [e.key for e in wm.store.entries] != [k for k in order.key_order() if k not in wm.shared]:
             raise TimeshareError(f"model {wm.name!r}: the host store is not laid out in the traced order")
         adopt_order(wm, order, direct=self.direct_host_access)
 
@@ -365,12 +434,22 @@ class Worker:
         return self._link
 
     # ------------------------------------------------------------------ helpers
-    def _copy_whole(self, wm: WorkerModel, offset: int, why: str) -> None:
+    def _copy_whole(self, wm: WorkerModel, offset: int, why: str, missing: tuple[str, ...] = ()) -> None:
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
+        pieces = (tuple((i, 0, self.shared[sid].nbytes) for i, sid in enumerate(missing)),)
         handle = self.engine.start(
-            wm.store.buffer, region, [(0, wm.store.nbytes)], f"loading {wm.name} ({why})", self._take_fences()
+            wm.store.buffer, region, [(0, wm.store.nbytes)], f"loading {wm.name} ({why})", self._take_fences(),
+            shared=self._shared_copies(missing, pieces)
         )
         handle.wait_all()
+
+    def _shared_copies(self, sources: tuple[str, ...], pieces) -> SharedCopies | None:
+        """The copies of shared sets ``sources`` into their blocks (NOTE [Shared tensors])."""
+        if not sources:
+            return None
+        stores = [(self.shared[sid], self._at[sid]) for sid in sources]
+        pairs = tuple((store.buffer, self.arena.buffer[at:at + store.nbytes]) for store, at in stores)
+        return SharedCopies(pairs, tuple(pieces))
 
     def _mark_used(self, wm: WorkerModel) -> None:
         if self.device.type == "cuda":
