@@ -22,7 +22,9 @@ class CallRecord:
     the exception's type name when the call failed; ``timings``: with workers, where
     the call's time went (``round_trip_s`` from sending the task to its reply,
     ``worker_s`` the worker's share, and its parts: ``unpickle_s``, ``upload_s``,
-    ``forward_s``, ``to_host_s``, ``sync_s``, ``load_s``), else None."""
+    ``forward_s``, ``to_host_s``, ``sync_s``, ``load_s``), else None; ``moved_bytes``:
+    what a loading call copied to the device, shared sets included (NOTE [Shared
+    tensors]; None when not known: resident, failed, or with workers)."""
 
     model: str
     started: float
@@ -32,6 +34,7 @@ class CallRecord:
     switched_from: str | None
     error: str | None = None
     timings: dict | None = None
+    moved_bytes: int | None = None
 
     @property
     def switched(self) -> bool:

@@ -234,7 +234,8 @@ class InProcessExecutor:
         stream = self._worker.last_fill if fill is not None else None
         return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds(),
                    ephemeral_peak=None if meter is None else meter.peak,
-                   read_s=stream.read_s if stream is not None else None)
+                   read_s=stream.read_s if stream is not None else None,
+                   moved_bytes=None if resident else self._worker.moved_bytes)
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
         return self._worker.profile(name, offset, args, kwargs, shared)

@@ -268,7 +268,8 @@ class ModelTable:
             self.emit(CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from,
                                  type(exc).__name__))
             raise
-        record = CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from, None, ran.timings)
+        record = CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from, None, ran.timings,
+                            ran.moved_bytes)
         self.emit(record)
         return Call(ran.output, record)
 

@@ -42,6 +42,8 @@ class Metrics:
                                         "Device calls that followed another task on the device (another model or "
                                         "a training job): the switch with the forward", ["model"],
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.moved = Counter("timeshare_load_bytes", "Bytes copied to the device by loading calls (a model's "
+                             "shared tensors already resident are not copied again)", ["model"], registry=r)
         self.switches = Counter("timeshare_switches", "Device calls that followed another task on the device",
                                 ["model"], registry=r)
         self.evictions = Counter("timeshare_evictions", "Models removed from device memory", ["model"], registry=r)
@@ -61,6 +63,8 @@ class Metrics:
             return
         if rec.loaded:
             self.load_seconds.labels(rec.model).observe(rec.seconds)
+            if rec.moved_bytes is not None:
+                self.moved.labels(rec.model).inc(rec.moved_bytes)
         if rec.switched:
             self.switches.labels(rec.model).inc()
             self.switch_seconds.labels(rec.model).observe(rec.seconds)

@@ -78,6 +78,7 @@ class Worker:
         self.read_deadline_s = 600.0  # a load's reads from disk
         self.read_threads = READ_THREADS
         self.disk_Bps: float | None = None  # the latest load from disk's read bandwidth
+        self.moved_bytes = 0  # bytes the latest ``run``'s load copies to the device (shared sets included)
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -165,6 +166,7 @@ class Worker:
         if not resident:
             self.last_load = None
             self.last_fill = None
+            self.moved_bytes = 0
         if resident:
             self.finish_pending(name)
             self._bind(wm, offset)
@@ -321,6 +323,7 @@ class Worker:
         )
         wm.pending = self.last_load = handle
         self._shared_loads.update(dict.fromkeys(plan.sources, handle))
+        self.moved_bytes = sum(b - a for a, b in plan.ranges) + sum(b - a for g in plan.pieces for _, a, b in g)
         out, arrived = forward_while_loading(wm.module, handle, plan.wait_of, args, kwargs, self.aliases_arena)
         if arrived:
             wm.pending = None  # everything arrived and was waited for
@@ -442,6 +445,7 @@ class Worker:
             shared=self._shared_copies(missing, pieces)
         )
         handle.wait_all()
+        self.moved_bytes = wm.store.nbytes + sum(self.shared[sid].nbytes for sid in missing)
 
     def _shared_copies(self, sources: tuple[str, ...], pieces) -> SharedCopies | None:
         """The copies of shared sets ``sources`` into their blocks (NOTE [Shared tensors])."""

@@ -1,0 +1,186 @@
+"""Tensors held once across models (NOTE [Shared tensors]): fine-tuned variants of one
+base share its tensors in host memory and in the arena, a switch between them copies only
+what differs, outputs stay exact, and memory is given back."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import timeshare.transfer.copy as copy_mod
+from tests.models import VariantNet, variant_net
+from timeshare.errors import ConfigError, ModelTooLargeError, PipelineError
+from timeshare.runtime import sharing
+from timeshare.runtime.facade import Runtime
+
+IDS = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
+BASE_BYTES = sum(p.numel() * 4 for name, p in VariantNet().named_parameters()
+                 if not name.startswith(("head", "out")) and p.numel() * 4 >= sharing.MIN_SHARED_BYTES)
+
+
+def want(v: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    net = variant_net(v)
+    if dtype is not None:
+        net = net.to(dtype)
+    with torch.no_grad():
+        return net(IDS)
+
+
+def register(rt: Runtime, v: int, name: str | None = None, **kw) -> str:
+    name = name or f"v{v}"
+    rt.register(name, functools.partial(variant_net, v), example_inputs=(IDS,), **kw)
+    return name
+
+
+def loads_of(rt: Runtime, name: str):
+    call = rt.call(name, (IDS,))
+    assert call.record.loaded
+    return call
+
+
+def test_variants_share_their_base_and_a_switch_copies_only_what_differs():
+    # Evicted blocks poisoned and every copy held back: a tensor read from a set that was
+    # not copied, or before its copy, gives other outputs.
+    with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True, copy_delay_s=0.002) as rt:
+        for v in range(3):
+            register(rt, v)
+        shared = rt.snapshot()["shared"]
+        assert shared["sets"] == 1 and shared["shared_bytes"] >= BASE_BYTES
+        assert shared["own_bytes"] + shared["shared_bytes"] < shared["logical_bytes"] / 2
+        own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
+        assert all(n < BASE_BYTES / 2 for n in own.values())
+
+        first = loads_of(rt, "v0")  # copies the set too
+        assert torch.equal(first.output, want(0))
+        assert first.record.moved_bytes == own["v0"] + shared["shared_bytes"]
+        for rep in range(2):
+            for v in (1, 2, 0):
+                rt.evict(f"v{(v - 1) % 3}")
+                call = loads_of(rt, f"v{v}")
+                assert torch.equal(call.output, want(v)), (rep, v)
+                # The set stayed in the arena: only the variant's own bytes moved (the
+                # second load of a model is pipelined, the first copies it whole).
+                assert call.record.moved_bytes <= own[f"v{v}"], (rep, v, call.record.moved_bytes)
+                assert torch.equal(rt.infer(f"v{v}", IDS), want(v))  # resident
+        assert rt.diagnostics()["shared"]["resident_shared_bytes"] == shared["shared_bytes"]
+
+
+def test_a_resident_model_whose_tensors_become_shared_is_laid_out_again_and_stays_exact():
+    with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True) as rt:
+        register(rt, 0)
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        before = rt.diagnostics()["models"]["v0"]["nbytes"]
+        register(rt, 1)  # v0's base moves into a shared set: v0 leaves the arena first
+        assert rt.resident() == []
+        assert rt.diagnostics()["models"]["v0"]["nbytes"] < before / 2
+        for v in (0, 1, 0):
+            assert torch.equal(rt.infer(f"v{v}", IDS), want(v))
+
+
+def test_unregistering_gives_every_byte_back():
+    with Runtime("cpu", "64MiB", dedup=True) as rt:
+        for v in range(3):
+            register(rt, v)
+            rt.infer(f"v{v}", IDS)
+        worker = rt.in_process_worker()
+        assert len(worker.shared) == 1
+        rt.unregister("v0")
+        rt.unregister("v1")
+        assert torch.equal(rt.infer("v2", IDS), want(2))  # its set stays while it uses it
+        assert len(worker.shared) == 1
+        rt.unregister("v2")
+        assert worker.shared == {} and worker.models == {}
+        assert rt.stats()["used_bytes"] == 0
+        assert rt.snapshot()["shared"] | {} == {**rt.snapshot()["shared"], "sets": 0, "own_bytes": 0,
+                                                 "shared_bytes": 0, "resident_shared_bytes": 0}
+        register(rt, 1)  # registering anew starts from nothing
+        assert torch.equal(rt.infer("v1", IDS), want(1))
+
+
+def test_a_spare_set_is_freed_when_room_is_needed_and_copied_again_later():
+    big = functools.partial(variant_net, 7, base_seed=9)  # another base and head: nothing shared
+    own_v0 = None
+    with Runtime("cpu", 2_621_440, dedup=True, poison_evicted=True) as rt:
+        register(rt, 0)
+        register(rt, 1)
+        rt.register("other", big, example_inputs=(IDS,))
+        own_v0 = rt.diagnostics()["models"]["v0"]["nbytes"]
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        with torch.no_grad():
+            assert torch.equal(rt.infer("other", IDS), big()(IDS))  # evicts v0, then frees its set
+        sets = rt.diagnostics()["shared"]["sets"]
+        assert all(s["offset"] is None and not s["loaded"] for s in sets.values())
+        call = loads_of(rt, "v1")
+        assert torch.equal(call.output, want(1))
+        assert call.record.moved_bytes > own_v0  # the set came back with it
+
+
+def test_a_failed_load_leaves_no_set_behind(monkeypatch):
+    original = copy_mod.CpuLoad.copy_group
+
+    def broken(self, k):
+        raise OSError("link down")
+
+    with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True) as rt:
+        register(rt, 0)
+        register(rt, 1)
+        monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", broken)
+        with pytest.raises(PipelineError, match="link down"):
+            rt.infer("v0", IDS)
+        assert rt.stats()["used_bytes"] == 0
+        assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
+        monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", original)
+        assert torch.equal(rt.infer("v1", IDS), want(1))
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+
+
+def test_equal_digests_with_different_bytes_are_not_shared(monkeypatch):
+    # Every tensor gets the same digest: only the comparison of bytes tells them apart.
+    monkeypatch.setattr(sharing, "digest", lambda t: "collision")
+    with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True) as rt:
+        rt.register("a", functools.partial(variant_net, 0, base_seed=1), example_inputs=(IDS,))
+        rt.register("b", functools.partial(variant_net, 0, base_seed=2), example_inputs=(IDS,))
+        assert rt.snapshot()["shared"]["sets"] == 0
+        with torch.no_grad():
+            assert torch.equal(rt.infer("b", IDS), variant_net(0, base_seed=2)(IDS))
+            assert torch.equal(rt.infer("a", IDS), variant_net(0, base_seed=1)(IDS))
+
+
+def test_other_dtypes_share_nothing_and_the_same_dtype_shares():
+    with Runtime("cpu", "64MiB", dedup=True) as rt:
+        register(rt, 0)
+        register(rt, 1, dtype="bfloat16")
+        assert rt.snapshot()["shared"]["sets"] == 0  # converted bytes differ
+        register(rt, 2, dtype="bfloat16")
+        assert rt.snapshot()["shared"]["sets"] == 1
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        for v in (1, 2):
+            assert torch.equal(rt.infer(f"v{v}", IDS.clone()), want(v, torch.bfloat16))
+
+
+def test_a_model_and_its_sets_larger_than_the_arena_is_refused_clearly():
+    with Runtime("cpu", "1MiB", dedup=True) as rt:
+        register(rt, 0)
+        register(rt, 1)
+        with pytest.raises(ModelTooLargeError, match="'v0' needs"):
+            rt.infer("v0", IDS)
+        assert rt.stats()["used_bytes"] == 0
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"workers": 1}, "workers"),
+    ({"host_memory": "64MiB"}, "host budget"),
+    ({"scheduling": "pack"}, "pack"),
+])
+def test_dedup_refuses_what_it_does_not_run_with(options, match):
+    with pytest.raises(ConfigError, match=match):
+        Runtime("cpu", "16MiB", dedup=True, **options)
+
+
+def test_dedup_needs_example_inputs():
+    with Runtime("cpu", "16MiB", dedup=True) as rt:
+        with pytest.raises(ConfigError, match="example_inputs"):
+            rt.register("v0", functools.partial(variant_net, 0))
+        assert rt.models() == []
