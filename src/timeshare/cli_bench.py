@@ -1,5 +1,6 @@
-"""``timeshare bench disk``: the memory hierarchy's benchmarks (disk to device), their
-options and their tables. The results go to JSON through the CLI's common runner."""
+"""``timeshare bench disk``, ``tiers`` and ``variants``: the memory hierarchy's benchmarks
+(disk to device, many models beyond host memory, variants held once), their options and
+their tables. The results go to JSON through the CLI's common runner."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-NAMES = ("disk", "tiers")
+NAMES = ("disk", "tiers", "variants")
 
 
 def add_parsers(bench) -> None:
@@ -43,8 +44,38 @@ def add_parsers(bench) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    p = bench.add_parser("variants", help="fine-tuned BERT-base variants held once: bytes and switch latency",
+                         description="N variants of BERT-base (one seeded base; each its own pooler and "
+                         "classifier, and optionally its own last encoder layers) registered with dedup: host and "
+                         "device bytes against separate copies, and the first inference after a switch between "
+                         "two variants against a full load (timeshare without dedup, plain PyTorch) and the "
+                         "floor; every output compared bitwise with plain PyTorch's.")
+    p.add_argument("--variants", type=int, default=10)
+    p.add_argument("--tuned-layers", type=int, default=0, help="last encoder layers each variant has of its own")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=10, help="switches timed (median)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--memory", default="auto", help="arena size, e.g. 2GiB")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    p.add_argument("--plot", type=Path, default=None, help="write the bytes and latencies as a PNG")
+
 
 def run(args, console, run_bench) -> int:
+    if args.bench == "variants":
+        from timeshare.bench.variants import VariantsBenchConfig
+        from timeshare.bench.variants import plot as plot_variants
+        from timeshare.bench.variants import run as run_variants
+
+        cfg = VariantsBenchConfig(variants=args.variants, tuned_layers=args.tuned_layers, batch=args.batch,
+                                  repeats=args.repeats, device=args.device, memory=args.memory)
+
+        def show_variants(result: dict) -> None:
+            _print_variants(console, result)
+            if args.plot:
+                plot_variants(result, args.plot)
+                console.print(f"wrote {args.plot}")
+
+        return run_bench(run_variants, cfg, show_variants, args.json)
     if args.bench == "tiers":
         from timeshare.bench.tiers import TiersBenchConfig
         from timeshare.bench.tiers import run as run_tiers
@@ -66,6 +97,30 @@ def run(args, console, run_bench) -> int:
             console.print(f"wrote {args.plot}")
 
     return run_bench(run_disk, cfg, show, args.json)
+
+
+def _print_variants(console, r: dict) -> None:
+    from timeshare.units import format_bytes as fb
+
+    b = r["bytes"]
+    console.print(f"bench variants: {r['config']['variants']} variants of BERT-base ({r['config']['tuned']} tuned) "
+                  f"on {r['environment']['device']}, batch {r['config']['batch']}")
+    console.print(f"bytes: one model {fb(b['one_model'])}, separate copies {fb(b['separate_copies'])}; with dedup "
+                  f"host {fb(b['host'])} ({b['host_of_one']:.2f}x one), device with all resident "
+                  f"{fb(b['device_all_resident'])} ({b['device_of_one']:.2f}x one)")
+    t = Table(title="first inference after a switch (median, seconds)")
+    for col in ("", "latency", "overhead over resident", "bytes copied", "floor"):
+        t.add_column(col, justify="left" if not col else "right")
+    t.add_row("ready (model resident)", f"{r['ready_s']:.4f}", "-", "0", f"{r['ready_s']:.4f}")
+    for label, key in (("variant switch (dedup)", "switch"), ("full load (no dedup)", "full_load")):
+        x = r[key]
+        t.add_row(label, f"{x['first_inference_s']:.4f}", f"{x['overhead_s']:.4f}", fb(x["moved_bytes"]),
+                  f"{x['floor_s']:.4f}")
+    t.add_row("plain PyTorch load", f"{r['plain_pytorch']['first_inference_s']:.4f}", "-", fb(b["one_model"]), "-")
+    console.print(t)
+    console.print(f"switch {r['switch_speedup_vs_full_load']:.2f}x faster than a full load (overhead "
+                  f"{r['switch_overhead_ratio_vs_full_load']:.1f}x smaller, {r['moved_ratio_vs_full_load']:.0f}x "
+                  f"fewer bytes); outputs exact {r['outputs_exact']}/{r['outputs']}")
 
 
 def _print_tiers(console, r: dict) -> None:

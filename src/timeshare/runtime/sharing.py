@@ -42,7 +42,7 @@ from timeshare.transfer.profiler import ExecutionOrder
 # jobs build their own modules and never hold a registered model's tensors, so no job
 # can change another model's outputs (there is nothing to copy on write). Not yet: with
 # workers, under a host budget, and direct host access for models with shared tensors.
-MIN_SHARED_BYTES = 64 << 10  # smaller tensors stay with their model: runs of them would be pieces of a few bytes
+MIN_SHARED_BYTES = 1 << 10  # smaller tensors stay with their model: a piece of a few bytes is not worth a copy call
 
 
 def digest(t: torch.Tensor) -> str:

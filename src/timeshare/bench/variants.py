@@ -1,0 +1,198 @@
+"""``timeshare bench variants``: fine-tuned variants of BERT-base held once (NOTE [Shared
+tensors]). Runs in the CLI's process.
+
+``variants`` variants (``models/zoo/variants.py``: one seeded base, each variant's own
+pooler and classifier, and optionally its own last ``tuned_layers`` encoder layers) are
+registered with ``dedup=True``. Reported:
+- bytes: host memory (the models' own stores and the shared sets) and device memory with
+  every variant resident, against what separate copies take (each model's bytes, summed);
+- the switch: variant B requested while variant A ran, B not resident (evicted before,
+  its shared base left in the arena): the first inference's latency, the bytes it copied
+  and its overhead over B's resident call made right after, ``repeats`` times over
+  successive pairs (paired, so that the machine's drift between runs cancels);
+- against a full load of the same model by timeshare without deduplication (pipelined,
+  after its profile), plain PyTorch (``load_state_dict`` from a host copy, ``.to(device)``,
+  the inference; the module built beforehand), and the floor: the ready inference, and
+  ``max(ready, bytes / measured link bandwidth)`` for each load.
+Every output is compared bitwise with the variant's plain-PyTorch output, with evicted
+blocks poisoned (NaN) so that a tensor read before its copy could not go unnoticed.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from timeshare.bench.common import native_call, outputs_equal
+from timeshare.bench.environment import describe
+from timeshare.device import resolve_device, synchronize
+from timeshare.errors import ConfigError
+from timeshare.models.zoo import get as zoo_get
+from timeshare.models.zoo.variants import bert_variant
+from timeshare.runtime.facade import Runtime
+
+
+@dataclass
+class VariantsBenchConfig:
+    variants: int = 10
+    tuned_layers: int = 0
+    batch: int = 1
+    repeats: int = 10
+    device: str = "auto"
+    memory: str = "auto"
+
+
+def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
+    if config.variants < 2 or config.repeats < 1 or config.batch < 1:
+        raise ConfigError("variants must be at least 2, repeats and batch at least 1")
+    device = resolve_device(config.device)
+    inputs = zoo_get("bert_base").example_inputs(config.batch, torch.float32)
+    builders = [functools.partial(bert_variant, v, config.tuned_layers) for v in range(config.variants)]
+    names = [f"variant{v}" for v in range(config.variants)]
+
+    reference, ready = {}, []
+    for v, build in enumerate(builders):
+        progress(f"plain PyTorch {v + 1}/{config.variants}")
+        module = build().to(device)
+        reference[names[v]] = native_call(module, inputs, device)
+        for _ in range(3 if v == 0 else 1):
+            t0 = time.perf_counter()
+            native_call(module, inputs, device)
+            ready.append(time.perf_counter() - t0)
+        if v == 1:
+            plain = _plain_load(module, build, inputs, device, config.repeats)
+        del module
+    ready_s = statistics.median(ready)
+
+    progress("timeshare with dedup: registering")
+    exact = total = 0
+    with Runtime(device, config.memory, dedup=True, poison_evicted=True) as rt:
+        t0 = time.perf_counter()
+        for name, build in zip(names, builders):
+            rt.register(name, build, example_inputs=inputs)
+        register_s = time.perf_counter() - t0
+        shared = rt.snapshot()["shared"]
+        for i, name in enumerate(names):  # first loads profile each variant (untimed), all end resident
+            progress(f"timeshare: profiling {i + 1}/{len(names)}")
+            out = rt.infer(name, *inputs)
+            exact, total = exact + outputs_equal(out, reference[name]), total + 1
+            rt.profile(name, *inputs)
+        device_all = rt.stats()["used_bytes"]
+        link_Bps = rt.profile(names[0], *inputs).link.bandwidth_Bps
+        own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
+        switches = []
+        for k in range(config.repeats):
+            a, b = names[k % len(names)], names[(k + 1) % len(names)]
+            progress(f"timeshare: switch {k + 1}/{config.repeats}")
+            rt.infer(a, *inputs)  # A runs (loaded if needed), then B, not resident, is requested
+            rt.evict(b)
+            call = rt.call(b, inputs)
+            assert call.record.loaded
+            warm = rt.call(b, inputs)  # the same call with B resident: the overhead's baseline
+            exact += outputs_equal(call.output, reference[b]) + outputs_equal(warm.output, reference[b])
+            total += 2
+            switches.append((call.record.seconds, call.record.moved_bytes, warm.record.seconds))
+        after = rt.snapshot()["shared"]
+
+    progress("timeshare without dedup: full loads")
+    full = []
+    with Runtime(device, config.memory, poison_evicted=True) as rt:
+        rt.register(names[1], builders[1], example_inputs=inputs)
+        rt.infer(names[1], *inputs)
+        rt.profile(names[1], *inputs)
+        full_bytes = rt.diagnostics()["models"][names[1]]["nbytes"]
+        for _ in range(config.repeats):
+            rt.evict(names[1])
+            call = rt.call(names[1], inputs)
+            warm = rt.call(names[1], inputs)
+            exact += outputs_equal(call.output, reference[names[1]]) + outputs_equal(warm.output, reference[names[1]])
+            total += 2
+            full.append((call.record.seconds, call.record.moved_bytes, warm.record.seconds))
+
+    switch_s, full_s = statistics.median(s for s, _, _ in switches), statistics.median(s for s, _, _ in full)
+    moved = statistics.median(m for _, m, _ in switches)
+    # Overheads are paired (each load against the resident call right after it): the
+    # machine's speed drifts more between runs than a small switch costs.
+    switch_over = statistics.median(s - w for s, _, w in switches)
+    full_over = statistics.median(s - w for s, _, w in full)
+    logical = shared["logical_bytes"]
+    return {
+        "environment": describe(device),
+        "config": {"variants": config.variants, "tuned_layers": config.tuned_layers, "batch": config.batch,
+                   "repeats": config.repeats, "memory": config.memory,
+                   "tuned": "pooler and classifier" + (f", last {config.tuned_layers} encoder layers"
+                                                      if config.tuned_layers else "")},
+        "register_s": register_s,
+        "bytes": {
+            "one_model": full_bytes,
+            "separate_copies": logical,
+            "host": shared["own_bytes"] + shared["shared_bytes"],
+            "host_of_one": (shared["own_bytes"] + shared["shared_bytes"]) / full_bytes,
+            "device_all_resident": device_all,
+            "device_of_one": device_all / full_bytes,
+            "shared_sets": shared["sets"], "shared_bytes": shared["shared_bytes"],
+            "own_bytes_per_variant": statistics.median(own.values()),
+            "host_after_switches": after["own_bytes"] + after["shared_bytes"],
+        },
+        "link_GBps": link_Bps / 1e9,
+        "ready_s": ready_s,
+        "switch": {"first_inference_s": switch_s, "overhead_s": switch_over, "moved_bytes": moved,
+                   "floor_s": max(ready_s, moved / link_Bps), "copy_floor_s": moved / link_Bps,
+                   "samples_s": [s for s, _, _ in switches], "resident_samples_s": [w for _, _, w in switches]},
+        "full_load": {"first_inference_s": full_s, "overhead_s": full_over,
+                      "moved_bytes": statistics.median(m for _, m, _ in full if m is not None),
+                      "floor_s": max(ready_s, full_bytes / link_Bps), "copy_floor_s": full_bytes / link_Bps,
+                      "samples_s": [s for s, _, _ in full], "resident_samples_s": [w for _, _, w in full]},
+        "plain_pytorch": plain,
+        "switch_speedup_vs_full_load": full_s / switch_s,
+        "switch_overhead_ratio_vs_full_load": full_over / max(switch_over, 1e-6),
+        "moved_ratio_vs_full_load": full_bytes / moved if moved else None,
+        "outputs_exact": exact, "outputs": total,
+    }
+
+
+def _plain_load(module: torch.nn.Module, build, inputs: tuple, device: torch.device, repeats: int) -> dict:
+    """Plain PyTorch's switch: the weights from a host copy into a module built beforehand
+    (``load_state_dict``), moved to the device, then the inference."""
+    state = {k: v.detach().to("cpu", copy=True) for k, v in build().state_dict().items()}
+    target = build()
+    samples = []
+    for _ in range(repeats):
+        target = target.to("cpu")
+        t0 = time.perf_counter()
+        target.load_state_dict(state)
+        target = target.to(device)
+        native_call(target, inputs, device)
+        synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return {"first_inference_s": statistics.median(samples), "samples_s": samples}
+
+
+def plot(result: dict, path) -> None:
+    """Bytes held (host, device) against separate copies, and first-inference latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = result["bytes"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = ["separate copies", "host (dedup)", "device (dedup)", "one model"]
+    values = [b["separate_copies"], b["host"], b["device_all_resident"], b["one_model"]]
+    left.bar(labels, [v / 1e6 for v in values], color=["#999", "#1f77b4", "#2ca02c", "#ccc"])
+    left.set_ylabel("MB")
+    left.set_title(f"{result['config']['variants']} variants ({result['config']['tuned']} tuned)")
+    rows = [("ready (floor)", result["ready_s"]), ("variant switch", result["switch"]["first_inference_s"]),
+            ("full load", result["full_load"]["first_inference_s"]),
+            ("plain PyTorch", result["plain_pytorch"]["first_inference_s"])]
+    right.bar([r[0] for r in rows], [r[1] * 1e3 for r in rows], color=["#ccc", "#1f77b4", "#ff7f0e", "#999"])
+    right.set_ylabel("first inference after the switch, ms")
+    right.set_title(f"{result['environment']['device']}, batch {result['config']['batch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
