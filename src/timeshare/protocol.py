@@ -74,6 +74,25 @@ class AddModel:
     store_nbytes: int
     order: ExecutionOrder
     pin_host: bool = True  # page-lock the store (on CUDA); not under a host budget (NOTE [Host tier])
+    # NOTE [Shared tensors]: the keys held in shared sets, as (key, set, the tensor's entry in the set)
+    shared: tuple[tuple[str, str, TensorEntry], ...] = ()
+
+
+@dataclass(frozen=True)
+class AddShared:
+    """A shared set's host store (NOTE [Shared tensors]), taught before the models using it."""
+
+    seq: int
+    sid: str
+    entries: tuple[TensorEntry, ...]
+    store_name: str
+    store_nbytes: int
+
+
+@dataclass(frozen=True)
+class RemoveShared:
+    seq: int
+    sid: str
 
 
 @dataclass(frozen=True)
@@ -94,6 +113,7 @@ class RunModel:
     profiles: tuple = ()  # ModelProfiles other workers measured that this one lacks
     lane: LaneBound | None = None  # NOTE [Lanes in the runtime]: the forward is metered and bounded
     fill: FillSpec | None = None  # NOTE [Disk to device]: the store is read from disk during the load
+    shared: dict[str, tuple[int, bool]] | None = None  # NOTE [Shared tensors]: set -> (offset, its bytes are there)
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,7 @@ class Profile:
     offset: int
     args: tuple
     kwargs: dict
+    shared: dict[str, tuple[int, bool]] | None = None
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,21 @@ def test_bench_disk_streams_cold_models_from_disk_with_exact_outputs(tmp_path, c
     assert cli.main(["bench", "disk", "--repeats", "0", "--device", "cpu"]) == 2
 
 
+def test_bench_variants_holds_the_base_once_and_switches_with_few_bytes(tmp_path, capsys):
+    path = tmp_path / "variants.json"
+    code = cli.main(["bench", "variants", "--size", "tiny", "--variants", "3", "--repeats", "2", "--device", "cpu",
+                     "--memory", "8MiB", "--json", str(path), "--plot", str(tmp_path / "variants.png")])
+    assert code == 0
+    assert "bench variants" in capsys.readouterr().out and (tmp_path / "variants.png").stat().st_size > 0
+    data = json.loads(path.read_text())
+    assert data["outputs_exact"] == data["outputs"] > 0
+    b = data["bytes"]
+    assert b["shared_sets"] == 1 and b["host"] < 1.2 * b["one_model"] < b["separate_copies"] / 2
+    assert data["switch"]["moved_bytes"] < data["full_load"]["moved_bytes"] / 5
+    assert data["plain_pytorch"]["first_inference_s"] > 0 and data["ready_s"] > 0
+    assert cli.main(["bench", "variants", "--variants", "1", "--device", "cpu"]) == 2
+
+
 def test_bench_tiers_serves_models_beyond_host_memory_exactly(tmp_path, capsys):
     path = tmp_path / "tiers.json"
     code = cli.main(["bench", "tiers", "--models", "6", "--zoo", "tiny_cnn", "tiny_mlp", "--requests", "30",

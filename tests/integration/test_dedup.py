@@ -169,8 +169,29 @@ def test_a_model_and_its_sets_larger_than_the_arena_is_refused_clearly():
         assert rt.stats()["used_bytes"] == 0
 
 
+def test_with_workers_variants_share_their_base_and_answer_exactly():
+    # Two workers: the set is taught to each, before the models; a relaid-out model is
+    # taught again; a switch copies only the variant's own bytes in whichever worker runs it.
+    with Runtime("cpu", "64MiB", dedup=True, workers=2, poison_evicted=True) as rt:
+        for v in range(3):
+            register(rt, v)
+        shared = rt.snapshot()["shared"]
+        assert shared["sets"] == 1
+        own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        for v in (1, 2, 0, 1):
+            rt.evict(f"v{(v - 1) % 3}")
+            call = loads_of(rt, f"v{v}")
+            assert torch.equal(call.output, want(v)), v
+            assert call.record.moved_bytes <= own[f"v{v}"]
+        rt.unregister("v0")
+        rt.unregister("v1")
+        assert torch.equal(rt.infer("v2", IDS), want(2))
+        rt.unregister("v2")
+        assert rt.snapshot()["shared"]["sets"] == 0 and rt.stats()["used_bytes"] == 0
+
+
 @pytest.mark.parametrize("options, match", [
-    ({"workers": 1}, "workers"),
     ({"host_memory": "64MiB"}, "host budget"),
     ({"scheduling": "pack"}, "pack"),
 ])

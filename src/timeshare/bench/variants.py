@@ -33,7 +33,7 @@ from timeshare.bench.environment import describe
 from timeshare.device import resolve_device, synchronize
 from timeshare.errors import ConfigError
 from timeshare.models.zoo import get as zoo_get
-from timeshare.models.zoo.variants import bert_variant
+from timeshare.models.zoo.variants import SIZES, bert_variant
 from timeshare.runtime.facade import Runtime
 
 
@@ -45,14 +45,16 @@ class VariantsBenchConfig:
     repeats: int = 10
     device: str = "auto"
     memory: str = "auto"
+    size: str = "base"  # "tiny": the zoo's 2-layer BERT, for quick checks
 
 
 def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
-    if config.variants < 2 or config.repeats < 1 or config.batch < 1:
-        raise ConfigError("variants must be at least 2, repeats and batch at least 1")
+    if config.variants < 2 or config.repeats < 1 or config.batch < 1 or config.size not in SIZES:
+        raise ConfigError(f"variants must be at least 2, repeats and batch at least 1, size one of {list(SIZES)}")
     device = resolve_device(config.device)
-    inputs = zoo_get("bert_base").example_inputs(config.batch, torch.float32)
-    builders = [functools.partial(bert_variant, v, config.tuned_layers) for v in range(config.variants)]
+    inputs = zoo_get(SIZES[config.size][1]).example_inputs(config.batch, torch.float32)
+    builders = [functools.partial(bert_variant, v, config.tuned_layers, size=config.size)
+                for v in range(config.variants)]
     names = [f"variant{v}" for v in range(config.variants)]
 
     reference, ready = {}, []
@@ -96,7 +98,7 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
             warm = rt.call(b, inputs)  # the same call with B resident: the overhead's baseline
             exact += outputs_equal(call.output, reference[b]) + outputs_equal(warm.output, reference[b])
             total += 2
-            switches.append((call.record.seconds, call.record.moved_bytes, warm.record.seconds))
+            switches.append((call.record.seconds, call.record.moved_bytes or 0, warm.record.seconds))
         after = rt.snapshot()["shared"]
 
     progress("timeshare without dedup: full loads")
@@ -112,18 +114,19 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
             warm = rt.call(names[1], inputs)
             exact += outputs_equal(call.output, reference[names[1]]) + outputs_equal(warm.output, reference[names[1]])
             total += 2
-            full.append((call.record.seconds, call.record.moved_bytes, warm.record.seconds))
+            full.append((call.record.seconds, call.record.moved_bytes or 0, warm.record.seconds))
 
     switch_s, full_s = statistics.median(s for s, _, _ in switches), statistics.median(s for s, _, _ in full)
     moved = statistics.median(m for _, m, _ in switches)
     # Overheads are paired (each load against the resident call right after it): the
     # machine's speed drifts more between runs than a small switch costs.
-    switch_over = statistics.median(s - w for s, _, w in switches)
-    full_over = statistics.median(s - w for s, _, w in full)
+    switch_over, switch_noise = _paired(switches)
+    full_over, full_noise = _paired(full)
     logical = shared["logical_bytes"]
     return {
         "environment": describe(device),
         "config": {"variants": config.variants, "tuned_layers": config.tuned_layers, "batch": config.batch,
+                   "size": config.size,
                    "repeats": config.repeats, "memory": config.memory,
                    "tuned": "pooler and classifier" + (f", last {config.tuned_layers} encoder layers"
                                                       if config.tuned_layers else "")},
@@ -141,19 +144,33 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
         },
         "link_GBps": link_Bps / 1e9,
         "ready_s": ready_s,
-        "switch": {"first_inference_s": switch_s, "overhead_s": switch_over, "moved_bytes": moved,
+        "switch": {"first_inference_s": switch_s, "overhead_s": switch_over, "overhead_noise_s": switch_noise,
+                   "moved_bytes": moved,
                    "floor_s": max(ready_s, moved / link_Bps), "copy_floor_s": moved / link_Bps,
                    "samples_s": [s for s, _, _ in switches], "resident_samples_s": [w for _, _, w in switches]},
-        "full_load": {"first_inference_s": full_s, "overhead_s": full_over,
-                      "moved_bytes": statistics.median(m for _, m, _ in full if m is not None),
+        "full_load": {"first_inference_s": full_s, "overhead_s": full_over, "overhead_noise_s": full_noise,
+                      "moved_bytes": statistics.median(m for _, m, _ in full),
                       "floor_s": max(ready_s, full_bytes / link_Bps), "copy_floor_s": full_bytes / link_Bps,
                       "samples_s": [s for s, _, _ in full], "resident_samples_s": [w for _, _, w in full]},
         "plain_pytorch": plain,
         "switch_speedup_vs_full_load": full_s / switch_s,
-        "switch_overhead_ratio_vs_full_load": full_over / max(switch_over, 1e-6),
+        # The switch's overhead may be below what this machine can resolve: then the ratio
+        # is a lower bound, the full load's overhead over the noise of the switch's.
+        "switch_overhead_ratio_vs_full_load": full_over / max(switch_over, switch_noise),
+        "switch_overhead_within_noise": switch_over <= switch_noise,
+        "copy_floor_ratio_vs_full_load": full_bytes / moved if moved else None,
         "moved_ratio_vs_full_load": full_bytes / moved if moved else None,
         "outputs_exact": exact, "outputs": total,
     }
+
+
+def _paired(samples: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """The median of (load - resident) over the pairs, and its noise: the median absolute
+    deviation of those differences over the square root of their number."""
+    diffs = [s - w for s, _, w in samples]
+    mid = statistics.median(diffs)
+    mad = statistics.median(abs(d - mid) for d in diffs)
+    return mid, mad / len(diffs) ** 0.5
 
 
 def _plain_load(module: torch.nn.Module, build, inputs: tuple, device: torch.device, repeats: int) -> dict:

@@ -82,10 +82,12 @@ class Executor(Protocol):
     def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
                     order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:
         """``pack`` for a model with tensors in shared sets (NOTE [Shared tensors]): ``store``
-        holds the others, in ``order``; ``shared`` maps each shared key to its set and entry."""
+        holds the others, in ``order``; ``shared`` maps each shared key to its set and entry.
+        ``Packed.view`` is the store the controller keeps (the pages the executor reads)."""
 
-    def add_shared(self, sid: str, store: HostStore) -> None:
-        """A shared set's host store, before the models that refer to it are added."""
+    def add_shared(self, sid: str, store: HostStore) -> HostStore:
+        """A shared set's host store, before the models that refer to it are added; returns
+        the store the controller keeps (the same pages the executor reads)."""
 
     def release_shared(self, sid: str) -> LoadHandle | None:
         """The set leaves the arena: a load still copying into its block, if any."""
@@ -182,10 +184,11 @@ class InProcessExecutor:
     def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
                     order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:
         self._pin(store)
-        return Packed(spec.name, spec, module, layout, store, store.nbytes, order=order, shared=shared)
+        return Packed(spec.name, spec, module, layout, store, store.nbytes, order=order, view=store, shared=shared)
 
-    def add_shared(self, sid: str, store: HostStore) -> None:
+    def add_shared(self, sid: str, store: HostStore) -> HostStore:
         self._worker.add_shared(sid, store)
+        return store
 
     def release_shared(self, sid: str) -> LoadHandle | None:
         return self._worker.release_shared(sid)
@@ -292,6 +295,7 @@ class PoolExecutor:
         self.device = device
         self._pool = pool
         self._segments: dict[str, SharedMemory] = {}  # model -> its host store's segment
+        self._shared_segments: dict[str, SharedMemory] = {}  # shared set -> its store's segment
         self._unpinned: set[str] = set()  # models whose stores workers do not page-lock (host tier)
 
     @property
@@ -346,16 +350,40 @@ class PoolExecutor:
 
     def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
                     order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:
-        raise ConfigError("shared tensors (dedup) do not run with workers yet: use workers: 0")
+        segment, view = self._in_segment(spec.name, store)
+        # The controller keeps ``view`` (the same pages the workers map): deduplication
+        # compares new models' tensors with it and moves tensors out of it.
+        return Packed(spec.name, spec, module, layout, None, view.nbytes, segment, order, tuple(view.entries),
+                      view=view, shared=shared)
 
-    def add_shared(self, sid: str, store: HostStore) -> None:
-        raise ConfigError("shared tensors (dedup) do not run with workers yet: use workers: 0")
+    def add_shared(self, sid: str, store: HostStore) -> HostStore:
+        segment, view = self._in_segment(sid, store)
+        try:
+            self._pool.add_shared(P.AddShared(0, sid, tuple(view.entries), segment.name, view.nbytes))
+        except BaseException:
+            _unlink(segment)
+            raise
+        self._shared_segments[sid] = segment
+        return view
+
+    def _in_segment(self, what: str, store: HostStore) -> tuple[SharedMemory, HostStore]:
+        """A copy of ``store`` in a new shared-memory segment, and the controller's view of it."""
+        segment = self._segment(what, store.nbytes)
+        try:
+            view = HostStore.pack(store.entries, store.state(), buffer=map_shared_memory(segment.name, store.nbytes))
+        except BaseException:
+            _unlink(segment)
+            raise
+        return segment, view
 
     def release_shared(self, sid: str) -> LoadHandle | None:
-        return None
+        return None  # workers finish every copy before they answer
 
     def remove_shared(self, sid: str) -> None:
-        return None
+        self._pool.remove_shared(sid)
+        segment = self._shared_segments.pop(sid, None)
+        if segment is not None:
+            _unlink(segment)
 
     def host_dropping(self, name: str) -> None:
         return None  # workers answer a call only once its copies are over, and do not pin tiered stores
@@ -368,8 +396,9 @@ class PoolExecutor:
 
     def add(self, packed: Packed) -> None:
         assert packed.segment is not None and packed.order is not None
+        shared = tuple((k, sid, e) for k, (sid, e) in (packed.shared or {}).items())
         self._pool.add(P.AddModel(0, packed.name, packed.spec.build, packed.entries, packed.segment.name,
-                                  packed.nbytes, packed.order, pin_host=packed.pages is None))
+                                  packed.nbytes, packed.order, pin_host=packed.pages is None, shared=shared))
         self._segments[packed.name] = packed.segment
         if packed.pages is not None:
             self._unpinned.add(packed.name)
@@ -391,10 +420,10 @@ class PoolExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
-        return self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill)
+        return self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared)
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
-        return self._pool.profile(name, offset, args, kwargs)
+        return self._pool.profile(name, offset, args, kwargs, shared)
 
     def release(self, name: str) -> LoadHandle | None:
         self._pool.release(name)  # workers finish every copy before they answer: no handle to wait on
@@ -442,7 +471,8 @@ class PoolExecutor:
         """Every worker registers each store's segment: the same pages, counted once."""
         if self.device.type != "cuda":
             return 0
-        return sum(s.size for name, s in self._segments.items() if name not in self._unpinned)
+        return sum(s.size for name, s in self._segments.items() if name not in self._unpinned) + \
+            sum(s.size for s in self._shared_segments.values())
 
     def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
         return self._pool.run_in_new_worker(name, offset, args, kwargs, strategy)
@@ -454,9 +484,10 @@ class PoolExecutor:
         try:
             self._pool.close()
         finally:
-            for segment in self._segments.values():
+            for segment in list(self._segments.values()) + list(self._shared_segments.values()):
                 _unlink(segment)
             self._segments.clear()
+            self._shared_segments.clear()
             release_host_cache(self.device)
 
 

@@ -124,7 +124,7 @@ class Runtime:
         dedup: bool = False,
     ):
         if dedup:
-            sharing.check_dedup(workers=workers, host_memory=host_memory, scheduling=scheduling)
+            sharing.check_dedup(host_memory=host_memory, scheduling=scheduling)
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                                task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,

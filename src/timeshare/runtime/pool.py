@@ -130,16 +130,48 @@ class ProcessPool:
                 self._set.replace(w, exc)
 
     # ------------------------------------------------------------------ tasks
+    def add_shared(self, msg: P.AddShared) -> None:
+        """Teach every worker a shared set (NOTE [Shared tensors]); before its models."""
+        self._set.register_shared(msg)
+        try:
+            for w in list(self.workers):
+                with self._claim(w, f"adding {msg.sid}"):
+                    if not w.ready:
+                        self._set.ready(w)
+                    elif msg.sid not in w.taught_sets:
+                        self._set.teach_shared(w, msg)
+        except BaseException:
+            self.remove_shared(msg.sid)
+            raise
+
+    def remove_shared(self, sid: str) -> None:
+        """Every worker forgets a set no model uses any more."""
+        if not self._set.unregister_shared(sid):
+            return
+        for w in list(self.workers):
+            try:
+                with self._claim(w, f"removing {sid}"):
+                    if sid in w.taught_sets and w in self.workers:
+                        w.taught_sets.discard(sid)
+                        w.request(P.RemoveShared(self._set.next_seq(), sid), self.startup_timeout_s,
+                                  f"removing {sid}")
+            except WorkerError as exc:
+                log.warning("removing %s: %s", sid, exc)
+                self._set.replace(w, exc)
+
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None):
-        msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill)
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared=None):
+        msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill,
+                         shared=dict(shared) if shared is not None else None)
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape_key(args, kwargs))
         reply = self._task(msg, f"running {model}", kind)
         t = reply.timings
-        return Ran(reply.value, dict(t), t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"))
+        return Ran(reply.value, dict(t), t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"),
+                   t.get("moved_bytes"))
 
-    def profile(self, model: str, offset: int, args: tuple, kwargs: dict):
-        msg = P.Profile(self._set.next_seq(), model, offset, args, kwargs)
+    def profile(self, model: str, offset: int, args: tuple, kwargs: dict, shared=None):
+        msg = P.Profile(self._set.next_seq(), model, offset, args, kwargs,
+                        shared=dict(shared) if shared is not None else None)
         return self._task(msg, f"profiling {model}").value
 
     def release(self, model: str) -> None:

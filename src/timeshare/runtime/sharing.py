@@ -40,8 +40,10 @@ from timeshare.transfer.profiler import ExecutionOrder
 # and is the first thing freed when room is needed, except while a model that uses it is
 # being placed. Inference never writes its weights, so sharing them is safe; training
 # jobs build their own modules and never hold a registered model's tensors, so no job
-# can change another model's outputs (there is nothing to copy on write). Not yet: with
-# workers, under a host budget, and direct host access for models with shared tensors.
+# can change another model's outputs (there is nothing to copy on write). With workers a
+# set's store is a shared-memory segment taught to every worker before the models using it
+# (``AddShared``), and each call names where the model's sets are (``RunModel.shared``). Not
+# yet: under a host budget, and direct host access for models with shared tensors.
 MIN_SHARED_BYTES = 1 << 10  # smaller tensors stay with their model: a piece of a few bytes is not worth a copy call
 
 
@@ -222,10 +224,8 @@ class SharedTensors:
         }
 
 
-def check_dedup(*, workers: int, host_memory: object, scheduling: str) -> None:
+def check_dedup(*, host_memory: object, scheduling: str) -> None:
     """Raise ConfigError where deduplication does not run yet (NOTE [Shared tensors])."""
-    if workers:
-        raise ConfigError("dedup does not run with workers yet: use workers: 0")
     if host_memory is not None:
         raise ConfigError("dedup does not run under a host budget yet: leave host_memory unset")
     if scheduling == "pack":

@@ -95,29 +95,44 @@ class ModelTable:
         for other, keys in split.moved.items():
             sset, own = sharing.new_set(other, keys)
             self.evict(self.entries[other])
-            self.executor.add_shared(sset.sid, sset.store)
+            sset.store = self.executor.add_shared(sset.sid, sset.store)
             self.executor.remove(other)
             sharing.moved_out(other, sset, keys, own)
-            self.executor.add(self._packed(other, sharing.members[other]))
-            self.entries[other].nbytes = own.nbytes
+            self._readd(other, sharing.members[other])
             made.update({(other, k): (sset.sid, d) for k, d in keys.items()})
         refs = split.refs | {key: made[owner] for key, owner in split.claims.items()}
         rest = [e for e in member.store.entries if e.key not in refs]
         member.store = HostStore.pack(rest, {e.key: member.store.tensor(e.key) for e in rest})
         member.refs = refs
         member.digests = {k: d for k, d in digests.items() if k not in refs}
-        entry.nbytes = member.store.nbytes
         for sid, _ in refs.values():
             sharing.sets[sid].users.add(entry.name)  # held while the executor adds the model
         try:
-            self.add(entry, self._packed(entry.name, member))
+            packed = self._packed(member)
+            entry.nbytes = packed.nbytes
+            self.add(entry, packed)
         except BaseException:
             for sid, _ in refs.values():
                 sharing.sets[sid].users.discard(entry.name)
             raise
+        assert packed.view is not None
+        member.store = packed.view  # the pages the executor reads: compared and moved from later
         sharing.add(entry.name, member)
 
-    def _packed(self, name: str, member: Member) -> Packed:
+    def _readd(self, name: str, member: Member) -> None:
+        """``name`` laid out again (its store now ``member.store``): the executor's copy
+        replaced, the controller keeping the executor's pages."""
+        packed = self._packed(member)
+        try:
+            self.executor.add(packed)
+        except BaseException:
+            self.executor.discard(packed)
+            raise
+        assert packed.view is not None
+        member.store = packed.view
+        self.entries[name].nbytes = packed.nbytes
+
+    def _packed(self, member: Member) -> Packed:
         assert self.sharing is not None
         return self.executor.pack_shared(member.spec, member.module, member.layout, member.store, member.order,
                                          member.shared_entries(self.sharing.sets))

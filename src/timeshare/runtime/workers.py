@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import wait
 
 from timeshare import protocol as P
@@ -55,6 +56,7 @@ class WorkerSet:
         self._next_id = 0
         self._seq = 0
         self._models: dict[str, P.AddModel] = {}  # replayed on every new worker
+        self._sets: dict[str, P.AddShared] = {}  # shared sets, replayed before the models (NOTE [Shared tensors])
         self.replacements = 0
         self.failures = {kind: 0 for kind in FAILURE_KINDS}  # replaced workers, by what went wrong
         self.last_failure: dict | None = None  # the latest replaced worker: which, why, when
@@ -85,17 +87,27 @@ class WorkerSet:
         """Whether the model was registered."""
         return self._models.pop(model, None) is not None
 
+    def register_shared(self, msg: P.AddShared) -> None:
+        self._sets[msg.sid] = msg
+
+    def unregister_shared(self, sid: str) -> bool:
+        return self._sets.pop(sid, None) is not None
+
     def registration(self, model: str) -> P.AddModel:
         return self._models[model]
 
     def teach(self, w: WorkerHandle, msg: P.AddModel) -> None:
-        """Teach ``w`` one model; the caller holds its lease."""
-        w.request(self._renumber(msg), self.startup_timeout_s, f"adding {msg.model}")
+        """Teach ``w`` one model, and first the shared sets it uses that ``w`` lacks; the
+        caller holds its lease."""
+        for sid in dict.fromkeys(sid for _, sid, _ in msg.shared):
+            if sid not in w.taught_sets:
+                self.teach_shared(w, self._sets[sid])
+        w.request(replace(msg, seq=self.next_seq()), self.startup_timeout_s, f"adding {msg.model}")
         w.taught.add(msg.model)
 
-    def _renumber(self, msg: P.AddModel) -> P.AddModel:
-        return P.AddModel(self.next_seq(), msg.model, msg.builder, msg.entries, msg.store_name,
-                          msg.store_nbytes, msg.order)
+    def teach_shared(self, w: WorkerHandle, msg: P.AddShared) -> None:
+        w.request(replace(msg, seq=self.next_seq()), self.startup_timeout_s, f"adding {msg.sid}")
+        w.taught_sets.add(msg.sid)
 
     def next_seq(self) -> int:
         """A fresh request number (NOTE [One owner per pipe])."""

@@ -147,6 +147,16 @@ class _Levels:
                                       value=host["bytes_read"])
             yield CounterMetricFamily("timeshare_disk_read_seconds", "Seconds spent reading them",
                                       value=host["read_seconds"])
+        shared = snap.get("shared")
+        if shared is not None:  # NOTE [Shared tensors]
+            yield GaugeMetricFamily("timeshare_shared_sets", "Sets of tensors held once for several models",
+                                    value=shared["sets"])
+            yield GaugeMetricFamily("timeshare_shared_bytes", "Host bytes of the shared sets",
+                                    value=shared["shared_bytes"])
+            yield GaugeMetricFamily("timeshare_shared_resident_bytes", "Device bytes of the shared sets in the arena",
+                                    value=shared["resident_shared_bytes"])
+            yield GaugeMetricFamily("timeshare_dedup_saved_bytes", "Host bytes that separate copies of the models "
+                                    "would take beyond what is held", value=shared["saved_bytes"])
         workers = snap.get("workers")
         if workers is not None:
             yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers["size"])

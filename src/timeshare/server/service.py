@@ -62,7 +62,7 @@ class Service:
         if self.runtime is None:
             r = self.config.runtime
             self.runtime = Runtime(r.device, r.memory, eviction=r.eviction, strategy=r.strategy, workers=r.workers,
-                                   thrashing=r.thrashing,
+                                   thrashing=r.thrashing, dedup=r.dedup,
                                    scheduling=r.scheduling, time_slice_s=r.time_slice_s, lane_memory=r.lane_memory,
                                    lane_threads=r.lane_threads, host_memory=r.host_memory, spill_dir=r.spill_dir,
                                    task_timeout_s=r.task_timeout_s or self.config.server.request_timeout_s,

@@ -42,6 +42,7 @@ class WorkerHandle:
         self._released = False
         self.profiles: set[tuple[str, str]] = set()  # (model, shape key) this worker has measured or been sent
         self.taught: set[str] = set()  # models this worker has learned (AddModel answered)
+        self.taught_sets: set[str] = set()  # shared sets it has learned (NOTE [Shared tensors])
         # NOTE [One owner per pipe]
         # Only the thread that holds a worker's lease reads its pipe or sends it a request:
         # a task for the whole request, a training segment from Train to Stopped. Anyone

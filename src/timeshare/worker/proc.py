@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from timeshare import protocol as P
@@ -76,7 +77,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             module = resolve_builder(msg.builder)()
         module.eval()
         layout = collect(module)
-        manifest = {e.key: e for e in msg.entries}
+        shared = {key: (sid, entry) for key, sid, entry in msg.shared}  # NOTE [Shared tensors]
+        manifest = {e.key: e for e in msg.entries} | {k: replace(e, key=k) for k, (_, e) in shared.items()}
         for e in layout.entries:
             m = manifest.get(e.key)
             if m is None or m.shape != e.shape:
@@ -93,11 +95,21 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         del buffer
         if registrar is not None and msg.pin_host:
             store.pin(registrar)  # page-locked in this process, so copies are asynchronous DMA
-        worker.add(msg.model, module, layout, store, order=msg.order)
+        worker.add(msg.model, module, layout, store, order=msg.order, shared=shared)
+
+    def add_shared(msg: P.AddShared) -> None:
+        buffer = map_shared_memory(msg.store_name, msg.store_nbytes)  # NOTE [Mappings outlive close]
+        worker.add_shared(msg.sid, HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment))
 
     def handle(msg):
         if isinstance(msg, P.AddModel):
             add_model(msg)
+            return P.Ack(msg.seq)
+        if isinstance(msg, P.AddShared):
+            add_shared(msg)
+            return P.Ack(msg.seq)
+        if isinstance(msg, P.RemoveShared):
+            worker.remove_shared(msg.sid)
             return P.Ack(msg.seq)
         if isinstance(msg, P.RemoveModel):
             worker.remove(msg.model)  # unpins its store and drops every view: the segment is unmapped
@@ -111,7 +123,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             t_up = time.perf_counter()
             in_task[0] = True
             with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
-                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill)
+                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
+                                 msg.shared)
             in_task[0] = False
             t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
@@ -129,7 +142,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             timings = {"received_at": t0, "load_s": load, "unpickle_s": unpickled[0], "upload_s": t_up - t0,
                        "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
                        "ephemeral_peak": None if meter is None else meter.peak,
-                       "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None}
+                       "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
+                       "moved_bytes": None if msg.resident else worker.moved_bytes}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
                 # What the inputs took through the pinned staging buffer (NOTE [Input staging]).
@@ -137,7 +151,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 timings["input_pinned_bytes"] = staging.pinned_nbytes
             return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
         if isinstance(msg, P.Profile):
-            profile = worker.profile(msg.model, msg.offset, *to_device(msg.args, msg.kwargs))
+            profile = worker.profile(msg.model, msg.offset, *to_device(msg.args, msg.kwargs), msg.shared)
             return P.Result(msg.seq, profile, profiles=(profile,))
         if isinstance(msg, P.Train):
             return train(msg)
@@ -226,4 +240,5 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         arena.close()
 
 
-_VERBS = {P.RunModel: "run", P.GetJobState: "job state", P.AddModel: "adding", P.RemoveModel: "removing"}
+_VERBS = {P.RunModel: "run", P.GetJobState: "job state", P.AddModel: "adding", P.RemoveModel: "removing",
+          P.AddShared: "adding a shared set", P.RemoveShared: "removing a shared set"}

@@ -8,16 +8,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from timeshare.models.zoo.bert import Bert
+from timeshare.models.zoo.bert import Bert, bert_base, tiny_bert
+
+SIZES = {"base": (bert_base, "bert_base"), "tiny": (tiny_bert, "tiny_bert")}  # the encoder, and its zoo inputs
 
 
 class BertClassifier(nn.Module):
-    """BERT-base with a classification head on its pooled output."""
+    """A BERT encoder with a classification head on its pooled output."""
 
-    def __init__(self, labels: int = 2):
+    def __init__(self, bert: Bert, labels: int = 2):
         super().__init__()
-        self.bert = Bert()
-        self.classifier = nn.Linear(768, labels)
+        self.bert = bert
+        self.classifier = nn.Linear(bert.pooler.out_features, labels)
 
     def forward(self, input_ids, attention_mask=None):
         return self.classifier(self.bert(input_ids, attention_mask).pooler_output)
@@ -29,13 +31,16 @@ def tuned_modules(net: BertClassifier, tuned_layers: int) -> list[nn.Module]:
     return [net.bert.pooler, net.classifier] + (layers[len(layers) - tuned_layers:] if tuned_layers else [])
 
 
-def bert_variant(variant: int, tuned_layers: int = 0, base_seed: int = 0) -> BertClassifier:
-    """Variant ``variant``: every weight drawn from ``base_seed`` (normal, std 0.02; layer
-    norms at their initial values), then the tuned modules' weights drawn again from the
-    variant's own seed. Generators of their own: the global random state is not used."""
-    if not 0 <= tuned_layers <= 12:
-        raise ValueError(f"tuned_layers must be in [0, 12], got {tuned_layers}")
-    net = BertClassifier().eval()
+def bert_variant(variant: int, tuned_layers: int = 0, base_seed: int = 0, size: str = "base") -> BertClassifier:
+    """Variant ``variant`` of BERT-base (``size`` "tiny": the zoo's 2-layer BERT): every
+    weight drawn from ``base_seed`` (normal, std 0.02; layer norms at their initial
+    values), then the tuned modules' weights drawn again from the variant's own seed.
+    Generators of their own: the global random state is not used."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
+    net = BertClassifier(SIZES[size][0]()).eval()
+    if not 0 <= tuned_layers <= len(net.bert.layers):
+        raise ValueError(f"tuned_layers must be in [0, {len(net.bert.layers)}], got {tuned_layers}")
 
     def draw(modules, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
