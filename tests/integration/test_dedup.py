@@ -5,6 +5,9 @@ what differs, outputs stay exact, and memory is given back."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import timeshare.transfer.copy as copy_mod
 from tests.models import VariantNet, variant_net
 from timeshare.errors import ConfigError, ModelTooLargeError, PipelineError
 from timeshare.runtime import sharing
+from timeshare.runtime.executor import InProcessExecutor
 from timeshare.runtime.facade import Runtime
 
 IDS = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
@@ -93,8 +97,9 @@ def test_unregistering_gives_every_byte_back():
         rt.unregister("v2")
         assert worker.shared == {} and worker.models == {}
         assert rt.stats()["used_bytes"] == 0
-        assert rt.snapshot()["shared"] | {} == {**rt.snapshot()["shared"], "sets": 0, "own_bytes": 0,
-                                                 "shared_bytes": 0, "resident_shared_bytes": 0}
+        shared = rt.snapshot()["shared"]
+        assert (shared["sets"], shared["own_bytes"], shared["shared_bytes"], shared["resident_shared_bytes"]) == \
+            (0, 0, 0, 0)
         register(rt, 1)  # registering anew starts from nothing
         assert torch.equal(rt.infer("v1", IDS), want(1))
 
@@ -111,10 +116,73 @@ def test_a_spare_set_is_freed_when_room_is_needed_and_copied_again_later():
         with torch.no_grad():
             assert torch.equal(rt.infer("other", IDS), big()(IDS))  # evicts v0, then frees its set
         sets = rt.diagnostics()["shared"]["sets"]
-        assert all(s["offset"] is None and not s["loaded"] for s in sets.values())
+        assert len(sets) == 1 and all(s["offset"] is None and not s["loaded"] for s in sets.values())
         call = loads_of(rt, "v1")
         assert torch.equal(call.output, want(1))
         assert call.record.moved_bytes > own_v0  # the set came back with it
+
+
+def test_a_load_copies_the_whole_set_also_what_its_model_does_not_use():
+    # v2 tunes its norm too: the set (made from v0 and v1) holds a norm v2 never reads.
+    # When v2's load brings the set back, the norm must come with it, or v0 reads poison.
+    v2 = functools.partial(variant_net, 2, tuned=("head", "out", "norm"))
+    big = functools.partial(variant_net, 7, base_seed=9)
+    with Runtime("cpu", 2_621_440, dedup=True, poison_evicted=True) as rt:
+        register(rt, 0)
+        register(rt, 1)
+        rt.register("v2", v2, example_inputs=(IDS,))
+        rt.register("other", big, example_inputs=(IDS,))
+        assert rt.snapshot()["shared"]["sets"] == 1
+        with torch.no_grad():
+            want2 = v2()(IDS)
+            for _ in range(2):  # the second time v2's load is pipelined
+                assert torch.equal(rt.infer("v2", IDS), want2)
+                rt.evict("v2")
+                rt.infer("other", IDS)  # evicts the set: poisoned
+                assert rt.diagnostics()["shared"]["sets"]["shared-1"]["offset"] is None
+            assert torch.equal(rt.infer("v2", IDS), want2)
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+
+
+def test_a_failed_relayout_changes_nothing(monkeypatch):
+    with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True) as rt:
+        register(rt, 0)
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        original = InProcessExecutor.pack_shared
+
+        def refuse(self, spec, *args):
+            if spec.name == "v0":
+                raise OSError("no room in /dev/shm")
+            return original(self, spec, *args)
+
+        monkeypatch.setattr(InProcessExecutor, "pack_shared", refuse)
+        with pytest.raises(OSError, match="no room"):
+            register(rt, 1)
+        monkeypatch.undo()
+        assert rt.models() == ["v0"] and rt.snapshot()["shared"]["sets"] == 0
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        # The executor lets go of v0's old copy, then refuses the new one: v0 gets its
+        # old layout back and still answers.
+        original_add = InProcessExecutor.add
+
+        def refuse_add(self, packed):
+            if packed.name == "v0" and packed.shared:
+                raise OSError("worker refused")
+            return original_add(self, packed)
+
+        monkeypatch.setattr(InProcessExecutor, "add", refuse_add)
+        with pytest.raises(OSError, match="worker refused"):
+            register(rt, 1)
+        monkeypatch.undo()
+        assert rt.models() == ["v0"] and rt.snapshot()["shared"]["sets"] == 0
+        assert rt.in_process_worker().shared == {}
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        register(rt, 1)  # and it works once the cause is gone
+        assert rt.snapshot()["shared"]["sets"] == 1
+        assert torch.equal(rt.infer("v1", IDS), want(1)) and torch.equal(rt.infer("v0", IDS), want(0))
+        rt.unregister("v0")
+        rt.unregister("v1")
+        assert rt.in_process_worker().shared == {}
 
 
 def test_a_failed_load_leaves_no_set_behind(monkeypatch):
@@ -130,7 +198,8 @@ def test_a_failed_load_leaves_no_set_behind(monkeypatch):
         with pytest.raises(PipelineError, match="link down"):
             rt.infer("v0", IDS)
         assert rt.stats()["used_bytes"] == 0
-        assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
+        sets = rt.diagnostics()["shared"]["sets"]
+        assert len(sets) == 1 and all(s["offset"] is None for s in sets.values())
         monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", original)
         assert torch.equal(rt.infer("v1", IDS), want(1))
         assert torch.equal(rt.infer("v0", IDS), want(0))
@@ -184,6 +253,16 @@ def test_with_workers_variants_share_their_base_and_answer_exactly():
             call = loads_of(rt, f"v{v}")
             assert torch.equal(call.output, want(v)), v
             assert call.record.moved_bytes <= own[f"v{v}"]
+        # Workers that die are replaced, and the replacements are taught the set first.
+        for pid in rt.worker_pids():
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while rt.snapshot()["workers"]["replacements"] < 2 or rt.snapshot()["workers"]["ready"] < 2:
+            assert time.monotonic() < deadline, rt.snapshot()["workers"]
+            time.sleep(0.05)
+        for v in (0, 1, 2):
+            rt.evict(f"v{v}")
+            assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
         rt.unregister("v0")
         rt.unregister("v1")
         assert torch.equal(rt.infer("v2", IDS), want(2))

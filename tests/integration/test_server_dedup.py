@@ -12,7 +12,9 @@ from timeshare.server.client import Client
 
 
 def test_two_endpoints_of_one_model_share_its_tensors_and_answer_exactly():
-    cfg = tiny_config(runtime={"memory": "1MiB", "dedup": True},
+    # No warm-up: the first requests are the first loads, so the second endpoint's load
+    # finds the set resident.
+    cfg = tiny_config(runtime={"memory": "1MiB", "dedup": True}, server={"warmup": False},
                       models=[{"name": "bert", "zoo": "tiny_bert"}, {"name": "bert_copy", "zoo": "tiny_bert"},
                               {"name": "mlp", "zoo": "tiny_mlp"}])
     with running_server(cfg) as server, Client(server.url) as client, \
@@ -32,4 +34,4 @@ def test_two_endpoints_of_one_model_share_its_tensors_and_answer_exactly():
         assert metric(text, "timeshare_dedup_saved_bytes") == shared["saved_bytes"]
         # Whichever endpoint loads while the other's set is resident copies a few bytes only.
         moved = {name: metric(text, "timeshare_load_bytes_total", model=name) for name in ("bert", "bert_copy")}
-        assert 0 < min(moved.values()) and sum(moved.values()) < 4 * shared["shared_bytes"], moved
+        assert 0 < min(moved.values()) < shared["shared_bytes"] / 10, moved

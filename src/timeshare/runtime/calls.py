@@ -19,7 +19,7 @@ class Ran:
     load_s: float | None = None  # the copies of a load, first start to last arrival, when measured
     ephemeral_peak: int | None = None  # in a lane: the forward's peak ephemeral bytes
     read_s: float | None = None  # a load from disk: its reads, first to last (NOTE [Disk to device])
-    moved_bytes: int | None = None  # a load: the bytes it copied to the device, when known (in-process)
+    moved_bytes: int | None = None  # a load: the bytes it copied to the device (shared sets included)
 
 
 @dataclass(frozen=True)

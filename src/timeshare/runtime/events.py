@@ -24,7 +24,7 @@ class CallRecord:
     ``worker_s`` the worker's share, and its parts: ``unpickle_s``, ``upload_s``,
     ``forward_s``, ``to_host_s``, ``sync_s``, ``load_s``), else None; ``moved_bytes``:
     what a loading call copied to the device, shared sets included (NOTE [Shared
-    tensors]; None when not known: resident, failed, or with workers)."""
+    tensors]; None when the call did not load)."""
 
     model: str
     started: float

@@ -151,7 +151,8 @@ class Executor(Protocol):
     def pinned_host_bytes(self) -> int:
         """Host memory page-locked for the host stores."""
 
-    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,
+                           shared: Shared = None) -> Any:
         """Benchmarks' "two processes" baseline: a new worker started for this call."""
 
     def in_process_worker(self) -> Worker | None:
@@ -273,7 +274,8 @@ class InProcessExecutor:
     def pinned_host_bytes(self) -> int:
         return self._worker.pinned_host_bytes()
 
-    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,
+                           shared: Shared = None) -> Any:
         raise ConfigError("a new-process inference needs workers")
 
     def in_process_worker(self) -> Worker | None:
@@ -474,8 +476,9 @@ class PoolExecutor:
         return sum(s.size for name, s in self._segments.items() if name not in self._unpinned) + \
             sum(s.size for s in self._shared_segments.values())
 
-    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str) -> Any:
-        return self._pool.run_in_new_worker(name, offset, args, kwargs, strategy)
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,
+                           shared: Shared = None) -> Any:
+        return self._pool.run_in_new_worker(name, offset, args, kwargs, strategy, shared)
 
     def in_process_worker(self) -> Worker | None:
         return None

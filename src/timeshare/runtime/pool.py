@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -160,7 +160,8 @@ class ProcessPool:
                 self._set.replace(w, exc)
 
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None, shared=None):
+            lane: LaneBound | None = None, fill: FillSpec | None = None,
+            shared: Mapping[str, tuple[int, bool]] | None = None):
         msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill,
                          shared=dict(shared) if shared is not None else None)
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape_key(args, kwargs))
@@ -169,7 +170,8 @@ class ProcessPool:
         return Ran(reply.value, dict(t), t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"),
                    t.get("moved_bytes"))
 
-    def profile(self, model: str, offset: int, args: tuple, kwargs: dict, shared=None):
+    def profile(self, model: str, offset: int, args: tuple, kwargs: dict,
+                shared: Mapping[str, tuple[int, bool]] | None = None):
         msg = P.Profile(self._set.next_seq(), model, offset, args, kwargs,
                         shared=dict(shared) if shared is not None else None)
         return self._task(msg, f"profiling {model}").value
@@ -233,7 +235,8 @@ class ProcessPool:
             switch.task_done(sent, reply.timings)
         return reply
 
-    def run_in_new_worker(self, model: str, offset: int, args: tuple, kwargs: dict, strategy: str):
+    def run_in_new_worker(self, model: str, offset: int, args: tuple, kwargs: dict, strategy: str,
+                          shared: Mapping[str, tuple[int, bool]] | None = None):
         """PipeSwitch's "two processes, no standby" baseline (benchmarks only): start a
         worker now, teach it ``model`` and the profiles known for it, load and run, stop it.
         The weights still come from the shared host store: no file is read."""
@@ -244,7 +247,8 @@ class ProcessPool:
             w.wait_ready(self.startup_timeout_s)
             self._set.teach(w, self._set.registration(model))
             profiles = tuple(self._profiles.get(model, {}).values())
-            msg = P.RunModel(self._set.next_seq(), model, offset, False, args, kwargs, strategy, profiles)
+            msg = P.RunModel(self._set.next_seq(), model, offset, False, args, kwargs, strategy, profiles,
+                             shared=dict(shared) if shared is not None else None)
             return w.request(msg, self.task_timeout_s, f"running {model}").value
 
     def _stop_retired(self) -> None:

@@ -9,8 +9,9 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 
-from timeshare.errors import DuplicateModelError, ModelTooLargeError, UnknownModelError
+from timeshare.errors import DuplicateModelError, ModelTooLargeError, TimeshareError, UnknownModelError
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
@@ -93,12 +94,7 @@ class ModelTable:
         split = sharing.split(member.store, digests)
         made: dict[tuple[str, str], tuple[str, str]] = {}
         for other, keys in split.moved.items():
-            sset, own = sharing.new_set(other, keys)
-            self.evict(self.entries[other])
-            sset.store = self.executor.add_shared(sset.sid, sset.store)
-            self.executor.remove(other)
-            sharing.moved_out(other, sset, keys, own)
-            self._readd(other, sharing.members[other])
+            sset = self._relayout(other, keys)
             made.update({(other, k): (sset.sid, d) for k, d in keys.items()})
         refs = split.refs | {key: made[owner] for key, owner in split.claims.items()}
         rest = [e for e in member.store.entries if e.key not in refs]
@@ -119,23 +115,67 @@ class ModelTable:
         member.store = packed.view  # the pages the executor reads: compared and moved from later
         sharing.add(entry.name, member)
 
-    def _readd(self, name: str, member: Member) -> None:
-        """``name`` laid out again (its store now ``member.store``): the executor's copy
-        replaced, the controller keeping the executor's pages."""
-        packed = self._packed(member)
+    def _relayout(self, name: str, keys: dict[str, str]) -> SharedSet:
+        """Move ``name``'s tensors ``keys`` (key -> digest) into a new shared set: the set
+        and the new store are made and handed to the executor first; then the model leaves
+        the arena and the executor's copy is replaced. On failure nothing changed, or, if
+        the executor had already let go of the old copy, it gets it back (or, failing
+        that too, the model is unregistered, saying so)."""
+        assert self.sharing is not None
+        sharing, entry = self.sharing, self.entries[name]
+        old = sharing.members[name]
+        sset, own = sharing.new_set(name, keys)
+        sset.store = self.executor.add_shared(sset.sid, sset.store)
+        try:
+            new = replace(old, store=own, refs=old.refs | {k: (sset.sid, d) for k, d in keys.items()})
+            packed = self._packed(new, {sset.sid: sset})
+        except BaseException:
+            self.executor.remove_shared(sset.sid)
+            raise
+        self.evict(entry)
+        self.executor.remove(name)
         try:
             self.executor.add(packed)
         except BaseException:
             self.executor.discard(packed)
+            self.executor.remove_shared(sset.sid)
+            self._restore(name, old)
             raise
         assert packed.view is not None
-        member.store = packed.view
-        self.entries[name].nbytes = packed.nbytes
+        sharing.moved_out(name, sset, keys, packed.view)
+        entry.nbytes = packed.nbytes
+        return sset
 
-    def _packed(self, member: Member) -> Packed:
+    def _restore(self, name: str, member: Member) -> None:
+        """Give the executor ``name``'s previous layout back after a failed relayout; if
+        that fails too, forget the model rather than keep one the executor does not know."""
+        try:
+            packed = self._packed(member)
+            try:
+                self.executor.add(packed)
+            except BaseException:
+                self.executor.discard(packed)
+                raise
+        except Exception:
+            log.exception("model %s could not be laid out again nor restored: it is unregistered", name)
+            assert self.sharing is not None
+            for sset in self.sharing.remove(name):
+                self._forget_set(sset)
+            del self.entries[name]
+
+    def _packed(self, member: Member, new_sets: dict[str, SharedSet] | None = None) -> Packed:
         assert self.sharing is not None
+        sets = self.sharing.sets | (new_sets or {})
         return self.executor.pack_shared(member.spec, member.module, member.layout, member.store, member.order,
-                                         member.shared_entries(self.sharing.sets))
+                                         member.shared_entries(sets))
+
+    def _forget_set(self, sset: SharedSet) -> None:
+        """A set no model uses: out of the arena and out of the executor (errors logged)."""
+        try:
+            self._free_set(sset)
+            self.executor.remove_shared(sset.sid)
+        except Exception:
+            log.exception("forgetting shared set %s", sset.sid)
 
     def _left(self, m: ModelEntry) -> None:
         """``m`` left the arena: its shared sets lose a reader (NOTE [Shared tensors])."""
@@ -183,9 +223,24 @@ class ModelTable:
             return None
         at = {}
         for sset in self.sharing.sets_of(m.name):
-            assert sset.block is not None, f"{m.name}: shared set {sset.sid} has no block"
+            if sset.block is None:
+                raise TimeshareError(f"model {m.name!r} is placed but its shared set {sset.sid} is not")
             at[sset.sid] = (sset.block.offset, sset.loaded)
         return at
+
+    def _sets_loaded(self, m: ModelEntry) -> None:
+        """``m``'s load succeeded: its sets hold their bytes and ``m`` reads them."""
+        if self.sharing is not None:
+            for sset in self.sharing.sets_of(m.name):
+                sset.loaded = True
+                sset.resident.add(m.name)
+
+    def _drop_unloaded_sets(self, m: ModelEntry) -> None:
+        """``m``'s placement or load failed: the set blocks it took that were never filled go."""
+        if self.sharing is not None:
+            for sset in self.sharing.sets_of(m.name):
+                if sset.block is not None and not sset.loaded:
+                    self._free_set(sset)
 
     def _demote(self, m: ModelEntry, block: Block) -> None:
         """``m`` leaves the device: the host tier may keep its bytes (``HostTier.demote``),
@@ -208,11 +263,10 @@ class ModelTable:
         self.executor.remove(m.name)
         if self.host is not None:
             self.host.remove(m.name)
+        del self.entries[m.name]
         if self.sharing is not None and m.name in self.sharing.members:
             for sset in self.sharing.remove(m.name):  # sets no model uses any more
-                self._free_set(sset)
-                self.executor.remove_shared(sset.sid)
-        del self.entries[m.name]
+                self._forget_set(sset)
 
     def lane_ask(self, m: ModelEntry, key: str, free: int) -> int:
         """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
@@ -248,15 +302,9 @@ class ModelTable:
                 self.evict(m)  # a failed load leaves nothing behind
                 if fill is not None and self.host is not None:
                     self.host.abandon(m.name, exc)
-                if self.sharing is not None:  # nor do the sets it was copying
-                    for sset in self.sharing.sets_of(m.name):
-                        if not sset.loaded:
-                            self._free_set(sset)
+                self._drop_unloaded_sets(m)  # nor do the sets it was copying
             raise
-        if self.sharing is not None:
-            for sset in self.sharing.sets_of(m.name):
-                sset.loaded = True
-                sset.resident.add(m.name)
+        self._sets_loaded(m)
         if fill is not None and self.host is not None:
             self.host.streamed(m.name, fill, ran.read_s)
         if not resident:
@@ -305,10 +353,15 @@ class ModelTable:
         self.place(m)
         assert m.block is not None
         try:
-            return self.executor.run_in_new_process(m.name, m.block.offset, self.executor.inputs(args),
-                                                    self.executor.inputs(kwargs), self.strategy)
-        finally:
+            out = self.executor.run_in_new_process(m.name, m.block.offset, self.executor.inputs(args),
+                                                   self.executor.inputs(kwargs), self.strategy, self.shared_at(m))
+        except BaseException:
             self.evict(m)
+            self._drop_unloaded_sets(m)
+            raise
+        self._sets_loaded(m)
+        self.evict(m)
+        return out
 
     def place(self, m: ModelEntry, *, stream: bool = False) -> FillSpec | None:
         """Give ``m`` a block in the arena, its bytes in host memory first (NOTE [Host
@@ -326,6 +379,7 @@ class ModelTable:
         except BaseException as exc:
             if fill is not None and self.host is not None:
                 self.host.abandon(m.name, exc)
+            self._drop_unloaded_sets(m)
             raise
         finally:
             self._placing = None

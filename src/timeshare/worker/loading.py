@@ -10,7 +10,7 @@ functions here derive a model's layers, wait points and plans, and run the forwa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,7 @@ class WorkerModel:
     # the key's entry there; each layer's (and the tail's) byte runs of those sets.
     shared: dict[str, tuple[str, TensorEntry]] = field(default_factory=dict)
     shared_sets: frozenset[str] = frozenset()
+    shared_sizes: dict[str, int] = field(default_factory=dict)  # each set's bytes
     layer_shared: list[tuple[tuple[str, int, int], ...]] = field(default_factory=list)
     tail_shared: tuple[tuple[str, int, int], ...] = ()
     shared_bound: dict[str, int] = field(default_factory=dict)  # shared set -> arena offset the slots point at
@@ -128,7 +129,7 @@ def adopt_order(wm: WorkerModel, order: ExecutionOrder, direct: bool = False) ->
             waiting.add(id(slot.module))
 
 
-def shared_runs(wm: WorkerModel, keys) -> tuple[tuple[str, int, int], ...]:
+def shared_runs(wm: WorkerModel, keys: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
     """The byte runs of ``keys``' tensors in shared sets, in order, as (set, start, end),
     consecutive tensors of one set merged (the alignment gap between them goes along)."""
     runs: list[tuple[str, int, int]] = []
@@ -142,6 +143,22 @@ def shared_runs(wm: WorkerModel, keys) -> tuple[tuple[str, int, int], ...]:
         else:
             runs.append((sid, a, b))
     return tuple(runs)
+
+
+def unused_runs(wm: WorkerModel, index: dict[str, int]) -> tuple[Piece, ...]:
+    """The byte ranges of the sets in ``index`` (set -> source number) that none of
+    ``wm``'s runs covers."""
+    gaps: list[Piece] = []
+    for sid, i in index.items():
+        used = sorted((a, b) for runs in [*wm.layer_shared, wm.tail_shared] for s, a, b in runs if s == sid)
+        pos = 0
+        for a, b in used:
+            if a > pos:
+                gaps.append((i, pos, a))
+            pos = max(pos, b)
+        if pos < wm.shared_sizes[sid]:
+            gaps.append((i, pos, wm.shared_sizes[sid]))
+    return tuple(gaps)
 
 
 def forget_order(wm: WorkerModel) -> None:
@@ -193,6 +210,10 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | Non
     if has_tail:
         ranges.append(wm.tail_span)
         pieces.append(tail_pieces)
+    if index and pieces:
+        # A set is whole in the arena after any load that copies it, also the tensors this
+        # model does not use (another model sharing the set may): they go with the last group.
+        pieces[-1] = pieces[-1] + unused_runs(wm, index)
     group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
     wait_of = {}
     for mod, layer in wm.waits:

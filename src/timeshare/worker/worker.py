@@ -22,7 +22,7 @@ from timeshare.device import HostRegistrar, host_registrar, synchronize
 from timeshare.errors import PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, bind_some, unbind
-from timeshare.transfer.copy import CopyEngine, LoadHandle, Ready, SharedCopies
+from timeshare.transfer.copy import CopyEngine, LoadHandle, Piece, Ready, SharedCopies
 from timeshare.transfer.disk import READ_THREADS, FillSpec, StreamFill
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, time_layers, trace_execution_order
@@ -70,7 +70,6 @@ class Worker:
         self.models: dict[str, WorkerModel] = {}
         self.shared: dict[str, HostStore] = {}  # NOTE [Shared tensors]: the host stores of shared sets
         self._shared_loads: dict[str, LoadHandle] = {}  # the latest load that copied each set
-        self._at: dict[str, int] = {}  # the current call's shared sets' arena offsets
         self._link: LinkCosts | None = None
         self._fences: list[object] = []  # CUDA: last-use events of evicted models
         self.last_load: LoadHandle | None = None  # the latest pipelined load, for its timing
@@ -88,8 +87,12 @@ class Worker:
         needs ``order``; the store holds the others."""
         if shared and order is None:
             raise TimeshareError(f"model {name!r}: shared tensors need the execution order traced at registration")
-        wm = WorkerModel(name, module, layout, store, shared=dict(shared or {}),
-                         shared_sets=frozenset(sid for sid, _ in (shared or {}).values()))
+        sets = frozenset(sid for sid, _ in (shared or {}).values())
+        missing = sets - self.shared.keys()
+        if missing:
+            raise TimeshareError(f"model {name!r} uses shared sets {sorted(missing)} this worker does not have")
+        wm = WorkerModel(name, module, layout, store, shared=dict(shared or {}), shared_sets=sets,
+                         shared_sizes={sid: self.shared[sid].nbytes for sid in sets})
         self.models[name] = wm
         if order is not None:
             self._adopt_order(wm, order, repack=False)
@@ -159,7 +162,7 @@ class Worker:
         bytes are there; a load copies those that are not (NOTE [Shared tensors]). A
         resident run leaves ``last_load`` alone: with lanes it may overlap a load."""
         wm = self.models[name]
-        self._at = self._shared_offsets(wm, shared)
+        at = self._shared_offsets(wm, shared)
         missing = tuple(sid for sid, (_, there) in (shared or {}).items() if not there)
         if resident and missing:
             raise TimeshareError(f"model {name!r} is resident but its shared sets {list(missing)} are not")
@@ -169,15 +172,15 @@ class Worker:
             self.moved_bytes = 0
         if resident:
             self.finish_pending(name)
-            self._bind(wm, offset)
+            self._bind(wm, offset, at)
             with torch.no_grad():
                 out = wm.module(*args, **kwargs)
         elif fill is not None:
             out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill)
         elif wm.order is None or not wm.profiles:
-            out = self._first_load(wm, offset, args, kwargs, missing)
+            out = self._first_load(wm, offset, args, kwargs, missing, at)
         else:
-            out = self._pipelined_load(wm, offset, args, kwargs, strategy, missing=missing)
+            out = self._pipelined_load(wm, offset, args, kwargs, strategy, missing=missing, at=at)
         self._mark_used(wm)
         return out
 
@@ -188,9 +191,12 @@ class Worker:
         if given.keys() != wm.shared_sets:
             raise TimeshareError(f"model {wm.name!r} uses shared sets {sorted(wm.shared_sets)}, given {sorted(given)}")
         for sid, (_, there) in given.items():
-            handle = self._shared_loads.get(sid)
-            if there and handle is not None:
-                handle.wait_all()
+            handle = self._shared_loads.pop(sid, None) if there else None
+            if handle is not None:
+                try:
+                    handle.wait_all()
+                except TimeshareError as exc:  # a failed load's: the set was copied again since
+                    log.debug("shared set %s: an earlier load failed (%s); it has been loaded since", sid, exc)
         return {sid: off for sid, (off, _) in given.items()}
 
     def _load_from_disk(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
@@ -220,9 +226,9 @@ class Worker:
                 shared: Mapping[str, tuple[int, bool]] | None = None) -> ModelProfile:
         """Profile a resident model for these inputs (cached per input shape)."""
         wm = self.models[name]
-        self._at = self._shared_offsets(wm, shared)
+        at = self._shared_offsets(wm, shared)
         self.finish_pending(name)
-        self._bind(wm, offset)
+        self._bind(wm, offset, at)
         key = shape_key(args, kwargs)
         if key not in wm.profiles:
             self._profile_resident(wm, args, kwargs)
@@ -279,12 +285,14 @@ class Worker:
         return any(t.untyped_storage().data_ptr() == ptr for t in tensors_in(out))
 
     # ------------------------------------------------------------------ loading
-    def _first_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, missing: tuple[str, ...] = ()):
+    def _first_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, missing: tuple[str, ...] = (),
+                    at: Mapping[str, int] | None = None):
         """Load whole; trace the execution order if unknown (repacking the store in that
         order); profile for these inputs."""
         try:
-            self._copy_whole(wm, offset, "first load", missing)
-            self._bind(wm, offset)
+            at = at or {}
+            self._copy_whole(wm, offset, "first load", missing, at)
+            self._bind(wm, offset, at)
             out = None
             if wm.order is None:
                 spans = wm.store.spans(self.arena.buffer.data_ptr() + offset)
@@ -292,7 +300,7 @@ class Worker:
                     order, out = trace_execution_order(wm.module, args, kwargs, spans, owners_of(wm.layout))
                 self._adopt_order(wm, order, repack=True)
                 self._copy_whole(wm, offset, "first load, execution order")
-                self._bind(wm, offset)
+                self._bind(wm, offset, at)
             if out is None:
                 with torch.no_grad():
                     out = wm.module(*args, **kwargs)
@@ -305,12 +313,14 @@ class Worker:
             raise
 
     def _pipelined_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
-                        ready: Ready | None = None, disk_Bps: float | None = None, missing: tuple[str, ...] = ()):
+                        ready: Ready | None = None, disk_Bps: float | None = None, missing: tuple[str, ...] = (),
+                        at: Mapping[str, int] | None = None):
         """Queue every group, then forward while they arrive (NOTE [Pipelined forward]);
         ``ready`` and ``disk_Bps``: the source is read from disk meanwhile (NOTE [Disk to
         device]); ``missing``: shared sets this load copies too (NOTE [Shared tensors])."""
         plan = load_plan_of(wm, shape_key(args, kwargs), strategy, disk_Bps, self.fixed_group_bytes, missing)
-        self._bind(wm, offset)
+        at = at or {}
+        self._bind(wm, offset, at)
         self._bind_direct(wm, plan.direct_keys)
         if ready is not None and plan.direct_end:
             # Computed from the store itself, which this load is still reading from disk
@@ -319,7 +329,7 @@ class Worker:
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
         handle = self.engine.start(
             wm.store.buffer, region, plan.ranges, f"loading {wm.name}", self._take_fences(), plan.events, ready,
-            self._shared_copies(plan.sources, plan.pieces)
+            self._shared_copies(plan.sources, plan.pieces, at)
         )
         wm.pending = self.last_load = handle
         self._shared_loads.update(dict.fromkeys(plan.sources, handle))
@@ -350,19 +360,19 @@ class Worker:
     # every floating type) before it is freed, and ``copy_delay_s`` starts each group's
     # copy later (a sleep on the CPU copy thread, a device-side spin on the CUDA copy
     # stream), so a compute that does not wait surely reads poison and the check fails.
-    def _bind(self, wm: WorkerModel, offset: int) -> None:
+    def _bind(self, wm: WorkerModel, offset: int, at: Mapping[str, int]) -> None:
         """The slots on the arena: the store's tensors at ``offset``, the shared ones where
-        the current call's sets are (``_at``, NOTE [Shared tensors])."""
-        if wm.bound_at != offset or wm.shared_bound != self._at:
+        the model's sets are (``at``, NOTE [Shared tensors])."""
+        if wm.bound_at != offset or wm.shared_bound != at:
             views = self.arena.views(offset, wm.store.entries)
             by_set: dict[str, list[TensorEntry]] = {}
             for key, (sid, e) in wm.shared.items():
                 by_set.setdefault(sid, []).append(replace(e, key=key))
             for sid, entries in by_set.items():
-                views.update(self.arena.views(self._at[sid], entries))
+                views.update(self.arena.views(at[sid], entries))
             bind(wm.layout, views)
             wm.bound_at = offset
-            wm.shared_bound = dict(self._at)
+            wm.shared_bound = dict(at)
             wm.host_bound = ()
 
     def _bind_direct(self, wm: WorkerModel, keys: tuple[str, ...]) -> None:
@@ -437,21 +447,23 @@ class Worker:
         return self._link
 
     # ------------------------------------------------------------------ helpers
-    def _copy_whole(self, wm: WorkerModel, offset: int, why: str, missing: tuple[str, ...] = ()) -> None:
+    def _copy_whole(self, wm: WorkerModel, offset: int, why: str, missing: tuple[str, ...] = (),
+                    at: Mapping[str, int] | None = None) -> None:
         region = self.arena.buffer[offset : offset + wm.store.nbytes]
         pieces = (tuple((i, 0, self.shared[sid].nbytes) for i, sid in enumerate(missing)),)
         handle = self.engine.start(
             wm.store.buffer, region, [(0, wm.store.nbytes)], f"loading {wm.name} ({why})", self._take_fences(),
-            shared=self._shared_copies(missing, pieces)
+            shared=self._shared_copies(missing, pieces, at or {})
         )
         handle.wait_all()
         self.moved_bytes = wm.store.nbytes + sum(self.shared[sid].nbytes for sid in missing)
 
-    def _shared_copies(self, sources: tuple[str, ...], pieces) -> SharedCopies | None:
-        """The copies of shared sets ``sources`` into their blocks (NOTE [Shared tensors])."""
+    def _shared_copies(self, sources: tuple[str, ...], pieces: tuple[tuple[Piece, ...], ...],
+                       at: Mapping[str, int]) -> SharedCopies | None:
+        """The copies of shared sets ``sources`` into their blocks at ``at`` (NOTE [Shared tensors])."""
         if not sources:
             return None
-        stores = [(self.shared[sid], self._at[sid]) for sid in sources]
+        stores = [(self.shared[sid], at[sid]) for sid in sources]
         pairs = tuple((store.buffer, self.arena.buffer[at:at + store.nbytes]) for store, at in stores)
         return SharedCopies(pairs, tuple(pieces))
 
