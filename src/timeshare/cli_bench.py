@@ -155,11 +155,13 @@ def _print_disk(console, result: dict) -> None:
     env = result["environment"]
     t = Table(title=f"bench disk: cold first inference on {env['device']}, batch {result['config']['batch']} "
                     "(seconds; page cache dropped before each cold run)")
-    for col in ("model", "MB", "disk seq GB/s", "plain PyTorch", "timeshare cold", "speedup", "disk stage GB/s",
+    for col in ("model", "MB", "disk seq GB/s", "reader GB/s", "plain PyTorch", "timeshare cold", "speedup",
+                "disk stage GB/s",
                 "of seq", "floor", "ready", "exact"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in result["rows"]:
-        t.add_row(r["model"], f"{r['bytes'] / 1e6:.0f}", f"{r['sequential_read_GBps']:.2f}",
+        reader = f"{r['reader_GBps']:.2f}" + (" direct" if r.get("direct_reads") else "")
+        t.add_row(r["model"], f"{r['bytes'] / 1e6:.0f}", f"{r['sequential_read_GBps']:.2f}", reader,
                   f"{r['baseline_first_inference_s']:.3f}", f"{r['cold_first_inference_s']:.3f}",
                   f"{r['speedup_vs_baseline']:.2f}x", f"{r['disk_stage_GBps']:.2f}",
                   f"{r['disk_stage_of_sequential']:.0%}", f"{r['floor_s']:.3f}", f"{r['ready_inference_s']:.3f}",

@@ -3,8 +3,10 @@
 
 For each model, with the file's pages dropped from the page cache before every cold run
 (``posix_fadvise(DONTNEED)``; no root needed):
-- the disk itself: a plain sequential read of the weights file (16 MiB reads, one
-  thread), and the same with the reader's threads: the bandwidth the disk stage is held to;
+- the disk itself: a plain sequential read of the weights file (buffered, one thread),
+  the same with the reader's threads, and timeshare's reader alone (``read_ranges``:
+  O_DIRECT where the file system allows, NOTE [Direct reads]): the bandwidth the disk
+  stage is held to;
 - plain PyTorch: ``safetensors.torch.load_file`` + ``load_state_dict`` + ``.to(device)``
   on a module built beforehand (building is not timed), then the first inference;
 - timeshare: the model registered under a host budget, profiled once, then evicted from
@@ -35,7 +37,7 @@ from timeshare.models.weights import load_strictly
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.facade import Runtime
-from timeshare.transfer.disk import READ_CHUNK, READ_THREADS
+from timeshare.transfer.disk import READ_CHUNK, READ_THREADS, read_ranges
 
 DEFAULT_MODELS = ("resnet152", "inception_v3", "bert_base")
 
@@ -88,6 +90,18 @@ def sequential_read(path: Path, threads: int = 1, chunk: int = READ_CHUNK) -> fl
         drop_cached(path)
 
 
+def reader_read(path: Path) -> float:
+    """Seconds for timeshare's reader (``read_ranges``: its threads, direct reads where
+    possible) to read the whole file cold."""
+    buf = torch.empty(path.stat().st_size, dtype=torch.uint8)
+    drop_cached(path)
+    t0 = time.perf_counter()
+    read_ranges(path, [(0, buf)])
+    seconds = time.perf_counter() - t0
+    drop_cached(path)
+    return seconds
+
+
 def run(config: DiskBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
     if config.repeats < 1 or (config.batch is not None and config.batch < 1):
         raise ConfigError("repeats and batch must be at least 1")
@@ -113,6 +127,7 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
     progress(f"{name}: the disk's own bandwidth")
     seq_s = statistics.median(sequential_read(path) for _ in range(config.repeats))
     par_s = statistics.median(sequential_read(path, threads=READ_THREADS) for _ in range(config.repeats))
+    reader_s = statistics.median(reader_read(path) for _ in range(config.repeats))
 
     progress(f"{name}: plain PyTorch (load_file + load_state_dict + to)")
     base_load, base_total, reference = [], [], None
@@ -154,12 +169,15 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
             assert after["streamed_fills"] == before["streamed_fills"] + 1, "the cold call did not stream"
             disk.append(after["read_seconds"] - before["read_seconds"])
             exact = exact and outputs_equal(out, reference)
+        worker = rt.in_process_worker()  # whether its reads bypassed the page cache (in-process only)
+        direct = worker.last_fill.direct if worker is not None and worker.last_fill is not None else None
     seq_bw = size / seq_s
     ours, disk_s, ready_s = statistics.median(cold), statistics.median(disk), statistics.median(ready)
     floor = max(size / seq_bw, ready_s)
     return {
         "model": name, "bytes": size,
         "sequential_read_GBps": seq_bw / 1e9, "parallel_read_GBps": size / par_s / 1e9,
+        "reader_GBps": size / reader_s / 1e9, "direct_reads": direct,
         "baseline_load_s": statistics.median(base_load), "baseline_first_inference_s": statistics.median(base_total),
         "ready_inference_s": ready_s,
         "cold_first_inference_s": ours, "cold_samples_s": cold,

@@ -7,7 +7,9 @@ device]). Runs where a store is filled: the controller, or the worker that loads
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import struct
 import threading
@@ -141,19 +143,108 @@ class SafetensorsIndex:
                 raise WeightsError(f"{where} has a different header than when the model was registered")
 
 # ---------------------------------------------------------------------- reads
+# NOTE [Direct reads]
+# The host tier is the cache of these bytes: a second copy in the page cache would only
+# take memory from it. So files are read with O_DIRECT where the file system allows it:
+# the disk writes into page-aligned memory of ours, and the page cache is neither needed
+# nor filled. O_DIRECT wants the file offset, the length and the memory address aligned
+# (to the device's logical block, 512 or 4096 bytes), which a safetensors tensor at an
+# arbitrary offset is not: each read covers the aligned range around the bytes wanted, in
+# a bounce buffer per reading thread, and the bytes wanted are copied to the store (a
+# memory copy, an order of magnitude faster than the disk). Where the file system refuses
+# (EINVAL: tmpfs, some network file systems) the reads fall back to buffered ones, whose
+# pages are dropped from the page cache after each read.
+DIRECT_ALIGN = 4096
+
+
 def _forget_cached(fd: int, offset: int, nbytes: int) -> None:
-    """The page cache's copy of what was just read goes: the host tier is the cache of
-    these bytes, and a second copy in the page cache would only take memory from it."""
+    """Drop the page cache's copy of what a buffered read just read (NOTE [Direct reads])."""
     try:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     except (AttributeError, OSError):
         pass
 
 
+class FileReader:
+    """One file open for reading by several threads, directly where possible (NOTE
+    [Direct reads]); ``direct`` says whether the reads so far bypassed the page cache."""
+
+    def __init__(self, path: str | os.PathLike, *, direct: bool = True):
+        self.path = str(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise WeightsError(f"weights file {self.path!r} cannot be opened: {exc.strerror or exc}") from None
+        self._dfd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                self._dfd = -1
+        # Cleared (never the descriptor closed, which another thread may be reading) when
+        # the file system refuses a direct read.
+        self.direct = self._dfd >= 0
+        self._local = threading.local()
+
+    def read(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the file's bytes from ``offset``; a file that ends before
+        raises ``WeightsError`` (truncated after registration)."""
+        if self.direct:
+            try:
+                self._read_direct(self._dfd, offset, view)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False  # the file system refuses: buffered from now on
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise self._truncated(offset + done)
+            done += got
+        _forget_cached(self._fd, offset, len(view))
+
+    def _read_direct(self, dfd: int, offset: int, view: memoryview) -> None:
+        start = offset - offset % DIRECT_ALIGN
+        end = -(-(offset + len(view)) // DIRECT_ALIGN) * DIRECT_ALIGN
+        bounce = self._bounce(end - start)
+        got_all = 0
+        while got_all < end - start:
+            got = os.preadv(dfd, [bounce[got_all:end - start]], start + got_all)
+            if got <= 0:
+                break
+            got_all += got
+            if got % DIRECT_ALIGN:
+                break  # the file's end
+        need = offset - start + len(view)
+        if got_all < need:
+            raise self._truncated(start + got_all)
+        view[:] = bounce[offset - start:need]
+
+    def _bounce(self, nbytes: int) -> memoryview:
+        """This thread's page-aligned buffer of at least ``nbytes``."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            size = max(nbytes, READ_CHUNK + 2 * DIRECT_ALIGN)
+            buf = self._local.buf = memoryview(mmap.mmap(-1, size))
+        return buf
+
+    def _truncated(self, at: int) -> WeightsError:
+        return WeightsError(f"weights file {self.path!r} ended at byte {at} while reading the model's weights: "
+                            "truncated after registration")
+
+    def close(self) -> None:
+        for fd in (self._fd, self._dfd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._dfd = -1
+
+
 def read_ranges(path: Path, jobs: Iterable[tuple[int, torch.Tensor]], threads: int = READ_THREADS) -> int:
     """Read each ``(file offset, uint8 destination)`` pair, chunked, over ``threads``
-    threads, straight into the destinations. Returns the bytes read; a short read (the
-    file shrank meanwhile) raises ``WeightsError``."""
+    threads, into the destinations (directly where possible, NOTE [Direct reads]).
+    Returns the bytes read; a short read (the file shrank meanwhile) raises ``WeightsError``."""
     chunks: list[tuple[int, memoryview]] = []
     for offset, dest in jobs:
         view = dest.numpy().data.cast("B")
@@ -161,31 +252,17 @@ def read_ranges(path: Path, jobs: Iterable[tuple[int, torch.Tensor]], threads: i
             chunks.append((offset + pos, view[pos: pos + READ_CHUNK]))
     if not chunks:
         return 0
+    reader = FileReader(path)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise WeightsError(f"weights file {str(path)!r} cannot be opened: {exc.strerror or exc}") from None
-    try:
-        def one(chunk: tuple[int, memoryview]) -> None:
-            offset, view = chunk
-            done = 0
-            while done < len(view):
-                got = os.preadv(fd, [view[done:]], offset + done)
-                if got <= 0:
-                    raise WeightsError(f"weights file {str(path)!r} ended at byte {offset + done} while reading "
-                                       "the model's weights: truncated after registration")
-                done += got
-            _forget_cached(fd, offset, len(view))
-
         if len(chunks) == 1 or threads <= 1:
-            for c in chunks:
-                one(c)
+            for offset, view in chunks:
+                reader.read(offset, view)
         else:
             with ThreadPoolExecutor(min(threads, len(chunks)), thread_name_prefix="timeshare-read") as pool:
-                for _ in pool.map(one, chunks):
+                for _ in pool.map(lambda c: reader.read(*c), chunks):
                     pass
     finally:
-        os.close(fd)
+        reader.close()
     return sum(len(v) for _, v in chunks)
 
 
@@ -237,15 +314,13 @@ class StreamFill:
         self._cv = threading.Condition()
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
-        self._fd = -1
+        self._reader: FileReader | None = None
         self.read_s = 0.0
         self.bytes_read = 0
+        self.direct = False  # after close: whether the reads bypassed the page cache (NOTE [Direct reads])
 
     def start(self) -> StreamFill:
-        try:
-            self._fd = os.open(self.spec.path, os.O_RDONLY)
-        except OSError as exc:
-            raise WeightsError(f"weights file {self.spec.path!r} cannot be opened: {exc.strerror or exc}") from None
+        self._reader = FileReader(self.spec.path)
         self._t0 = time.perf_counter()
         if not self._chunks:
             self._finish()
@@ -262,14 +337,8 @@ class StreamFill:
             failed = self._failed_at
             if failed is not None and s_off >= failed:
                 return  # past a failed read (or closed): no one can wait for it
-            done = 0
-            while done < n:
-                got = os.preadv(self._fd, [view[done:]], f_off + done)
-                if got <= 0:
-                    raise WeightsError(f"weights file {self.spec.path!r} ended at byte {f_off + done} while a "
-                                       "load read it: truncated after registration")
-                done += got
-            _forget_cached(self._fd, f_off, n)
+            assert self._reader is not None
+            self._reader.read(f_off, view)
         except BaseException as exc:
             with self._cv:
                 if self._failed_at is None or s_off < self._failed_at:
@@ -328,6 +397,7 @@ class StreamFill:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._reader is not None:
+            self.direct = self._reader.direct
+            self._reader.close()
+            self._reader = None
