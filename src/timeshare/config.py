@@ -81,6 +81,10 @@ class RuntimeConfig(_Strict):
     written once to ``spill_dir``. Null (the default): every host copy stays in memory.
     With a budget every model needs example inputs (its layer order is traced at
     registration)."""
+    direct_io: bool = False
+    """Under ``host_memory``: read weights files with O_DIRECT where the file system
+    allows, bypassing the page cache (buffered reads, dropped from the cache after each
+    read, were the faster on the machines measured)."""
     spill_dir: str | None = None
     """Under ``host_memory``: where host copies with no weights file behind them go when
     dropped (default: a temporary folder, removed at shutdown)."""

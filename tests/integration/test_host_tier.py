@@ -260,3 +260,17 @@ def test_models_leaving_host_memory_are_not_kept_at_others_expense(tmp_path):
         rt.unregister("m0")
         assert stores(rt)["m1"]["filled"] and rt.snapshot()["host_tier"]["demotions"] == 0
         assert torch.equal(rt.infer("m1", X), reference(1))
+
+
+def test_direct_io_reads_bypass_the_page_cache_and_give_the_same_outputs(tmp_path):
+    # NOTE [Direct reads]: with direct_io the load's reads use O_DIRECT (on a file system
+    # that allows it, as the test machine's does) and the outputs do not change.
+    path = save_weights(seeded_tier_net(0), tmp_path / "m.safetensors")
+    with Runtime("cpu", "16MiB", host_memory=2 * NBYTES, direct_io=True) as rt:
+        rt.register("m", "tests.models:tier_net", path, (X,))
+        assert torch.equal(rt.infer("m", X), reference(0))
+        for _ in range(2):
+            rt.evict("m", host=True)
+            assert torch.equal(rt.infer("m", X), reference(0))  # streamed from the file
+            fill = rt.in_process_worker().last_fill
+            assert fill is not None and fill.direct

@@ -158,7 +158,7 @@ def _supports_direct(folder) -> bool:
 def test_a_file_system_that_refuses_direct_reads_falls_back_to_buffered(tmp_path, monkeypatch):
     path = tmp_path / "w.bin"
     path.write_bytes(bytes(range(256)) * 64)
-    reader = disk.FileReader(path)
+    reader = disk.FileReader(path, direct=True)
     real = os.preadv
 
     def refuse_direct(fd, buffers, offset):

@@ -4,9 +4,9 @@
 For each model, with the file's pages dropped from the page cache before every cold run
 (``posix_fadvise(DONTNEED)``; no root needed):
 - the disk itself: a plain sequential read of the weights file (buffered, one thread),
-  the same with the reader's threads, and timeshare's reader alone (``read_ranges``:
-  O_DIRECT where the file system allows, NOTE [Direct reads]): the bandwidth the disk
-  stage is held to;
+  the same with the reader's threads, and timeshare's reader alone (``read_ranges``),
+  buffered and with O_DIRECT (NOTE [Direct reads]): the bandwidth the disk stage is held
+  to; ``direct_io`` makes the runtime read with O_DIRECT;
 - plain PyTorch: ``safetensors.torch.load_file`` + ``load_state_dict`` + ``.to(device)``
   on a module built beforehand (building is not timed), then the first inference;
 - timeshare: the model registered under a host budget, profiled once, then evicted from
@@ -49,6 +49,7 @@ class DiskBenchConfig:
     device: str = "auto"
     repeats: int = 3
     memory: str = "auto"
+    direct_io: bool = False  # NOTE [Direct reads]: the runtime's reads with O_DIRECT
 
 
 def drop_cached(path: Path) -> None:
@@ -90,13 +91,13 @@ def sequential_read(path: Path, threads: int = 1, chunk: int = READ_CHUNK) -> fl
         drop_cached(path)
 
 
-def reader_read(path: Path) -> float:
-    """Seconds for timeshare's reader (``read_ranges``: its threads, direct reads where
-    possible) to read the whole file cold."""
+def reader_read(path: Path, direct: bool) -> float:
+    """Seconds for timeshare's reader (``read_ranges``: its threads; ``direct``: O_DIRECT
+    where possible) to read the whole file cold."""
     buf = torch.empty(path.stat().st_size, dtype=torch.uint8)
     drop_cached(path)
     t0 = time.perf_counter()
-    read_ranges(path, [(0, buf)])
+    read_ranges(path, [(0, buf)], direct=direct)
     seconds = time.perf_counter() - t0
     drop_cached(path)
     return seconds
@@ -113,6 +114,7 @@ def run(config: DiskBenchConfig, progress: Callable[[str], None] = lambda s: Non
     return {"environment": describe(device), "config": {"models": list(config.models), "batch": batch,
                                                          "repeats": config.repeats, "memory": config.memory,
                                                          "read_threads": READ_THREADS,
+                                                         "direct_io": config.direct_io,
                                                          "read_chunk_bytes": READ_CHUNK},
             "rows": rows}
 
@@ -127,7 +129,8 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
     progress(f"{name}: the disk's own bandwidth")
     seq_s = statistics.median(sequential_read(path) for _ in range(config.repeats))
     par_s = statistics.median(sequential_read(path, threads=READ_THREADS) for _ in range(config.repeats))
-    reader_s = statistics.median(reader_read(path) for _ in range(config.repeats))
+    reader_s = statistics.median(reader_read(path, False) for _ in range(config.repeats))
+    direct_s = statistics.median(reader_read(path, True) for _ in range(config.repeats))
 
     progress(f"{name}: plain PyTorch (load_file + load_state_dict + to)")
     base_load, base_total, reference = [], [], None
@@ -150,7 +153,7 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
 
     progress(f"{name}: timeshare, cold from disk")
     cold, disk, exact = [], [], True
-    with Runtime(device, config.memory, host_memory=int(size * 1.5)) as rt:
+    with Runtime(device, config.memory, host_memory=int(size * 1.5), direct_io=config.direct_io) as rt:
         rt.register(name, zoo.builder, path, inputs)
         outputs_equal(rt.infer(name, *inputs), reference)  # the first load traces and profiles
         ready = []
@@ -177,7 +180,7 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
     return {
         "model": name, "bytes": size,
         "sequential_read_GBps": seq_bw / 1e9, "parallel_read_GBps": size / par_s / 1e9,
-        "reader_GBps": size / reader_s / 1e9, "direct_reads": direct,
+        "reader_GBps": size / reader_s / 1e9, "direct_reader_GBps": size / direct_s / 1e9, "direct_reads": direct,
         "baseline_load_s": statistics.median(base_load), "baseline_first_inference_s": statistics.median(base_total),
         "ready_inference_s": ready_s,
         "cold_first_inference_s": ours, "cold_samples_s": cold,

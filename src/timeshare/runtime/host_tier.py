@@ -48,12 +48,13 @@ class HostTier:
     """Host memory as a cache over disk: at most ``budget`` bytes of stores filled."""
 
     def __init__(self, budget: int, policy: EvictionPolicy, *, dropping: Hook, filled: Hook,
-                 spill_dir: Path, own_spill_dir: bool = False):
+                 spill_dir: Path, own_spill_dir: bool = False, direct_io: bool = False):
         if budget <= 0:
             raise ValueError(f"host budget must be positive, got {budget}")
         self.budget = budget
         self.policy = policy
         self.spill_dir = spill_dir
+        self.direct_io = direct_io  # NOTE [Direct reads]: the backings read with O_DIRECT
         self._own_spill_dir = own_spill_dir  # made for this runtime: removed at close
         self._dropping = dropping
         self._filled = filled
@@ -78,6 +79,7 @@ class HostTier:
     def add(self, name: str, stored: Stored, protected: Iterable[str] = ()) -> None:
         """A registered model's store; a filled one is made room for (others dropped)."""
         self.check_fits(name, stored.store.nbytes)
+        stored.backing.direct = self.direct_io
         self.models[name] = stored
         if stored.filled:
             try:
@@ -265,10 +267,10 @@ class HostTier:
 
 
 def make_host_tier(host_memory: int | str | None, eviction: str, executor: Executor, *, workers: int,
-                   spill_dir: str | os.PathLike | None) -> HostTier | None:
+                   spill_dir: str | os.PathLike | None, direct_io: bool = False) -> HostTier | None:
     """The host tier of a runtime (None without a budget). ``host_memory``: bytes, a
     string like "8GiB", or "auto" (half the RAM; with workers, at most nine tenths of
-    what /dev/shm has free, where their stores live)."""
+    what /dev/shm has free, where their stores live); ``direct_io``: NOTE [Direct reads]."""
     if host_memory is None:
         return None
     shm_free = None
@@ -296,7 +298,7 @@ def make_host_tier(host_memory: int | str | None, eviction: str, executor: Execu
         path, own = Path(spill_dir), False
         path.mkdir(parents=True, exist_ok=True)
     return HostTier(budget, make_eviction_policy(eviction), dropping=executor.host_dropping,
-                    filled=executor.host_filled, spill_dir=path, own_spill_dir=own)
+                    filled=executor.host_filled, spill_dir=path, own_spill_dir=own, direct_io=direct_io)
 
 
 def pack(spec: ModelSpec, executor: Executor, tier: HostTier) -> tuple[Packed, Stored]:

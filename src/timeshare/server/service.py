@@ -65,6 +65,7 @@ class Service:
                                    thrashing=r.thrashing, dedup=r.dedup,
                                    scheduling=r.scheduling, time_slice_s=r.time_slice_s, lane_memory=r.lane_memory,
                                    lane_threads=r.lane_threads, host_memory=r.host_memory, spill_dir=r.spill_dir,
+                                   direct_io=r.direct_io,
                                    task_timeout_s=r.task_timeout_s or self.config.server.request_timeout_s,
                                    task_deadline_factor=r.task_deadline_factor,
                                    task_deadline_min_s=r.task_deadline_min_s)

@@ -94,9 +94,11 @@ class HostPages:
 
 
 class Backing:
-    """Where a dropped store's bytes come back from."""
+    """Where a dropped store's bytes come back from; ``direct``: read with O_DIRECT where
+    the file system allows (NOTE [Direct reads]; set by the host tier)."""
 
     path: Path
+    direct: bool = False
 
     def fill(self, store: HostStore) -> int:
         """Write the store's bytes from disk; the bytes read."""
@@ -145,10 +147,10 @@ class FileBacking(Backing):
                 direct.append((ft.start, store.buffer[e.offset: e.offset + e.nbytes]))
             else:
                 converted.append((e.key, ft))
-        n = read_ranges(self.path, direct)
+        n = read_ranges(self.path, direct, direct=self.direct)
         for key, ft in converted:  # floating tensors stored in another dtype: read, then convert
             tmp = torch.empty(ft.nbytes, dtype=torch.uint8)
-            n += read_ranges(self.path, [(ft.start, tmp)], threads=1)
+            n += read_ranges(self.path, [(ft.start, tmp)], threads=1, direct=self.direct)
             store.tensor(key).copy_(tmp.view(ft.dtype).view(ft.shape))
         n += self._check_tied(store)
         return n
@@ -162,7 +164,7 @@ class FileBacking(Backing):
             store.tensor(key).copy_(t)
         pieces = tuple((self.index.tensors[name].start, by_key[key].offset, by_key[key].nbytes)
                        for key, name in self.sources.items() if by_key[key].nbytes)
-        return FillSpec(str(self.path), pieces, store.nbytes)
+        return FillSpec(str(self.path), pieces, store.nbytes, self.direct)
 
     def _check_tied(self, store: HostStore) -> int:
         n = 0
@@ -170,7 +172,7 @@ class FileBacking(Backing):
             for name in others:
                 ft = self.index.tensors[name]
                 tmp = torch.empty(ft.nbytes, dtype=torch.uint8)
-                n += read_ranges(self.path, [(ft.start, tmp)], threads=1)
+                n += read_ranges(self.path, [(ft.start, tmp)], threads=1, direct=self.direct)
                 if not torch.equal(tmp.view(ft.dtype).view(ft.shape).to(store.tensor(key).dtype), store.tensor(key)):
                     raise WeightsError(f"tied tensors {self.sources[key]!r} and {name!r} have different values in "
                                        f"weights file {str(self.path)!r}")
@@ -224,11 +226,11 @@ class SpillBacking(Backing):
 
     def fill(self, store: HostStore) -> int:
         self._check(store)
-        return read_ranges(self.path, [(SPILL_HEADER, store.buffer)])
+        return read_ranges(self.path, [(SPILL_HEADER, store.buffer)], direct=self.direct)
 
     def stream(self, store: HostStore) -> FillSpec | None:
         self._check(store)
-        return FillSpec(str(self.path), ((SPILL_HEADER, 0, store.nbytes),), store.nbytes)
+        return FillSpec(str(self.path), ((SPILL_HEADER, 0, store.nbytes),), store.nbytes, self.direct)
 
     def discard(self) -> None:
         try:
