@@ -9,9 +9,8 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import replace
 
-from timeshare.errors import DuplicateModelError, ModelTooLargeError, TimeshareError, UnknownModelError
+from timeshare.errors import DuplicateModelError, UnknownModelError
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
@@ -19,9 +18,9 @@ from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
-from timeshare.runtime.sharing import Member, SharedSet, SharedTensors
+from timeshare.runtime.shared_placement import SharedPlacement
+from timeshare.runtime.sharing import Member, SharedTensors
 from timeshare.transfer.disk import FillSpec
-from timeshare.transfer.host_store import HostStore
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
 from timeshare.units import format_bytes
@@ -38,14 +37,14 @@ class ModelTable:
         self.residency = residency
         self.executor = executor
         self.host = host  # with a host budget: the host stores under it (NOTE [Host tier])
-        self.sharing = sharing  # with deduplication: the shared sets (NOTE [Shared tensors])
-        if sharing is not None:
-            residency.on_leave = self._left
-            residency.spare = self._free_spare
         self._placing: str | None = None  # the model whose placement is evicting others now
         self._leaving = False  # evictions of models leaving host memory too: nothing to keep
         if host is not None:
             residency.on_evict = self._demote
+        # With deduplication: the shared sets in the arena and the executor (NOTE [Shared tensors]).
+        self.shared = None if sharing is None else SharedPlacement(
+            sharing, self.entries, residency, executor, evict=self.evict, emit=self.emit,
+            placing=lambda: self._placing)
         self.strategy = strategy  # the runtime's grouping, when a call names none
         self.listeners: list[Listener] = []
         self.failures = 0  # calls that raised
@@ -86,161 +85,34 @@ class ModelTable:
 
     def add_deduped(self, entry: ModelEntry, member: Member, digests: dict[str, str]) -> None:
         """Register ``entry`` with its tensors found in other models held once (NOTE
-        [Shared tensors]): those models' matching tensors move to new shared sets (each is
-        evicted and laid out again), and ``member``'s store keeps only the rest."""
-        assert self.sharing is not None
+        [Shared tensors], ``SharedPlacement.prepare``)."""
+        assert self.shared is not None
         self.check_free(entry.name)
-        sharing = self.sharing
-        split = sharing.split(member.store, digests)
-        made: dict[tuple[str, str], tuple[str, str]] = {}
-        for other, keys in split.moved.items():
-            sset = self._relayout(other, keys)
-            made.update({(other, k): (sset.sid, d) for k, d in keys.items()})
-        refs = split.refs | {key: made[owner] for key, owner in split.claims.items()}
-        rest = [e for e in member.store.entries if e.key not in refs]
-        member.store = HostStore.pack(rest, {e.key: member.store.tensor(e.key) for e in rest})
-        member.refs = refs
-        member.digests = {k: d for k, d in digests.items() if k not in refs}
-        for sid, _ in refs.values():
-            sharing.sets[sid].users.add(entry.name)  # held while the executor adds the model
+        packed = self.shared.prepare(entry.name, member, digests)
+        entry.nbytes = packed.nbytes
         try:
-            packed = self._packed(member)
-            entry.nbytes = packed.nbytes
             self.add(entry, packed)
         except BaseException:
-            for sid, _ in refs.values():
-                sharing.sets[sid].users.discard(entry.name)
+            self.shared.abandoned(entry.name, member)
             raise
-        assert packed.view is not None
-        member.store = packed.view  # the pages the executor reads: compared and moved from later
-        sharing.add(entry.name, member)
+        self.shared.committed(entry.name, member, packed)
 
-    def _relayout(self, name: str, keys: dict[str, str]) -> SharedSet:
-        """Move ``name``'s tensors ``keys`` (key -> digest) into a new shared set: the set
-        and the new store are made and handed to the executor first; then the model leaves
-        the arena and the executor's copy is replaced. On failure nothing changed, or, if
-        the executor had already let go of the old copy, it gets it back (or, failing
-        that too, the model is unregistered, saying so)."""
-        assert self.sharing is not None
-        sharing, entry = self.sharing, self.entries[name]
-        old = sharing.members[name]
-        sset, own = sharing.new_set(name, keys)
-        sset.store = self.executor.add_shared(sset.sid, sset.store)
-        try:
-            new = replace(old, store=own, refs=old.refs | {k: (sset.sid, d) for k, d in keys.items()})
-            packed = self._packed(new, {sset.sid: sset})
-        except BaseException:
-            self.executor.remove_shared(sset.sid)
-            raise
-        self.evict(entry)
-        self.executor.remove(name)
-        try:
-            self.executor.add(packed)
-        except BaseException:
-            self.executor.discard(packed)
-            self.executor.remove_shared(sset.sid)
-            self._restore(name, old)
-            raise
-        assert packed.view is not None
-        sharing.moved_out(name, sset, keys, packed.view)
-        entry.nbytes = packed.nbytes
-        return sset
-
-    def _restore(self, name: str, member: Member) -> None:
-        """Give the executor ``name``'s previous layout back after a failed relayout; if
-        that fails too, forget the model rather than keep one the executor does not know."""
-        try:
-            packed = self._packed(member)
-            try:
-                self.executor.add(packed)
-            except BaseException:
-                self.executor.discard(packed)
-                raise
-        except Exception:
-            log.exception("model %s could not be laid out again nor restored: it is unregistered", name)
-            assert self.sharing is not None
-            for sset in self.sharing.remove(name):
-                self._forget_set(sset)
-            del self.entries[name]
-
-    def _packed(self, member: Member, new_sets: dict[str, SharedSet] | None = None) -> Packed:
-        assert self.sharing is not None
-        sets = self.sharing.sets | (new_sets or {})
-        return self.executor.pack_shared(member.spec, member.module, member.layout, member.store, member.order,
-                                         member.shared_entries(sets))
-
-    def _forget_set(self, sset: SharedSet) -> None:
-        """A set no model uses: out of the arena and out of the executor (errors logged)."""
-        try:
-            self._free_set(sset)
-            self.executor.remove_shared(sset.sid)
-        except Exception:
-            log.exception("forgetting shared set %s", sset.sid)
-
-    def _left(self, m: ModelEntry) -> None:
-        """``m`` left the arena: its shared sets lose a reader (NOTE [Shared tensors])."""
-        assert self.sharing is not None
-        for sset in self.sharing.sets_of(m.name):
-            sset.resident.discard(m.name)
-
-    def _free_spare(self) -> bool:
-        """Free one shared set in the arena that no resident model reads and the model
-        being placed does not need; False if there is none."""
-        assert self.sharing is not None
-        needed = {s.sid for s in self.sharing.sets_of(self._placing)} if self._placing else set()
-        for sset in self.sharing.sets.values():
-            if sset.block is not None and not sset.resident and sset.sid not in needed:
-                self._free_set(sset)
-                return True
-        return False
-
-    def _free_set(self, sset: SharedSet) -> None:
-        block, sset.block, sset.loaded = sset.block, None, False
-        if block is not None:
-            self.residency.free(block, self.executor.release_shared(sset.sid))
-
-    def _place_sets(self, m: ModelEntry) -> None:
-        """Blocks for ``m``'s shared sets not in the arena; its load copies them."""
-        assert self.sharing is not None
-        sets = self.sharing.sets_of(m.name)
-        total = m.nbytes + sum(s.nbytes for s in sets if s.block is None)
-        if self.residency.arena.allocator.rounded(total) > self.residency.arena.capacity:
-            raise ModelTooLargeError(m.name, total, self.residency.arena.capacity)
-        for sset in sets:
-            if sset.block is None:
-                def allocate(s: SharedSet = sset) -> Block | None:
-                    return (self.residency.arena.allocator.allocate_at(s.last_offset, s.nbytes, s.sid)
-                            if s.last_offset is not None else None) or self.residency.arena.allocate(s.nbytes, s.sid)
-                sset.block, victims = self.residency.reserve(sset.sid, sset.nbytes, allocate, self.entries,
-                                                             self.executor.release, m, what=f"shared set {sset.sid!r}")
-                sset.last_offset, sset.loaded = sset.block.offset, False
-                for victim in victims:
-                    self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
+    @property
+    def sharing(self) -> SharedTensors | None:
+        """With dedup: the content index and the shared sets (for observers)."""
+        return self.shared.sharing if self.shared is not None else None
 
     def shared_at(self, m: ModelEntry) -> dict[str, tuple[int, bool]] | None:
         """Each of ``m``'s shared sets: its arena offset and whether its bytes are there."""
-        if self.sharing is None:
-            return None
-        at = {}
-        for sset in self.sharing.sets_of(m.name):
-            if sset.block is None:
-                raise TimeshareError(f"model {m.name!r} is placed but its shared set {sset.sid} is not")
-            at[sset.sid] = (sset.block.offset, sset.loaded)
-        return at
+        return self.shared.at(m) if self.shared is not None else None
 
     def _sets_loaded(self, m: ModelEntry) -> None:
-        """``m``'s load succeeded: its sets hold their bytes and ``m`` reads them."""
-        if self.sharing is not None:
-            for sset in self.sharing.sets_of(m.name):
-                sset.loaded = True
-                sset.resident.add(m.name)
+        if self.shared is not None:
+            self.shared.loaded(m)
 
     def _drop_unloaded_sets(self, m: ModelEntry) -> None:
-        """``m``'s placement or load failed: the set blocks it took that were never filled go."""
-        if self.sharing is not None:
-            for sset in self.sharing.sets_of(m.name):
-                if sset.block is not None and not sset.loaded:
-                    self._free_set(sset)
+        if self.shared is not None:
+            self.shared.drop_unloaded(m)
 
     def _demote(self, m: ModelEntry, block: Block) -> None:
         """``m`` leaves the device: the host tier may keep its bytes (``HostTier.demote``),
@@ -264,9 +136,8 @@ class ModelTable:
         if self.host is not None:
             self.host.remove(m.name)
         del self.entries[m.name]
-        if self.sharing is not None and m.name in self.sharing.members:
-            for sset in self.sharing.remove(m.name):  # sets no model uses any more
-                self._forget_set(sset)
+        if self.shared is not None:
+            self.shared.remove(m.name)  # the sets no model uses any more go
 
     def lane_ask(self, m: ModelEntry, key: str, free: int) -> int:
         """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
@@ -372,8 +243,8 @@ class ModelTable:
             fill = self.host.ensure(m.name, self.host_readers(), stream=stream, cheap=resident)
         self._placing = m.name
         try:
-            if self.sharing is not None:
-                self._place_sets(m)
+            if self.shared is not None:
+                self.shared.place(m)
             for victim in self.residency.place(m, self.entries, self.executor.release):
                 self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
         except BaseException as exc:
