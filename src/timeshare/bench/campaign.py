@@ -60,6 +60,9 @@ STEPS: dict[str, Step] = {
                                 "--baseline-repeats", "2"), 480),
         Step("cycles", ("cycles", "--model", "resnet152", "--batch", "8", "--train", "resnet152:64",
                         "--memory", "4GiB", "--cycles", "1,2,5,10,30", "--rounds", "1", "--min-inference-s", "5"), 420),
+        # The memory hierarchy (issue 17): cold loads from disk, and variants held once.
+        Step("disk", ("disk", "--repeats", "5", "--memory", "4GiB"), 420),
+        Step("variants", ("variants", "--batch", "8", "--repeats", "20", "--memory", "4GiB"), 420),
     ]
 }
 
