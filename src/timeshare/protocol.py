@@ -56,6 +56,7 @@ class Start:
     load_timeout_s: float
     copy_delay_s: float = 0.0  # diagnostic: NOTE [Poisoned reloads]
     backend_flags: Any = None  # device.BackendFlags of the process that created the runtime
+    direct_host_access: bool | None = None  # NOTE [Direct host access]; None: the device's default
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ class RunModel:
     lane: LaneBound | None = None  # NOTE [Lanes in the runtime]: the forward is metered and bounded
     fill: FillSpec | None = None  # NOTE [Disk to device]: the store is read from disk during the load
     shared: dict[str, tuple[int, bool]] | None = None  # NOTE [Shared tensors]: set -> (offset, its bytes are there)
+    # NOTE [Direct host access]: a resident model's keys that its load left on the host store
+    # (the load may have run in another worker); None: this worker's own binding stands.
+    host_keys: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ class Profile:
     args: tuple
     kwargs: dict
     shared: dict[str, tuple[int, bool]] | None = None
+    host_keys: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

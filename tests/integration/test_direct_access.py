@@ -4,6 +4,10 @@ while the model is resident."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -93,6 +97,34 @@ def test_embeddings_computed_from_a_store_still_being_read_from_disk_wait_for_th
             assert rt.in_process_worker().reads_host("e")
 
 
+def test_with_workers_a_resident_model_keeps_its_embedding_on_the_host_in_every_worker(weights):
+    # The load that left the embedding on the host store ran in one worker; after both
+    # workers die, their replacements run the resident model: they must bind the
+    # embedding to the host store too (its bytes were never copied to the arena, whose
+    # block holds poison from an earlier eviction).
+    with Runtime("cpu", "64MiB", workers=2, poison_evicted=True) as rt:
+        rt.register("e", "tests.models:embed_net", weights, (IDS,))
+        assert torch.equal(rt.infer("e", IDS), want())  # first load: copied whole, profiled
+        rt.evict("e")
+        assert torch.equal(rt.infer("e", IDS), want())  # pipelined: the embedding stays on the host
+        assert rt.profile("e").direct_layers == 1
+        replaced = rt.snapshot()["workers"]["replacements"]
+        for pid in rt.worker_pids():
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while rt.snapshot()["workers"]["replacements"] < replaced + 2 or rt.snapshot()["workers"]["ready"] < 2:
+            assert time.monotonic() < deadline, rt.snapshot()["workers"]
+            time.sleep(0.05)
+        assert rt.is_resident("e")
+        for _ in range(3):
+            assert torch.equal(rt.infer("e", IDS), want())
+
+
 def test_direct_host_access_is_refused_where_it_does_not_run():
-    with pytest.raises(ConfigError, match="workers"):
-        Runtime("cpu", "4MiB", workers=1, direct_host_access=True)
+    from timeshare.runtime import assembly
+
+    # Refused before the arena or a worker is touched (no device-visible mapping on CUDA yet).
+    with pytest.raises(ConfigError, match="CUDA"):
+        assembly.make_executor(torch.device("cuda"), None, 0, profile_repeats=1,  # type: ignore[arg-type]
+                               fixed_group_bytes=1 << 20, load_timeout_s=1.0, copy_delay_s=0.0,
+                               direct_host_access=True)

@@ -88,12 +88,10 @@ def make_executor(device: torch.device, arena: Arena, workers: int, *, profile_r
         engine = make_copy_engine(device, load_timeout_s, copy_delay_s)
         return InProcessExecutor(device, arena, engine, profile_repeats=profile_repeats,
                                  fixed_group_bytes=fixed_group_bytes, direct_host_access=direct_host_access)
-    if direct_host_access:
-        raise ConfigError("direct_host_access needs workers: 0 for now (worker processes do not compute from "
-                          "host memory yet)")
     pool = ProcessPool(
         workers, device=str(device), share_arena=arena.share, arena_capacity=arena.capacity,
         profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
-        load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s, **pool_options,
+        load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s, direct_host_access=direct_host_access,
+        **pool_options,
     )
     return PoolExecutor(device, pool)

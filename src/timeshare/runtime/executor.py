@@ -299,6 +299,9 @@ class PoolExecutor:
         self._segments: dict[str, SharedMemory] = {}  # model -> its host store's segment
         self._shared_segments: dict[str, SharedMemory] = {}  # shared set -> its store's segment
         self._unpinned: set[str] = set()  # models whose stores workers do not page-lock (host tier)
+        # NOTE [Direct host access]: each resident model's keys its load left on the host
+        # store, as the loading worker said; told to any worker that runs it resident.
+        self._host_keys: dict[str, tuple[str, ...]] = {}
 
     @property
     def pool(self) -> ProcessPool:
@@ -394,7 +397,7 @@ class PoolExecutor:
         return None
 
     def reads_host(self, name: str) -> bool:
-        return False  # worker processes do not compute from host stores (worker/proc.py)
+        return bool(self._host_keys.get(name))
 
     def add(self, packed: Packed) -> None:
         assert packed.segment is not None and packed.order is not None
@@ -422,10 +425,14 @@ class PoolExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
-        return self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared)
+        ran = self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared,
+                             self._host_keys.get(name, ()) if resident else None)
+        if not resident and ran.timings is not None:
+            self._host_keys[name] = tuple(ran.timings.get("host_keys", ()))
+        return ran
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
-        return self._pool.profile(name, offset, args, kwargs, shared)
+        return self._pool.profile(name, offset, args, kwargs, shared, self._host_keys.get(name, ()))
 
     def release(self, name: str) -> LoadHandle | None:
         self._pool.release(name)  # workers finish every copy before they answer: no handle to wait on
@@ -434,6 +441,7 @@ class PoolExecutor:
     def remove(self, name: str) -> None:
         self._pool.remove(name)
         self._unpinned.discard(name)
+        self._host_keys.pop(name, None)
         segment = self._segments.pop(name, None)
         if segment is not None:
             _unlink(segment)

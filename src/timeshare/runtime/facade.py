@@ -79,7 +79,7 @@ class Runtime:
     from the cache were the faster on the machines measured).
     ``direct_host_access``: leading embedding layers may be computed from the host copy
     instead of copied first, when the profile says it is cheaper (NOTE [Direct host
-    access]; None: on the CPU without workers, where host memory is the device's).
+    access]; None: on the CPU, where host memory is the device's, in-process and with workers).
     ``dedup``: tensors of identical content across models (fine-tuned variants of one
     base) are held once in host memory and once in the arena, and a load copies only
     those not resident (NOTE [Shared tensors]); needs example inputs at registration.

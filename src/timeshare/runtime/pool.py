@@ -58,6 +58,7 @@ class ProcessPool:
         task_deadline_min_s: float = 5.0,
         copy_delay_s: float = 0.0,
         backend_flags: BackendFlags | None = None,
+        direct_host_access: bool | None = None,
     ):
         self.task_timeout_s = task_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -70,7 +71,8 @@ class ProcessPool:
         start = partial(P.Start, device=device, arena_capacity=arena_capacity,
                         profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
                         load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
-                        backend_flags=backend_flags or BackendFlags.capture())
+                        backend_flags=backend_flags or BackendFlags.capture(),
+                        direct_host_access=direct_host_access)
         self._set = WorkerSet(n, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
                               cv=self._cv, on_lost=self._segments.worker_lost)
 
@@ -161,9 +163,9 @@ class ProcessPool:
 
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None,
-            shared: Mapping[str, tuple[int, bool]] | None = None):
+            shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None):
         msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill,
-                         shared=dict(shared) if shared is not None else None)
+                         shared=dict(shared) if shared is not None else None, host_keys=host_keys)
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape_key(args, kwargs))
         reply = self._task(msg, f"running {model}", kind)
         t = reply.timings
@@ -171,9 +173,9 @@ class ProcessPool:
                    t.get("moved_bytes"))
 
     def profile(self, model: str, offset: int, args: tuple, kwargs: dict,
-                shared: Mapping[str, tuple[int, bool]] | None = None):
+                shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None):
         msg = P.Profile(self._set.next_seq(), model, offset, args, kwargs,
-                        shared=dict(shared) if shared is not None else None)
+                        shared=dict(shared) if shared is not None else None, host_keys=host_keys)
         return self._task(msg, f"profiling {model}").value
 
     def release(self, model: str) -> None:

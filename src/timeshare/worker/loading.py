@@ -87,7 +87,10 @@ class WorkerModel:
 # one contiguous range of the store. On the CPU host memory is the device's memory, so
 # the compute costs the same. On CUDA a device-visible mapping of the pinned store is
 # needed and is not used yet: the candidates are none there. A model with host-bound
-# tensors reads its host store whenever it runs, so the host tier keeps that store.
+# tensors reads its host store whenever it runs, so the host tier keeps that store. With
+# workers, the binding is the loading worker's: it reports the host-bound keys, and a
+# worker that runs the model resident later (a standby, a replacement) is told them
+# (``RunModel.host_keys``), since their bytes were never copied to the arena.
 DIRECT_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
 

@@ -51,11 +51,11 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     arena = Arena.attach(start.arena, start.arena_capacity, device)  # on CUDA, an IPC mapping on that device
     engine = make_copy_engine(device, start.load_timeout_s, start.copy_delay_s)
     registrar = host_registrar(device)  # None on the CPU
-    # Not direct host access (NOTE [Direct host access]): the controller would have to keep
-    # the host stores such a worker computes from, and it does not know which they are yet.
+    # NOTE [Direct host access]: each Result says whether the model computes from its host
+    # store, so that the controller's host tier keeps that store while the model is resident.
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
                     fixed_group_bytes=start.fixed_group_bytes, registrar=registrar,
-                    direct_host_access=False)
+                    direct_host_access=start.direct_host_access)
     staging = InputStaging(registrar, alignment=arena.allocator.alignment)
 
     unpickled = [0.0]  # seconds the last message took to unpickle
@@ -124,7 +124,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             in_task[0] = True
             with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
                 out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
-                                 msg.shared)
+                                 msg.shared, msg.host_keys)
             in_task[0] = False
             t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
@@ -143,7 +143,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                        "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
                        "ephemeral_peak": None if meter is None else meter.peak,
                        "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
-                       "moved_bytes": None if msg.resident else worker.moved_bytes}
+                       "moved_bytes": None if msg.resident else worker.moved_bytes,
+                       "host_keys": worker.host_keys(msg.model)}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
                 # What the inputs took through the pinned staging buffer (NOTE [Input staging]).
@@ -151,7 +152,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 timings["input_pinned_bytes"] = staging.pinned_nbytes
             return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
         if isinstance(msg, P.Profile):
-            profile = worker.profile(msg.model, msg.offset, *to_device(msg.args, msg.kwargs), msg.shared)
+            profile = worker.profile(msg.model, msg.offset, *to_device(msg.args, msg.kwargs), msg.shared,
+                                     msg.host_keys)
             return P.Result(msg.seq, profile, profiles=(profile,))
         if isinstance(msg, P.Train):
             return train(msg)

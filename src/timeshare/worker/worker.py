@@ -154,13 +154,16 @@ class Worker:
         return self.last_load.copy_seconds() if self.last_load is not None else None
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            fill: FillSpec | None = None, shared: Mapping[str, tuple[int, bool]] | None = None):
+            fill: FillSpec | None = None, shared: Mapping[str, tuple[int, bool]] | None = None,
+            host_keys: tuple[str, ...] | None = None):
         """Forward ``name`` on device inputs. Its bytes are at ``offset`` if ``resident``;
         otherwise they are loaded there first (pipelined once the model is profiled).
         ``fill``: the host store is on disk; its reads run beside the load (NOTE [Disk
         to device]). ``shared``: each of its shared sets' arena offset and whether its
-        bytes are there; a load copies those that are not (NOTE [Shared tensors]). A
-        resident run leaves ``last_load`` alone: with lanes it may overlap a load."""
+        bytes are there; a load copies those that are not (NOTE [Shared tensors]).
+        ``host_keys``: for a resident run, the keys its load left on the host store (NOTE
+        [Direct host access]; None: as this worker bound them). A resident run leaves
+        ``last_load`` alone: with lanes it may overlap a load."""
         wm = self.models[name]
         at = self._shared_offsets(wm, shared)
         missing = tuple(sid for sid, (_, there) in (shared or {}).items() if not there)
@@ -173,6 +176,8 @@ class Worker:
         if resident:
             self.finish_pending(name)
             self._bind(wm, offset, at)
+            if host_keys is not None:
+                self._bind_direct(wm, host_keys)
             with torch.no_grad():
                 out = wm.module(*args, **kwargs)
         elif fill is not None:
@@ -223,12 +228,15 @@ class Worker:
             stream.close()
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict,
-                shared: Mapping[str, tuple[int, bool]] | None = None) -> ModelProfile:
+                shared: Mapping[str, tuple[int, bool]] | None = None,
+                host_keys: tuple[str, ...] | None = None) -> ModelProfile:
         """Profile a resident model for these inputs (cached per input shape)."""
         wm = self.models[name]
         at = self._shared_offsets(wm, shared)
         self.finish_pending(name)
         self._bind(wm, offset, at)
+        if host_keys is not None:
+            self._bind_direct(wm, host_keys)
         key = shape_key(args, kwargs)
         if key not in wm.profiles:
             self._profile_resident(wm, args, kwargs)
@@ -391,8 +399,12 @@ class Worker:
     def reads_host(self, name: str) -> bool:
         """Whether ``name`` computes from its host store (NOTE [Direct host access]): the
         store must stay in memory while the model may run."""
+        return bool(self.host_keys(name))
+
+    def host_keys(self, name: str) -> tuple[str, ...]:
+        """The keys of ``name`` bound to its host store now (NOTE [Direct host access])."""
         wm = self.models.get(name)
-        return wm is not None and bool(wm.host_bound)
+        return wm.host_bound if wm is not None else ()
 
     def _adopt_order(self, wm: WorkerModel, order: ExecutionOrder, *, repack: bool) -> None:
         """Take ``order`` as the model's layers; with ``repack``, lay the host store out in
