@@ -161,7 +161,8 @@ def _print_disk(console, result: dict) -> None:
                 "of seq", "floor", "ready", "exact"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in result["rows"]:
-        reader = f"{r['reader_GBps']:.2f} ({r['direct_reader_GBps']:.2f})"
+        tag = "" if r.get("direct_reader_was_direct", True) else ", buffered"
+        reader = f"{r['reader_GBps']:.2f} ({r['direct_reader_GBps']:.2f}{tag})"
         t.add_row(r["model"], f"{r['bytes'] / 1e6:.0f}", f"{r['sequential_read_GBps']:.2f}", reader,
                   f"{r['baseline_first_inference_s']:.3f}", f"{r['cold_first_inference_s']:.3f}",
                   f"{r['speedup_vs_baseline']:.2f}x", f"{r['disk_stage_GBps']:.2f}",

@@ -37,7 +37,7 @@ from timeshare.models.weights import load_strictly
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.facade import Runtime
-from timeshare.transfer.disk import READ_CHUNK, READ_THREADS, read_ranges
+from timeshare.transfer.disk import READ_CHUNK, READ_THREADS, FileReader
 
 DEFAULT_MODELS = ("resnet152", "inception_v3", "bert_base")
 
@@ -91,16 +91,24 @@ def sequential_read(path: Path, threads: int = 1, chunk: int = READ_CHUNK) -> fl
         drop_cached(path)
 
 
-def reader_read(path: Path, direct: bool) -> float:
-    """Seconds for timeshare's reader (``read_ranges``: its threads; ``direct``: O_DIRECT
-    where possible) to read the whole file cold."""
+def reader_read(path: Path, direct: bool) -> tuple[float, bool]:
+    """Seconds for timeshare's reader (its chunks and threads; ``direct``: O_DIRECT where
+    possible) to read the whole file cold, and whether its reads were direct."""
+    from concurrent.futures import ThreadPoolExecutor
+
     buf = torch.empty(path.stat().st_size, dtype=torch.uint8)
+    view = buf.numpy().data.cast("B")
+    chunks = [(off, view[off:off + READ_CHUNK]) for off in range(0, len(view), READ_CHUNK)]
     drop_cached(path)
-    t0 = time.perf_counter()
-    read_ranges(path, [(0, buf)], direct=direct)
-    seconds = time.perf_counter() - t0
-    drop_cached(path)
-    return seconds
+    reader = FileReader(path, direct=direct)
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(lambda c: reader.read(*c), chunks))
+        return time.perf_counter() - t0, reader.direct
+    finally:
+        reader.close()
+        drop_cached(path)
 
 
 def run(config: DiskBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -129,8 +137,9 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
     progress(f"{name}: the disk's own bandwidth")
     seq_s = statistics.median(sequential_read(path) for _ in range(config.repeats))
     par_s = statistics.median(sequential_read(path, threads=READ_THREADS) for _ in range(config.repeats))
-    reader_s = statistics.median(reader_read(path, False) for _ in range(config.repeats))
-    direct_s = statistics.median(reader_read(path, True) for _ in range(config.repeats))
+    reader_s = statistics.median(reader_read(path, False)[0] for _ in range(config.repeats))
+    direct_runs = [reader_read(path, True) for _ in range(config.repeats)]
+    direct_s = statistics.median(s for s, _ in direct_runs)
 
     progress(f"{name}: plain PyTorch (load_file + load_state_dict + to)")
     base_load, base_total, reference = [], [], None
@@ -180,7 +189,8 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
     return {
         "model": name, "bytes": size,
         "sequential_read_GBps": seq_bw / 1e9, "parallel_read_GBps": size / par_s / 1e9,
-        "reader_GBps": size / reader_s / 1e9, "direct_reader_GBps": size / direct_s / 1e9, "direct_reads": direct,
+        "reader_GBps": size / reader_s / 1e9, "direct_reader_GBps": size / direct_s / 1e9,
+        "direct_reader_was_direct": all(d for _, d in direct_runs), "direct_reads": direct,
         "baseline_load_s": statistics.median(base_load), "baseline_first_inference_s": statistics.median(base_total),
         "ready_inference_s": ready_s,
         "cold_first_inference_s": ours, "cold_samples_s": cold,

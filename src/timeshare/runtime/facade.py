@@ -129,6 +129,8 @@ class Runtime:
     ):
         if dedup:
             sharing.check_dedup(host_memory=host_memory, scheduling=scheduling)
+        if direct_io and host_memory is None:
+            raise ConfigError("direct_io applies to reads from disk under a host budget: set host_memory too")
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                                task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,

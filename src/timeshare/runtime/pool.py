@@ -104,12 +104,7 @@ class ProcessPool:
         """Teach every worker the model; a failure on any is a registration error."""
         self._set.register(msg)
         try:
-            for w in list(self.workers):
-                with self._claim(w, f"adding {msg.model}"):
-                    if not w.ready:
-                        self._set.ready(w)  # boots and learns every model, this one included
-                    elif msg.model not in w.taught:  # a replacement may have learned it while booting
-                        self._set.teach(w, msg)
+            self._teach_all(msg.model, lambda w: msg.model in w.taught, lambda w: self._set.teach(w, msg))
         except BaseException:
             self.remove(msg.model)
             raise
@@ -121,46 +116,46 @@ class ProcessPool:
             return
         for w in list(self.workers):
             w.profiles = {x for x in w.profiles if x[0] != model}
-            try:
-                with self._claim(w, f"removing {model}"):
-                    if model in w.taught and w in self.workers:  # one still booting will never be taught it
-                        w.taught.discard(model)
-                        w.request(P.RemoveModel(self._set.next_seq(), model), self.startup_timeout_s,
-                                  f"removing {model}")
-            except WorkerError as exc:
-                log.warning("removing %s: %s", model, exc)
-                self._set.replace(w, exc)
+        self._unteach_all(model, lambda w: _forget(w.taught, model),
+                          lambda: P.RemoveModel(self._set.next_seq(), model))
 
-    # ------------------------------------------------------------------ tasks
     def add_shared(self, msg: P.AddShared) -> None:
         """Teach every worker a shared set (NOTE [Shared tensors]); before its models."""
         self._set.register_shared(msg)
         try:
-            for w in list(self.workers):
-                with self._claim(w, f"adding {msg.sid}"):
-                    if not w.ready:
-                        self._set.ready(w)
-                    elif msg.sid not in w.taught_sets:
-                        self._set.teach_shared(w, msg)
+            self._teach_all(msg.sid, lambda w: msg.sid in w.taught_sets, lambda w: self._set.teach_shared(w, msg))
         except BaseException:
             self.remove_shared(msg.sid)
             raise
 
     def remove_shared(self, sid: str) -> None:
         """Every worker forgets a set no model uses any more."""
-        if not self._set.unregister_shared(sid):
-            return
+        if self._set.unregister_shared(sid):
+            self._unteach_all(sid, lambda w: _forget(w.taught_sets, sid),
+                              lambda: P.RemoveShared(self._set.next_seq(), sid))
+
+    def _teach_all(self, what: str, knows: Callable[[WorkerHandle], bool],
+                   teach: Callable[[WorkerHandle], None]) -> None:
+        for w in list(self.workers):
+            with self._claim(w, f"adding {what}"):
+                if not w.ready:
+                    self._set.ready(w)  # boots and learns everything registered, this included
+                elif not knows(w):  # a replacement may have learned it while booting
+                    teach(w)
+
+    def _unteach_all(self, what: str, forget: Callable[[WorkerHandle], bool], message: Callable[[], object]) -> None:
+        """Tell every worker that ``forget`` says knew ``what`` to drop it; a worker that
+        fails to is replaced."""
         for w in list(self.workers):
             try:
-                with self._claim(w, f"removing {sid}"):
-                    if sid in w.taught_sets and w in self.workers:
-                        w.taught_sets.discard(sid)
-                        w.request(P.RemoveShared(self._set.next_seq(), sid), self.startup_timeout_s,
-                                  f"removing {sid}")
+                with self._claim(w, f"removing {what}"):
+                    if w in self.workers and forget(w):  # one still booting will never be taught it
+                        w.request(message(), self.startup_timeout_s, f"removing {what}")
             except WorkerError as exc:
-                log.warning("removing %s: %s", sid, exc)
+                log.warning("removing %s: %s", what, exc)
                 self._set.replace(w, exc)
 
+    # ------------------------------------------------------------------ tasks
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None,
             shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None):
@@ -412,3 +407,11 @@ def _state_of(w: WorkerHandle, training: WorkerHandle | None) -> str:
     if not w.ready:
         return "starting"
     return "training" if w is training else "busy" if w.leased_now else "idle"
+
+
+def _forget(known: set[str], name: str) -> bool:
+    """Whether ``name`` was in ``known``; it is not any more."""
+    if name in known:
+        known.discard(name)
+        return True
+    return False

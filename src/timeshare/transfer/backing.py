@@ -183,6 +183,13 @@ SPILL_MAGIC = b"TSSPILL1"
 SPILL_HEADER = 4096  # the bytes start page-aligned in the file
 
 
+def _forget_written(fd: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
 class SpillBacking(Backing):
     """A store with no file behind it, written once to ``path`` (a small header, then its
     own bytes, page-aligned) the first time it is dropped, and read back whole. A store
@@ -205,6 +212,9 @@ class SpillBacking(Backing):
             with open(tmp, "wb") as f:
                 f.write(self._header(store.nbytes))
                 f.write(store.buffer.numpy().data)
+                f.flush()
+                os.fdatasync(f.fileno())  # on disk, so that its pages can leave the page cache:
+                _forget_written(f.fileno())  # the host tier is the cache of these bytes
             os.replace(tmp, self.path)
             self._nbytes = store.nbytes
 

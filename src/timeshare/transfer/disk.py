@@ -195,8 +195,8 @@ class FileReader:
         raises ``WeightsError`` (truncated after registration)."""
         if self.direct:
             try:
-                self._read_direct(self._dfd, offset, view)
-                return
+                if self._read_direct(self._dfd, offset, view):
+                    return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -209,7 +209,9 @@ class FileReader:
             done += got
         _forget_cached(self._fd, offset, len(view))
 
-    def _read_direct(self, dfd: int, offset: int, view: memoryview) -> None:
+    def _read_direct(self, dfd: int, offset: int, view: memoryview) -> bool:
+        """Whether ``view`` was filled; False on a short read before the bytes wanted (the
+        file's end, or a file system that returns short reads: the buffered read decides)."""
         start = offset - offset % DIRECT_ALIGN
         end = -(-(offset + len(view)) // DIRECT_ALIGN) * DIRECT_ALIGN
         bounce = self._bounce(end - start)
@@ -223,8 +225,9 @@ class FileReader:
                 break  # the file's end
         need = offset - start + len(view)
         if got_all < need:
-            raise self._truncated(start + got_all)
+            return False
         view[:] = bounce[offset - start:need]
+        return True
 
     def _bounce(self, nbytes: int) -> memoryview:
         """This thread's page-aligned buffer of at least ``nbytes``."""
@@ -331,9 +334,13 @@ class StreamFill:
         if not self._chunks:
             self._finish()
             return self
-        self._pool = ThreadPoolExecutor(min(self._threads, len(self._chunks)), thread_name_prefix="timeshare-read")
-        for i in range(len(self._chunks)):
-            self._pool.submit(self._read, i)
+        try:
+            self._pool = ThreadPoolExecutor(min(self._threads, len(self._chunks)), thread_name_prefix="timeshare-read")
+            for i in range(len(self._chunks)):
+                self._pool.submit(self._read, i)
+        except BaseException:
+            self.close()  # no thread may be left reading, and the file goes back
+            raise
         return self
 
     def _read(self, i: int) -> None:

@@ -173,19 +173,28 @@ class Worker:
             self.last_load = None
             self.last_fill = None
             self.moved_bytes = 0
-        if resident:
-            self.finish_pending(name)
-            self._bind(wm, offset, at)
-            if host_keys is not None:
-                self._bind_direct(wm, host_keys)
-            with torch.no_grad():
-                out = wm.module(*args, **kwargs)
-        elif fill is not None:
-            out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill)
-        elif wm.order is None or not wm.profiles:
-            out = self._first_load(wm, offset, args, kwargs, missing, at)
-        else:
-            out = self._pipelined_load(wm, offset, args, kwargs, strategy, missing=missing, at=at)
+        try:
+            if resident:
+                self.finish_pending(name)
+                self._bind(wm, offset, at)
+                if host_keys is not None:
+                    self._bind_direct(wm, host_keys)
+                with torch.no_grad():
+                    out = wm.module(*args, **kwargs)
+            elif fill is not None:
+                out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill)
+            elif wm.order is None or not wm.profiles:
+                out = self._first_load(wm, offset, args, kwargs, missing, at)
+            else:
+                out = self._pipelined_load(wm, offset, args, kwargs, strategy, missing=missing, at=at)
+            if missing:
+                # The sets are "there" for the next model once this call returns: their
+                # copies must be over, or their failure this load's (NOTE [Shared tensors]).
+                self.finish_pending(name)
+        except BaseException:
+            for sid in missing:  # the controller frees those sets: no later call waits on this load
+                self._shared_loads.pop(sid, None)
+            raise
         self._mark_used(wm)
         return out
 
@@ -196,12 +205,10 @@ class Worker:
         if given.keys() != wm.shared_sets:
             raise TimeshareError(f"model {wm.name!r} uses shared sets {sorted(wm.shared_sets)}, given {sorted(given)}")
         for sid, (_, there) in given.items():
-            handle = self._shared_loads.pop(sid, None) if there else None
+            handle = self._shared_loads.get(sid) if there else None
             if handle is not None:
-                try:
-                    handle.wait_all()
-                except TimeshareError as exc:  # a failed load's: the set was copied again since
-                    log.debug("shared set %s: an earlier load failed (%s); it has been loaded since", sid, exc)
+                handle.wait_all()  # a device-side wait on CUDA
+                self._shared_loads.pop(sid, None)
         return {sid: off for sid, (off, _) in given.items()}
 
     def _load_from_disk(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
@@ -468,6 +475,8 @@ class Worker:
             shared=self._shared_copies(missing, pieces, at or {})
         )
         handle.wait_all()
+        for sid in missing:  # copied in full: no earlier load of these sets matters any more
+            self._shared_loads.pop(sid, None)
         self.moved_bytes = wm.store.nbytes + sum(self.shared[sid].nbytes for sid in missing)
 
     def _shared_copies(self, sources: tuple[str, ...], pieces: tuple[tuple[Piece, ...], ...],
