@@ -13,8 +13,10 @@ from timeshare.errors import ConfigError, MemoryBudgetError
 from timeshare.memory import Arena
 from timeshare.memory.ephemeral import cores
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.executor import Executor, InProcessExecutor, PoolExecutor
+from timeshare.runtime.executor import Executor
+from timeshare.runtime.inprocess import InProcessExecutor
 from timeshare.runtime.pool import ProcessPool
+from timeshare.runtime.pool_executor import PoolExecutor
 from timeshare.transfer.copy import make_copy_engine
 from timeshare.transfer.planner import STRATEGIES
 from timeshare.units import format_bytes, parse_bytes

@@ -1,0 +1,161 @@
+"""Models run in this process: one :class:`~timeshare.worker.worker.Worker` and its copy
+engine (the ``Executor`` of ``runtime/executor.py`` for ``workers=0``). Runs in the controller.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from timeshare.device import host_registrar, synchronize
+from timeshare.errors import ConfigError
+from timeshare.memory import Arena
+from timeshare.memory.ephemeral import LaneBound, in_lane
+from timeshare.models.binding import TensorLayout
+from timeshare.models.spec import ModelSpec
+from timeshare.runtime.calls import Ran
+from timeshare.runtime.registration import Tiered
+from timeshare.runtime.training import LocalTrainingJob, TrainingJob
+from timeshare.transfer.copy import CopyEngine, LoadHandle
+from timeshare.transfer.disk import FillSpec
+from timeshare.transfer.host_store import HostStore, TensorEntry
+from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
+from timeshare.tree import map_tensors
+from timeshare.worker.trainer import TrainingTask, TrainSpec
+from timeshare.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from timeshare.runtime.dispatch import Dispatcher
+
+
+from timeshare.runtime.executor import Packed, Shared
+
+
+class InProcessExecutor:
+    """Models run in this process: one worker and its copy engine."""
+
+    def __init__(self, device: torch.device, arena: Arena, engine: CopyEngine, *, profile_repeats: int,
+                 fixed_group_bytes: int, direct_host_access: bool | None = None):
+        self.device = device
+        self._engine = engine
+        self._worker = Worker(device, arena, engine, profile_repeats=profile_repeats,
+                              fixed_group_bytes=fixed_group_bytes, direct_host_access=direct_host_access)
+
+    def check_registrable(self, spec: ModelSpec) -> None:
+        return None
+
+    def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
+        if self.device.type == "cuda":  # NOTE [Exact host pinning]
+            registrar = host_registrar(self.device)
+            assert registrar is not None
+            store.pin(registrar)
+        return Packed(spec.name, spec, module, layout, store, store.nbytes)
+
+    def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
+                    order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:
+        self._pin(store)
+        return Packed(spec.name, spec, module, layout, store, store.nbytes, order=order, view=store, shared=shared)
+
+    def add_shared(self, sid: str, store: HostStore) -> HostStore:
+        self._worker.add_shared(sid, store)
+        return store
+
+    def release_shared(self, sid: str) -> LoadHandle | None:
+        return self._worker.release_shared(sid)
+
+    def remove_shared(self, sid: str) -> None:
+        self._worker.remove_shared(sid)
+
+    def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
+        if tiered.filled:
+            self._pin(tiered.store)
+        return Packed(spec.name, spec, tiered.module, tiered.layout, tiered.store, tiered.store.nbytes,
+                      order=tiered.order, pages=tiered.pages, view=tiered.store)
+
+    def host_dropping(self, name: str) -> None:
+        self._worker.finish_pending(name)  # a tail still copying reads the store
+        if self.device.type == "cuda":
+            synchronize(self.device)  # that wait is on the device: the host waits for the copies too
+        self._worker.models[name].store.release()  # NOTE [Exact host pinning]: unpinned before the pages go
+
+    def host_filled(self, name: str) -> None:
+        self._pin(self._worker.models[name].store)
+
+    def reads_host(self, name: str) -> bool:
+        return self._worker.reads_host(name)
+
+    def _pin(self, store: HostStore) -> None:
+        if self.device.type == "cuda":  # NOTE [Exact host pinning]
+            registrar = host_registrar(self.device)
+            assert registrar is not None
+            store.pin(registrar)
+
+    def add(self, packed: Packed) -> None:
+        assert packed.store is not None
+        self._worker.add(packed.name, packed.module, packed.layout, packed.store, order=packed.order,
+                         shared=packed.shared)
+
+    def discard(self, packed: Packed) -> None:
+        if packed.store is not None:
+            packed.store.release()
+
+    def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
+        with in_lane(lane, self.device) as meter:  # NOTE [Counting ephemeral bytes]: this thread only
+            out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill, shared)
+        # A resident run may overlap another model's load (lanes): only a load reads the latest load.
+        stream = self._worker.last_fill if fill is not None else None
+        return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds(),
+                   ephemeral_peak=None if meter is None else meter.peak,
+                   read_s=stream.read_s if stream is not None else None,
+                   moved_bytes=None if resident else self._worker.moved_bytes)
+
+    def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
+        return self._worker.profile(name, offset, args, kwargs, shared)
+
+    def release(self, name: str) -> LoadHandle | None:
+        return self._worker.release(name)
+
+    def remove(self, name: str) -> None:
+        self._worker.remove(name)
+
+    def inputs(self, obj: Any) -> Any:
+        return map_tensors(obj, lambda t: t.to(self.device))
+
+    def check_trainable(self, spec: TrainSpec, *, lanes: bool) -> None:
+        return None
+
+    def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
+        return LocalTrainingJob(TrainingTask.build(spec, self.device), spec.name, lock=lock, gate=gate)
+
+    def drop_job(self, name: str) -> None:
+        return None
+
+    def switches(self) -> list[dict]:
+        return []
+
+    def pids(self) -> list[int]:
+        return []
+
+    def health(self) -> dict | None:
+        return None
+
+    def pinned_host_bytes(self) -> int:
+        return self._worker.pinned_host_bytes()
+
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,
+                           shared: Shared = None) -> Any:
+        raise ConfigError("a new-process inference needs workers")
+
+    def in_process_worker(self) -> Worker | None:
+        return self._worker
+
+    def close(self) -> None:
+        for name in list(self._worker.models):
+            self._worker.remove(name)
+        for sid in list(self._worker.shared):
+            self._worker.remove_shared(sid)
+        self._engine.close()
