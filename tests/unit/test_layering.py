@@ -20,6 +20,7 @@ FORBIDDEN = {
     "runtime": {"server", "bench", "sim", "cli"},
     "server": {"bench", "sim", "cli"},
     "sim": {"runtime", "server", "bench", "worker", "cli"},
+    "llm": {"server", "bench", "sim", "cli"},
 }
 
 
