@@ -73,13 +73,8 @@ def run(args, console, run_bench) -> int:
                                        repeats=args.repeats, device=args.device, memory=args.memory,
                                        size=args.size)
 
-        def show_variants(result: dict) -> None:
-            _print_variants(console, result)
-            if args.plot:
-                plot_variants(result, args.plot)
-                console.print(f"wrote {args.plot}")
-
-        return run_bench(run_variants, variants, show_variants, args.json)
+        return run_bench(run_variants, variants, _shower(console, _print_variants, plot_variants, args.plot),
+                         args.json)
     if args.bench == "tiers":
         from timeshare.bench.tiers import TiersBenchConfig
         from timeshare.bench.tiers import run as run_tiers
@@ -94,13 +89,19 @@ def run(args, console, run_bench) -> int:
     cfg = DiskBenchConfig(models=tuple(args.models or DEFAULT_MODELS), batch=args.batch, device=args.device,
                           repeats=args.repeats, memory=args.memory, direct_io=args.direct_io)
 
-    def show(result: dict) -> None:
-        _print_disk(console, result)
-        if args.plot:
-            plot(result, args.plot)
-            console.print(f"wrote {args.plot}")
+    return run_bench(run_disk, cfg, _shower(console, _print_disk, plot, args.plot), args.json)
 
-    return run_bench(run_disk, cfg, show, args.json)
+
+def _shower(console, table, plot, path: Path | None):
+    """What a bench shows of its result: ``table(console, result)``, and with ``path`` the
+    plot written there."""
+    def show(result: dict) -> None:
+        table(console, result)
+        if path:
+            plot(result, path)
+            console.print(f"wrote {path}")
+
+    return show
 
 
 def _print_variants(console, r: dict) -> None:

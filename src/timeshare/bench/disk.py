@@ -62,52 +62,49 @@ def drop_cached(path: Path) -> None:
 
 
 def sequential_read(path: Path, threads: int = 1, chunk: int = READ_CHUNK) -> float:
-    """Seconds to read the whole file cold into one buffer, in ``chunk`` reads spread over
-    ``threads`` threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    size = path.stat().st_size
-    buf = torch.empty(size, dtype=torch.uint8)
-    view = buf.numpy().data.cast("B")
-    drop_cached(path)
+    """Seconds to read the whole file cold into one buffer with plain ``preadv`` calls of
+    ``chunk`` bytes spread over ``threads`` threads: the disk's own bandwidth."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        def one(offset: int) -> None:
-            end = min(offset + chunk, size)
-            done = offset
-            while done < end:
-                done += os.preadv(fd, [view[done:end]], done)
+        def read(offset: int, view: memoryview) -> None:
+            done = 0
+            while done < len(view):
+                done += os.preadv(fd, [view[done:]], offset + done)
 
-        t0 = time.perf_counter()
-        if threads <= 1:
-            for off in range(0, size, chunk):
-                one(off)
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(one, range(0, size, chunk)))
-        return time.perf_counter() - t0
+        return _read_whole(path, threads, chunk, read)
     finally:
         os.close(fd)
-        drop_cached(path)
 
 
 def reader_read(path: Path, direct: bool) -> tuple[float, bool]:
     """Seconds for timeshare's reader (its chunks and threads; ``direct``: O_DIRECT where
     possible) to read the whole file cold, and whether its reads were direct."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    buf = torch.empty(path.stat().st_size, dtype=torch.uint8)
-    view = buf.numpy().data.cast("B")
-    chunks = [(off, view[off:off + READ_CHUNK]) for off in range(0, len(view), READ_CHUNK)]
-    drop_cached(path)
     reader = FileReader(path, direct=direct)
     try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(READ_THREADS) as pool:
-            list(pool.map(lambda c: reader.read(*c), chunks))
-        return time.perf_counter() - t0, reader.direct
+        return _read_whole(path, READ_THREADS, READ_CHUNK, reader.read), reader.direct
     finally:
         reader.close()
+
+
+def _read_whole(path: Path, threads: int, chunk: int, read: Callable[[int, memoryview], None]) -> float:
+    """Seconds for ``read(offset, view)`` over the whole file in ``chunk`` pieces on
+    ``threads`` threads, into one buffer, the file's pages out of the page cache before
+    and after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = torch.empty(path.stat().st_size, dtype=torch.uint8).numpy().data.cast("B")
+    chunks = [(off, view[off:off + chunk]) for off in range(0, len(view), chunk)]
+    drop_cached(path)
+    try:
+        t0 = time.perf_counter()
+        if threads <= 1:
+            for c in chunks:
+                read(*c)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda c: read(*c), chunks))
+        return time.perf_counter() - t0
+    finally:
         drop_cached(path)
 
 

@@ -126,10 +126,3 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         tensors.update(part)
     return tensors
 
-
-def example_tokens(path: str | Path, n: int = 16) -> torch.Tensor:
-    """A batch of one sequence of ``n`` token ids for the directory's model."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(path))
-    return torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))

@@ -82,7 +82,8 @@ class Residency:
     def place(self, m: ModelEntry, models: Mapping[str, ModelEntry], release: Release) -> list[ModelEntry]:
         """Give ``m`` a block, evicting unpinned models in policy order until it fits;
         returns the models it evicted."""
-        block, evicted = self.reserve(m.name, m.nbytes, lambda: self._allocate(m), models, release, m)
+        block, evicted = self.reserve(m.name, m.nbytes, self.sticky(m.name, m.nbytes, m.last_offset), models,
+                                      release, m)
         m.block = block
         m.last_offset = block.offset
         return evicted
@@ -178,9 +179,13 @@ class Residency:
     def clear(self) -> None:
         self._quarantine.clear()
 
-    def _allocate(self, m: ModelEntry) -> Block | None:
-        """Its old offset first (NOTE [Sticky placement]), else anywhere it fits."""
-        block = None
-        if m.last_offset is not None:
-            block = self.arena.allocator.allocate_at(m.last_offset, m.nbytes, m.name)
-        return block or self.arena.allocate(m.nbytes, m.name)
+    def sticky(self, owner: str, nbytes: int, last_offset: int | None) -> Callable[[], Block | None]:
+        """An allocation of ``nbytes`` for ``owner``: at ``last_offset`` first (NOTE
+        [Sticky placement]), else anywhere it fits; None when nothing fits."""
+        def allocate() -> Block | None:
+            block = None
+            if last_offset is not None:
+                block = self.arena.allocator.allocate_at(last_offset, nbytes, owner)
+            return block or self.arena.allocate(nbytes, owner)
+
+        return allocate

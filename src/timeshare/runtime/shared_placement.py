@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from timeshare.errors import ModelTooLargeError, TimeshareError
-from timeshare.memory import Block
 from timeshare.runtime.events import EvictionRecord
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.residency import ModelEntry, Residency
@@ -145,24 +144,13 @@ class SharedPlacement:
             raise ModelTooLargeError(m.name, total, self.residency.arena.capacity)
         for sset in sets:
             if sset.block is None:
-                sset.block, victims = self.residency.reserve(sset.sid, sset.nbytes, self._allocator(sset),
+                allocate = self.residency.sticky(sset.sid, sset.nbytes, sset.last_offset)
+                sset.block, victims = self.residency.reserve(sset.sid, sset.nbytes, allocate,
                                                              self.entries, self.executor.release, m,
                                                              what=f"shared set {sset.sid!r}")
                 sset.last_offset, sset.loaded = sset.block.offset, False
                 for victim in victims:
                     self._emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
-
-    def _allocator(self, sset: SharedSet) -> Callable[[], Block | None]:
-        """Its previous offset first (NOTE [Sticky placement]), else anywhere it fits."""
-        arena = self.residency.arena
-
-        def allocate() -> Block | None:
-            block = None
-            if sset.last_offset is not None:
-                block = arena.allocator.allocate_at(sset.last_offset, sset.nbytes, sset.sid)
-            return block or arena.allocate(sset.nbytes, sset.sid)
-
-        return allocate
 
     def at(self, m: ModelEntry) -> dict[str, tuple[int, bool]]:
         """Each of ``m``'s sets: its arena offset and whether its bytes are there."""

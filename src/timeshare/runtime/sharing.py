@@ -212,15 +212,16 @@ class SharedTensors:
         """Bytes held, against what separate copies would hold."""
         own = sum(m.store.nbytes for m in self.members.values())
         shared = sum(s.nbytes for s in self.sets.values())
+        logical = sum(m.logical_bytes for m in self.members.values())
         return {
             "models": len(self.members),
             "sets": len(self.sets),
             "own_bytes": own,
             "shared_bytes": shared,
-            "logical_bytes": sum(m.logical_bytes for m in self.members.values()),
+            "logical_bytes": logical,
             "resident_shared_bytes": sum(s.nbytes for s in self.sets.values() if s.block is not None),
             "spare_sets": sum(1 for s in self.sets.values() if s.block is not None and not s.resident),
-            "saved_bytes": max(0, sum(m.logical_bytes for m in self.members.values()) - own - shared),
+            "saved_bytes": max(0, logical - own - shared),
         }
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from timeshare.errors import MemoryBudgetError, WeightsError
-from timeshare.transfer.disk import FileTensor, FillSpec, SafetensorsIndex, read_ranges
+from timeshare.transfer.disk import FileTensor, FillSpec, SafetensorsIndex, forget_cached, read_ranges
 from timeshare.transfer.host_store import HostStore
 
 
@@ -183,13 +183,6 @@ SPILL_MAGIC = b"TSSPILL1"
 SPILL_HEADER = 4096  # the bytes start page-aligned in the file
 
 
-def _forget_written(fd: int) -> None:
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):
-        pass
-
-
 class SpillBacking(Backing):
     """A store with no file behind it, written once to ``path`` (a small header, then its
     own bytes, page-aligned) the first time it is dropped, and read back whole. A store
@@ -214,7 +207,7 @@ class SpillBacking(Backing):
                 f.write(store.buffer.numpy().data)
                 f.flush()
                 os.fdatasync(f.fileno())  # on disk, so that its pages can leave the page cache:
-                _forget_written(f.fileno())  # the host tier is the cache of these bytes
+                forget_cached(f.fileno())
             os.replace(tmp, self.path)
             self._nbytes = store.nbytes
 

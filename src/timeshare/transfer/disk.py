@@ -161,8 +161,9 @@ class SafetensorsIndex:
 DIRECT_ALIGN = 4096
 
 
-def _forget_cached(fd: int, offset: int, nbytes: int) -> None:
-    """Drop the page cache's copy of what a buffered read just read (NOTE [Direct reads])."""
+def forget_cached(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Drop the page cache's copy of a file's range (0 bytes: to its end) once it is read or
+    written: the host tier is the cache of these bytes (NOTE [Direct reads])."""
     try:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     except (AttributeError, OSError):
@@ -207,7 +208,7 @@ class FileReader:
             if got <= 0:
                 raise self._truncated(offset + done)
             done += got
-        _forget_cached(self._fd, offset, len(view))
+        forget_cached(self._fd, offset, len(view))
 
     def _read_direct(self, dfd: int, offset: int, view: memoryview) -> bool:
         """Whether ``view`` was filled; False on a short read before the bytes wanted (the
