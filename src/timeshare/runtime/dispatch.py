@@ -297,6 +297,11 @@ class Dispatcher:
             return None
         return lanes.lanes[lane].size
 
+    def waiting_priority(self) -> Priority | None:
+        """The most urgent priority among the tasks waiting for the device (None: none)."""
+        with self._cond:
+            return self.scheduler.waiting_priority()
+
     def notify(self) -> None:
         with self._cond:
             self._cond.notify_all()

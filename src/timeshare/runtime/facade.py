@@ -314,6 +314,19 @@ class Runtime:
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
                               self._gate.lane_threads)
 
+    @contextmanager
+    def turn(self, name: str) -> Iterator[ModelTurn]:
+        """Hold the device for a series of calls to model ``name``: a language model's
+        decode steps (NOTE [Decode bursts] in ``llm/engine.py``). The scheduler gives the
+        turn as it gives one call's; inside it, ``ModelTurn.call`` runs at once, and
+        ``ModelTurn.contended`` says at each step whether to give the device back."""
+        m = self._get(name)
+        if self._gate.lane_capacity is not None:
+            raise ConfigError(f"model {name!r}: a turn of several calls cannot run under scheduling 'pack' "
+                              "(its calls would need lanes of their own)")
+        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s):
+            yield ModelTurn(self, name, m.priority, self._gate)
+
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
         requests run in order, one at a time, and survive a worker failure (only the
@@ -502,3 +515,24 @@ class Runtime:
         """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
         with self._gate.priority(model, kind), self._lock:
             yield
+
+
+class ModelTurn:
+    """A turn of the device for one model's calls (``Runtime.turn``)."""
+
+    def __init__(self, runtime: Runtime, name: str, priority: Priority, gate: Dispatcher):
+        self.name = name
+        self.started = time.monotonic()
+        self._runtime, self._priority, self._gate = runtime, priority, gate
+
+    def call(self, args: tuple = (), kwargs: dict | None = None) -> Call:
+        """``Runtime.call`` inside the turn: no wait for the scheduler."""
+        return self._runtime.call(self.name, args, kwargs)
+
+    def contended(self, quantum_s: float) -> bool:
+        """Whether to give the device back now: a more urgent task waits, or any task
+        waits and the turn has lasted ``quantum_s``."""
+        waiting = self._gate.waiting_priority()
+        if waiting is None:
+            return False
+        return waiting < self._priority or time.monotonic() - self.started >= quantum_s

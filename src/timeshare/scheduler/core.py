@@ -33,6 +33,7 @@ from timeshare.scheduler.task import (
     Finished,
     Kind,
     Preempt,
+    Priority,
     Progress,
     Result,
     Run,
@@ -180,6 +181,14 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return self._waiting
+
+    def waiting_priority(self) -> Priority | None:
+        """The most urgent priority among the waiting tasks (None: nobody waits). A task
+        that holds the device for a series of steps (a language model's decoding) asks
+        this at each step to know whether to give it up."""
+        if not self._waiting:
+            return None
+        return min((t.priority for t in self.tasks.values() if t.state is _WAITING), default=None)
 
     # ------------------------------------------------------------------ internals
     def _enqueue(self, t: Task) -> None:

@@ -1,0 +1,376 @@
+"""Generation for one language model: requests queue as sequences, are prefilled one by
+one, and decode together one token per step (continuous batching, NOTE [Decode batch] in
+``batch.py``), every step a call of the runtime, so that the model's weights come and
+go like any model's (a step of a model not resident loads it, pipelined). Runs in the
+controller: one thread per model, the caller's threads only queue and read.
+
+NOTE [Decode bursts]: the engine takes the device with ``Runtime.turn`` and runs steps
+until its work is done or the turn is contended: a more urgent task waits (a
+latency-critical request to another model takes the device between two tokens), or any
+task waits and the turn has lasted ``quantum_s``. Then it gives the device back and
+queues for the next turn, its sequences and their caches kept as they are: a preempted
+generation resumes at the token where it stopped, and its text is the text it would
+have had alone. Turns, not single steps, are the scheduler's unit: models that took
+turns step by step would switch, and reload, at every token.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from timeshare.errors import ConfigError, TimeshareError
+from timeshare.llm.batch import KV, DecodeBatch
+from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
+from timeshare.runtime.facade import ModelTurn, Runtime
+
+log = logging.getLogger(__name__)
+
+
+class ContextLengthError(ConfigError):
+    """A prompt, with the tokens asked for, longer than the model's context."""
+
+
+class GenerationError(TimeshareError):
+    """A sequence that could not finish (the model failed, the engine closed, a wait
+    ran out)."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of a sequence (and the tokens that completed it)."""
+
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A sequence's end: ``reason`` is "stop" (an end token or a stop string), "length"
+    (max_tokens or the context), "cancelled" or "error"."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenTiming:
+    """For listeners (metrics): ``first`` — time to the first token since arrival, else
+    the time since the sequence's previous token."""
+
+    model: str
+    first: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SequenceDone:
+    model: str
+    finish: Finish
+
+
+Event = TokenTiming | SequenceDone
+
+
+class Sequence:
+    """One request's generation. Read it with ``events`` (streaming) or ``result``;
+    ``cancel`` frees it at the next step."""
+
+    def __init__(self, sid: int, prompt: list[int], params: SamplingParams):
+        self.id, self.prompt, self.params = sid, prompt, params
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.finish: Finish | None = None
+        self.arrived = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.generator = params.generator()
+        self._events: queue.Queue[Delta | Finish] = queue.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def events(self, timeout_s: float) -> Iterator[Delta | Finish]:
+        """The sequence's deltas, then its finish; each waited for at most ``timeout_s``."""
+        while True:
+            try:
+                event = self._events.get(timeout=timeout_s)
+            except queue.Empty:
+                self.cancel()
+                raise GenerationError(f"sequence {self.id}: no token in {timeout_s:g} s") from None
+            yield event
+            if isinstance(event, Finish):
+                return
+
+    def result(self, timeout_s: float) -> Completion:
+        """The whole completion; raises the sequence's error if it failed."""
+        text = []
+        for event in self.events(timeout_s):
+            if isinstance(event, Delta):
+                text.append(event.text)
+            elif event.error is not None:
+                raise event.error
+            else:
+                return Completion("".join(text), list(self.tokens), event.reason, event.prompt_tokens,
+                                  event.completion_tokens)
+        raise AssertionError("unreachable")
+
+    def _put(self, event: Delta | Finish) -> None:
+        self._events.put(event)
+
+
+class Engine:
+    """Continuous batching for the model ``name`` of ``runtime`` (NOTE [Decode bursts]).
+
+    ``decode``: token ids to text; ``eos``: the tokens that end a sequence; ``vocab``:
+    the number of token ids; ``new_cache``: an empty key/value cache of the model's
+    kind, from layers (None: empty)."""
+
+    def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
+                 vocab: int, max_context: int, max_sequences: int, new_cache: Callable[[KV | None], object],
+                 quantum_s: float = 0.05):
+        if max_sequences < 1:
+            raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
+        if max_context < 2:
+            raise ConfigError(f"max_context must be at least 2, got {max_context}")
+        self.name, self.max_context, self.max_sequences, self.quantum_s = name, max_context, max_sequences, quantum_s
+        self._rt, self._decode, self._eos, self._vocab, self._new_cache = runtime, decode, eos, vocab, new_cache
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._batch = DecodeBatch()
+        self._ids = 0
+        self._closed = False
+        self._listeners: list[Callable[[Event], None]] = []
+        self.kv_bytes = 0
+        self.steps = 0
+        self.turns = 0
+        self._thread = threading.Thread(target=self._loop, name=f"timeshare-llm-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers
+    def submit(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        """Queue a generation. A prompt that cannot fit is refused here, before it queues."""
+        if not prompt:
+            raise ConfigError("the prompt is empty")
+        if any(not 0 <= t < self._vocab for t in prompt):
+            raise ConfigError(f"prompt token ids must be in [0, {self._vocab})")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ContextLengthError(
+                f"model {self.name!r} has a context of {self.max_context} tokens; the prompt has {len(prompt)} "
+                f"and max_tokens asks for {params.max_tokens} more")
+        with self._cond:
+            if self._closed:
+                raise GenerationError(f"model {self.name!r} is closed")
+            self._ids += 1
+            seq = Sequence(self._ids, list(prompt), params)
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        return seq
+
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        self._listeners.append(listener)
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {"running": len(self._running), "waiting": len(self._waiting), "kv_bytes": self.kv_bytes,
+                    "steps": self.steps, "turns": self.turns, "max_sequences": self.max_sequences,
+                    "max_context": self.max_context}
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop: queued and running sequences end with an error."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        with self._cond:
+            left = list(self._waiting) + self._running
+            self._waiting.clear()
+            self._running = []
+            self._batch = DecodeBatch()
+            self.kv_bytes = 0
+        for seq in left:
+            self._fail(seq, GenerationError(f"model {self.name!r} was closed"))
+
+    # ------------------------------------------------------------------ the engine's thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._running:
+                    self._cond.wait(1.0)
+                if self._closed:
+                    return
+            try:
+                with self._rt.turn(self.name) as turn:
+                    self.turns += 1
+                    self._turn(turn)
+            except BaseException as exc:  # the turn itself failed: the runtime closed, the model left
+                log.warning("model %s: turn failed: %s", self.name, exc)
+                with self._cond:
+                    left = list(self._waiting) + self._running
+                    self._waiting.clear()
+                    self._running = []
+                    self._batch = DecodeBatch()
+                    self.kv_bytes = 0
+                for seq in left:
+                    self._fail(seq, exc)
+                if not isinstance(exc, Exception):
+                    raise
+
+    def _turn(self, turn: ModelTurn) -> None:
+        while True:
+            self._admit(turn)
+            if not self._running:
+                return
+            self._step(turn)
+            self._drop_finished()
+            with self._cond:
+                idle = not self._running and not self._waiting
+            if idle or self._closed or turn.contended(self.quantum_s):
+                return
+
+    def _admit(self, turn: ModelTurn) -> None:
+        """Prefill waiting sequences into the batch, one at a time, while there is room."""
+        self._drop_finished()
+        while len(self._running) < self.max_sequences:
+            with self._cond:
+                seq = self._waiting.popleft() if self._waiting else None
+            if seq is None:
+                return
+            if seq.cancelled:
+                self._end(seq, "cancelled")
+                continue
+            ids = torch.tensor([seq.prompt], dtype=torch.long)
+            try:
+                # No cache object goes in: the model makes its own, so a forward run twice
+                # (a model's first load also profiles it) cannot append twice.
+                out = turn.call((ids,), {"attention_mask": torch.ones_like(ids), "use_cache": True,
+                                         "logits_to_keep": 1}).output
+                kv = self._layers(out["past_key_values"], len(seq.prompt))
+            except Exception as exc:
+                self._fail(seq, exc)
+                continue
+            self._emit(seq, next_token(out["logits"][0, -1], seq.params, seq.generator))
+            if seq.done:
+                continue
+            with self._cond:
+                self._batch.join(kv, len(seq.prompt))
+                self._running.append(seq)
+                self.kv_bytes = self._batch.nbytes
+
+    def _step(self, turn: ModelTurn) -> None:
+        """One decode step of every running sequence."""
+        ids, mask, positions = self._batch.step_inputs([s.tokens[-1] for s in self._running])
+        try:
+            out = turn.call((ids,), {"attention_mask": mask, "position_ids": positions,
+                                     "past_key_values": self._new_cache(self._batch.kv), "use_cache": True,
+                                     "logits_to_keep": 1}).output
+            kv = self._layers(out["past_key_values"], mask.shape[1])
+        except Exception as exc:  # every sequence of the batch was in this step
+            with self._cond:
+                failed, self._running, self._batch, self.kv_bytes = self._running, [], DecodeBatch(), 0
+            for seq in failed:
+                self._fail(seq, exc)
+            return
+        self.steps += 1
+        self._batch.stepped(kv, mask)
+        self.kv_bytes = self._batch.nbytes
+        logits = out["logits"][:, -1]
+        for seq, row in zip(self._running, logits):
+            self._emit(seq, next_token(row, seq.params, seq.generator))
+
+    def _drop_finished(self) -> None:
+        for seq in self._running:
+            if seq.cancelled and not seq.done:
+                self._end(seq, "cancelled")
+        rows = [i for i, s in enumerate(self._running) if not s.done]
+        if len(rows) != len(self._running):
+            with self._cond:
+                self._batch.keep(rows)
+                self._running = [self._running[i] for i in rows]
+                self.kv_bytes = self._batch.nbytes
+
+    @staticmethod
+    def _layers(cache, width: int) -> KV:
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        if not kv or kv[0][0].shape[2] != width:
+            got = kv[0][0].shape[2] if kv else 0
+            raise TimeshareError(f"the model's cache holds {got} positions after the step, not {width}")
+        return kv
+
+    # ------------------------------------------------------------------ one token
+    def _emit(self, seq: Sequence, token: int) -> None:
+        now = time.monotonic()
+        first = seq.first_token_at is None
+        self._tell(TokenTiming(self.name, first, now - (seq.arrived if first else seq.last_token_at)))  # type: ignore[operator]
+        if first:
+            seq.first_token_at = now
+        seq.last_token_at = now
+        seq.tokens.append(token)
+        reason = None
+        if token in self._eos:
+            reason = "stop"
+        else:
+            before = len(seq.text)
+            text = self._decode(seq.tokens)
+            # A character still being decoded (U+FFFD at the end) may change with the next
+            # token: stop strings are looked for in the text before it.
+            at = find_stop(text.rstrip("\ufffd"), seq.params.stop, max(0, before - 1))
+            if at is not None:
+                text, reason = text[:at], "stop"
+            seq.text = text
+        if reason is None and (len(seq.tokens) >= seq.params.max_tokens
+                               or len(seq.prompt) + len(seq.tokens) >= self.max_context):
+            reason = "length"
+        upto = len(seq.text) if reason else len(seq.text) - held_back(seq.text, seq.params.stop)
+        if upto > seq.sent:
+            seq._put(Delta(seq.text[seq.sent:upto], len(seq.tokens)))
+            seq.sent = upto
+        if reason:
+            self._end(seq, reason)
+
+    def _end(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        if seq.done:
+            return
+        seq.finish = Finish(reason, len(seq.prompt), len(seq.tokens), error)
+        seq._put(seq.finish)
+        self._tell(SequenceDone(self.name, seq.finish))
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        self._end(seq, "error", exc)
+
+    def _tell(self, event: Event) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not stop generation
+                log.exception("llm listener failed")
+

@@ -1,0 +1,118 @@
+"""A language model served by the runtime: a Hugging Face directory registered as one
+of the runtime's models (its weights in the host store and the arena like any other's),
+its tokenizer and chat template, and the engine that generates from it."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from timeshare.errors import ConfigError
+from timeshare.llm import hfdir
+from timeshare.llm.batch import KV
+from timeshare.llm.engine import Engine, Sequence
+from timeshare.llm.sampling import SamplingParams
+from timeshare.runtime.facade import Runtime
+from timeshare.scheduler.task import Priority
+
+PROFILE_TOKENS = 32  # the prompt length a model's prefill is profiled (and its loads planned) for
+
+
+class LanguageModel:
+    """Model ``name`` of ``runtime``, from the directory ``path`` (see ``load``)."""
+
+    def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine):
+        self.runtime, self.name, self.path = runtime, name, path
+        self.tokenizer, self.config, self.engine = tokenizer, config, engine
+        self.created = int(path.stat().st_mtime)
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The prompt of a chat: the messages through the model's chat template, with
+        the assistant's turn opened."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"model {self.name!r} has no chat template; use completions")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template's own checks (jinja's exceptions)
+            raise ConfigError(f"model {self.name!r}: the messages do not fit its chat template ({exc})") from None
+        return self.encode(text)
+
+    def decode(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        return self.engine.submit(prompt, params)
+
+    def close(self) -> None:
+        """Stop generating (queued and running sequences fail) and unregister the model."""
+        self.engine.close()
+        if self.name in self.runtime.models():
+            self.runtime.unregister(self.name)
+
+
+def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = None, pin: bool = False,
+         priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
+         max_sequences: int = 8, quantum_s: float = 0.05) -> LanguageModel:
+    """Register the Hugging Face directory ``path`` as model ``name``: its module built
+    from ``config.json``, its weights read from the safetensors shards into the runtime's
+    host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
+    the longest prompt plus completion (default: the model's positions);
+    ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts]."""
+    from transformers import AutoConfig, AutoTokenizer, DynamicCache
+
+    if runtime.in_process_worker() is None:
+        raise ConfigError(f"language model {name!r}: generation needs an in-process runtime (workers: 0); "
+                          "key/value caches in worker processes are not built yet")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{str(path)!r} is not a model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise ConfigError(f"{path}/config.json cannot be read ({exc})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ConfigError(f"{path}: the tokenizer cannot be read ({exc})") from None
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    context = max_context or positions
+    if not context:
+        raise ConfigError(f"model {name!r}: its config gives no context length; set max_context")
+    if positions and context > positions:
+        raise ConfigError(f"model {name!r}: max_context {context} exceeds its {positions} positions")
+    vocab = int(config.vocab_size)
+    eos = _ids(getattr(config, "eos_token_id", None)) | _ids(tokenizer.eos_token_id)
+    example = torch.arange(min(PROFILE_TOKENS, context - 1), dtype=torch.long)[None] % vocab
+    runtime.register(name, functools.partial(hfdir.build_causal_lm, str(path)), hfdir.read_weights(path),
+                     (example,), example_kwargs={"use_cache": False}, dtype=dtype, pin=pin, priority=priority)
+
+    def new_cache(kv: KV | None):
+        return DynamicCache(ddp_cache_data=kv, config=config) if kv else DynamicCache(config=config)
+
+    def decode(tokens: list[int]) -> str:
+        return str(tokenizer.decode(tokens, skip_special_tokens=True))
+
+    try:
+        engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
+                        max_sequences=max_sequences, new_cache=new_cache, quantum_s=quantum_s)
+    except BaseException:
+        runtime.unregister(name)
+        raise
+    return LanguageModel(runtime, name, path, tokenizer, config, engine)
+
+
+def _ids(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}

@@ -1,0 +1,98 @@
+"""Choosing the next token and knowing when to stop: the per-request parameters of the
+OpenAI API (temperature, top_p, top_k, seed, max_tokens, stop strings), checked once and
+applied to one sequence's logits at a time. Pure; runs in the controller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from timeshare.errors import ConfigError
+
+MAX_STOPS = 4  # as OpenAI's API
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its tokens. ``temperature`` 0 is greedy decoding (the
+    most likely token, as ``transformers``' ``generate`` without sampling); otherwise
+    the logits are divided by it, cut to the ``top_k`` most likely (0: all) and to the
+    smallest set whose probability reaches ``top_p``, and sampled with a generator
+    seeded by ``seed`` (None: from the operating system), so that a seeded request gives
+    the same text whatever else runs beside it."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ConfigError(f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if len(self.stop) > MAX_STOPS or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop must be at most {MAX_STOPS} non-empty strings, got {list(self.stop)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self) -> torch.Generator | None:
+        """A generator of its own for a sampled request (None for greedy)."""
+        if self.greedy:
+            return None
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The token chosen from one sequence's logits over the vocabulary (1-d)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.detach().float().cpu() / params.temperature
+    if params.top_k and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        # Keep each token whose predecessors' mass is still short of top_p: the first always.
+        before = torch.cumsum(probs, dim=-1) - probs
+        cut = order[before >= params.top_p]
+        scores[cut] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+    """Where the first stop string begins in ``text`` (looking from ``start``; a stop
+    that began before ``start`` was found earlier), or None."""
+    found = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` a stream must hold back: the longest
+    tail that begins a stop string (it may complete with the next token, and a stop
+    string is never sent), or a character still being decoded (U+FFFD)."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    if text.endswith("\ufffd"):
+        hold = max(hold, 1)
+    return hold

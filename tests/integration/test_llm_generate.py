@@ -1,0 +1,230 @@
+"""Generation (issue 18): greedy tokens identical to ``transformers``' own ``generate`` on
+the same weights when the model is warm, after a pipelined load from poisoned blocks,
+after another model took the device between two tokens, and inside a continuous batch;
+sampling, stop strings, streaming, cancellation and bad input."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from timeshare.errors import ConfigError, WeightsError
+from timeshare.llm import hfdir
+from timeshare.llm import model as lm
+from timeshare.llm.engine import ContextLengthError, Delta, Finish
+from timeshare.llm.sampling import SamplingParams
+from timeshare.runtime.events import CallRecord
+from timeshare.runtime.facade import Runtime
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["the model switch fast", "a gpu", "load weights layer token fast slow memory host device"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return hfdir.write_model_dir(tmp_path_factory.mktemp("gen") / "llama", "llama", seed=3, hidden=128, layers=4)
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    tok = transformers.AutoTokenizer.from_pretrained(llama)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+
+    def generate(prompt: str, n: int = GREEDY.max_tokens) -> list[int]:
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                             pad_token_id=tok.pad_token_id)
+        return out[0, ids.shape[1]:].tolist()
+
+    return generate
+
+
+def records(rt) -> list[CallRecord]:
+    seen: list[CallRecord] = []
+    rt.subscribe(lambda r: seen.append(r) if isinstance(r, CallRecord) else None)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gpt2"])
+def test_greedy_tokens_are_those_of_transformers_for_each_architecture(tmp_path, arch):
+    path = hfdir.write_model_dir(tmp_path / arch, arch, seed=2, hidden=96, layers=3)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([tok(PROMPTS[2], add_special_tokens=False)["input_ids"]])
+    want = ref.generate(ids, max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(ids),
+                        pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    with Runtime("cpu", "64MiB") as rt:
+        m = lm.load(rt, arch, path)
+        got = m.generate(ids[0].tolist(), SamplingParams(max_tokens=16, temperature=0)).result(60)
+        assert got.tokens == want
+        m.close()
+        assert rt.models() == []
+
+
+def test_greedy_warm_and_after_a_pipelined_load_from_poisoned_blocks(llama, reference):
+    with Runtime("cpu", "64MiB", poison_evicted=True, copy_delay_s=0.001) as rt:
+        seen = records(rt)
+        m = lm.load(rt, "llama", llama)
+        for prompt in PROMPTS:  # the first call loads (and profiles) it; the rest are warm
+            got = m.generate(m.encode(prompt), GREEDY).result(60)
+            assert got.tokens == reference(prompt)
+            assert got.text == m.decode(got.tokens) and got.finish_reason == "length"
+            assert (got.prompt_tokens, got.completion_tokens) == (len(m.encode(prompt)), GREEDY.max_tokens)
+        for prompt in PROMPTS:  # cold: every load is pipelined into a poisoned block
+            rt.evict("llama")
+            before = sum(r.loaded for r in seen)
+            assert m.generate(m.encode(prompt), GREEDY).result(60).tokens == reference(prompt)
+            assert sum(r.loaded for r in seen) == before + 1
+        m.close()
+
+
+def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, reference):
+    other = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
+    x = torch.randn(2, 1024)
+    with torch.no_grad():
+        want_other = other(x)
+    # Room for one of the two: the language model is evicted while it generates.
+    with Runtime("cpu", "6MiB", poison_evicted=True, copy_delay_s=0.001) as rt:
+        seen = records(rt)
+        m = lm.load(rt, "llama", llama, priority="best_effort")
+        rt.register("other", lambda: other, other.state_dict(), (x,))
+        prompt = PROMPTS[0]
+        seq = m.generate(m.encode(prompt), SamplingParams(max_tokens=60, temperature=0))
+        deadline = time.monotonic() + 30
+        while len(seq.tokens) < 5 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        outputs = [rt.infer("other", x) for _ in range(3)]
+        at_other = time.monotonic()
+        got = seq.result(60)
+        assert all(torch.equal(o, want_other) for o in outputs)
+        assert got.tokens == reference(prompt, 60)
+        assert seq.last_token_at > at_other  # the generation went on after the other model ran
+        llama_loads = [r for r in seen if r.model == "llama" and r.loaded]
+        assert len(llama_loads) >= 2  # its first load, and again after "other" evicted it
+        assert m.engine.turns >= 2
+        m.close()
+
+
+def test_sequences_that_join_a_running_batch_get_the_tokens_they_would_alone(llama, reference):
+    with Runtime("cpu", "64MiB", copy_delay_s=0.001) as rt:
+        m = lm.load(rt, "llama", llama)
+        m.generate(m.encode("a"), SamplingParams(max_tokens=2, temperature=0)).result(60)  # loaded, profiled
+        seqs = []
+        for prompt in PROMPTS:  # each joins when the previous one is decoding
+            seqs.append(m.generate(m.encode(prompt), SamplingParams(max_tokens=40, temperature=0)))
+            deadline = time.monotonic() + 30
+            while len(seqs[-1].tokens) < 3 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        steps0 = m.engine.steps
+        results = [s.result(60) for s in seqs]
+        for prompt, got in zip(PROMPTS, results):
+            assert got.tokens == reference(prompt, 40)
+        alone = sum(len(r.tokens) - 1 for r in results)  # decode steps had each run alone
+        assert m.engine.steps - steps0 < alone - 20
+        assert m.engine.snapshot()["kv_bytes"] == 0 and m.engine.snapshot()["running"] == 0
+        m.close()
+
+
+def test_sampling_is_seeded_per_request_and_top_k_one_is_greedy(llama, reference):
+    with Runtime("cpu", "64MiB") as rt:
+        m = lm.load(rt, "llama", llama)
+        ids = m.encode(PROMPTS[0])
+        sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
+        a = m.generate(ids, sampled).result(60)
+        b = m.generate(ids, sampled).result(60)
+        c = m.generate(ids, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=12)).result(60)
+        assert a.tokens == b.tokens and a.tokens != c.tokens
+        assert a.tokens != reference(PROMPTS[0])
+        k1 = m.generate(ids, SamplingParams(max_tokens=24, temperature=1.0, top_k=1, seed=3)).result(60)
+        assert k1.tokens == reference(PROMPTS[0])
+        m.close()
+
+
+def test_stop_strings_end_the_text_before_them_and_are_never_streamed(llama):
+    with Runtime("cpu", "64MiB") as rt:
+        m = lm.load(rt, "llama", llama)
+        ids = m.encode(PROMPTS[1])
+        full = m.generate(ids, SamplingParams(max_tokens=40, temperature=0)).result(60).text
+        # Random weights make byte-level text; the stop is two plain characters of it.
+        stop = next(full[i:i + 2] for i in range(8, len(full)) if full[i:i + 2].isprintable()
+                    and "\ufffd" not in full[i:i + 2])
+        cut = full.find(stop)
+        seq = m.generate(ids, SamplingParams(max_tokens=40, temperature=0, stop=("never there", stop)))
+        events = list(seq.events(60))
+        streamed = "".join(e.text for e in events if isinstance(e, Delta))
+        finish = events[-1]
+        assert isinstance(finish, Finish) and finish.reason == "stop"
+        assert streamed == full[:cut] and stop not in streamed
+        assert finish.completion_tokens < 40
+        m.close()
+
+
+def test_a_cancelled_sequence_is_freed_and_the_others_carry_on(llama, reference):
+    with Runtime("cpu", "64MiB", copy_delay_s=0.001) as rt:
+        m = lm.load(rt, "llama", llama)
+        long = m.generate(m.encode(PROMPTS[0]), SamplingParams(max_tokens=200, temperature=0))
+        other = m.generate(m.encode(PROMPTS[2]), SamplingParams(max_tokens=60, temperature=0))
+        next(iter(long.events(30)))  # it is generating
+        long.cancel()
+        assert other.result(60).tokens == reference(PROMPTS[2], 60)
+        finish = list(long.events(30))[-1]
+        assert isinstance(finish, Finish) and finish.reason == "cancelled"
+        assert len(long.tokens) < 200
+        deadline = time.monotonic() + 10
+        while m.engine.snapshot()["kv_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.engine.snapshot() | {"steps": 0, "turns": 0} == {
+            "running": 0, "waiting": 0, "kv_bytes": 0, "steps": 0, "turns": 0, "max_sequences": 8,
+            "max_context": 256}
+        m.close()
+
+
+def test_bad_requests_are_refused_and_queued_work_fails_on_close(llama):
+    with Runtime("cpu", "64MiB") as rt:
+        m = lm.load(rt, "llama", llama, max_context=64)
+        with pytest.raises(ContextLengthError, match="context of 64 tokens"):
+            m.generate([5] * 60, SamplingParams(max_tokens=10))
+        with pytest.raises(ConfigError, match="empty"):
+            m.generate([], SamplingParams())
+        with pytest.raises(ConfigError, match="token ids"):
+            m.generate([10**6], SamplingParams())
+        with pytest.raises(ConfigError, match="exceeds its 256 positions"):
+            lm.load(rt, "big", llama, max_context=1000)
+        gate = threading.Event()
+        with rt.hold_device():  # nothing runs: the sequence stays queued until close
+            seq = m.generate(m.encode("a"), SamplingParams(max_tokens=5))
+            closer = threading.Thread(target=lambda: (m.engine.close(), gate.set()))
+            closer.start()
+            time.sleep(0.2)
+        closer.join(30)
+        finish = list(seq.events(30))[-1]
+        assert isinstance(finish, Finish) and finish.reason == "error" and "closed" in str(finish.error)
+        assert gate.is_set()
+
+
+def test_broken_directories_and_worker_runtimes_are_refused_clearly(tmp_path, llama):
+    with Runtime("cpu", "64MiB") as rt:
+        with pytest.raises(ConfigError, match="not a model directory"):
+            lm.load(rt, "x", tmp_path)
+        bad_tok = tmp_path / "badtok"
+        shutil.copytree(llama, bad_tok)
+        (bad_tok / "tokenizer.json").write_text("{not json")
+        with pytest.raises(ConfigError, match="tokenizer cannot be read"):
+            lm.load(rt, "x", bad_tok)
+        bad_shard = tmp_path / "badshard"
+        shutil.copytree(llama, bad_shard)
+        shard = hfdir.shard_files(bad_shard)[0]
+        shard.write_bytes(shard.read_bytes()[:100])
+        with pytest.raises(WeightsError, match="cannot be read as safetensors"):
+            lm.load(rt, "x", bad_shard)
+        assert rt.models() == []
+    with Runtime("cpu", "64MiB", workers=1) as rt:
+        with pytest.raises(ConfigError, match="in-process runtime"):
+            lm.load(rt, "x", llama)
