@@ -314,6 +314,39 @@ class TrainingConfig(_Strict):
         return v
 
 
+class LLMConfig(_Strict):
+    """A generative language model, served through the OpenAI-compatible API (``/v1``)."""
+
+    name: str
+    """The ``model`` field of requests."""
+    path: str
+    """A Hugging Face model directory: config.json, safetensors weights (sharded or not),
+    tokenizer files and, for chat, a chat template."""
+    dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    pinned: bool = False
+    """Load at start-up and never evict."""
+    priority: Literal["latency_critical", "best_effort"] = "latency_critical"
+    max_context: Annotated[int, Field(ge=2)] | None = None
+    """The longest prompt plus completion, in tokens (default: the model's positions)."""
+    max_sequences: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Sequences decoded together; more wait their turn."""
+    quantum_ms: Annotated[float, Field(gt=0)] = 50.0
+    """How long the model keeps the device while others of its priority wait (a more
+    urgent request takes it at the next token)."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v):
+        return _name(v, "language model name")
+
+    @field_validator("path")
+    @classmethod
+    def _directory(cls, v):
+        if not (Path(v) / "config.json").is_file():
+            raise ValueError(f"{v!r} is not a model directory (no config.json)")
+        return v
+
+
 class Config(_Strict):
     """The whole of ``timeshare.yaml``."""
 
@@ -321,14 +354,19 @@ class Config(_Strict):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
     models: list[ModelConfig] = []
+    llms: list[LLMConfig] = []
     training: list[TrainingConfig] = []
 
     @model_validator(mode="after")
     def _consistent(self):
-        names = [m.name for m in self.models]
+        names = [m.name for m in self.models] + [m.name for m in self.llms]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"model names must be distinct; repeated: {dup}")
+        if self.llms and self.runtime.workers:
+            raise ValueError("llms: generation runs in-process for now; use runtime.workers: 0")
+        if self.llms and self.runtime.scheduling == "pack":
+            raise ValueError("llms: decode turns do not run in lanes yet; use a scheduling other than 'pack'")
         jobs = [t.name for t in self.training]
         dup = sorted({n for n in jobs if jobs.count(n) > 1})
         if dup:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from timeshare.errors import ConfigError, TimeshareError
+from timeshare.errors import ConfigError, Timeout, TimeshareError, Unavailable
 from timeshare.llm.batch import KV, DecodeBatch
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
 from timeshare.runtime.facade import ModelTurn, Runtime
@@ -39,8 +39,7 @@ class ContextLengthError(ConfigError):
 
 
 class GenerationError(TimeshareError):
-    """A sequence that could not finish (the model failed, the engine closed, a wait
-    ran out)."""
+    """The model's cache did not grow as a step must grow it."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +90,12 @@ Event = TokenTiming | SequenceDone
 
 
 class Sequence:
-    """One request's generation. Read it with ``events`` (streaming) or ``result``;
+    """One request's generation. Read it with ``events`` (streaming) or ``result``, or
+    give ``on_event`` (called in the engine's thread, for each event, instead);
     ``cancel`` frees it at the next step."""
 
-    def __init__(self, sid: int, prompt: list[int], params: SamplingParams):
+    def __init__(self, sid: int, prompt: list[int], params: SamplingParams,
+                 on_event: Callable[[Delta | Finish], None] | None = None):
         self.id, self.prompt, self.params = sid, prompt, params
         self.tokens: list[int] = []
         self.text = ""
@@ -105,6 +106,7 @@ class Sequence:
         self.last_token_at: float | None = None
         self.generator = params.generator()
         self._events: queue.Queue[Delta | Finish] = queue.Queue()
+        self._on_event = on_event
         self._cancelled = threading.Event()
 
     @property
@@ -125,7 +127,7 @@ class Sequence:
                 event = self._events.get(timeout=timeout_s)
             except queue.Empty:
                 self.cancel()
-                raise GenerationError(f"sequence {self.id}: no token in {timeout_s:g} s") from None
+                raise Timeout(f"sequence {self.id}: no token in {timeout_s:g} s") from None
             yield event
             if isinstance(event, Finish):
                 return
@@ -144,7 +146,14 @@ class Sequence:
         raise AssertionError("unreachable")
 
     def _put(self, event: Delta | Finish) -> None:
-        self._events.put(event)
+        if self._on_event is None:
+            self._events.put(event)
+            return
+        try:
+            self._on_event(event)
+        except Exception:  # the reader's bug must not stop the engine
+            log.exception("sequence %d: on_event failed", self.id)
+            self.cancel()
 
 
 class Engine:
@@ -177,7 +186,8 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ callers
-    def submit(self, prompt: list[int], params: SamplingParams) -> Sequence:
+    def submit(self, prompt: list[int], params: SamplingParams,
+               on_event: Callable[[Delta | Finish], None] | None = None) -> Sequence:
         """Queue a generation. A prompt that cannot fit is refused here, before it queues."""
         if not prompt:
             raise ConfigError("the prompt is empty")
@@ -189,9 +199,9 @@ class Engine:
                 f"and max_tokens asks for {params.max_tokens} more")
         with self._cond:
             if self._closed:
-                raise GenerationError(f"model {self.name!r} is closed")
+                raise Unavailable(f"model {self.name!r} is closed")
             self._ids += 1
-            seq = Sequence(self._ids, list(prompt), params)
+            seq = Sequence(self._ids, list(prompt), params, on_event)
             self._waiting.append(seq)
             self._cond.notify_all()
         return seq
@@ -218,7 +228,7 @@ class Engine:
             self._batch = DecodeBatch()
             self.kv_bytes = 0
         for seq in left:
-            self._fail(seq, GenerationError(f"model {self.name!r} was closed"))
+            self._fail(seq, Unavailable(f"model {self.name!r} was closed"))
 
     # ------------------------------------------------------------------ the engine's thread
     def _loop(self) -> None:
@@ -323,7 +333,7 @@ class Engine:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         if not kv or kv[0][0].shape[2] != width:
             got = kv[0][0].shape[2] if kv else 0
-            raise TimeshareError(f"the model's cache holds {got} positions after the step, not {width}")
+            raise GenerationError(f"the model's cache holds {got} positions after the step, not {width}")
         return kv
 
     # ------------------------------------------------------------------ one token

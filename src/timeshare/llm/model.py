@@ -5,6 +5,7 @@ its tokenizer and chat template, and the engine that generates from it."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm.batch import KV
-from timeshare.llm.engine import Engine, Sequence
+from timeshare.llm.engine import Delta, Engine, Finish, Sequence
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
@@ -49,8 +50,9 @@ class LanguageModel:
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Sequence:
-        return self.engine.submit(prompt, params)
+    def generate(self, prompt: list[int], params: SamplingParams,
+                 on_event: Callable[[Delta | Finish], None] | None = None) -> Sequence:
+        return self.engine.submit(prompt, params, on_event)
 
     def close(self) -> None:
         """Stop generating (queued and running sequences fail) and unregister the model."""

@@ -26,8 +26,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from timeshare import __version__
-from timeshare.errors import BadRequest, TimeshareError
+from timeshare.errors import BadRequest, TimeshareError, UnknownModelError
 from timeshare.server.admin import add_admin_plane
+from timeshare.server.openai import add_openai_api, openai_error
 from timeshare.server.parsing import HEADER_LENGTH, describe_validation
 from timeshare.server.schemas import InferenceRequest
 from timeshare.server.service import Service
@@ -62,6 +63,7 @@ def create_app(service: Service, *, start: bool = True) -> FastAPI:
     _errors(app, service)
     _data_plane(app, service)
     add_admin_plane(app, service)
+    add_openai_api(app, service)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
@@ -82,7 +84,12 @@ class SafeJSONResponse(JSONResponse):
         return dump_json(content)
 
 
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, message: str, headers: dict | None = None, path: str = "",
+                   code: str | None = None) -> JSONResponse:
+    """An error as JSON: ``{"error": message}``, or in OpenAI's shape (with ``code``)
+    under ``/v1``."""
+    if path.startswith("/v1/"):
+        return openai_error(status, message, headers=headers, code=code)
     return SafeJSONResponse({"error": message}, status_code=status, headers=headers)
 
 
@@ -93,15 +100,16 @@ def _errors(app: FastAPI, service: Service) -> None:
         # Every 503 says when to come back: a full queue knows; a worker being replaced
         # or a model waiting for room takes about a second.
         headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if status == 503 else None
-        return error_response(status, str(exc), headers)
+        code = "model_not_found" if isinstance(exc, UnknownModelError) else None
+        return error_response(status, str(exc), headers, request.url.path, code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return error_response(400, describe_validation(exc.errors()))
+        return error_response(400, describe_validation(exc.errors()), path=request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None), request.url.path)
 
     @app.exception_handler(ClientDisconnect)
     async def gone(request: Request, exc: ClientDisconnect):
@@ -123,7 +131,7 @@ class BodyLimit:
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             response = error_response(413, f"request body of {int(declared)} bytes is over the limit of "
-                                           f"{self.limit} (server.max_request_bytes)")
+                                           f"{self.limit} (server.max_request_bytes)", path=scope.get("path", ""))
             return await response(scope, receive, send)
         seen = 0
 

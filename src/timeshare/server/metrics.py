@@ -12,11 +12,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from timeshare.llm.engine import Event, TokenTiming
 from timeshare.runtime.events import CallRecord, EvictionRecord
 
 # 1 ms to 1 min: a resident call on a GPU up to a cold load of a large model on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# 0.5 ms to 5 s: one decode step of a batch, up to a step that waited for a switch.
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 disable_created_metrics()  # no *_created series: they double every counter for little use
 
@@ -51,6 +54,15 @@ class Metrics:
                                 ["model", "error"], registry=r)
         self.rejections = Counter("timeshare_rejected_requests", "Requests refused with 503 because the model's "
                                   "queue was full", ["model"], registry=r)
+        # Language models (the OpenAI API): tokens per second is the rate of the tokens counter.
+        self.ttft = Histogram("timeshare_llm_time_to_first_token_seconds", "From a generation's arrival to its "
+                              "first token", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("timeshare_llm_inter_token_seconds", "Between two tokens of one generation",
+                             ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter("timeshare_llm_tokens", "Tokens of finished generations: their prompts and what "
+                              "they generated", ["model", "kind"], registry=r)
+        self.generations = Counter("timeshare_llm_generations", "Finished generations by how they ended: stop, "
+                                   "length, cancelled, error", ["model", "finish_reason"], registry=r)
         r.register(_Levels(service))
 
     # ------------------------------------------------------------------ events
@@ -76,6 +88,15 @@ class Metrics:
 
     def queued(self, model: str, seconds: float) -> None:
         self.queue_seconds.labels(model).observe(seconds)
+
+    def llm_event(self, event: Event) -> None:
+        if isinstance(event, TokenTiming):
+            (self.ttft if event.first else self.itl).labels(event.model).observe(event.seconds)
+            return
+        f = event.finish
+        self.tokens.labels(event.model, "prompt").inc(f.prompt_tokens)
+        self.tokens.labels(event.model, "completion").inc(f.completion_tokens)
+        self.generations.labels(event.model, f.reason).inc()
 
     def batched(self, model: str, rows: int) -> None:
         self.batch_rows.labels(model).observe(rows)
@@ -157,6 +178,15 @@ class _Levels:
                                     value=shared["resident_shared_bytes"])
             yield GaugeMetricFamily("timeshare_dedup_saved_bytes", "Host bytes that separate copies of the models "
                                     "would take beyond what is held", value=shared["saved_bytes"])
+        llms = {name: s for name, s in snap.get("llms", {}).items() if s["state"] == "READY"}
+        if llms:
+            yield _by_label(GaugeMetricFamily, "timeshare_llm_kv_cache_bytes", "Bytes of the key/value caches of "
+                            "each language model's running generations", "model",
+                            {n: s["kv_bytes"] for n, s in llms.items()})
+            yield _by_label(GaugeMetricFamily, "timeshare_llm_running", "Generations decoding together", "model",
+                            {n: s["running"] for n, s in llms.items()})
+            yield _by_label(GaugeMetricFamily, "timeshare_llm_waiting", "Generations waiting to start", "model",
+                            {n: s["waiting"] for n, s in llms.items()})
         workers = snap.get("workers")
         if workers is not None:
             yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers["size"])

@@ -26,6 +26,7 @@ from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs
 from timeshare.server.jobs import TrainingJobs
+from timeshare.server.llms import LanguageModels
 from timeshare.server.metrics import Metrics
 from timeshare.server.parser_pool import ParserPool
 from timeshare.server.runner import QueueRunner, Reply
@@ -40,9 +41,11 @@ class Service:
         self.config = config
         self.endpoints = {m.name: Endpoint(m) for m in config.models}
         self.metrics = Metrics(self)
+        self.llms = LanguageModels(config.llms, self.metrics.llm_event)
         self.runtime = runtime
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
-        self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + 4, thread_name_prefix="timeshare-serve")
+        self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + len(config.llms) + 4,
+                                            thread_name_prefix="timeshare-serve")
         self.training = TrainingJobs(config.admin, runtime=lambda: self._rt, call=self._call)
         self.runner = QueueRunner(runtime=lambda: self._rt, executor=self._executor, metrics=self.metrics,
                                   request_timeout_s=config.server.request_timeout_s)
@@ -92,6 +95,7 @@ class Service:
             for ep in sorted(self.endpoints.values(), key=lambda e: e.pinned):
                 async with ep.lock:
                     await self._load(ep)
+            await self.llms.start(self._rt, self._call)
             for cfg in self.config.training:
                 if cfg.start:
                     try:
@@ -159,6 +163,7 @@ class Service:
             if ep.runner is not None:
                 ep.runner.cancel()
         await self._call(self.parsers.close)  # a body still being parsed gets 503
+        await self._call(self.llms.close)  # generations still running end with an error
         if self.runtime is not None:
             close = asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.close)
             try:  # training jobs stop at their next iteration; workers get their own deadlines
@@ -332,6 +337,7 @@ class Service:
         snap["queue_depth"] = self.queue_depths()
         snap["inference_seconds"] = self._busy_s
         snap["jobs"] = self.training.iterations()
+        snap["llms"] = self.llms.snapshot()
         return snap
 
     async def _call(self, fn, *args, **kwargs):

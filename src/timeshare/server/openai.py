@@ -1,0 +1,301 @@
+"""The OpenAI-compatible API of the language models: ``GET /v1/models``, ``POST
+/v1/completions`` and ``POST /v1/chat/completions``, whole or streamed as server-sent
+events, with ``usage``, and errors in OpenAI's shape (``{"error": {"message", "type",
+"param", "code"}}``, made by ``openai_error`` for every ``/v1`` path). Runs in the
+server's event loop; generation runs in each model's engine thread, whose events reach
+the loop through ``call_soon_threadsafe``.
+
+A request is checked whole before anything is queued: an unknown model is 404, a bad
+field 400 naming it, a prompt over the context 400 with code
+``context_length_exceeded``. A client that goes away mid-stream cancels its sequences
+(freed at the engine's next step)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from timeshare.errors import ConfigError, Timeout, TimeshareError
+from timeshare.llm.engine import ContextLengthError, Delta, Finish, Sequence
+from timeshare.llm.model import LanguageModel
+from timeshare.llm.sampling import SamplingParams
+from timeshare.server.status import served_error, status_of
+
+EVENT_TIMEOUT_S = 300.0  # the longest wait for a sequence's next token before the request gives up
+
+
+# ---------------------------------------------------------------------- requests
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields of their own (user, metadata...)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    """An extension (as vLLM's): the most likely k tokens only; 0 or -1: all."""
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=0, le=0)
+    frequency_penalty: float = Field(0.0, ge=0, le=0)
+    logprobs: bool | int | None = None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        if self.logprobs:
+            raise ConfigError("logprobs are not supported")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(0, self.top_k), seed=self.seed, stop=stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = Field(False, le=False)
+    best_of: int | None = Field(None, ge=1, le=1)
+
+
+class _Part(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_Part] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# ---------------------------------------------------------------------- errors
+def openai_error(status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(json.loads(json.dumps(body, ensure_ascii=True)), status_code=status, headers=headers)
+
+
+class _Invalid(Exception):
+    """A request that fails validation: its message and the field at fault."""
+
+    def __init__(self, message: str, param: str | None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _parse(cls: type[BaseModel], body: Any) -> Any:
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise _Invalid(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+# ---------------------------------------------------------------------- the routes
+def add_openai_api(app: FastAPI, service) -> None:
+    llms = service.llms
+
+    @app.get("/v1/models", summary="The language models (OpenAI)")
+    def list_models():
+        return {"object": "list", "data": [_model_card(m) for m in llms.loaded.values()]}
+
+    @app.get("/v1/models/{name}", summary="One language model (OpenAI)")
+    def model_card(name: str):
+        return _model_card(llms.get(name))
+
+    @app.post("/v1/completions", summary="Complete prompts (OpenAI)")
+    async def completions(request: Request):
+        try:
+            req: CompletionRequest = _parse(CompletionRequest, await _body(request))
+            model = llms.get(req.model)
+            prompts = _prompts(req.prompt, model)
+            params = req.sampling(req.max_tokens or 16)
+        except _Invalid as exc:
+            return openai_error(400, str(exc), param=exc.param, code=exc.code)
+        return await _answer(model, prompts, params, req, chat=False)
+
+    @app.post("/v1/chat/completions", summary="Answer a chat (OpenAI)")
+    async def chat_completions(request: Request):
+        try:
+            req: ChatRequest = _parse(ChatRequest, await _body(request))
+            model = llms.get(req.model)
+            try:
+                prompt = model.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+            except ConfigError as exc:
+                raise _Invalid(str(exc), "messages") from None
+            limit = req.max_completion_tokens or req.max_tokens or max(1, model.max_context - len(prompt))
+            params = req.sampling(limit)
+        except _Invalid as exc:
+            return openai_error(400, str(exc), param=exc.param, code=exc.code)
+        return await _answer(model, [prompt], params, req, chat=True)
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise _Invalid(f"the body is not JSON ({exc})", None) from None
+
+
+def _model_card(model: LanguageModel) -> dict:
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "timeshare",
+            "max_model_len": model.max_context}
+
+
+def _prompts(prompt, model: LanguageModel) -> list[list[int]]:
+    """A completion request's prompts as token ids: a string, strings, token ids, or
+    lists of token ids."""
+    if isinstance(prompt, str):
+        return [model.encode(prompt)]
+    if not prompt:
+        raise _Invalid("prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [model.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+class _Stream:
+    """The events of several sequences, on the event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Delta | Finish]] = asyncio.Queue()
+        self.seqs: list[Sequence] = []
+
+    def listener(self, index: int):
+        def put(event: Delta | Finish) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+        return put
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta | Finish]]:
+        left = len(self.seqs)
+        while left:
+            try:
+                index, event = await asyncio.wait_for(self.queue.get(), EVENT_TIMEOUT_S)
+            except TimeoutError:
+                raise Timeout(f"no token in {EVENT_TIMEOUT_S:g} s") from None
+            if isinstance(event, Finish):
+                left -= 1
+            yield index, event
+
+    def cancel(self) -> None:
+        for seq in self.seqs:
+            seq.cancel()
+
+
+async def _answer(model: LanguageModel, prompts: list[list[int]], params: SamplingParams, req: _Sampling,
+                  *, chat: bool):
+    stream = _Stream()
+    try:
+        for i, prompt in enumerate(prompts):
+            stream.seqs.append(model.generate(prompt, params, stream.listener(i)))
+    except ContextLengthError as exc:
+        stream.cancel()
+        return openai_error(400, str(exc), param="prompt" if not chat else "messages", code="context_length_exceeded")
+    except ConfigError as exc:
+        stream.cancel()
+        return openai_error(400, str(exc), param="prompt")
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if req.stream:
+        return StreamingResponse(_sse(stream, model.name, rid, created, chat, req.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
+    finishes: dict[int, Finish] = {}
+    try:
+        async for index, event in stream.events():
+            if isinstance(event, Delta):
+                texts[index].append(event.text)
+            else:
+                finishes[index] = event
+    finally:
+        stream.cancel()  # a no-op for finished sequences; frees them if this request was abandoned
+    failed = next((f.error for f in finishes.values() if f.error is not None), None)
+    if failed is not None:
+        raise served_error(model.name, failed)
+    choices = []
+    for i in range(len(prompts)):
+        text, reason = "".join(texts[i]), finishes[i].reason
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                            "logprobs": None})
+        else:
+            choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model.name, "choices": choices, "usage": _usage(finishes.values())}
+
+
+def _usage(finishes) -> dict:
+    prompt = sum(f.prompt_tokens for f in finishes)
+    completion = sum(f.completion_tokens for f in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _sse(stream: _Stream, model: str, rid: str, created: int, chat: bool, include_usage: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list, **extra) -> str:
+        body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+        return f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
+
+    finishes: list[Finish] = []
+    try:
+        if chat:
+            for i in range(len(stream.seqs)):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        async for index, event in stream.events():
+            if isinstance(event, Finish):
+                if event.error is not None:
+                    status, message = _error_of(event.error)
+                    body = {"error": {"message": message, "type": "server_error" if status >= 500
+                                      else "invalid_request_error", "param": None, "code": status}}
+                    yield f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
+                    break
+                finishes.append(event)
+                end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
+                yield chunk([{"index": index, **end, "finish_reason": event.reason, "logprobs": None}])
+            else:
+                part: dict[str, Any] = {"delta": {"content": event.text}} if chat else {"text": event.text}
+                yield chunk([{"index": index, **part, "finish_reason": None, "logprobs": None}])
+        else:
+            if include_usage:
+                yield chunk([], usage=_usage(finishes))
+        yield "data: [DONE]\n\n"
+    except Timeout as exc:
+        body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 504}}
+        yield f"data: {json.dumps(body)}\n\n"
+    finally:  # the client went away (the response is cancelled), or the stream ended
+        stream.cancel()
+
+
+def _error_of(exc: BaseException) -> tuple[int, str]:
+    served = served_error("", exc)
+    return status_of(served), str(served) if isinstance(served, TimeshareError) else repr(exc)

@@ -1,0 +1,191 @@
+"""The OpenAI-compatible API (issue 18), through the official ``openai`` client against a
+running server: two language models in room for one beside an Open Inference Protocol
+model, greedy text identical to ``transformers``' ``generate``, streaming, usage,
+errors in OpenAI's shape, a client that leaves mid-stream, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.serving import running_server
+from timeshare.llm import hfdir
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    return {"llama": hfdir.write_model_dir(root / "llama", "llama", seed=3, hidden=128, layers=4),
+            "qwen": hfdir.write_model_dir(root / "qwen", "qwen2", seed=4, hidden=128, layers=4)}
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    cfg = {
+        # About 2.8 MB each: room for one language model at a time, so requests switch them.
+        "runtime": {"device": "cpu", "memory": "4MiB"},
+        "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
+        "models": [{"name": "mlp", "zoo": "tiny_mlp"}],
+        "llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 4},
+                 {"name": "qwen", "path": str(dirs["qwen"]), "max_context": 128}],
+    }
+    with running_server(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(path, prompt_ids: list[int], n: int) -> list[int]:
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                         pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def decode(path, tokens: list[int]) -> str:
+    return transformers.AutoTokenizer.from_pretrained(path).decode(tokens, skip_special_tokens=True)
+
+
+def test_models_are_listed(client):
+    models = client.models.list()
+    assert sorted(m.id for m in models.data) == ["llama", "qwen"]
+    assert client.models.retrieve("qwen").id == "qwen"
+
+
+def test_completions_and_chats_of_two_models_are_those_of_transformers(client, dirs):
+    for name in ["llama", "qwen", "llama"]:  # each request switches the model in
+        path = dirs[name]
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        prompt = "the model switch fast"
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=20, temperature=0)
+        want = reference(path, tok(prompt, add_special_tokens=False)["input_ids"], 20)
+        assert out.choices[0].text == decode(path, want)
+        assert out.model == name and out.choices[0].finish_reason == "length"
+        assert out.usage.prompt_tokens == len(tok(prompt)["input_ids"]) and out.usage.completion_tokens == 20
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "load the weights"}]
+        chat = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
+        ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False)["input_ids"]
+        assert chat.choices[0].message.content == decode(path, reference(path, ids, 12))
+        assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens == len(ids)
+
+
+def test_streams_deliver_the_same_text_with_usage_at_the_end(client):
+    messages = [{"role": "user", "content": "a gpu"}]
+    whole = client.chat.completions.create(model="llama", messages=messages, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model="llama", messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    comp = list(client.completions.create(model="qwen", prompt=["a", "the"], max_tokens=8, temperature=0,
+                                          stream=True))
+    for index, prompt in enumerate(["a", "the"]):
+        streamed = "".join(c.choices[0].text for c in comp if c.choices[0].index == index)
+        alone = client.completions.create(model="qwen", prompt=prompt, max_tokens=8, temperature=0)
+        assert streamed == alone.choices[0].text
+
+
+def test_seeded_sampling_repeats_and_stop_strings_cut(client):
+    kw = dict(model="llama", prompt="memory host", max_tokens=24, temperature=0.9, seed=5)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    full = client.completions.create(model="llama", prompt="memory host", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    stop = next(text[i:i + 2] for i in range(6, len(text))
+                if text[i:i + 2].isprintable() and "\ufffd" not in text[i:i + 2])
+    cut = client.completions.create(model="llama", prompt="memory host", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors(client, server):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="a", max_tokens=2)
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="qwen", prompt="the " * 200, max_tokens=2)
+    assert err.value.code == "context_length_exceeded" and "128" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="qwen", prompt="a", max_tokens=0)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="llama", messages=[{"role": "wizard", "content": "hi"}])
+    assert "messages" in err.value.param
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="llama", messages=[])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="llama", prompt="a", n=2)
+    raw = httpx.post(f"{server.url}/v1/completions", content=b"{not json", timeout=30)
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    # the Open Inference Protocol beside it keeps its own error shape
+    oip = httpx.get(f"{server.url}/v2/models/nope", timeout=30)
+    assert oip.status_code == 404 and isinstance(oip.json()["error"], str)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sequence(client, server):
+    body = {"model": "llama", "prompt": "the model", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["index"] == 0
+    # the others carry on meanwhile, and the engine lets the sequence go at its next step
+    assert client.completions.create(model="llama", prompt="a", max_tokens=4, temperature=0).choices
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        llm = httpx.get(f"{server.url}/admin/status", timeout=30).json()["llms"]["llama"]
+        if llm["running"] == 0 and llm["kv_bytes"] == 0:
+            break
+        time.sleep(0.05)
+    assert llm["running"] == 0 and llm["kv_bytes"] == 0
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert 'timeshare_llm_generations_total{finish_reason="cancelled",model="llama"}' in metrics
+
+
+def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server):
+    client.completions.create(model="qwen", prompt="a", max_tokens=5, temperature=0)
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("timeshare_llm") and " " in line:
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    assert values['timeshare_llm_time_to_first_token_seconds_count{model="qwen"}'] >= 1
+    assert values['timeshare_llm_inter_token_seconds_count{model="qwen"}'] >= 4
+    assert values['timeshare_llm_tokens_total{kind="completion",model="qwen"}'] >= 5
+    assert values['timeshare_llm_kv_cache_bytes{model="qwen"}'] == 0
+    # the Open Inference Protocol model shares the runtime
+    r = httpx.post(f"{server.url}/v2/models/mlp/infer", timeout=30, json={
+        "inputs": [{"name": "x", "shape": [1, 32], "datatype": "FP32", "data": [0.0] * 32}]})
+    assert r.status_code == 200, r.text
+
+
+def test_the_llms_section_is_checked(dirs, tmp_path):
+    from timeshare.config import parse_config
+    from timeshare.errors import ConfigError
+
+    ok = {"runtime": {"device": "cpu"}, "llms": [{"name": "llama", "path": str(dirs["llama"])}]}
+    assert parse_config(ok).llms[0].max_sequences == 8
+    bad = [
+        ({"llms": [{"name": "x", "path": str(tmp_path)}]}, "not a model directory"),
+        ({"models": [{"name": "llama", "zoo": "tiny_mlp"}], "llms": ok["llms"]}, "repeated: ['llama']"),
+        ({"runtime": {"workers": 2}, "llms": ok["llms"]}, "workers: 0"),
+        ({"runtime": {"scheduling": "pack"}, "llms": ok["llms"]}, "pack"),
+        ({"llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 0}]}, "max_sequences"),
+    ]
+    for cfg, words in bad:
+        with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            parse_config(cfg)
