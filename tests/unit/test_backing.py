@@ -33,6 +33,40 @@ def test_the_index_matches_what_safetensors_reads(tmp_path):
     index.check()
 
 
+def test_one_index_over_shards_reads_each_tensor_from_its_file(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    parts = [{"a": torch.randn(6, generator=g)}, {"b": torch.randn(2, 3, generator=g), "c": torch.ones(5)}]
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"model-{i}.safetensors")
+        save_file(part, str(paths[-1]))
+    index = SafetensorsIndex.read_many(paths)
+    assert index.paths == tuple(paths) and index.path == paths[0]
+    for i, part in enumerate(parts):
+        raw = paths[i].read_bytes()
+        for name, t in part.items():
+            ft = index.tensors[name]
+            assert ft.file == i
+            assert torch.equal(torch.frombuffer(bytearray(raw[ft.start:ft.end]), dtype=torch.uint8).view(t.dtype)
+                               .view(t.shape), t)
+    # The streamed fill of a store laid out across both files.
+    pieces = ((1, index.tensors["b"].start, 0, 24), (0, index.tensors["a"].start, 24, 24))
+    spec = FillSpec(tuple(map(str, paths)), pieces, 48)
+    buf = torch.zeros(48, dtype=torch.uint8)
+    stream = StreamFill(spec, buf, chunk=8).start()
+    stream.wait_all()
+    stream.close()
+    assert torch.equal(buf[:24].view(torch.float32).view(2, 3), parts[1]["b"])
+    assert torch.equal(buf[24:].view(torch.float32), parts[0]["a"])
+    index.check()
+    paths[1].write_bytes(paths[1].read_bytes()[:-4])
+    with pytest.raises(WeightsError, match="model-1.safetensors"):
+        index.check()
+    save_file({"a": torch.zeros(1)}, str(tmp_path / "again.safetensors"))
+    with pytest.raises(WeightsError, match="in two shards"):
+        SafetensorsIndex.read_many([paths[0], tmp_path / "again.safetensors"])
+
+
 @pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{}", b"\xff" * 16,
                                      b"\x08\x00\x00\x00\x00\x00\x00\x00notjson!"])
 def test_a_file_that_is_not_safetensors_is_refused_clearly(tmp_path, content):
@@ -78,7 +112,7 @@ def test_copies_follow_the_reads_group_by_group(tmp_path, monkeypatch):
     path.write_bytes(b"H" * 4096 + data.numpy().tobytes())
     _slow_reads(monkeypatch)  # about 0.5 s of reads: a copy that did not wait would copy zeros
     src, dst = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
-    stream = StreamFill(FillSpec(str(path), ((4096, 0, n),), n), src, threads=2, chunk=4096).start()
+    stream = StreamFill(FillSpec.one(str(path), ((4096, 0, n),), n), src, threads=2, chunk=4096).start()
     engine = CpuCopyEngine(deadline_s=30)
     try:
         groups = [(i, min(i + (n // 8), n)) for i in range(0, n, n // 8)]
@@ -96,7 +130,7 @@ def test_a_file_cut_short_fails_the_reads_that_need_the_missing_bytes(tmp_path):
     path = tmp_path / "store.bin"
     path.write_bytes(bytes(4096 + 100_000))
     buf = torch.zeros(200_000, dtype=torch.uint8)
-    stream = StreamFill(FillSpec(str(path), ((4096, 0, 200_000),), 200_000), buf, chunk=50_000).start()
+    stream = StreamFill(FillSpec.one(str(path), ((4096, 0, 200_000),), 200_000), buf, chunk=50_000).start()
     try:
         stream.wait_until(50_000)  # the bytes that are there are read
         with pytest.raises(WeightsError, match="truncated"):

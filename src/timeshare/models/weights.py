@@ -7,7 +7,7 @@ Weights come from a safetensors file or an in-memory state dict. Every mismatch 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -18,19 +18,36 @@ from timeshare.errors import WeightsError
 from timeshare.models.binding import TensorLayout
 from timeshare.transfer.disk import SafetensorsIndex
 
-WeightsSource = str | os.PathLike | Mapping[str, torch.Tensor]
+WeightsSource = str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, torch.Tensor]
+
+
+def is_file_source(source: object) -> bool:
+    """Whether ``weights`` names safetensors files (one, or a model's shards)."""
+    return isinstance(source, (str, os.PathLike)) or (
+        isinstance(source, (list, tuple)) and bool(source) and all(isinstance(p, (str, os.PathLike)) for p in source))
 
 
 def read_weights(source: WeightsSource | object) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file (by name), or a copy of a state dict's mapping.
-    Anything else (a user's ``weights`` as given) raises :class:`WeightsError`."""
+    """All tensors of a safetensors file or of a model's shards (a list of files), by
+    name, or a copy of a state dict's mapping. Anything else (a user's ``weights`` as
+    given) raises :class:`WeightsError`."""
     if isinstance(source, Mapping):
         bad = [k for k, v in source.items() if not isinstance(v, torch.Tensor)]
         if bad:
             raise WeightsError(f"state dict entry {bad[0]!r} is not a tensor")
         return dict(source)
+    if isinstance(source, (list, tuple)) and is_file_source(source):
+        merged: dict[str, torch.Tensor] = {}
+        for shard in source:
+            part = read_weights(shard)
+            twice = sorted(merged.keys() & part.keys())
+            if twice:
+                raise WeightsError(f"tensor {twice[0]!r} is in two shards (again in {str(shard)!r})")
+            merged.update(part)
+        return merged
     if not isinstance(source, (str, os.PathLike)):
-        raise WeightsError(f"weights must be a safetensors path or a state dict, got {type(source).__name__}")
+        raise WeightsError("weights must be a safetensors path, a list of shards or a state dict, got "
+                           f"{type(source).__name__}")
     path = Path(source)
     if not path.exists():
         raise WeightsError(f"weights file {str(path)!r} does not exist")

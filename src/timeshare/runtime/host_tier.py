@@ -128,7 +128,7 @@ class HostTier:
         """The load that streamed ``name``'s store from disk succeeded: it is whole."""
         self.models[name].streaming = False
         self.streamed_fills += 1
-        self._done(name, sum(n for _, _, n in spec.pieces), read_s or 0.0)
+        self._done(name, spec.file_bytes, read_s or 0.0)
 
     def abandon(self, name: str, exc: BaseException) -> None:
         """A fill or the load streaming it failed: the store's pages go, and a file

@@ -20,7 +20,7 @@ from timeshare.errors import ConfigError, ModelError
 from timeshare.memory.allocator import DEFAULT_ALIGNMENT
 from timeshare.models.binding import TensorLayout, bind, collect
 from timeshare.models.spec import Builder, ModelSpec, build_module
-from timeshare.models.weights import apply_weights, match_file, read_weights
+from timeshare.models.weights import apply_weights, is_file_source, match_file, read_weights
 from timeshare.scheduler.task import Priority
 from timeshare.transfer.backing import Backing, FileBacking, HostPages, SpillBacking
 from timeshare.transfer.disk import SafetensorsIndex
@@ -87,10 +87,11 @@ def build_tiered(spec: ModelSpec, spill_dir: Path) -> Tiered:
                           "execution order is traced at registration, so that the store never moves)")
     module, layout = _build(spec)
     current = layout.tensors()
-    lazy = isinstance(spec.weights, (str, os.PathLike))
+    lazy = is_file_source(spec.weights)
     backing: Backing
     if lazy:
-        index = SafetensorsIndex.read(spec.weights)  # type: ignore[arg-type]
+        files = [spec.weights] if isinstance(spec.weights, (str, os.PathLike)) else spec.weights
+        index = SafetensorsIndex.read_many(files)  # type: ignore[arg-type]
         sources, kept, tied = match_file(layout, index, current)
         layout.entries = [_with_dtype(e, spec.dtype) if spec.dtype is not None else e for e in layout.entries]
         kept = {k: v.to(_entry(layout, k).dtype) for k, v in kept.items()}

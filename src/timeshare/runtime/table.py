@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from timeshare.errors import DuplicateModelError, UnknownModelError
+from timeshare.errors import DuplicateModelError, MemoryBudgetError, UnknownModelError
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
@@ -239,8 +239,7 @@ class ModelTable:
         tier]), or with ``stream`` the reads its load makes from disk (NOTE [Disk to device])."""
         fill = None
         if self.host is not None:
-            resident = {n for n, e in self.entries.items() if e.block is not None}
-            fill = self.host.ensure(m.name, self.host_readers(), stream=stream, cheap=resident)
+            fill = self._ensure_host(m, stream)
         self._placing = m.name
         try:
             if self.shared is not None:
@@ -255,6 +254,25 @@ class ModelTable:
         finally:
             self._placing = None
         return fill
+
+    def _ensure_host(self, m: ModelEntry, stream: bool) -> FillSpec | None:
+        """``m``'s bytes in host memory (or the reads that bring them). When only the stores
+        of resident models that compute from them stand in the way (NOTE [Direct host
+        access]), those models leave the device, as they would for ``m``'s block, and
+        their stores become droppable."""
+        assert self.host is not None
+        for attempt in (0, 1):
+            resident = {n for n, e in self.entries.items() if e.block is not None}
+            try:
+                return self.host.ensure(m.name, self.host_readers(), stream=stream, cheap=resident)
+            except MemoryBudgetError:
+                readers = [self.entries[n] for n in self.host_readers()
+                           if n != m.name and not self.entries[n].pinned and not self.entries[n].running]
+                if attempt or not readers:
+                    raise
+                for reader in readers:
+                    self.evict(reader)
+        raise AssertionError("unreachable")
 
     def evict(self, m: ModelEntry, *, keep_host_copy: bool = True) -> bool:
         """``m`` out of the arena; ``keep_host_copy=False``: it is leaving host memory too

@@ -122,21 +122,22 @@ class Backing:
 
 
 class FileBacking(Backing):
-    """A store filled from the safetensors file its model was registered from.
-    ``sources``: store key -> the file's tensor name; ``kept``: store key -> a tensor
-    held in memory (a buffer the file does not have: the module's own value)."""
+    """A store filled from the safetensors file (or shards) its model was registered
+    from. ``sources``: store key -> the file's tensor name; ``kept``: store key -> a
+    tensor held in memory (a buffer the file does not have: the module's own value)."""
 
     def __init__(self, index: SafetensorsIndex, sources: dict[str, str], kept: dict[str, torch.Tensor],
                  tied: dict[str, tuple[str, ...]] | None = None):
         self.index = index
-        self.path = index.path
+        self.path = index.path  # the first shard: what status shows
+        self.paths = index.paths
         self.sources = sources
         self.kept = kept
         self.tied = tied or {}  # store key -> other file names of the same tensor, checked equal
 
     def fill(self, store: HostStore) -> int:
         self.index.check()
-        direct: list[tuple[int, torch.Tensor]] = []
+        direct: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.paths]
         converted: list[tuple[str, FileTensor]] = []
         for e in store.entries:
             if e.key in self.kept:
@@ -144,13 +145,13 @@ class FileBacking(Backing):
                 continue
             ft = self.index.tensors[self.sources[e.key]]
             if ft.dtype == e.dtype:
-                direct.append((ft.start, store.buffer[e.offset: e.offset + e.nbytes]))
+                direct[ft.file].append((ft.start, store.buffer[e.offset: e.offset + e.nbytes]))
             else:
                 converted.append((e.key, ft))
-        n = read_ranges(self.path, direct, direct=self.direct)
+        n = sum(read_ranges(path, ranges, direct=self.direct) for path, ranges in zip(self.paths, direct) if ranges)
         for key, ft in converted:  # floating tensors stored in another dtype: read, then convert
             tmp = torch.empty(ft.nbytes, dtype=torch.uint8)
-            n += read_ranges(self.path, [(ft.start, tmp)], threads=1, direct=self.direct)
+            n += read_ranges(self.paths[ft.file], [(ft.start, tmp)], threads=1, direct=self.direct)
             store.tensor(key).copy_(tmp.view(ft.dtype).view(ft.shape))
         n += self._check_tied(store)
         return n
@@ -162,9 +163,9 @@ class FileBacking(Backing):
         self.index.check()
         for key, t in self.kept.items():
             store.tensor(key).copy_(t)
-        pieces = tuple((self.index.tensors[name].start, by_key[key].offset, by_key[key].nbytes)
-                       for key, name in self.sources.items() if by_key[key].nbytes)
-        return FillSpec(str(self.path), pieces, store.nbytes, self.direct)
+        pieces = tuple((self.index.tensors[name].file, self.index.tensors[name].start, by_key[key].offset,
+                        by_key[key].nbytes) for key, name in self.sources.items() if by_key[key].nbytes)
+        return FillSpec(tuple(str(p) for p in self.paths), pieces, store.nbytes, self.direct)
 
     def _check_tied(self, store: HostStore) -> int:
         n = 0
@@ -172,10 +173,10 @@ class FileBacking(Backing):
             for name in others:
                 ft = self.index.tensors[name]
                 tmp = torch.empty(ft.nbytes, dtype=torch.uint8)
-                n += read_ranges(self.path, [(ft.start, tmp)], threads=1, direct=self.direct)
+                n += read_ranges(self.paths[ft.file], [(ft.start, tmp)], threads=1, direct=self.direct)
                 if not torch.equal(tmp.view(ft.dtype).view(ft.shape).to(store.tensor(key).dtype), store.tensor(key)):
                     raise WeightsError(f"tied tensors {self.sources[key]!r} and {name!r} have different values in "
-                                       f"weights file {str(self.path)!r}")
+                                       f"weights file {str(self.paths[ft.file])!r}")
         return n
 
 
@@ -233,7 +234,7 @@ class SpillBacking(Backing):
 
     def stream(self, store: HostStore) -> FillSpec | None:
         self._check(store)
-        return FillSpec(str(self.path), ((SPILL_HEADER, 0, store.nbytes),), store.nbytes, self.direct)
+        return FillSpec.one(str(self.path), ((SPILL_HEADER, 0, store.nbytes),), store.nbytes, self.direct)
 
     def discard(self) -> None:
         try:

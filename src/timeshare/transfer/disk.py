@@ -56,13 +56,15 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class FileTensor:
-    """One tensor of a safetensors file: absolute byte range in the file."""
+    """One tensor of a safetensors file: absolute byte range in the file, and which of
+    its index's files (``file``: a model sharded over several) holds it."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     start: int
     end: int
+    file: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -71,11 +73,32 @@ class FileTensor:
 
 @dataclass(frozen=True)
 class SafetensorsIndex:
-    """A safetensors file's tensor index, from its header alone."""
+    """The tensor index of a safetensors file, or of a model's shards (one index over
+    several files, ``read_many``), from their headers alone."""
 
-    path: Path
+    paths: tuple[Path, ...]
     tensors: dict[str, FileTensor]
-    fingerprint: Fingerprint
+    fingerprints: tuple[Fingerprint, ...]
+
+    @property
+    def path(self) -> Path:
+        """The first file (the one, unless sharded)."""
+        return self.paths[0]
+
+    @classmethod
+    def read_many(cls, paths: Iterable[str | os.PathLike]) -> SafetensorsIndex:
+        """One index over the shards ``paths``; a tensor name in two of them is an error."""
+        parts = [cls.read(p) for p in paths]
+        if not parts:
+            raise WeightsError("no safetensors files given")
+        tensors: dict[str, FileTensor] = {}
+        for i, part in enumerate(parts):
+            for name, ft in part.tensors.items():
+                if name in tensors:
+                    raise WeightsError(f"tensor {name!r} is in two shards: {str(parts[tensors[name].file].path)!r} "
+                                       f"and {str(part.path)!r}")
+                tensors[name] = FileTensor(name, ft.dtype, ft.shape, ft.start, ft.end, i)
+        return cls(tuple(p.path for p in parts), tensors, tuple(p.fingerprints[0] for p in parts))
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> SafetensorsIndex:
@@ -122,25 +145,25 @@ class SafetensorsIndex:
                 raise WeightsError(f"weights file {str(path)!r}: tensor {name!r} spans bytes {begin}-{end}, "
                                    f"which do not fit its shape {list(shape)} or the file ({size} bytes)")
             tensors[name] = FileTensor(name, dtype, shape, base + begin, base + end)
-        return cls(path, tensors, Fingerprint.of(path, header))
+        return cls((path,), tensors, (Fingerprint.of(path, header),))
 
     def check(self) -> None:
-        """Raise ``WeightsError`` unless the file is still the one indexed."""
-        where = f"weights file {str(self.path)!r}"
-        try:
-            now = Fingerprint.of(self.path, b"")
-        except FileNotFoundError:
-            raise WeightsError(f"{where} disappeared after the model was registered") from None
-        old = self.fingerprint
-        if now.size != old.size:
-            raise WeightsError(f"{where} changed size after the model was registered ({old.size} bytes, now "
-                               f"{now.size}): truncated or rewritten; register the model again")
-        if now.mtime_ns != old.mtime_ns:
-            raise WeightsError(f"{where} was modified after the model was registered; register the model again")
-        with open(self.path, "rb") as f:
-            f.seek(8)
-            if f.read(len(old.header)) != old.header:
-                raise WeightsError(f"{where} has a different header than when the model was registered")
+        """Raise ``WeightsError`` unless every file is still the one indexed."""
+        for path, old in zip(self.paths, self.fingerprints):
+            where = f"weights file {str(path)!r}"
+            try:
+                now = Fingerprint.of(path, b"")
+            except FileNotFoundError:
+                raise WeightsError(f"{where} disappeared after the model was registered") from None
+            if now.size != old.size:
+                raise WeightsError(f"{where} changed size after the model was registered ({old.size} bytes, now "
+                                   f"{now.size}): truncated or rewritten; register the model again")
+            if now.mtime_ns != old.mtime_ns:
+                raise WeightsError(f"{where} was modified after the model was registered; register the model again")
+            with open(path, "rb") as f:
+                f.seek(8)
+                if f.read(len(old.header)) != old.header:
+                    raise WeightsError(f"{where} has a different header than when the model was registered")
 
 # ---------------------------------------------------------------------- reads
 # NOTE [Direct reads]
@@ -277,21 +300,31 @@ def read_ranges(path: Path, jobs: Iterable[tuple[int, torch.Tensor]], threads: i
 
 @dataclass(frozen=True)
 class FillSpec:
-    """A store's bytes to stream from one file while a load copies them on (NOTE [Disk
-    to device]): ``pieces`` of ``(file offset, store offset, bytes)``, every byte of the
-    store that comes from the file. Picklable: it travels to the worker that loads."""
+    """A store's bytes to stream from its files while a load copies them on (NOTE [Disk
+    to device]): ``pieces`` of ``(file, file offset, store offset, bytes)``, ``file`` an
+    index into ``paths``, every byte of the store that comes from the files. Picklable:
+    it travels to the worker that loads."""
 
-    path: str
-    pieces: tuple[tuple[int, int, int], ...]
+    paths: tuple[str, ...]
+    pieces: tuple[tuple[int, int, int, int], ...]
     nbytes: int  # of the whole store
     direct: bool = False  # read with O_DIRECT where possible (NOTE [Direct reads])
 
-    def chunks(self, chunk: int) -> list[tuple[int, int, int]]:
+    @classmethod
+    def one(cls, path: str, pieces: Iterable[tuple[int, int, int]], nbytes: int, direct: bool = False) -> FillSpec:
+        """The spec of a store whose bytes come from one file: ``(file offset, store offset, bytes)``."""
+        return cls((path,), tuple((0, f, s, n) for f, s, n in pieces), nbytes, direct)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(p[3] for p in self.pieces)
+
+    def chunks(self, chunk: int) -> list[tuple[int, int, int, int]]:
         """The pieces cut into reads of at most ``chunk`` bytes, in store order."""
         out = []
-        for f_off, s_off, n in sorted(self.pieces, key=lambda p: p[1]):
+        for file, f_off, s_off, n in sorted(self.pieces, key=lambda p: p[2]):
             for pos in range(0, n, chunk):
-                out.append((f_off + pos, s_off + pos, min(chunk, n - pos)))
+                out.append((file, f_off + pos, s_off + pos, min(chunk, n - pos)))
         return out
 
 
@@ -314,7 +347,7 @@ class StreamFill:
         self.spec = spec
         self.deadline_s = deadline_s
         self._chunks = spec.chunks(chunk or READ_CHUNK)
-        self._views = [buffer[s: s + n] for _, s, n in self._chunks]
+        self._views = [buffer[s: s + n] for _, _, s, n in self._chunks]
         # Where each prefix of the store is covered: the store bytes below chunk i's end
         # that come from the file are all in once chunks 0..i are done.
         self._done = [False] * len(self._chunks)
@@ -324,13 +357,18 @@ class StreamFill:
         self._cv = threading.Condition()
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
-        self._reader: FileReader | None = None
+        self._readers: list[FileReader] = []
         self.read_s = 0.0
         self.bytes_read = 0
         self.direct = False  # after close: whether the reads bypassed the page cache (NOTE [Direct reads])
 
     def start(self) -> StreamFill:
-        self._reader = FileReader(self.spec.path, direct=self.spec.direct)
+        try:
+            for path in self.spec.paths:
+                self._readers.append(FileReader(path, direct=self.spec.direct))
+        except BaseException:
+            self.close()
+            raise
         self._t0 = time.perf_counter()
         if not self._chunks:
             self._finish()
@@ -345,14 +383,13 @@ class StreamFill:
         return self
 
     def _read(self, i: int) -> None:
-        f_off, s_off, n = self._chunks[i]
+        file, f_off, s_off, n = self._chunks[i]
         view = self._views[i].numpy().data.cast("B")
         try:
             failed = self._failed_at
             if failed is not None and s_off >= failed:
                 return  # past a failed read (or closed): no one can wait for it
-            assert self._reader is not None
-            self._reader.read(f_off, view)
+            self._readers[file].read(f_off, view)
         except BaseException as exc:
             with self._cv:
                 if self._failed_at is None or s_off < self._failed_at:
@@ -369,14 +406,13 @@ class StreamFill:
 
     def _finish(self) -> None:
         self.read_s = time.perf_counter() - self._t0
-        self.bytes_read = sum(n for _, _, n in self._chunks)
+        self.bytes_read = sum(c[3] for c in self._chunks)
 
     def _covered(self) -> int:
         """Store bytes below which everything from the file is in."""
         if self._prefix == len(self._chunks):
             return self.spec.nbytes
-        _, s_off, _ = self._chunks[self._prefix]
-        return s_off
+        return self._chunks[self._prefix][2]
 
     def wait_until(self, byte: int) -> None:
         deadline = time.monotonic() + self.deadline_s
@@ -388,7 +424,7 @@ class StreamFill:
                     raise self._error
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise WeightsError(f"reading {self.spec.path!r} did not reach byte {byte} within "
+                    raise WeightsError(f"reading {list(self.spec.paths)!r} did not reach byte {byte} within "
                                        f"{self.deadline_s:g} s")
                 self._cv.wait(min(left, 1.0))
 
@@ -411,7 +447,8 @@ class StreamFill:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        if self._reader is not None:
-            self.direct = self._reader.direct
-            self._reader.close()
-            self._reader = None
+        if self._readers:
+            self.direct = all(r.direct for r in self._readers)
+            for reader in self._readers:
+                reader.close()
+            self._readers = []
