@@ -1,6 +1,7 @@
 """``timeshare bench disk``, ``tiers`` and ``variants``: the memory hierarchy's benchmarks
-(disk to device, many models beyond host memory, variants held once), their options and
-their tables. The results go to JSON through the CLI's common runner."""
+(disk to device, many models beyond host memory, variants held once), and ``bench llm``
+(language models woken with pipelined loading), their options and their tables. The
+results go to JSON through the CLI's common runner."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-NAMES = ("disk", "tiers", "variants")
+NAMES = ("disk", "tiers", "variants", "llm")
 
 
 def add_parsers(bench) -> None:
@@ -45,6 +46,32 @@ def add_parsers(bench) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
+    p = bench.add_parser("llm", help="language models: cold vs warm time to first token, decode, a fleet",
+                         description="Model directories written from code (seeded weights). wake: time to first "
+                         "token with the model resident and not (loaded pipelined while its prefill runs), against "
+                         "from_pretrained then the prefill, and the floor. decode: tokens per second against "
+                         "transformers' generate. fleet: N models in room for two, a Zipf-popular stream of "
+                         "streamed completions through the OpenAI API, against a reload-on-switch server.")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "gpt2"])
+    p.add_argument("--size", default="small", choices=["tiny", "small"],
+                   help="small: 64M to 113M parameters; tiny: a quick check")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--concurrent", type=int, default=4, help="generations decoded together in the decode part")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--fleet-models", type=int, default=8)
+    p.add_argument("--fleet-requests", type=int, default=100)
+    p.add_argument("--fleet-rate", type=float, default=0.5, help="requests per second (Poisson)")
+    p.add_argument("--fleet-max-tokens", type=int, default=16)
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--parts", nargs="+", default=["wake", "decode", "fleet"], choices=["wake", "decode", "fleet"])
+    p.add_argument("--workdir", default=None, help="write (and reuse) the model directories here")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    p.add_argument("--plot", type=Path, default=None, help="write the three parts as a PNG")
+
     p = bench.add_parser("variants", help="fine-tuned BERT-base variants held once: bytes and switch latency",
                          description="N variants of BERT-base (one seeded base; each its own pooler and "
                          "classifier, and optionally its own last encoder layers) registered with dedup: host and "
@@ -64,6 +91,18 @@ def add_parsers(bench) -> None:
 
 
 def run(args, console, run_bench) -> int:
+    if args.bench == "llm":
+        from timeshare.bench.llm import LLMBenchConfig
+        from timeshare.bench.llm import plot as plot_llm
+        from timeshare.bench.llm import run as run_llm
+
+        llm = LLMBenchConfig(arch=args.arch, size=args.size, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
+                             new_tokens=args.new_tokens, concurrent=args.concurrent, repeats=args.repeats,
+                             fleet_models=args.fleet_models, fleet_requests=args.fleet_requests,
+                             fleet_rate_per_s=args.fleet_rate, fleet_max_tokens=args.fleet_max_tokens,
+                             zipf=args.zipf, device=args.device, seed=args.seed, workdir=args.workdir,
+                             parts=tuple(args.parts))
+        return run_bench(run_llm, llm, _shower(console, _print_llm, plot_llm, args.plot), args.json)
     if args.bench == "variants":
         from timeshare.bench.variants import VariantsBenchConfig
         from timeshare.bench.variants import plot as plot_variants
@@ -90,6 +129,40 @@ def run(args, console, run_bench) -> int:
                           repeats=args.repeats, memory=args.memory, direct_io=args.direct_io)
 
     return run_bench(run_disk, cfg, _shower(console, _print_disk, plot, args.plot), args.json)
+
+
+def _print_llm(console, r: dict) -> None:
+    from timeshare.units import format_bytes as fb
+
+    cfg = r["config"]
+    console.print(f"bench llm: {cfg['arch']} ({cfg['size']}, {cfg['dtype']}) on {r['environment']['device']}; "
+                  f"prompt {cfg['prompt_tokens']} tokens")
+    if "wake" in r:
+        w = r["wake"]
+        console.print(f"wake: {fb(w['bytes'])} at {w['link_GBps']:.2f} GB/s (copy {w['copy_s'] * 1e3:.1f} ms); "
+                      f"TTFT warm {w['warm_ttft_s'] * 1e3:.1f} ms, cold {w['cold_ttft_s'] * 1e3:.1f} ms "
+                      f"({w['cold_over_warm_plus_copy']:.2f}x warm + copy, {w['cold_over_floor']:.2f}x the floor), "
+                      f"load-then-generate {w['load_then_generate_s'] * 1e3:.1f} ms "
+                      f"({w['speedup_vs_load_then_generate']:.1f}x slower); cold tokens exact "
+                      f"{w['cold_tokens_exact']}/{w['cold_runs']}")
+    if "decode" in r:
+        d = r["decode"]
+        console.print(f"decode: {d['ours_tokens_per_s']:.1f} tokens/s against transformers' "
+                      f"{d['plain_tokens_per_s']:.1f} ({d['ours_over_plain']:.2f}x); {d['concurrent']} together "
+                      f"{d['ours_batched_tokens_per_s']:.1f} tokens/s")
+    if "fleet" in r:
+        f = r["fleet"]
+        t = Table(title=f"fleet: {f['models']} models in {fb(f['budget_bytes'])}, {f['requests']} requests at "
+                        f"{f['rate_per_s']:g}/s")
+        for col in ("server", "ok", "TTFT p50 (s)", "TTFT p99 (s)", "e2e p99 (s)", "tokens/s", "loads"):
+            t.add_column(col, justify="left" if col == "server" else "right")
+        for label, key in (("timeshare", "timeshare"), ("reload on switch", "reload_on_switch")):
+            x = f[key]
+            t.add_row(label, f"{x['ok']}/{x['ok'] + x['failed']}", f"{x['ttft_p50_s']:.3f}", f"{x['ttft_p99_s']:.3f}",
+                      f"{x['e2e_p99_s']:.3f}", f"{x['tokens_per_s']:.1f}", str(x["loads"]))
+        console.print(t)
+        console.print(f"p99 TTFT {f['p99_ttft_speedup']:.1f}x better, p50 {f['p50_ttft_speedup']:.1f}x; greedy texts "
+                      f"agree {f['texts_agree']}/{f['texts_compared']}")
 
 
 def _shower(console, table, plot, path: Path | None):

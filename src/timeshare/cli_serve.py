@@ -197,8 +197,9 @@ def _demo(args, console) -> int:
     cfg = DemoConfig(config=args.config or DEFAULT_CONFIG, duration_s=args.duration, load=args.load,
                      phase_s=args.phase, seed=args.seed, out=args.out)
     console.print("[bold]timeshare demo[/bold]: the server on the embedded default config (three zoo models, a "
-                  "memory budget that holds two of them, and a training job), a workload through HTTP whose "
-                  "popular model changes every phase.")
+                  "memory budget that holds two of them, and a training job) with a small language model beside "
+                  "them, a workload through HTTP whose popular model changes every phase, and streamed chats "
+                  "through the OpenAI-compatible API.")
     with console.status("starting") as status:
         result = run(cfg, progress=status.update)
     _print_demo(console, result["summary"])
@@ -229,6 +230,13 @@ def _print_demo(console, s: dict) -> None:
     if util is not None:
         console.print(f"device busy {s['device_busy_s']:.1f} s of {s['duration_s']:.0f}: utilization {100 * util:.0f}% "
                       f"(inference {100 * s['inference_utilization']:.0f}%, the training job the rest)")
+    chat = s.get("chat")
+    if chat is not None:
+        console.print(f"language model {chat['model']!r} (OpenAI API, streamed chats beside the others): "
+                      f"{chat['answered']}/{chat['requests']} answered, time to first token p50 "
+                      f"{_ms(chat['ttft_p50_ms'])} ms, p99 {_ms(chat['ttft_p99_ms'])} ms, {chat['tokens']} tokens; "
+                      f"greedy texts equal to transformers' generate: {chat['answered'] - chat['mismatched']}"
+                      f"/{chat['answered']}")
     console.print(f"server: ready in {s['startup_s']:.1f} s; stopped by SIGTERM "
                   f"with exit code {s['server_exit_code']}, "
                   f"{s['server_leftover_processes']} processes left; errors: {s['errors']}")

@@ -1,7 +1,11 @@
 """``timeshare demo`` (``make demo``): the real server on the embedded default config
-(the zoo models and a training job, on whatever device is present), a mixed workload
-replayed through HTTP, and what it shows: per-model latency, the switches and what
-they cost, and how busy the device was. Writes a PNG of latency over time with the
+(the zoo models and a training job, on whatever device is present) with a small
+language model beside them (a directory written here from code: seeded weights, a
+trained tokenizer), a mixed workload replayed through HTTP (the Open Inference Protocol
+and, for the language model, streamed chats through the OpenAI-compatible API), and
+what it shows: per-model latency, the switches and what they cost, time to first token,
+and how busy the device was. Every chat's greedy text is compared with ``transformers``'
+own ``generate`` on the same weights. Writes a PNG of latency over time with the
 switches marked, and every number as JSON.
 
 Runs in the caller's process; the server runs in a child process, started and stopped
@@ -23,6 +27,7 @@ import yaml
 
 from timeshare.config import DEFAULT_CONFIG, parse_config
 from timeshare.models.zoo import get as zoo_get
+from timeshare.units import parse_bytes
 
 
 @dataclass
@@ -34,6 +39,8 @@ class DemoConfig:
     clients: int = 16
     seed: int = 0
     out: Path = Path("demo-output")
+    llm: bool = True  # a small language model beside the zoo models (needs transformers)
+    chat_interval_s: float = 2.0
 
 
 def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
@@ -46,6 +53,7 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
         raise ValueError("the demo replays zoo models: every model of its config needs 'zoo'")
     models = [(m.name, m.zoo) for m in config.models if m.zoo is not None]  # all of them (checked above)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    chat = _chat_model(cfg, doc) if cfg.llm else None
     server = ServerProcess(doc, log_path=cfg.out / "server.log")
     t_start = time.perf_counter()
     progress("starting the server (registering and warming up the models)")
@@ -65,7 +73,14 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
         rate = cfg.load * len(models) / sum(ready_s.values())
         before = _metrics(client)
         progress(f"replaying {cfg.duration_s:.0f} s of requests at {rate:.1f}/s")
+        chats: list[dict] = []
+        chatter = None
+        if chat is not None:
+            chatter = threading.Thread(target=_chat, args=(server.url, chat, cfg, chats), daemon=True)
+            chatter.start()
         records = _replay(client, models, rate, cfg)
+        if chatter is not None:
+            chatter.join(cfg.duration_s + 120)
         after = _metrics(client)
         jobs = client.http.get("/admin/training").json()
     finally:
@@ -75,6 +90,9 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
         leftovers = [server.describe(pid) for pid in server.leftovers()]
         server.close()
     summary = _summarize(records, models, before, after, cfg, rate)
+    if chat is not None:
+        summary["chat"] = _chat_summary(chat, chats)
+        summary["errors"] += summary["chat"]["errors"] + summary["chat"]["mismatched"]
     summary.update(device=status.get("device"), memory_budget_bytes=status.get("capacity_bytes"),
                    startup_s=startup_s, ready_ms={k: v * 1e3 for k, v in ready_s.items()},
                    server_exit_code=code, server_leftover_processes=len(leftovers),
@@ -87,6 +105,92 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
     (cfg.out / "demo.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(records, summary, cfg.out / "demo.png")
     return result
+
+
+# ---------------------------------------------------------------------- the language model
+CHAT_NAME = "chat"
+CHAT_PROMPTS = ("load the weights", "switch the model fast", "share the gpu time", "wake the cache")
+
+
+def _chat_model(cfg: DemoConfig, doc: dict) -> dict | None:
+    """Write a small Llama-style model directory into the output folder, add it to the
+    server's config and compute the greedy reply to each prompt with ``transformers``
+    (the reference every answer is compared with). None without ``transformers``."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    from timeshare.llm import hfdir
+
+    # About 20M parameters (80 MB) beside the zoo models in the default's budget; a 1.5 MB
+    # model when the budget is small (a quick run's).
+    memory = doc.get("runtime", {}).get("memory", "auto")
+    small = memory != "auto" and parse_bytes(memory) < 200 << 20
+    hidden, layers, heads = (128, 2, 4) if small else (512, 8, 8)
+    path = hfdir.write_model_dir(cfg.out / "chat-model", "llama", seed=cfg.seed, hidden=hidden, layers=layers,
+                                 heads=heads)
+    doc.setdefault("llms", []).append({"name": CHAT_NAME, "path": str(path), "max_sequences": 4})
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    reference = {}
+    for prompt in CHAT_PROMPTS:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")
+        out = model.generate(ids["input_ids"], attention_mask=ids["attention_mask"], max_new_tokens=24,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+        reference[prompt] = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return {"path": str(path), "reference": reference}
+
+
+def _chat(url: str, chat: dict, cfg: DemoConfig, out: list[dict]) -> None:
+    """Streamed greedy chats through the OpenAI-compatible API, one every
+    ``chat_interval_s``, beside the replay."""
+    import httpx
+
+    rng = random.Random(cfg.seed + 1)
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=120) as http:
+        while time.perf_counter() - t0 < cfg.duration_s:
+            prompt = rng.choice(CHAT_PROMPTS)
+            body = {"model": CHAT_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            sent = time.perf_counter()
+            first, text, tokens, error = None, [], 0, None
+            try:
+                with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        error = f"HTTP {r.status_code}: {r.text[:200]}"
+                    for line in r.iter_lines() if error is None else ():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            error = chunk["error"]["message"]
+                        for c in chunk.get("choices", []):
+                            if c["delta"].get("content"):
+                                first = first or time.perf_counter()
+                                text.append(c["delta"]["content"])
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+            except httpx.HTTPError as exc:
+                error = repr(exc)
+            done = time.perf_counter()
+            out.append({"sent_s": sent - t0, "prompt": prompt, "text": "".join(text), "error": error,
+                        "ttft_ms": None if first is None else (first - sent) * 1e3, "latency_ms": (done - sent) * 1e3,
+                        "tokens": tokens})
+            time.sleep(max(0.0, cfg.chat_interval_s - (time.perf_counter() - sent)))
+
+
+def _chat_summary(chat: dict, chats: list[dict]) -> dict:
+    ok = [c for c in chats if c["error"] is None]
+    ttft = [c["ttft_ms"] for c in ok if c["ttft_ms"] is not None]
+    return {"model": CHAT_NAME, "requests": len(chats), "answered": len(ok), "errors": len(chats) - len(ok),
+            "mismatched": sum(c["text"] != chat["reference"][c["prompt"]] for c in ok),
+            "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+            "latency_p50_ms": _pct([c["latency_ms"] for c in ok], 50), "tokens": sum(c["tokens"] for c in ok),
+            "chats": chats}
 
 
 def _inputs(zoo: str, seed: int) -> dict:

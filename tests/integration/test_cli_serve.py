@@ -46,7 +46,7 @@ def test_default_config_and_models_listing(capsys):
 def test_demo_on_a_small_config(tmp_path, capsys):
     config = tmp_path / "demo.yaml"
     config.write_text(yaml.safe_dump({
-        "runtime": {"device": "cpu", "memory": 600_000},
+        "runtime": {"device": "cpu", "memory": 2_500_000},  # the zoo models and the 1.5 MB chat model switch
         "models": [{"name": "mlp", "zoo": "tiny_mlp"}, {"name": "bert", "zoo": "tiny_bert"},
                    {"name": "cnn", "zoo": "tiny_cnn"}],
         "training": [{"name": "bg", "model": "tiny_cnn", "batch": 4}],
@@ -60,5 +60,8 @@ def test_demo_on_a_small_config(tmp_path, capsys):
     assert s["server_exit_code"] == 0 and s["server_leftover_processes"] == 0
     assert s["switches"] > 0 and s["loads"] > 0 and 0 < s["device_utilization"] <= 1.05
     assert set(s["per_model"]) == {"mlp", "bert", "cnn"}
+    chat = s["chat"]  # streamed chats through the OpenAI API, each text equal to transformers' generate
+    assert chat["requests"] >= 2 and chat["answered"] == chat["requests"] and chat["mismatched"] == 0
+    assert chat["tokens"] > 0 and chat["ttft_p50_ms"] > 0
     assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
     assert "switches" in printed and "p99 ms" in printed

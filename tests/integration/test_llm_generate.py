@@ -112,6 +112,51 @@ def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, ref
         m.close()
 
 
+def test_a_request_waiting_for_its_first_token_comes_before_another_models_decoding(tmp_path, llama, reference):
+    qwen = hfdir.write_model_dir(tmp_path / "qwen", "qwen2", seed=6, hidden=96, layers=2)
+    with Runtime("cpu", "64MiB") as rt:
+        # Same priority, and a quantum longer than the whole generation: only the rule
+        # "prefills first" can put the other model's first token before its end.
+        a = lm.load(rt, "llama", llama, quantum_s=60.0)
+        b = lm.load(rt, "qwen", qwen, quantum_s=60.0)
+        long = a.generate(a.encode(PROMPTS[0]), SamplingParams(max_tokens=150, temperature=0))
+        deadline = time.monotonic() + 30
+        while len(long.tokens) < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        short = b.generate(b.encode(PROMPTS[1]), SamplingParams(max_tokens=2, temperature=0))
+        short.result(60)
+        got = long.result(60)
+        assert short.first_token_at is not None and long.last_token_at is not None
+        assert short.first_token_at < long.last_token_at
+        assert got.tokens == reference(PROMPTS[0], 150)  # and the long one resumed where it stopped
+        a.close()
+        b.close()
+
+
+def test_a_model_queued_only_to_decode_becomes_due_when_a_request_arrives_for_it(tmp_path, llama, reference):
+    qwen = hfdir.write_model_dir(tmp_path / "qwen", "qwen2", seed=6, hidden=96, layers=2)
+    with Runtime("cpu", "64MiB") as rt:
+        a = lm.load(rt, "llama", llama, quantum_s=60.0)
+        b = lm.load(rt, "qwen", qwen, quantum_s=60.0)
+
+        def started(seq):
+            deadline = time.monotonic() + 30
+            while len(seq.tokens) < 3 and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+        first = a.generate(a.encode(PROMPTS[0]), SamplingParams(max_tokens=150, temperature=0))
+        started(first)
+        other = b.generate(b.encode(PROMPTS[1]), SamplingParams(max_tokens=150, temperature=0))
+        started(other)  # qwen holds the device now; llama's next turn waits, only to decode
+        second = a.generate(a.encode(PROMPTS[2]), SamplingParams(max_tokens=2, temperature=0))
+        assert second.result(60).tokens == reference(PROMPTS[2], 2)
+        other.result(60)
+        assert second.first_token_at < other.last_token_at  # its waiting turn was made due
+        assert first.result(60).tokens == reference(PROMPTS[0], 150)
+        a.close()
+        b.close()
+
+
 def test_sequences_that_join_a_running_batch_get_the_tokens_they_would_alone(llama, reference):
     with Runtime("cpu", "64MiB", copy_delay_s=0.001) as rt:
         m = lm.load(rt, "llama", llama)
@@ -222,9 +267,41 @@ def test_broken_directories_and_worker_runtimes_are_refused_clearly(tmp_path, ll
         shutil.copytree(llama, bad_shard)
         shard = hfdir.shard_files(bad_shard)[0]
         shard.write_bytes(shard.read_bytes()[:100])
-        with pytest.raises(WeightsError, match="cannot be read as safetensors"):
+        with pytest.raises(WeightsError, match="corrupt or unreadable"):
             lm.load(rt, "x", bad_shard)
         assert rt.models() == []
     with Runtime("cpu", "64MiB", workers=1) as rt:
         with pytest.raises(ConfigError, match="in-process runtime"):
             lm.load(rt, "x", llama)
+
+
+def test_under_a_host_budget_the_shards_are_read_only_when_needed_and_again_after_a_drop(tmp_path, llama,
+                                                                                          reference):
+    qwen = hfdir.write_model_dir(tmp_path / "qwen", "qwen2", seed=5, hidden=128, layers=4)
+    assert len(hfdir.shard_files(llama)) > 1 and len(hfdir.shard_files(qwen)) > 1
+    tok = transformers.AutoTokenizer.from_pretrained(qwen)
+    ref_qwen = transformers.AutoModelForCausalLM.from_pretrained(qwen).eval()
+    ids = torch.tensor([tok(PROMPTS[0], add_special_tokens=False)["input_ids"]])
+    want_qwen = ref_qwen.generate(ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids),
+                                  pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    # Host memory for one model's store, device memory for one model: every switch reads the shards.
+    with Runtime("cpu", "4MiB", host_memory="3MiB", poison_evicted=True) as rt:
+        a = lm.load(rt, "llama", llama, profile=False)
+        b = lm.load(rt, "qwen", qwen, profile=False)
+        host = rt.snapshot()["host_tier"]
+        assert host["filled"] == 0 and host["bytes_read"] == 0  # registered from the headers alone
+        for _ in range(2):
+            assert a.generate(a.encode(PROMPTS[0]), GREEDY).result(60).tokens == reference(PROMPTS[0])
+            assert b.generate(ids[0].tolist(), GREEDY).result(60).tokens == want_qwen
+        host = rt.snapshot()["host_tier"]
+        assert host["drops"] >= 2 and host["fills"] >= 3 and host["bytes_read"] > 0
+        # A shard rewritten after registration fails that model's generation alone.
+        rt.evict("qwen", host=True)
+        shard = hfdir.shard_files(qwen)[-1]
+        shard.write_bytes(shard.read_bytes()[:-8])
+        finish = list(b.generate(ids[0].tolist(), GREEDY).events(60))[-1]
+        assert isinstance(finish, Finish) and isinstance(finish.error, WeightsError)
+        assert str(shard) in str(finish.error)
+        assert a.generate(a.encode(PROMPTS[1]), GREEDY).result(60).tokens == reference(PROMPTS[1])
+        a.close()
+        b.close()

@@ -510,3 +510,16 @@ def test_random_timelines_keep_the_invariants(policy, max_batch):
     assert s.lanes.used == 0 and s.lanes.lanes == {}
     # The run exercised what the policy does: packing, or preemption.
     assert peak > 1 if policy == "pack" else (peak == 1 and s.preemptions > 0)
+
+
+def test_expedite_brings_a_waiting_tasks_deadline_forward_and_nothing_else():
+    s = Scheduler("priority")
+    running = s.submit(Task(1, Kind.INFERENCE, "a", 0.0), 0.0)
+    s.schedule(0.0)
+    decode = s.submit(Task(2, Kind.INFERENCE, "b", 1.0), 1.0)  # no deadline: after due tasks of its class
+    due = s.submit(Task(3, Kind.INFERENCE, "c", 2.0, deadline=2.0), 2.0)
+    assert s.most_urgent_waiting() is due
+    assert s.expedite(decode.id, 1.5)
+    assert s.most_urgent_waiting() is decode and s.waiting == 2
+    assert not s.expedite(decode.id, 1.8)  # already due as early
+    assert not s.expedite(running.id, 0.0)  # not waiting

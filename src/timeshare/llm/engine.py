@@ -5,13 +5,18 @@ go like any model's (a step of a model not resident loads it, pipelined). Runs i
 controller: one thread per model, the caller's threads only queue and read.
 
 NOTE [Decode bursts]: the engine takes the device with ``Runtime.turn`` and runs steps
-until its work is done or the turn is contended: a more urgent task waits (a
-latency-critical request to another model takes the device between two tokens), or any
-task waits and the turn has lasted ``quantum_s``. Then it gives the device back and
-queues for the next turn, its sequences and their caches kept as they are: a preempted
-generation resumes at the token where it stopped, and its text is the text it would
-have had alone. Turns, not single steps, are the scheduler's unit: models that took
-turns step by step would switch, and reload, at every token.
+until its work is done or the turn is contended: a task of a more urgent class waits (a
+latency-critical request to another model takes the device between two tokens), or a
+due task of its class (another model's request waiting for its first token: a turn
+with prefills to do is due since its oldest request arrived, and is ordered by that
+deadline before turns that only decode), or any task waits and the turn has lasted
+``quantum_s``. Then it gives the device back and queues for the next turn, its
+sequences and their caches kept as they are: a preempted generation resumes at the
+token where it stopped, and its text is the text it would have had alone. Turns, not
+single steps, are the scheduler's unit: models that took turns step by step would
+switch, and reload, at every token. Prefills first keeps the time to first token
+short when many models are busy: a new request waits for one step of another model,
+its load and its prefill, not for the others' turns.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from timeshare.errors import ConfigError, Timeout, TimeshareError, Unavailable
 from timeshare.llm.batch import KV, DecodeBatch
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
+from timeshare.runtime.dispatch import Ticket
 from timeshare.runtime.facade import ModelTurn, Runtime
 
 log = logging.getLogger(__name__)
@@ -179,6 +185,7 @@ class Engine:
         self._ids = 0
         self._closed = False
         self._listeners: list[Callable[[Event], None]] = []
+        self._ticket = Ticket()  # the turn this engine waits for, made due by a new request
         self.kv_bytes = 0
         self.steps = 0
         self.turns = 0
@@ -204,6 +211,7 @@ class Engine:
             seq = Sequence(self._ids, list(prompt), params, on_event)
             self._waiting.append(seq)
             self._cond.notify_all()
+        self._ticket.expedite(seq.arrived)  # a turn queued only to decode is now due
         return seq
 
     def subscribe(self, listener: Callable[[Event], None]) -> None:
@@ -238,8 +246,10 @@ class Engine:
                     self._cond.wait(1.0)
                 if self._closed:
                     return
+                # A request waiting for its first token makes the turn due since it arrived.
+                due = min((s.arrived for s in self._waiting), default=None)
             try:
-                with self._rt.turn(self.name) as turn:
+                with self._rt.turn(self.name, urgent_since=due, ticket=self._ticket) as turn:
                     self.turns += 1
                     self._turn(turn)
             except BaseException as exc:  # the turn itself failed: the runtime closed, the model left

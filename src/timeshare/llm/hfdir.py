@@ -60,7 +60,7 @@ def _config(arch: str, vocab: int, hidden: int, layers: int, heads: int, max_pos
                           bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
     return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-               num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+               num_attention_heads=heads, num_key_value_heads=heads // 2 if heads % 2 == 0 else heads,
                max_position_embeddings=max_positions, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
 

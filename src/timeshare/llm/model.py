@@ -63,12 +63,14 @@ class LanguageModel:
 
 def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = None, pin: bool = False,
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
-         max_sequences: int = 8, quantum_s: float = 0.05) -> LanguageModel:
+         max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
     the longest prompt plus completion (default: the model's positions);
-    ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts]."""
+    ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts].
+    With ``profile``, the model is loaded once now and its prefill profiled, so that
+    every load after is pipelined (without it, the first generation's load profiles)."""
     from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
     if runtime.in_process_worker() is None:
@@ -94,8 +96,16 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     vocab = int(config.vocab_size)
     eos = _ids(getattr(config, "eos_token_id", None)) | _ids(tokenizer.eos_token_id)
     example = torch.arange(min(PROFILE_TOKENS, context - 1), dtype=torch.long)[None] % vocab
-    runtime.register(name, functools.partial(hfdir.build_causal_lm, str(path)), hfdir.read_weights(path),
+    # The shards themselves: read now, or under a host budget only when a load needs them.
+    shards = [str(f) for f in hfdir.shard_files(path)]
+    runtime.register(name, functools.partial(hfdir.build_causal_lm, str(path)), shards,
                      (example,), example_kwargs={"use_cache": False}, dtype=dtype, pin=pin, priority=priority)
+    if profile:
+        try:  # a prefill of PROFILE_TOKENS: the costs its pipelined loads are planned with
+            runtime.profile(name)
+        except BaseException:
+            runtime.unregister(name)
+            raise
 
     def new_cache(kv: KV | None):
         return DynamicCache(ddp_cache_data=kv, config=config) if kv else DynamicCache(config=config)

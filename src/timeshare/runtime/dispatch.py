@@ -72,6 +72,27 @@ class Turn:
     lane_bytes: int | None = None
 
 
+class Ticket:
+    """A task waiting for its turn, as another thread sees it (``Dispatcher.priority``'s
+    ``ticket``): it can bring the task's deadline forward while it waits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gate: Dispatcher | None = None
+        self._task: int | None = None
+
+    def bind(self, gate: Dispatcher | None, task_id: int | None) -> None:
+        with self._lock:
+            self._gate, self._task = gate, task_id
+
+    def expedite(self, since: float) -> None:
+        """The task is due since ``since``; nothing if it no longer waits."""
+        with self._lock:
+            gate, task = self._gate, self._task
+        if gate is not None and task is not None:
+            gate.expedite(task, since)
+
+
 class Dispatcher:
     """``lane_memory``: with "pack", the bytes for lanes of ephemeral memory (NOTE [Salus
     lanes]): tasks of different lanes run at the same time, at most ``slots`` (None: as
@@ -104,11 +125,13 @@ class Dispatcher:
     @contextmanager
     def priority(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
                  unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None,
-                 ephemeral: int = 0):
+                 ephemeral: int = 0, ticket: Ticket | None = None):
         """Hold the runtime for one call; yields its :class:`Turn`. Re-entrant in a
         thread (a call inside a call). ``deadline_s`` (an SLO) counts from ``arrived_at``
         (on this dispatcher's clock) when given, else from now. ``ephemeral``: with
-        lanes, the bytes the call's lane must hold (all of them: it runs alone)."""
+        lanes, the bytes the call's lane must hold (all of them: it runs alone).
+        ``ticket``: bound to the task while it waits, so that another thread can bring
+        its deadline forward (``Ticket.expedite``)."""
         depth = getattr(self._local, "depth", 0)
         if depth:
             self._local.depth = depth + 1
@@ -123,12 +146,16 @@ class Dispatcher:
             task = Task(next(self._ids), kind, model, now, 1.0, unit_s, priority,
                         None if deadline_s is None else start + deadline_s, ephemeral=ephemeral)
             self.scheduler.submit(task, now)
+            if ticket is not None:
+                ticket.bind(self, task.id)
             self._step()
             try:
                 while task.state is not State.RUNNING:
                     self._cond.wait(self._timeout())
                     self._step()
             except BaseException:  # interrupted while queued: leave no task behind
+                if ticket is not None:
+                    ticket.bind(None, None)
                 self._previous.pop(task.id, None)
                 if task.state is State.WAITING:
                     self.scheduler.withdraw(task.id)
@@ -136,6 +163,8 @@ class Dispatcher:
                     self.scheduler.update(Finished(task.id, self.clock()))
                 self._step()
                 raise
+            if ticket is not None:
+                ticket.bind(None, None)
             turn = Turn(self.clock() - now, self._previous.pop(task.id, None), lane=task.lane,
                         lane_bytes=self._lane_size(task.lane))
         self._local.depth = 1
@@ -297,10 +326,19 @@ class Dispatcher:
             return None
         return lanes.lanes[lane].size
 
-    def waiting_priority(self) -> Priority | None:
-        """The most urgent priority among the tasks waiting for the device (None: none)."""
+    def expedite(self, task_id: int, since: float) -> None:
+        """A waiting task is due since ``since`` (this dispatcher's clock), if not earlier."""
         with self._cond:
-            return self.scheduler.waiting_priority()
+            if self.scheduler.expedite(task_id, since):
+                self._step()
+                self._cond.notify_all()
+
+    def most_urgent_waiting(self) -> tuple[Priority, float | None] | None:
+        """The priority and deadline of the waiting task that would run first (None:
+        nobody waits)."""
+        with self._cond:
+            task = self.scheduler.most_urgent_waiting()
+            return None if task is None else (task.priority, task.deadline)
 
     def notify(self) -> None:
         with self._cond:

@@ -25,7 +25,7 @@ from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
-from timeshare.runtime.dispatch import Dispatcher
+from timeshare.runtime.dispatch import Dispatcher, Ticket
 from timeshare.runtime.events import Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
@@ -315,16 +315,22 @@ class Runtime:
                               self._gate.lane_threads)
 
     @contextmanager
-    def turn(self, name: str) -> Iterator[ModelTurn]:
+    def turn(self, name: str, *, urgent_since: float | None = None,
+             ticket: Ticket | None = None) -> Iterator[ModelTurn]:
         """Hold the device for a series of calls to model ``name``: a language model's
         decode steps (NOTE [Decode bursts] in ``llm/engine.py``). The scheduler gives the
         turn as it gives one call's; inside it, ``ModelTurn.call`` runs at once, and
-        ``ModelTurn.contended`` says at each step whether to give the device back."""
+        ``ModelTurn.contended`` says at each step whether to give the device back.
+        ``urgent_since`` (``time.monotonic()``): the turn is due since then (a request
+        waiting for its first token), and comes before turns of its class that are not;
+        ``ticket`` lets another thread make it so while it waits (``Ticket.expedite``)."""
         m = self._get(name)
         if self._gate.lane_capacity is not None:
             raise ConfigError(f"model {name!r}: a turn of several calls cannot run under scheduling 'pack' "
                               "(its calls would need lanes of their own)")
-        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s):
+        deadline = None if urgent_since is None else 0.0
+        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
+                                 arrived_at=urgent_since, ticket=ticket):
             yield ModelTurn(self, name, m.priority, self._gate)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
@@ -520,19 +526,32 @@ class Runtime:
 class ModelTurn:
     """A turn of the device for one model's calls (``Runtime.turn``)."""
 
+    # A turn that had to load its model lasts at least this many times the load: the
+    # switch then costs at most a fifth of the turn, however short ``quantum_s`` is.
+    LOAD_FACTOR = 4.0
+
     def __init__(self, runtime: Runtime, name: str, priority: Priority, gate: Dispatcher):
         self.name = name
         self.started = time.monotonic()
+        self.load_s = 0.0  # of this turn's calls that loaded the model
         self._runtime, self._priority, self._gate = runtime, priority, gate
 
     def call(self, args: tuple = (), kwargs: dict | None = None) -> Call:
         """``Runtime.call`` inside the turn: no wait for the scheduler."""
-        return self._runtime.call(self.name, args, kwargs)
+        call = self._runtime.call(self.name, args, kwargs)
+        if call.record.loaded:
+            self.load_s += call.record.seconds
+        return call
 
-    def contended(self, quantum_s: float) -> bool:
-        """Whether to give the device back now: a more urgent task waits, or any task
-        waits and the turn has lasted ``quantum_s``."""
-        waiting = self._gate.waiting_priority()
+    def contended(self, quantum_s: float, *, urgent: bool = False) -> bool:
+        """Whether to give the device back now: a task of a more urgent class waits, or
+        one of this class that is due (a deadline: a request waiting for its first token,
+        an inference with an SLO) while this turn is not ``urgent``, or any task waits and
+        the turn has lasted ``quantum_s`` (and ``LOAD_FACTOR`` times its loads)."""
+        waiting = self._gate.most_urgent_waiting()
         if waiting is None:
             return False
-        return waiting < self._priority or time.monotonic() - self.started >= quantum_s
+        priority, deadline = waiting
+        if priority < self._priority or (priority == self._priority and deadline is not None and not urgent):
+            return True
+        return time.monotonic() - self.started >= max(quantum_s, self.LOAD_FACTOR * self.load_s)

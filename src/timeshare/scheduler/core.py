@@ -33,7 +33,6 @@ from timeshare.scheduler.task import (
     Finished,
     Kind,
     Preempt,
-    Priority,
     Progress,
     Result,
     Run,
@@ -182,13 +181,27 @@ class Scheduler:
     def waiting(self) -> int:
         return self._waiting
 
-    def waiting_priority(self) -> Priority | None:
-        """The most urgent priority among the waiting tasks (None: nobody waits). A task
-        that holds the device for a series of steps (a language model's decoding) asks
-        this at each step to know whether to give it up."""
+    def expedite(self, task_id: int, deadline: float) -> bool:
+        """Bring a waiting task's deadline forward to ``deadline`` (a language model's
+        turn that was queued to decode, and now has a request waiting for its first
+        token). False if the task is not waiting or is already due as early."""
+        t = self.tasks.get(task_id)
+        if t is None or t.state is not _WAITING or (t.deadline is not None and t.deadline <= deadline):
+            return False
+        t.deadline = deadline
+        t.qver += 1  # the old heap entry goes stale; the task keeps its place in the count
+        heap = self._admitted if self.lanes is not None and self.lanes.admitted(t.id) else self._heap
+        heappush(heap, (self.policy.key(t), t.qver, t))
+        return True
+
+    def most_urgent_waiting(self) -> Task | None:
+        """The waiting task the policy would start first (None: nobody waits). A task that
+        holds the device for a series of steps (a language model's decoding) asks this at
+        each step to know whether to give it up."""
         if not self._waiting:
             return None
-        return min((t.priority for t in self.tasks.values() if t.state is _WAITING), default=None)
+        waiting = [t for t in self.tasks.values() if t.state is _WAITING]
+        return min(waiting, key=self.policy.key, default=None)
 
     # ------------------------------------------------------------------ internals
     def _enqueue(self, t: Task) -> None:

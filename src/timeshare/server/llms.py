@@ -18,16 +18,17 @@ log = logging.getLogger(__name__)
 
 
 class LanguageModels:
-    def __init__(self, configs: list[LLMConfig], listener: Callable[[Event], None]):
+    def __init__(self, configs: list[LLMConfig], listener: Callable[[Event], None], *, warmup: bool = True):
         self.configs = {c.name: c for c in configs}
+        self.warmup = warmup
         self.loaded: dict[str, lm.LanguageModel] = {}
         self.failed: dict[str, str] = {}
         self._listener = listener
 
     async def start(self, runtime: Runtime, call: Callable[..., Awaitable]) -> None:
-        """Load every model and generate one token with it, so that its first load (which
-        also profiles it) is not a request's; a model that fails is unavailable, with
-        the reason, and the others serve."""
+        """Load every model (which profiles its prefill) and, with ``warmup``, generate a
+        token with it; a model that fails is unavailable, with the reason, and the
+        others serve."""
         for cfg in self.configs.values():
             try:
                 model = await call(self._load, runtime, cfg)
@@ -42,7 +43,8 @@ class LanguageModels:
                         max_context=cfg.max_context, max_sequences=cfg.max_sequences,
                         quantum_s=cfg.quantum_ms / 1000)
         try:
-            model.generate(model.encode("warm up") or [0], SamplingParams(max_tokens=1, temperature=0)).result(600)
+            if self.warmup:
+                model.generate(model.encode("warm up") or [0], SamplingParams(max_tokens=1, temperature=0)).result(600)
         except BaseException:
             model.close()
             raise

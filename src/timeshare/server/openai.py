@@ -29,8 +29,6 @@ from timeshare.llm.model import LanguageModel
 from timeshare.llm.sampling import SamplingParams
 from timeshare.server.status import served_error, status_of
 
-EVENT_TIMEOUT_S = 300.0  # the longest wait for a sequence's next token before the request gives up
-
 
 # ---------------------------------------------------------------------- requests
 class _Sampling(BaseModel):
@@ -121,6 +119,7 @@ def _parse(cls: type[BaseModel], body: Any) -> Any:
 # ---------------------------------------------------------------------- the routes
 def add_openai_api(app: FastAPI, service) -> None:
     llms = service.llms
+    timeout_s = service.config.server.request_timeout_s
 
     @app.get("/v1/models", summary="The language models (OpenAI)")
     def list_models():
@@ -139,7 +138,7 @@ def add_openai_api(app: FastAPI, service) -> None:
             params = req.sampling(req.max_tokens or 16)
         except _Invalid as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        return await _answer(model, prompts, params, req, chat=False)
+        return await _answer(model, prompts, params, req, chat=False, timeout_s=timeout_s)
 
     @app.post("/v1/chat/completions", summary="Answer a chat (OpenAI)")
     async def chat_completions(request: Request):
@@ -154,7 +153,7 @@ def add_openai_api(app: FastAPI, service) -> None:
             params = req.sampling(limit)
         except _Invalid as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        return await _answer(model, [prompt], params, req, chat=True)
+        return await _answer(model, [prompt], params, req, chat=True, timeout_s=timeout_s)
 
 
 async def _body(request: Request) -> Any:
@@ -185,7 +184,8 @@ def _prompts(prompt, model: LanguageModel) -> list[list[int]]:
 class _Stream:
     """The events of several sequences, on the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s  # the longest wait for any sequence's next event
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Delta | Finish]] = asyncio.Queue()
         self.seqs: list[Sequence] = []
@@ -199,9 +199,9 @@ class _Stream:
         left = len(self.seqs)
         while left:
             try:
-                index, event = await asyncio.wait_for(self.queue.get(), EVENT_TIMEOUT_S)
+                index, event = await asyncio.wait_for(self.queue.get(), self.timeout_s)
             except TimeoutError:
-                raise Timeout(f"no token in {EVENT_TIMEOUT_S:g} s") from None
+                raise Timeout(f"no token in {self.timeout_s:g} s (server.request_timeout_s)") from None
             if isinstance(event, Finish):
                 left -= 1
             yield index, event
@@ -212,8 +212,8 @@ class _Stream:
 
 
 async def _answer(model: LanguageModel, prompts: list[list[int]], params: SamplingParams, req: _Sampling,
-                  *, chat: bool):
-    stream = _Stream()
+                  *, chat: bool, timeout_s: float):
+    stream = _Stream(timeout_s)
     try:
         for i, prompt in enumerate(prompts):
             stream.seqs.append(model.generate(prompt, params, stream.listener(i)))

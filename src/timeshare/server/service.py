@@ -41,7 +41,7 @@ class Service:
         self.config = config
         self.endpoints = {m.name: Endpoint(m) for m in config.models}
         self.metrics = Metrics(self)
-        self.llms = LanguageModels(config.llms, self.metrics.llm_event)
+        self.llms = LanguageModels(config.llms, self.metrics.llm_event, warmup=config.server.warmup)
         self.runtime = runtime
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
         self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + len(config.llms) + 4,
