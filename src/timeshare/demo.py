@@ -80,7 +80,8 @@ def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
             chatter.start()
         records = _replay(client, models, rate, cfg)
         if chatter is not None:
-            chatter.join(cfg.duration_s + 120)
+            chatter.join(cfg.duration_s + 120)  # its chats end within the duration (each has a deadline)
+            chats = list(chats)
         after = _metrics(client)
         jobs = client.http.get("/admin/training").json()
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from timeshare.errors import ConfigError, WeightsError
+from timeshare.errors import ConfigError, Unavailable, WeightsError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
 from timeshare.llm.engine import ContextLengthError, Delta, Finish
@@ -251,7 +251,10 @@ def test_bad_requests_are_refused_and_queued_work_fails_on_close(llama):
         closer.join(30)
         finish = list(seq.events(30))[-1]
         assert isinstance(finish, Finish) and finish.reason == "error" and "closed" in str(finish.error)
-        assert gate.is_set()
+        assert seq.tokens == []  # closed before its turn came: never prefilled
+        assert gate.is_set() and m.engine.snapshot()["kv_bytes"] == 0
+        with pytest.raises(Unavailable, match="closed"):
+            m.generate(m.encode("a"), SamplingParams(max_tokens=5))
 
 
 def test_broken_directories_and_worker_runtimes_are_refused_clearly(tmp_path, llama):
@@ -305,3 +308,29 @@ def test_under_a_host_budget_the_shards_are_read_only_when_needed_and_again_afte
         assert a.generate(a.encode(PROMPTS[1]), GREEDY).result(60).tokens == reference(PROMPTS[1])
         a.close()
         b.close()
+
+
+def test_a_fault_choosing_one_sequences_token_fails_that_sequence_alone(llama, reference, monkeypatch):
+    from timeshare.llm import engine
+
+    real = engine.next_token
+    calls: dict[int, int] = {}
+
+    def flaky(logits, params, generator):
+        calls[id(params)] = calls.get(id(params), 0) + 1
+        if params.seed == 666 and calls[id(params)] >= 3:  # its prefill and first steps went well
+            raise RuntimeError("sampling broke")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine, "next_token", flaky)
+    with Runtime("cpu", "64MiB") as rt:
+        m = lm.load(rt, "llama", llama)
+        with rt.hold_device():  # both queued first, so that they decode in one batch
+            bad = m.generate(m.encode(PROMPTS[1]), SamplingParams(max_tokens=30, temperature=0.7, seed=666))
+            good = m.generate(m.encode(PROMPTS[0]), SamplingParams(max_tokens=30, temperature=0))
+        assert good.result(60).tokens == reference(PROMPTS[0], 30)
+        finish = list(bad.events(60))[-1]
+        assert isinstance(finish, Finish) and finish.reason == "error" and "sampling broke" in str(finish.error)
+        assert len(bad.tokens) == 2
+        assert m.engine.snapshot()["running"] == 0 and m.engine.snapshot()["kv_bytes"] == 0
+        m.close()

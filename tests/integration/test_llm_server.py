@@ -73,7 +73,8 @@ def test_completions_and_chats_of_two_models_are_those_of_transformers(client, d
         want = reference(path, tok(prompt, add_special_tokens=False)["input_ids"], 20)
         assert out.choices[0].text == decode(path, want)
         assert out.model == name and out.choices[0].finish_reason == "length"
-        assert out.usage.prompt_tokens == len(tok(prompt)["input_ids"]) and out.usage.completion_tokens == 20
+        assert out.usage.prompt_tokens == len(tok(prompt, add_special_tokens=False)["input_ids"])
+        assert out.usage.completion_tokens == 20
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "load the weights"}]
         chat = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
         ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
@@ -129,6 +130,19 @@ def test_bad_requests_get_openai_errors(client, server):
         client.chat.completions.create(model="llama", messages=[])
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="llama", prompt="a", n=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert err.value.param == "tools"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="llama", prompt="a", stop=["a", "b", "c", "d", "e"])
+    assert err.value.param == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="llama", prompt="a", seed=2 ** 70)
+    assert err.value.param == "seed"
+    nulls = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": "llama", "prompt": "a", "max_tokens": 2, "temperature": None, "top_p": None, "n": None})
+    assert nulls.status_code == 200 and nulls.json()["usage"]["completion_tokens"] == 2
     raw = httpx.post(f"{server.url}/v1/completions", content=b"{not json", timeout=30)
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     # the Open Inference Protocol beside it keeps its own error shape
@@ -153,6 +167,22 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(client, server):
     assert llm["running"] == 0 and llm["kv_bytes"] == 0
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert 'timeshare_llm_generations_total{finish_reason="cancelled",model="llama"}' in metrics
+
+
+def test_a_client_that_leaves_a_whole_answer_frees_its_sequence_too(server):
+    def cancelled() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        line = 'timeshare_llm_generations_total{finish_reason="cancelled",model="qwen"}'
+        return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+    before = cancelled()
+    body = {"model": "qwen", "prompt": "the", "max_tokens": 120, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 120 tokens
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    deadline = time.monotonic() + 20
+    while cancelled() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled() == before + 1
 
 
 def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server):

@@ -25,6 +25,8 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -382,9 +384,6 @@ class _Child:
         self.config_path, self.port = config_path, port
 
     def __enter__(self) -> str:
-        import subprocess
-        import sys
-
         import httpx
 
         self.proc = subprocess.Popen([sys.executable, "-m", "timeshare.bench.reload_server", str(self.config_path)])
@@ -405,8 +404,9 @@ class _Child:
         self.proc.terminate()
         try:
             self.proc.wait(30)
-        except Exception:
+        except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(30)
 
 
 # ---------------------------------------------------------------------- plot

@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from timeshare.dtypes import parse_dtype
 
+REQUEST_TIMEOUT_S = 900.0  # the longest a request waits for its turn, or for its next token
+
 
 class Reloader:
     def __init__(self, models: dict[str, str], device: str, dtype: torch.dtype | None):
@@ -57,12 +59,21 @@ class Reloader:
         return module
 
     def generate(self, name: str, prompt: str, max_tokens: int, emit) -> tuple[int, int]:
-        """Greedy tokens of ``prompt``, each given to ``emit(text)`` as decoded; returns
-        the prompt's and the completion's token counts."""
+        """Greedy tokens of ``prompt``, each given to ``emit(text)`` as decoded, once the
+        requests before it are done; returns the prompt's and the completion's token
+        counts."""
+        if not self.lock.acquire(timeout=REQUEST_TIMEOUT_S):
+            raise TimeoutError(f"no turn within {REQUEST_TIMEOUT_S:g} s")
+        try:
+            return self._generate(name, prompt, max_tokens, emit)
+        finally:
+            self.lock.release()
+
+    def _generate(self, name: str, prompt: str, max_tokens: int, emit) -> tuple[int, int]:
         from transformers import DynamicCache
 
         tok = self.tokenizers[name]
-        with self.lock, torch.no_grad():
+        with torch.no_grad():
             module: Any = self.model(name)
             ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]], device=self.device)
             cache = DynamicCache(config=module.config)
@@ -121,7 +132,10 @@ def create_app(reloader: Reloader):
 
         async def events():
             while True:
-                kind, value = await queue.get()
+                try:
+                    kind, value = await asyncio.wait_for(queue.get(), REQUEST_TIMEOUT_S)
+                except TimeoutError:
+                    kind, value = "error", f"no token in {REQUEST_TIMEOUT_S:g} s"
                 if kind == "text":
                     chunk = {"object": "text_completion", "model": name,
                              "choices": [{"index": 0, "text": value, "finish_reason": None}]}

@@ -95,14 +95,45 @@ class SequenceDone:
 Event = TokenTiming | SequenceDone
 
 
+class Detokenizer:
+    """Text of a token stream, a piece per token, each decoded over a few tokens only
+    (the last ones already shown and the new ones): a tokenizer's text for a token may
+    depend on the tokens around it (a word's leading space, a character's bytes split
+    over tokens), so each new piece is the text of the window after the text of its
+    first part. A piece that ends in an incomplete character (U+FFFD) waits for the
+    next token. The pieces only grow the text: what was shown is never taken back."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._tokens: list[int] = []
+        self._prefix = 0  # the window starts here
+        self._read = 0  # tokens up to here are in the text
+
+    def add(self, token: int) -> str:
+        self._tokens.append(token)
+        shown = self._decode(self._tokens[self._prefix:self._read])
+        now = self._decode(self._tokens[self._prefix:])
+        if len(now) <= len(shown) or now.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._tokens)
+        return now[len(shown):]
+
+    def flush(self) -> str:
+        """What the last tokens decode to, complete or not (the sequence ends)."""
+        shown = self._decode(self._tokens[self._prefix:self._read])
+        now = self._decode(self._tokens[self._prefix:])
+        self._prefix = self._read = len(self._tokens)
+        return now[len(shown):] if len(now) > len(shown) else ""
+
+
 class Sequence:
     """One request's generation. Read it with ``events`` (streaming) or ``result``, or
     give ``on_event`` (called in the engine's thread, for each event, instead);
     ``cancel`` frees it at the next step."""
 
-    def __init__(self, sid: int, prompt: list[int], params: SamplingParams,
+    def __init__(self, sid: int, prompt: list[int], params: SamplingParams, detokenizer: Detokenizer,
                  on_event: Callable[[Delta | Finish], None] | None = None):
-        self.id, self.prompt, self.params = sid, prompt, params
+        self.id, self.prompt, self.params, self.detokenizer = sid, prompt, params, detokenizer
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0
@@ -186,6 +217,7 @@ class Engine:
         self._closed = False
         self._listeners: list[Callable[[Event], None]] = []
         self._ticket = Ticket()  # the turn this engine waits for, made due by a new request
+        self._admitting: Sequence | None = None  # taken from the queue, not yet in the batch
         self.kv_bytes = 0
         self.steps = 0
         self.turns = 0
@@ -208,7 +240,7 @@ class Engine:
             if self._closed:
                 raise Unavailable(f"model {self.name!r} is closed")
             self._ids += 1
-            seq = Sequence(self._ids, list(prompt), params, on_event)
+            seq = Sequence(self._ids, list(prompt), params, Detokenizer(self._decode), on_event)
             self._waiting.append(seq)
             self._cond.notify_all()
         self._ticket.expedite(seq.arrived)  # a turn queued only to decode is now due
@@ -224,49 +256,55 @@ class Engine:
                     "max_context": self.max_context}
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop: queued and running sequences end with an error."""
+        """Stop: queued and running sequences end with an error (the engine's thread
+        fails them as it leaves, at its next step at the latest)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
-        with self._cond:
-            left = list(self._waiting) + self._running
-            self._waiting.clear()
-            self._running = []
-            self._batch = DecodeBatch()
-            self.kv_bytes = 0
-        for seq in left:
-            self._fail(seq, Unavailable(f"model {self.name!r} was closed"))
+        if self._thread.is_alive():
+            log.warning("model %s: the engine is still in a step after %g s; it fails its sequences when the "
+                        "step ends", self.name, timeout_s)
 
     # ------------------------------------------------------------------ the engine's thread
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not self._waiting and not self._running:
-                    self._cond.wait(1.0)
-                if self._closed:
-                    return
-                # A request waiting for its first token makes the turn due since it arrived.
-                due = min((s.arrived for s in self._waiting), default=None)
-            try:
-                with self._rt.turn(self.name, urgent_since=due, ticket=self._ticket) as turn:
-                    self.turns += 1
-                    self._turn(turn)
-            except BaseException as exc:  # the turn itself failed: the runtime closed, the model left
-                log.warning("model %s: turn failed: %s", self.name, exc)
+        try:
+            while True:
                 with self._cond:
-                    left = list(self._waiting) + self._running
-                    self._waiting.clear()
-                    self._running = []
-                    self._batch = DecodeBatch()
-                    self.kv_bytes = 0
-                for seq in left:
-                    self._fail(seq, exc)
-                if not isinstance(exc, Exception):
-                    raise
+                    while not self._closed and not self._waiting and not self._running:
+                        self._cond.wait(1.0)
+                    if self._closed:
+                        return
+                    # A request waiting for its first token makes the turn due since it arrived.
+                    due = min((s.arrived for s in self._waiting), default=None)
+                try:
+                    with self._rt.turn(self.name, urgent_since=due, ticket=self._ticket) as turn:
+                        self.turns += 1
+                        self._turn(turn)
+                except Exception as exc:  # the turn itself failed: the runtime closed, the model left
+                    log.warning("model %s: turn failed: %s", self.name, exc)
+                    self._fail_all(exc)
+        except BaseException as exc:
+            with self._cond:
+                self._closed = True  # no one is left to serve a later submit
+            self._fail_all(exc)
+            raise
+        finally:
+            self._fail_all(Unavailable(f"model {self.name!r} was closed"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            left = list(self._waiting) + self._running + ([self._admitting] if self._admitting else [])
+            self._waiting.clear()
+            self._running = []
+            self._admitting = None
+            self._batch = DecodeBatch()
+            self.kv_bytes = 0
+        for seq in left:
+            self._fail(seq, exc)
 
     def _turn(self, turn: ModelTurn) -> None:
-        while True:
+        while not self._closed:
             self._admit(turn)
             if not self._running:
                 return
@@ -274,47 +312,52 @@ class Engine:
             self._drop_finished()
             with self._cond:
                 idle = not self._running and not self._waiting
-            if idle or self._closed or turn.contended(self.quantum_s):
+            if idle or turn.contended(self.quantum_s):
                 return
 
     def _admit(self, turn: ModelTurn) -> None:
-        """Prefill waiting sequences into the batch, one at a time, while there is room."""
+        """Prefill waiting sequences into the batch, one at a time, while there is room.
+        A sequence that fails here (its prefill, its first token, joining the batch)
+        fails alone."""
         self._drop_finished()
-        while len(self._running) < self.max_sequences:
+        while len(self._running) < self.max_sequences and not self._closed:
             with self._cond:
-                seq = self._waiting.popleft() if self._waiting else None
+                seq = self._admitting = self._waiting.popleft() if self._waiting else None
             if seq is None:
                 return
-            if seq.cancelled:
-                self._end(seq, "cancelled")
-                continue
-            ids = torch.tensor([seq.prompt], dtype=torch.long)
             try:
+                if seq.cancelled:
+                    self._end(seq, "cancelled")
+                    continue
+                ids = torch.tensor([seq.prompt], dtype=torch.long)
                 # No cache object goes in: the model makes its own, so a forward run twice
                 # (a model's first load also profiles it) cannot append twice.
                 out = turn.call((ids,), {"attention_mask": torch.ones_like(ids), "use_cache": True,
                                          "logits_to_keep": 1}).output
                 kv = self._layers(out["past_key_values"], len(seq.prompt))
+                self._emit(seq, next_token(out["logits"][0, -1], seq.params, seq.generator))
+                if seq.done:
+                    continue
+                with self._cond:
+                    self._batch.join(kv, len(seq.prompt))
+                    self._running.append(seq)
+                    self.kv_bytes = self._batch.nbytes
             except Exception as exc:
                 self._fail(seq, exc)
-                continue
-            self._emit(seq, next_token(out["logits"][0, -1], seq.params, seq.generator))
-            if seq.done:
-                continue
-            with self._cond:
-                self._batch.join(kv, len(seq.prompt))
-                self._running.append(seq)
-                self.kv_bytes = self._batch.nbytes
+            finally:
+                self._admitting = None
 
     def _step(self, turn: ModelTurn) -> None:
-        """One decode step of every running sequence."""
+        """One decode step of every running sequence. A failed forward fails the batch
+        (every one of them was in it); a failure choosing one sequence's token fails
+        that sequence alone."""
         ids, mask, positions = self._batch.step_inputs([s.tokens[-1] for s in self._running])
         try:
             out = turn.call((ids,), {"attention_mask": mask, "position_ids": positions,
                                      "past_key_values": self._new_cache(self._batch.kv), "use_cache": True,
                                      "logits_to_keep": 1}).output
             kv = self._layers(out["past_key_values"], mask.shape[1])
-        except Exception as exc:  # every sequence of the batch was in this step
+        except Exception as exc:
             with self._cond:
                 failed, self._running, self._batch, self.kv_bytes = self._running, [], DecodeBatch(), 0
             for seq in failed:
@@ -325,7 +368,10 @@ class Engine:
         self.kv_bytes = self._batch.nbytes
         logits = out["logits"][:, -1]
         for seq, row in zip(self._running, logits):
-            self._emit(seq, next_token(row, seq.params, seq.generator))
+            try:
+                self._emit(seq, next_token(row, seq.params, seq.generator))
+            except Exception as exc:  # NaN logits under sampling, a tokenizer's error
+                self._fail(seq, exc)
 
     def _drop_finished(self) -> None:
         for seq in self._running:
@@ -333,10 +379,13 @@ class Engine:
                 self._end(seq, "cancelled")
         rows = [i for i, s in enumerate(self._running) if not s.done]
         if len(rows) != len(self._running):
-            with self._cond:
-                self._batch.keep(rows)
-                self._running = [self._running[i] for i in rows]
-                self.kv_bytes = self._batch.nbytes
+            try:
+                with self._cond:
+                    self._batch.keep(rows)
+                    self._running = [self._running[i] for i in rows]
+                    self.kv_bytes = self._batch.nbytes
+            except Exception as exc:  # the batch's cache is lost with it
+                self._fail_all(exc)
 
     @staticmethod
     def _layers(cache, width: int) -> KV:
@@ -358,18 +407,18 @@ class Engine:
         reason = None
         if token in self._eos:
             reason = "stop"
+            seq.text += seq.detokenizer.flush()
         else:
             before = len(seq.text)
-            text = self._decode(seq.tokens)
-            # A character still being decoded (U+FFFD at the end) may change with the next
-            # token: stop strings are looked for in the text before it.
-            at = find_stop(text.rstrip("\ufffd"), seq.params.stop, max(0, before - 1))
+            seq.text += seq.detokenizer.add(token)
+            # Text still being decoded (a character's first bytes) is not in ``text`` yet.
+            at = find_stop(seq.text, seq.params.stop, before)
             if at is not None:
-                text, reason = text[:at], "stop"
-            seq.text = text
+                seq.text, reason = seq.text[:at], "stop"
         if reason is None and (len(seq.tokens) >= seq.params.max_tokens
                                or len(seq.prompt) + len(seq.tokens) >= self.max_context):
             reason = "length"
+            seq.text += seq.detokenizer.flush()
         upto = len(seq.text) if reason else len(seq.text) - held_back(seq.text, seq.params.stop)
         if upto > seq.sent:
             seq._put(Delta(seq.text[seq.sent:upto], len(seq.tokens)))

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from timeshare.errors import DuplicateModelError, MemoryBudgetError, UnknownModelError
+from timeshare.errors import DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call, Ran
@@ -265,7 +265,9 @@ class ModelTable:
             resident = {n for n, e in self.entries.items() if e.block is not None}
             try:
                 return self.host.ensure(m.name, self.host_readers(), stream=stream, cheap=resident)
-            except MemoryBudgetError:
+            except MemoryBudgetError as exc:
+                if isinstance(exc, ModelTooLargeError):  # no eviction makes room for it
+                    raise
                 readers = [self.entries[n] for n in self.host_readers()
                            if n != m.name and not self.entries[n].pinned and not self.entries[n].running]
                 if attempt or not readers:

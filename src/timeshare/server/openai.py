@@ -29,32 +29,52 @@ from timeshare.llm.model import LanguageModel
 from timeshare.llm.sampling import SamplingParams
 from timeshare.server.status import served_error, status_of
 
+DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that its client is still there
+
 
 # ---------------------------------------------------------------------- requests
+# Fields of OpenAI's API that this server does not implement: a request that sets one
+# (not null) is refused, rather than answered as if it had not asked.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
+               "top_logprobs", "best_of")
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields of their own (user, metadata...)
+    model_config = ConfigDict(extra="allow")  # clients send fields of their own (user, metadata...)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
     """An extension (as vLLM's): the most likely k tokens only; 0 or -1: all."""
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
+    n: int | None = Field(None, ge=1, le=1)
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=0, le=0)
-    frequency_penalty: float = Field(0.0, ge=0, le=0)
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)  # what a torch generator takes
+    presence_penalty: float | None = Field(None, ge=0, le=0)
+    frequency_penalty: float | None = Field(None, ge=0, le=0)
     logprobs: bool | int | None = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
+        """The request's sampling parameters; a refused value is 400 naming its field."""
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED:
+            value = extra.get(name)
+            if value is None or value == [] or (name == "best_of" and value == 1):
+                continue
+            raise _Invalid(f"{name} is not supported by this server", name)
         if self.logprobs:
-            raise ConfigError("logprobs are not supported")
+            raise _Invalid("logprobs are not supported by this server", "logprobs")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(0, self.top_k), seed=self.seed, stop=stop)
+        try:
+            return SamplingParams(max_tokens=max_tokens,
+                                  temperature=1.0 if self.temperature is None else self.temperature,
+                                  top_p=1.0 if self.top_p is None else self.top_p, top_k=max(0, self.top_k or 0),
+                                  seed=self.seed, stop=stop)
+        except ConfigError as exc:  # the message begins with the field's name
+            raise _Invalid(str(exc), str(exc).split(" ", 1)[0]) from None
 
     @property
     def include_usage(self) -> bool:
@@ -63,8 +83,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = Field(False, le=False)
-    best_of: int | None = Field(None, ge=1, le=1)
+    echo: bool | None = Field(False, le=False)
 
 
 class _Part(BaseModel):
@@ -138,7 +157,7 @@ def add_openai_api(app: FastAPI, service) -> None:
             params = req.sampling(req.max_tokens or 16)
         except _Invalid as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        return await _answer(model, prompts, params, req, chat=False, timeout_s=timeout_s)
+        return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s)
 
     @app.post("/v1/chat/completions", summary="Answer a chat (OpenAI)")
     async def chat_completions(request: Request):
@@ -153,7 +172,7 @@ def add_openai_api(app: FastAPI, service) -> None:
             params = req.sampling(limit)
         except _Invalid as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        return await _answer(model, [prompt], params, req, chat=True, timeout_s=timeout_s)
+        return await _answer(request, model, [prompt], params, req, chat=True, timeout_s=timeout_s)
 
 
 async def _body(request: Request) -> Any:
@@ -211,8 +230,8 @@ class _Stream:
             seq.cancel()
 
 
-async def _answer(model: LanguageModel, prompts: list[list[int]], params: SamplingParams, req: _Sampling,
-                  *, chat: bool, timeout_s: float):
+async def _answer(request: Request, model: LanguageModel, prompts: list[list[int]], params: SamplingParams,
+                  req: _Sampling, *, chat: bool, timeout_s: float):
     stream = _Stream(timeout_s)
     try:
         for i, prompt in enumerate(prompts):
@@ -223,6 +242,9 @@ async def _answer(model: LanguageModel, prompts: list[list[int]], params: Sampli
     except ConfigError as exc:
         stream.cancel()
         return openai_error(400, str(exc), param="prompt")
+    except BaseException:  # the model closing meanwhile: no sequence may be left without a reader
+        stream.cancel()
+        raise
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
@@ -230,14 +252,27 @@ async def _answer(model: LanguageModel, prompts: list[list[int]], params: Sampli
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
     finishes: dict[int, Finish] = {}
-    try:
+
+    async def collect() -> None:
         async for index, event in stream.events():
             if isinstance(event, Delta):
                 texts[index].append(event.text)
             else:
                 finishes[index] = event
+
+    collecting = asyncio.ensure_future(collect())
+    try:
+        # The server does not cancel a handler whose client left: watch for it, so that
+        # an abandoned request stops generating at the next step.
+        while not collecting.done():
+            await asyncio.wait([collecting], timeout=DISCONNECT_POLL_S)
+            if not collecting.done() and await request.is_disconnected():
+                collecting.cancel()
+                return openai_error(499, "the client disconnected")
+        collecting.result()
     finally:
-        stream.cancel()  # a no-op for finished sequences; frees them if this request was abandoned
+        collecting.cancel()
+        stream.cancel()  # a no-op for finished sequences
     failed = next((f.error for f in finishes.values() if f.error is not None), None)
     if failed is not None:
         raise served_error(model.name, failed)
@@ -276,7 +311,7 @@ async def _sse(stream: _Stream, model: str, rid: str, created: int, chat: bool, 
                 if event.error is not None:
                     status, message = _error_of(event.error)
                     body = {"error": {"message": message, "type": "server_error" if status >= 500
-                                      else "invalid_request_error", "param": None, "code": status}}
+                                      else "invalid_request_error", "param": None, "code": str(status)}}
                     yield f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
                     break
                 finishes.append(event)
@@ -290,7 +325,7 @@ async def _sse(stream: _Stream, model: str, rid: str, created: int, chat: bool, 
                 yield chunk([], usage=_usage(finishes))
         yield "data: [DONE]\n\n"
     except Timeout as exc:
-        body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 504}}
+        body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "504"}}
         yield f"data: {json.dumps(body)}\n\n"
     finally:  # the client went away (the response is cancelled), or the stream ended
         stream.cancel()
