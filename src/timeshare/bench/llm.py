@@ -269,7 +269,7 @@ def _fleet(config: LLMBenchConfig, device: torch.device, dirs: list[Path], progr
                 "llms": [{"name": n, "path": str(d), "dtype": config.dtype if config.dtype != "fp32" else None,
                           "max_sequences": 8} for n, d in zip(names, dirs)]}
     progress(f"fleet: timeshare serve with {len(dirs)} models (loading them)")
-    with ServerProcess(ours_cfg, ready_timeout_s=1800).start() as server:
+    with ServerProcess(ours_cfg, ready_timeout_s=1800) as server:  # __enter__ starts it
         progress(f"fleet: {len(trace)} requests to timeshare")
         out["timeshare"] = _play(server.url, trace, config.fleet_max_tokens)
         out["timeshare"]["loads"] = _loads(server.url)
@@ -324,20 +324,23 @@ async def _play_async(url: str, trace, max_tokens: int) -> dict:
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
             "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99), "completion_tokens": tokens,
-            "makespan_s": makespan, "tokens_per_s": tokens / makespan, "texts": [r["text"] for r in results]}
+            "makespan_s": makespan, "tokens_per_s": tokens / makespan, "texts": [r["text"] for r in results],
+            "requests": [{k: r.get(k) for k in ("model", "at_s", "ttft_s", "e2e_s", "tokens", "error")}
+                         for r in results]}
 
 
 async def _one(client, start: float, at: float, model: str, prompt: str, max_tokens: int) -> dict:
     await asyncio.sleep(max(0.0, start + at - time.monotonic()))
     sent = time.monotonic()
     first, text, tokens, error = None, [], 0, None
+    base = {"model": model, "at_s": at}
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                return {"error": f"HTTP {response.status_code}: {response.text[:200]}", "text": None}
+                return {**base, "error": f"HTTP {response.status_code}: {response.text[:200]}", "text": None}
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -351,9 +354,9 @@ async def _one(client, start: float, at: float, model: str, prompt: str, max_tok
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except Exception as exc:
-        return {"error": repr(exc), "text": None}
+        return {**base, "error": repr(exc), "text": None}
     done = time.monotonic()
-    return {"error": error, "ttft_s": (first or done) - sent, "e2e_s": done - sent, "tokens": tokens,
+    return {**base, "error": error, "ttft_s": (first or done) - sent, "e2e_s": done - sent, "tokens": tokens,
             "text": "".join(text)}
 
 

@@ -73,8 +73,13 @@ def _write_tokenizer(path: Path, vocab: int, seed: int):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # Printable ASCII, space and newline only (byte-level BPE's names for them: a space is
+    # "Ġ", a newline "Ċ"), not all 256 bytes: every token then decodes to valid text, as a
+    # trained model's output does, even from random weights (a token holding half of a
+    # multi-byte character would make streamed text wait for the rest).
+    alphabet = [chr(c) for c in range(0x21, 0x7F)] + ["\u0120", "\u010a"]
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS),
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                        initial_alphabet=alphabet, limit_alphabet=len(alphabet)))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
