@@ -46,6 +46,13 @@ def reference(llama):
     return generate
 
 
+def started(seq, tokens: int = 3) -> None:
+    """Wait (30 s at most) until ``seq`` has generated ``tokens`` tokens."""
+    deadline = time.monotonic() + 30
+    while len(seq.tokens) < tokens and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def records(rt) -> list[CallRecord]:
     seen: list[CallRecord] = []
     rt.subscribe(lambda r: seen.append(r) if isinstance(r, CallRecord) else None)
@@ -97,9 +104,7 @@ def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, ref
         rt.register("other", lambda: other, other.state_dict(), (x,))
         prompt = PROMPTS[0]
         seq = m.generate(m.encode(prompt), SamplingParams(max_tokens=60, temperature=0))
-        deadline = time.monotonic() + 30
-        while len(seq.tokens) < 5 and time.monotonic() < deadline:
-            time.sleep(0.002)
+        started(seq, 5)
         outputs = [rt.infer("other", x) for _ in range(3)]
         at_other = time.monotonic()
         got = seq.result(60)
@@ -120,9 +125,7 @@ def test_a_request_waiting_for_its_first_token_comes_before_another_models_decod
         a = lm.load(rt, "llama", llama, quantum_s=60.0)
         b = lm.load(rt, "qwen", qwen, quantum_s=60.0)
         long = a.generate(a.encode(PROMPTS[0]), SamplingParams(max_tokens=150, temperature=0))
-        deadline = time.monotonic() + 30
-        while len(long.tokens) < 3 and time.monotonic() < deadline:
-            time.sleep(0.002)
+        started(long)
         short = b.generate(b.encode(PROMPTS[1]), SamplingParams(max_tokens=2, temperature=0))
         short.result(60)
         got = long.result(60)
@@ -138,12 +141,6 @@ def test_a_model_queued_only_to_decode_becomes_due_when_a_request_arrives_for_it
     with Runtime("cpu", "64MiB") as rt:
         a = lm.load(rt, "llama", llama, quantum_s=60.0)
         b = lm.load(rt, "qwen", qwen, quantum_s=60.0)
-
-        def started(seq):
-            deadline = time.monotonic() + 30
-            while len(seq.tokens) < 3 and time.monotonic() < deadline:
-                time.sleep(0.002)
-
         first = a.generate(a.encode(PROMPTS[0]), SamplingParams(max_tokens=150, temperature=0))
         started(first)
         other = b.generate(b.encode(PROMPTS[1]), SamplingParams(max_tokens=150, temperature=0))
@@ -164,9 +161,7 @@ def test_sequences_that_join_a_running_batch_get_the_tokens_they_would_alone(lla
         seqs = []
         for prompt in PROMPTS:  # each joins when the previous one is decoding
             seqs.append(m.generate(m.encode(prompt), SamplingParams(max_tokens=40, temperature=0)))
-            deadline = time.monotonic() + 30
-            while len(seqs[-1].tokens) < 3 and time.monotonic() < deadline:
-                time.sleep(0.001)
+            started(seqs[-1])
         steps0 = m.engine.steps
         results = [s.result(60) for s in seqs]
         for prompt, got in zip(PROMPTS, results):

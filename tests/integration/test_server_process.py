@@ -44,6 +44,8 @@ def test_stop_drains_in_flight_requests_and_leaves_nothing(workers, sig):
     server = ServerProcess(config(workers), ready_timeout_s=180)
     try:
         server.start()
+        pid = server.proc.pid
+        assert server.start().proc.pid == pid  # started once, whatever calls start again (a with block)
         if workers:
             assert len(server.children) >= workers  # the worker processes (and the resource tracker)
         x = torch.zeros(1, 4)

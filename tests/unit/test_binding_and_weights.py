@@ -143,7 +143,7 @@ def test_unreadable_files_are_clear_errors(tmp_path):
         read_weights(garbage)
     with pytest.raises(WeightsError, match="not a tensor"):
         read_weights({"a": 1})
-    with pytest.raises(WeightsError, match="safetensors path or a state dict"):
+    with pytest.raises(WeightsError, match="safetensors path, a list of shards or a state dict"):
         read_weights(42)
 
 

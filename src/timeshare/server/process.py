@@ -44,8 +44,12 @@ class ServerProcess:
         self.children: list[int] = []
 
     def start(self, progress=None) -> ServerProcess:
+        """Start the server and wait until it is ready; a second call (``start()``, then
+        ``with``) returns the one already started rather than starting another."""
         from timeshare.server.client import Client
 
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "timeshare", "serve", "--config", str(self.config_path)],
                                      stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
