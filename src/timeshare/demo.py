@@ -123,6 +123,8 @@ def _chat_model(cfg: DemoConfig, doc: dict) -> dict | None:
         return None
     from timeshare.llm import hfdir
 
+    transformers.utils.logging.disable_progress_bar()  # the demo prints its own progress
+
     # About 20M parameters (80 MB) beside the zoo models in the default's budget; a 1.5 MB
     # model when the budget is small (a quick run's).
     memory = doc.get("runtime", {}).get("memory", "auto")

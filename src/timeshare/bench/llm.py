@@ -87,6 +87,9 @@ class LLMBenchConfig:
 
 
 def run(config: LLMBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the bench prints its own progress
     device = resolve_device(config.device)
     with tempfile.TemporaryDirectory(prefix="timeshare-llm-") as tmp:
         root = Path(config.workdir or tmp)
