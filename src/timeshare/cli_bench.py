@@ -53,8 +53,8 @@ def add_parsers(bench) -> None:
                          "transformers' generate. fleet: N models in room for two, a Zipf-popular stream of "
                          "streamed completions through the OpenAI API, against a reload-on-switch server.")
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "gpt2"])
-    p.add_argument("--size", default="small", choices=["tiny", "small"],
-                   help="small: 64M to 113M parameters; tiny: a quick check")
+    p.add_argument("--size", default="small", choices=["tiny", "small", "1b"],
+                   help="small: 64M to 113M parameters; 1b: about 0.9B (for a GPU); tiny: a quick check")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)

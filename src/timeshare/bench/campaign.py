@@ -63,6 +63,12 @@ STEPS: dict[str, Step] = {
         # The memory hierarchy (issue 17): cold loads from disk, and variants held once.
         Step("disk", ("disk", "--repeats", "5", "--memory", "4GiB"), 420),
         Step("variants", ("variants", "--batch", "8", "--repeats", "20", "--memory", "4GiB"), 420),
+        # Language models (issue 18): a 0.9B bf16 model's cold time to first token against
+        # bytes / bandwidth + warm, its decode against transformers; then a fleet.
+        Step("llm-1b", ("llm", "--size", "1b", "--dtype", "bf16", "--parts", "wake", "decode",
+                        "--workdir", "/tmp/timeshare-llm-models"), 600),
+        Step("llm-fleet", ("llm", "--size", "small", "--dtype", "bf16", "--parts", "fleet", "--fleet-rate", "4",
+                           "--fleet-requests", "200", "--workdir", "/tmp/timeshare-llm-models"), 600),
     ]
 }
 

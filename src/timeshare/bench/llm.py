@@ -50,6 +50,7 @@ from timeshare.runtime.facade import Runtime
 SIZES = {
     "tiny": [(64, 2, 4), (96, 2, 4)],
     "small": [(768, 12, 12), (832, 12, 8), (896, 12, 14), (1024, 12, 16)],  # about 64M to 113M parameters
+    "1b": [(2048, 24, 32)],  # about 0.9B parameters (a GPU's size: 1.8 GB in bf16)
 }
 TEXTS = ("the model switch fast load weights layer token", "a gpu share time memory host device cache",
          "group stream copy wake sleep serve request answer", "fast slow memory the a model gpu time")

@@ -1,0 +1,43 @@
+"""Language models on CUDA (issue 18): greedy tokens identical to transformers' own
+``generate`` on the same device, warm, after a pipelined load into poisoned blocks with the
+copies held back, and in a continuous batch; the key/value caches stay on the device and
+are given back. Marked ``cuda``; skipped on machines without a GPU."""
+
+import pytest
+import torch
+
+import timeshare
+from timeshare.llm import hfdir
+from timeshare.llm import model as lm
+from timeshare.llm.sampling import SamplingParams
+
+pytestmark = pytest.mark.cuda
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["the model switch fast", "a gpu share time", "load weights layer token fast slow memory host"]
+
+
+def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path):
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).to("cuda").eval()
+
+    def want(prompt: str, n: int) -> list[int]:
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]], device="cuda")
+        out = ref.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                           pad_token_id=tok.pad_token_id)
+        return out[0, ids.shape[1]:].tolist()
+
+    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1, poison_evicted=True,
+                           copy_delay_s=0.002) as rt:
+        m = lm.load(rt, "llama", path)
+        greedy = SamplingParams(max_tokens=24, temperature=0)
+        for prompt in PROMPTS:
+            assert m.generate(m.encode(prompt), greedy).result(120).tokens == want(prompt, 24)
+            rt.evict("llama")  # the next one loads pipelined into a poisoned block
+        with rt.hold_device():  # queued together: one batch
+            seqs = [m.generate(m.encode(p), SamplingParams(max_tokens=40, temperature=0)) for p in PROMPTS]
+        for prompt, seq in zip(PROMPTS, seqs):
+            assert seq.result(120).tokens == want(prompt, 40)
+        assert m.engine.snapshot()["kv_bytes"] == 0
+        m.close()
