@@ -62,3 +62,33 @@ def test_stop_drains_in_flight_requests_and_leaves_nothing(workers, sig):
         assert server.leftovers(grace_s=10) == [], server.log_tail()
     finally:
         server.close()
+
+
+def test_a_server_whose_starter_dies_stops_by_itself():
+    import json
+    import subprocess
+    import sys
+
+    starter = (
+        "import json, os, sys\n"
+        "from timeshare.server.process import ServerProcess\n"
+        "server = ServerProcess(json.loads(sys.argv[1]), ready_timeout_s=120).start()\n"
+        "print(server.pid, flush=True)\n"
+        "os._exit(0)  # dies without stopping it\n"
+    )
+    cfg = {"runtime": {"device": "cpu", "memory": "1MiB"}, "models": [{"name": "mlp", "zoo": "tiny_mlp"}]}
+    out = subprocess.run([sys.executable, "-c", starter, json.dumps(cfg)], capture_output=True, text=True,
+                         timeout=180, check=True)
+    pid = int(out.stdout.split()[0])
+
+    def alive() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + 60
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(), f"the orphaned server {pid} is still running"

@@ -51,8 +51,10 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             return self
         log = open(self.log_path, "wb")
+        # The server stops by itself if this process dies without stopping it (serve.PARENT_ENV).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TIMESHARE_PARENT_PID": str(os.getpid())}
         self.proc = subprocess.Popen([sys.executable, "-m", "timeshare", "serve", "--config", str(self.config_path)],
-                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         deadline = time.monotonic() + self.ready_timeout_s
         with Client(self.url, timeout_s=5) as client:

@@ -10,12 +10,20 @@ worker processes exit, shared memory is unlinked. No process is left behind.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 
 from timeshare.config import Config, ServerConfig
 
 log = logging.getLogger(__name__)
+
+# Set by ``ServerProcess`` (demo, benches, tests): the process that started this server. When
+# it is gone (killed, crashed) the server stops as on SIGTERM, so that no server outlives the
+# run that needed it.
+PARENT_ENV = "TIMESHARE_PARENT_PID"
+PARENT_POLL_S = 1.0
 
 
 def serve(config: Config, *, log_level: str = "info") -> None:
@@ -34,6 +42,7 @@ def serve(config: Config, *, log_level: str = "info") -> None:
             metrics_server, _thread = start_http_server(s.metrics_port, addr=s.host, registry=service.metrics.registry)
         server = uvicorn.Server(uvicorn_config(create_app(service), s, log_level=log_level))
         with _exit_cleanly():
+            _stop_with_parent()
             server.run()
     finally:
         if metrics_server is not None:
@@ -60,6 +69,31 @@ def uvicorn_config(app, server: ServerConfig, *, log_level: str = "info"):
                           http=protocol_class(ConnectionLimits.from_config(server)),
                           # h11 refuses an incomplete request head beyond this (431 in connections.py)
                           h11_max_incomplete_event_size=int(server.max_header_bytes))
+
+
+def _stop_with_parent() -> None:
+    """With ``TIMESHARE_PARENT_PID`` set, a thread that sends this process SIGTERM (the
+    graceful stop) once that process is gone."""
+    value = os.environ.get(PARENT_ENV)
+    if not value or not value.isdigit():
+        return
+    parent = int(value)
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # alive, someone else's
+                continue
+            if os.getppid() != parent:  # it died and its pid was taken: we were re-parented
+                break
+        log.warning("the process that started this server (%d) is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="timeshare-parent-watch", daemon=True).start()
 
 
 class _exit_cleanly:
