@@ -543,15 +543,16 @@ class ModelTurn:
             self.load_s += call.record.seconds
         return call
 
-    def contended(self, quantum_s: float, *, urgent: bool = False) -> bool:
+    def contended(self, quantum_s: float) -> bool:
         """Whether to give the device back now: a task of a more urgent class waits, or
         one of this class that is due (a deadline: a request waiting for its first token,
-        an inference with an SLO) while this turn is not ``urgent``, or any task waits and
-        the turn has lasted ``quantum_s`` (and ``LOAD_FACTOR`` times its loads)."""
+        an inference with an SLO), or any task waits and the turn has lasted ``quantum_s``
+        (and ``LOAD_FACTOR`` times its loads). Asked between steps, when this turn's own
+        prefills are done."""
         waiting = self._gate.most_urgent_waiting()
         if waiting is None:
             return False
         priority, deadline = waiting
-        if priority < self._priority or (priority == self._priority and deadline is not None and not urgent):
+        if priority < self._priority or (priority == self._priority and deadline is not None):
             return True
         return time.monotonic() - self.started >= max(quantum_s, self.LOAD_FACTOR * self.load_s)
