@@ -7,6 +7,7 @@ points] in ``runtime/training.py``).
 from __future__ import annotations
 
 import pickle
+import threading
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ from timeshare.errors import ConfigError
 from timeshare.models.spec import resolve_builder
 from timeshare.tree import map_tensors
 from timeshare.worker.profiling import measure_ephemeral
+
+# Seeding and building a job's model use PyTorch's process-wide generator: two jobs built
+# at once in two threads (in-process, started together) would draw from each other's seed.
+_SEEDED_BUILDS = threading.Lock()
 
 
 @dataclass
@@ -93,7 +98,7 @@ class TrainingTask:
             module = spec.model
         else:
             build = resolve_builder(spec.model) if isinstance(spec.model, str) else spec.model
-            with torch.random.fork_rng(devices=[]):  # the job's seed makes its initial weights too
+            with _SEEDED_BUILDS, torch.random.fork_rng(devices=[]):  # the job's seed makes its initial weights
                 torch.manual_seed(spec.seed)
                 module = build()
         if not isinstance(module, nn.Module):
