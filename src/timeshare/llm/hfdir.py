@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError, WeightsError
+from timeshare.seeding import seeded
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
@@ -41,8 +42,7 @@ def write_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0, hid
     tokenizer = _write_tokenizer(path, vocab, seed)
     config = _config(arch, len(tokenizer), hidden, layers, heads, max_positions,
                      (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id))
-    with torch.random.fork_rng(devices=[]):  # seeded, and the caller's random state left alone
-        torch.manual_seed(seed)
+    with seeded(seed):  # the caller's random state left alone (NOTE [One random state per process])
         model = AutoModelForCausalLM.from_config(config)
     model.eval().save_pretrained(path, max_shard_size=max_shard_size)
     return path

@@ -7,9 +7,7 @@ points] in ``runtime/training.py``).
 from __future__ import annotations
 
 import pickle
-import threading
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +16,9 @@ from torch import nn
 
 from timeshare.errors import ConfigError
 from timeshare.models.spec import resolve_builder
+from timeshare.seeding import JobRandomState, seeded
 from timeshare.tree import map_tensors
 from timeshare.worker.profiling import measure_ephemeral
-
-# Seeding and building a job's model use PyTorch's process-wide generator: two jobs built
-# at once in two threads (in-process, started together) would draw from each other's seed.
-_SEEDED_BUILDS = threading.Lock()
 
 
 @dataclass
@@ -82,15 +77,7 @@ class TrainingTask:
         self._offloaded_state: list[tuple[dict, str]] = []  # optimizer state moved off the device
         self._data = iter(data)
         self._step = step
-        gen = torch.Generator()
-        gen.manual_seed(seed)
-        self._rng_cpu = gen.get_state()
-        self._rng_cuda = None
-        if device.type == "cuda":
-            with torch.random.fork_rng(devices=[device]):
-                with torch.cuda.device(device):  # manual_seed seeds the current device only
-                    torch.cuda.manual_seed(seed)
-                self._rng_cuda = torch.cuda.get_rng_state(device)
+        self.random = JobRandomState(seed, device)
 
     @classmethod
     def build(cls, spec: TrainSpec, device: torch.device) -> TrainingTask:
@@ -98,8 +85,7 @@ class TrainingTask:
             module = spec.model
         else:
             build = resolve_builder(spec.model) if isinstance(spec.model, str) else spec.model
-            with _SEEDED_BUILDS, torch.random.fork_rng(devices=[]):  # the job's seed makes its initial weights
-                torch.manual_seed(spec.seed)
+            with seeded(spec.seed):  # the job's seed makes its initial weights too
                 module = build()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"model for training job {spec.name!r} is {type(module).__name__}, not an nn.Module")
@@ -123,7 +109,7 @@ class TrainingTask:
         def iteration() -> None:
             nonlocal loss
             moved = map_tensors(batch, lambda t: t.to(self.device))
-            with _swapped_rng(self):
+            with self.random.active():
                 loss = self._step(self.model, self.optimizer, moved)
 
         if self.stats.iterations == 1:  # NOTE [Counting ephemeral bytes]: once, off the steady state
@@ -219,21 +205,3 @@ def _canonical(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-@contextmanager
-def _swapped_rng(task: TrainingTask):
-    """Run with the job's own random state; put everyone else's back afterwards."""
-    outer_cpu = torch.get_rng_state()
-    outer_cuda = torch.cuda.get_rng_state(task.device) if task._rng_cuda is not None else None
-    torch.set_rng_state(task._rng_cpu)
-    if task._rng_cuda is not None:
-        torch.cuda.set_rng_state(task._rng_cuda, task.device)
-    try:
-        yield
-    finally:
-        task._rng_cpu = torch.get_rng_state()
-        torch.set_rng_state(outer_cpu)
-        if outer_cuda is not None:
-            task._rng_cuda = torch.cuda.get_rng_state(task.device)
-            torch.cuda.set_rng_state(outer_cuda, task.device)

@@ -17,6 +17,7 @@ from torch import nn
 
 from timeshare.errors import ConfigError
 from timeshare.models.weights import save_weights
+from timeshare.seeding import seeded
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,8 @@ def weights_path(name: str, seed: int = 0, directory: str | os.PathLike | None =
     if path.exists():
         return path
     log.info("generating weights for %s (seed %d) in %s", name, seed, path)
-    torch.manual_seed(seed)
-    module = model.build()
+    with seeded(seed):  # NOTE [One random state per process]
+        module = model.build()
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
         _calibrate_batchnorm(module, model.example_inputs(4, torch.float32, seed + 1))
     return save_weights(module, path)
