@@ -4,6 +4,7 @@
     timeshare sim salus [--seeds 10] [--devices 1] [--out PATH] [--plot PNG] [--calibrate | --explain]
     timeshare sim serving [--models 50] [--requests N] [--costs B1.json [B8.json [SWITCH.json]]]
     timeshare sim run --trace T.csv --policy srtf [--costs ...|--salus-pool CSV]
+    timeshare sim cluster [--devices 1000] [--models 10000] [--requests 10000000] [--margins 4,8,16,32]
     timeshare bench colocate [--model tiny_bert] [--train tiny_cnn:32] [--duration 20]
     timeshare bench scheduler [--queued 1000] [--requests 1000000]
 """
@@ -59,6 +60,25 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--costs", nargs="+", default=None,
                    help="bench pipeline JSON at batch 1 [, at batch 8 [, bench switch JSON]] "
                         "(default: committed CPU results)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+
+    p = sim.add_parser("cluster", help="routing policies on a fleet: random, least-loaded, Ray Serve's, ours",
+                       description="Requests to many models (Zipf popularity) routed over a fleet of devices by "
+                       "each policy (NOTE [Fleet routing], NOTE [Cluster simulation]): loads per request, latency "
+                       "percentiles and device utilisation.")
+    p.add_argument("--devices", type=int, default=1000)
+    p.add_argument("--models", type=int, default=10_000)
+    p.add_argument("--requests", type=int, default=10_000_000)
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--memory", default="16GB", help="model memory per device (bytes, or with a unit: 16GB)")
+    p.add_argument("--load", type=float, default=0.7, help="offered load, a fraction of the fleet's capacity")
+    p.add_argument("--policies", default=",".join(["random", "least-loaded", "ray", "timeshare"]))
+    p.add_argument("--margin", type=float, default=4.0, help="timeshare's replicate margin (NOTE [Fleet routing])")
+    p.add_argument("--margins", default="", help="also run timeshare at these margins, e.g. 1,2,8,16")
+    p.add_argument("--ray-max-models", type=int, default=0,
+                   help="Ray's max_num_models_per_replica (default: device memory over the mean model size)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
 
@@ -122,6 +142,8 @@ def run_sim(args, console, write_json) -> int:
             experiments.plot_serving(result, args.plot)
             console.print(f"wrote {args.plot}")
         return 0
+    if args.sim == "cluster":
+        return _sim_cluster(args, console, write_json)
     if args.sim == "run":
         result = _sim_run(args)
         console.print_json(data=result)
@@ -176,6 +198,39 @@ def _sim_salus(args, console, write_json) -> int:
     write_json(args.json, result)
     if args.plot:
         table1.plot_salus(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _sim_cluster(args, console, write_json) -> int:
+    from timeshare.errors import ConfigError
+    from timeshare.sim import fleet
+    from timeshare.units import parse_bytes
+
+    try:
+        margins = tuple(float(x) for x in args.margins.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--margins must be comma-separated numbers, got {args.margins!r}") from None
+    config = fleet.ClusterSimConfig(devices=args.devices, models=args.models, requests=args.requests, zipf=args.zipf,
+                                    memory_bytes=parse_bytes(args.memory, what="--memory"), load=args.load,
+                                    policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+                                    ray_max_models=args.ray_max_models, replicate_margin=args.margin,
+                                    margins=margins, seed=args.seed)
+    with console.status("simulating") as status:
+        result = fleet.run(config, progress=status.update)
+    table = Table(title=f"sim cluster: {args.requests:,} requests, {args.models:,} models, {args.devices:,} devices")
+    for col in ("policy", "loads/request", "p50 ms", "p99 ms", "p99.9 ms", "utilisation", "sim s"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in result["rows"] + result["margin_sweep"]:
+        name = r["policy"] + (f" (margin {r['replicate_margin']:g})" if r in result["margin_sweep"] else "")
+        table.add_row(name, f"{r['loads_per_request']:.4f}", f"{r['latency_p50_s'] * 1e3:.1f}",
+                      f"{r['latency_p99_s'] * 1e3:.1f}", f"{r['latency_p999_s'] * 1e3:.1f}", f"{r['utilisation']:.3f}",
+                      f"{r['wall_s']:.1f}")
+    console.print(table)
+    console.print(f"whole run {result['wall_s']:.1f} s")
+    write_json(args.json, result)
+    if args.plot:
+        fleet.plot(result, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
 

@@ -1,0 +1,400 @@
+"""Which device (replica) takes a request: routing policies over a fleet's state, one
+implementation for the cluster-scale simulator and for a cluster's router.
+
+NOTE [Fleet routing]
+The state is arrays (``Fleet``): per model its bytes, its compute seconds when resident
+and when not (a pipelined load, measured per model); per device its memory, the models it
+holds (in slots, linked in the order they were last routed to, each with the time its
+last queued request ends; free slots on a stack), and when its queue is expected to
+drain. Every step is O(1) or O(log D) but for the scan of a model's holders, so ten
+million requests over a thousand devices take seconds. Two pure steps act on it, the
+same compiled functions whoever calls them:
+  * ``choose`` reads the state and returns the device (no change to anything). Its random
+    choices come from numbers the caller passes, so a decision is a function of its
+    arguments: replayable, and testable against a hand-worked answer.
+  * ``place`` makes the model resident on the chosen device (evicting the least recently
+    routed models that leave room, preferring ones with no queued work) and returns what
+    it cost: whether a load is needed, and the reloads owed to evicted models that still
+    had requests queued there.
+The policies:
+  * ``random``: a device uniformly at random.
+  * ``least-loaded``: the device whose queue drains first (an indexed heap: O(log D)).
+  * ``ray``: Ray Serve's model multiplexing. Replicas holding the model first, the less
+    loaded of two drawn at random (power of two choices), unless even that one has
+    ``max_ongoing`` requests outstanding; otherwise the one of two random replicas with
+    fewer models loaded. Each replica keeps at most ``max_models`` models, least
+    recently used out first (by count; bytes must fit too, or the replica would run
+    out of memory).
+  * ``timeshare``: a model's replicas follow its demand. The request goes to the
+    holder (resident or loading) whose queue drains first, unless the model wants
+    another replica: its request rate (an exponentially decayed count, time constant
+    RATE_TAU_S) needs more replicas than it has, each taking REPLICA_SHARE of a device,
+    or that holder would keep the request waiting more than ``replicate_margin``
+    times the model's cold time (a burst; Ray's rule waits for ``max_ongoing``
+    requests). Then a new replica is weighed against that
+    holder by expected completion: the least loaded device and two drawn at random
+    offer their drain time plus a pipelined load, plus one more link time when the
+    load evicts (what is evicted is loaded again later, somewhere). Loads follow
+    demand, not each momentary queue: at the same loads per request as Ray's rule,
+    requests wait less (``timeshare sim cluster`` measures both; the margin trades
+    loads for tail latency, ``--margins`` sweeps it).
+Queue lengths are not counted request by request: a device's outstanding work is its
+expected drain time, and Ray's "outstanding requests" are that work in units of the
+model's compute time. This is what a router can know without asking every replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from timeshare.errors import ConfigError
+
+RANDOM, LEAST_LOADED, RAY, TIMESHARE = 0, 1, 2, 3
+POLICIES = {"random": RANDOM, "least-loaded": LEAST_LOADED, "ray": RAY, "timeshare": TIMESHARE}
+NO_DEVICE = -1  # no device can ever hold the model
+REPLICA_SHARE = 0.3  # of a device, what one replica of a model is planned to take
+RATE_TAU_S = 10.0  # the time constant of each model's request rate, an exponentially decayed count
+
+
+@dataclass
+class Fleet:
+    """The arrays ``choose`` and ``place`` work on (NOTE [Fleet routing])."""
+
+    size: np.ndarray  # [M] int64 bytes
+    compute_s: np.ndarray  # [M] float64 seconds of one request, resident
+    cold_s: np.ndarray  # [M] float64 seconds of one request that loads the model (pipelined)
+    load_s: np.ndarray  # [M] float64 seconds of the load alone (what an evicted model owes)
+    capacity: np.ndarray  # [D] int64 bytes of model memory
+    used: np.ndarray  # [D] int64
+    nmodels: np.ndarray  # [D] int32
+    free_at: np.ndarray  # [D] float64 when the device's queue is expected to drain
+    slot_of: np.ndarray  # [M, D] int32 slot of model m on device d, -1 if not there
+    slot_model: np.ndarray  # [D, S] int32 model in the slot, -1 if free
+    links: np.ndarray  # [D, S, 2] int32 each slot's neighbours (less, more recently routed), -1: none
+    slot_busy: np.ndarray  # [D, S] float64 when the slot's last queued request ends
+    holders: np.ndarray  # [M, D] int32 devices holding model m, first nholders[m] valid
+    nholders: np.ndarray  # [M] int32
+    heap: np.ndarray  # [D] int32 devices, a min-heap on free_at
+    heap_pos: np.ndarray  # [D] int32 each device's index in heap
+    rate: np.ndarray  # [M] float64 requests per second, decayed with RATE_TAU_S, as of rate_at
+    rate_at: np.ndarray  # [M] float64
+    ends: np.ndarray  # [D, 2] int32 the least and the most recently routed slot, -1: none
+    free: np.ndarray  # [D, S] int32 a stack of free slots, its top at S - nmodels - 1
+    holder_pos: np.ndarray  # [M, D] int32 where device d is in holders[m], -1 if not there
+    max_models: int = 0  # per device, 0: no count limit (only bytes)
+    max_ongoing: float = 5.0  # Ray's max_ongoing_requests
+    replicate_margin: float = 4.0  # timeshare: a wait of this many cold times of the model is a burst
+
+    @classmethod
+    def create(cls, size, compute_s, cold_s, load_s, capacity, *, max_models: int = 0,
+               max_ongoing: float = 5.0, replicate_margin: float = 4.0) -> Fleet:
+        size = np.asarray(size, dtype=np.int64)
+        capacity = np.asarray(capacity, dtype=np.int64)
+        m, d = len(size), len(capacity)
+        if m == 0 or d == 0:
+            raise ConfigError("a fleet needs at least one model and one device")
+        if (size <= 0).any() or (capacity <= 0).any():
+            raise ConfigError("model sizes and device capacities must be positive")
+        fits = capacity.max() // max(1, int(size.min())) + 1
+        slots = int(min(fits, max_models if max_models > 0 else fits)) + 1
+        return cls(size, np.asarray(compute_s, np.float64), np.asarray(cold_s, np.float64),
+                   np.asarray(load_s, np.float64), capacity, np.zeros(d, np.int64), np.zeros(d, np.int32),
+                   np.zeros(d, np.float64), np.full((m, d), -1, np.int32), np.full((d, slots), -1, np.int32),
+                   np.full((d, slots, 2), -1, np.int32), np.zeros((d, slots), np.float64),
+                   np.full((m, d), -1, np.int32), np.zeros(m, np.int32), np.arange(d, dtype=np.int32),
+                   np.arange(d, dtype=np.int32), np.zeros(m, np.float64), np.zeros(m, np.float64),
+                   np.full((d, 2), -1, np.int32), np.tile(np.arange(slots, dtype=np.int32), (d, 1)),
+                   np.full((m, d), -1, np.int32),
+                   int(max_models), float(max_ongoing), float(replicate_margin))
+
+    def params(self) -> tuple[float, float, float]:
+        """The scalars the compiled functions take: max_models, max_ongoing, replicate_margin."""
+        return (float(self.max_models), self.max_ongoing, self.replicate_margin)
+
+    def arrays(self) -> tuple:
+        """The arrays in the order the compiled functions take them."""
+        return (self.size, self.compute_s, self.cold_s, self.load_s, self.capacity, self.used, self.nmodels,
+                self.free_at, self.slot_of, self.slot_model, self.links, self.slot_busy, self.holders,
+                self.nholders, self.heap, self.heap_pos, self.rate, self.rate_at, self.ends, self.free, self.holder_pos)
+
+
+def policy_code(name: str) -> int:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}") from None
+
+
+class Router:
+    """Routing over a ``Fleet`` from Python (a cluster's front end): the compiled steps of
+    NOTE [Fleet routing] with a seeded source of the random numbers they take."""
+
+    def __init__(self, fleet: Fleet, policy: str, *, seed: int = 0):
+        self.fleet = fleet
+        self.policy = policy_code(policy)
+        self.rng = np.random.default_rng(seed)
+
+    def route(self, model: int, now: float) -> Placement:
+        """The device for one request of ``model`` at ``now``, made resident there."""
+        f = self.fleet
+        u = self.rng.random(4)
+        d = choose(self.policy, model, now, u, f.params(), f.arrays())
+        if d == NO_DEVICE:
+            raise ConfigError(f"model {model} ({int(f.size[model])} bytes) fits on no device")
+        resident, owed_s, owed_n = place(model, d, now, f.params(), f.arrays())
+        return Placement(int(d), not resident, float(owed_s), int(owed_n))
+
+    def queued(self, device: int, model: int, until: float) -> None:
+        """A request of ``model`` was queued on ``device`` and is expected to end at
+        ``until``, and with it the device's queue."""
+        f = self.fleet
+        queued(device, model, until, f.arrays())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes: the device, whether its model loads there, and the reloads
+    (seconds, count) owed to models evicted for it that still had requests queued there."""
+
+    device: int
+    loads: bool
+    owed_s: float
+    owed_loads: int
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled steps. Argument order: see ``Fleet.arrays``.
+
+
+@numba.njit(nogil=True)
+def _sift_down(i, free_at, heap, heap_pos):
+    n = len(heap)
+    while True:
+        left = 2 * i + 1
+        if left >= n:
+            return
+        child = left
+        if left + 1 < n and free_at[heap[left + 1]] < free_at[heap[left]]:
+            child = left + 1
+        if free_at[heap[child]] < free_at[heap[i]]:
+            a, b = heap[i], heap[child]
+            heap[i], heap[child] = b, a
+            heap_pos[b], heap_pos[a] = i, child
+            i = child
+        else:
+            return
+
+
+@numba.njit(nogil=True)
+def _sift_up(i, free_at, heap, heap_pos):
+    while i > 0:
+        parent = (i - 1) // 2
+        if free_at[heap[i]] < free_at[heap[parent]]:
+            a, b = heap[i], heap[parent]
+            heap[i], heap[parent] = b, a
+            heap_pos[b], heap_pos[a] = i, parent
+            i = parent
+        else:
+            return
+
+
+@numba.njit(nogil=True)
+def set_free_at(d, t, free_at, heap, heap_pos):
+    """Device ``d``'s queue drains at ``t`` now; the heap is kept in order."""
+    old = free_at[d]
+    free_at[d] = t
+    if t > old:
+        _sift_down(heap_pos[d], free_at, heap, heap_pos)
+    else:
+        _sift_up(heap_pos[d], free_at, heap, heap_pos)
+
+
+@numba.njit(nogil=True)
+def queued(d, m, until, st):
+    """A request of model ``m`` queued on device ``d`` ends at ``until``, the device's
+    queue drains then, and ``m`` is busy there until then."""
+    free_at, slot_of, slot_busy, heap, heap_pos = st[7], st[8], st[11], st[14], st[15]
+    set_free_at(d, until, free_at, heap, heap_pos)
+    s = slot_of[m, d]
+    if s >= 0 and until > slot_busy[d, s]:
+        slot_busy[d, s] = until
+
+
+@numba.njit(nogil=True)
+def _fits_somewhere(m, size, capacity):
+    for d in range(len(capacity)):
+        if capacity[d] >= size[m]:
+            return True
+    return False
+
+
+@numba.njit(nogil=True)
+def choose(policy, m, now, u, params, st):
+    """The device for a request of model ``m`` at ``now`` (NOTE [Fleet routing]); ``u``:
+    four uniform numbers in [0, 1); ``params``: (max_models, max_ongoing, replicate_margin);
+    ``st``: ``Fleet.arrays()``. NO_DEVICE when no device is large enough."""
+    max_ongoing, margin = params[1], params[2]
+    (size, compute_s, cold_s, load_s, capacity, used, nmodels, free_at, slot_of, slot_model, links, slot_busy,
+     holders, nholders, heap, heap_pos, rate, rate_at, ends, free, holder_pos) = st
+    ndev = len(capacity)
+    if not _fits_somewhere(m, size, capacity):
+        return -1
+    if policy == 0:  # random
+        for k in range(ndev):  # from a uniform start, the first device large enough
+            d = (int(u[0] * ndev) + k) % ndev
+            if capacity[d] >= size[m]:
+                return d
+    if policy == 1:  # least-loaded
+        d = heap[0]
+        if capacity[d] >= size[m]:
+            return d
+        best, best_t = -1, np.inf
+        for d in range(ndev):
+            if capacity[d] >= size[m] and free_at[d] < best_t:
+                best, best_t = d, free_at[d]
+        return best
+    n = nholders[m]
+    if policy == 2:  # Ray Serve's multiplexing
+        if n > 0:
+            a = holders[m, int(u[0] * n) % n]
+            b = holders[m, int(u[1] * n) % n]
+            qa = max(free_at[a] - now, 0.0) / compute_s[m]
+            qb = max(free_at[b] - now, 0.0) / compute_s[m]
+            pick, q = (a, qa) if qa <= qb else (b, qb)
+            if q < max_ongoing:
+                return pick
+        a = int(u[2] * ndev) % ndev
+        b = int(u[3] * ndev) % ndev
+        if capacity[a] < size[m]:
+            a = b
+        if capacity[b] < size[m]:
+            b = a
+        if capacity[a] < size[m]:  # neither: the least loaded that fits
+            return choose(1, m, now, u, params, st)
+        if nmodels[a] != nmodels[b]:
+            return a if nmodels[a] < nmodels[b] else b
+        return a if free_at[a] <= free_at[b] else b
+    # timeshare: the holder whose queue drains first, unless the model's demand wants
+    # another replica and a new one finishes sooner
+    best, best_t = -1, np.inf
+    for k in range(n):
+        d = holders[m, k]
+        if free_at[d] < best_t:
+            best, best_t = d, free_at[d]
+    decayed = rate[m] * np.exp(-(now - rate_at[m]) / RATE_TAU_S) + 1.0 / RATE_TAU_S
+    want = max(1, int(np.ceil(decayed * compute_s[m] / REPLICA_SHARE)))
+    if best >= 0 and n >= want and best_t - now <= margin * cold_s[m]:
+        return best
+    best_t = max(best_t, now) + compute_s[m] if best >= 0 else np.inf
+    for k in range(3):  # a new replica: on the least loaded device, or on one of two at random
+        d = heap[0] if k == 0 else int(u[k + 1] * ndev) % ndev
+        if capacity[d] < size[m] or slot_of[m, d] >= 0:
+            continue
+        t = max(free_at[d], now) + cold_s[m]
+        if used[d] + size[m] > capacity[d]:
+            t += load_s[m]  # it evicts: what is evicted is loaded again, later, somewhere
+        if t < best_t:
+            best, best_t = d, t
+    if best < 0:
+        best = choose(1, m, now, u, params, st)
+    return best
+
+
+@numba.njit(nogil=True)
+def _unlink(d, s, links, ends):
+    before, after = links[d, s, 0], links[d, s, 1]
+    if before >= 0:
+        links[d, before, 1] = after
+    else:
+        ends[d, 0] = after
+    if after >= 0:
+        links[d, after, 0] = before
+    else:
+        ends[d, 1] = before
+    links[d, s, 0] = -1
+    links[d, s, 1] = -1
+
+
+@numba.njit(nogil=True)
+def _append(d, s, links, ends):
+    """Slot ``s`` becomes device ``d``'s most recently routed."""
+    last = ends[d, 1]
+    links[d, s, 0] = last
+    links[d, s, 1] = -1
+    if last >= 0:
+        links[d, last, 1] = s
+    else:
+        ends[d, 0] = s
+    ends[d, 1] = s
+
+
+@numba.njit(nogil=True)
+def _evict(d, s, st):
+    size, used, nmodels, slot_of, slot_model, links, holders, nholders, ends, free, holder_pos = (
+        st[0], st[5], st[6], st[8], st[9], st[10], st[12], st[13], st[18], st[19], st[20])
+    victim = slot_model[d, s]
+    _unlink(d, s, links, ends)
+    slot_model[d, s] = -1
+    slot_of[victim, d] = -1
+    used[d] -= size[victim]
+    nmodels[d] -= 1
+    free[d, free.shape[1] - nmodels[d] - 1] = s
+    k, last = holder_pos[victim, d], nholders[victim] - 1  # the last holder takes d's place
+    moved = holders[victim, last]
+    holders[victim, k] = moved
+    holder_pos[victim, moved] = k
+    holders[victim, last] = -1
+    holder_pos[victim, d] = -1
+    nholders[victim] = last
+    return victim
+
+
+@numba.njit(nogil=True)
+def place(m, d, now, params, st):
+    """Make model ``m`` resident on device ``d`` for a request routed at ``now``. Returns
+    (whether it was resident already, seconds and count of the reloads owed to models
+    evicted for it that still had requests queued there). ``d`` must be large enough for
+    ``m`` (``choose`` sees to that)."""
+    max_models = params[0]
+    (size, compute_s, cold_s, load_s, capacity, used, nmodels, free_at, slot_of, slot_model, links, slot_busy,
+     holders, nholders, heap, heap_pos, rate, rate_at, ends, free, holder_pos) = st
+    rate[m] = rate[m] * np.exp(-(now - rate_at[m]) / RATE_TAU_S) + 1.0 / RATE_TAU_S
+    rate_at[m] = now
+    s = slot_of[m, d]
+    if s >= 0:
+        _unlink(d, s, links, ends)
+        _append(d, s, links, ends)
+        return True, 0.0, 0
+    owed, owed_n = 0.0, 0
+    slots = slot_model.shape[1]
+    while used[d] + size[m] > capacity[d] or (max_models > 0 and nmodels[d] >= max_models):
+        victim_slot = ends[d, 0]  # the least recently routed idle one (nothing queued), else the least recent
+        k = victim_slot
+        while k >= 0:
+            if slot_busy[d, k] <= now:
+                victim_slot = k
+                break
+            k = links[d, k, 1]
+        if victim_slot < 0:
+            break
+        idle = slot_busy[d, victim_slot] <= now
+        victim = _evict(d, victim_slot, st)
+        if not idle:
+            owed += load_s[victim]
+            owed_n += 1
+    if nmodels[d] >= slots:
+        return False, owed, owed_n  # unreachable while slots cover the most models a device can hold
+    k = free[d, slots - nmodels[d] - 1]
+    slot_model[d, k] = m
+    slot_of[m, d] = k
+    slot_busy[d, k] = now
+    _append(d, k, links, ends)
+    used[d] += size[m]
+    nmodels[d] += 1
+    holders[m, nholders[m]] = d
+    holder_pos[m, d] = nholders[m]
+    nholders[m] += 1
+    return False, owed, owed_n
