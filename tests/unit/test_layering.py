@@ -21,6 +21,7 @@ FORBIDDEN = {
     "server": {"bench", "sim", "cli"},
     "sim": {"runtime", "server", "bench", "worker", "cli"},
     "llm": {"server", "bench", "sim", "cli"},
+    "cluster": {"server", "bench", "sim", "cli"},
 }
 
 

@@ -145,3 +145,17 @@ def test_the_fleets_books_stay_consistent_through_many_random_requests(policy):
         assert held == [d for d in range(4) if f.slot_of[m, d] >= 0]
         assert all(f.holder_pos[m, f.holders[m, k]] == k for k in range(n))
     assert sorted(f.heap) == list(range(4)) and all(f.heap_pos[f.heap[i]] == i for i in range(4))
+
+
+def test_a_retired_device_is_never_chosen_and_an_admitted_one_starts_empty():
+    f = fleet(devices=3)
+    router = Router(f, "timeshare")
+    put(f, 0, 1, 0.0, 0.001)
+    router.retire(1)
+    assert f.nholders[0] == 0 and f.used[1] == 0 and f.capacity[1] == 0
+    for policy in (0, 1, 2, 3):
+        assert all(route(f, policy, 0, 1.0, u) != 1 for u in np.random.default_rng(policy).random((50, 4)))
+    router.admit(1, 250 * MB, now=2.0)
+    assert f.capacity[1] == 250 * MB and f.nmodels[1] == 0 and f.free_at[1] == 2.0
+    with pytest.raises(ConfigError, match="one device must have memory"):
+        Fleet.create([MB], [0.01], [0.02], [0.001], [0, 0])

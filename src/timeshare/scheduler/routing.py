@@ -96,11 +96,12 @@ class Fleet:
         m, d = len(size), len(capacity)
         if m == 0 or d == 0:
             raise ConfigError("a fleet needs at least one model and one device")
-        if (size <= 0).any() or (capacity <= 0).any():
-            raise ConfigError("model sizes and device capacities must be positive")
+        if (size <= 0).any() or (capacity < 0).any() or not (capacity > 0).any():
+            raise ConfigError("model sizes must be positive, device capacities non-negative, and one device "
+                              "must have memory (a device of 0 bytes is one not started or gone: never chosen)")
         fits = capacity.max() // max(1, int(size.min())) + 1
         slots = int(min(fits, max_models if max_models > 0 else fits)) + 1
-        return cls(size, np.asarray(compute_s, np.float64), np.asarray(cold_s, np.float64),
+        fleet = cls(size, np.asarray(compute_s, np.float64), np.asarray(cold_s, np.float64),
                    np.asarray(load_s, np.float64), capacity, np.zeros(d, np.int64), np.zeros(d, np.int32),
                    np.zeros(d, np.float64), np.full((m, d), -1, np.int32), np.full((d, slots), -1, np.int32),
                    np.full((d, slots, 2), -1, np.int32), np.zeros((d, slots), np.float64),
@@ -109,6 +110,9 @@ class Fleet:
                    np.full((d, 2), -1, np.int32), np.tile(np.arange(slots, dtype=np.int32), (d, 1)),
                    np.full((m, d), -1, np.int32),
                    int(max_models), float(max_ongoing), float(replicate_margin))
+        for gone in np.flatnonzero(capacity == 0):  # not started: never chosen until admitted
+            retire(int(gone), fleet.arrays())
+        return fleet
 
     def params(self) -> tuple[float, float, float]:
         """The scalars the compiled functions take: max_models, max_ongoing, replicate_margin."""
@@ -147,11 +151,34 @@ class Router:
         resident, owed_s, owed_n = place(model, d, now, f.params(), f.arrays())
         return Placement(int(d), not resident, float(owed_s), int(owed_n))
 
+    def retire(self, device: int) -> None:
+        """The device is gone (or not started): its models are no longer resident there and
+        it is never chosen until ``admit``."""
+        retire(device, self.fleet.arrays())
+
+    def admit(self, device: int, capacity: int, now: float) -> None:
+        """The device (started, or replaced) takes requests, with ``capacity`` bytes, empty."""
+        retire(device, self.fleet.arrays())
+        self.fleet.capacity[device] = capacity
+        set_free_at(device, now, self.fleet.free_at, self.fleet.heap, self.fleet.heap_pos)
+
     def queued(self, device: int, model: int, until: float) -> None:
         """A request of ``model`` was queued on ``device`` and is expected to end at
         ``until``, and with it the device's queue."""
         f = self.fleet
         queued(device, model, until, f.arrays())
+
+
+def compile_steps() -> None:
+    """Compile the steps now (seconds, once per process) rather than on a first request:
+    run each on a scratch fleet of two devices."""
+    scratch = Fleet.create([1, 1], [0.001, 0.001], [0.002, 0.002], [0.001, 0.001], [1, 0])
+    for policy in POLICIES:
+        router = Router(scratch, policy)
+        placed = router.route(0, 0.0)
+        router.queued(placed.device, 0, 0.002)
+    router.retire(0)
+    router.admit(1, 2, 0.0)
 
 
 @dataclass(frozen=True)
@@ -224,6 +251,24 @@ def queued(d, m, until, st):
 
 
 @numba.njit(nogil=True)
+def _random_device(m, x, size, capacity):
+    """A device large enough for model ``m``, uniformly at random from ``x`` in [0, 1):
+    drawn, and drawn again from a sequence ``x`` seeds while it is too small (a device of
+    0 bytes is one not started or gone); after 64 draws, the first that fits from there."""
+    ndev = len(capacity)
+    for _ in range(64):
+        d = int(x * ndev) % ndev
+        if capacity[d] >= size[m]:
+            return d
+        x = (x * 7919.0 + 0.6180339887) % 1.0
+    for k in range(ndev):
+        d = (int(x * ndev) + k) % ndev
+        if capacity[d] >= size[m]:
+            return d
+    return -1
+
+
+@numba.njit(nogil=True)
 def _fits_somewhere(m, size, capacity):
     for d in range(len(capacity)):
         if capacity[d] >= size[m]:
@@ -243,10 +288,7 @@ def choose(policy, m, now, u, params, st):
     if not _fits_somewhere(m, size, capacity):
         return -1
     if policy == 0:  # random
-        for k in range(ndev):  # from a uniform start, the first device large enough
-            d = (int(u[0] * ndev) + k) % ndev
-            if capacity[d] >= size[m]:
-                return d
+        return _random_device(m, u[0], size, capacity)
     if policy == 1:  # least-loaded
         d = heap[0]
         if capacity[d] >= size[m]:
@@ -266,14 +308,8 @@ def choose(policy, m, now, u, params, st):
             pick, q = (a, qa) if qa <= qb else (b, qb)
             if q < max_ongoing:
                 return pick
-        a = int(u[2] * ndev) % ndev
-        b = int(u[3] * ndev) % ndev
-        if capacity[a] < size[m]:
-            a = b
-        if capacity[b] < size[m]:
-            b = a
-        if capacity[a] < size[m]:  # neither: the least loaded that fits
-            return choose(1, m, now, u, params, st)
+        a = _random_device(m, u[2], size, capacity)
+        b = _random_device(m, u[3], size, capacity)
         if nmodels[a] != nmodels[b]:
             return a if nmodels[a] < nmodels[b] else b
         return a if free_at[a] <= free_at[b] else b
@@ -290,12 +326,12 @@ def choose(policy, m, now, u, params, st):
         return best
     best_t = max(best_t, now) + compute_s[m] if best >= 0 else np.inf
     for k in range(3):  # a new replica: on the least loaded device, or on one of two at random
-        d = heap[0] if k == 0 else int(u[k + 1] * ndev) % ndev
+        d = heap[0] if k == 0 else _random_device(m, u[k + 1], size, capacity)
         if capacity[d] < size[m] or slot_of[m, d] >= 0:
             continue
         t = max(free_at[d], now) + cold_s[m]
-        if used[d] + size[m] > capacity[d]:
-            t += load_s[m]  # it evicts: what is evicted is loaded again, later, somewhere
+        if used[d] + size[m] > capacity[d] and ends[d, 0] >= 0:
+            t += cold_s[slot_model[d, ends[d, 0]]]  # it evicts: what is evicted is loaded again, later
         if t < best_t:
             best, best_t = d, t
     if best < 0:
@@ -350,6 +386,17 @@ def _evict(d, s, st):
     holder_pos[victim, d] = -1
     nholders[victim] = last
     return victim
+
+
+@numba.njit(nogil=True)
+def retire(d, st):
+    """Device ``d`` holds nothing and is never chosen (capacity 0)."""
+    slot_model, capacity, free_at, heap, heap_pos = st[9], st[4], st[7], st[14], st[15]
+    for k in range(slot_model.shape[1]):
+        if slot_model[d, k] >= 0:
+            _evict(d, k, st)
+    capacity[d] = 0
+    set_free_at(d, np.inf, free_at, heap, heap_pos)  # last in the heap: least-loaded never finds it
 
 
 @numba.njit(nogil=True)

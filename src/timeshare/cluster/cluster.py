@@ -1,0 +1,393 @@
+"""A timeshare cluster on Ray: replicas (one runtime per device, each in a Ray actor) and
+the router in front of them. Runs in the front end's process.
+
+NOTE [Cluster deployment]
+Why Ray actors and not Ray Serve: a Serve deployment's replicas are interchangeable and
+its router picks among them with its own rule (for multiplexed models, Ray's LRU by
+model count); ours must route by the state of each replica's device memory, with the
+policy the simulator measured (NOTE [Fleet routing]). So each replica is a plain Ray
+actor (``Replica``: one runtime, one device, calls served one at a time in arrival
+order, as the actor's queue delivers them), and the front end holds the router (the
+same compiled ``choose``/``place`` as ``timeshare sim cluster``) over a ``Fleet`` whose
+devices are the replicas. Ray gives placement, process supervision and transport; the
+decision is ours.
+
+The router's view of each replica is an estimate kept without asking it: a request
+routed there adds its profiled time (cold if the model is not resident there, ready if
+it is) to when the replica's queue drains, and a replica with nothing outstanding has
+drained now. Costs come from profiling each model once on the first replica (its cold
+and ready times, its bytes).
+
+Faults. A replica that dies (its actor is killed, or its process crashes) fails the
+calls it held; an inference is safe to run again, so each such call is retried once on
+another replica, chosen by the router after the dead one is retired (it holds nothing
+and is never chosen again). Calls still queued in the dead actor fail the same way and
+are retried the same way: nothing queued is lost. A retried call that fails again
+fails with the error of both attempts. A replica added at run time (``add_replica``)
+takes a free slot and is chosen from then on. Every wait has a deadline
+(``call_timeout_s``); a replica that misses it is treated as dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from timeshare.cluster.replica import ModelDef, Replica, Reply
+from timeshare.errors import ConfigError, ModelTooLargeError, TimeshareError, UnknownModelError
+from timeshare.scheduler.routing import Fleet, Router, compile_steps
+from timeshare.units import parse_bytes
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaLostError(TimeshareError):
+    """A request whose replica died, and whose retry failed too (or had nowhere to go)."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("a timeshare cluster needs Ray: pip install 'timeshare[cluster]' (or ray)") from None
+    return ray
+
+
+@dataclass
+class ReplicaSlot:
+    name: str
+    actor: Any = None  # a Ray actor handle
+    alive: bool = False
+    outstanding: int = 0
+    error: str | None = None
+    segments: list[str] = field(default_factory=list)  # its shared memory, when on this host
+
+
+@dataclass
+class ClusterStats:
+    requests: int = 0
+    loads: int = 0
+    retried: int = 0
+    failed: int = 0
+    replicas_lost: int = 0
+    per_replica: dict[str, dict] = field(default_factory=dict)
+
+
+class Cluster:
+    """``replicas`` timeshare runtimes of ``memory`` bytes each, every model of ``models``
+    registered on each, requests routed by ``policy`` (NOTE [Fleet routing]).
+
+    ``address``: a running Ray cluster's address; None starts a local one on the loopback
+    interface with ``num_cpus`` CPUs. ``max_replicas`` bounds ``add_replica``."""
+
+    def __init__(self, models: Sequence[ModelDef], *, replicas: int = 3, memory: int | str = "64MiB",
+                 policy: str = "timeshare", address: str | None = None, num_cpus: int | None = None,
+                 max_replicas: int | None = None, call_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
+                 seed: int = 0, device: str = "cpu", failing: Sequence[int] = ()):
+        if not models:
+            raise ConfigError("a cluster needs at least one model")
+        if replicas < 1:
+            raise ConfigError(f"replicas must be at least 1, got {replicas}")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"model names must be unique, got {names}")
+        self.models = list(models)
+        self.index = {m.name: i for i, m in enumerate(self.models)}
+        self.memory = parse_bytes(memory, what="memory")
+        self.device = device
+        self.call_timeout_s = call_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._ray = ray = import_ray()
+        self._owns_ray = False
+        n = max_replicas or replicas + 2
+        if not ray.is_initialized():
+            if address is not None:
+                _reachable(address)
+            try:
+                if address is None:
+                    ray.init(num_cpus=num_cpus or n + 1, include_dashboard=False, log_to_driver=False,
+                             _node_ip_address="127.0.0.1")  # the loopback interface only
+                else:
+                    ray.init(address=address, log_to_driver=False)
+            except Exception as exc:
+                raise ConfigError(f"cannot start or reach the Ray cluster at {address or 'a new local one'}: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            self._owns_ray = True
+        self._actor_class = ray.remote(num_cpus=1, max_restarts=0)(Replica)
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self.slots: list[ReplicaSlot] = []
+        self.stats = ClusterStats()
+        self._segments: dict[int, list[str]] = {}
+        started = [self._start(i, fail=i in failing) for i in range(replicas)]
+        self.slots = [ReplicaSlot(f"replica-{i}") for i in range(n)]
+        for i, (actor, error) in enumerate(started):
+            self.slots[i] = ReplicaSlot(f"replica-{i}", actor, actor is not None, error=error,
+                                        segments=self._segments.pop(i, []))
+        if not any(s.alive for s in self.slots):
+            self.close()
+            raise ConfigError(f"no replica started: {[e for _, e in started]}")
+        compile_steps()  # the router's compiled steps, before any request waits on them
+        costs = self._profile()
+        self.fleet = Fleet.create(costs["bytes"], costs["ready_s"], costs["cold_s"], costs["load_s"],
+                                  [self.memory if s.alive else 0 for s in self.slots],
+                                  max_models=max(1, int(self.memory // float(np.mean(costs["bytes"])))))
+        self.costs = costs
+        self.seed = seed
+        self.router = Router(self.fleet, policy, seed=seed)
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="timeshare-cluster")
+
+    def use_policy(self, policy: str) -> None:
+        """Route by ``policy`` from now on, every live replica emptied and the router's view
+        started afresh: runs of several policies over the same replicas start alike. Not
+        while requests are in flight."""
+        with self._lock:
+            if any(s.outstanding for s in self.slots):
+                raise ConfigError("use_policy while requests are in flight")
+            live = [i for i, s in enumerate(self.slots) if s.alive]
+            self._ray.get([self.slots[i].actor.evict_all.remote() for i in live], timeout=self.call_timeout_s)
+            c = self.costs
+            self.fleet = Fleet.create(c["bytes"], c["ready_s"], c["cold_s"], c["load_s"],
+                                      [self.memory if s.alive else 0 for s in self.slots],
+                                      max_models=self.fleet.max_models)
+            self.router = Router(self.fleet, policy, seed=self.seed)
+            self.stats = ClusterStats()
+
+    # ------------------------------------------------------------------ replicas
+    def _start(self, i: int, *, fail: bool = False) -> tuple[Any, str | None]:
+        """A replica actor, started and answering, or the error that stopped it."""
+        actor = self._actor_class.remote(f"replica-{i}", self.models, device=self.device, memory=self.memory,
+                                         fail_start=fail)
+        try:
+            hello = self._ray.get(actor.ping.remote(), timeout=self.start_timeout_s)
+            if hello["host"] == socket.gethostname():
+                self._segments[i] = list(hello["segments"])
+            return actor, None
+        except Exception as exc:
+            self._ray.kill(actor)
+            log.warning("replica-%d did not start: %s", i, _cause(exc))
+            return None, f"replica-{i}: {_cause(exc)}"
+
+    def add_replica(self) -> str:
+        """Start one more replica in a free slot; it takes requests from then on."""
+        with self._lock:
+            free = [i for i, s in enumerate(self.slots) if not s.alive and s.actor is None]
+        if not free:
+            raise ConfigError(f"no free replica slot (max_replicas={len(self.slots)})")
+        i = free[0]
+        actor, error = self._start(i)
+        if actor is None:
+            raise ConfigError(f"the new replica did not start: {error}")
+        with self._lock:
+            self.slots[i] = ReplicaSlot(f"replica-{i}", actor, False,  # reserved, not chosen yet
+                                        segments=self._segments.pop(i, []))
+        self._warm(i)
+        with self._lock:
+            self.slots[i].alive = True
+            self.router.admit(i, self.memory, self._now())
+        return self.slots[i].name
+
+    def kill_replica(self, name: str) -> None:
+        """Kill a replica's actor (a drill: what a crashed replica looks like)."""
+        slot = next((s for s in self.slots if s.name == name and s.alive), None)
+        if slot is None:
+            raise ConfigError(f"no live replica {name!r}")
+        self._ray.kill(slot.actor, no_restart=True)
+
+    def _lost(self, i: int, error: str) -> None:
+        with self._lock:
+            slot = self.slots[i]
+            if not slot.alive:
+                return
+            slot.alive, slot.error = False, error
+            self.stats.replicas_lost += 1
+            router = getattr(self, "router", None)  # none yet during the warm-up: nothing to retire
+            if router is not None:
+                router.retire(i)
+        log.warning("%s lost: %s", slot.name, error)
+        _unlink(slot.segments)  # a killed process never unlinks its shared memory
+
+    def _profile(self) -> dict:
+        """Every replica warms every model up (its first load profiles it there), so no
+        request pays that; the costs are the first live replica's measurements (cold and
+        ready times, bytes)."""
+        live = [s for s in self.slots if s.alive]
+        refs = {s.name: [s.actor.profile.remote(m.name) for m in self.models] for s in live}
+        answers = {}
+        for s in live:
+            try:
+                answers[s.name] = self._ray.get(refs[s.name], timeout=self.start_timeout_s)
+            except Exception as exc:
+                self._lost(self.slots.index(s), f"{s.name} failed its warm-up: {_cause(exc)}")
+        if not answers:
+            raise ConfigError("no replica finished its warm-up")
+        # The first call carrying tensors sets up their transport (seconds, once): not on a request.
+        args = self.models[0].example_inputs()
+        self._ray.get([s.actor.echo.remote(args) for s in live if s.name in answers], timeout=self.start_timeout_s)
+        first = answers[next(iter(answers))]
+        for m, p in zip(self.models, first, strict=True):
+            if p["too_large"]:
+                log.warning("model %s (%d bytes) fits on no replica of %d bytes: its requests are refused",
+                            m.name, p["bytes"], self.memory)
+        return {"cold_s": [max(p["cold_s"], 1e-6) for p in first], "ready_s": [max(p["ready_s"], 1e-6) for p in first],
+                "bytes": [p["bytes"] for p in first],
+                "load_s": [max(p["cold_s"] - p["ready_s"], 1e-6) for p in first]}
+
+    def _warm(self, i: int) -> None:
+        """A replica started at run time warms every model up before it takes requests."""
+        slot = self.slots[i]
+        self._ray.get([slot.actor.profile.remote(m.name) for m in self.models], timeout=self.start_timeout_s)
+
+    # ------------------------------------------------------------------ requests
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def infer(self, model: str, *args) -> Reply:
+        """Route one request, run it on the chosen replica, retry it once elsewhere if that
+        replica dies (NOTE [Cluster deployment])."""
+        if model not in self.index:
+            raise UnknownModelError(f"unknown model {model!r}; known: {sorted(self.index)}")
+        first_error = None
+        for _attempt in range(2):
+            i = self._route(model)
+            try:
+                reply = self._call(i, model, args)
+            except _ReplicaDied as exc:
+                self._lost(i, str(exc))
+                if first_error is None:
+                    first_error = exc
+                    with self._lock:
+                        self.stats.retried += 1
+                    continue
+                with self._lock:
+                    self.stats.failed += 1
+                raise ReplicaLostError(f"request for {model!r}: {first_error}; retried: {exc}") from None
+            with self._lock:
+                self.stats.requests += 1
+                self.stats.loads += int(reply.loaded)
+            return reply
+        raise AssertionError("unreachable")
+
+    def submit(self, model: str, *args) -> Future:
+        return self._pool.submit(self.infer, model, *args)
+
+    def _route(self, model: str) -> int:
+        m = self.index[model]
+        with self._lock:
+            if not any(s.alive for s in self.slots):
+                raise ReplicaLostError(f"request for {model!r}: no replica is alive")
+            if self.fleet.size[m] > self.memory:
+                raise ModelTooLargeError(model, int(self.fleet.size[m]), self.memory)
+            now = self._now()
+            placed = self.router.route(m, now)
+            i = placed.device
+            cost = self.fleet.cold_s[m] if placed.loads else self.fleet.compute_s[m]
+            self.router.queued(i, m, max(now, float(self.fleet.free_at[i])) + cost + placed.owed_s)
+            self.slots[i].outstanding += 1
+            return i
+
+    def _call(self, i: int, model: str, args: tuple) -> Reply:
+        ray = self._ray
+        slot = self.slots[i]
+        try:
+            return ray.get(slot.actor.infer.remote(model, args), timeout=self.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(slot.actor, no_restart=True)
+            raise _ReplicaDied(f"{slot.name} did not answer within {self.call_timeout_s:g} s; it was killed") from None
+        except ray.exceptions.RayActorError as exc:
+            raise _ReplicaDied(f"{slot.name} died: {_cause(exc)}") from None
+        finally:
+            with self._lock:
+                slot.outstanding -= 1
+                if slot.outstanding == 0 and slot.alive:  # drained: the estimate is corrected to now
+                    self.router.queued(i, self.index[model], self._now())
+
+    # ------------------------------------------------------------------ observing
+    def status(self) -> dict:
+        """Each replica's state, resident models and loads (asked of the live ones)."""
+        out = []
+        for s in self.slots:
+            row: dict = {"replica": s.name, "alive": s.alive, "outstanding": s.outstanding, "error": s.error}
+            if s.alive:
+                try:
+                    row.update(self._ray.get(s.actor.stats.remote(), timeout=self.call_timeout_s))
+                except Exception as exc:
+                    row["error"] = _cause(exc)
+            if s.alive or s.error:
+                out.append(row)
+        return {"replicas": out, "requests": self.stats.requests, "loads": self.stats.loads,
+                "retried": self.stats.retried, "failed": self.stats.failed,
+                "replicas_lost": self.stats.replicas_lost}
+
+    def close(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        live = [s for s in self.slots if s.alive]
+        try:  # a replica that closes its runtime gives its memory back itself
+            self._ray.get([s.actor.close.remote() for s in live], timeout=min(self.call_timeout_s, 30.0))
+        except Exception as exc:
+            log.warning("replicas did not all close: %s", _cause(exc))
+        for s in self.slots:
+            if s.actor is not None:
+                try:
+                    self._ray.kill(s.actor, no_restart=True)
+                except Exception:  # already gone
+                    pass
+            _unlink(s.segments)
+            s.alive = False
+        if self._owns_ray:
+            self._ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _ReplicaDied(Exception):
+    pass
+
+
+def _unlink(segments: list[str]) -> None:
+    for name in segments:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except FileNotFoundError:  # closed by its owner, or unlinked already
+            pass
+        except OSError as exc:
+            log.warning("cannot unlink shared memory %s: %s", name, exc)
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A Ray address ``host:port`` (or ``ray://host:port``) answers a TCP connection within
+    ``timeout_s``; otherwise a clear error now, not Ray's long retries."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"the Ray cluster at {address!r} cannot be reached: {exc}") from None
+
+
+def _cause(exc: BaseException) -> str:
+    """One line: the exception's type and, for Ray's wrapped errors, the innermost
+    error line of its text (the replica's own error), else its first line."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    inner = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+    text = inner[-1] if inner else (lines[0] if lines else "")
+    return f"{type(exc).__name__}: {text}"[:300]

@@ -1,0 +1,91 @@
+"""timeshare on a real local Ray cluster (NOTE [Cluster deployment]): routing by model
+affinity against random routing and Ray Serve's rule on the same replicas, a replica
+killed and one added while requests flow, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ray")
+
+import ray  # noqa: E402
+
+from timeshare import cli  # noqa: E402
+from timeshare.bench.cluster import ClusterBenchConfig, model_defs, references  # noqa: E402
+from timeshare.bench.cluster import run as run_bench  # noqa: E402
+from timeshare.bench.common import outputs_equal  # noqa: E402
+from timeshare.cluster.cluster import Cluster, ReplicaLostError  # noqa: E402
+from timeshare.errors import ConfigError, ModelTooLargeError, UnknownModelError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+def test_an_unreachable_ray_address_is_a_clear_error_at_once():
+    assert not ray.is_initialized()  # this test runs first in the module, before the local cluster
+    with pytest.raises(ConfigError, match="cannot be reached"):
+        Cluster(model_defs(1), address="127.0.0.1:9")
+
+
+def test_affinity_routing_on_three_replicas_and_a_replica_killed_loses_nothing(local_ray, tmp_path):
+    """The must-show: 3 CPU replicas, 12 small models, Zipf requests. One client, so that
+    the loads are those of the routing alone (no timing), on replicas too small to hold
+    every model at once (2.5 MiB each, 8.6 MB of models)."""
+    result = run_bench(ClusterBenchConfig(replicas=3, models=12, requests=240, clients=1, memory="2.5MiB"))
+    by = {r["policy"]: r for r in result["rows"]}
+    ours, ray_rule, rnd = by["timeshare"], by["ray"], by["random"]
+    assert ours["loads_per_request"] <= 0.5 * rnd["loads_per_request"]
+    assert ours["loads_per_request"] <= ray_rule["loads_per_request"]
+    assert ours["loads_per_request"] >= result["floor_loads_per_request"]
+    assert result["outputs_exact"] and all(r["lost"] == 0 and r["answered"] == 240 for r in result["rows"])
+    drill = result["drill"]
+    assert drill["killed"] and drill["added"] and drill["killed"] != drill["added"]
+    assert drill["lost"] == 0 and drill["inexact"] == 0 and drill["answered"] == 240
+    assert drill["added_served"] > 0  # the replica added at run time took load
+    assert drill["replicas_lost"] == 1
+
+
+def test_a_cluster_refuses_clearly_and_the_rest_serves(local_ray):
+    models = model_defs(4)
+    refs = references(models)
+    # A replica that cannot start: the others serve.
+    with Cluster(models, replicas=3, memory="3MiB", failing=[1]) as cluster:
+        status = cluster.status()["replicas"]
+        assert [r["alive"] for r in status] == [True, False, True]
+        assert "told not to start" in status[1]["error"]
+        for m in models:
+            reply = cluster.infer(m.name, *m.example_inputs())
+            assert reply.replica != "replica-1" and outputs_equal(reply.outputs, refs[m.name])
+        with pytest.raises(UnknownModelError, match="unknown model 'nope'"):
+            cluster.infer("nope")
+        # Every replica gone: requests fail clearly, nothing hangs.
+        for r in [r for r in status if r["alive"]]:
+            cluster.kill_replica(r["replica"])
+        with pytest.raises(ReplicaLostError, match="died"):
+            cluster.infer(models[0].name, *models[0].example_inputs())
+        with pytest.raises(ReplicaLostError, match="no replica is alive"):
+            cluster.infer(models[0].name, *models[0].example_inputs())
+    # A model larger than every replica: refused by name; the others serve.
+    with Cluster(models, replicas=2, memory="1MiB") as cluster:
+        big = models[2]  # small_resnet, 2.3 MB
+        with pytest.raises(ModelTooLargeError, match=big.name):
+            cluster.infer(big.name, *big.example_inputs())
+        assert outputs_equal(cluster.infer(models[0].name, *models[0].example_inputs()).outputs, refs[models[0].name])
+    with pytest.raises(ConfigError, match="no replica started"):
+        Cluster(models, replicas=2, memory="3MiB", failing=[0, 1])
+
+
+def test_bench_cluster_writes_json_and_a_plot(local_ray, tmp_path, capsys):
+    path, png = tmp_path / "cluster.json", tmp_path / "cluster.png"
+    code = cli.main(["bench", "cluster", "--replicas", "2", "--models", "2", "--requests", "20", "--no-drill",
+                     "--policies", "random,timeshare", "--json", str(path), "--plot", str(png)])
+    assert code == 0 and "bench cluster" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert [r["policy"] for r in data["rows"]] == ["random", "timeshare"] and data["outputs_exact"]
+    assert data["ray"] == ray.__version__ and png.stat().st_size > 0
