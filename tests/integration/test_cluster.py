@@ -4,31 +4,40 @@ killed and one added while requests flow, and the refusals."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 
 import pytest
 
-pytest.importorskip("ray")
+from timeshare import cli
+from timeshare.bench.cluster import ClusterBenchConfig, model_defs, references
+from timeshare.bench.cluster import run as run_bench
+from timeshare.bench.common import outputs_equal
+from timeshare.cluster.cluster import Cluster, ReplicaLostError, import_ray, start_local_ray
+from timeshare.errors import ConfigError, ModelTooLargeError, UnknownModelError
 
-import ray  # noqa: E402
-
-from timeshare import cli  # noqa: E402
-from timeshare.bench.cluster import ClusterBenchConfig, model_defs, references  # noqa: E402
-from timeshare.bench.cluster import run as run_bench  # noqa: E402
-from timeshare.bench.common import outputs_equal  # noqa: E402
-from timeshare.cluster.cluster import Cluster, ReplicaLostError  # noqa: E402
-from timeshare.errors import ConfigError, ModelTooLargeError, UnknownModelError  # noqa: E402
+# Ray is imported by the fixture, after timeshare has set it up for the loopback interface.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray")
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield
+    ray = start_local_ray(6)
+    yield ray
     ray.shutdown()
 
 
+def test_the_local_cluster_listens_on_the_loopback_interface_only(local_ray):
+    ss = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True, check=False)
+    if ss.returncode != 0:
+        pytest.skip("no ss here")
+    ray_lines = [ln for ln in ss.stdout.splitlines() if any(k in ln for k in ("raylet", "gcs_server", "ray::"))]
+    local = [ln.split()[3] for ln in ray_lines]  # the local address column: 127.0.0.1 (or IPv4-mapped)
+    assert local and all("127.0.0.1" in a or a.startswith("[::1]") for a in local), ray_lines
+
+
 def test_an_unreachable_ray_address_is_a_clear_error_at_once():
-    assert not ray.is_initialized()  # this test runs first in the module, before the local cluster
     with pytest.raises(ConfigError, match="cannot be reached"):
         Cluster(model_defs(1), address="127.0.0.1:9")
 
@@ -88,4 +97,4 @@ def test_bench_cluster_writes_json_and_a_plot(local_ray, tmp_path, capsys):
     assert code == 0 and "bench cluster" in capsys.readouterr().out
     data = json.loads(path.read_text())
     assert [r["policy"] for r in data["rows"]] == ["random", "timeshare"] and data["outputs_exact"]
-    assert data["ray"] == ray.__version__ and png.stat().st_size > 0
+    assert data["ray"] == import_ray().__version__ and png.stat().st_size > 0

@@ -12,6 +12,7 @@ model run alone in this process. The floor is one load per model.
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import torch
 
 from timeshare.bench.common import outputs_equal
 from timeshare.bench.environment import describe
-from timeshare.cluster.cluster import Cluster, import_ray
+from timeshare.cluster.cluster import Cluster, import_ray, start_local_ray
 from timeshare.cluster.replica import ModelDef
 from timeshare.errors import ConfigError
 from timeshare.models.weights import read_weights
@@ -125,14 +126,11 @@ def _drive(cluster: Cluster, models: list[ModelDef], order: list[int], clients: 
 def run(config: ClusterBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
     if config.replicas < 2 or config.models < 1 or config.requests < 1 or config.clients < 1:
         raise ConfigError("bench cluster needs at least 2 replicas, 1 model, 1 request and 1 client")
-    ray = import_ray()
     models = model_defs(config.models)
     refs = references(models)
     order = trace(config)
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(num_cpus=config.replicas + 3, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
+    owns = "ray" not in sys.modules or not import_ray().is_initialized()
+    ray = start_local_ray(config.replicas + 3) if owns else import_ray()
     rows = []
     try:
         progress(f"starting {config.replicas} replicas")

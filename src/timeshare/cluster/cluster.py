@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -60,6 +61,27 @@ def import_ray():
         import ray
     except ImportError:
         raise ConfigError("a timeshare cluster needs Ray: pip install 'timeshare[cluster]' (or ray)") from None
+    return ray
+
+
+# Ray binds a node's services to the host's network address even for a one-node cluster;
+# with this set before Ray is imported, every process of a local cluster uses the loopback
+# interface only (nothing of it is reachable from elsewhere, nothing leaves the host).
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def start_local_ray(num_cpus: int):
+    """A one-node Ray cluster on this host's loopback interface; returns the ``ray``
+    module. Set up before anything in this process imports Ray, or Ray's own processes
+    and this one disagree about the node's address (a warning says so)."""
+    if "ray" in sys.modules and any(os.environ.get(k) != v for k, v in LOOPBACK_ENV.items()):
+        log.warning("Ray was imported before timeshare could keep a local cluster on the loopback interface")
+    os.environ.update(LOOPBACK_ENV)
+    ray = import_ray()
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:
+        raise ConfigError(f"cannot start a local Ray cluster: {type(exc).__name__}: {exc}") from None
     return ray
 
 
@@ -107,23 +129,23 @@ class Cluster:
         self.device = device
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
-        self._ray = ray = import_ray()
-        self._owns_ray = False
         n = max_replicas or replicas + 2
-        if not ray.is_initialized():
-            if address is not None:
-                _reachable(address)
-            try:
-                if address is None:
-                    ray.init(num_cpus=num_cpus or n + 1, include_dashboard=False, log_to_driver=False,
-                             _node_ip_address="127.0.0.1")  # the loopback interface only
-                else:
-                    ray.init(address=address, log_to_driver=False)
-            except Exception as exc:
-                raise ConfigError(f"cannot start or reach the Ray cluster at {address or 'a new local one'}: "
-                                  f"{type(exc).__name__}: {exc}") from None
+        self._owns_ray = False
+        if address is not None:
+            _reachable(address)
+        if "ray" in sys.modules and import_ray().is_initialized():
+            self._ray = import_ray()
+        elif address is None:
+            self._ray = start_local_ray(num_cpus or n + 1)
             self._owns_ray = True
-        self._actor_class = ray.remote(num_cpus=1, max_restarts=0)(Replica)
+        else:
+            self._ray = ray = import_ray()
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except Exception as exc:
+                raise ConfigError(f"cannot reach the Ray cluster at {address}: {type(exc).__name__}: {exc}") from None
+            self._owns_ray = True
+        self._actor_class = self._ray.remote(num_cpus=1, max_restarts=0)(Replica)
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self.slots: list[ReplicaSlot] = []
