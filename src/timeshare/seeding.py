@@ -35,8 +35,10 @@ LOCK = threading.RLock()
 @contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run a block (a seeded build) with the process's generators seeded with ``seed`` and
-    no other thread using them; the CPU's state before is put back after."""
-    with LOCK, torch.random.fork_rng(devices=[]):
+    no other thread using them; their states before (the CPU's, and every CUDA device's
+    once CUDA is in use) are put back after."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with LOCK, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
 

@@ -159,3 +159,16 @@ def test_a_retired_device_is_never_chosen_and_an_admitted_one_starts_empty():
     assert f.capacity[1] == 250 * MB and f.nmodels[1] == 0 and f.free_at[1] == 2.0
     with pytest.raises(ConfigError, match="one device must have memory"):
         Fleet.create([MB], [0.01], [0.02], [0.001], [0, 0])
+
+
+def test_drained_drops_the_estimates_and_admit_refuses_a_device_larger_than_the_fleet_was_sized_for():
+    f = fleet(devices=2)
+    router = Router(f, "timeshare")
+    put(f, 0, 0, 0.0, 5.0)
+    put(f, 1, 0, 0.0, 6.0)
+    router.drained(0, 1.0)  # everything finished early
+    assert f.free_at[0] == 1.0 and f.slot_busy[0].max() <= 1.0
+    # Nothing is busy now: room for model 2 evicts the least recent (model 0) and owes nothing.
+    assert place(2, 0, 1.5, f.params(), f.arrays()) == (False, 0.0, 0)
+    with pytest.raises(ConfigError, match="larger than this fleet was sized for"):
+        router.admit(1, 10**12, now=2.0)

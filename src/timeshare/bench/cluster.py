@@ -42,7 +42,7 @@ class ClusterBenchConfig:
     zipf: float = 1.1
     memory: str = "3MiB"
     policies: tuple[str, ...] = field(default=("random", "ray", "timeshare"))
-    drill: bool = True  # kill a replica a third of the way through, add one at two thirds
+    drill: bool = True  # add a replica during the first third, kill one at two thirds
     seed: int = 0
 
 
@@ -113,13 +113,13 @@ def _drive(cluster: Cluster, models: list[ModelDef], order: list[int], clients: 
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    lat = np.array(latencies) if latencies else np.zeros(1)
+    lat = np.array(latencies) if latencies else np.full(1, np.nan)  # nothing answered: no latency
     return {
         "requests": len(order), "answered": len(latencies), "lost": lost, "inexact": inexact,
         "loads": loads, "loads_per_request": loads / max(1, len(latencies)),
         "latency_p50_s": float(np.percentile(lat, 50)), "latency_p99_s": float(np.percentile(lat, 99)),
         "latency_mean_s": float(statistics.fmean(lat)), "wall_s": wall, "req_per_s": len(latencies) / wall,
-        "served_by": served, "errors": errors[:5],
+        "served_by": served, "errors": errors[:5], "latencies": latencies,
     }
 
 
@@ -167,10 +167,11 @@ def run(config: ClusterBenchConfig, progress: Callable[[str], None] = lambda s: 
 
 def _drill(cluster: Cluster, order, models, refs, clients: int, progress) -> dict:
     """timeshare's policy. The first third of the requests flow while one replica is
-    added; then the rest, and halfway through them the busiest replica is killed. Nothing
+    added; then the rest, and halfway through them the replica holding the most models
+    is killed. Nothing
     may be lost or wrong, and the added one must take load (the killed one's models are
     placed anew, and it is idle and empty)."""
-    progress("drill: add a replica while requests flow, then kill the busiest")
+    progress("drill: add a replica while requests flow, then kill the one holding the most models")
     added: dict[str, str] = {}
     adder = threading.Thread(target=lambda: added.setdefault("name", cluster.add_replica()), name="bench-add")
     adder.start()
@@ -188,7 +189,7 @@ def _drill(cluster: Cluster, order, models, refs, clients: int, progress) -> dic
                 return
             killed["name"] = ""
         live = [r for r in cluster.status()["replicas"] if r["alive"]]
-        victim = max(live, key=lambda r: r.get("loads", 0))["replica"]
+        victim = max(live, key=lambda r: len(r.get("resident", [])))["replica"]  # the one holding most
         cluster.kill_replica(victim)
         killed["name"] = victim
 
@@ -197,12 +198,13 @@ def _drill(cluster: Cluster, order, models, refs, clients: int, progress) -> dic
     served = {k: first["served_by"].get(k, 0) + second["served_by"].get(k, 0)
               for k in {*first["served_by"], *second["served_by"]}}
     answered = first["answered"] + second["answered"]
+    lat = np.array(first["latencies"] + second["latencies"]) if answered else np.full(1, np.nan)
     return {
         "policy": "timeshare, drill", "requests": len(order), "answered": answered,
         "lost": first["lost"] + second["lost"], "inexact": first["inexact"] + second["inexact"],
         "loads": first["loads"] + second["loads"],
         "loads_per_request": (first["loads"] + second["loads"]) / max(1, answered),
-        "latency_p50_s": second["latency_p50_s"], "latency_p99_s": max(first["latency_p99_s"], second["latency_p99_s"]),
+        "latency_p50_s": float(np.percentile(lat, 50)), "latency_p99_s": float(np.percentile(lat, 99)),
         "req_per_s": answered / (first["wall_s"] + second["wall_s"]), "served_by": served,
         "added": added["name"], "added_served": served.get(added["name"], 0), "killed": killed.get("name"),
         "retried": status["retried"], "replicas_lost": status["replicas_lost"],

@@ -46,7 +46,7 @@ import numpy as np
 
 from timeshare.cluster.replica import ModelDef, Replica, Reply
 from timeshare.errors import ConfigError, ModelTooLargeError, TimeshareError, UnknownModelError
-from timeshare.scheduler.routing import Fleet, Router, compile_steps
+from timeshare.scheduler.routing import Fleet, Router, compile_steps, policy_code
 from timeshare.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class ReplicaSlot:
     outstanding: int = 0
     error: str | None = None
     segments: list[str] = field(default_factory=list)  # its shared memory, when on this host
+    reserved: bool = False  # being started by add_replica
 
 
 @dataclass
@@ -123,6 +124,9 @@ class Cluster:
         names = [m.name for m in models]
         if len(set(names)) != len(names):
             raise ConfigError(f"model names must be unique, got {names}")
+        policy_code(policy)  # an unknown policy is refused before anything starts
+        if max_replicas is not None and max_replicas < replicas:
+            raise ConfigError(f"max_replicas ({max_replicas}) must be at least replicas ({replicas})")
         self.models = list(models)
         self.index = {m.name: i for i, m in enumerate(self.models)}
         self.memory = parse_bytes(memory, what="memory")
@@ -151,45 +155,56 @@ class Cluster:
         self.slots: list[ReplicaSlot] = []
         self.stats = ClusterStats()
         self._segments: dict[int, list[str]] = {}
-        started = [self._start(i, fail=i in failing) for i in range(replicas)]
-        self.slots = [ReplicaSlot(f"replica-{i}") for i in range(n)]
-        for i, (actor, error) in enumerate(started):
-            self.slots[i] = ReplicaSlot(f"replica-{i}", actor, actor is not None, error=error,
-                                        segments=self._segments.pop(i, []))
-        if not any(s.alive for s in self.slots):
-            self.close()
-            raise ConfigError(f"no replica started: {[e for _, e in started]}")
-        compile_steps()  # the router's compiled steps, before any request waits on them
-        costs = self._profile()
-        self.fleet = Fleet.create(costs["bytes"], costs["ready_s"], costs["cold_s"], costs["load_s"],
-                                  [self.memory if s.alive else 0 for s in self.slots],
-                                  max_models=max(1, int(self.memory // float(np.mean(costs["bytes"])))))
-        self.costs = costs
+        self._generations: dict[int, int] = {}
         self.seed = seed
-        self.router = Router(self.fleet, policy, seed=seed)
+        try:  # whatever fails from here on, nothing started is left behind
+            self.slots = [ReplicaSlot(f"replica-{i}") for i in range(n)]
+            started = [self._start(i, fail=i in failing) for i in range(replicas)]
+            for i, (actor, error) in enumerate(started):
+                self.slots[i] = ReplicaSlot(f"replica-{i}", actor, actor is not None, error=error,
+                                            segments=self._segments.pop(i, []))
+            if not any(s.alive for s in self.slots):
+                raise ConfigError(f"no replica started: {[e for _, e in started]}")
+            compile_steps()  # the router's compiled steps, before any request waits on them
+            self.costs = self._profile()
+            self.router = self._router(policy)
+        except BaseException:
+            self.close()
+            raise
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="timeshare-cluster")
+
+    def _router(self, policy: str) -> Router:
+        """A fresh view of the live replicas, all empty (NOTE [Fleet routing]). Only Ray's
+        rule limits models by count, as in the simulator."""
+        c = self.costs
+        max_models = max(1, int(self.memory // float(np.mean(c["bytes"])))) if policy == "ray" else 0
+        self.fleet = Fleet.create(c["bytes"], c["ready_s"], c["cold_s"], c["load_s"],
+                                  [self.memory if s.alive else 0 for s in self.slots], max_models=max_models)
+        return Router(self.fleet, policy, seed=self.seed)
 
     def use_policy(self, policy: str) -> None:
         """Route by ``policy`` from now on, every live replica emptied and the router's view
         started afresh: runs of several policies over the same replicas start alike. Not
         while requests are in flight."""
+        policy_code(policy)
         with self._lock:
             if any(s.outstanding for s in self.slots):
                 raise ConfigError("use_policy while requests are in flight")
             live = [i for i, s in enumerate(self.slots) if s.alive]
-            self._ray.get([self.slots[i].actor.evict_all.remote() for i in live], timeout=self.call_timeout_s)
-            c = self.costs
-            self.fleet = Fleet.create(c["bytes"], c["ready_s"], c["cold_s"], c["load_s"],
-                                      [self.memory if s.alive else 0 for s in self.slots],
-                                      max_models=self.fleet.max_models)
-            self.router = Router(self.fleet, policy, seed=self.seed)
+        for i in live:  # outside the lock: a replica found dead here is lost, not an error
+            try:
+                self._ray.get(self.slots[i].actor.evict_all.remote(), timeout=self.call_timeout_s)
+            except Exception as exc:
+                self._lost(i, f"{self.slots[i].name} died: {_cause(exc)}")
+        with self._lock:
+            self.router = self._router(policy)
             self.stats = ClusterStats()
 
     # ------------------------------------------------------------------ replicas
-    def _start(self, i: int, *, fail: bool = False) -> tuple[Any, str | None]:
+    def _start(self, i: int, *, fail: bool = False, name: str | None = None) -> tuple[Any, str | None]:
         """A replica actor, started and answering, or the error that stopped it."""
-        actor = self._actor_class.remote(f"replica-{i}", self.models, device=self.device, memory=self.memory,
-                                         fail_start=fail)
+        actor = self._actor_class.remote(name or f"replica-{i}", self.models, device=self.device,
+                                         memory=self.memory, fail_start=fail)
         try:
             hello = self._ray.get(actor.ping.remote(), timeout=self.start_timeout_s)
             if hello["host"] == socket.gethostname():
@@ -203,21 +218,35 @@ class Cluster:
     def add_replica(self) -> str:
         """Start one more replica in a free slot; it takes requests from then on."""
         with self._lock:
-            free = [i for i, s in enumerate(self.slots) if not s.alive and s.actor is None]
-        if not free:
-            raise ConfigError(f"no free replica slot (max_replicas={len(self.slots)})")
-        i = free[0]
-        actor, error = self._start(i)
-        if actor is None:
-            raise ConfigError(f"the new replica did not start: {error}")
+            free = [i for i, s in enumerate(self.slots) if not s.alive and not s.reserved]
+            if not free:
+                raise ConfigError(f"no free replica slot (max_replicas={len(self.slots)})")
+            i = free[0]
+            name = f"replica-{i}" if self.slots[i].error is None else f"replica-{i}.{self._generation(i)}"
+            self.slots[i] = ReplicaSlot(name, reserved=True)  # taken: no other add_replica gets it
+        actor, error = self._start(i, name=name)
+        try:
+            if actor is None:
+                raise ConfigError(f"the new replica did not start: {error}")
+            with self._lock:
+                self.slots[i] = ReplicaSlot(name, actor, False, reserved=True, segments=self._segments.pop(i, []))
+            self._warm(i)
+        except BaseException as exc:
+            with self._lock:
+                slot = self.slots[i]
+                self.slots[i] = ReplicaSlot(name, error=f"{name} did not start: {_cause(exc)}")
+            if slot.actor is not None:
+                self._ray.kill(slot.actor, no_restart=True)
+                _unlink(slot.segments)
+            raise
         with self._lock:
-            self.slots[i] = ReplicaSlot(f"replica-{i}", actor, False,  # reserved, not chosen yet
-                                        segments=self._segments.pop(i, []))
-        self._warm(i)
-        with self._lock:
-            self.slots[i].alive = True
+            self.slots[i].alive, self.slots[i].reserved = True, False
             self.router.admit(i, self.memory, self._now())
-        return self.slots[i].name
+        return name
+
+    def _generation(self, i: int) -> int:
+        self._generations[i] = self._generations.get(i, 0) + 1
+        return self._generations[i]
 
     def kill_replica(self, name: str) -> None:
         """Kill a replica's actor (a drill: what a crashed replica looks like)."""
@@ -227,6 +256,8 @@ class Cluster:
         self._ray.kill(slot.actor, no_restart=True)
 
     def _lost(self, i: int, error: str) -> None:
+        """Replica ``i`` is gone: killed for good (an actor Ray calls unavailable may still
+        run), retired from the router, its shared memory unlinked, its slot free again."""
         with self._lock:
             slot = self.slots[i]
             if not slot.alive:
@@ -237,7 +268,13 @@ class Cluster:
             if router is not None:
                 router.retire(i)
         log.warning("%s lost: %s", slot.name, error)
+        try:
+            self._ray.kill(slot.actor, no_restart=True)
+        except Exception:  # gone already
+            pass
         _unlink(slot.segments)  # a killed process never unlinks its shared memory
+        with self._lock:
+            slot.actor, slot.segments = None, []
 
     def _profile(self) -> dict:
         """Every replica warms every model up (its first load profiles it there), so no
@@ -279,11 +316,18 @@ class Cluster:
         replica dies (NOTE [Cluster deployment])."""
         if model not in self.index:
             raise UnknownModelError(f"unknown model {model!r}; known: {sorted(self.index)}")
-        first_error = None
+        first_error: _ReplicaDied | None = None
         for _attempt in range(2):
-            i = self._route(model)
             try:
-                reply = self._call(i, model, args)
+                i, wait_s = self._route(model)
+            except ReplicaLostError as exc:
+                if first_error is None:
+                    raise
+                with self._lock:
+                    self.stats.failed += 1
+                raise ReplicaLostError(f"request for {model!r}: {first_error}; not retried: {exc}") from None
+            try:
+                reply = self._call(i, model, args, wait_s)
             except _ReplicaDied as exc:
                 self._lost(i, str(exc))
                 if first_error is None:
@@ -303,7 +347,8 @@ class Cluster:
     def submit(self, model: str, *args) -> Future:
         return self._pool.submit(self.infer, model, *args)
 
-    def _route(self, model: str) -> int:
+    def _route(self, model: str) -> tuple[int, float]:
+        """The replica for a request and the seconds it is expected to wait there."""
         m = self.index[model]
         with self._lock:
             if not any(s.alive for s in self.slots):
@@ -313,26 +358,34 @@ class Cluster:
             now = self._now()
             placed = self.router.route(m, now)
             i = placed.device
+            # The replica's runtime evicts by its own rule: the router's imagined evictions
+            # (placed.owed_s) are not added to its queue.
+            start = max(now, float(self.fleet.free_at[i]))
             cost = self.fleet.cold_s[m] if placed.loads else self.fleet.compute_s[m]
-            self.router.queued(i, m, max(now, float(self.fleet.free_at[i])) + cost + placed.owed_s)
+            self.router.queued(i, m, start + cost)
             self.slots[i].outstanding += 1
-            return i
+            return i, start - now
 
-    def _call(self, i: int, model: str, args: tuple) -> Reply:
+    def _call(self, i: int, model: str, args: tuple, wait_s: float) -> Reply:
+        """The call on replica ``i``; its deadline is ``call_timeout_s`` beyond the wait the
+        router expected there (a replica busy with a queue is not a dead one)."""
         ray = self._ray
         slot = self.slots[i]
+        deadline = self.call_timeout_s + wait_s
+        ok = False
         try:
-            return ray.get(slot.actor.infer.remote(model, args), timeout=self.call_timeout_s)
+            reply = ray.get(slot.actor.infer.remote(model, args), timeout=deadline)
+            ok = True
+            return reply
         except ray.exceptions.GetTimeoutError:
-            ray.kill(slot.actor, no_restart=True)
-            raise _ReplicaDied(f"{slot.name} did not answer within {self.call_timeout_s:g} s; it was killed") from None
+            raise _ReplicaDied(f"{slot.name} did not answer within {deadline:.3g} s; it was killed") from None
         except ray.exceptions.RayActorError as exc:
             raise _ReplicaDied(f"{slot.name} died: {_cause(exc)}") from None
         finally:
             with self._lock:
                 slot.outstanding -= 1
-                if slot.outstanding == 0 and slot.alive:  # drained: the estimate is corrected to now
-                    self.router.queued(i, self.index[model], self._now())
+                if ok and slot.outstanding == 0 and slot.alive:  # drained: the estimate is corrected to now
+                    self.router.drained(i, self._now())
 
     # ------------------------------------------------------------------ observing
     def status(self) -> dict:

@@ -6,8 +6,9 @@ The state is arrays (``Fleet``): per model its bytes, its compute seconds when r
 and when not (a pipelined load, measured per model); per device its memory, the models it
 holds (in slots, linked in the order they were last routed to, each with the time its
 last queued request ends; free slots on a stack), and when its queue is expected to
-drain. Every step is O(1) or O(log D) but for the scan of a model's holders, so ten
-million requests over a thousand devices take seconds. Two pure steps act on it, the
+drain. A step is O(1) or O(log D) but for the scan of a model's holders, a walk of
+the device's recency list per eviction, and O(D) fallbacks when the first choices are
+too small or gone; ten million requests over a thousand devices take seconds. Two pure steps act on it, the
 same compiled functions whoever calls them:
   * ``choose`` reads the state and returns the device (no change to anything). Its random
     choices come from numbers the caller passes, so a decision is a function of its
@@ -33,8 +34,9 @@ The policies:
     times the model's cold time (a burst; Ray's rule waits for ``max_ongoing``
     requests). Then a new replica is weighed against that
     holder by expected completion: the least loaded device and two drawn at random
-    offer their drain time plus a pipelined load, plus one more link time when the
-    load evicts (what is evicted is loaded again later, somewhere). Loads follow
+    offer their drain time plus a pipelined load, plus the cold time of its least
+    recently routed model when the load must evict (what is evicted is loaded again
+    later, somewhere; only the first victim is priced). Loads follow
     demand, not each momentary queue: at the same loads per request as Ray's rule,
     requests wait less (``timeshare sim cluster`` measures both; the margin trades
     loads for tail latency, ``--margins`` sweeps it).
@@ -87,6 +89,7 @@ class Fleet:
     max_models: int = 0  # per device, 0: no count limit (only bytes)
     max_ongoing: float = 5.0  # Ray's max_ongoing_requests
     replicate_margin: float = 4.0  # timeshare: a wait of this many cold times of the model is a burst
+    max_capacity: int = 0  # the largest device its slots were sized for
 
     @classmethod
     def create(cls, size, compute_s, cold_s, load_s, capacity, *, max_models: int = 0,
@@ -109,7 +112,7 @@ class Fleet:
                    np.arange(d, dtype=np.int32), np.zeros(m, np.float64), np.zeros(m, np.float64),
                    np.full((d, 2), -1, np.int32), np.tile(np.arange(slots, dtype=np.int32), (d, 1)),
                    np.full((m, d), -1, np.int32),
-                   int(max_models), float(max_ongoing), float(replicate_margin))
+                   int(max_models), float(max_ongoing), float(replicate_margin), int(capacity.max()))
         for gone in np.flatnonzero(capacity == 0):  # not started: never chosen until admitted
             retire(int(gone), fleet.arrays())
         return fleet
@@ -157,10 +160,19 @@ class Router:
         retire(device, self.fleet.arrays())
 
     def admit(self, device: int, capacity: int, now: float) -> None:
-        """The device (started, or replaced) takes requests, with ``capacity`` bytes, empty."""
+        """The device (started, or replaced) takes requests, with ``capacity`` bytes, empty.
+        Its slots were sized for the largest device the fleet was created with."""
+        if capacity > self.fleet.max_capacity:
+            raise ConfigError(f"a device of {capacity} bytes is larger than this fleet was sized for "
+                              f"({self.fleet.max_capacity} bytes)")
         retire(device, self.fleet.arrays())
         self.fleet.capacity[device] = capacity
         set_free_at(device, now, self.fleet.free_at, self.fleet.heap, self.fleet.heap_pos)
+
+    def drained(self, device: int, now: float) -> None:
+        """Nothing is outstanding on the device: its queue drains now and none of its
+        models is busy (the estimates made when requests were routed are dropped)."""
+        drained(device, now, self.fleet.arrays())
 
     def queued(self, device: int, model: int, until: float) -> None:
         """A request of ``model`` was queued on ``device`` and is expected to end at
@@ -177,8 +189,9 @@ def compile_steps() -> None:
         router = Router(scratch, policy)
         placed = router.route(0, 0.0)
         router.queued(placed.device, 0, 0.002)
+        router.drained(placed.device, 0.003)
     router.retire(0)
-    router.admit(1, 2, 0.0)
+    router.admit(1, 1, 0.0)
 
 
 @dataclass(frozen=True)
@@ -248,6 +261,16 @@ def queued(d, m, until, st):
     s = slot_of[m, d]
     if s >= 0 and until > slot_busy[d, s]:
         slot_busy[d, s] = until
+
+
+@numba.njit(nogil=True)
+def drained(d, now, st):
+    """Device ``d`` has nothing outstanding at ``now``."""
+    free_at, slot_busy, heap, heap_pos = st[7], st[11], st[14], st[15]
+    set_free_at(d, now, free_at, heap, heap_pos)
+    for k in range(slot_busy.shape[1]):
+        if slot_busy[d, k] > now:
+            slot_busy[d, k] = now
 
 
 @numba.njit(nogil=True)
