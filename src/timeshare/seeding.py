@@ -60,6 +60,16 @@ class JobRandomState:
                 self.cuda = torch.cuda.get_rng_state(device)
         self.draws: bool | None = None  # unknown until the first iteration has run
 
+    def export(self) -> dict:
+        """The state as data, to go on elsewhere (a checkpoint)."""
+        return {"cpu": self.cpu.clone(), "cuda": None if self.cuda is None else self.cuda.clone(), "draws": self.draws}
+
+    def load(self, state: dict) -> None:
+        self.cpu = state["cpu"].clone()
+        if self.cuda is not None and state["cuda"] is not None:
+            self.cuda = state["cuda"].clone()
+        self.draws = state["draws"]
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """Run one iteration with the job's own state in the process's generators

@@ -362,6 +362,7 @@ class Runtime:
         *,
         offload: bool = False,
         seed: int | None = None,
+        resume: dict | None = None,
     ) -> TrainingJob:
         """Start a training job that time-shares the device with inference.
 
@@ -373,13 +374,15 @@ class Runtime:
         ends). Inference preempts the job between iterations (NOTE [Preemption points]);
         ``offload`` moves its state to host memory while preempted; ``seed`` seeds the
         job's own random state and, when ``model`` is a builder, its initial weights
-        (default: ``torch.initial_seed()``).
+        (default: ``torch.initial_seed()``). ``resume``: a checkpoint of this job
+        (``TrainingJob.checkpoint``) taken here or on another runtime, to go on from
+        where it was (NOTE [Checkpoints]).
 
         With workers the job runs in a worker process that keeps its state between
         segments (NOTE [Switch protocol]); then every argument must be picklable, and
         the model is built there. Returns the job's handle.
         """
-        spec = training_spec(name, model, optimizer, data, step, iterations, offload, seed)
+        spec = training_spec(name, model, optimizer, data, step, iterations, offload, seed, resume)
         self._exec.check_trainable(spec, lanes=self._gate.packs)
         with self._turn():
             self._check_open()

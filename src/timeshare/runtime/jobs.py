@@ -17,11 +17,11 @@ log = logging.getLogger(__name__)
 
 
 def training_spec(name: str, model, optimizer, data, step, iterations: int | None, offload: bool,
-                  seed: int | None) -> TrainSpec:
+                  seed: int | None, resume: dict | None = None) -> TrainSpec:
     """The job as data, its arguments checked (``Runtime.train`` says what each is)."""
     validate_training_args(name, model, optimizer, data, step, iterations)
     return TrainSpec(name, model, optimizer, data, step, iterations, offload,
-                     torch.initial_seed() if seed is None else int(seed))
+                     torch.initial_seed() if seed is None else int(seed), resume)
 
 
 class JobTable:

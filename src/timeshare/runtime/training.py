@@ -126,6 +126,16 @@ class TrainingJob:
         """A CPU copy of the model's parameters and buffers (between iterations)."""
         raise NotImplementedError
 
+    def checkpoint(self) -> dict:
+        """The job's full state, to resume it here or elsewhere (``Runtime.train(...,
+        resume=...)``, NOTE [Checkpoints]); only while it is paused or has ended."""
+        raise ConfigError(f"training job {self.name!r}: checkpoints of jobs in worker processes are not built yet")
+
+    def _check_still(self) -> None:
+        if self.status not in (JobState.PAUSED.value, JobState.FINISHED.value, JobState.CANCELLED.value):
+            raise ConfigError(f"training job {self.name!r} is {self.status}: pause it (and wait until it is "
+                              "paused) before taking a checkpoint")
+
     # ------------------------------------------------------------------ loop
     def start(self) -> TrainingJob:
         self._thread.start()
@@ -175,6 +185,11 @@ class LocalTrainingJob(TrainingJob):
     def state_dict(self) -> dict[str, torch.Tensor]:
         with self._gate.priority(), self._lock:
             return self.task.state_dict()
+
+    def checkpoint(self) -> dict:
+        self._check_still()
+        with self._gate.priority(), self._lock:
+            return self.task.checkpoint()
 
     def _run(self) -> JobState:
         while not self.task.finished:

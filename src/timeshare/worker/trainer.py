@@ -49,6 +49,7 @@ class TrainSpec:
     iterations: int | None
     offload: bool
     seed: int
+    resume: dict | None = None  # a checkpoint (TrainingTask.checkpoint) to go on from
 
     def check_shippable(self) -> None:
         for what in ("model", "optimizer", "data", "step"):
@@ -60,6 +61,17 @@ class TrainSpec:
                     f"process can rebuild it (a top-level function, a functools.partial of one, or plain "
                     f"data), not {getattr(self, what)!r} ({exc})"
                 ) from None
+
+
+CHECKPOINT_VERSION = 1
+
+# NOTE [Checkpoints]
+# A training job's checkpoint is everything that decides its next iterations: parameters
+# and buffers, the optimizer's state, its own random state, and how many iterations it has
+# done. Its data is not copied: the job that resumes builds the same data from the same
+# spec and skips the batches already done, so data must replay the same batches in the
+# same order (a seeded loader, a file read in order). A job resumed from a checkpoint on
+# another runtime (another replica) then ends bitwise equal to one never interrupted.
 
 
 class TrainingTask:
@@ -92,8 +104,41 @@ class TrainingTask:
         module.to(device).train()
         optimizer = spec.optimizer(module.parameters())
         data = spec.data() if callable(spec.data) else spec.data
-        return cls(module, optimizer, data, spec.step, spec.iterations, device=device, offload=spec.offload,
+        task = cls(module, optimizer, data, spec.step, spec.iterations, device=device, offload=spec.offload,
                    seed=spec.seed)
+        if spec.resume is not None:
+            task.resume_from(spec.resume)
+        return task
+
+    def checkpoint(self) -> dict:
+        """Everything the job needs to go on elsewhere exactly as it would have here, taken
+        between iterations: the model's parameters and buffers, the optimizer's state, the
+        job's random state, and its position (iterations done; NOTE [Checkpoints])."""
+        def cpu(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True)
+
+        return {"version": CHECKPOINT_VERSION,
+                "model": {k: cpu(v) for k, v in self.model.state_dict().items()},
+                "optimizer": map_tensors(self.optimizer.state_dict(), cpu),
+                "random": self.random.export(), "iterations": self.stats.iterations,
+                "losses": list(self.stats.losses)}
+
+    def resume_from(self, checkpoint: dict) -> None:
+        """Go on from ``checkpoint`` (NOTE [Checkpoints]): the same model, optimizer and data
+        as the job that took it, built from the same spec."""
+        if not isinstance(checkpoint, dict) or checkpoint.get("version") != CHECKPOINT_VERSION:
+            raise ConfigError(f"not a training checkpoint of version {CHECKPOINT_VERSION}")
+        try:
+            self.model.load_state_dict(checkpoint["model"], strict=True)
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise ConfigError(f"the checkpoint does not fit this job's model or optimizer: {exc}") from None
+        self.random.load(checkpoint["random"])
+        done = int(checkpoint["iterations"])
+        for _ in range(done):  # the data's position: the same data, replayed to where the job was
+            next(self._data)
+        self.stats.iterations = done
+        self.stats.losses = list(checkpoint["losses"])
 
     @property
     def finished(self) -> bool:

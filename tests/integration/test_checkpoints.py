@@ -1,0 +1,80 @@
+"""NOTE [Checkpoints]: a training job paused, checkpointed and resumed on another runtime
+ends bitwise equal to the same job never interrupted."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import timeshare
+from timeshare.errors import ConfigError
+from timeshare.models.workloads import TrainingWorkload
+from timeshare.models.zoo import get as zoo_get
+
+ITERATIONS = 8
+
+
+def varying_batches():
+    """A different batch every iteration (seeded by its index): the data's position matters."""
+    i = 0
+    while True:
+        yield zoo_get("tiny_cnn").example_inputs(4, seed=i)
+        i += 1
+
+
+def dropout_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4))
+
+
+def varying_vectors():
+    i = 0
+    while True:
+        yield (torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),)
+        i += 1
+
+
+CNN = {**TrainingWorkload.parse("tiny_cnn:4").train_args(), "data": varying_batches}
+# Dropout draws from the job's random state: resuming must carry it.
+DROPOUT = {**CNN, "model": dropout_net, "data": varying_vectors}
+
+
+def _paused(job, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while job.status != "paused":
+        assert time.monotonic() < deadline, job.status
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("WORK", [CNN, DROPOUT], ids=["cnn", "dropout"])
+def test_a_job_resumed_on_another_runtime_ends_as_if_never_interrupted(WORK):
+    with timeshare.Runtime(device="cpu", memory="16MiB") as rt:
+        whole = rt.train("whole", **WORK, iterations=ITERATIONS, seed=3)
+        assert whole.wait(120) and whole.error is None
+        want, want_losses = whole.state_dict(), list(whole.stats.losses)
+        part = rt.train("part", **WORK, iterations=ITERATIONS, seed=3)
+        while part.stats.iterations < 3:
+            time.sleep(0.001)
+        with pytest.raises(ConfigError, match="pause it"):
+            part.checkpoint()  # running: no consistent state to take
+        part.pause()
+        _paused(part)
+        done = part.stats.iterations
+        assert 3 <= done < ITERATIONS
+        cp = part.checkpoint()
+        part.cancel()
+    with timeshare.Runtime(device="cpu", memory="16MiB") as other:
+        moved = other.train("part", **WORK, iterations=ITERATIONS, seed=3, resume=cp)
+        assert moved.wait(120) and moved.error is None
+        got = moved.state_dict()
+        assert moved.stats.iterations == ITERATIONS
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert list(moved.stats.losses) == want_losses
+        # A checkpoint of another job's shape, or not a checkpoint, is refused clearly.
+        with pytest.raises(ConfigError, match="does not fit this job's model"):
+            other.train("bad", **WORK, iterations=ITERATIONS, seed=3,
+                        resume=dict(cp, model={"nope": torch.zeros(1)}))
+        with pytest.raises(ConfigError, match="not a training checkpoint"):
+            other.train("bad2", **WORK, iterations=ITERATIONS, seed=3, resume={"model": {}})
+        assert "bad" not in other.jobs() and "bad2" not in other.jobs()
