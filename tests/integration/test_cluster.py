@@ -98,3 +98,28 @@ def test_bench_cluster_writes_json_and_a_plot(local_ray, tmp_path, capsys):
     data = json.loads(path.read_text())
     assert [r["policy"] for r in data["rows"]] == ["random", "timeshare"] and data["outputs_exact"]
     assert data["ray"] == import_ray().__version__ and png.stat().st_size > 0
+
+
+def test_a_training_job_migrated_between_replicas_ends_bitwise_equal_to_an_uninterrupted_run(local_ray):
+    import time
+
+    import torch
+
+    with Cluster(model_defs(1), replicas=2, memory="3MiB") as cluster:
+        assert cluster.train("whole", "tiny_cnn:4", 1000, seed=5, replica="replica-0") == "replica-0"
+        want = cluster.job_weights("whole", timeout_s=120)
+        assert cluster.train("moved", "tiny_cnn:4", 1000, seed=5, replica="replica-0") == "replica-0"
+        deadline = time.monotonic() + 60
+        while cluster.job("moved")["iterations"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        moved = cluster.migrate("moved")
+        assert moved["from"] == "replica-0" and moved["to"] == "replica-1" and 3 <= moved["iterations"] < 1000
+        got = cluster.job_weights("moved", timeout_s=120)
+        where = cluster.job("moved")
+        assert where["replica"] == "replica-1" and where["resumed_at"] == moved["iterations"]  # went on, not over
+        assert cluster.job("moved")["iterations"] == 1000
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        assert cluster.status()["migrations"] == 1
+        with pytest.raises(ConfigError, match="no training job"):
+            cluster.migrate("nope")

@@ -102,6 +102,7 @@ class ClusterStats:
     loads: int = 0
     retried: int = 0
     failed: int = 0
+    migrations: int = 0
     replicas_lost: int = 0
     per_replica: dict[str, dict] = field(default_factory=dict)
 
@@ -156,6 +157,8 @@ class Cluster:
         self.stats = ClusterStats()
         self._segments: dict[int, list[str]] = {}
         self._generations: dict[int, int] = {}
+        self._jobs: dict[str, int] = {}  # training job -> the slot it runs on
+        self._job_specs: dict[str, tuple[str, int, int]] = {}
         self.seed = seed
         try:  # whatever fails from here on, nothing started is left behind
             self.slots = [ReplicaSlot(f"replica-{i}") for i in range(n)]
@@ -387,6 +390,66 @@ class Cluster:
                 if ok and slot.outstanding == 0 and slot.alive:  # drained: the estimate is corrected to now
                     self.router.drained(i, self._now())
 
+    # ------------------------------------------------------------------ training jobs
+    def train(self, name: str, workload: str, iterations: int, *, seed: int = 0, replica: str | None = None) -> str:
+        """Start a training job (a zoo workload, "model:batch") on ``replica`` (default: the
+        live replica running the fewest jobs); returns the replica's name."""
+        with self._lock:
+            if name in self._jobs:
+                raise ConfigError(f"a training job named {name!r} exists")
+            i = self._replica_for_job(replica)
+        self._ray.get(self.slots[i].actor.train.remote(name, workload, iterations, seed), timeout=self.call_timeout_s)
+        with self._lock:
+            self._jobs[name] = i
+            self._job_specs[name] = (workload, iterations, seed)
+        return self.slots[i].name
+
+    def migrate(self, name: str, to: str | None = None) -> dict:
+        """Move a training job to another replica (SwitchFlow): paused where it is at its
+        next iteration boundary, checkpointed, dropped there, and resumed on ``to``
+        (default: the other live replica running the fewest jobs) from that checkpoint
+        (NOTE [Checkpoints]); it ends as if never moved."""
+        with self._lock:
+            if name not in self._jobs:
+                raise ConfigError(f"no training job {name!r}")
+            src = self._jobs[name]
+            dst = self._replica_for_job(to, avoid=src)
+        source, target = self.slots[src], self.slots[dst]
+        spec = self._ray.get(source.actor.job.remote(name), timeout=self.call_timeout_s)
+        self._ray.get(source.actor.pause_job.remote(name), timeout=self.call_timeout_s)
+        checkpoint = self._ray.get(source.actor.checkpoint.remote(name), timeout=self.call_timeout_s)
+        self._ray.get(source.actor.drop_job.remote(name), timeout=self.call_timeout_s)
+        workload, iterations, seed = self._job_specs[name]
+        self._ray.get(target.actor.train.remote(name, workload, iterations, seed, checkpoint),
+                      timeout=self.call_timeout_s)
+        with self._lock:
+            self._jobs[name] = dst
+            self.stats.migrations += 1
+        return {"job": name, "from": source.name, "to": target.name, "iterations": checkpoint["iterations"],
+                "status_before": spec["status"]}
+
+    def job(self, name: str) -> dict:
+        i = self._jobs.get(name)
+        if i is None:
+            raise ConfigError(f"no training job {name!r}")
+        return {"replica": self.slots[i].name,
+                **self._ray.get(self.slots[i].actor.job.remote(name), timeout=self.call_timeout_s)}
+
+    def job_weights(self, name: str, timeout_s: float = 600.0) -> dict:
+        """The job's final parameters and buffers, once it has ended where it runs now."""
+        i = self._jobs.get(name)
+        if i is None:
+            raise ConfigError(f"no training job {name!r}")
+        return self._ray.get(self.slots[i].actor.job_weights.remote(name, timeout_s), timeout=timeout_s + 30)
+
+    def _replica_for_job(self, name: str | None, avoid: int | None = None) -> int:
+        live = [i for i, s in enumerate(self.slots) if s.alive and i != avoid]
+        if name is not None:
+            live = [i for i in live if self.slots[i].name == name]
+        if not live:
+            raise ConfigError(f"no live replica {name or 'to run the job'}" + (" other than its own" if avoid else ""))
+        return min(live, key=lambda i: sum(1 for j in self._jobs.values() if j == i))
+
     # ------------------------------------------------------------------ observing
     def status(self) -> dict:
         """Each replica's state, resident models and loads (asked of the live ones)."""
@@ -401,7 +464,7 @@ class Cluster:
             if s.alive or s.error:
                 out.append(row)
         return {"replicas": out, "requests": self.stats.requests, "loads": self.stats.loads,
-                "retried": self.stats.retried, "failed": self.stats.failed,
+                "retried": self.stats.retried, "failed": self.stats.failed, "migrations": self.stats.migrations,
                 "replicas_lost": self.stats.replicas_lost}
 
     def close(self) -> None:

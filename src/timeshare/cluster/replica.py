@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from timeshare.errors import ConfigError, ModelTooLargeError
+from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.runtime.facade import Runtime
 
@@ -49,6 +50,7 @@ class Replica:
         self.name = name
         self.rt = Runtime(device=device, memory=memory)
         self.models = {m.name: m for m in models}
+        self._resumed_at: dict[str, int] = {}  # training job -> the iterations it was resumed at here
         for m in models:
             self.rt.register(m.name, zoo_get(m.zoo).builder, m.weights, m.example_inputs())
 
@@ -89,6 +91,52 @@ class Replica:
         nbytes = int(self.rt.snapshot()["resident"][model])
         self.rt.evict(model)
         return {"too_large": False, "cold_s": cold, "ready_s": sorted(ready)[len(ready) // 2], "bytes": nbytes}
+
+    # Training jobs (NOTE [Checkpoints]): started here, paused, checkpointed, dropped.
+    def train(self, name: str, workload: str, iterations: int, seed: int, resume: dict | None = None) -> None:
+        self.rt.train(name, **TrainingWorkload.parse(workload).train_args(), iterations=iterations, seed=seed,
+                      resume=resume)
+        self._resumed_at[name] = 0 if resume is None else int(resume["iterations"])
+
+    def job(self, name: str) -> dict:
+        j = self._job(name)
+        return {"status": j.status, "iterations": j.stats.iterations, "resumed_at": self._resumed_at.get(name, 0),
+                "error": None if j.error is None else f"{type(j.error).__name__}: {j.error}"}
+
+    def pause_job(self, name: str, timeout_s: float = 60.0) -> dict:
+        """Pause the job and wait (up to ``timeout_s``) until it stands at a preemption point."""
+        j = self._job(name)
+        j.pause()
+        deadline = time.monotonic() + timeout_s
+        while j.status not in ("paused", "finished", "failed", "cancelled"):
+            if time.monotonic() > deadline:
+                raise ConfigError(f"training job {name!r} did not pause within {timeout_s:g} s")
+            time.sleep(0.002)
+        return self.job(name)
+
+    def checkpoint(self, name: str) -> dict:
+        return self._job(name).checkpoint()
+
+    def drop_job(self, name: str, timeout_s: float = 60.0) -> None:
+        j = self._job(name)
+        j.cancel()
+        j.wait(timeout_s)
+        self.rt.forget_job(name)
+
+    def job_weights(self, name: str, timeout_s: float = 600.0) -> dict:
+        """The job's final parameters and buffers once it has ended; its error if it failed."""
+        j = self._job(name)
+        if not j.wait(timeout_s):
+            raise ConfigError(f"training job {name!r} did not end within {timeout_s:g} s")
+        if j.error is not None:
+            raise j.error
+        return j.state_dict()
+
+    def _job(self, name: str):
+        job = self.rt.jobs().get(name)
+        if job is None:
+            raise ConfigError(f"no training job {name!r} on replica {self.name}")
+        return job
 
     def evict_all(self) -> None:
         """Nothing resident: a fresh start for the next run over the same replica."""
