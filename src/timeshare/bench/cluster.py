@@ -29,6 +29,7 @@ from timeshare.errors import ConfigError
 from timeshare.models.weights import read_weights
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
+from timeshare.sim.fleet import COLOURS  # the same colour per policy as sim cluster's plot
 
 ARCHITECTURES = ("tiny_cnn", "tiny_mlp", "small_resnet", "tiny_bert")
 
@@ -221,11 +222,10 @@ def plot(result: dict, path) -> None:
     rows = result["rows"]
     names = [r["policy"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    colours = {"random": "#999", "least-loaded": "#79c", "ray": "#c97", "timeshare": "#4a4"}
     for ax, key, label in ((axes[0], "loads_per_request", "loads per request"),
                            (axes[1], "latency_p99_s", "p99 latency (s)")):
         values = [r[key] for r in rows]
-        ax.bar(names, values, color=[colours.get(n, "#999") for n in names])
+        ax.bar(names, values, color=[COLOURS.get(n, "#999") for n in names])
         for i, v in enumerate(values):
             ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
         ax.set_title(label)

@@ -131,7 +131,7 @@ class TrainingJob:
         resume=...)``, NOTE [Checkpoints]); only while it is paused or has ended."""
         raise ConfigError(f"training job {self.name!r}: checkpoints of jobs in worker processes are not built yet")
 
-    def _check_still(self) -> None:
+    def _check_at_rest(self) -> None:
         if self.status not in (JobState.PAUSED.value, JobState.FINISHED.value, JobState.CANCELLED.value):
             raise ConfigError(f"training job {self.name!r} is {self.status}: pause it (and wait until it is "
                               "paused) before taking a checkpoint")
@@ -187,7 +187,7 @@ class LocalTrainingJob(TrainingJob):
             return self.task.state_dict()
 
     def checkpoint(self) -> dict:
-        self._check_still()
+        self._check_at_rest()
         with self._gate.priority(), self._lock:
             return self.task.checkpoint()
 

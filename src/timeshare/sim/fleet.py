@@ -18,7 +18,6 @@ runs are independent and compiled code without the GIL: one thread per core runs
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ import numba
 import numpy as np
 
 from timeshare.errors import ConfigError
+from timeshare.memory.ephemeral import cores
 from timeshare.scheduler.routing import POLICIES, Fleet, choose, place, policy_code, queued
 
 # PipeSwitch's artifact on a V100, batch 8, fp32: ready and pipelined first-inference
@@ -91,13 +91,6 @@ def workload(config: ClusterSimConfig) -> Workload:
     rate = config.load * config.devices / mean_compute
     arrivals = np.cumsum(rng.exponential(1.0 / rate, config.requests))
     return Workload(size, compute, cold, size / V100_PCIE3_BYTES_PER_S, arrivals, models)
-
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 @numba.njit(nogil=True)

@@ -114,12 +114,8 @@ class TrainingTask:
         """Everything the job needs to go on elsewhere exactly as it would have here, taken
         between iterations: the model's parameters and buffers, the optimizer's state, the
         job's random state, and its position (iterations done; NOTE [Checkpoints])."""
-        def cpu(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to("cpu", copy=True)
-
-        return {"version": CHECKPOINT_VERSION,
-                "model": {k: cpu(v) for k, v in self.model.state_dict().items()},
-                "optimizer": map_tensors(self.optimizer.state_dict(), cpu),
+        return {"version": CHECKPOINT_VERSION, "model": self.state_dict(),
+                "optimizer": map_tensors(self.optimizer.state_dict(), lambda t: t.detach().to("cpu", copy=True)),
                 "random": self.random.export(), "iterations": self.stats.iterations,
                 "losses": list(self.stats.losses)}
 
@@ -135,8 +131,11 @@ class TrainingTask:
             raise ConfigError(f"the checkpoint does not fit this job's model or optimizer: {exc}") from None
         self.random.load(checkpoint["random"])
         done = int(checkpoint["iterations"])
-        for _ in range(done):  # the data's position: the same data, replayed to where the job was
-            next(self._data)
+        try:
+            for _ in range(done):  # the data's position: the same data, replayed to where the job was
+                next(self._data)
+        except StopIteration:
+            raise ConfigError(f"the job's data ends before the checkpoint's {done} iterations") from None
         self.stats.iterations = done
         self.stats.losses = list(checkpoint["losses"])
 
