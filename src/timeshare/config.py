@@ -109,6 +109,16 @@ class RuntimeConfig(_Strict):
     task_deadline_min_s: Annotated[float, Field(gt=0)] = 5.0
     """The shortest deadline a call gets, whatever its history."""
 
+    def runtime_kwargs(self, default_task_timeout_s: float) -> dict[str, Any]:
+        """``timeshare.Runtime``'s keyword arguments for this section; a task's deadline
+        defaults to ``default_task_timeout_s`` (the server's request timeout)."""
+        return dict(device=self.device, memory=self.memory, eviction=self.eviction, strategy=self.strategy,
+                    workers=self.workers, thrashing=self.thrashing, dedup=self.dedup, scheduling=self.scheduling,
+                    time_slice_s=self.time_slice_s, lane_memory=self.lane_memory, lane_threads=self.lane_threads,
+                    host_memory=self.host_memory, spill_dir=self.spill_dir, direct_io=self.direct_io,
+                    task_timeout_s=self.task_timeout_s or default_task_timeout_s,
+                    task_deadline_factor=self.task_deadline_factor, task_deadline_min_s=self.task_deadline_min_s)
+
     @field_validator("memory", "lane_memory", "host_memory", mode="before")
     @classmethod
     def _memory(cls, v, info):
@@ -204,6 +214,42 @@ class AdminConfig(_Strict):
         if self.token_env:
             return os.environ.get(self.token_env) or None
         return None
+
+
+class ClusterConfig(_Strict):
+    """Serve from a timeshare cluster on Ray (NOTE [Cluster deployment]): several
+    replicas, each a runtime on its own device built from the ``runtime`` section, with
+    every model registered on each and requests routed between them. The HTTP APIs are
+    the same; ``/admin/status`` and ``/metrics`` add up the replicas."""
+
+    address: str | None = None
+    """A running Ray cluster ("host:port", "ray://host:port" or "auto"); null starts a
+    local one on this host's loopback interface."""
+    replicas: Annotated[int, Field(ge=1, le=1024)] = 2
+    """Replicas started with the server."""
+    max_replicas: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Replicas may be added at run time (``POST /admin/replicas``) up to this many
+    (default: two more than ``replicas``)."""
+    policy: Literal["timeshare", "ray", "least-loaded", "random"] = "timeshare"
+    """How a request's replica is chosen (NOTE [Fleet routing])."""
+    num_cpus: Annotated[int, Field(ge=1)] | None = None
+    """A local cluster's CPUs (each replica takes one; default: one per replica slot, plus one)."""
+    call_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """A replica that does not answer a call within this many seconds beyond the wait
+    the router expected is taken for dead and replaced by the others."""
+    start_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    """How long a replica may take to start and warm every model up."""
+    migrate_after_s: Annotated[float, Field(gt=0)] | None = 2.0
+    """A training job preempted for this long, while another replica has no job and no
+    requests in flight, moves there (SwitchFlow's migration; null: never on its own)."""
+    seed: int = 0
+    """The router's random numbers (the "random" policy, ties)."""
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be at least replicas ({self.replicas})")
+        return self
 
 
 class TensorSpec(_Strict):
@@ -356,6 +402,8 @@ class Config(_Strict):
     models: list[ModelConfig] = []
     llms: list[LLMConfig] = []
     training: list[TrainingConfig] = []
+    cluster: ClusterConfig | None = None
+    """Null: one runtime in the server's process (the usual case)."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -367,6 +415,17 @@ class Config(_Strict):
             raise ValueError("llms: generation runs in-process for now; use runtime.workers: 0")
         if self.llms and self.runtime.scheduling == "pack":
             raise ValueError("llms: decode turns do not run in lanes yet; use a scheduling other than 'pack'")
+        if self.cluster is not None:
+            if self.llms:
+                raise ValueError("cluster: language models are not served from a cluster yet; serve them from "
+                                 "a server of their own")
+            pinned = [m.name for m in self.models if m.pinned]
+            if pinned:
+                raise ValueError(f"cluster: models cannot be pinned on a cluster (the router places them); "
+                                 f"pinned: {pinned}")
+            if self.runtime.device not in ("cpu", "cuda") or self.runtime.memory == "auto":
+                raise ValueError("cluster: give runtime.device ('cpu', or 'cuda': each replica's own GPU) and "
+                                 "runtime.memory (each replica's budget), not 'auto'")
         jobs = [t.name for t in self.training]
         dup = sorted({n for n in jobs if jobs.count(n) > 1})
         if dup:
@@ -384,7 +443,7 @@ def parse_config(data: Any, source: str = "config") -> Config:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections "
-                          f"(runtime, server, admin, models, training), got {type(data).__name__}")
+                          f"(runtime, server, admin, models, llms, training, cluster), got {type(data).__name__}")
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

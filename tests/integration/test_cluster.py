@@ -121,5 +121,5 @@ def test_a_training_job_migrated_between_replicas_ends_bitwise_equal_to_an_unint
         assert cluster.job("moved")["iterations"] == 1000
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
         assert cluster.status()["migrations"] == 1
-        with pytest.raises(ConfigError, match="no training job"):
+        with pytest.raises(UnknownModelError, match="no training job"):
             cluster.migrate("nope")

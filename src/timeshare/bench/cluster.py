@@ -26,8 +26,8 @@ from timeshare.bench.environment import describe
 from timeshare.cluster.cluster import Cluster, import_ray, start_local_ray
 from timeshare.cluster.replica import ModelDef
 from timeshare.errors import ConfigError
+from timeshare.models.spec import build_module
 from timeshare.models.weights import read_weights
-from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.sim.fleet import COLOURS  # the same colour per policy as sim cluster's plot
 
@@ -57,8 +57,9 @@ def references(models: list[ModelDef]) -> dict[str, object]:
     """Each model's outputs on its example inputs, computed alone here with plain PyTorch."""
     out = {}
     for m in models:
-        module = zoo_get(m.zoo).build()
-        module.load_state_dict(read_weights(m.weights), strict=True)
+        module = build_module(m.name, m.builder())
+        if m.weights is not None:
+            module.load_state_dict(read_weights(m.weights), strict=True)
         with torch.inference_mode():
             out[m.name] = module.eval()(*m.example_inputs())
     return out

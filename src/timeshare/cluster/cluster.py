@@ -6,10 +6,14 @@ Why Ray actors and not Ray Serve: a Serve deployment's replicas are interchangea
 its router picks among them with its own rule (for multiplexed models, Ray's LRU by
 model count); ours must route by the state of each replica's device memory, with the
 policy the simulator measured (NOTE [Fleet routing]). So each replica is a plain Ray
-actor (``Replica``: one runtime, one device, calls served one at a time in arrival
-order, as the actor's queue delivers them), and the front end holds the router (the
+actor (``Replica``: one runtime, one device), and the front end holds the router (the
 same compiled ``choose``/``place`` as ``timeshare sim cluster``) over a ``Fleet`` whose
-devices are the replicas. Ray gives placement, process supervision and transport; the
+devices are the replicas. A replica's actor takes up to ``REPLICA_CALLS`` calls at
+once, each in a thread of its own waiting in the runtime's dispatcher: the runtime, not
+Ray's mailbox, orders the requests waiting there (priority, EDF), and a training job
+there sees that inference waits (it is preempted between iterations, not given the
+device between two requests).
+Ray gives placement, process supervision and transport; the
 decision is ours.
 
 The router's view of each replica is an estimate kept without asking it: a request
@@ -46,10 +50,15 @@ import numpy as np
 
 from timeshare.cluster.replica import ModelDef, Replica, Reply
 from timeshare.errors import ConfigError, ModelTooLargeError, TimeshareError, UnknownModelError
+from timeshare.models.workloads import TrainingWorkload
 from timeshare.scheduler.routing import Fleet, Router, compile_steps, policy_code
 from timeshare.units import parse_bytes
 
 log = logging.getLogger(__name__)
+
+
+OBSERVE = "observe"  # the actors' concurrency group for calls that must not wait for the device
+REPLICA_CALLS = 16  # calls a replica's actor takes at once (NOTE [Cluster deployment])
 
 
 class ReplicaLostError(TimeshareError):
@@ -117,7 +126,7 @@ class Cluster:
     def __init__(self, models: Sequence[ModelDef], *, replicas: int = 3, memory: int | str = "64MiB",
                  policy: str = "timeshare", address: str | None = None, num_cpus: int | None = None,
                  max_replicas: int | None = None, call_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
-                 seed: int = 0, device: str = "cpu", failing: Sequence[int] = ()):
+                 seed: int = 0, device: str = "cpu", runtime: dict | None = None, failing: Sequence[int] = ()):
         if not models:
             raise ConfigError("a cluster needs at least one model")
         if replicas < 1:
@@ -130,8 +139,12 @@ class Cluster:
             raise ConfigError(f"max_replicas ({max_replicas}) must be at least replicas ({replicas})")
         self.models = list(models)
         self.index = {m.name: i for i, m in enumerate(self.models)}
+        if runtime is not None:  # a server's runtime section: its device and budget are the replicas'
+            device, memory = runtime["device"], runtime["memory"]
         self.memory = parse_bytes(memory, what="memory")
         self.device = device
+        self.runtime = runtime
+        self.policy = policy
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         n = max_replicas or replicas + 2
@@ -150,7 +163,12 @@ class Cluster:
             except Exception as exc:
                 raise ConfigError(f"cannot reach the Ray cluster at {address}: {type(exc).__name__}: {exc}") from None
             self._owns_ray = True
-        self._actor_class = self._ray.remote(num_cpus=1, max_restarts=0)(Replica)
+        # Calls in the "observe" group (snapshots, a job's pause or resume) run beside the
+        # inference in progress, in threads of their own: a scrape never waits for the device.
+        # A replica on "cuda" takes one GPU, which Ray makes its "cuda" (CUDA_VISIBLE_DEVICES).
+        gpus = 1 if str(device).startswith("cuda") else 0
+        self._actor_class = self._ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0, max_concurrency=REPLICA_CALLS,
+                                             concurrency_groups={OBSERVE: 2})(Replica)
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self.slots: list[ReplicaSlot] = []
@@ -158,7 +176,7 @@ class Cluster:
         self._segments: dict[int, list[str]] = {}
         self._generations: dict[int, int] = {}
         self._jobs: dict[str, int] = {}  # training job -> the slot it runs on
-        self._job_specs: dict[str, tuple[str, int, int]] = {}
+        self._job_specs: dict[str, dict] = {}  # training job -> Runtime.train's keyword arguments
         self.seed = seed
         try:  # whatever fails from here on, nothing started is left behind
             self.slots = [ReplicaSlot(f"replica-{i}") for i in range(n)]
@@ -201,13 +219,14 @@ class Cluster:
                 self._lost(i, f"{self.slots[i].name} died: {_cause(exc)}")
         with self._lock:
             self.router = self._router(policy)
+            self.policy = policy
             self.stats = ClusterStats()
 
     # ------------------------------------------------------------------ replicas
     def _start(self, i: int, *, fail: bool = False, name: str | None = None) -> tuple[Any, str | None]:
         """A replica actor, started and answering, or the error that stopped it."""
         actor = self._actor_class.remote(name or f"replica-{i}", self.models, device=self.device,
-                                         memory=self.memory, fail_start=fail)
+                                         memory=self.memory, runtime=self.runtime, fail_start=fail)
         try:
             hello = self._ray.get(actor.ping.remote(), timeout=self.start_timeout_s)
             if hello["host"] == socket.gethostname():
@@ -394,33 +413,72 @@ class Cluster:
     def train(self, name: str, workload: str, iterations: int, *, seed: int = 0, replica: str | None = None) -> str:
         """Start a training job (a zoo workload, "model:batch") on ``replica`` (default: the
         live replica running the fewest jobs); returns the replica's name."""
+        kwargs = {**TrainingWorkload.parse(workload).train_args(), "iterations": iterations, "seed": seed}
+        return self.start_job(name, kwargs, replica=replica)["replica"]
+
+    def start_job(self, name: str, kwargs: dict, *, replica: str | None = None) -> dict:
+        """``Runtime.train(name, **kwargs)`` on ``replica`` (default: the live replica
+        running the fewest jobs); every argument must be picklable. The job's view, with
+        its replica's name."""
         with self._lock:
             if name in self._jobs:
                 raise ConfigError(f"a training job named {name!r} exists")
             i = self._replica_for_job(replica)
-        self._ray.get(self.slots[i].actor.train.remote(name, workload, iterations, seed), timeout=self.call_timeout_s)
+            self._jobs[name] = i  # reserved: a second start of the name is refused meanwhile
+        try:
+            view = self._ray.get(self.slots[i].actor.start_job.remote(name, kwargs), timeout=self.call_timeout_s)
+        except BaseException:
+            with self._lock:
+                del self._jobs[name]
+            raise
         with self._lock:
-            self._jobs[name] = i
-            self._job_specs[name] = (workload, iterations, seed)
-        return self.slots[i].name
+            self._job_specs[name] = dict(kwargs)
+        return {"replica": self.slots[i].name, **view}
+
+    def job_names(self) -> list[str]:
+        with self._lock:
+            return list(self._jobs)
+
+    def job_replica(self, name: str) -> str:
+        return self.slots[self._job_slot(name)].name
+
+    def _job_slot(self, name: str) -> int:
+        with self._lock:
+            i = self._jobs.get(name)
+        if i is None:
+            raise UnknownModelError(f"no training job named {name!r}; known: {sorted(self._jobs)}")
+        return i
+
+    def control_job(self, name: str, action: str) -> dict:
+        """pause, resume or cancel the job where it runs (beside any inference there)."""
+        i = self._job_slot(name)
+        view = self._ray.get(self.slots[i].actor.control_job.options(concurrency_group=OBSERVE).remote(name, action),
+                             timeout=self.call_timeout_s)
+        return {"replica": self.slots[i].name, **view}
+
+    def forget_job(self, name: str) -> None:
+        """Drop an ended job here and on its replica (which holds its final state until then)."""
+        i = self._job_slot(name)
+        with self._lock:
+            del self._jobs[name]
+            self._job_specs.pop(name, None)
+        if self.slots[i].alive:
+            self._ray.get(self.slots[i].actor.forget_job.remote(name), timeout=self.call_timeout_s)
 
     def migrate(self, name: str, to: str | None = None) -> dict:
         """Move a training job to another replica (SwitchFlow): paused where it is at its
         next iteration boundary, checkpointed, dropped there, and resumed on ``to``
         (default: the other live replica running the fewest jobs) from that checkpoint
         (NOTE [Checkpoints]); it ends as if never moved."""
+        src = self._job_slot(name)
         with self._lock:
-            if name not in self._jobs:
-                raise ConfigError(f"no training job {name!r}")
-            src = self._jobs[name]
             dst = self._replica_for_job(to, avoid=src)
         source, target = self.slots[src], self.slots[dst]
         spec = self._ray.get(source.actor.job.remote(name), timeout=self.call_timeout_s)
         self._ray.get(source.actor.pause_job.remote(name), timeout=self.call_timeout_s)
         checkpoint = self._ray.get(source.actor.checkpoint.remote(name), timeout=self.call_timeout_s)
         self._ray.get(source.actor.drop_job.remote(name), timeout=self.call_timeout_s)
-        workload, iterations, seed = self._job_specs[name]
-        self._ray.get(target.actor.train.remote(name, workload, iterations, seed, checkpoint),
+        self._ray.get(target.actor.start_job.remote(name, {**self._job_specs[name], "resume": checkpoint}),
                       timeout=self.call_timeout_s)
         with self._lock:
             self._jobs[name] = dst
@@ -429,17 +487,13 @@ class Cluster:
                 "status_before": spec["status"]}
 
     def job(self, name: str) -> dict:
-        i = self._jobs.get(name)
-        if i is None:
-            raise ConfigError(f"no training job {name!r}")
+        i = self._job_slot(name)
         return {"replica": self.slots[i].name,
                 **self._ray.get(self.slots[i].actor.job.remote(name), timeout=self.call_timeout_s)}
 
     def job_weights(self, name: str, timeout_s: float = 600.0) -> dict:
         """The job's final parameters and buffers, once it has ended where it runs now."""
-        i = self._jobs.get(name)
-        if i is None:
-            raise ConfigError(f"no training job {name!r}")
+        i = self._job_slot(name)
         return self._ray.get(self.slots[i].actor.job_weights.remote(name, timeout_s), timeout=timeout_s + 30)
 
     def _replica_for_job(self, name: str | None, avoid: int | None = None) -> int:
@@ -451,6 +505,45 @@ class Cluster:
         return min(live, key=lambda i: sum(1 for j in self._jobs.values() if j == i))
 
     # ------------------------------------------------------------------ observing
+    def is_resident(self, model: str) -> bool:
+        """Whether the router holds ``model`` resident on some live replica (its view,
+        kept without asking them)."""
+        m = self.index.get(model)
+        return m is not None and int(self.fleet.nholders[m]) > 0
+
+    def evict(self, model: str) -> None:
+        """Evict ``model`` on every live replica."""
+        live = [s for s in self.slots if s.alive]
+        self._ray.get([s.actor.evict.remote(model) for s in live], timeout=self.call_timeout_s)
+
+    def snapshots(self, timeout_s: float = 5.0) -> dict[str, dict]:
+        """Each live replica's ``Replica.snapshot`` (its runtime's counters, the evictions
+        since the last one, its jobs), asked beside whatever it is running; a replica that
+        does not answer in ``timeout_s`` is left out this time."""
+        live = [(s.name, s.actor.snapshot.options(concurrency_group=OBSERVE).remote())
+                for s in self.slots if s.alive and s.actor is not None]
+        out = {}
+        for name, ref in live:
+            try:
+                out[name] = self._ray.get(ref, timeout=timeout_s)
+            except Exception as exc:
+                log.warning("%s did not report: %s", name, _cause(exc))
+        return out
+
+    def replica_rows(self) -> list[dict]:
+        """Each replica slot in use: name, alive, requests outstanding, error, and the
+        router's view of what it holds."""
+        with self._lock:
+            rows = []
+            for i, s in enumerate(self.slots):
+                if not (s.alive or s.error or s.reserved):
+                    continue
+                held = [self.models[m].name for m in range(len(self.models)) if int(self.fleet.slot_of[m, i]) >= 0]
+                rows.append({"replica": s.name, "alive": s.alive, "starting": s.reserved,
+                             "outstanding": s.outstanding, "error": s.error, "routed_resident": held,
+                             "jobs": sorted(n for n, j in self._jobs.items() if j == i)})
+            return rows
+
     def status(self) -> dict:
         """Each replica's state, resident models and loads (asked of the live ones)."""
         out = []

@@ -5,38 +5,68 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from timeshare.errors import ConfigError, ModelTooLargeError
+from timeshare.models.spec import Builder
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
+from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
 
 
 @dataclass(frozen=True)
 class ModelDef:
-    """A model every replica can build: a zoo architecture, its seeded weights file, the
-    batch of its example inputs."""
+    """A model every replica can build: a zoo architecture (``zoo``, with the batch of
+    its example inputs) or a builder (``build``: "module:function" or a picklable
+    callable, with ``example`` inputs), and a safetensors file every replica can read."""
 
     name: str
-    zoo: str
-    weights: str  # a safetensors path every replica can read
+    zoo: str | None = None
+    weights: str | None = None
     batch: int = 1
+    build: Builder | None = None
+    example: tuple | None = field(default=None, compare=False)
+    dtype: str | None = None
+    priority: str = "latency_critical"
+    slo_s: float | None = None
+
+    def __post_init__(self):
+        if (self.zoo is None) == (self.build is None):
+            raise ConfigError(f"model {self.name!r}: give exactly one of zoo and build")
+        if self.build is not None and self.example is None:
+            raise ConfigError(f"model {self.name!r}: a model given by build needs example inputs")
+
+    def builder(self) -> Builder:
+        if self.build is not None:
+            return self.build
+        assert self.zoo is not None, "checked in __post_init__"
+        return zoo_get(self.zoo).builder
 
     def example_inputs(self) -> tuple:
+        if self.example is not None:
+            return self.example
+        assert self.zoo is not None, "checked in __post_init__"
         return zoo_get(self.zoo).example_inputs(self.batch)
+
+    def register(self, rt: Runtime) -> None:
+        rt.register(self.name, self.builder(), self.weights, self.example_inputs(), dtype=self.dtype,
+                    priority=self.priority, slo_s=self.slo_s)
 
 
 @dataclass(frozen=True)
 class Reply:
     """A request's answer from a replica: the outputs, whether the model had to be loaded
-    for it, and the seconds the replica spent on it."""
+    for it, the seconds the replica spent on it, and the runtime's record of the call
+    (its ``started`` is on the replica's clock)."""
 
     outputs: object
     loaded: bool
     seconds: float
     replica: str
+    record: CallRecord | None = None
 
 
 class Replica:
@@ -44,15 +74,26 @@ class Replica:
     ``models`` registered (none loaded until asked for)."""
 
     def __init__(self, name: str, models: list[ModelDef], *, device: str = "cpu", memory: int | str = "64MiB",
-                 fail_start: bool = False):
+                 runtime: dict | None = None, fail_start: bool = False):
         if fail_start:  # for tests and drills: a replica that cannot start
             raise ConfigError(f"replica {name} was told not to start")
         self.name = name
-        self.rt = Runtime(device=device, memory=memory)
+        # ``runtime``: all of Runtime's keyword arguments (a server's runtime section);
+        # else the device and its budget.
+        self.rt = Runtime(**runtime) if runtime is not None else Runtime(device=device, memory=memory)
         self.models = {m.name: m for m in models}
         self._resumed_at: dict[str, int] = {}  # training job -> the iterations it was resumed at here
+        self._evicted: list[tuple[str, int]] = []  # evictions not yet reported (snapshot)
+        self._events = threading.Lock()
+        self._profiling = threading.Lock()
+        self.rt.subscribe(self._on_record)
         for m in models:
-            self.rt.register(m.name, zoo_get(m.zoo).builder, m.weights, m.example_inputs())
+            m.register(self.rt)
+
+    def _on_record(self, record) -> None:
+        if isinstance(record, EvictionRecord):
+            with self._events:
+                self._evicted.append((record.model, record.nbytes))
 
     def ping(self) -> dict:
         """Who answers, and where: the host and the shared-memory segments this replica
@@ -66,14 +107,17 @@ class Replica:
 
     def infer(self, model: str, args: tuple) -> Reply:
         t0 = time.perf_counter()
-        before = self.rt.is_resident(model)
-        outputs = self.rt.infer(model, *args)
-        return Reply(outputs, not before, time.perf_counter() - t0, self.name)
+        call = self.rt.call(model, args)
+        return Reply(call.output, call.record.loaded, time.perf_counter() - t0, self.name, call.record)
 
     def profile(self, model: str, repeats: int = 3) -> dict:
         """Warm the model up (its first load here profiles it), then measure its cold time
         (evicted, then one request), its ready time (the median of ``repeats`` more) and
         its bytes; it is left evicted."""
+        with self._profiling:  # calls run in threads of the actor: one profile at a time
+            return self._profile(model, repeats)
+
+    def _profile(self, model: str, repeats: int) -> dict:
         args = self.models[model].example_inputs()
         try:
             self.rt.infer(model, *args)
@@ -94,14 +138,36 @@ class Replica:
 
     # Training jobs (NOTE [Checkpoints]): started here, paused, checkpointed, dropped.
     def train(self, name: str, workload: str, iterations: int, seed: int, resume: dict | None = None) -> None:
-        self.rt.train(name, **TrainingWorkload.parse(workload).train_args(), iterations=iterations, seed=seed,
-                      resume=resume)
+        self.start_job(name, {**TrainingWorkload.parse(workload).train_args(), "iterations": iterations,
+                              "seed": seed, "resume": resume})
+
+    def start_job(self, name: str, kwargs: dict) -> dict:
+        """``Runtime.train(name, **kwargs)``: every argument picklable (a checkpoint in
+        ``resume`` to go on from one); the job's view."""
+        self.rt.train(name, **kwargs)
+        resume = kwargs.get("resume")
         self._resumed_at[name] = 0 if resume is None else int(resume["iterations"])
+        return self.job(name)
 
     def job(self, name: str) -> dict:
         j = self._job(name)
-        return {"status": j.status, "iterations": j.stats.iterations, "resumed_at": self._resumed_at.get(name, 0),
+        s = j.stats
+        return {"status": j.status, "iterations": s.iterations, "resumed_at": self._resumed_at.get(name, 0),
+                "preemptions": s.preemptions, "step_seconds": s.step_seconds,
+                "preempted_seconds": s.preempted_seconds, "loss": s.losses[-1] if s.losses else None,
+                "ephemeral_bytes": s.ephemeral_bytes, "persistent_bytes": s.persistent_bytes,
                 "error": None if j.error is None else f"{type(j.error).__name__}: {j.error}"}
+
+    def control_job(self, name: str, action: str) -> dict:
+        """pause, resume or cancel; the job's view."""
+        j = self._job(name)
+        if action not in ("pause", "resume", "cancel"):
+            raise ConfigError(f"unknown action {action!r}; known: pause, resume, cancel")
+        getattr(j, action)()
+        return self.job(name)
+
+    def forget_job(self, name: str) -> None:
+        self.rt.forget_job(name)
 
     def pause_job(self, name: str, timeout_s: float = 60.0) -> dict:
         """Pause the job and wait (up to ``timeout_s``) until it stands at a preemption point."""
@@ -137,6 +203,17 @@ class Replica:
         if job is None:
             raise ConfigError(f"no training job {name!r} on replica {self.name}")
         return job
+
+    def evict(self, model: str) -> bool:
+        return self.rt.evict(model)
+
+    def snapshot(self) -> dict:
+        """For a front end's metrics and status, without waiting for the device: the
+        runtime's snapshot, the evictions since the last one, and every job's view."""
+        with self._events:
+            evicted, self._evicted = self._evicted, []
+        return {"replica": self.name, "snapshot": self.rt.snapshot(), "evicted": evicted,
+                "jobs": {n: self.job(n) for n in self.rt.jobs()}}
 
     def evict_all(self) -> None:
         """Nothing resident: a fresh start for the next run over the same replica."""

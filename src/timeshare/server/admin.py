@@ -107,9 +107,23 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
     def job(job: str):
         return service.job_status(job)
 
-    @app.post("/admin/training/{job}/{action}", dependencies=guard, summary="pause, resume or cancel a training job")
+    @app.post("/admin/training/{job}/{action}", dependencies=guard,
+              summary="pause, resume or cancel a training job (on a cluster also: migrate)")
     def control(job: str, action: str):
         return service.control_job(job, action)
+
+    @app.get("/admin/replicas", dependencies=guard, summary="A cluster's replicas and its counters")
+    def replicas():
+        return service.replicas()
+
+    @app.post("/admin/replicas", dependencies=guard, status_code=201, summary="Add a replica to the cluster")
+    async def add_replica():
+        return await service.add_replica()
+
+    @app.post("/admin/replicas/{replica}/kill", dependencies=guard,
+              summary="Kill a replica (a drill: its requests are retried on the others)")
+    def kill_replica(replica: str):
+        return service.kill_replica(replica)
 
     @app.get("/admin/status", dependencies=guard, summary="Runtime state: memory, residency, counters")
     def status():

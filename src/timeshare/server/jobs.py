@@ -15,15 +15,14 @@ from typing import Any
 
 from timeshare.config import AdminConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, DuplicateModelError, UnknownModelError
-from timeshare.runtime.facade import Runtime
-from timeshare.runtime.training import TrainingJob
 from timeshare.server.admission import check_training
+from timeshare.server.backend import Backend, JobHandle
 
 
 @dataclass
 class _Job:
     cfg: TrainingConfig
-    handle: TrainingJob
+    handle: JobHandle
     submitted: float = field(default_factory=time.time)
 
 
@@ -31,7 +30,7 @@ class TrainingJobs:
     """The jobs by name, in submission order. ``runtime`` gives the open runtime;
     ``call`` runs a blocking function in the service's thread pool and awaits it."""
 
-    def __init__(self, admin: AdminConfig, *, runtime: Callable[[], Runtime],
+    def __init__(self, admin: AdminConfig, *, runtime: Callable[[], Backend],
                  call: Callable[..., Awaitable[Any]]):
         self.admin = admin
         self._runtime = runtime

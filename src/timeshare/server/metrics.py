@@ -187,6 +187,21 @@ class _Levels:
                             {n: s["running"] for n, s in llms.items()})
             yield _by_label(GaugeMetricFamily, "timeshare_llm_waiting", "Generations waiting to start", "model",
                             {n: s["waiting"] for n, s in llms.items()})
+        cluster = snap.get("cluster")
+        if cluster is not None:  # NOTE [A cluster behind the server]
+            yield GaugeMetricFamily("timeshare_cluster_replicas", "Replicas alive", value=cluster["replicas_alive"])
+            for name, doc in (("retried", "Requests retried on another replica after theirs died"),
+                              ("failed", "Requests failed after their retry (or with no replica left)"),
+                              ("replicas_lost", "Replicas that died or stopped answering"),
+                              ("migrations", "Training jobs moved to another replica")):
+                yield CounterMetricFamily(f"timeshare_cluster_{name}", doc, value=cluster[name])
+            rows = [r for r in cluster["replicas"] if r["alive"] and "used_bytes" in r]
+            yield _by_label(GaugeMetricFamily, "timeshare_replica_used_bytes", "Device memory held by each "
+                            "replica's resident models", "replica", {r["replica"]: r["used_bytes"] for r in rows})
+            yield _by_label(GaugeMetricFamily, "timeshare_replica_outstanding", "Requests in flight on each "
+                            "replica", "replica", {r["replica"]: r["outstanding"] for r in rows})
+            yield _by_label(CounterMetricFamily, "timeshare_replica_loads", "Loads on each replica", "replica",
+                            {r["replica"]: r["loads"] for r in rows})
         workers = snap.get("workers")
         if workers is not None:
             yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers["size"])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from timeshare.errors import BadRequest, Overloaded, Unavailable
-from timeshare.runtime.facade import Runtime
+from timeshare.server.backend import Backend
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs, split_outputs
 from timeshare.server.metrics import Metrics
 from timeshare.server.status import served_error
@@ -48,7 +48,7 @@ class QueueRunner:
     the device calls run in ``executor``; a non-resident model's queue lingers at most a
     tenth of ``request_timeout_s``."""
 
-    def __init__(self, *, runtime: Callable[[], Runtime], executor: Executor, metrics: Metrics,
+    def __init__(self, *, runtime: Callable[[], Backend], executor: Executor, metrics: Metrics,
                  request_timeout_s: float):
         self._runtime = runtime
         self._executor = executor

@@ -14,16 +14,18 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from timeshare.config import Config, ModelConfig, TrainingConfig
-from timeshare.errors import Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
+from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
 from timeshare.models.spec import Builder
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
+from timeshare.server.backend import Backend
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs
 from timeshare.server.jobs import TrainingJobs
 from timeshare.server.llms import LanguageModels
@@ -31,18 +33,21 @@ from timeshare.server.metrics import Metrics
 from timeshare.server.parser_pool import ParserPool
 from timeshare.server.runner import QueueRunner, Reply
 
+if TYPE_CHECKING:
+    from timeshare.cluster.backend import ClusterRuntime
+
 log = logging.getLogger(__name__)
 
 
 class Service:
     """Owns the runtime; the routes call only this."""
 
-    def __init__(self, config: Config, *, runtime: Runtime | None = None):
+    def __init__(self, config: Config, *, runtime: Backend | None = None):
         self.config = config
         self.endpoints = {m.name: Endpoint(m) for m in config.models}
         self.metrics = Metrics(self)
         self.llms = LanguageModels(config.llms, self.metrics.llm_event, warmup=config.server.warmup)
-        self.runtime = runtime
+        self.runtime: Backend | None = runtime
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
         self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + len(config.llms) + 4,
                                             thread_name_prefix="timeshare-serve")
@@ -63,20 +68,31 @@ class Service:
         if self._opened:
             return
         if self.runtime is None:
-            r = self.config.runtime
-            self.runtime = Runtime(r.device, r.memory, eviction=r.eviction, strategy=r.strategy, workers=r.workers,
-                                   thrashing=r.thrashing, dedup=r.dedup,
-                                   scheduling=r.scheduling, time_slice_s=r.time_slice_s, lane_memory=r.lane_memory,
-                                   lane_threads=r.lane_threads, host_memory=r.host_memory, spill_dir=r.spill_dir,
-                                   direct_io=r.direct_io,
-                                   task_timeout_s=r.task_timeout_s or self.config.server.request_timeout_s,
-                                   task_deadline_factor=r.task_deadline_factor,
-                                   task_deadline_min_s=r.task_deadline_min_s)
+            kwargs = self.config.runtime.runtime_kwargs(self.config.server.request_timeout_s)
+            if self.config.cluster is not None:  # replicas on Ray (NOTE [Cluster deployment])
+                from timeshare.cluster.backend import ClusterRuntime
+
+                self.runtime = ClusterRuntime.from_config(self.config.cluster, kwargs, self._model_defs())
+            else:
+                self.runtime = Runtime(**kwargs)
         self.runtime.subscribe(self._on_record)
         self._opened = True
 
+    def _model_defs(self) -> list:
+        """The config's models as every replica of a cluster builds them."""
+        from timeshare.cluster.replica import ModelDef
+
+        defs = []
+        for ep in self.endpoints.values():
+            cfg = ep.cfg
+            build, weights = model_source(cfg)
+            defs.append(ModelDef(cfg.name, build=build, weights=None if weights is None else str(weights),
+                                 example=ep.example_inputs(), dtype=cfg.dtype, priority=cfg.priority,
+                                 slo_s=None if cfg.slo_ms is None else cfg.slo_ms / 1000))
+        return defs
+
     @property
-    def _rt(self) -> Runtime:
+    def _rt(self) -> Backend:
         """The runtime, for the code that runs once :meth:`open` has made it (the queues'
         runners, the routes behind the lifespan, the admin operations)."""
         assert self.runtime is not None, "the service is not open"
@@ -95,7 +111,9 @@ class Service:
             for ep in sorted(self.endpoints.values(), key=lambda e: e.pinned):
                 async with ep.lock:
                     await self._load(ep)
-            await self.llms.start(self._rt, self._call)
+            if self.config.llms:  # never with a cluster (config.py refuses it)
+                assert isinstance(self._rt, Runtime), "language models need a runtime in this process"
+                await self.llms.start(self._rt, self._call)
             for cfg in self.config.training:
                 if cfg.start:
                     try:
@@ -135,12 +153,15 @@ class Service:
         if not self._started.is_set() or self.runtime is None:
             return "starting: models are loading"
         snap = self.runtime.snapshot()
-        workers = snap["workers"]
+        cluster = snap.get("cluster")
+        if cluster is not None and cluster["replicas_alive"] == 0:
+            return "no replica of the cluster is alive"
+        workers = snap.get("workers")
         if workers is not None and workers["ready"] == 0:  # every worker is dead or still starting
             last = workers["last_failure"]
             why = f"; the last to fail: {last['cause']}" if last else ""
             return f"no worker can serve: {workers['size']} are starting{why}"
-        resident = snap["resident"]
+        resident = snap.get("resident", {})
         missing = [ep.name for ep in self.endpoints.values()
                    if ep.pinned and not (ep.state is ModelState.READY and ep.name in resident)]
         return f"pinned models not resident yet: {missing}" if missing else None
@@ -305,14 +326,7 @@ class Service:
         ep.wake.set()
 
     def _register(self, cfg: ModelConfig, pinned: bool, example: tuple) -> None:
-        build: Builder
-        weights: str | Path | None
-        if cfg.zoo is not None:
-            build = zoo_get(cfg.zoo).builder
-            weights = cfg.weights or weights_path(cfg.zoo)
-        else:
-            assert cfg.build is not None, "ModelConfig._source: exactly one of zoo and build"
-            build, weights = cfg.build, cfg.weights
+        build, weights = model_source(cfg)
         self._rt.register(cfg.name, build, weights, example, dtype=cfg.dtype, pin=pinned,
                           priority=cfg.priority, slo_s=None if cfg.slo_ms is None else cfg.slo_ms / 1000)
 
@@ -328,8 +342,37 @@ class Service:
         return self.training.status(name)
 
     def control_job(self, name: str, action: str) -> dict:
-        """pause, resume or cancel a training job; its status."""
+        """pause, resume or cancel a training job, or on a cluster migrate it to another
+        replica; its status."""
+        if action == "migrate":
+            self.training.status(name)  # a job of this server's, or 404
+            moved = self.cluster().migrate(name)
+            return {**self.training.status(name), "migrated": moved}
         return self.training.control(name, action)
+
+    # ------------------------------------------------------------------ cluster (admin)
+    def cluster(self) -> ClusterRuntime:
+        """The cluster this server fronts (NOTE [A cluster behind the server]); 400 when none."""
+        if self.config.cluster is None:
+            raise BadRequest("this server runs no cluster (its config has no 'cluster' section)")
+        from timeshare.cluster.backend import ClusterRuntime
+
+        rt = self._rt
+        assert isinstance(rt, ClusterRuntime), "a config with a cluster section opens a ClusterRuntime"
+        return rt
+
+    def replicas(self) -> dict:
+        return self.cluster().snapshot()["cluster"]
+
+    async def add_replica(self) -> dict:
+        """Start one more replica; it takes requests once it has warmed every model up."""
+        name = await self._call(self.cluster().add_replica)
+        return {"replica": name}
+
+    def kill_replica(self, name: str) -> dict:
+        """A drill: kill a replica as a crash would; its requests are retried elsewhere."""
+        self.cluster().kill_replica(name)
+        return {"replica": name, "killed": True}
 
     # ------------------------------------------------------------------ metrics
     def snapshot(self) -> dict:
@@ -343,3 +386,10 @@ class Service:
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+
+def model_source(cfg: ModelConfig) -> tuple[Builder, str | Path | None]:
+    """How to build a configured model, and its weights file (None: the module's own values)."""
+    if cfg.zoo is not None:
+        return zoo_get(cfg.zoo).builder, cfg.weights or weights_path(cfg.zoo)
+    assert cfg.build is not None, "ModelConfig._source: exactly one of zoo and build"
+    return cfg.build, cfg.weights

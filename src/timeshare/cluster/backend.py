@@ -1,0 +1,386 @@
+"""A cluster behind the interface a server uses of a runtime (``server/backend.py``'s
+``Backend``), so that ``timeshare serve`` with a ``cluster`` section serves the same HTTP
+APIs from replicas on Ray. Runs in the server's process.
+
+NOTE [A cluster behind the server]
+The server's service, queues and admin plane call the runtime's methods; this class
+answers them from a :class:`Cluster`. Requests go through the router (NOTE [Fleet
+routing]); each reply brings the replica's own record of the call, so the metrics of a
+load or a switch are those of the replica that did it. What the server reads without
+waiting (``snapshot``, ``is_resident``, a training job's status) comes from a poller
+thread that asks every replica for its snapshot every ``poll_s`` beside whatever it is
+running (the actors' "observe" concurrency group), adds them up, turns the evictions
+they report into eviction records for the listeners, and decides which starved
+training jobs move (NOTE [Migration of starved jobs]). The models are the config's,
+registered on every replica when it starts; ``register`` and ``unregister`` mark a model
+served or not (unregistering also evicts it everywhere); a model cannot be pinned.
+A training job's handle (:class:`RemoteJob`) follows the job when it moves; a job whose
+replica is lost fails with that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from timeshare.cluster.cluster import Cluster, ReplicaLostError
+from timeshare.cluster.replica import ModelDef
+from timeshare.config import ClusterConfig
+from timeshare.errors import Conflict, TimeshareError, UnknownModelError
+from timeshare.runtime.calls import Call
+from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
+from timeshare.scheduler.migration import JobSeen, ReplicaSeen, plan_migrations
+
+log = logging.getLogger(__name__)
+
+ENDED = ("finished", "failed", "cancelled")
+
+
+class ReplicaJobError(TimeshareError):
+    """A training job that failed on its replica (the replica's error, as text), or whose replica was lost."""
+
+
+@dataclass
+class RemoteStats:
+    """A remote job's statistics as its replica last reported them (``TrainingStats``'s fields)."""
+
+    iterations: int = 0
+    preemptions: int = 0
+    step_seconds: float = 0.0
+    preempted_seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    ephemeral_bytes: int | None = None
+    persistent_bytes: int | None = None
+
+
+class RemoteJob:
+    """A training job on a replica, as a server sees one of its runtime's jobs."""
+
+    def __init__(self, owner: ClusterRuntime, name: str):
+        self._owner, self.name = owner, name
+
+    @property
+    def status(self) -> str:
+        return self._owner.job_view(self.name)["status"]
+
+    @property
+    def stats(self) -> RemoteStats:
+        v = self._owner.job_view(self.name)
+        return RemoteStats(v["iterations"], v["preemptions"], v["step_seconds"], v["preempted_seconds"],
+                           [] if v["loss"] is None else [v["loss"]], v["ephemeral_bytes"], v["persistent_bytes"])
+
+    @property
+    def error(self) -> BaseException | None:
+        text = self._owner.job_view(self.name)["error"]
+        return None if text is None else ReplicaJobError(text)
+
+    @property
+    def replica(self) -> str:
+        return self._owner.job_view(self.name)["replica"]
+
+    def pause(self) -> None:
+        self._owner.control_job(self.name, "pause")
+
+    def resume(self) -> None:
+        self._owner.control_job(self.name, "resume")
+
+    def cancel(self) -> None:
+        self._owner.control_job(self.name, "cancel")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the job has ended (as last reported), waiting up to ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.status not in ENDED:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(min(self._owner.poll_s, 0.05) if deadline is None else
+                       max(0.0, min(self._owner.poll_s, 0.05, deadline - time.monotonic())))
+        return True
+
+
+class ClusterRuntime:
+    """``cluster`` behind the runtime interface of a server (NOTE [A cluster behind the
+    server]). ``migrate_after_s``: None, or how long a job may starve before it moves."""
+
+    def __init__(self, cluster: Cluster, *, migrate_after_s: float | None = None, poll_s: float = 0.5,
+                 owns_cluster: bool = True):
+        self.cluster = cluster
+        self.migrate_after_s = migrate_after_s
+        self.poll_s = poll_s
+        self.owns_cluster = owns_cluster
+        self._served = {m.name for m in cluster.models}
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()  # the views below
+        self._moves = threading.Lock()  # a job's control and its migration, one at a time
+        self._latest: dict[str, dict] = {}  # replica -> its last snapshot
+        self._views: dict[str, dict] = {}  # training job -> its last view, with its replica
+        self._tracks: dict[str, _Track] = {}  # training job -> where it is since when, its device time
+        self.migrations: list[dict] = []
+        self._stop = threading.Event()
+        self.poll()  # the server's first snapshot has the replicas in it
+        self._poller = threading.Thread(target=self._poll_loop, name="timeshare-cluster-poll", daemon=True)
+        self._poller.start()
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig, runtime_kwargs: dict, models: list[ModelDef]) -> ClusterRuntime:
+        cluster = Cluster(models, replicas=cfg.replicas, runtime=runtime_kwargs, policy=cfg.policy,
+                          address=cfg.address, num_cpus=cfg.num_cpus, max_replicas=cfg.max_replicas,
+                          call_timeout_s=cfg.call_timeout_s, start_timeout_s=cfg.start_timeout_s, seed=cfg.seed)
+        return cls(cluster, migrate_after_s=cfg.migrate_after_s)
+
+    # ------------------------------------------------------------------ models
+    def register(self, name: str, build: Any = None, weights: Any = None, example_inputs: tuple = (), *,
+                 example_kwargs: dict | None = None, dtype: Any = None, pin: bool = False, priority: Any = None,
+                 slo_s: float | None = None) -> None:
+        """Serve ``name`` again: the cluster's models are its config's, registered on every
+        replica when it started; the other arguments are theirs already."""
+        if name not in self.cluster.index:
+            raise UnknownModelError(f"a cluster serves the models of its config; {name!r} is not one of "
+                                    f"{sorted(self.cluster.index)}")
+        if pin:
+            raise Conflict(f"model {name!r}: models cannot be pinned on a cluster (the router places them)")
+        with self._lock:
+            self._served.add(name)
+
+    def unregister(self, name: str) -> None:
+        self._check_served(name)
+        with self._lock:
+            self._served.discard(name)
+        self.cluster.evict(name)
+
+    def models(self) -> list[str]:
+        with self._lock:
+            return sorted(self._served)
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        if pinned:
+            raise Conflict(f"model {name!r}: models cannot be pinned on a cluster (the router places them)")
+
+    def _check_served(self, name: str) -> None:
+        with self._lock:
+            if name not in self._served:
+                raise UnknownModelError(f"no model named {name!r} is registered; registered: {sorted(self._served)}")
+
+    # ------------------------------------------------------------------ inference
+    def call(self, name: str, args: tuple = (), kwargs: dict | None = None, *, strategy: str | None = None,
+             arrived_at: float | None = None) -> Call:
+        """One request through the router (retried once elsewhere if its replica dies).
+        The record is the replica's, its start moved onto this host's clock."""
+        self._check_served(name)
+        if kwargs:
+            raise TimeshareError("a cluster's models take positional inputs only")
+        t0 = time.monotonic()
+        try:
+            reply = self.cluster.infer(name, *args)
+        except Exception as exc:
+            self._emit(CallRecord(name, t0, time.monotonic() - t0, 0.0, False, None, error=type(exc).__name__))
+            raise
+        done = time.monotonic()
+        rec = reply.record
+        if rec is None:  # a replica of an older build
+            record = CallRecord(name, t0, done - t0, 0.0, reply.loaded, None)
+        else:
+            record = CallRecord(name, max(t0, done - rec.seconds), rec.seconds, rec.waited_s, rec.loaded,
+                                rec.switched_from, moved_bytes=rec.moved_bytes)
+        self._emit(record)
+        return Call(reply.outputs, record)
+
+    def infer(self, name: str, *args, **kwargs):
+        return self.call(name, args, kwargs).output
+
+    def is_resident(self, name: str) -> bool:
+        return self.cluster.is_resident(name)
+
+    def thrashing_factor(self) -> float:
+        return 1.0  # each replica's runtime batches nothing itself; the queues do not linger
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _emit(self, record: CallRecord | EvictionRecord) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(record)
+            except Exception:
+                log.exception("a listener failed on %r", record)
+
+    # ------------------------------------------------------------------ training
+    def train(self, name: str, model: Any, optimizer: Any, data: Any, step: Any, iterations: int | None = None, *,
+              offload: bool = False, seed: int | None = None, resume: dict | None = None) -> RemoteJob:
+        """Start a training job on the replica running the fewest (every argument picklable)."""
+        kwargs = dict(model=model, optimizer=optimizer, data=data, step=step, iterations=iterations,
+                      offload=offload, seed=seed, resume=resume)
+        view = self.cluster.start_job(name, kwargs)
+        now = time.monotonic()
+        with self._lock:
+            self._views[name] = view
+            self._tracks[name] = _Track(view["replica"], now)
+        return RemoteJob(self, name)
+
+    def jobs(self) -> dict[str, RemoteJob]:
+        return {n: RemoteJob(self, n) for n in self.cluster.job_names()}
+
+    def forget_job(self, name: str) -> None:
+        with self._moves:
+            self.cluster.forget_job(name)
+        with self._lock:
+            self._views.pop(name, None)
+            self._tracks.pop(name, None)
+
+    def job_view(self, name: str) -> dict:
+        with self._lock:
+            view = self._views.get(name)
+        if view is None:
+            raise UnknownModelError(f"no training job named {name!r}")
+        return view
+
+    def control_job(self, name: str, action: str) -> dict:
+        with self._moves:
+            view = self.cluster.control_job(name, action)
+        with self._lock:
+            self._views[name] = view
+        return view
+
+    def migrate(self, name: str, to: str | None = None) -> dict:
+        """Move a training job now (NOTE [Checkpoints]); what moved, from where to where."""
+        with self._moves:
+            moved = self.cluster.migrate(name, to)
+            view = self.cluster.job(name)
+        now = time.monotonic()
+        with self._lock:
+            self._views[name] = view
+            self._tracks[name] = _Track(view["replica"], now, moved["from"])
+            self.migrations.append({**moved, "at": time.time()})
+        log.info("training job %s moved from %s to %s at iteration %d", name, moved["from"], moved["to"],
+                 moved["iterations"])
+        return moved
+
+    # ------------------------------------------------------------------ replicas
+    def add_replica(self) -> str:
+        return self.cluster.add_replica()
+
+    def kill_replica(self, name: str) -> None:
+        self.cluster.kill_replica(name)
+
+    # ------------------------------------------------------------------ observing
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception:
+                log.exception("polling the replicas failed")
+
+    def poll(self) -> None:
+        """Ask every replica for its snapshot; emit its evictions, refresh the jobs' views,
+        and move the starved jobs (NOTE [Migration of starved jobs])."""
+        snaps = self.cluster.snapshots(timeout_s=max(1.0, 4 * self.poll_s))
+        now = time.monotonic()
+        rows = self.cluster.replica_rows()
+        dead = {r["replica"]: r["error"] for r in rows if not r["alive"]}
+        for snap in snaps.values():
+            for model, nbytes in snap["evicted"]:
+                self._emit(EvictionRecord(model, nbytes, now))
+        with self._lock:
+            self._latest = {**{k: v for k, v in self._latest.items() if k not in dead}, **snaps}
+            for replica, snap in snaps.items():
+                for name, view in snap["jobs"].items():
+                    self._views[name] = {"replica": replica, **view}
+                    track = self._tracks.get(name)
+                    if track is None or track.replica != replica:  # new here (started elsewhere, or moved)
+                        track = self._tracks[name] = _Track(replica, now)
+                    track.sample(now, view["step_seconds"], self.migrate_after_s or 0.0)
+            for name, view in self._views.items():
+                if view["replica"] in dead and view["status"] not in ENDED:
+                    self._views[name] = {**view, "status": "failed",
+                                         "error": f"its replica {view['replica']} was lost: {dead[view['replica']]}"}
+        if self.migrate_after_s is not None:
+            self._move_starved(rows, now)
+
+    def _move_starved(self, rows: list[dict], now: float) -> None:
+        assert self.migrate_after_s is not None
+        with self._lock:
+            seen = [JobSeen(n, v["replica"], v["status"], self._tracks[n].share(now, self.migrate_after_s),
+                            self._tracks[n].arrived_at, self._tracks[n].came_from)
+                    for n, v in self._views.items() if n in self._tracks and self._tracks[n].replica == v["replica"]]
+        replicas = [ReplicaSeen(r["replica"], r["alive"], r["outstanding"], len(r["jobs"])) for r in rows]
+        for job, target in plan_migrations(seen, replicas, now, self.migrate_after_s):
+            try:
+                self.migrate(job, target)
+            except (TimeshareError, ReplicaLostError) as exc:
+                log.warning("training job %s did not move to %s: %s", job, target, exc)
+
+    def snapshot(self) -> dict:
+        """The replicas' snapshots added up (as of the last poll), and the cluster's own
+        counters and replicas under "cluster"."""
+        with self._lock:
+            latest = dict(self._latest)
+            migrations = list(self.migrations)
+        snaps = [s["snapshot"] for s in latest.values()]
+        merged = _add(snaps) if snaps else {}
+        merged["device"] = f"{self.cluster.device} x {len(snaps)} replicas"
+        stats = self.cluster.stats
+        rows = self.cluster.replica_rows()
+        for row in rows:
+            s = latest.get(row["replica"], {}).get("snapshot")
+            if s is not None:
+                row.update(resident=s["resident"], used_bytes=s["used_bytes"], capacity_bytes=s["capacity_bytes"],
+                           loads=sum(s["loads"].values()))
+        merged["cluster"] = {"policy": self.cluster.policy, "replicas": rows,
+                             "replicas_alive": sum(1 for r in rows if r["alive"]), "requests": stats.requests,
+                             "loads": stats.loads, "retried": stats.retried, "failed": stats.failed,
+                             "replicas_lost": stats.replicas_lost, "migrations": stats.migrations,
+                             "recent_migrations": migrations[-10:]}
+        return merged
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._poller.is_alive() and self._poller is not threading.current_thread():
+            self._poller.join(timeout=30)
+        if self.owns_cluster:
+            self.cluster.close()
+
+
+@dataclass
+class _Track:
+    """Where a job is, since when, where it came from, and samples of its device time
+    (``step_seconds``) to measure its share of the device (NOTE [Migration of starved jobs])."""
+
+    replica: str
+    arrived_at: float
+    came_from: str | None = None
+    samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def sample(self, now: float, step_seconds: float, window_s: float) -> None:
+        self.samples.append((now, step_seconds))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - window_s:
+            self.samples.popleft()  # keep one sample at least window_s old
+
+    def share(self, now: float, window_s: float) -> float | None:
+        """Of the device over the last ``window_s`` (or a little more); None before that."""
+        if len(self.samples) < 2 or self.samples[0][0] > now - window_s:
+            return None
+        (t0, s0), (t1, s1) = self.samples[0], self.samples[-1]
+        return max(0.0, s1 - s0) / max(t1 - t0, 1e-9)
+
+
+def _add(values: list) -> Any:
+    """The replicas' snapshots added up: numbers summed, mappings key by key, lists
+    joined, None where none has a value; anything else is the first's."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    first = present[0]
+    if isinstance(first, bool):
+        return all(present)
+    if isinstance(first, (int, float)):
+        return sum(present)
+    if isinstance(first, dict):
+        keys = dict.fromkeys(k for v in present for k in v)
+        return {k: _add([v.get(k) for v in present]) for k in keys}
+    if isinstance(first, list):
+        return [x for v in present for x in v]
+    return first

@@ -1,0 +1,184 @@
+"""``timeshare serve`` in front of a cluster (NOTE [A cluster behind the server]): the
+same HTTP APIs from replicas on a real local Ray cluster, a replica killed and one added
+through the admin plane, a training job that moves on its own when it starves
+(NOTE [Migration of starved jobs]), and the refusals of the config."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from timeshare.bench.cluster import references
+from timeshare.bench.common import outputs_equal
+from timeshare.cluster.backend import ClusterRuntime, _add
+from timeshare.cluster.cluster import Cluster, start_local_ray
+from timeshare.cluster.replica import ModelDef
+from timeshare.config import parse_config
+from timeshare.errors import ConfigError
+from timeshare.models.workloads import TrainingWorkload
+from timeshare.models.zoo import get as zoo_get
+from timeshare.models.zoo import weights_path
+from timeshare.server.client import Client
+from timeshare.server.endpoint import flatten_outputs
+from timeshare.server.process import ServerProcess
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray")
+ZOO = ("tiny_mlp", "tiny_cnn", "small_resnet", "tiny_bert")
+
+
+def _config(**cluster) -> dict:
+    return {"runtime": {"device": "cpu", "memory": "2.5MiB"},
+            "models": [{"name": z, "zoo": z} for z in ZOO],
+            "training": [{"name": "bg", "model": "tiny_cnn", "batch": 4, "iterations": 40}],
+            "cluster": {"replicas": 2, "num_cpus": 5, **cluster}}
+
+
+def _inputs(zoo: str) -> dict[str, torch.Tensor]:
+    zm = zoo_get(zoo)
+    return dict(zip(zm.input_names, zm.example_inputs(1), strict=True))
+
+
+def _admin(server: ServerProcess, method: str, path: str) -> httpx.Response:
+    return httpx.request(method, server.url + path, timeout=300)
+
+
+@needs_ray
+def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed():
+    refs = references([ModelDef(z, z, str(weights_path(z))) for z in ZOO])
+    with ServerProcess(_config(migrate_after_s=None), ready_timeout_s=300) as server, Client(server.url) as client:
+        def check_all() -> None:
+            for z in ZOO:
+                answer = client.infer(z, _inputs(z))
+                assert answer.status == 200, answer.error
+                expected = dict(flatten_outputs(refs[z]))
+                assert answer.outputs.keys() == expected.keys(), z
+                assert all(outputs_equal(answer.outputs[k], expected[k]) for k in expected), z
+
+        for _ in range(3):
+            check_all()
+        replicas = _admin(server, "GET", "/admin/replicas").json()
+        assert replicas["replicas_alive"] == 2 and replicas["policy"] == "timeshare"
+        assert replicas["requests"] >= 12 and replicas["failed"] == 0
+        status = _admin(server, "GET", "/admin/status").json()
+        assert status["ready"] and status["device"].startswith("cpu x ")
+        assert status["capacity_bytes"] == 2 * int(2.5 * 2**20)  # the replicas' budgets added up
+        time.sleep(1.2)  # one poll of the replicas at least
+        metrics = client.metrics_text()
+        assert "timeshare_cluster_replicas 2.0" in metrics
+        assert 'timeshare_requests_total{code="200",model="tiny_mlp"}' in metrics
+        assert "timeshare_replica_loads_total{replica=" in metrics
+
+        # A replica killed: every request still answers, exactly; it is counted as lost.
+        victim = replicas["replicas"][0]["replica"]
+        assert _admin(server, "POST", f"/admin/replicas/{victim}/kill").status_code == 200
+        check_all()
+        after = _admin(server, "GET", "/admin/replicas").json()
+        assert after["replicas_lost"] == 1 and after["replicas_alive"] == 1 and after["failed"] == 0
+        # On the one replica left, small_resnet (2.2 MB) and the rest do not fit in 2.5 MiB
+        # together: its evictions reach the front end's counters.
+        check_all()
+        time.sleep(1.2)
+        assert "timeshare_evictions_total{model=" in client.metrics_text()
+        # One added at run time serves.
+        added = _admin(server, "POST", "/admin/replicas")
+        assert added.status_code == 201, added.text
+        check_all()
+        assert _admin(server, "GET", "/admin/replicas").json()["replicas_alive"] == 2
+
+        # The config's training job ran on a replica, reported through the same admin plane
+        # (unless its replica was the one killed: then it failed, saying so).
+        deadline = time.monotonic() + 120
+        while True:
+            job = _admin(server, "GET", "/admin/training/bg").json()
+            if job["status"] in ("finished", "failed") or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert job["status"] == "finished" and job["iterations"] == 40 or \
+            job["status"] == "failed" and "was lost" in job["error"], job
+        # What a cluster cannot do is refused clearly.
+        r = _admin(server, "POST", "/admin/models/tiny_mlp/pin")
+        assert r.status_code == 409 and "cannot be pinned" in r.json()["error"]
+    assert server.exit_code == 0, server.log_tail()
+    assert server.leftovers(grace_s=20) == [], [ServerProcess.describe(p) for p in server.leftovers(0)]
+
+
+@needs_ray
+def test_a_starved_training_job_moves_to_an_idle_replica_and_ends_as_if_never_moved():
+    """The job runs where a model is resident; requests to that model (50 times the
+    job's iteration) keep that replica busy (inference preempts training), so the job
+    gets a sliver of its device and the front end moves it to the idle replica (NOTE
+    [Migration of starved jobs]); its weights equal a job never interrupted."""
+    ray = start_local_ray(4)
+    try:
+        model = ModelDef("mlp", "small_resnet", str(weights_path("small_resnet")), batch=16)
+        cluster = Cluster([model], replicas=2, memory="4MiB")
+        backend = ClusterRuntime(cluster, migrate_after_s=0.5, poll_s=0.1)
+        try:
+            args = model.example_inputs()
+            backend.infer("mlp", *args)
+            busy = next(r["replica"] for r in cluster.replica_rows() if r["routed_resident"])
+            workload = TrainingWorkload.parse("tiny_cnn:8")
+            kwargs = {**workload.train_args(), "iterations": 200, "seed": 3}
+            cluster.start_job("job", kwargs, replica=busy)
+            stop = threading.Event()
+
+            def hammer():  # a stream of requests with no gap: the job's replica never idles
+                while not stop.is_set():
+                    backend.infer("mlp", *args)
+
+            threads = [threading.Thread(target=hammer) for _ in range(2)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while not backend.migrations and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stop.set()
+            for t in threads:
+                t.join(30)
+            assert backend.migrations, "the starved job did not move"
+            moved = backend.migrations[0]
+            assert moved["from"] == busy and moved["to"] != busy
+            assert cluster.status()["migrations"] >= 1
+            weights = cluster.job_weights("job", timeout_s=120)
+            assert cluster.job("job")["resumed_at"] > 0
+            # The same job never interrupted, on a replica too (one thread per replica:
+            # the same kernels as the moved job's).
+            cluster.start_job("whole", kwargs, replica=busy)
+            reference = cluster.job_weights("whole", timeout_s=120)
+        finally:
+            backend.close()
+        assert weights.keys() == reference.keys()
+        assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    finally:
+        ray.shutdown()
+
+
+def test_a_cluster_config_refuses_what_a_cluster_cannot_do(tmp_path):
+    base = {"runtime": {"device": "cpu", "memory": "3MiB"}, "models": [{"name": "m", "zoo": "tiny_mlp"}],
+            "cluster": {"replicas": 2}}
+    assert parse_config(base).cluster.replicas == 2
+    bad = [
+        ({**base, "models": [{"name": "m", "zoo": "tiny_mlp", "pinned": True}]}, "cannot be pinned"),
+        ({**base, "runtime": {"device": "auto", "memory": "3MiB"}}, "not 'auto'"),
+        ({**base, "runtime": {"device": "cuda:1", "memory": "3MiB"}}, "each replica's own GPU"),
+        ({**base, "cluster": {"replicas": 3, "max_replicas": 2}}, "must be at least replicas"),
+        ({**base, "cluster": {"policy": "nearest"}}, "cluster.policy"),
+    ]
+    for doc, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(doc)
+
+
+def test_replica_snapshots_add_up():
+    a = {"capacity_bytes": 10, "resident": {"x": 1}, "loads": {"x": 2, "y": 0}, "workers": None,
+         "lanes": {"lanes": [1], "capacity": 5}, "device": "cpu", "ok": True}
+    b = {"capacity_bytes": 20, "resident": {"y": 3}, "loads": {"x": 1, "y": 4}, "workers": None,
+         "lanes": {"lanes": [2], "capacity": 6}, "device": "cpu", "ok": False}
+    assert _add([a, b]) == {"capacity_bytes": 30, "resident": {"x": 1, "y": 3}, "loads": {"x": 3, "y": 4},
+                            "workers": None, "lanes": {"lanes": [1, 2], "capacity": 11}, "device": "cpu",
+                            "ok": False}
