@@ -183,8 +183,12 @@ def _serve(args, console) -> int:
     from timeshare.server import serve
 
     s = config.server
+    c = config.cluster
+    where = config.runtime.device if c is None else (
+        f"a cluster of {c.replicas} {config.runtime.device} replicas on Ray "
+        f"({'a local one' if c.address is None else c.address})")
     console.print(f"timeshare serve: {len(config.models)} models, {len(config.training)} training jobs on "
-                  f"{config.runtime.device}; http://{s.host}:{s.http_port}/v2"
+                  f"{where}; http://{s.host}:{s.http_port}/v2"
                   + (f", metrics on :{s.metrics_port}" if s.metrics_port is not None else ""))
     serve(config)
     return 0

@@ -123,3 +123,20 @@ def test_a_training_job_migrated_between_replicas_ends_bitwise_equal_to_an_unint
         assert cluster.status()["migrations"] == 1
         with pytest.raises(UnknownModelError, match="no training job"):
             cluster.migrate("nope")
+
+
+def test_a_move_that_fails_leaves_the_job_running_where_it_was(local_ray):
+    import time
+
+    with Cluster(model_defs(1), replicas=2, memory="3MiB") as cluster:
+        cluster.train("stays", "tiny_cnn:4", 400, seed=1, replica="replica-0")
+        cluster.kill_replica("replica-1")  # dies before the move: the router has not noticed yet
+        with pytest.raises(Exception, match="replica-1|actor"):
+            cluster.migrate("stays", to="replica-1")
+        job = cluster.job("stays")
+        assert job["replica"] == "replica-0" and job["status"] in ("running", "finished"), job
+        deadline = time.monotonic() + 120
+        while cluster.job("stays")["status"] != "finished":
+            assert time.monotonic() < deadline, cluster.job("stays")
+            time.sleep(0.05)
+        assert cluster.job("stays")["iterations"] == 400 and cluster.status()["migrations"] == 0

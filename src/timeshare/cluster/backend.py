@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from timeshare.cluster.cluster import Cluster, ReplicaLostError
+from timeshare.cluster.cluster import Cluster
 from timeshare.cluster.replica import ModelDef
 from timeshare.config import ClusterConfig
 from timeshare.errors import Conflict, TimeshareError, UnknownModelError
@@ -120,6 +120,7 @@ class ClusterRuntime:
         self._views: dict[str, dict] = {}  # training job -> its last view, with its replica
         self._tracks: dict[str, _Track] = {}  # training job -> where it is since when, its device time
         self.migrations: list[dict] = []
+        self.unmovable: dict[str, str] = {}  # jobs whose move failed, and why: not tried again
         self._stop = threading.Event()
         self.poll()  # the server's first snapshot has the replicas in it
         self._poller = threading.Thread(target=self._poll_loop, name="timeshare-cluster-poll", daemon=True)
@@ -305,13 +306,15 @@ class ClusterRuntime:
         with self._lock:
             seen = [JobSeen(n, v["replica"], v["status"], self._tracks[n].share(now, self.migrate_after_s),
                             self._tracks[n].arrived_at, self._tracks[n].came_from)
-                    for n, v in self._views.items() if n in self._tracks and self._tracks[n].replica == v["replica"]]
+                    for n, v in self._views.items()
+                    if n in self._tracks and self._tracks[n].replica == v["replica"] and n not in self.unmovable]
         replicas = [ReplicaSeen(r["replica"], r["alive"], r["outstanding"], len(r["jobs"])) for r in rows]
         for job, target in plan_migrations(seen, replicas, now, self.migrate_after_s):
             try:
                 self.migrate(job, target)
-            except (TimeshareError, ReplicaLostError) as exc:
-                log.warning("training job %s did not move to %s: %s", job, target, exc)
+            except Exception as exc:  # it stays where it is, running; not tried again
+                self.unmovable[job] = f"{type(exc).__name__}: {exc}"
+                log.warning("training job %s did not move to %s and stays where it is: %s", job, target, exc)
 
     def snapshot(self) -> dict:
         """The replicas' snapshots added up (as of the last poll), and the cluster's own

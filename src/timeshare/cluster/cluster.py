@@ -476,10 +476,16 @@ class Cluster:
         source, target = self.slots[src], self.slots[dst]
         spec = self._ray.get(source.actor.job.remote(name), timeout=self.call_timeout_s)
         self._ray.get(source.actor.pause_job.remote(name), timeout=self.call_timeout_s)
-        checkpoint = self._ray.get(source.actor.checkpoint.remote(name), timeout=self.call_timeout_s)
+        try:  # the job runs on the target before it is dropped here: a move that fails leaves it where it was
+            checkpoint = self._ray.get(source.actor.checkpoint.remote(name), timeout=self.call_timeout_s)
+            self._ray.get(target.actor.start_job.remote(name, {**self._job_specs[name], "resume": checkpoint}),
+                          timeout=self.call_timeout_s)
+        except BaseException:
+            if spec["status"] != "paused":
+                self._ray.get(source.actor.control_job.options(concurrency_group=OBSERVE).remote(name, "resume"),
+                              timeout=self.call_timeout_s)
+            raise
         self._ray.get(source.actor.drop_job.remote(name), timeout=self.call_timeout_s)
-        self._ray.get(target.actor.start_job.remote(name, {**self._job_specs[name], "resume": checkpoint}),
-                      timeout=self.call_timeout_s)
         with self._lock:
             self._jobs[name] = dst
             self.stats.migrations += 1
