@@ -18,7 +18,7 @@ handles.
                                     SegmentStopped(seq, ...) or Failure(seq, error)
     PreemptSegment(seq)             (the Train with that seq stops at its next
                                     preemption point; ignored if it already ended)
-    GetJobState(seq, job)           Result(seq, state dict)
+    GetJobState(seq, job, full)     Result(seq, state dict, or with full the job's checkpoint)
     DropJob(seq, job)               Ack(seq)
     Shutdown()                      (exits)
 
@@ -171,6 +171,7 @@ class SegmentStopped:
 class GetJobState:
     seq: int
     job: str
+    full: bool = False  # the whole checkpoint (NOTE [Checkpoints]), not only parameters and buffers
 
 
 @dataclass(frozen=True)

@@ -78,3 +78,30 @@ def test_a_job_resumed_on_another_runtime_ends_as_if_never_interrupted(WORK):
         with pytest.raises(ConfigError, match="not a training checkpoint"):
             other.train("bad2", **WORK, iterations=ITERATIONS, seed=3, resume={"model": {}})
         assert "bad" not in other.jobs() and "bad2" not in other.jobs()
+
+
+def test_a_job_in_a_worker_process_is_checkpointed_and_resumed_in_another_pool():
+    """The checkpoint comes from the worker that holds the job's state (``GetJobState``
+    with ``full``); resumed in another runtime's workers, the job ends as if never
+    interrupted (compared with the same job run whole in worker processes)."""
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2) as rt:
+        whole = rt.train("whole", **DROPOUT, iterations=ITERATIONS, seed=3)
+        assert whole.wait(120) and whole.error is None
+        want, want_losses = whole.state_dict(), list(whole.stats.losses)
+        part = rt.train("part", **DROPOUT, iterations=ITERATIONS, seed=3)
+        while part.stats.iterations < 3:
+            time.sleep(0.001)
+        part.pause()
+        _paused(part)
+        done = part.stats.iterations
+        assert 3 <= done < ITERATIONS
+        cp = part.checkpoint()
+        assert cp["iterations"] == done
+        part.cancel()
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2) as other:
+        moved = other.train("part", **DROPOUT, iterations=ITERATIONS, seed=3, resume=cp)
+        assert moved.wait(120) and moved.error is None
+        got = moved.state_dict()
+        assert moved.stats.iterations == ITERATIONS
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert list(moved.stats.losses)[-(ITERATIONS - done):] == want_losses[-(ITERATIONS - done):]

@@ -325,11 +325,12 @@ class ProcessPool:
             if seg is not None and seg.job == job:
                 self._segments.preempt(for_model, time.perf_counter())
 
-    def job_state(self, job: str) -> dict:
-        """The job's parameters and buffers, from its home worker (between segments)."""
+    def job_state(self, job: str, *, full: bool = False) -> dict:
+        """The job's parameters and buffers, or with ``full`` its checkpoint (NOTE
+        [Checkpoints]), from its home worker (between segments)."""
         home = self._home(job, False)
         with self._claim(home, f"state of {job}"):
-            return home.request(P.GetJobState(self._set.next_seq(), job), self.task_timeout_s,
+            return home.request(P.GetJobState(self._set.next_seq(), job, full), self.task_timeout_s,
                                 f"state of {job}").value
 
     def drop_job(self, job: str) -> None:

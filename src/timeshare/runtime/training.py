@@ -129,7 +129,7 @@ class TrainingJob:
     def checkpoint(self) -> dict:
         """The job's full state, to resume it here or elsewhere (``Runtime.train(...,
         resume=...)``, NOTE [Checkpoints]); only while it is paused or has ended."""
-        raise ConfigError(f"training job {self.name!r}: checkpoints of jobs in worker processes are not built yet")
+        raise NotImplementedError
 
     def _check_at_rest(self) -> None:
         if self.status not in (JobState.PAUSED.value, JobState.FINISHED.value, JobState.CANCELLED.value):
@@ -231,6 +231,12 @@ class WorkerTrainingJob(TrainingJob):
     def state_dict(self) -> dict[str, torch.Tensor]:
         with self._gate.priority(), self._lock:
             return self._pool.job_state(self.name)
+
+    def checkpoint(self) -> dict:
+        """From the worker that holds the job's state (between segments)."""
+        self._check_at_rest()
+        with self._gate.priority(), self._lock:
+            return self._pool.job_state(self.name, full=True)
 
     def interrupt(self, for_model: str = "") -> None:
         self._pool.preempt(self.name, for_model)

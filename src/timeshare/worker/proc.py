@@ -158,7 +158,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         if isinstance(msg, P.Train):
             return train(msg)
         if isinstance(msg, P.GetJobState):
-            return P.Result(msg.seq, tasks[msg.job].state_dict())
+            task = tasks[msg.job]
+            return P.Result(msg.seq, task.checkpoint() if msg.full else task.state_dict())
         if isinstance(msg, P.DropJob):
             tasks.pop(msg.job, None)
             return P.Ack(msg.seq)

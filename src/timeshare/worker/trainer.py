@@ -72,6 +72,8 @@ CHECKPOINT_VERSION = 1
 # spec and skips the batches already done, so data must replay the same batches in the
 # same order (a seeded loader, a file read in order). A job resumed from a checkpoint on
 # another runtime (another replica) then ends bitwise equal to one never interrupted.
+# A job in a worker process is checkpointed there, by the worker that holds its state
+# (``GetJobState`` with ``full``), once its segment has stopped (the job paused or ended).
 
 
 class TrainingTask:
