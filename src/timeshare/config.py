@@ -242,8 +242,20 @@ class ClusterConfig(_Strict):
     migrate_after_s: Annotated[float, Field(gt=0)] | None = 2.0
     """A training job preempted for this long, while another replica has no job and no
     requests in flight, moves there (SwitchFlow's migration; null: never on its own)."""
+    cpu_fallback: int | str | None = None
+    """Bytes for a CPU runtime beside each replica's device, with every model registered
+    there too: a request runs on the replica's CPU when that would end sooner than waiting
+    for its busy device (NOTE [CPU fallback]). Null: none. Meant for GPU replicas; on CPU
+    replicas both runtimes share the same cores."""
     seed: int = 0
     """The router's random numbers (the "random" policy, ties)."""
+
+    @field_validator("cpu_fallback", mode="before")
+    @classmethod
+    def _fallback_bytes(cls, v):
+        if v is not None:
+            _bytes_field(v, "cpu_fallback")
+        return v
 
     @model_validator(mode="after")
     def _bounds(self):

@@ -140,3 +140,31 @@ def test_a_move_that_fails_leaves_the_job_running_where_it_was(local_ray):
             assert time.monotonic() < deadline, cluster.job("stays")
             time.sleep(0.05)
         assert cluster.job("stays")["iterations"] == 400 and cluster.status()["migrations"] == 0
+
+
+def test_a_request_runs_on_the_replicas_cpu_when_its_device_is_busy(local_ray):
+    """NOTE [CPU fallback], on a CPU replica whose "device" is a runtime of its own: a
+    request to a resident model on an idle device stays on the device; behind a long
+    request it runs on the CPU fallback, with the same outputs."""
+    import time
+
+    from timeshare.cluster.replica import ModelDef
+    from timeshare.models.zoo import weights_path
+
+    slow = ModelDef("slow", "small_resnet", str(weights_path("small_resnet")), batch=48)
+    fast = ModelDef("fast", "tiny_mlp", str(weights_path("tiny_mlp")))
+    refs = references([slow, fast])
+    with Cluster([slow, fast], replicas=1, memory="8MiB", cpu_fallback="8MiB") as cluster:
+        for _ in range(2):
+            reply = cluster.infer("fast", *fast.example_inputs())
+        assert not reply.on_cpu and outputs_equal(reply.outputs, refs["fast"])
+        assert cluster.costs["cpu_s"][1] < cluster.costs["ready_s"][0]  # the premise: fast on the CPU beats slow
+        pending = cluster.submit("slow", *slow.example_inputs())
+        deadline = time.monotonic() + 30
+        while cluster.replica_rows()[0]["outstanding"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        reply = cluster.infer("fast", *fast.example_inputs())
+        assert reply.on_cpu and outputs_equal(reply.outputs, refs["fast"])
+        assert outputs_equal(pending.result(60).outputs, refs["slow"])
+        assert cluster.status()["cpu_fallbacks"] == 1

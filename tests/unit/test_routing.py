@@ -172,3 +172,26 @@ def test_drained_drops_the_estimates_and_admit_refuses_a_device_larger_than_the_
     assert place(2, 0, 1.5, f.params(), f.arrays()) == (False, 0.0, 0)
     with pytest.raises(ConfigError, match="larger than this fleet was sized for"):
         router.admit(1, 10**12, now=2.0)
+
+
+def test_cpu_fallback_when_it_ends_sooner_than_the_device_queue():
+    from timeshare.scheduler.routing import cpu_sooner
+
+    # An idle device beats a slower CPU, and even a faster one; a device busy for 1 s loses to it.
+    assert not cpu_sooner(10.0, device_free_at=9.0, device_s=0.01, cpu_free_at=0.0, cpu_s=0.05)
+    assert not cpu_sooner(10.0, device_free_at=10.0, device_s=0.05, cpu_free_at=0.0, cpu_s=0.01)
+    assert cpu_sooner(10.0, device_free_at=11.0, device_s=0.01, cpu_free_at=0.0, cpu_s=0.05)
+    # The CPU's own queue counts; a tie stays on the device.
+    assert not cpu_sooner(10.0, device_free_at=11.0, device_s=0.01, cpu_free_at=11.0, cpu_s=0.05)
+    assert not cpu_sooner(10.0, device_free_at=10.5, device_s=0.05, cpu_free_at=10.5, cpu_s=0.05)
+
+
+def test_route_is_choose_then_place():
+    sizes, ready, cold = [10, 20, 30], [0.01, 0.02, 0.03], [0.1, 0.2, 0.3]
+    one = Router(Fleet.create(sizes, ready, cold, cold, [40, 40]), "timeshare", seed=1)
+    two = Router(Fleet.create(sizes, ready, cold, cold, [40, 40]), "timeshare", seed=1)
+    for t, m in enumerate([0, 1, 2, 0, 2, 1, 1, 0]):
+        a = one.route(m, float(t))
+        d = two.choose(m, float(t))
+        assert two.cost_s(m, d) == (cold[m] if a.loads else ready[m])
+        assert two.place(m, d, float(t)) == a

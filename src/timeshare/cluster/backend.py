@@ -130,7 +130,8 @@ class ClusterRuntime:
     def from_config(cls, cfg: ClusterConfig, runtime_kwargs: dict, models: list[ModelDef]) -> ClusterRuntime:
         cluster = Cluster(models, replicas=cfg.replicas, runtime=runtime_kwargs, policy=cfg.policy,
                           address=cfg.address, num_cpus=cfg.num_cpus, max_replicas=cfg.max_replicas,
-                          call_timeout_s=cfg.call_timeout_s, start_timeout_s=cfg.start_timeout_s, seed=cfg.seed)
+                          call_timeout_s=cfg.call_timeout_s, start_timeout_s=cfg.start_timeout_s, seed=cfg.seed,
+                          cpu_fallback=cfg.cpu_fallback)
         return cls(cluster, migrate_after_s=cfg.migrate_after_s)
 
     # ------------------------------------------------------------------ models
@@ -184,6 +185,8 @@ class ClusterRuntime:
         rec = reply.record
         if rec is None:  # a replica of an older build
             record = CallRecord(name, t0, done - t0, 0.0, reply.loaded, None)
+        elif reply.on_cpu:  # the CPU fallback's call: no load or switch of a device
+            record = CallRecord(name, max(t0, done - rec.seconds), rec.seconds, rec.waited_s, False, None)
         else:
             record = CallRecord(name, max(t0, done - rec.seconds), rec.seconds, rec.waited_s, rec.loaded,
                                 rec.switched_from, moved_bytes=rec.moved_bytes)
@@ -336,6 +339,7 @@ class ClusterRuntime:
                              "replicas_alive": sum(1 for r in rows if r["alive"]), "requests": stats.requests,
                              "loads": stats.loads, "retried": stats.retried, "failed": stats.failed,
                              "replicas_lost": stats.replicas_lost, "migrations": stats.migrations,
+                             "cpu_fallbacks": stats.cpu_fallbacks,
                              "recent_migrations": migrations[-10:]}
         return merged
 

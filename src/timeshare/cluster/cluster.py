@@ -51,7 +51,7 @@ import numpy as np
 from timeshare.cluster.replica import ModelDef, Replica, Reply
 from timeshare.errors import ConfigError, ModelTooLargeError, TimeshareError, UnknownModelError
 from timeshare.models.workloads import TrainingWorkload
-from timeshare.scheduler.routing import Fleet, Router, compile_steps, policy_code
+from timeshare.scheduler.routing import Fleet, Router, compile_steps, cpu_sooner, policy_code
 from timeshare.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class ReplicaSlot:
     error: str | None = None
     segments: list[str] = field(default_factory=list)  # its shared memory, when on this host
     reserved: bool = False  # being started by add_replica
+    cpu_outstanding: int = 0  # of ``outstanding``, those on its CPU fallback
+    cpu_free_at: float = 0.0  # when its CPU fallback's queue is expected to drain
 
 
 @dataclass
@@ -113,6 +115,7 @@ class ClusterStats:
     failed: int = 0
     migrations: int = 0
     replicas_lost: int = 0
+    cpu_fallbacks: int = 0  # requests run on a replica's CPU (NOTE [CPU fallback])
     per_replica: dict[str, dict] = field(default_factory=dict)
 
 
@@ -126,7 +129,8 @@ class Cluster:
     def __init__(self, models: Sequence[ModelDef], *, replicas: int = 3, memory: int | str = "64MiB",
                  policy: str = "timeshare", address: str | None = None, num_cpus: int | None = None,
                  max_replicas: int | None = None, call_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
-                 seed: int = 0, device: str = "cpu", runtime: dict | None = None, failing: Sequence[int] = ()):
+                 seed: int = 0, device: str = "cpu", runtime: dict | None = None,
+                 cpu_fallback: int | str | None = None, failing: Sequence[int] = ()):
         if not models:
             raise ConfigError("a cluster needs at least one model")
         if replicas < 1:
@@ -145,6 +149,7 @@ class Cluster:
         self.device = device
         self.runtime = runtime
         self.policy = policy
+        self.cpu_fallback = cpu_fallback  # NOTE [CPU fallback]
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         n = max_replicas or replicas + 2
@@ -226,7 +231,8 @@ class Cluster:
     def _start(self, i: int, *, fail: bool = False, name: str | None = None) -> tuple[Any, str | None]:
         """A replica actor, started and answering, or the error that stopped it."""
         actor = self._actor_class.remote(name or f"replica-{i}", self.models, device=self.device,
-                                         memory=self.memory, runtime=self.runtime, fail_start=fail)
+                                         memory=self.memory, runtime=self.runtime, cpu_fallback=self.cpu_fallback,
+                                         fail_start=fail)
         try:
             hello = self._ray.get(actor.ping.remote(), timeout=self.start_timeout_s)
             if hello["host"] == socket.gethostname():
@@ -321,7 +327,7 @@ class Cluster:
                 log.warning("model %s (%d bytes) fits on no replica of %d bytes: its requests are refused",
                             m.name, p["bytes"], self.memory)
         return {"cold_s": [max(p["cold_s"], 1e-6) for p in first], "ready_s": [max(p["ready_s"], 1e-6) for p in first],
-                "bytes": [p["bytes"] for p in first],
+                "bytes": [p["bytes"] for p in first], "cpu_s": [p.get("cpu_cold_s") for p in first],
                 "load_s": [max(p["cold_s"] - p["ready_s"], 1e-6) for p in first]}
 
     def _warm(self, i: int) -> None:
@@ -341,7 +347,7 @@ class Cluster:
         first_error: _ReplicaDied | None = None
         for _attempt in range(2):
             try:
-                i, wait_s = self._route(model)
+                i, wait_s, on_cpu = self._route(model)
             except ReplicaLostError as exc:
                 if first_error is None:
                     raise
@@ -349,7 +355,7 @@ class Cluster:
                     self.stats.failed += 1
                 raise ReplicaLostError(f"request for {model!r}: {first_error}; not retried: {exc}") from None
             try:
-                reply = self._call(i, model, args, wait_s)
+                reply = self._call(i, model, args, wait_s, on_cpu)
             except _ReplicaDied as exc:
                 self._lost(i, str(exc))
                 if first_error is None:
@@ -362,15 +368,16 @@ class Cluster:
                 raise ReplicaLostError(f"request for {model!r}: {first_error}; retried: {exc}") from None
             with self._lock:
                 self.stats.requests += 1
-                self.stats.loads += int(reply.loaded)
+                self.stats.loads += int(reply.loaded and not on_cpu)  # the devices' loads
             return reply
         raise AssertionError("unreachable")
 
     def submit(self, model: str, *args) -> Future:
         return self._pool.submit(self.infer, model, *args)
 
-    def _route(self, model: str) -> tuple[int, float]:
-        """The replica for a request and the seconds it is expected to wait there."""
+    def _route(self, model: str) -> tuple[int, float, bool]:
+        """The replica for a request, the seconds it is expected to wait there, and whether
+        it runs on that replica's CPU fallback (NOTE [CPU fallback])."""
         m = self.index[model]
         with self._lock:
             if not any(s.alive for s in self.slots):
@@ -378,17 +385,27 @@ class Cluster:
             if self.fleet.size[m] > self.memory:
                 raise ModelTooLargeError(model, int(self.fleet.size[m]), self.memory)
             now = self._now()
-            placed = self.router.route(m, now)
-            i = placed.device
+            i = self.router.choose(m, now)
+            slot = self.slots[i]
+            cpu_s = self.costs["cpu_s"][m]
+            if cpu_s is not None and cpu_sooner(now, float(self.fleet.free_at[i]), self.router.cost_s(m, i),
+                                                slot.cpu_free_at, cpu_s):
+                start = max(now, slot.cpu_free_at)
+                slot.cpu_free_at = start + cpu_s
+                slot.outstanding += 1
+                slot.cpu_outstanding += 1
+                self.stats.cpu_fallbacks += 1
+                return i, start - now, True
+            placed = self.router.place(m, i, now)
             # The replica's runtime evicts by its own rule: the router's imagined evictions
             # (placed.owed_s) are not added to its queue.
             start = max(now, float(self.fleet.free_at[i]))
             cost = self.fleet.cold_s[m] if placed.loads else self.fleet.compute_s[m]
             self.router.queued(i, m, start + cost)
             self.slots[i].outstanding += 1
-            return i, start - now
+            return i, start - now, False
 
-    def _call(self, i: int, model: str, args: tuple, wait_s: float) -> Reply:
+    def _call(self, i: int, model: str, args: tuple, wait_s: float, on_cpu: bool = False) -> Reply:
         """The call on replica ``i``; its deadline is ``call_timeout_s`` beyond the wait the
         router expected there (a replica busy with a queue is not a dead one)."""
         ray = self._ray
@@ -396,7 +413,7 @@ class Cluster:
         deadline = self.call_timeout_s + wait_s
         ok = False
         try:
-            reply = ray.get(slot.actor.infer.remote(model, args), timeout=deadline)
+            reply = ray.get(slot.actor.infer.remote(model, args, on_cpu), timeout=deadline)
             ok = True
             return reply
         except ray.exceptions.GetTimeoutError:
@@ -406,6 +423,10 @@ class Cluster:
         finally:
             with self._lock:
                 slot.outstanding -= 1
+                if on_cpu:
+                    slot.cpu_outstanding -= 1
+                    if slot.cpu_outstanding == 0:
+                        slot.cpu_free_at = self._now()
                 if ok and slot.outstanding == 0 and slot.alive:  # drained: the estimate is corrected to now
                     self.router.drained(i, self._now())
 
@@ -564,6 +585,7 @@ class Cluster:
                 out.append(row)
         return {"replicas": out, "requests": self.stats.requests, "loads": self.stats.loads,
                 "retried": self.stats.retried, "failed": self.stats.failed, "migrations": self.stats.migrations,
+                "cpu_fallbacks": self.stats.cpu_fallbacks,
                 "replicas_lost": self.stats.replicas_lost}
 
     def close(self) -> None:

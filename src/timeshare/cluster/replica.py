@@ -67,14 +67,17 @@ class Reply:
     seconds: float
     replica: str
     record: CallRecord | None = None
+    on_cpu: bool = False  # ran on the replica's CPU fallback (NOTE [CPU fallback])
 
 
 class Replica:
     """A runtime on ``device`` with ``memory`` bytes of model memory, every model of
-    ``models`` registered (none loaded until asked for)."""
+    ``models`` registered (none loaded until asked for). ``cpu_fallback``: the bytes of a
+    second runtime on the CPU with the same models, which requests may run on instead
+    (NOTE [CPU fallback]); None: none."""
 
     def __init__(self, name: str, models: list[ModelDef], *, device: str = "cpu", memory: int | str = "64MiB",
-                 runtime: dict | None = None, fail_start: bool = False):
+                 runtime: dict | None = None, cpu_fallback: int | str | None = None, fail_start: bool = False):
         if fail_start:  # for tests and drills: a replica that cannot start
             raise ConfigError(f"replica {name} was told not to start")
         self.name = name
@@ -87,8 +90,17 @@ class Replica:
         self._events = threading.Lock()
         self._profiling = threading.Lock()
         self.rt.subscribe(self._on_record)
-        for m in models:
-            m.register(self.rt)
+        self.cpu: Runtime | None = None
+        try:
+            for m in models:
+                m.register(self.rt)
+            if cpu_fallback is not None:
+                self.cpu = Runtime(device="cpu", memory=cpu_fallback)
+                for m in models:
+                    m.register(self.cpu)
+        except BaseException:
+            self.close()
+            raise
 
     def _on_record(self, record) -> None:
         if isinstance(record, EvictionRecord):
@@ -99,16 +111,20 @@ class Replica:
         """Who answers, and where: the host and the shared-memory segments this replica
         owns (its arena), so that whoever sees it die on the same host can unlink them."""
         return {"replica": self.name, "pid": os.getpid(), "host": socket.gethostname(),
-                "segments": [self.rt.diagnostics()["arena"]["name"]]}
+                "segments": [rt.diagnostics()["arena"]["name"] for rt in (self.rt, self.cpu) if rt is not None]}
 
     def echo(self, args: tuple) -> tuple:
         """The arguments back: a round trip of tensors through the cluster's transport."""
         return args
 
-    def infer(self, model: str, args: tuple) -> Reply:
+    def infer(self, model: str, args: tuple, on_cpu: bool = False) -> Reply:
+        """Run ``model`` on its device, or with ``on_cpu`` on the CPU fallback."""
+        if on_cpu and self.cpu is None:
+            raise ConfigError(f"replica {self.name} has no CPU fallback")
+        rt = self.cpu if on_cpu and self.cpu is not None else self.rt
         t0 = time.perf_counter()
-        call = self.rt.call(model, args)
-        return Reply(call.output, call.record.loaded, time.perf_counter() - t0, self.name, call.record)
+        call = rt.call(model, args)
+        return Reply(call.output, call.record.loaded, time.perf_counter() - t0, self.name, call.record, on_cpu)
 
     def profile(self, model: str, repeats: int = 3) -> dict:
         """Warm the model up (its first load here profiles it), then measure its cold time
@@ -134,7 +150,19 @@ class Replica:
             ready.append(time.perf_counter() - t0)
         nbytes = int(self.rt.snapshot()["resident"][model])
         self.rt.evict(model)
-        return {"too_large": False, "cold_s": cold, "ready_s": sorted(ready)[len(ready) // 2], "bytes": nbytes}
+        cpu_cold = None
+        if self.cpu is not None:  # its cold time on the CPU fallback, after a warm-up there
+            try:
+                self.cpu.infer(model, *args)
+                self.cpu.evict(model)
+                t0 = time.perf_counter()
+                self.cpu.infer(model, *args)
+                cpu_cold = time.perf_counter() - t0
+                self.cpu.evict(model)
+            except ModelTooLargeError:
+                pass  # never sent to this CPU fallback
+        return {"too_large": False, "cold_s": cold, "ready_s": sorted(ready)[len(ready) // 2], "bytes": nbytes,
+                "cpu_cold_s": cpu_cold}
 
     # Training jobs (NOTE [Checkpoints]): started here, paused, checkpointed, dropped.
     def train(self, name: str, workload: str, iterations: int, seed: int, resume: dict | None = None) -> None:
@@ -213,7 +241,8 @@ class Replica:
         with self._events:
             evicted, self._evicted = self._evicted, []
         return {"replica": self.name, "snapshot": self.rt.snapshot(), "evicted": evicted,
-                "jobs": {n: self.job(n) for n in self.rt.jobs()}}
+                "jobs": {n: self.job(n) for n in self.rt.jobs()},
+                "cpu_fallback": None if self.cpu is None else self.cpu.snapshot()}
 
     def evict_all(self) -> None:
         """Nothing resident: a fresh start for the next run over the same replica."""
@@ -226,4 +255,8 @@ class Replica:
                 "evictions": s["evictions"], "capacity_bytes": s["capacity_bytes"]}
 
     def close(self) -> None:
-        self.rt.close()
+        try:
+            self.rt.close()
+        finally:
+            if self.cpu is not None:
+                self.cpu.close()

@@ -40,9 +40,21 @@ The policies:
     demand, not each momentary queue: at the same loads per request as Ray's rule,
     requests wait less (``timeshare sim cluster`` measures both; the margin trades
     loads for tail latency, ``--margins`` sweeps it).
+
 Queue lengths are not counted request by request: a device's outstanding work is its
 expected drain time, and Ray's "outstanding requests" are that work in units of the
 model's compute time. This is what a router can know without asking every replica.
+
+NOTE [CPU fallback]
+SwitchFlow runs an inference on the CPU when the GPU is busy and the CPU would finish it
+sooner. A replica may keep a CPU runtime beside its device's (``cpu_fallback``), with
+every model registered there too. Once the router has chosen a replica (and before the
+model is placed there), the request runs on that replica's CPU when the device is busy
+(its queue has not drained) and the request's expected end on the CPU (the CPU queue,
+then the model's cold time on the CPU, measured once) is earlier than on the device (the
+device queue, then its ready or cold time): a burst on a busy device spills to the CPU
+instead of waiting, and a request to an idle device is never sent elsewhere. The CPU's cold time is used whether or not
+the model is still in the CPU runtime's memory, so the choice leans to the device.
 """
 
 from __future__ import annotations
@@ -146,13 +158,29 @@ class Router:
 
     def route(self, model: int, now: float) -> Placement:
         """The device for one request of ``model`` at ``now``, made resident there."""
+        return self.place(model, self.choose(model, now), now)
+
+    def choose(self, model: int, now: float) -> int:
+        """The device the policy picks for one request of ``model`` (nothing changes)."""
         f = self.fleet
         u = self.rng.random(4)
         d = choose(self.policy, model, now, u, f.params(), f.arrays())
         if d == NO_DEVICE:
             raise ConfigError(f"model {model} ({int(f.size[model])} bytes) fits on no device")
-        resident, owed_s, owed_n = place(model, d, now, f.params(), f.arrays())
-        return Placement(int(d), not resident, float(owed_s), int(owed_n))
+        return int(d)
+
+    def place(self, model: int, device: int, now: float) -> Placement:
+        """Make ``model`` resident on ``device`` (as ``choose`` picked it) for one request."""
+        f = self.fleet
+        resident, owed_s, owed_n = place(model, device, now, f.params(), f.arrays())
+        return Placement(device, not resident, float(owed_s), int(owed_n))
+
+    def cost_s(self, model: int, device: int) -> float:
+        """What one request of ``model`` is expected to take on ``device``: its ready time
+        if the model is resident there, else its cold time (a pipelined load)."""
+        f = self.fleet
+        return float(f.compute_s[model] if f.slot_of[model, device] >= 0 else f.cold_s[model])
+
 
     def retire(self, device: int) -> None:
         """The device is gone (or not started): its models are no longer resident there and
@@ -179,6 +207,13 @@ class Router:
         ``until``, and with it the device's queue."""
         f = self.fleet
         queued(device, model, until, f.arrays())
+
+
+def cpu_sooner(now: float, device_free_at: float, device_s: float, cpu_free_at: float, cpu_s: float) -> bool:
+    """NOTE [CPU fallback]: whether a request runs on its replica's CPU: the device is
+    busy (its queue drains after ``now``) and the request ends sooner on the CPU (that
+    queue, then ``cpu_s``) than on the device (that queue, then ``device_s``)."""
+    return device_free_at > now and max(now, cpu_free_at) + cpu_s < device_free_at + device_s
 
 
 def compile_steps() -> None:

@@ -193,7 +193,8 @@ class _Levels:
             for name, doc in (("retried", "Requests retried on another replica after theirs died"),
                               ("failed", "Requests failed after their retry (or with no replica left)"),
                               ("replicas_lost", "Replicas that died or stopped answering"),
-                              ("migrations", "Training jobs moved to another replica")):
+                              ("migrations", "Training jobs moved to another replica"),
+                              ("cpu_fallbacks", "Requests run on a replica's CPU instead of its busy device")):
                 yield CounterMetricFamily(f"timeshare_cluster_{name}", doc, value=cluster[name])
             rows = [r for r in cluster["replicas"] if r["alive"] and "used_bytes" in r]
             yield _by_label(GaugeMetricFamily, "timeshare_replica_used_bytes", "Device memory held by each "
