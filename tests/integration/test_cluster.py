@@ -168,3 +168,46 @@ def test_a_request_runs_on_the_replicas_cpu_when_its_device_is_busy(local_ray):
         assert reply.on_cpu and outputs_equal(reply.outputs, refs["fast"])
         assert outputs_equal(pending.result(60).outputs, refs["slow"])
         assert cluster.status()["cpu_fallbacks"] == 1
+
+
+def test_replica_errors_names_of_ended_jobs_and_deaths_seen_by_a_poll(local_ray):
+    import time
+
+    import torch
+
+    from timeshare.cluster.cluster import OBSERVE
+    from timeshare.errors import Conflict
+    from timeshare.server.status import served_error, status_of
+
+    models = model_defs(1)
+    with Cluster(models, replicas=2, memory="3MiB") as cluster:
+        # The replica's own error arrives as raised there, not wrapped in Ray's traceback.
+        with pytest.raises(RuntimeError, match="conv2d") as raised:
+            cluster.infer(models[0].name, torch.zeros(7))  # no conv takes a vector
+        assert type(raised.value) is RuntimeError and "ray::" not in str(raised.value)
+        assert status_of(served_error(models[0].name, raised.value)) == 400  # as the server answers it
+        assert status_of(ReplicaLostError("gone")) == 503
+        # A job's name is free again once it has ended, not while it runs; a paused job does not move.
+        cluster.train("j", "tiny_cnn:4", 5, replica="replica-0")
+        deadline = time.monotonic() + 60
+        while cluster.job("j")["status"] != "finished":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        cluster.train("j", "tiny_cnn:4", 100000, replica="replica-0")
+        with pytest.raises(Conflict, match="is running|is queued"):
+            cluster.train("j", "tiny_cnn:4", 5)
+        cluster.control_job("j", "pause")
+        while cluster.job("j")["status"] != "paused":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(Conflict, match="only a job that runs can move"):
+            cluster.migrate("j")
+        cluster.control_job("j", "cancel")
+        # A replica killed is found by the next poll, with no request sent to it; its job with it.
+        cluster.kill_replica("replica-0")
+        deadline = time.monotonic() + 30
+        while "replica-0" not in cluster.lost:
+            assert time.monotonic() < deadline
+            cluster.snapshots(timeout_s=2.0)
+        assert [r["alive"] for r in cluster.replica_rows()] == [False, True]
+        assert cluster.job_names() == [] and OBSERVE == "observe"

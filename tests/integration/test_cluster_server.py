@@ -15,7 +15,7 @@ import torch
 
 from timeshare.bench.cluster import references
 from timeshare.bench.common import outputs_equal
-from timeshare.cluster.backend import ClusterRuntime, _add
+from timeshare.cluster.backend import ClusterRuntime, add_snapshots
 from timeshare.cluster.cluster import Cluster, start_local_ray
 from timeshare.cluster.replica import ModelDef
 from timeshare.config import parse_config
@@ -77,8 +77,11 @@ def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed
         victim = replicas["replicas"][0]["replica"]
         assert _admin(server, "POST", f"/admin/replicas/{victim}/kill").status_code == 200
         check_all()
-        after = _admin(server, "GET", "/admin/replicas").json()
-        assert after["replicas_lost"] == 1 and after["replicas_alive"] == 1 and after["failed"] == 0
+        deadline = time.monotonic() + 10  # found by a request sent there, or by the next poll
+        while (after := _admin(server, "GET", "/admin/replicas").json())["replicas_alive"] != 1:
+            assert time.monotonic() < deadline, after
+            time.sleep(0.1)
+        assert after["replicas_lost"] == 1 and after["failed"] == 0
         # On the one replica left, small_resnet (2.2 MB) and the rest do not fit in 2.5 MiB
         # together: its evictions reach the front end's counters.
         check_all()
@@ -174,11 +177,11 @@ def test_a_cluster_config_refuses_what_a_cluster_cannot_do(tmp_path):
             parse_config(doc)
 
 
-def test_replica_snapshots_add_up():
+def test_replica_snapshotsadd_snapshots_up():
     a = {"capacity_bytes": 10, "resident": {"x": 1}, "loads": {"x": 2, "y": 0}, "workers": None,
          "lanes": {"lanes": [1], "capacity": 5}, "device": "cpu", "ok": True}
     b = {"capacity_bytes": 20, "resident": {"y": 3}, "loads": {"x": 1, "y": 4}, "workers": None,
          "lanes": {"lanes": [2], "capacity": 6}, "device": "cpu", "ok": False}
-    assert _add([a, b]) == {"capacity_bytes": 30, "resident": {"x": 1, "y": 3}, "loads": {"x": 3, "y": 4},
+    assert add_snapshots([a, b]) == {"capacity_bytes": 30, "resident": {"x": 1, "y": 3}, "loads": {"x": 3, "y": 4},
                             "workers": None, "lanes": {"lanes": [1, 2], "capacity": 11}, "device": "cpu",
                             "ok": False}

@@ -423,3 +423,62 @@ def test_a_non_resident_models_queue_lingers_only_while_the_runtime_thrashes():
     assert runner.linger_s(ep) == 0.0  # resident: nothing to amortize
     rt.resident, ep.batch_s = {}, 100.0
     assert runner.linger_s(ep) == pytest.approx(3.0)  # at most a tenth of the request timeout
+
+
+@pytest.mark.parametrize("batches", [1, 2])
+def test_in_front_of_a_cluster_a_models_batches_run_at_once(batches):
+    """With ``batches`` 2 (a cluster of two replicas) two batches of one model are on their
+    way together; with 1 the second waits for the first, so a call that needs both at
+    once fails (the check can fail)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from timeshare.runtime.calls import Call
+    from timeshare.runtime.events import CallRecord
+    from timeshare.server.endpoint import ModelState
+    from timeshare.server.runner import QueueRunner
+
+    meet = threading.Barrier(2, timeout=2)
+
+    class Backend:
+        def thrashing_factor(self):
+            return 1.0
+
+        def is_resident(self, name):
+            return True
+
+        def call(self, name, args, kwargs=None, *, strategy=None, arrived_at=None):
+            meet.wait()  # returns only when both batches are in flight
+            return Call(args[0] * 2, CallRecord(name, time.monotonic(), 0.001, 0.0, False, None))
+
+    class Metrics:
+        def queued(self, model, seconds):
+            pass
+
+        def batched(self, model, rows):
+            pass
+
+    async def main():
+        backend = Backend()
+        with ThreadPoolExecutor(4) as pool:
+            runner = QueueRunner(runtime=lambda: backend, executor=pool, metrics=Metrics(), request_timeout_s=30.0,
+                                 batches=batches)
+            ep = Endpoint(ModelConfig(name="tiny_mlp", zoo="tiny_mlp", batching=False))
+            ep.state = ModelState.READY
+            task = asyncio.create_task(runner.run(ep))
+            loop = asyncio.get_running_loop()
+            ps = [Pending([torch.full((1, 4), float(i))], 1, loop.create_future()) for i in range(2)]
+            ep.queue.extend(ps)
+            ep.wake.set()
+            try:
+                return await asyncio.wait_for(asyncio.gather(*[p.future for p in ps], return_exceptions=True), 20)
+            finally:
+                task.cancel()
+
+    replies = asyncio.run(main())
+    if batches == 2:
+        assert [torch.equal(r.outputs["output"], torch.full((1, 4), 2.0 * i)) for i, r in enumerate(replies)] == \
+            [True, True]
+    else:
+        assert all(isinstance(r, Exception) for r in replies)

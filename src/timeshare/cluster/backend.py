@@ -33,11 +33,12 @@ from timeshare.config import ClusterConfig
 from timeshare.errors import Conflict, TimeshareError, UnknownModelError
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
-from timeshare.scheduler.migration import JobSeen, ReplicaSeen, plan_migrations
+from timeshare.scheduler.migration import RUNNABLE, JobSeen, ReplicaSeen, plan_migrations
 
 log = logging.getLogger(__name__)
 
 ENDED = ("finished", "failed", "cancelled")
+HISTORY_S = 600.0  # how far back a job's samples of device time go
 
 
 class ReplicaJobError(TimeshareError):
@@ -117,9 +118,11 @@ class ClusterRuntime:
         self._lock = threading.Lock()  # the views below
         self._moves = threading.Lock()  # a job's control and its migration, one at a time
         self._latest: dict[str, dict] = {}  # replica -> its last snapshot
+        self._retired: list[dict] = []  # the last snapshots of replicas lost: their counters still count
         self._views: dict[str, dict] = {}  # training job -> its last view, with its replica
         self._tracks: dict[str, _Track] = {}  # training job -> where it is since when, its device time
-        self.migrations: list[dict] = []
+        self._changed_at: dict[str, float] = {}  # training job -> when it was last moved, forgotten or started
+        self.migrations: deque[dict] = deque(maxlen=100)
         self.unmovable: dict[str, str] = {}  # jobs whose move failed, and why: not tried again
         self._stop = threading.Event()
         self.poll()  # the server's first snapshot has the replicas in it
@@ -176,8 +179,9 @@ class ClusterRuntime:
         if kwargs:
             raise TimeshareError("a cluster's models take positional inputs only")
         t0 = time.monotonic()
+        age_s = 0.0 if arrived_at is None else max(0.0, t0 - arrived_at)  # queued in the server already
         try:
-            reply = self.cluster.infer(name, *args)
+            reply = self.cluster.infer(name, *args, age_s=age_s)
         except Exception as exc:
             self._emit(CallRecord(name, t0, time.monotonic() - t0, 0.0, False, None, error=type(exc).__name__))
             raise
@@ -223,6 +227,8 @@ class ClusterRuntime:
         with self._lock:
             self._views[name] = view
             self._tracks[name] = _Track(view["replica"], now)
+            self._changed_at[name] = now
+            self.unmovable.pop(name, None)
         return RemoteJob(self, name)
 
     def jobs(self) -> dict[str, RemoteJob]:
@@ -234,6 +240,8 @@ class ClusterRuntime:
         with self._lock:
             self._views.pop(name, None)
             self._tracks.pop(name, None)
+            self._changed_at[name] = time.monotonic()
+            self.unmovable.pop(name, None)
 
     def job_view(self, name: str) -> dict:
         with self._lock:
@@ -247,6 +255,7 @@ class ClusterRuntime:
             view = self.cluster.control_job(name, action)
         with self._lock:
             self._views[name] = view
+            self._changed_at[name] = time.monotonic()
         return view
 
     def migrate(self, name: str, to: str | None = None) -> dict:
@@ -258,6 +267,7 @@ class ClusterRuntime:
         with self._lock:
             self._views[name] = view
             self._tracks[name] = _Track(view["replica"], now, moved["from"])
+            self._changed_at[name] = now
             self.migrations.append({**moved, "at": time.time()})
         log.info("training job %s moved from %s to %s at iteration %d", name, moved["from"], moved["to"],
                  moved["iterations"])
@@ -281,22 +291,30 @@ class ClusterRuntime:
     def poll(self) -> None:
         """Ask every replica for its snapshot; emit its evictions, refresh the jobs' views,
         and move the starved jobs (NOTE [Migration of starved jobs])."""
+        asked = time.monotonic()
         snaps = self.cluster.snapshots(timeout_s=max(1.0, 4 * self.poll_s))
         now = time.monotonic()
         rows = self.cluster.replica_rows()
-        dead = {r["replica"]: r["error"] for r in rows if not r["alive"]}
+        dead = dict(self.cluster.lost)
+        jobs = set(self.cluster.job_names())
         for snap in snaps.values():
             for model, nbytes in snap["evicted"]:
                 self._emit(EvictionRecord(model, nbytes, now))
         with self._lock:
+            self._retired += [v for k, v in self._latest.items() if k in dead]
             self._latest = {**{k: v for k, v in self._latest.items() if k not in dead}, **snaps}
             for replica, snap in snaps.items():
                 for name, view in snap["jobs"].items():
+                    if name not in jobs or self._changed_at.get(name, -1.0) >= asked:
+                        continue  # forgotten, a copy being dropped, or changed since this poll asked
                     self._views[name] = {"replica": replica, **view}
                     track = self._tracks.get(name)
                     if track is None or track.replica != replica:  # new here (started elsewhere, or moved)
                         track = self._tracks[name] = _Track(replica, now)
-                    track.sample(now, view["step_seconds"], self.migrate_after_s or 0.0)
+                    if view["status"] in RUNNABLE:
+                        track.sample(now, view["step_seconds"])
+                    else:  # paused or ended: judged afresh once it runs again
+                        track.samples.clear()
             for name, view in self._views.items():
                 if view["replica"] in dead and view["status"] not in ENDED:
                     self._views[name] = {**view, "status": "failed",
@@ -305,14 +323,21 @@ class ClusterRuntime:
             self._move_starved(rows, now)
 
     def _move_starved(self, rows: list[dict], now: float) -> None:
-        assert self.migrate_after_s is not None
+        after_s = self.migrate_after_s
+        assert after_s is not None
         with self._lock:
-            seen = [JobSeen(n, v["replica"], v["status"], self._tracks[n].share(now, self.migrate_after_s),
-                            self._tracks[n].arrived_at, self._tracks[n].came_from)
-                    for n, v in self._views.items()
-                    if n in self._tracks and self._tracks[n].replica == v["replica"] and n not in self.unmovable]
-        replicas = [ReplicaSeen(r["replica"], r["alive"], r["outstanding"], len(r["jobs"])) for r in rows]
-        for job, target in plan_migrations(seen, replicas, now, self.migrate_after_s):
+            seen = []
+            for n, v in self._views.items():
+                track = self._tracks.get(n)
+                if track is None or track.replica != v["replica"] or n in self.unmovable:
+                    continue
+                # A window of several iterations at least: device time shows when an iteration ends.
+                step_s = v["step_seconds"] / max(1, v["iterations"])
+                seen.append(JobSeen(n, v["replica"], v["status"], track.share(now, max(after_s, 3 * step_s)),
+                                    track.arrived_at, track.came_from))
+            running = [v["replica"] for v in self._views.values() if v["status"] not in ENDED]
+        replicas = [ReplicaSeen(r["replica"], r["alive"], r["outstanding"], running.count(r["replica"])) for r in rows]
+        for job, target in plan_migrations(seen, replicas, now, after_s):
             try:
                 self.migrate(job, target)
             except Exception as exc:  # it stays where it is, running; not tried again
@@ -324,9 +349,16 @@ class ClusterRuntime:
         counters and replicas under "cluster"."""
         with self._lock:
             latest = dict(self._latest)
+            retired = [s["snapshot"] for s in self._retired]
             migrations = list(self.migrations)
         snaps = [s["snapshot"] for s in latest.values()]
-        merged = _add(snaps) if snaps else {}
+        merged = add_snapshots(snaps) if snaps else {}
+        if merged and retired:  # counters never go back: the lost replicas' last counts stay in
+            every = add_snapshots(snaps + retired)
+            for key in COUNTERS:
+                merged[key] = every[key]
+        if snaps:  # what one job may take is one replica's budget, not the sum
+            merged["replica_capacity_bytes"] = max(s["capacity_bytes"] for s in snaps)
         merged["device"] = f"{self.cluster.device} x {len(snaps)} replicas"
         stats = self.cluster.stats
         rows = self.cluster.replica_rows()
@@ -361,20 +393,30 @@ class _Track:
     came_from: str | None = None
     samples: deque[tuple[float, float]] = field(default_factory=deque)
 
-    def sample(self, now: float, step_seconds: float, window_s: float) -> None:
+    def sample(self, now: float, step_seconds: float) -> None:
         self.samples.append((now, step_seconds))
-        while len(self.samples) > 2 and self.samples[1][0] <= now - window_s:
-            self.samples.popleft()  # keep one sample at least window_s old
+        while len(self.samples) > 2 and self.samples[1][0] <= now - HISTORY_S:
+            self.samples.popleft()
 
     def share(self, now: float, window_s: float) -> float | None:
-        """Of the device over the last ``window_s`` (or a little more); None before that."""
-        if len(self.samples) < 2 or self.samples[0][0] > now - window_s:
+        """Of the device since the newest sample at least ``window_s`` old; None before
+        there is one."""
+        base = None
+        for t, seconds in self.samples:
+            if t > now - window_s:
+                break
+            base = (t, seconds)
+        if base is None:
             return None
-        (t0, s0), (t1, s1) = self.samples[0], self.samples[-1]
-        return max(0.0, s1 - s0) / max(t1 - t0, 1e-9)
+        t1, s1 = self.samples[-1]
+        return max(0.0, s1 - base[1]) / max(t1 - base[0], 1e-9)
 
 
-def _add(values: list) -> Any:
+# The counters of a runtime's snapshot (the rest are levels: memory, residency, queues).
+COUNTERS = ("loads", "evictions", "failures", "preemptions", "training_seconds", "training_iterations")
+
+
+def add_snapshots(values: list) -> Any:
     """The replicas' snapshots added up: numbers summed, mappings key by key, lists
     joined, None where none has a value; anything else is the first's."""
     present = [v for v in values if v is not None]
@@ -387,7 +429,7 @@ def _add(values: list) -> Any:
         return sum(present)
     if isinstance(first, dict):
         keys = dict.fromkeys(k for v in present for k in v)
-        return {k: _add([v.get(k) for v in present]) for k in keys}
+        return {k: add_snapshots([v.get(k) for v in present]) for k in keys}
     if isinstance(first, list):
         return [x for v in present for x in v]
     return first

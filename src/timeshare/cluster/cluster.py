@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from timeshare.cluster.replica import ModelDef, Replica, Reply
-from timeshare.errors import ConfigError, ModelTooLargeError, TimeshareError, UnknownModelError
+from timeshare.errors import ConfigError, Conflict, ModelTooLargeError, Unavailable, UnknownModelError
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.scheduler.routing import Fleet, Router, compile_steps, cpu_sooner, policy_code
 from timeshare.units import parse_bytes
@@ -61,8 +61,9 @@ OBSERVE = "observe"  # the actors' concurrency group for calls that must not wai
 REPLICA_CALLS = 16  # calls a replica's actor takes at once (NOTE [Cluster deployment])
 
 
-class ReplicaLostError(TimeshareError):
-    """A request whose replica died, and whose retry failed too (or had nowhere to go)."""
+class ReplicaLostError(Unavailable):
+    """A request whose replica died, and whose retry failed too (or had nowhere to go):
+    the cluster's state, not the request, is at fault (503)."""
 
 
 def import_ray():
@@ -182,6 +183,8 @@ class Cluster:
         self._generations: dict[int, int] = {}
         self._jobs: dict[str, int] = {}  # training job -> the slot it runs on
         self._job_specs: dict[str, dict] = {}  # training job -> Runtime.train's keyword arguments
+        self.lost: dict[str, str] = {}  # every replica lost so far -> why
+        self._observing: dict[str, Any] = {}  # replica -> its snapshot asked for and not yet read
         self.seed = seed
         try:  # whatever fails from here on, nothing started is left behind
             self.slots = [ReplicaSlot(f"replica-{i}") for i in range(n)]
@@ -292,6 +295,10 @@ class Cluster:
                 return
             slot.alive, slot.error = False, error
             self.stats.replicas_lost += 1
+            self.lost[slot.name] = error
+            for job in [n for n, j in self._jobs.items() if j == i]:  # they died with it
+                del self._jobs[job]
+                self._job_specs.pop(job, None)
             router = getattr(self, "router", None)  # none yet during the warm-up: nothing to retire
             if router is not None:
                 router.retire(i)
@@ -339,9 +346,11 @@ class Cluster:
     def _now(self) -> float:
         return time.monotonic() - self._t0
 
-    def infer(self, model: str, *args) -> Reply:
+    def infer(self, model: str, *args, age_s: float = 0.0) -> Reply:
         """Route one request, run it on the chosen replica, retry it once elsewhere if that
-        replica dies (NOTE [Cluster deployment])."""
+        replica dies (NOTE [Cluster deployment]). ``age_s``: how long it has waited already
+        (its replica's scheduler counts its SLO from then)."""
+        t0 = time.monotonic()
         if model not in self.index:
             raise UnknownModelError(f"unknown model {model!r}; known: {sorted(self.index)}")
         first_error: _ReplicaDied | None = None
@@ -355,7 +364,7 @@ class Cluster:
                     self.stats.failed += 1
                 raise ReplicaLostError(f"request for {model!r}: {first_error}; not retried: {exc}") from None
             try:
-                reply = self._call(i, model, args, wait_s, on_cpu)
+                reply = self._call(i, model, args, wait_s, on_cpu, age_s + time.monotonic() - t0)
             except _ReplicaDied as exc:
                 self._lost(i, str(exc))
                 if first_error is None:
@@ -405,7 +414,8 @@ class Cluster:
             self.slots[i].outstanding += 1
             return i, start - now, False
 
-    def _call(self, i: int, model: str, args: tuple, wait_s: float, on_cpu: bool = False) -> Reply:
+    def _call(self, i: int, model: str, args: tuple, wait_s: float, on_cpu: bool = False,
+              age_s: float = 0.0) -> Reply:
         """The call on replica ``i``; its deadline is ``call_timeout_s`` beyond the wait the
         router expected there (a replica busy with a queue is not a dead one)."""
         ray = self._ray
@@ -413,9 +423,15 @@ class Cluster:
         deadline = self.call_timeout_s + wait_s
         ok = False
         try:
-            reply = ray.get(slot.actor.infer.remote(model, args, on_cpu), timeout=deadline)
+            reply = ray.get(slot.actor.infer.remote(model, args, on_cpu, age_s), timeout=deadline)
             ok = True
             return reply
+        except ray.exceptions.RayTaskError as exc:  # the replica's own error (bad inputs, no memory): as raised there
+            ok = True
+            cause = exc.cause if isinstance(exc.cause, BaseException) else None
+            if cause is None:
+                raise
+            raise cause from None
         except ray.exceptions.GetTimeoutError:
             raise _ReplicaDied(f"{slot.name} did not answer within {deadline:.3g} s; it was killed") from None
         except ray.exceptions.RayActorError as exc:
@@ -442,8 +458,16 @@ class Cluster:
         running the fewest jobs); every argument must be picklable. The job's view, with
         its replica's name."""
         with self._lock:
+            old = self._jobs.get(name)
+        if old is not None:  # a name may be used again once its job has ended
+            view = self._ray.get(self.slots[old].actor.job.options(concurrency_group=OBSERVE).remote(name),
+                                 timeout=self.call_timeout_s)
+            if view["status"] not in ("finished", "failed", "cancelled"):
+                raise Conflict(f"a training job named {name!r} is {view['status']} on {self.slots[old].name}")
+            self.forget_job(name)
+        with self._lock:
             if name in self._jobs:
-                raise ConfigError(f"a training job named {name!r} exists")
+                raise Conflict(f"a training job named {name!r} was started meanwhile")
             i = self._replica_for_job(replica)
             self._jobs[name] = i  # reserved: a second start of the name is refused meanwhile
         try:
@@ -480,11 +504,12 @@ class Cluster:
     def forget_job(self, name: str) -> None:
         """Drop an ended job here and on its replica (which holds its final state until then)."""
         i = self._job_slot(name)
-        with self._lock:
-            del self._jobs[name]
-            self._job_specs.pop(name, None)
         if self.slots[i].alive:
             self._ray.get(self.slots[i].actor.forget_job.remote(name), timeout=self.call_timeout_s)
+        with self._lock:
+            if self._jobs.get(name) == i:
+                del self._jobs[name]
+                self._job_specs.pop(name, None)
 
     def migrate(self, name: str, to: str | None = None) -> dict:
         """Move a training job to another replica (SwitchFlow): paused where it is at its
@@ -496,17 +521,31 @@ class Cluster:
             dst = self._replica_for_job(to, avoid=src)
         source, target = self.slots[src], self.slots[dst]
         spec = self._ray.get(source.actor.job.remote(name), timeout=self.call_timeout_s)
-        self._ray.get(source.actor.pause_job.remote(name), timeout=self.call_timeout_s)
+        if spec["status"] not in ("queued", "running"):
+            raise Conflict(f"training job {name!r} is {spec['status']}: only a job that runs can move "
+                           "(resume a paused one first)")
+        started = False
         try:  # the job runs on the target before it is dropped here: a move that fails leaves it where it was
+            self._ray.get(source.actor.pause_job.remote(name), timeout=self.call_timeout_s)
             checkpoint = self._ray.get(source.actor.checkpoint.remote(name), timeout=self.call_timeout_s)
-            self._ray.get(target.actor.start_job.remote(name, {**self._job_specs[name], "resume": checkpoint}),
-                          timeout=self.call_timeout_s)
+            ref = target.actor.start_job.remote(name, {**self._job_specs[name], "resume": checkpoint})
+            started = True  # perhaps: a start that timed out may still happen there
+            self._ray.get(ref, timeout=self.call_timeout_s)
         except BaseException:
-            if spec["status"] != "paused":
-                self._ray.get(source.actor.control_job.options(concurrency_group=OBSERVE).remote(name, "resume"),
-                              timeout=self.call_timeout_s)
+            if started:  # whatever started there goes (best effort: the target may be the one failing)
+                try:
+                    self._ray.get(target.actor.drop_job.remote(name), timeout=self.call_timeout_s)
+                except Exception as exc:
+                    log.warning("training job %s: dropping its copy on %s failed: %s", name, target.name,
+                                _cause(exc))
+            self._ray.get(source.actor.control_job.options(concurrency_group=OBSERVE).remote(name, "resume"),
+                          timeout=self.call_timeout_s)
             raise
-        self._ray.get(source.actor.drop_job.remote(name), timeout=self.call_timeout_s)
+        try:
+            self._ray.get(source.actor.drop_job.remote(name), timeout=self.call_timeout_s)
+        except Exception as exc:  # it was cancelled there at least; it runs on the target now
+            log.warning("training job %s moved, but its old copy on %s did not go: %s", name, source.name,
+                        _cause(exc))
         with self._lock:
             self._jobs[name] = dst
             self.stats.migrations += 1
@@ -540,21 +579,38 @@ class Cluster:
 
     def evict(self, model: str) -> None:
         """Evict ``model`` on every live replica."""
-        live = [s for s in self.slots if s.alive]
-        self._ray.get([s.actor.evict.remote(model) for s in live], timeout=self.call_timeout_s)
+        refs = [(i, s.actor.evict.remote(model)) for i, s in enumerate(self.slots) if s.alive]
+        for i, ref in refs:  # a replica found dead here is lost, not an error
+            try:
+                self._ray.get(ref, timeout=self.call_timeout_s)
+            except Exception as exc:
+                self._lost(i, f"{self.slots[i].name} died: {_cause(exc)}")
 
     def snapshots(self, timeout_s: float = 5.0) -> dict[str, dict]:
         """Each live replica's ``Replica.snapshot`` (its runtime's counters, the evictions
         since the last one, its jobs), asked beside whatever it is running; a replica that
         does not answer in ``timeout_s`` is left out this time."""
-        live = [(s.name, s.actor.snapshot.options(concurrency_group=OBSERVE).remote())
-                for s in self.slots if s.alive and s.actor is not None]
+        ray = self._ray
+        live = [(i, s) for i, s in enumerate(self.slots) if s.alive and s.actor is not None]
+        for _, s in live:  # at most one asked per replica: one not read yet is read now
+            if s.name not in self._observing:
+                self._observing[s.name] = s.actor.snapshot.options(concurrency_group=OBSERVE).remote()
+        refs = [self._observing[s.name] for _, s in live]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        done = set(ready)
         out = {}
-        for name, ref in live:
+        for i, s in live:
+            ref = self._observing[s.name]
+            if ref not in done:
+                log.warning("%s did not report within %.3g s", s.name, timeout_s)
+                continue
+            del self._observing[s.name]
             try:
-                out[name] = self._ray.get(ref, timeout=timeout_s)
+                out[s.name] = ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayActorError as exc:
+                self._lost(i, f"{s.name} died: {_cause(exc)}")
             except Exception as exc:
-                log.warning("%s did not report: %s", name, _cause(exc))
+                log.warning("%s did not report: %s", s.name, _cause(exc))
         return out
 
     def replica_rows(self) -> list[dict]:

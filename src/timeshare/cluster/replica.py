@@ -89,6 +89,7 @@ class Replica:
         self._evicted: list[tuple[str, int]] = []  # evictions not yet reported (snapshot)
         self._events = threading.Lock()
         self._profiling = threading.Lock()
+        self._warming = False
         self.rt.subscribe(self._on_record)
         self.cpu: Runtime | None = None
         try:
@@ -103,7 +104,7 @@ class Replica:
             raise
 
     def _on_record(self, record) -> None:
-        if isinstance(record, EvictionRecord):
+        if isinstance(record, EvictionRecord) and not self._warming:  # a warm-up's evictions are its own
             with self._events:
                 self._evicted.append((record.model, record.nbytes))
 
@@ -117,13 +118,14 @@ class Replica:
         """The arguments back: a round trip of tensors through the cluster's transport."""
         return args
 
-    def infer(self, model: str, args: tuple, on_cpu: bool = False) -> Reply:
-        """Run ``model`` on its device, or with ``on_cpu`` on the CPU fallback."""
+    def infer(self, model: str, args: tuple, on_cpu: bool = False, age_s: float = 0.0) -> Reply:
+        """Run ``model`` on its device, or with ``on_cpu`` on the CPU fallback; ``age_s``:
+        how long the request has waited before it got here (its SLO counts from then)."""
         if on_cpu and self.cpu is None:
             raise ConfigError(f"replica {self.name} has no CPU fallback")
         rt = self.cpu if on_cpu and self.cpu is not None else self.rt
         t0 = time.perf_counter()
-        call = rt.call(model, args)
+        call = rt.call(model, args, arrived_at=time.monotonic() - max(0.0, age_s))
         return Reply(call.output, call.record.loaded, time.perf_counter() - t0, self.name, call.record, on_cpu)
 
     def profile(self, model: str, repeats: int = 3) -> dict:
@@ -131,7 +133,11 @@ class Replica:
         (evicted, then one request), its ready time (the median of ``repeats`` more) and
         its bytes; it is left evicted."""
         with self._profiling:  # calls run in threads of the actor: one profile at a time
-            return self._profile(model, repeats)
+            self._warming = True
+            try:
+                return self._profile(model, repeats)
+            finally:
+                self._warming = False
 
     def _profile(self, model: str, repeats: int) -> dict:
         args = self.models[model].example_inputs()
@@ -214,7 +220,8 @@ class Replica:
     def drop_job(self, name: str, timeout_s: float = 60.0) -> None:
         j = self._job(name)
         j.cancel()
-        j.wait(timeout_s)
+        if not j.wait(timeout_s):
+            raise ConfigError(f"training job {name!r} did not stop within {timeout_s:g} s on replica {self.name}")
         self.rt.forget_job(name)
 
     def job_weights(self, name: str, timeout_s: float = 600.0) -> dict:
@@ -227,7 +234,7 @@ class Replica:
         return j.state_dict()
 
     def _job(self, name: str):
-        job = self.rt.jobs().get(name)
+        job = self.rt.job_handles().get(name)
         if job is None:
             raise ConfigError(f"no training job {name!r} on replica {self.name}")
         return job
@@ -241,7 +248,7 @@ class Replica:
         with self._events:
             evicted, self._evicted = self._evicted, []
         return {"replica": self.name, "snapshot": self.rt.snapshot(), "evicted": evicted,
-                "jobs": {n: self.job(n) for n in self.rt.jobs()},
+                "jobs": {n: self.job(n) for n in self.rt.job_handles()},
                 "cpu_fallback": None if self.cpu is None else self.cpu.snapshot()}
 
     def evict_all(self) -> None:

@@ -394,6 +394,11 @@ class Runtime:
         with self._turn():
             return self._jobs.all()
 
+    def job_handles(self) -> dict[str, TrainingJob]:
+        """``jobs()`` read without waiting for the device (a status query, a pause, must
+        not queue behind a long inference): a consistent-enough view, as ``snapshot``."""
+        return self._jobs.all()
+
     def forget_job(self, name: str) -> None:
         """Drop a finished training job: its handle, and with workers the parameters and
         optimizer state its home worker still holds (kept until now for the handle's

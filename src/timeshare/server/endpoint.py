@@ -62,7 +62,7 @@ class Endpoint:
         self.pinned = cfg.pinned
         self.batchable = cfg.batching  # also cleared when an output has no batch dimension to split
         self.queue: deque[Pending] = deque()
-        self.in_flight: list[Pending] = []  # the batch on the device
+        self.in_flight: list[Pending] = []  # the batches on the device (one, but in front of a cluster)
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()  # one admin operation at a time
         self.runner: asyncio.Task | None = None

@@ -50,7 +50,8 @@ class TrainingJobs:
             if job is not None and not job.handle.wait(0):
                 raise Conflict(f"a training job named {cfg.name!r} is running")
             if not from_config:
-                check_training(cfg, admin, budget_bytes=self._runtime().snapshot()["capacity_bytes"])
+                snap = self._runtime().snapshot()  # on a cluster, a job has one replica's budget
+                check_training(cfg, admin, budget_bytes=snap.get("replica_capacity_bytes", snap["capacity_bytes"]))
                 running = [n for n, j in self._jobs.items() if not j.handle.wait(0)]
                 if len(running) >= admin.max_training_jobs:
                     raise Conflict(f"{len(running)} training jobs are running ({', '.join(running)}), the limit "

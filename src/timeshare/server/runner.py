@@ -12,6 +12,9 @@ first batch: that batch is re-run one request at a time and the model is not bat
 again. Batched outputs equal the per-request ones up to floating-point reassociation
 (kernels may pick other paths for other batch sizes); the load test checks them
 against references computed alone.
+A model's batches run one at a time (the runtime would run them in turn anyway); in front
+of a cluster, up to ``batches`` at once (its replicas), so that a hot model can be served
+by several replicas together.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class QueueRunner:
     tenth of ``request_timeout_s``."""
 
     def __init__(self, *, runtime: Callable[[], Backend], executor: Executor, metrics: Metrics,
-                 request_timeout_s: float):
+                 request_timeout_s: float, batches: int = 1):
+        self.batches = batches
         self._runtime = runtime
         self._executor = executor
         self.metrics = metrics
@@ -67,35 +71,48 @@ class QueueRunner:
 
     async def run(self, ep: Endpoint) -> None:
         """``ep``'s runner task: ends only when cancelled."""
-        loop = asyncio.get_running_loop()
+        running: set[asyncio.Task] = set()
         while True:
             await ep.wake.wait()
             ep.wake.clear()
             while ep.queue and ep.state in (ModelState.READY, ModelState.UNLOADING):
+                if len(running) >= self.batches:  # as many batches out as allowed: wait for one
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 linger = self.linger_s(ep)
                 if linger:  # thrashing: let more requests share the coming load
                     await asyncio.sleep(linger)
                 batch = ep.take_batch()
                 if not batch:
                     break
-                ep.in_flight = batch
-                try:
-                    replies = await loop.run_in_executor(self._executor, self.execute, ep, batch)
-                except Exception as exc:  # a bug in the batching itself: every request learns of it
-                    replies = [exc] * len(batch)
-                finally:
-                    ep.in_flight = []
-                for p, r in zip(batch, replies):
-                    if not p.future.done():
-                        if isinstance(r, BaseException):
-                            p.future.set_exception(r)
-                        else:
-                            p.future.set_result(r)
+                ep.in_flight.extend(batch)
+                task = asyncio.create_task(self._serve(ep, batch), name=f"timeshare-batch-{ep.name}")
+                running.add(task)
+                task.add_done_callback(running.discard)
+                if self.batches == 1:
+                    await task
             if ep.state is ModelState.UNAVAILABLE:
                 while ep.queue:
                     p = ep.queue.popleft()
                     if not p.future.done():
                         p.future.set_exception(Unavailable(f"model {ep.name!r} was unloaded"))
+
+    async def _serve(self, ep: Endpoint, batch: list[Pending]) -> None:
+        """One batch: its forward in a pool thread, then each request's answer."""
+        loop = asyncio.get_running_loop()
+        try:
+            replies = await loop.run_in_executor(self._executor, self.execute, ep, batch)
+        except Exception as exc:  # a bug in the batching itself: every request learns of it
+            replies = [exc] * len(batch)
+        finally:
+            ids = {id(p) for p in batch}
+            ep.in_flight = [p for p in ep.in_flight if id(p) not in ids]
+        for p, r in zip(batch, replies):
+            if not p.future.done():
+                if isinstance(r, BaseException):
+                    p.future.set_exception(r)
+                else:
+                    p.future.set_result(r)
 
     def execute(self, ep: Endpoint, batch: list[Pending]) -> list[Reply | BaseException]:
         """In a pool thread: one forward for the batch (NOTE [Request batching]); each

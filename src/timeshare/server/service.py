@@ -49,11 +49,14 @@ class Service:
         self.llms = LanguageModels(config.llms, self.metrics.llm_event, warmup=config.server.warmup)
         self.runtime: Backend | None = runtime
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
-        self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) + len(config.llms) + 4,
+        # A model's batches run one at a time on one runtime; in front of a cluster, as many
+        # at once as it has replicas (NOTE [Request batching]).
+        batches = 1 if config.cluster is None else config.cluster.replicas
+        self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) * batches + len(config.llms) + 4,
                                             thread_name_prefix="timeshare-serve")
         self.training = TrainingJobs(config.admin, runtime=lambda: self._rt, call=self._call)
         self.runner = QueueRunner(runtime=lambda: self._rt, executor=self._executor, metrics=self.metrics,
-                                  request_timeout_s=config.server.request_timeout_s)
+                                  request_timeout_s=config.server.request_timeout_s, batches=batches)
         self._started = asyncio.Event()
         self._opened = False
         self.start_error: str | None = None
