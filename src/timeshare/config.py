@@ -428,9 +428,8 @@ class Config(_Strict):
         if self.llms and self.runtime.scheduling == "pack":
             raise ValueError("llms: decode turns do not run in lanes yet; use a scheduling other than 'pack'")
         if self.cluster is not None:
-            if self.llms:
-                raise ValueError("cluster: language models are not served from a cluster yet; serve them from "
-                                 "a server of their own")
+            if any(m.pinned for m in self.llms):
+                raise ValueError("cluster: language models cannot be pinned on a cluster")
             pinned = [m.name for m in self.models if m.pinned]
             if pinned:
                 raise ValueError(f"cluster: models cannot be pinned on a cluster (the router places them); "

@@ -31,9 +31,10 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="
 ZOO = ("tiny_mlp", "tiny_cnn", "small_resnet", "tiny_bert")
 
 
-def _config(**cluster) -> dict:
-    return {"runtime": {"device": "cpu", "memory": "2.5MiB"},
+def _config(llm=None, **cluster) -> dict:
+    return {"runtime": {"device": "cpu", "memory": "4MiB"},
             "models": [{"name": z, "zoo": z} for z in ZOO],
+            "llms": [] if llm is None else [{"name": "llama", "path": str(llm), "max_sequences": 2}],
             "training": [{"name": "bg", "model": "tiny_cnn", "batch": 4, "iterations": 40}],
             "cluster": {"replicas": 2, "num_cpus": 5, **cluster}}
 
@@ -48,9 +49,31 @@ def _admin(server: ServerProcess, method: str, path: str) -> httpx.Response:
 
 
 @needs_ray
-def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed():
+def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed(tmp_path):
+    """Open Inference Protocol models, a language model through the OpenAI API (NOTE
+    [Language models on a cluster]: greedy text equal to ``transformers``' ``generate``,
+    streamed or not), a training job, the admin plane and the metrics, in front of two
+    replicas; then one replica killed and one added."""
+    openai = pytest.importorskip("openai")
+    transformers = pytest.importorskip("transformers")
+    from tests.integration.test_llm_server import decode, reference
+    from timeshare.llm import hfdir
+
+    llm = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)  # 2.8 MB
+    tok = transformers.AutoTokenizer.from_pretrained(llm)
+    prompt = "the replicas share the load"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    want = decode(llm, reference(llm, ids, 16))
     refs = references([ModelDef(z, z, str(weights_path(z))) for z in ZOO])
-    with ServerProcess(_config(migrate_after_s=None), ready_timeout_s=300) as server, Client(server.url) as client:
+    with ServerProcess(_config(llm, migrate_after_s=None), ready_timeout_s=300) as server, \
+            Client(server.url) as client:
+        chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def complete() -> None:
+            out = chat.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0)
+            assert out.choices[0].text == want and out.usage.completion_tokens == 16
+            assert out.usage.prompt_tokens == len(ids)
+
         def check_all() -> None:
             for z in ZOO:
                 answer = client.infer(z, _inputs(z))
@@ -61,17 +84,26 @@ def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed
 
         for _ in range(3):
             check_all()
+        assert [m.id for m in chat.models.list().data] == ["llama"]
+        complete()
+        chunks = chat.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        bad = httpx.post(f"{server.url}/v1/completions", json={"model": "llama", "prompt": prompt,
+                                                                "max_tokens": 100000}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded"
         replicas = _admin(server, "GET", "/admin/replicas").json()
         assert replicas["replicas_alive"] == 2 and replicas["policy"] == "timeshare"
         assert replicas["requests"] >= 12 and replicas["failed"] == 0
         status = _admin(server, "GET", "/admin/status").json()
         assert status["ready"] and status["device"].startswith("cpu x ")
-        assert status["capacity_bytes"] == 2 * int(2.5 * 2**20)  # the replicas' budgets added up
+        assert status["capacity_bytes"] == 2 * 4 * 2**20  # the replicas' budgets added up
         time.sleep(1.2)  # one poll of the replicas at least
         metrics = client.metrics_text()
         assert "timeshare_cluster_replicas 2.0" in metrics
         assert 'timeshare_requests_total{code="200",model="tiny_mlp"}' in metrics
         assert "timeshare_replica_loads_total{replica=" in metrics
+        assert 'timeshare_llm_time_to_first_token_seconds_count{model="llama"} 2.0' in metrics
+        assert 'timeshare_llm_tokens_total{kind="completion",model="llama"} 32.0' in metrics
 
         # A replica killed: every request still answers, exactly; it is counted as lost.
         victim = replicas["replicas"][0]["replica"]
@@ -82,8 +114,9 @@ def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed
             assert time.monotonic() < deadline, after
             time.sleep(0.1)
         assert after["replicas_lost"] == 1 and after["failed"] == 0
-        # On the one replica left, small_resnet (2.2 MB) and the rest do not fit in 2.5 MiB
-        # together: its evictions reach the front end's counters.
+        # On the one replica left, the language model (2.8 MB) and small_resnet (2.2 MB) do
+        # not fit in 4 MiB together: its evictions reach the front end's counters.
+        complete()
         check_all()
         time.sleep(1.2)
         assert "timeshare_evictions_total{model=" in client.metrics_text()
@@ -185,3 +218,4 @@ def test_replica_snapshotsadd_snapshots_up():
     assert add_snapshots([a, b]) == {"capacity_bytes": 30, "resident": {"x": 1, "y": 3}, "loads": {"x": 3, "y": 4},
                             "workers": None, "lanes": {"lanes": [1, 2], "capacity": 11}, "device": "cpu",
                             "ok": False}
+

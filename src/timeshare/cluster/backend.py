@@ -23,14 +23,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from timeshare.cluster.cluster import Cluster
+from timeshare.cluster.cluster import Cluster, ReplicaLostError
+from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, RemoteLanguageModel, relay
 from timeshare.cluster.replica import ModelDef
 from timeshare.config import ClusterConfig
 from timeshare.errors import Conflict, TimeshareError, UnknownModelError
+from timeshare.llm.engine import Delta, Finish
+from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.scheduler.migration import RUNNABLE, JobSeen, ReplicaSeen, plan_migrations
@@ -130,8 +135,9 @@ class ClusterRuntime:
         self._poller.start()
 
     @classmethod
-    def from_config(cls, cfg: ClusterConfig, runtime_kwargs: dict, models: list[ModelDef]) -> ClusterRuntime:
-        cluster = Cluster(models, replicas=cfg.replicas, runtime=runtime_kwargs, policy=cfg.policy,
+    def from_config(cls, cfg: ClusterConfig, runtime_kwargs: dict, models: list[ModelDef],
+                    llms: Sequence[LLMDef] = ()) -> ClusterRuntime:
+        cluster = Cluster(models, replicas=cfg.replicas, runtime=runtime_kwargs, policy=cfg.policy, llms=llms,
                           address=cfg.address, num_cpus=cfg.num_cpus, max_replicas=cfg.max_replicas,
                           call_timeout_s=cfg.call_timeout_s, start_timeout_s=cfg.start_timeout_s, seed=cfg.seed,
                           cpu_fallback=cfg.cpu_fallback)
@@ -272,6 +278,43 @@ class ClusterRuntime:
         log.info("training job %s moved from %s to %s at iteration %d", name, moved["from"], moved["to"],
                  moved["iterations"])
         return moved
+
+    # ------------------------------------------------------------------ language models
+    def language_model(self, name: str) -> RemoteLanguageModel:
+        """The cluster's language model ``name`` (NOTE [Language models on a cluster])."""
+        spec = self.cluster.llms.get(name)
+        if spec is None:
+            raise UnknownModelError(f"no language model named {name!r}; known: {sorted(self.cluster.llms)}")
+        return RemoteLanguageModel(self, spec)
+
+    def generate(self, model: str, prompt: list[int], params: SamplingParams,
+                 on_event: Callable[[Delta | Finish], None] | None, engine: RemoteEngine) -> RemoteGeneration:
+        """Start a generation on a replica; a thread relays its events."""
+        gen_id = uuid.uuid4().hex
+        arrived = time.monotonic()
+        i, stream, finished = self.cluster.generate(model, prompt, params, gen_id)
+        generation = RemoteGeneration(lambda: self.cluster.cancel_generation(i, gen_id), on_event)
+        replica = self.cluster.slots[i].name
+
+        def lost(exc: BaseException) -> BaseException:
+            return ReplicaLostError(f"generation for {model!r} on {replica}: {type(exc).__name__}: {exc}"[:500])
+
+        def run() -> None:
+            try:
+                relay(self.cluster.events(stream, self.cluster.call_timeout_s), generation, engine, model,
+                      len(prompt), arrived, lost)
+            finally:
+                finished()
+
+        threading.Thread(target=run, name=f"timeshare-generation-{model}", daemon=True).start()
+        return generation
+
+    def llm_snapshot(self, name: str) -> dict:
+        """Language model ``name``'s engines on the replicas, added up (as of the last poll)."""
+        with self._lock:
+            views = [s["llms"][name] for s in self._latest.values() if name in s.get("llms", {})]
+        keys = ("running", "waiting", "kv_bytes", "steps", "turns")
+        return {k: sum(v[k] for v in views) for k in keys}
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self) -> str:

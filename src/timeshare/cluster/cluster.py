@@ -41,13 +41,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replica import ModelDef, Replica, Reply
 from timeshare.errors import ConfigError, Conflict, ModelTooLargeError, Unavailable, UnknownModelError
 from timeshare.models.workloads import TrainingWorkload
@@ -131,7 +132,7 @@ class Cluster:
                  policy: str = "timeshare", address: str | None = None, num_cpus: int | None = None,
                  max_replicas: int | None = None, call_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
                  seed: int = 0, device: str = "cpu", runtime: dict | None = None,
-                 cpu_fallback: int | str | None = None, failing: Sequence[int] = ()):
+                 cpu_fallback: int | str | None = None, llms: Sequence[LLMDef] = (), failing: Sequence[int] = ()):
         if not models:
             raise ConfigError("a cluster needs at least one model")
         if replicas < 1:
@@ -151,6 +152,9 @@ class Cluster:
         self.runtime = runtime
         self.policy = policy
         self.cpu_fallback = cpu_fallback  # NOTE [CPU fallback]
+        self.llms = {spec.name: spec for spec in llms}  # NOTE [Language models on a cluster]
+        self._llm_home: dict[str, int] = {}  # language model -> the replica that generated for it last
+        self._generating: dict[tuple[int, str], int] = {}  # (replica, model) -> generations in flight
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         n = max_replicas or replicas + 2
@@ -235,7 +239,7 @@ class Cluster:
         """A replica actor, started and answering, or the error that stopped it."""
         actor = self._actor_class.remote(name or f"replica-{i}", self.models, device=self.device,
                                          memory=self.memory, runtime=self.runtime, cpu_fallback=self.cpu_fallback,
-                                         fail_start=fail)
+                                         llms=list(self.llms.values()), fail_start=fail)
         try:
             hello = self._ray.get(actor.ping.remote(), timeout=self.start_timeout_s)
             if hello["host"] == socket.gethostname():
@@ -445,6 +449,50 @@ class Cluster:
                         slot.cpu_free_at = self._now()
                 if ok and slot.outstanding == 0 and slot.alive:  # drained: the estimate is corrected to now
                     self.router.drained(i, self._now())
+
+    # ------------------------------------------------------------------ language models
+    def generate(self, model: str, prompt: list[int], params: Any, gen_id: str) -> tuple[int, Any, Callable]:
+        """Start a generation of language model ``model`` (NOTE [Language models on a
+        cluster]): the replica's slot, the stream of its events (each a Ray object
+        reference), and what ends its count in flight."""
+        spec = self.llms.get(model)
+        if spec is None:
+            raise UnknownModelError(f"no language model named {model!r}; known: {sorted(self.llms)}")
+        with self._lock:
+            live = [i for i, s in enumerate(self.slots) if s.alive]
+            if not live:
+                raise ReplicaLostError(f"generation for {model!r}: no replica is alive")
+            home = self._llm_home.get(model)
+            if home not in live or self._generating.get((home, model), 0) >= spec.max_sequences:
+                home = min(live, key=lambda i: sum(n for (j, _), n in self._generating.items() if j == i))
+            self._llm_home[model] = home
+            key = (home, model)
+            self._generating[key] = self._generating.get(key, 0) + 1
+        done = threading.Event()
+
+        def finished() -> None:
+            if not done.is_set():
+                done.set()
+                with self._lock:
+                    self._generating[key] -= 1
+
+        try:
+            stream = self.slots[home].actor.generate.options(num_returns="streaming").remote(
+                model, prompt, params, gen_id, self.call_timeout_s)
+        except BaseException:
+            finished()
+            raise
+        return home, stream, finished
+
+    def events(self, stream: Any, timeout_s: float):
+        """The events of a generation's stream, each waited for at most ``timeout_s``."""
+        for ref in stream:
+            yield self._ray.get(ref, timeout=timeout_s)
+
+    def cancel_generation(self, i: int, gen_id: str) -> None:
+        slot = self.slots[i]
+        if slot.alive and slot.actor is not None:
+            slot.actor.cancel_generation.options(concurrency_group=OBSERVE).remote(gen_id)  # not waited for
 
     # ------------------------------------------------------------------ training jobs
     def train(self, name: str, workload: str, iterations: int, *, seed: int = 0, replica: str | None = None) -> str:

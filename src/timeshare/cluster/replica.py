@@ -77,7 +77,8 @@ class Replica:
     (NOTE [CPU fallback]); None: none."""
 
     def __init__(self, name: str, models: list[ModelDef], *, device: str = "cpu", memory: int | str = "64MiB",
-                 runtime: dict | None = None, cpu_fallback: int | str | None = None, fail_start: bool = False):
+                 runtime: dict | None = None, cpu_fallback: int | str | None = None, llms: list | None = None,
+                 fail_start: bool = False):
         if fail_start:  # for tests and drills: a replica that cannot start
             raise ConfigError(f"replica {name} was told not to start")
         self.name = name
@@ -92,9 +93,13 @@ class Replica:
         self._warming = False
         self.rt.subscribe(self._on_record)
         self.cpu: Runtime | None = None
+        self.llms: dict = {}  # language models (``cluster/llm.py``'s LLMDef) -> their LanguageModel here
+        self._sequences: dict[str, object] = {}  # generations in progress, by the front end's id
         try:
             for m in models:
                 m.register(self.rt)
+            for spec in llms or ():
+                self.llms[spec.name] = spec.load(self.rt)
             if cpu_fallback is not None:
                 self.cpu = Runtime(device="cpu", memory=cpu_fallback)
                 for m in models:
@@ -239,6 +244,25 @@ class Replica:
             raise ConfigError(f"no training job {name!r} on replica {self.name}")
         return job
 
+    def generate(self, model: str, prompt: list[int], params, gen_id: str, timeout_s: float = 600.0):
+        """Generate from language model ``model``: its events (deltas, then the finish)
+        as they come (a Ray generator, NOTE [Language models on a cluster])."""
+        seq = self.llms[model].generate(prompt, params)
+        with self._events:
+            self._sequences[gen_id] = seq
+        try:
+            yield from seq.events(timeout_s)
+        finally:
+            seq.cancel()  # a no-op once finished; a reader gone stops it at the next step
+            with self._events:
+                self._sequences.pop(gen_id, None)
+
+    def cancel_generation(self, gen_id: str) -> None:
+        with self._events:
+            seq = self._sequences.get(gen_id)
+        if seq is not None:
+            seq.cancel()  # type: ignore[attr-defined]
+
     def evict(self, model: str) -> bool:
         return self.rt.evict(model)
 
@@ -249,7 +273,8 @@ class Replica:
             evicted, self._evicted = self._evicted, []
         return {"replica": self.name, "snapshot": self.rt.snapshot(), "evicted": evicted,
                 "jobs": {n: self.job(n) for n in self.rt.job_handles()},
-                "cpu_fallback": None if self.cpu is None else self.cpu.snapshot()}
+                "cpu_fallback": None if self.cpu is None else self.cpu.snapshot(),
+                "llms": {n: m.engine.snapshot() for n, m in self.llms.items()}}
 
     def evict_all(self) -> None:
         """Nothing resident: a fresh start for the next run over the same replica."""
@@ -262,6 +287,8 @@ class Replica:
                 "evictions": s["evictions"], "capacity_bytes": s["capacity_bytes"]}
 
     def close(self) -> None:
+        for model in self.llms.values():
+            model.engine.close()
         try:
             self.rt.close()
         finally:

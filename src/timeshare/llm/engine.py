@@ -193,6 +193,18 @@ class Sequence:
             self.cancel()
 
 
+def check_prompt(model: str, prompt: list[int], params: SamplingParams, vocab: int, max_context: int) -> None:
+    """A prompt that cannot be generated from: a clear error before it queues anywhere."""
+    if not prompt:
+        raise ConfigError("the prompt is empty")
+    if any(not 0 <= t < vocab for t in prompt):
+        raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+    if len(prompt) + params.max_tokens > max_context:
+        raise ContextLengthError(
+            f"model {model!r} has a context of {max_context} tokens; the prompt has {len(prompt)} "
+            f"and max_tokens asks for {params.max_tokens} more")
+
+
 class Engine:
     """Continuous batching for the model ``name`` of ``runtime`` (NOTE [Decode bursts]).
 
@@ -228,14 +240,7 @@ class Engine:
     def submit(self, prompt: list[int], params: SamplingParams,
                on_event: Callable[[Delta | Finish], None] | None = None) -> Sequence:
         """Queue a generation. A prompt that cannot fit is refused here, before it queues."""
-        if not prompt:
-            raise ConfigError("the prompt is empty")
-        if any(not 0 <= t < self._vocab for t in prompt):
-            raise ConfigError(f"prompt token ids must be in [0, {self._vocab})")
-        if len(prompt) + params.max_tokens > self.max_context:
-            raise ContextLengthError(
-                f"model {self.name!r} has a context of {self.max_context} tokens; the prompt has {len(prompt)} "
-                f"and max_tokens asks for {params.max_tokens} more")
+        check_prompt(self.name, prompt, params, self._vocab, self.max_context)
         with self._cond:
             if self._closed:
                 raise Unavailable(f"model {self.name!r} is closed")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,17 +23,12 @@ from timeshare.scheduler.task import Priority
 PROFILE_TOKENS = 32  # the prompt length a model's prefill is profiled (and its loads planned) for
 
 
-class LanguageModel:
-    """Model ``name`` of ``runtime``, from the directory ``path`` (see ``load``)."""
+class Texts:
+    """Text to token ids and back with a model's tokenizer and chat template: the same for
+    a model generating here and one generating on a cluster's replica."""
 
-    def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine):
-        self.runtime, self.name, self.path = runtime, name, path
-        self.tokenizer, self.config, self.engine = tokenizer, config, engine
-        self.created = int(path.stat().st_mtime)
-
-    @property
-    def max_context(self) -> int:
-        return self.engine.max_context
+    name: str
+    tokenizer: Any
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -49,6 +46,19 @@ class LanguageModel:
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+class LanguageModel(Texts):
+    """Model ``name`` of ``runtime``, from the directory ``path`` (see ``load``)."""
+
+    def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine):
+        self.runtime, self.name, self.path = runtime, name, path
+        self.tokenizer, self.config, self.engine = tokenizer, config, engine
+        self.created = int(path.stat().st_mtime)
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
 
     def generate(self, prompt: list[int], params: SamplingParams,
                  on_event: Callable[[Delta | Finish], None] | None = None) -> Sequence:
@@ -71,30 +81,13 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts].
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
-    from transformers import AutoConfig, AutoTokenizer, DynamicCache
+    from transformers import DynamicCache
 
     if runtime.in_process_worker() is None:
         raise ConfigError(f"language model {name!r}: generation needs an in-process runtime (workers: 0); "
                           "key/value caches in worker processes are not built yet")
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{str(path)!r} is not a model directory (no config.json)")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as exc:
-        raise ConfigError(f"{path}/config.json cannot be read ({exc})") from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:
-        raise ConfigError(f"{path}: the tokenizer cannot be read ({exc})") from None
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    context = max_context or positions
-    if not context:
-        raise ConfigError(f"model {name!r}: its config gives no context length; set max_context")
-    if positions and context > positions:
-        raise ConfigError(f"model {name!r}: max_context {context} exceeds its {positions} positions")
-    vocab = int(config.vocab_size)
-    eos = _ids(getattr(config, "eos_token_id", None)) | _ids(tokenizer.eos_token_id)
+    d = open_directory(name, path, max_context)
+    path, config, tokenizer, context, vocab, eos = d.path, d.config, d.tokenizer, d.max_context, d.vocab, d.eos
     example = torch.arange(min(PROFILE_TOKENS, context - 1), dtype=torch.long)[None] % vocab
     # The shards themselves: read now, or under a host budget only when a load needs them.
     shards = [str(f) for f in hfdir.shard_files(path)]
@@ -120,6 +113,45 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
         runtime.unregister(name)
         raise
     return LanguageModel(runtime, name, path, tokenizer, config, engine)
+
+
+@dataclass(frozen=True)
+class Directory:
+    """What a Hugging Face model directory says before any weight is read."""
+
+    path: Path
+    config: Any
+    tokenizer: Any
+    max_context: int
+    vocab: int
+    eos: set[int]
+
+
+def open_directory(name: str, path: str | Path, max_context: int | None = None) -> Directory:
+    """Read ``path``'s config and tokenizer (clear errors for a directory that is not a
+    model's); ``max_context`` at most the model's positions (default: all of them)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{str(path)!r} is not a model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise ConfigError(f"{path}/config.json cannot be read ({exc})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ConfigError(f"{path}: the tokenizer cannot be read ({exc})") from None
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    context = max_context or positions
+    if not context:
+        raise ConfigError(f"model {name!r}: its config gives no context length; set max_context")
+    if positions and context > positions:
+        raise ConfigError(f"model {name!r}: max_context {context} exceeds its {positions} positions")
+    vocab = int(config.vocab_size)
+    eos = _ids(getattr(config, "eos_token_id", None)) | _ids(tokenizer.eos_token_id)
+    return Directory(path, config, tokenizer, int(context), vocab, eos)
 
 
 def _ids(value) -> set[int]:

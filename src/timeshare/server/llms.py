@@ -1,47 +1,90 @@
 """The server's language models (the ``llms`` section of the YAML): loaded and warmed up
 at start-up, found by the ``model`` field of OpenAI-style requests, closed at shutdown.
-Runs in the server's process; loading runs in the service's pool threads."""
+Runs in the server's process; loading runs in the service's pool threads. A model
+generates in this process (``llm/model.py``) or on a cluster's replicas
+(``cluster/llm.py``): the same ``ServedLLM`` either way."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from timeshare.config import LLMConfig
 from timeshare.errors import Unavailable, UnknownModelError
 from timeshare.llm import model as lm
-from timeshare.llm.engine import Event
+from timeshare.llm.engine import Delta, Event, Finish
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.facade import Runtime
 
 log = logging.getLogger(__name__)
 
 
+class Generation(Protocol):
+    def cancel(self) -> None: ...
+
+    def result(self, timeout_s: float) -> Any: ...
+
+
+class EngineView(Protocol):
+    def subscribe(self, listener: Callable[[Event], None]) -> None: ...
+
+    def snapshot(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class ServedLLM(Protocol):
+    """What the OpenAI API needs of a language model."""
+
+    name: str
+    created: int
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def engine(self) -> EngineView: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def generate(self, prompt: list[int], params: SamplingParams,
+                 on_event: Callable[[Delta | Finish], None] | None = None) -> Generation: ...
+
+    def close(self) -> None: ...
+
+
+def open_local(runtime: Runtime, cfg: LLMConfig) -> ServedLLM:
+    """``cfg``'s model generating in this process, on ``runtime``."""
+    return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
+                   max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000)
+
+
 class LanguageModels:
     def __init__(self, configs: list[LLMConfig], listener: Callable[[Event], None], *, warmup: bool = True):
         self.configs = {c.name: c for c in configs}
         self.warmup = warmup
-        self.loaded: dict[str, lm.LanguageModel] = {}
+        self.loaded: dict[str, ServedLLM] = {}
         self.failed: dict[str, str] = {}
         self._listener = listener
 
-    async def start(self, runtime: Runtime, call: Callable[..., Awaitable]) -> None:
-        """Load every model (which profiles its prefill) and, with ``warmup``, generate a
-        token with it; a model that fails is unavailable, with the reason, and the
-        others serve."""
+    async def start(self, open_model: Callable[[LLMConfig], ServedLLM], call: Callable[..., Awaitable]) -> None:
+        """Open every model with ``open_model`` (which profiles its prefill) and, with
+        ``warmup``, generate a token with it; a model that fails is unavailable, with the
+        reason, and the others serve."""
         for cfg in self.configs.values():
             try:
-                model = await call(self._load, runtime, cfg)
+                model = await call(self._load, open_model, cfg)
             except Exception as exc:
                 self.failed[cfg.name] = f"{type(exc).__name__}: {exc}"
                 log.error("language model %s did not load: %s", cfg.name, exc)
                 continue
             self.loaded[cfg.name] = model
 
-    def _load(self, runtime: Runtime, cfg: LLMConfig) -> lm.LanguageModel:
-        model = lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
-                        max_context=cfg.max_context, max_sequences=cfg.max_sequences,
-                        quantum_s=cfg.quantum_ms / 1000)
+    def _load(self, open_model: Callable[[LLMConfig], ServedLLM], cfg: LLMConfig) -> ServedLLM:
+        model = open_model(cfg)
         try:
             if self.warmup:
                 model.generate(model.encode("warm up") or [0], SamplingParams(max_tokens=1, temperature=0)).result(600)
@@ -51,7 +94,7 @@ class LanguageModels:
         model.engine.subscribe(self._listener)
         return model
 
-    def get(self, name: str) -> lm.LanguageModel:
+    def get(self, name: str) -> ServedLLM:
         model = self.loaded.get(name)
         if model is not None:
             return model

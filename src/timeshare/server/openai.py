@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from timeshare.errors import ConfigError, Timeout, TimeshareError
-from timeshare.llm.engine import ContextLengthError, Delta, Finish, Sequence
-from timeshare.llm.model import LanguageModel
+from timeshare.llm.engine import ContextLengthError, Delta, Finish
 from timeshare.llm.sampling import SamplingParams
+from timeshare.server.llms import Generation, ServedLLM
 from timeshare.server.status import served_error, status_of
 
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that its client is still there
@@ -183,12 +183,12 @@ async def _body(request: Request) -> Any:
         raise _Invalid(f"the body is not JSON ({exc})", None) from None
 
 
-def _model_card(model: LanguageModel) -> dict:
+def _model_card(model: ServedLLM) -> dict:
     return {"id": model.name, "object": "model", "created": model.created, "owned_by": "timeshare",
             "max_model_len": model.max_context}
 
 
-def _prompts(prompt, model: LanguageModel) -> list[list[int]]:
+def _prompts(prompt, model: ServedLLM) -> list[list[int]]:
     """A completion request's prompts as token ids: a string, strings, token ids, or
     lists of token ids."""
     if isinstance(prompt, str):
@@ -207,7 +207,7 @@ class _Stream:
         self.timeout_s = timeout_s  # the longest wait for any sequence's next event
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Delta | Finish]] = asyncio.Queue()
-        self.seqs: list[Sequence] = []
+        self.seqs: list[Generation] = []
 
     def listener(self, index: int):
         def put(event: Delta | Finish) -> None:
@@ -230,7 +230,7 @@ class _Stream:
             seq.cancel()
 
 
-async def _answer(request: Request, model: LanguageModel, prompts: list[list[int]], params: SamplingParams,
+async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
                   req: _Sampling, *, chat: bool, timeout_s: float):
     stream = _Stream(timeout_s)
     try:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from timeshare.config import Config, ModelConfig, TrainingConfig
+from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
 from timeshare.models.spec import Builder
 from timeshare.models.zoo import get as zoo_get
@@ -28,7 +28,7 @@ from timeshare.runtime.facade import Runtime
 from timeshare.server.backend import Backend
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs
 from timeshare.server.jobs import TrainingJobs
-from timeshare.server.llms import LanguageModels
+from timeshare.server.llms import LanguageModels, ServedLLM, open_local
 from timeshare.server.metrics import Metrics
 from timeshare.server.parser_pool import ParserPool
 from timeshare.server.runner import QueueRunner, Reply
@@ -75,11 +75,26 @@ class Service:
             if self.config.cluster is not None:  # replicas on Ray (NOTE [Cluster deployment])
                 from timeshare.cluster.backend import ClusterRuntime
 
-                self.runtime = ClusterRuntime.from_config(self.config.cluster, kwargs, self._model_defs())
+                self.runtime = ClusterRuntime.from_config(self.config.cluster, kwargs, self._model_defs(),
+                                                          self._llm_defs())
             else:
                 self.runtime = Runtime(**kwargs)
         self.runtime.subscribe(self._on_record)
         self._opened = True
+
+    def _open_llm(self, cfg: LLMConfig) -> ServedLLM:
+        """A language model of the config: generating on the cluster's replicas, or here."""
+        if self.config.cluster is not None:
+            return self.cluster().language_model(cfg.name)
+        assert isinstance(self._rt, Runtime), "without a cluster the runtime is in this process"
+        return open_local(self._rt, cfg)
+
+    def _llm_defs(self) -> list:
+        """The config's language models as every replica of a cluster loads them."""
+        from timeshare.cluster.llm import LLMDef
+
+        return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
+                       max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000) for c in self.config.llms]
 
     def _model_defs(self) -> list:
         """The config's models as every replica of a cluster builds them."""
@@ -114,9 +129,8 @@ class Service:
             for ep in sorted(self.endpoints.values(), key=lambda e: e.pinned):
                 async with ep.lock:
                     await self._load(ep)
-            if self.config.llms:  # never with a cluster (config.py refuses it)
-                assert isinstance(self._rt, Runtime), "language models need a runtime in this process"
-                await self.llms.start(self._rt, self._call)
+            if self.config.llms:
+                await self.llms.start(self._open_llm, self._call)
             for cfg in self.config.training:
                 if cfg.start:
                     try:

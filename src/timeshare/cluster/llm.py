@@ -1,0 +1,170 @@
+"""Language models on a cluster's replicas, as a server sees one of its own. Runs in the
+front end's process (``RemoteLanguageModel``) and in the replicas (``LLMDef.load``).
+
+NOTE [Language models on a cluster]
+Every replica loads every language model of the config into its runtime (its weights in
+the host store, loaded onto the device on demand, pipelined, as on one machine) with an
+engine of its own; a generation runs whole on one replica, streamed back token by token
+through a Ray generator (``Replica.generate``). The front end keeps the tokenizer (read
+from the same directory), so prompts are checked and encoded before anything is sent,
+and errors about them are the same as on one machine. Which replica generates: the one
+that generated for this model last (its weights, and perhaps its turn, are there) while
+it has fewer generations of the model in flight than the model decodes together; else
+the live replica with the fewest generations in flight. A generation whose replica dies
+ends with an error (it is not retried: tokens may have been sent already); cancelling
+one (a client that leaves) reaches its replica beside whatever it is running.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from timeshare.errors import Timeout
+from timeshare.llm.engine import Completion, Delta, Event, Finish, SequenceDone, TokenTiming, check_prompt
+from timeshare.llm.model import Texts, open_directory
+from timeshare.llm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from timeshare.cluster.backend import ClusterRuntime
+    from timeshare.runtime.facade import Runtime
+
+
+@dataclass(frozen=True)
+class LLMDef:
+    """A language model every replica loads: a Hugging Face directory every replica can read."""
+
+    name: str
+    path: str
+    dtype: str | None = None
+    priority: str = "latency_critical"
+    max_context: int | None = None
+    max_sequences: int = 8
+    quantum_s: float = 0.05
+
+    def load(self, rt: Runtime):
+        from timeshare.llm import model as lm
+
+        return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
+                       max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s)
+
+
+class RemoteGeneration:
+    """One generation on a replica: its events go to ``on_event`` (or are read with
+    ``result``) as they arrive; ``cancel`` stops it there."""
+
+    def __init__(self, cancel: Callable[[], None], on_event: Callable[[Delta | Finish], None] | None):
+        self._cancel = cancel
+        self._on_event = on_event
+        self._events: queue.Queue[Delta | Finish] = queue.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._cancel()
+
+    def put(self, event: Delta | Finish) -> None:
+        if self._on_event is not None:
+            self._on_event(event)
+        else:
+            self._events.put(event)
+
+    def result(self, timeout_s: float) -> Completion:
+        """The whole completion (when no ``on_event`` was given); raises its error."""
+        text = []
+        while True:
+            try:
+                event = self._events.get(timeout=timeout_s)
+            except queue.Empty:
+                self.cancel()
+                raise Timeout(f"no token in {timeout_s:g} s") from None
+            if isinstance(event, Delta):
+                text.append(event.text)
+                continue
+            if event.error is not None:
+                raise event.error
+            return Completion("".join(text), [], event.reason, event.prompt_tokens, event.completion_tokens)
+
+
+class RemoteEngine:
+    """The model's engines on the replicas, as one: their listeners, their snapshots added up."""
+
+    def __init__(self, owner: ClusterRuntime, name: str, max_sequences: int, max_context: int):
+        self._owner, self.name = owner, name
+        self.max_sequences, self.max_context = max_sequences, max_context
+        self.listeners: list[Callable[[Event], None]] = []
+        self.closed = False
+
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        self.listeners.append(listener)
+
+    def emit(self, event: Event) -> None:
+        for listener in list(self.listeners):
+            listener(event)
+
+    def snapshot(self) -> dict:
+        return {**self._owner.llm_snapshot(self.name), "max_sequences": self.max_sequences,
+                "max_context": self.max_context}
+
+    def close(self) -> None:
+        self.closed = True  # the replicas' engines close with their replicas
+
+
+class RemoteLanguageModel(Texts):
+    """Model ``name`` generating on the replicas of ``owner`` (NOTE [Language models on a
+    cluster]); its tokenizer here."""
+
+    def __init__(self, owner: ClusterRuntime, spec: LLMDef):
+        d = open_directory(spec.name, spec.path, spec.max_context)
+        self.name, self.path, self.tokenizer = spec.name, d.path, d.tokenizer
+        self.created = int(d.path.stat().st_mtime)
+        self._vocab = d.vocab
+        self._owner = owner
+        self._engine = RemoteEngine(owner, spec.name, spec.max_sequences, d.max_context)
+
+    @property
+    def max_context(self) -> int:
+        return self._engine.max_context
+
+    @property
+    def engine(self) -> RemoteEngine:
+        return self._engine
+
+    def generate(self, prompt: list[int], params: SamplingParams,
+                 on_event: Callable[[Delta | Finish], None] | None = None) -> RemoteGeneration:
+        check_prompt(self.name, prompt, params, self._vocab, self.max_context)
+        if self._engine.closed:
+            from timeshare.errors import Unavailable
+
+            raise Unavailable(f"model {self.name!r} is closed")
+        return self._owner.generate(self.name, list(prompt), params, on_event, self._engine)
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+def relay(events, generation: RemoteGeneration, engine: RemoteEngine, model: str, prompt_tokens: int,
+          arrived: float, lost: Callable[[BaseException], BaseException]) -> None:
+    """Deliver a replica's stream of events (an iterator that raises if the replica dies)
+    to ``generation``, with the token timings for the metrics measured here."""
+    last = arrived
+    sent = 0
+    try:
+        for event in events:
+            now = time.monotonic()
+            if isinstance(event, Delta):
+                engine.emit(TokenTiming(model, sent == 0, now - last))
+                last, sent = now, sent + event.tokens
+            generation.put(event)
+            if isinstance(event, Finish):
+                engine.emit(SequenceDone(model, event))
+                return
+    except Exception as exc:  # the replica died or stopped answering: the generation fails here
+        finish = Finish("error", prompt_tokens, sent, lost(exc))
+        generation.put(finish)
+        engine.emit(SequenceDone(model, finish))
