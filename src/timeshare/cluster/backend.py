@@ -33,7 +33,7 @@ from timeshare.cluster.cluster import Cluster, ReplicaLostError
 from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, RemoteLanguageModel, relay
 from timeshare.cluster.replica import ModelDef
 from timeshare.config import ClusterConfig
-from timeshare.errors import Conflict, TimeshareError, UnknownModelError
+from timeshare.errors import ConfigError, Conflict, TimeshareError, UnknownModelError
 from timeshare.llm.engine import Delta, Finish
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.calls import Call
@@ -285,6 +285,9 @@ class ClusterRuntime:
         spec = self.cluster.llms.get(name)
         if spec is None:
             raise UnknownModelError(f"no language model named {name!r}; known: {sorted(self.cluster.llms)}")
+        if name in self.cluster.llm_failures:
+            why = self.cluster.llm_failures[name]
+            raise ConfigError(f"language model {name!r} did not load on the replicas: {why}")
         return RemoteLanguageModel(self, spec)
 
     def generate(self, model: str, prompt: list[int], params: SamplingParams,
@@ -296,17 +299,24 @@ class ClusterRuntime:
         generation = RemoteGeneration(lambda: self.cluster.cancel_generation(i, gen_id), on_event)
         replica = self.cluster.slots[i].name
 
-        def lost(exc: BaseException) -> BaseException:
-            return ReplicaLostError(f"generation for {model!r} on {replica}: {type(exc).__name__}: {exc}"[:500])
+        def failed(exc: BaseException) -> BaseException:
+            if self.cluster.died(exc):  # the replica died: found by the next poll too
+                return ReplicaLostError(f"generation for {model!r} on {replica}: {type(exc).__name__}: {exc}"[:500])
+            return exc  # late (Timeout), or the replica's own error as raised there
 
         def run() -> None:
             try:
                 relay(self.cluster.events(stream, self.cluster.call_timeout_s), generation, engine, model,
-                      len(prompt), arrived, lost)
+                      len(prompt), arrived, failed)
             finally:
                 finished()
 
-        threading.Thread(target=run, name=f"timeshare-generation-{model}", daemon=True).start()
+        try:
+            threading.Thread(target=run, name=f"timeshare-generation-{model}", daemon=True).start()
+        except BaseException:
+            finished()
+            generation.cancel()
+            raise
         return generation
 
     def llm_snapshot(self, name: str) -> dict:

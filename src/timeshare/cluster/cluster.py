@@ -50,7 +50,15 @@ import numpy as np
 
 from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replica import ModelDef, Replica, Reply
-from timeshare.errors import ConfigError, Conflict, ModelTooLargeError, Unavailable, UnknownModelError
+from timeshare.errors import (
+    ConfigError,
+    Conflict,
+    ModelTooLargeError,
+    Overloaded,
+    Timeout,
+    Unavailable,
+    UnknownModelError,
+)
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.scheduler.routing import Fleet, Router, compile_steps, cpu_sooner, policy_code
 from timeshare.units import parse_bytes
@@ -59,6 +67,7 @@ log = logging.getLogger(__name__)
 
 
 OBSERVE = "observe"  # the actors' concurrency group for calls that must not wait for the device
+GENERATE = "generate"  # the group of generations (NOTE [Language models on a cluster])
 REPLICA_CALLS = 16  # calls a replica's actor takes at once (NOTE [Cluster deployment])
 
 
@@ -155,6 +164,9 @@ class Cluster:
         self.llms = {spec.name: spec for spec in llms}  # NOTE [Language models on a cluster]
         self._llm_home: dict[str, int] = {}  # language model -> the replica that generated for it last
         self._generating: dict[tuple[int, str], int] = {}  # (replica, model) -> generations in flight
+        self.llm_failures: dict[str, str] = {}  # language models that did not load on a replica, and why
+        # A replica's generations, each holding a thread of its actor's "generate" group.
+        self.generations_per_replica = max(1, sum(spec.max_sequences for spec in llms))
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         n = max_replicas or replicas + 2
@@ -178,7 +190,8 @@ class Cluster:
         # A replica on "cuda" takes one GPU, which Ray makes its "cuda" (CUDA_VISIBLE_DEVICES).
         gpus = 1 if str(device).startswith("cuda") else 0
         self._actor_class = self._ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0, max_concurrency=REPLICA_CALLS,
-                                             concurrency_groups={OBSERVE: 2})(Replica)
+                                             concurrency_groups={OBSERVE: 2,
+                                                                 GENERATE: self.generations_per_replica})(Replica)
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self.slots: list[ReplicaSlot] = []
@@ -244,6 +257,9 @@ class Cluster:
             hello = self._ray.get(actor.ping.remote(), timeout=self.start_timeout_s)
             if hello["host"] == socket.gethostname():
                 self._segments[i] = list(hello["segments"])
+            for model, why in hello["llm_failures"].items():
+                log.error("language model %s did not load on replica-%d: %s", model, i, why)
+                self.llm_failures.setdefault(model, why)
             return actor, None
         except Exception as exc:
             self._ray.kill(actor)
@@ -447,7 +463,7 @@ class Cluster:
                     slot.cpu_outstanding -= 1
                     if slot.cpu_outstanding == 0:
                         slot.cpu_free_at = self._now()
-                if ok and slot.outstanding == 0 and slot.alive:  # drained: the estimate is corrected to now
+                if ok and slot.outstanding == slot.cpu_outstanding and slot.alive:  # the device's queue drained
                     self.router.drained(i, self._now())
 
     # ------------------------------------------------------------------ language models
@@ -459,15 +475,23 @@ class Cluster:
         if spec is None:
             raise UnknownModelError(f"no language model named {model!r}; known: {sorted(self.llms)}")
         with self._lock:
-            live = [i for i, s in enumerate(self.slots) if s.alive]
+            live = [i for i, s in enumerate(self.slots) if s.alive and s.actor is not None]
             if not live:
                 raise ReplicaLostError(f"generation for {model!r}: no replica is alive")
+
+            def load(i: int) -> int:
+                return sum(n for (j, _), n in self._generating.items() if j == i)
+
             home = self._llm_home.get(model)
-            if home not in live or self._generating.get((home, model), 0) >= spec.max_sequences:
-                home = min(live, key=lambda i: sum(n for (j, _), n in self._generating.items() if j == i))
+            if home not in live or self._generating.get((home, model), 0) >= spec.max_sequences \
+                    or load(home) >= self.generations_per_replica:
+                home = min(live, key=load)
+            if load(home) >= self.generations_per_replica:
+                raise Overloaded(f"every replica generates {self.generations_per_replica} sequences already", 1)
             self._llm_home[model] = home
             key = (home, model)
             self._generating[key] = self._generating.get(key, 0) + 1
+            actor = self.slots[home].actor
         done = threading.Event()
 
         def finished() -> None:
@@ -477,7 +501,7 @@ class Cluster:
                     self._generating[key] -= 1
 
         try:
-            stream = self.slots[home].actor.generate.options(num_returns="streaming").remote(
+            stream = actor.generate.options(num_returns="streaming", concurrency_group=GENERATE).remote(
                 model, prompt, params, gen_id, self.call_timeout_s)
         except BaseException:
             finished()
@@ -485,9 +509,28 @@ class Cluster:
         return home, stream, finished
 
     def events(self, stream: Any, timeout_s: float):
-        """The events of a generation's stream, each waited for at most ``timeout_s``."""
-        for ref in stream:
-            yield self._ray.get(ref, timeout=timeout_s)
+        """The events of a generation's stream, each waited for at most ``timeout_s``
+        (then ``Timeout``); the replica's own error as raised there."""
+        ray = self._ray
+        while True:
+            ready, _ = ray.wait([stream], timeout=timeout_s)
+            if not ready:
+                raise Timeout(f"no token within {timeout_s:g} s (cluster.call_timeout_s)")
+            try:
+                ref = next(stream)
+            except StopIteration:
+                return
+            try:
+                yield ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(exc.cause, BaseException) else None
+                if cause is None:
+                    raise
+                raise cause from None
+
+    def died(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says a replica's actor died."""
+        return isinstance(exc, self._ray.exceptions.RayActorError)
 
     def cancel_generation(self, i: int, gen_id: str) -> None:
         slot = self.slots[i]

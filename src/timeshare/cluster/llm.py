@@ -11,12 +11,17 @@ and errors about them are the same as on one machine. Which replica generates: t
 that generated for this model last (its weights, and perhaps its turn, are there) while
 it has fewer generations of the model in flight than the model decodes together; else
 the live replica with the fewest generations in flight. A generation whose replica dies
-ends with an error (it is not retried: tokens may have been sent already); cancelling
-one (a client that leaves) reaches its replica beside whatever it is running.
+ends with an error (it is not retried: tokens may have been sent already), and so does
+one whose next token does not come within the call deadline. Cancelling one (a client
+that leaves) reaches its replica beside whatever it is running, even before the
+generation has started there. Generations run in a concurrency group of the replica's
+actor of their own, as many as its language models decode together (the sum of their
+``max_sequences``); when every live replica has that many, a new one is refused (503).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -24,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from timeshare.errors import Timeout
+from timeshare.errors import Timeout, Unavailable
 from timeshare.llm.engine import Completion, Delta, Event, Finish, SequenceDone, TokenTiming, check_prompt
 from timeshare.llm.model import Texts, open_directory
 from timeshare.llm.sampling import SamplingParams
@@ -32,6 +37,8 @@ from timeshare.llm.sampling import SamplingParams
 if TYPE_CHECKING:
     from timeshare.cluster.backend import ClusterRuntime
     from timeshare.runtime.facade import Runtime
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,13 +69,16 @@ class RemoteGeneration:
         self._on_event = on_event
         self._events: queue.Queue[Delta | Finish] = queue.Queue()
         self._cancelled = threading.Event()
+        self._finished = threading.Event()
 
     def cancel(self) -> None:
-        if not self._cancelled.is_set():
+        if not self._cancelled.is_set() and not self._finished.is_set():  # a finished one has nothing to stop
             self._cancelled.set()
             self._cancel()
 
     def put(self, event: Delta | Finish) -> None:
+        if isinstance(event, Finish):
+            self._finished.set()
         if self._on_event is not None:
             self._on_event(event)
         else:
@@ -105,7 +115,10 @@ class RemoteEngine:
 
     def emit(self, event: Event) -> None:
         for listener in list(self.listeners):
-            listener(event)
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not end the generation
+                log.exception("model %s: a listener failed on %r", self.name, event)
 
     def snapshot(self) -> dict:
         return {**self._owner.llm_snapshot(self.name), "max_sequences": self.max_sequences,
@@ -139,8 +152,6 @@ class RemoteLanguageModel(Texts):
                  on_event: Callable[[Delta | Finish], None] | None = None) -> RemoteGeneration:
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
         if self._engine.closed:
-            from timeshare.errors import Unavailable
-
             raise Unavailable(f"model {self.name!r} is closed")
         return self._owner.generate(self.name, list(prompt), params, on_event, self._engine)
 
@@ -149,22 +160,25 @@ class RemoteLanguageModel(Texts):
 
 
 def relay(events, generation: RemoteGeneration, engine: RemoteEngine, model: str, prompt_tokens: int,
-          arrived: float, lost: Callable[[BaseException], BaseException]) -> None:
-    """Deliver a replica's stream of events (an iterator that raises if the replica dies)
-    to ``generation``, with the token timings for the metrics measured here."""
+          arrived: float, failed: Callable[[BaseException], BaseException]) -> None:
+    """Deliver a replica's stream of events (an iterator that raises if the replica dies,
+    or a token is late) to ``generation``, with the token timings for the metrics
+    measured here; ``failed`` turns what the stream raised into the generation's error."""
     last = arrived
-    sent = 0
+    sent = 0  # tokens generated so far (a delta carries the count)
     try:
         for event in events:
             now = time.monotonic()
             if isinstance(event, Delta):
                 engine.emit(TokenTiming(model, sent == 0, now - last))
-                last, sent = now, sent + event.tokens
+                last, sent = now, event.tokens
             generation.put(event)
             if isinstance(event, Finish):
                 engine.emit(SequenceDone(model, event))
                 return
-    except Exception as exc:  # the replica died or stopped answering: the generation fails here
-        finish = Finish("error", prompt_tokens, sent, lost(exc))
-        generation.put(finish)
-        engine.emit(SequenceDone(model, finish))
+        error: BaseException = failed(EOFError("the stream ended without a finish"))
+    except Exception as exc:
+        error = failed(exc)
+    finish = Finish("error", prompt_tokens, sent, error)
+    generation.put(finish)
+    engine.emit(SequenceDone(model, finish))

@@ -16,6 +16,8 @@ from timeshare.models.zoo import get as zoo_get
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
 
+CANCELLED_KEPT = 10_000  # ids of generations cancelled before they started, remembered
+
 
 @dataclass(frozen=True)
 class ModelDef:
@@ -95,11 +97,16 @@ class Replica:
         self.cpu: Runtime | None = None
         self.llms: dict = {}  # language models (``cluster/llm.py``'s LLMDef) -> their LanguageModel here
         self._sequences: dict[str, object] = {}  # generations in progress, by the front end's id
+        self._cancelled: dict[str, None] = {}  # ids cancelled before their generation got here (oldest first)
+        self.llm_failures: dict[str, str] = {}  # language models that did not load here, and why
         try:
             for m in models:
                 m.register(self.rt)
-            for spec in llms or ():
-                self.llms[spec.name] = spec.load(self.rt)
+            for spec in llms or ():  # one that fails is unavailable; the rest serve
+                try:
+                    self.llms[spec.name] = spec.load(self.rt)
+                except Exception as exc:
+                    self.llm_failures[spec.name] = f"{type(exc).__name__}: {exc}"
             if cpu_fallback is not None:
                 self.cpu = Runtime(device="cpu", memory=cpu_fallback)
                 for m in models:
@@ -117,6 +124,7 @@ class Replica:
         """Who answers, and where: the host and the shared-memory segments this replica
         owns (its arena), so that whoever sees it die on the same host can unlink them."""
         return {"replica": self.name, "pid": os.getpid(), "host": socket.gethostname(),
+                "llm_failures": dict(self.llm_failures),
                 "segments": [rt.diagnostics()["arena"]["name"] for rt in (self.rt, self.cpu) if rt is not None]}
 
     def echo(self, args: tuple) -> tuple:
@@ -250,6 +258,9 @@ class Replica:
         seq = self.llms[model].generate(prompt, params)
         with self._events:
             self._sequences[gen_id] = seq
+            if gen_id in self._cancelled:  # its cancel came first
+                del self._cancelled[gen_id]
+                seq.cancel()
         try:
             yield from seq.events(timeout_s)
         finally:
@@ -260,6 +271,10 @@ class Replica:
     def cancel_generation(self, gen_id: str) -> None:
         with self._events:
             seq = self._sequences.get(gen_id)
+            if seq is None:  # not here yet (or over): cancelled on arrival
+                self._cancelled[gen_id] = None
+                while len(self._cancelled) > CANCELLED_KEPT:
+                    del self._cancelled[next(iter(self._cancelled))]
         if seq is not None:
             seq.cancel()  # type: ignore[attr-defined]
 
