@@ -388,6 +388,10 @@ class LLMConfig(_Strict):
     """The longest prompt plus completion, in tokens (default: the model's positions)."""
     max_sequences: Annotated[int, Field(ge=1, le=1024)] = 8
     """Sequences decoded together; more wait their turn."""
+    offload_kv: bool = False
+    """While another task has the device, keep the key/value caches of this model's
+    running generations in host memory (page-locked on CUDA) rather than on the device;
+    they come back, unchanged, at its next turn."""
     quantum_ms: Annotated[float, Field(gt=0)] = 50.0
     """How long the model keeps the device while others of its priority wait (a more
     urgent request takes it at the next token)."""

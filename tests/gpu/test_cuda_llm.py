@@ -41,3 +41,23 @@ def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path):
             assert seq.result(120).tokens == want(prompt, 40)
         assert m.engine.snapshot()["kv_bytes"] == 0
         m.close()
+
+
+def test_caches_moved_to_pinned_host_memory_while_preempted_come_back_unchanged(tmp_path):
+    """NOTE [Key/value caches off the device] on CUDA: a generation preempted by another
+    model (its caches in page-locked host memory meanwhile) gives the tokens of one never
+    preempted."""
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)
+    other = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU())
+    x = torch.randn(2, 1024)
+    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1) as rt:
+        m = lm.load(rt, "llama", path, priority="best_effort", offload_kv=True, quantum_s=0.001)
+        rt.register("other", lambda: other, other.state_dict(), (x,))
+        prompt = m.encode(PROMPTS[2])
+        alone = m.generate(prompt, SamplingParams(max_tokens=48, temperature=0)).result(120).tokens
+        seq = m.generate(prompt, SamplingParams(max_tokens=48, temperature=0))
+        for _ in range(20):
+            rt.infer("other", x)
+        assert seq.result(120).tokens == alone
+        assert m.engine.kv_offloads >= 1 and m.engine.kv_host_bytes == 0
+        m.close()

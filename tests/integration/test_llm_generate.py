@@ -92,7 +92,10 @@ def test_greedy_warm_and_after_a_pipelined_load_from_poisoned_blocks(llama, refe
         m.close()
 
 
-def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, reference):
+@pytest.mark.parametrize("offload", [False, True], ids=["caches-stay", "caches-to-host"])
+def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, reference, offload):
+    """With ``offload_kv`` the preempted generation's caches go to host memory while the
+    other model runs (NOTE [Key/value caches off the device]) and come back unchanged."""
     other = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
     x = torch.randn(2, 1024)
     with torch.no_grad():
@@ -100,7 +103,7 @@ def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, ref
     # Room for one of the two: the language model is evicted while it generates.
     with Runtime("cpu", "6MiB", poison_evicted=True, copy_delay_s=0.001) as rt:
         seen = records(rt)
-        m = lm.load(rt, "llama", llama, priority="best_effort")
+        m = lm.load(rt, "llama", llama, priority="best_effort", offload_kv=offload)
         rt.register("other", lambda: other, other.state_dict(), (x,))
         prompt = PROMPTS[0]
         seq = m.generate(m.encode(prompt), SamplingParams(max_tokens=60, temperature=0))
@@ -114,6 +117,7 @@ def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, ref
         llama_loads = [r for r in seen if r.model == "llama" and r.loaded]
         assert len(llama_loads) >= 2  # its first load, and again after "other" evicted it
         assert m.engine.turns >= 2
+        assert (m.engine.kv_offloads >= 1) == offload and m.engine.kv_host_bytes == 0
         m.close()
 
 
@@ -221,8 +225,8 @@ def test_a_cancelled_sequence_is_freed_and_the_others_carry_on(llama, reference)
         while m.engine.snapshot()["kv_bytes"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert m.engine.snapshot() | {"steps": 0, "turns": 0} == {
-            "running": 0, "waiting": 0, "kv_bytes": 0, "steps": 0, "turns": 0, "max_sequences": 8,
-            "max_context": 256}
+            "running": 0, "waiting": 0, "kv_bytes": 0, "kv_host_bytes": 0, "kv_offloads": 0, "steps": 0, "turns": 0,
+            "max_sequences": 8, "max_context": 256}
         m.close()
 
 

@@ -323,7 +323,7 @@ class ClusterRuntime:
         """Language model ``name``'s engines on the replicas, added up (as of the last poll)."""
         with self._lock:
             views = [s["llms"][name] for s in self._latest.values() if name in s.get("llms", {})]
-        keys = ("running", "waiting", "kv_bytes", "steps", "turns")
+        keys = ("running", "waiting", "kv_bytes", "kv_host_bytes", "kv_offloads", "steps", "turns")
         return {k: sum(v[k] for v in views) for k in keys}
 
     # ------------------------------------------------------------------ replicas

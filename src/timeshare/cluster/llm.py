@@ -52,12 +52,14 @@ class LLMDef:
     max_context: int | None = None
     max_sequences: int = 8
     quantum_s: float = 0.05
+    offload_kv: bool = False
 
     def load(self, rt: Runtime):
         from timeshare.llm import model as lm
 
         return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
-                       max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s)
+                       max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
+                       offload_kv=self.offload_kv)
 
 
 class RemoteGeneration:

@@ -214,7 +214,7 @@ class Engine:
 
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
                  vocab: int, max_context: int, max_sequences: int, new_cache: Callable[[KV | None], object],
-                 quantum_s: float = 0.05):
+                 quantum_s: float = 0.05, offload_kv: bool = False):
         if max_sequences < 1:
             raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
         if max_context < 2:
@@ -231,6 +231,12 @@ class Engine:
         self._ticket = Ticket()  # the turn this engine waits for, made due by a new request
         self._admitting: Sequence | None = None  # taken from the queue, not yet in the batch
         self.kv_bytes = 0
+        # NOTE [Key/value caches off the device]: with ``offload_kv``, the running rows'
+        # caches go to host memory whenever the engine gives the device up with rows left.
+        self.offload_kv = offload_kv
+        self.kv_host_bytes = 0  # the caches in host memory now
+        self.kv_offloads = 0  # times they were moved there
+        self._kv_device: torch.device | None = None  # where they go back to
         self.steps = 0
         self.turns = 0
         self._thread = threading.Thread(target=self._loop, name=f"timeshare-llm-{name}", daemon=True)
@@ -257,6 +263,7 @@ class Engine:
     def snapshot(self) -> dict:
         with self._cond:
             return {"running": len(self._running), "waiting": len(self._waiting), "kv_bytes": self.kv_bytes,
+                    "kv_host_bytes": self.kv_host_bytes, "kv_offloads": self.kv_offloads,
                     "steps": self.steps, "turns": self.turns, "max_sequences": self.max_sequences,
                     "max_context": self.max_context}
 
@@ -285,7 +292,10 @@ class Engine:
                 try:
                     with self._rt.turn(self.name, urgent_since=due, ticket=self._ticket) as turn:
                         self.turns += 1
+                        self._kv_back()
                         self._turn(turn)
+                        if self.offload_kv and self._running:  # preempted with rows left
+                            self._kv_out()
                 except Exception as exc:  # the turn itself failed: the runtime closed, the model left
                     log.warning("model %s: turn failed: %s", self.name, exc)
                     self._fail_all(exc)
@@ -297,6 +307,34 @@ class Engine:
         finally:
             self._fail_all(Unavailable(f"model {self.name!r} was closed"))
 
+    def _kv_out(self) -> None:
+        """NOTE [Key/value caches off the device]: the running rows' caches leave the
+        device for host memory (page-locked on CUDA), counted in ``kv_host_bytes``, while
+        another task has the device; ``_kv_back`` returns them, bit for bit, at the next
+        turn. Done before the turn is given back, so the copy is the engine's own time."""
+        kv = self._batch.kv
+        if not kv or self._kv_device is not None:  # none, or out already
+            return
+        device = kv[0][0].device
+        pin = device.type == "cuda"
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t)
+            return host
+
+        self._batch.kv = [(out(k), out(v)) for k, v in kv]
+        self._kv_device = device
+        self.kv_host_bytes = self._batch.nbytes
+        self.kv_offloads += 1
+
+    def _kv_back(self) -> None:
+        if self._kv_device is None:
+            return
+        device, self._kv_device = self._kv_device, None
+        self._batch.kv = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in self._batch.kv]
+        self.kv_host_bytes = 0
+
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
             left = list(self._waiting) + self._running + ([self._admitting] if self._admitting else [])
@@ -305,6 +343,7 @@ class Engine:
             self._admitting = None
             self._batch = DecodeBatch()
             self.kv_bytes = 0
+            self.kv_host_bytes, self._kv_device = 0, None
         for seq in left:
             self._fail(seq, exc)
 

@@ -73,12 +73,14 @@ class LanguageModel(Texts):
 
 def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = None, pin: bool = False,
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
-         max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True) -> LanguageModel:
+         max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
+         offload_kv: bool = False) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
     the longest prompt plus completion (default: the model's positions);
-    ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts].
+    ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts];
+    ``offload_kv``: NOTE [Key/value caches off the device].
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
     from transformers import DynamicCache
@@ -108,7 +110,8 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
 
     try:
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
-                        max_sequences=max_sequences, new_cache=new_cache, quantum_s=quantum_s)
+                        max_sequences=max_sequences, new_cache=new_cache, quantum_s=quantum_s,
+                        offload_kv=offload_kv)
     except BaseException:
         runtime.unregister(name)
         raise

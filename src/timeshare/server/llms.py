@@ -59,7 +59,8 @@ class ServedLLM(Protocol):
 def open_local(runtime: Runtime, cfg: LLMConfig) -> ServedLLM:
     """``cfg``'s model generating in this process, on ``runtime``."""
     return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
-                   max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000)
+                   max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
+                   offload_kv=cfg.offload_kv)
 
 
 class LanguageModels:

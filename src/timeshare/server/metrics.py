@@ -183,6 +183,11 @@ class _Levels:
             yield _by_label(GaugeMetricFamily, "timeshare_llm_kv_cache_bytes", "Bytes of the key/value caches of "
                             "each language model's running generations", "model",
                             {n: s["kv_bytes"] for n, s in llms.items()})
+            yield _by_label(GaugeMetricFamily, "timeshare_llm_kv_host_bytes", "Of those, the bytes in host memory "
+                            "while another task has the device (offload_kv)", "model",
+                            {n: s["kv_host_bytes"] for n, s in llms.items()})
+            yield _by_label(CounterMetricFamily, "timeshare_llm_kv_offloads", "Times a model's caches left the "
+                            "device for host memory", "model", {n: s["kv_offloads"] for n, s in llms.items()})
             yield _by_label(GaugeMetricFamily, "timeshare_llm_running", "Generations decoding together", "model",
                             {n: s["running"] for n, s in llms.items()})
             yield _by_label(GaugeMetricFamily, "timeshare_llm_waiting", "Generations waiting to start", "model",

@@ -94,7 +94,8 @@ class Service:
         from timeshare.cluster.llm import LLMDef
 
         return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
-                       max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000) for c in self.config.llms]
+                       max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv)
+                for c in self.config.llms]
 
     def _model_defs(self) -> list:
         """The config's models as every replica of a cluster builds them."""
