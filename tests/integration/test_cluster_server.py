@@ -198,6 +198,13 @@ def test_a_cluster_config_refuses_what_a_cluster_cannot_do(tmp_path):
     base = {"runtime": {"device": "cpu", "memory": "3MiB"}, "models": [{"name": "m", "zoo": "tiny_mlp"}],
             "cluster": {"replicas": 2}}
     assert parse_config(base).cluster.replicas == 2
+    from timeshare.server.service import Service
+
+    service = Service(parse_config(base))  # nothing starts before open()
+    try:
+        assert service.runner.batches == 2  # a model's batches: one per replica at once
+    finally:
+        service.parsers.close()
     bad = [
         ({**base, "models": [{"name": "m", "zoo": "tiny_mlp", "pinned": True}]}, "cannot be pinned"),
         ({**base, "runtime": {"device": "auto", "memory": "3MiB"}}, "not 'auto'"),

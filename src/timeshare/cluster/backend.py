@@ -330,6 +330,9 @@ class ClusterRuntime:
     def add_replica(self) -> str:
         return self.cluster.add_replica()
 
+    def replicas_alive(self) -> int:
+        return sum(1 for r in self.cluster.replica_rows() if r["alive"])
+
     def kill_replica(self, name: str) -> None:
         self.cluster.kill_replica(name)
 

@@ -51,8 +51,10 @@ class Service:
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
         # A model's batches run one at a time on one runtime; in front of a cluster, as many
         # at once as it has replicas (NOTE [Request batching]).
-        batches = 1 if config.cluster is None else config.cluster.replicas
-        self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) * batches + len(config.llms) + 4,
+        c = config.cluster
+        batches = 1 if c is None else c.replicas
+        most = 1 if c is None else (c.max_replicas or c.replicas + 2)  # with the replicas added at run time
+        self._executor = ThreadPoolExecutor(max_workers=len(self.endpoints) * most + len(config.llms) + 4,
                                             thread_name_prefix="timeshare-serve")
         self.training = TrainingJobs(config.admin, runtime=lambda: self._rt, call=self._call)
         self.runner = QueueRunner(runtime=lambda: self._rt, executor=self._executor, metrics=self.metrics,
@@ -384,7 +386,9 @@ class Service:
 
     async def add_replica(self) -> dict:
         """Start one more replica; it takes requests once it has warmed every model up."""
-        name = await self._call(self.cluster().add_replica)
+        cluster = self.cluster()
+        name = await self._call(cluster.add_replica)
+        self.runner.batches = max(self.runner.batches, cluster.replicas_alive())  # one more batch at once
         return {"replica": name}
 
     def kill_replica(self, name: str) -> dict:
