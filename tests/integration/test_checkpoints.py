@@ -47,29 +47,43 @@ def _paused(job, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+def _whole_then_checkpointed(rt, work) -> tuple[dict, list, dict, int]:
+    """The job run whole on ``rt`` (its weights and losses), then the same job paused
+    after a few iterations: its checkpoint and the iterations it holds."""
+    whole = rt.train("whole", **work, iterations=ITERATIONS, seed=3)
+    assert whole.wait(120) and whole.error is None
+    want, want_losses = whole.state_dict(), list(whole.stats.losses)
+    part = rt.train("part", **work, iterations=ITERATIONS, seed=3)
+    while part.stats.iterations < 3:
+        time.sleep(0.001)
+    with pytest.raises(ConfigError, match="pause it"):
+        part.checkpoint()  # running: no consistent state to take
+    part.pause()
+    _paused(part)
+    done = part.stats.iterations
+    assert 3 <= done < ITERATIONS
+    cp = part.checkpoint()
+    assert cp["iterations"] == done
+    part.cancel()
+    return want, want_losses, cp, done
+
+
+def _resumed(rt, work, cp: dict, want: dict):
+    """The job resumed on ``rt`` from ``cp``, ended with ``want``'s weights; its handle."""
+    moved = rt.train("part", **work, iterations=ITERATIONS, seed=3, resume=cp)
+    assert moved.wait(120) and moved.error is None
+    got = moved.state_dict()
+    assert moved.stats.iterations == ITERATIONS
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    return moved
+
+
 @pytest.mark.parametrize("WORK", [CNN, DROPOUT], ids=["cnn", "dropout"])
 def test_a_job_resumed_on_another_runtime_ends_as_if_never_interrupted(WORK):
     with timeshare.Runtime(device="cpu", memory="16MiB") as rt:
-        whole = rt.train("whole", **WORK, iterations=ITERATIONS, seed=3)
-        assert whole.wait(120) and whole.error is None
-        want, want_losses = whole.state_dict(), list(whole.stats.losses)
-        part = rt.train("part", **WORK, iterations=ITERATIONS, seed=3)
-        while part.stats.iterations < 3:
-            time.sleep(0.001)
-        with pytest.raises(ConfigError, match="pause it"):
-            part.checkpoint()  # running: no consistent state to take
-        part.pause()
-        _paused(part)
-        done = part.stats.iterations
-        assert 3 <= done < ITERATIONS
-        cp = part.checkpoint()
-        part.cancel()
+        want, want_losses, cp, _ = _whole_then_checkpointed(rt, WORK)
     with timeshare.Runtime(device="cpu", memory="16MiB") as other:
-        moved = other.train("part", **WORK, iterations=ITERATIONS, seed=3, resume=cp)
-        assert moved.wait(120) and moved.error is None
-        got = moved.state_dict()
-        assert moved.stats.iterations == ITERATIONS
-        assert all(torch.equal(got[k], want[k]) for k in want)
+        moved = _resumed(other, WORK, cp, want)
         assert list(moved.stats.losses) == want_losses
         # A checkpoint of another job's shape, or not a checkpoint, is refused clearly.
         with pytest.raises(ConfigError, match="does not fit this job's model"):
@@ -85,23 +99,7 @@ def test_a_job_in_a_worker_process_is_checkpointed_and_resumed_in_another_pool()
     with ``full``); resumed in another runtime's workers, the job ends as if never
     interrupted (compared with the same job run whole in worker processes)."""
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2) as rt:
-        whole = rt.train("whole", **DROPOUT, iterations=ITERATIONS, seed=3)
-        assert whole.wait(120) and whole.error is None
-        want, want_losses = whole.state_dict(), list(whole.stats.losses)
-        part = rt.train("part", **DROPOUT, iterations=ITERATIONS, seed=3)
-        while part.stats.iterations < 3:
-            time.sleep(0.001)
-        part.pause()
-        _paused(part)
-        done = part.stats.iterations
-        assert 3 <= done < ITERATIONS
-        cp = part.checkpoint()
-        assert cp["iterations"] == done
-        part.cancel()
+        want, want_losses, cp, done = _whole_then_checkpointed(rt, DROPOUT)
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2) as other:
-        moved = other.train("part", **DROPOUT, iterations=ITERATIONS, seed=3, resume=cp)
-        assert moved.wait(120) and moved.error is None
-        got = moved.state_dict()
-        assert moved.stats.iterations == ITERATIONS
-        assert all(torch.equal(got[k], want[k]) for k in want)
+        moved = _resumed(other, DROPOUT, cp, want)
         assert list(moved.stats.losses)[-(ITERATIONS - done):] == want_losses[-(ITERATIONS - done):]
