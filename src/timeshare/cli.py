@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (0: lanes are threads of this process, sharing its interpreter lock)")
     p.add_argument("--train", default="small_resnet:8",
-                   help="two training jobs MODEL:BATCH packed vs FIFO (in-process); 'none' to skip")
+                   help="two training jobs MODEL:BATCH packed vs FIFO (in workers with --workers); 'none' to skip")
     p.add_argument("--train-iterations", type=int, default=20)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
     p.add_argument("--plot", type=Path, default=None, help="write the PACK timeline as a PNG")

@@ -445,8 +445,6 @@ class Config(_Strict):
         dup = sorted({n for n in jobs if jobs.count(n) > 1})
         if dup:
             raise ValueError(f"training job names must be distinct; repeated: {dup}")
-        if self.training and self.runtime.scheduling == "pack" and self.runtime.workers:
-            raise ValueError("with workers, training jobs do not run in lanes yet: use workers: 0 with 'pack'")
         if self.training and self.runtime.workers == 1:
             raise ValueError("runtime.workers: training with workers needs at least 2 (or 0 for in-process)")
         return self

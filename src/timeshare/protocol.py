@@ -14,7 +14,7 @@ handles.
     RemoveModel(model)              Ack(seq)
     RunModel(seq, model, ...)       Result(seq, output, ...) or Failure(seq, error)
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
-    Train(seq, job, spec)           Progress(seq, ...) after every iteration, then
+    Train(seq, job, spec, lane)     Progress(seq, ...) after every iteration, then
                                     SegmentStopped(seq, ...) or Failure(seq, error)
     PreemptSegment(seq)             (the Train with that seq stops at its next
                                     preemption point; ignored if it already ended)
@@ -134,11 +134,14 @@ class Profile:
 @dataclass(frozen=True)
 class Train:
     """Run a training job until it ends or is preempted. ``spec`` (a TrainSpec) builds
-    the job the first time; None resumes the job this worker already holds."""
+    the job the first time; None resumes the job this worker already holds. ``lane``:
+    with lanes, every iteration of the segment runs metered and bounded by it (NOTE
+    [Lanes in the runtime])."""
 
     seq: int
     job: str
     spec: Any = None
+    lane: LaneBound | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,10 @@ class Progress:
     iterations: int
     loss: float | None
     seconds: float
+    # Salus's memory classes, once measured (the second iteration): the dispatcher resizes
+    # the job's lane from them at its next preemption point.
+    ephemeral_bytes: int | None = None
+    persistent_bytes: int | None = None
 
 
 @dataclass(frozen=True)

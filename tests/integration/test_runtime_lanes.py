@@ -249,11 +249,72 @@ def test_bad_lane_options_are_refused_before_anything_is_taken(options, words):
         Runtime("cpu", "16MiB", scheduling="pack", **options)
 
 
-def test_pack_refuses_training_jobs_with_workers_for_now():
-    with Runtime("cpu", "16MiB", scheduling="pack", workers=2) as rt, pytest.raises(ConfigError, match="lanes"):
-        from tests.models import adam, train_batches, train_net, train_step
+def lane_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
 
-        rt.train("job", train_net, adam, train_batches(4), train_step)
+
+def lane_batches(scratch_from: int | None = None, n: int = 8) -> list:
+    """Batches of (index, input, floats of scratch): from ``scratch_from`` on, 2 MiB."""
+    g = torch.Generator().manual_seed(5)
+    return [(i, torch.randn(16, 64, generator=g), (1 << 19) if scratch_from is not None and i >= scratch_from else 16)
+            for i in range(n)]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def meeting_step(model, optimizer, batch):
+    """One SGD step; once ``$TS_MEET_DIR/go`` exists, iterations from the fourth on leave
+    a mark and wait for one of another process: the job finishes only if another job's
+    iterations run at the same time, in another worker."""
+    i, x, scratch = batch
+    optimizer.zero_grad()
+    loss = model(x).square().mean() + torch.ones(scratch).sum() * 0
+    loss.backward()
+    optimizer.step()
+    where = Path(os.environ["TS_MEET_DIR"])
+    if i >= 3 and (where / "go").exists():
+        (where / f"mark-{os.getpid()}-{time.monotonic_ns()}").touch()
+        deadline = time.monotonic() + 10
+        while len({m.name.split("-")[1] for m in where.glob("mark-*")}) < 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no other job's iteration ran at the same time")
+            time.sleep(0.005)
+    return loss
+
+
+def test_with_workers_training_jobs_run_in_lanes_side_by_side_and_one_that_outgrows_its_lane_fails_alone(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("TS_MEET_DIR", str(tmp_path))  # the workers inherit it
+    here = "tests.integration.test_runtime_lanes"
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", workers=3) as rt:
+        alone = rt.train("alone", f"{here}:lane_net", sgd, lane_batches(), meeting_step, iterations=8)
+        assert alone.wait(60) and alone.error is None, alone.error
+        want = alone.state_dict()
+        rt.register("m0", f"{here}:file_meeting_0", example_inputs=(X,))
+        (tmp_path / "go").touch()
+        # From its sixth iteration on, the greedy job asks for 2 MiB more than it measured.
+        greedy = rt.train("greedy", f"{here}:lane_net", sgd, lane_batches(scratch_from=5), meeting_step,
+                          iterations=8)
+        # Resized alone (its lane from its measured memory), it runs on at once in the new lane.
+        deadline = time.monotonic() + 30
+        while greedy.stats.iterations < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        steady = rt.train("steady", f"{here}:lane_net", sgd, lane_batches(), meeting_step, iterations=8)
+        for job in (greedy, steady):
+            assert job.wait(60)
+        assert isinstance(greedy.error, LaneExceededError) and greedy.error.task == "greedy", greedy.error
+        assert greedy.stats.iterations == 5 and greedy.error.asked > greedy.error.lane_bytes
+        assert steady.error is None, steady.error  # a timeout: the two jobs' iterations did not overlap
+        got = steady.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert steady.stats.persistent_bytes > 0 and steady.stats.ephemeral_bytes > 0
+        # The pool is whole: an inference in another lane gives the model's own output.
+        (tmp_path / "go").unlink()
+        with torch.no_grad():
+            assert torch.equal(rt.infer("m0", X), torch.relu(FileMeeting(0).lin(X)))
 
 
 class FileMeeting(nn.Module):

@@ -98,12 +98,14 @@ def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: No
 def _training(config: LanesBenchConfig, workload: TrainingWorkload, device, progress) -> dict:
     """Two jobs of the same workload, ``train_iterations`` each, started together: the
     makespan and aggregate iterations per second under FIFO time-slicing and under PACK,
-    and whether each job's final weights equal the same job run alone in that mode."""
-    out: dict = {"workload": str(workload), "iterations": config.train_iterations}
+    and whether each job's final weights equal the same job run alone in that mode. With
+    workers, each job in a worker of its own (at least 3: two homes and a standby)."""
+    workers = max(3, config.workers) if config.workers else 0
+    out: dict = {"workload": str(workload), "iterations": config.train_iterations, "workers": workers}
     for mode in ("fifo", "pack"):
         slice_s = config.time_slice_s if mode == "fifo" else None
         with Runtime(device, config.memory, scheduling=mode, lane_memory=config.lane_memory,
-                     time_slice_s=slice_s) as rt:
+                     time_slice_s=slice_s, workers=workers) as rt:
             progress(f"training alone, {mode}")
             alone = rt.train("alone", **workload.train_args(), iterations=config.train_iterations, seed=0)
             t0 = time.perf_counter()

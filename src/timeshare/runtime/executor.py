@@ -123,8 +123,8 @@ class Executor(Protocol):
     def inputs(self, obj: Any) -> Any:
         """Inputs made ready for ``run``: on the device in-process, on the host for workers."""
 
-    def check_trainable(self, spec: TrainSpec, *, lanes: bool) -> None:
-        """Raise ConfigError if the training job cannot run here (``lanes``: in a lane)."""
+    def check_trainable(self, spec: TrainSpec) -> None:
+        """Raise ConfigError if the training job cannot run here."""
 
     def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
         """A training job's handle (not started)."""

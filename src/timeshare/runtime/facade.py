@@ -383,7 +383,7 @@ class Runtime:
         the model is built there. Returns the job's handle.
         """
         spec = training_spec(name, model, optimizer, data, step, iterations, offload, seed, resume)
-        self._exec.check_trainable(spec, lanes=self._gate.packs)
+        self._exec.check_trainable(spec)
         with self._turn():
             self._check_open()
             self._jobs.check_free(name)

@@ -125,7 +125,7 @@ class InProcessExecutor:
     def inputs(self, obj: Any) -> Any:
         return map_tensors(obj, lambda t: t.to(self.device))
 
-    def check_trainable(self, spec: TrainSpec, *, lanes: bool) -> None:
+    def check_trainable(self, spec: TrainSpec) -> None:
         return None
 
     def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:

@@ -194,9 +194,9 @@ class ProcessPool:
         A ready one first: a replacement still booting serves only when nothing else can."""
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
-            busy = self._segments.training_worker()
+            busy = self._segments.training_workers()
             for w in sorted(self.workers, key=lambda w: not (w.ready and w.alive())):  # stable: ready, in order
-                if w is not busy and w.try_lease():
+                if w not in busy and w.try_lease():
                     return w
             left = deadline - time.monotonic()
             if left <= 0:
@@ -256,12 +256,15 @@ class ProcessPool:
     # ------------------------------------------------------------------ training
     def begin_segment(self, job: str, spec: TrainSpec | None, gate: Dispatcher,
                       job_handle: Preemptible) -> Segment | None:
-        """Start (``spec`` given) or resume a training job in its home worker. None when the
-        scheduler no longer runs the job or another segment runs: the job parks and retries."""
+        """Start (``spec`` given) or resume a training job in its home worker, in the lane
+        the scheduler gave it if it runs with lanes. None when the scheduler no longer
+        runs the job or the segment may not start yet (``Segments.may_start``): the job
+        parks and retries."""
         home = self._home(job, spec is not None)
         self._set.ready(home)
+        lane = gate.lane_bound(job_handle)
         with self._cv:
-            if not gate.holds_turn(job_handle) or self._segments.running is not None:
+            if not gate.holds_turn(job_handle) or not self._segments.may_start(home, lane):
                 self._cv.wait(0.05)
                 return None
             if home not in self.workers:
@@ -271,12 +274,12 @@ class ProcessPool:
                 return None
             try:
                 seq = self._set.next_seq()
-                data = P.dumps(P.Train(seq, job, spec))
+                data = P.dumps(P.Train(seq, job, spec, lane))
             except BaseException:
                 home.unlease()  # a spec that cannot be sent must not keep the worker's pipe
                 raise
             home.post_bytes(data)  # if the process is gone, run_segment reports it
-            return self._segments.start(job, home, seq)
+            return self._segments.start(job, home, seq, lane)
 
     def run_segment(self, seg: Segment, on_progress) -> P.SegmentStopped:
         """Follow a segment until it stops. Progress after each iteration is the
@@ -321,9 +324,7 @@ class ProcessPool:
         """Ask the job's running segment, if any, to stop at its next preemption point;
         ``for_model``: the inference it makes way for, which the switch is recorded for."""
         with self._cv:
-            seg = self._segments.running
-            if seg is not None and seg.job == job:
-                self._segments.preempt(for_model, time.perf_counter())
+            self._segments.preempt(for_model, time.perf_counter(), job=job)
 
     def job_state(self, job: str, *, full: bool = False) -> dict:
         """The job's parameters and buffers, or with ``full`` its checkpoint (NOTE
@@ -352,8 +353,8 @@ class ProcessPool:
         """Wait until ``w`` runs no training segment, preempting it if it does."""
         deadline = time.monotonic() + self.task_timeout_s + 5
         with self._cv:
-            while self._segments.training_worker() is w:
-                self._segments.preempt("", time.perf_counter())
+            while w in self._segments.training_workers():
+                self._segments.preempt("", time.perf_counter(), worker=w)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WorkerTimeoutError(f"worker {w.id} did not stop training within {self.task_timeout_s:g} s",
@@ -385,7 +386,7 @@ class ProcessPool:
         without waiting for any worker."""
         with self._cv:
             workers = list(self.workers)
-            training = self._segments.training_worker()
+            training = self._segments.training_workers()
             return {"size": len(workers), "ready": sum(1 for w in workers if w.ready and w.alive()),
                     "replacements": self.replacements, "failures": dict(self.failures),
                     "last_failure": None if self.last_failure is None else dict(self.last_failure),
@@ -402,12 +403,12 @@ class ProcessPool:
         self._stop_retired()
 
 
-def _state_of(w: WorkerHandle, training: WorkerHandle | None) -> str:
+def _state_of(w: WorkerHandle, training: set[WorkerHandle]) -> str:
     if not w.alive():
         return "dead"
     if not w.ready:
         return "starting"
-    return "training" if w is training else "busy" if w.leased_now else "idle"
+    return "training" if w in training else "busy" if w.leased_now else "idle"
 
 
 def _forget(known: set[str], name: str) -> bool:

@@ -204,10 +204,7 @@ class PoolExecutor:
         # tensors through pickling, a device-to-host copy here and another upload there.
         return map_tensors(obj, lambda t: t.cpu())
 
-    def check_trainable(self, spec: TrainSpec, *, lanes: bool) -> None:
-        if lanes:
-            raise ConfigError("with workers, training jobs do not run in lanes yet: use workers: 0 with 'pack', "
-                              "or another scheduling")
+    def check_trainable(self, spec: TrainSpec) -> None:
         spec.check_shippable()
         if len(self._pool.workers) < 2:
             raise ConfigError("training with workers needs workers >= 2: one holds the job, another "

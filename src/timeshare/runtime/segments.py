@@ -15,7 +15,12 @@ state between segments. When an inference arrives while a training segment runs:
      job's state if it asked for that) and is a standby again;
   4. the job's thread parks until the runtime is free and starts a new segment.
 Weights go to the arena and training memory is the job's own, so the new task never
-waits for the old one's memory. Each switch records stop, start, load, clean and total
+waits for the old one's memory.
+
+With lanes (``scheduling="pack"``) several segments run at once, each on its own home
+and in its own lane, beside the inferences of other lanes on the remaining workers: a
+task never stops a segment in a lane, only the scheduler does (a Preempt, as for any
+task of a lane). Jobs that share a home take turns on it. Each switch records stop, start, load, clean and total
 times (``Switch``). A worker that fails is replaced: a standby becomes active at once
 and a new one boots behind it.
 """
@@ -27,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 from timeshare import protocol as P
 from timeshare.errors import WorkerCrashedError, WorkerError
+from timeshare.memory.ephemeral import LaneBound
 from timeshare.worker.handle import WorkerHandle
 
 KEEP_SWITCHES = 1000  # switch records kept, the latest
@@ -66,6 +72,7 @@ class Segment:
     job: str
     worker: WorkerHandle
     seq: int
+    lane: LaneBound | None = None  # None: time-shared, the device's only task
     preempted_at: float | None = None
     switch: Switch | None = None
 
@@ -77,40 +84,54 @@ class Segment:
 
 
 class Segments:
-    """Homes, the running segment and the switch records. Not locked on its own: the
+    """Homes, the running segments and the switch records. Not locked on its own: the
     pool calls every method with its lock held. ``claim_within_s``: how long a switch
     record waits for its task (the task deadline's cap)."""
 
     def __init__(self, claim_within_s: float):
         self._claim_within_s = claim_within_s
-        self._running: Segment | None = None  # the training segment running, if any
+        self._running: dict[str, Segment] = {}  # job -> its segment running (several only in lanes)
         self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
         self._lost: dict[str, str] = {}  # job -> why its state is gone
         self.switches: list[Switch] = []  # the latest, oldest first
         self._unclaimed: dict[str, Switch] = {}  # model -> its switch, until its task takes it (NOTE [Switch records])
 
-    # ------------------------------------------------------------------ the running segment
-    @property
-    def running(self) -> Segment | None:
-        return self._running
+    # ------------------------------------------------------------------ the running segments
+    def running(self, job: str) -> Segment | None:
+        return self._running.get(job)
 
-    def training_worker(self) -> WorkerHandle | None:
-        """The worker a segment runs on: no task goes there."""
-        return self._running.worker if self._running is not None else None
+    def training_workers(self) -> set[WorkerHandle]:
+        """The workers segments run on: no task goes there."""
+        return {seg.worker for seg in self._running.values()}
 
-    def start(self, job: str, home: WorkerHandle, seq: int) -> Segment:
+    def may_start(self, home: WorkerHandle, lane: LaneBound | None) -> bool:
+        """Whether a segment may start on ``home`` now: a time-shared one when no other
+        runs, one in a lane when no segment runs on its home and none runs time-shared."""
+        if lane is None:
+            return not self._running
+        return all(seg.worker is not home and seg.lane is not None for seg in self._running.values())
+
+    def start(self, job: str, home: WorkerHandle, seq: int, lane: LaneBound | None = None) -> Segment:
         """Record the segment whose ``Train`` (``seq``) went to ``home``."""
-        self._running = Segment(job, home, seq)
-        return self._running
+        seg = self._running[job] = Segment(job, home, seq, lane)
+        return seg
 
     def end(self, seg: Segment) -> None:
-        if self._running is seg:
-            self._running = None
+        if self._running.get(seg.job) is seg:
+            del self._running[seg.job]
 
-    def preempt(self, model: str, now: float) -> Switch | None:
-        """Send Preempt to the running segment (once); ``model``: the inference it makes
-        way for, which gets the switch record (NOTE [Switch records])."""
-        seg = self._running
+    def preempt(self, model: str, now: float, *, job: str | None = None,
+                worker: WorkerHandle | None = None) -> Switch | None:
+        """Send Preempt (once) to the running segment of ``job``, or the one on
+        ``worker``, or else the time-shared one, a task's way to take the device;
+        ``model``: the inference it makes way for, which gets the switch record (NOTE
+        [Switch records]). Segments in lanes stop only when named: tasks run beside them."""
+        if job is not None:
+            seg = self._running.get(job)
+        elif worker is not None:
+            seg = next((s for s in self._running.values() if s.worker is worker), None)
+        else:
+            seg = next((s for s in self._running.values() if s.lane is None), None)
         if seg is None:
             return None
         if seg.preempted_at is None:

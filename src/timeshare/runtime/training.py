@@ -241,14 +241,19 @@ class WorkerTrainingJob(TrainingJob):
     def interrupt(self, for_model: str = "") -> None:
         self._pool.preempt(self.name, for_model)
 
-    def _progress(self, p) -> None:
+    def _progress(self, p, lane) -> None:
         self.stats.iterations = p.iterations
         self.stats.step_seconds += p.seconds
         if p.loss is not None:
             self.stats.losses.append(p.loss)
+        if p.ephemeral_bytes is not None:
+            self.stats.ephemeral_bytes = p.ephemeral_bytes
+            self.stats.persistent_bytes = p.persistent_bytes
         # Runs the step (a time slice may be over). A stop the scheduler decided while this
-        # segment was starting found no segment to preempt: pass it on now.
-        if self._gate.must_yield(self):
+        # segment was starting found no segment to preempt: pass it on now. With lanes, a
+        # job re-admitted with its measured memory (``Dispatcher._resize``) may hold another
+        # lane now: its segment stops, and the next one runs bounded by the new lane.
+        if self._gate.must_yield(self) or self._gate.lane_bound(self) != lane:
             self._pool.preempt(self.name)
 
     def _run(self) -> JobState:
@@ -261,7 +266,7 @@ class WorkerTrainingJob(TrainingJob):
             if segment is None:
                 continue  # inference (or another job) got there first
             spec = None
-            stopped = self._pool.run_segment(segment, self._progress)
+            stopped = self._pool.run_segment(segment, lambda p, lane=segment.lane: self._progress(p, lane))
             self.stats.offloads = stopped.stats.offloads
             self.stats.ephemeral_bytes = stopped.stats.ephemeral_bytes
             self.stats.persistent_bytes = stopped.stats.persistent_bytes

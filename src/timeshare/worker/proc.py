@@ -190,13 +190,15 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 t0 = time.perf_counter()
                 in_task[0] = True
                 try:
-                    loss = task.step_once()
+                    with in_lane(msg.lane, device):  # NOTE [Lanes in the runtime]: no lane, no meter
+                        loss = task.step_once()
                 except StopIteration:
                     break
                 in_task[0] = False
                 seconds = time.perf_counter() - t0
                 task.stats.step_seconds += seconds
-                conn.send_bytes(P.dumps(P.Progress(msg.seq, task.stats.iterations, loss, seconds)))
+                conn.send_bytes(P.dumps(P.Progress(msg.seq, task.stats.iterations, loss, seconds,
+                                                   task.stats.ephemeral_bytes, task.stats.persistent_bytes)))
         except _Exit:
             raise
         stopped = time.perf_counter()
