@@ -63,7 +63,7 @@ class RuntimeConfig(_Strict):
     scheduling: Literal["priority", "fifo", "fair", "srtf", "edf", "pack"] = "priority"
     """Who gets the device next; "priority" lets inference preempt training; "pack" runs
     the calls and training iterations of different memory lanes side by side (Salus's
-    PACK; training in lanes needs workers: 0 for now)."""
+    PACK)."""
     lane_memory: int | str = "auto"
     """With "pack": the bytes for lanes of ephemeral memory (activations) and training
     jobs' state, beside the arena; "auto": as much as the arena."""
@@ -88,6 +88,10 @@ class RuntimeConfig(_Strict):
     spill_dir: str | None = None
     """Under ``host_memory``: where host copies with no weights file behind them go when
     dropped (default: a temporary folder, removed at shutdown)."""
+    kv_memory: int | str | None = None
+    """With ``llms``: how many bytes of the device the key/value caches of language models
+    may keep there between their turns; beyond it, the caches of the models that ran least
+    recently move to host memory until their next turn. Null: they all stay."""
     dedup: bool = False
     """Tensors of identical content across models (fine-tuned variants of one base model)
     are held once in host memory and once on the device, and a load copies only those not
@@ -119,10 +123,11 @@ class RuntimeConfig(_Strict):
                     task_timeout_s=self.task_timeout_s or default_task_timeout_s,
                     task_deadline_factor=self.task_deadline_factor, task_deadline_min_s=self.task_deadline_min_s)
 
-    @field_validator("memory", "lane_memory", "host_memory", mode="before")
+    @field_validator("memory", "lane_memory", "host_memory", "kv_memory", mode="before")
     @classmethod
     def _memory(cls, v, info):
-        if v == "auto" or (v is None and info.field_name == "host_memory"):
+        if (v == "auto" and info.field_name != "kv_memory") or (v is None and info.field_name in ("host_memory",
+                                                                                                   "kv_memory")):
             return v
         _bytes_field(v, info.field_name)
         return v

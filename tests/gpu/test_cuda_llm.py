@@ -61,3 +61,27 @@ def test_caches_moved_to_pinned_host_memory_while_preempted_come_back_unchanged(
         assert seq.result(120).tokens == alone
         assert m.engine.kv_offloads >= 1 and m.engine.kv_host_bytes == 0
         m.close()
+
+
+def test_under_a_tight_kv_budget_caches_wait_in_host_memory_and_come_back_unchanged(tmp_path):
+    """NOTE [Key/value caches under pressure] on CUDA: two models taking turns, with room
+    for the caches of neither between turns: what waits is on the host, and comes back."""
+    from timeshare.llm.engine import KVBudget
+
+    paths = [hfdir.write_model_dir(tmp_path / f"m{i}", "llama", seed=3 + i, hidden=128, layers=4) for i in range(2)]
+    budget = KVBudget(1)
+    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1) as rt:
+        ms = [lm.load(rt, f"m{i}", p, quantum_s=0.002, kv_budget=budget) for i, p in enumerate(paths)]
+        params = SamplingParams(max_tokens=96, temperature=0)
+        alone = [m.generate(m.encode(PROMPTS[i]), params).result(120).tokens for i, m in enumerate(ms)]
+        seqs = [m.generate(m.encode(PROMPTS[i]), params) for i, m in enumerate(ms)]
+        between: list[tuple[int, int]] = []  # (on the device, in host memory) while no model has a turn
+        while not all(s.done for s in seqs):
+            with rt.hold_device():
+                between.append((budget.on_device(), sum(m.engine.kv_host_bytes for m in ms)))
+        assert [s.result(120).tokens for s in seqs] == alone
+        assert all(dev == 0 for dev, _ in between) and any(host > 0 for _, host in between), between
+        assert budget.snapshot()["moves"] >= 2 and all(m.engine.kv_offloads >= 1 for m in ms)
+        assert budget.on_device() == 0 and all(m.engine.kv_host_bytes == 0 for m in ms)
+        for m in ms:
+            m.close()

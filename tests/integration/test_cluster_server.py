@@ -32,7 +32,7 @@ ZOO = ("tiny_mlp", "tiny_cnn", "small_resnet", "tiny_bert")
 
 
 def _config(llm=None, **cluster) -> dict:
-    return {"runtime": {"device": "cpu", "memory": "4MiB"},
+    return {"runtime": {"device": "cpu", "memory": "4MiB", "kv_memory": "1MiB"},
             "models": [{"name": z, "zoo": z} for z in ZOO],
             "llms": [] if llm is None else [{"name": "llama", "path": str(llm), "max_sequences": 2}],
             "training": [{"name": "bg", "model": "tiny_cnn", "batch": 4, "iterations": 40}],

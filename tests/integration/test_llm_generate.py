@@ -16,7 +16,7 @@ from torch import nn
 from timeshare.errors import ConfigError, Unavailable, WeightsError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
-from timeshare.llm.engine import ContextLengthError, Delta, Finish
+from timeshare.llm.engine import ContextLengthError, Delta, Finish, KVBudget
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.events import CallRecord
 from timeshare.runtime.facade import Runtime
@@ -154,6 +154,36 @@ def test_a_model_queued_only_to_decode_becomes_due_when_a_request_arrives_for_it
         other.result(60)
         assert second.first_token_at < other.last_token_at  # its waiting turn was made due
         assert first.result(60).tokens == reference(PROMPTS[0], 150)
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("kv_memory", [1 << 14, 1 << 30], ids=["tight", "roomy"])
+def test_under_a_kv_budget_the_least_recent_caches_wait_in_host_memory(tmp_path, llama, reference, kv_memory):
+    """NOTE [Key/value caches under pressure]: two models taking turns, with room on the
+    device for the caches of at most one (tight) or of both (roomy)."""
+    qwen = hfdir.write_model_dir(tmp_path / "qwen", "qwen2", seed=6, hidden=96, layers=2)
+    tok = transformers.AutoTokenizer.from_pretrained(qwen)
+    ids = torch.tensor([tok(PROMPTS[1], add_special_tokens=False)["input_ids"]])
+    want_qwen = transformers.AutoModelForCausalLM.from_pretrained(qwen).eval().generate(
+        ids, max_new_tokens=80, do_sample=False, attention_mask=torch.ones_like(ids),
+        pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    budget = KVBudget(kv_memory)
+    with Runtime("cpu", "64MiB") as rt:
+        a = lm.load(rt, "llama", llama, quantum_s=0.01, kv_budget=budget)
+        b = lm.load(rt, "qwen", qwen, quantum_s=0.01, kv_budget=budget)
+        first = a.generate(a.encode(PROMPTS[0]), SamplingParams(max_tokens=80, temperature=0))
+        started(first)
+        other = b.generate(b.encode(PROMPTS[1]), SamplingParams(max_tokens=80, temperature=0))
+        assert first.result(60).tokens == reference(PROMPTS[0], 80)
+        assert other.result(60).tokens == want_qwen
+        assert a.engine.turns >= 2 and b.engine.turns >= 2  # they took turns
+        moves = budget.snapshot()["moves"]
+        if kv_memory < 1 << 20:
+            assert moves >= 2 and a.engine.kv_offloads >= 1 and b.engine.kv_offloads >= 1
+        else:
+            assert moves == 0 and a.engine.kv_offloads == b.engine.kv_offloads == 0
+        assert a.engine.kv_host_bytes == b.engine.kv_host_bytes == 0 and budget.on_device() == 0
         a.close()
         b.close()
 

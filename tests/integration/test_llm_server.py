@@ -30,7 +30,7 @@ def dirs(tmp_path_factory):
 def server(dirs):
     cfg = {
         # About 2.8 MB each: room for one language model at a time, so requests switch them.
-        "runtime": {"device": "cpu", "memory": "4MiB"},
+        "runtime": {"device": "cpu", "memory": "4MiB", "kv_memory": "16KiB"},
         "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
         "models": [{"name": "mlp", "zoo": "tiny_mlp"}],
         "llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 4},
@@ -197,6 +197,7 @@ def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server)
     assert values['timeshare_llm_inter_token_seconds_count{model="qwen"}'] >= 4
     assert values['timeshare_llm_tokens_total{kind="completion",model="qwen"}'] >= 5
     assert values['timeshare_llm_kv_cache_bytes{model="qwen"}'] == 0
+    assert values["timeshare_llm_kv_memory_bytes"] == 16 << 10 and values["timeshare_llm_kv_device_bytes"] == 0
     # the Open Inference Protocol model shares the runtime
     r = httpx.post(f"{server.url}/v2/models/mlp/infer", timeout=30, json={
         "inputs": [{"name": "x", "shape": [1, 32], "datatype": "FP32", "data": [0.0] * 32}]})
@@ -215,6 +216,8 @@ def test_the_llms_section_is_checked(dirs, tmp_path):
         ({"runtime": {"workers": 2}, "llms": ok["llms"]}, "workers: 0"),
         ({"runtime": {"scheduling": "pack"}, "llms": ok["llms"]}, "pack"),
         ({"llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 0}]}, "max_sequences"),
+        ({"runtime": {"kv_memory": "auto"}, "llms": ok["llms"]}, "kv_memory"),
+        ({"runtime": {"kv_memory": "lots"}, "llms": ok["llms"]}, "kv_memory"),
     ]
     for cfg, words in bad:
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):

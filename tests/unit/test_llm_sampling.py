@@ -84,3 +84,45 @@ def test_the_batch_pads_on_the_left_and_cuts_columns_no_row_uses():
     assert torch.all(batch.kv[0][0][0, :, :3] == 1.0)
     batch.keep([])
     assert len(batch) == 0 and batch.nbytes == 0
+
+
+class FakeEngine:
+    """What ``KVBudget`` asks of an engine: its caches on the device, its latest turn,
+    and to move them out (between turns, or its own as its turn ends)."""
+
+    def __init__(self, name: str, nbytes: int, last_turn: float, in_turn: bool = False):
+        self.name, self.kv_device_bytes, self.last_turn, self.in_turn = name, nbytes, last_turn, in_turn
+        self.moved: list[str] = []
+
+    def move_kv_out(self) -> int:
+        if self.in_turn:
+            return 0
+        moved, self.kv_device_bytes = self.kv_device_bytes, 0
+        return moved
+
+    def give_up_kv(self) -> int:
+        moved, self.kv_device_bytes = self.kv_device_bytes, 0
+        return moved
+
+
+def test_the_kv_budget_moves_the_least_recent_caches_out_until_the_rest_fit():
+    from timeshare.llm.engine import KVBudget
+
+    budget = KVBudget(100)
+    old, mid, new, holder = (FakeEngine("old", 40, 1.0), FakeEngine("mid", 40, 2.0), FakeEngine("new", 40, 3.0),
+                             FakeEngine("holder", 50, 4.0, in_turn=True))
+    for e in (new, holder, old, mid):
+        budget.join(e)
+    budget.make_room(holder, keep=True)  # 170 on the device: the two oldest go, the holder's stay
+    assert (old.kv_device_bytes, mid.kv_device_bytes, new.kv_device_bytes, holder.kv_device_bytes) == (0, 0, 40, 50)
+    assert budget.snapshot() == {"capacity": 100, "on_device": 90, "moves": 2, "moved_bytes": 80}
+    holder.kv_device_bytes = 70  # its caches grew in its turn: as it ends, "new" goes first, then it
+    budget.make_room(holder, keep=False)
+    assert (new.kv_device_bytes, holder.kv_device_bytes) == (0, 70) and budget.on_device() == 70
+    holder.kv_device_bytes = 130
+    budget.make_room(holder, keep=False)
+    assert holder.kv_device_bytes == 0 and budget.snapshot()["moves"] == 4
+    budget.leave(holder)
+    assert budget.on_device() == 0
+    with pytest.raises(ConfigError, match="kv_memory"):
+        KVBudget(-1)

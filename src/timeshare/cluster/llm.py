@@ -53,13 +53,16 @@ class LLMDef:
     max_sequences: int = 8
     quantum_s: float = 0.05
     offload_kv: bool = False
+    # The replica's runtime-wide budget for caches between turns (the same in every
+    # LLMDef of a cluster; NOTE [Key/value caches under pressure]); None: no budget.
+    kv_memory: int | None = None
 
-    def load(self, rt: Runtime):
+    def load(self, rt: Runtime, kv_budget=None):
         from timeshare.llm import model as lm
 
         return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
                        max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
-                       offload_kv=self.offload_kv)
+                       offload_kv=self.offload_kv, kv_budget=kv_budget)
 
 
 class RemoteGeneration:

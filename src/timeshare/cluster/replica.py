@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from timeshare.errors import ConfigError, ModelTooLargeError
+from timeshare.llm.engine import KVBudget
 from timeshare.models.spec import Builder
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
@@ -99,12 +100,14 @@ class Replica:
         self._sequences: dict[str, object] = {}  # generations in progress, by the front end's id
         self._cancelled: dict[str, None] = {}  # ids cancelled before their generation got here (oldest first)
         self.llm_failures: dict[str, str] = {}  # language models that did not load here, and why
+        budgets = {spec.kv_memory for spec in llms or () if spec.kv_memory is not None}
+        self.kv_budget = KVBudget(budgets.pop()) if budgets else None  # NOTE [Key/value caches under pressure]
         try:
             for m in models:
                 m.register(self.rt)
             for spec in llms or ():  # one that fails is unavailable; the rest serve
                 try:
-                    self.llms[spec.name] = spec.load(self.rt)
+                    self.llms[spec.name] = spec.load(self.rt, self.kv_budget)
                 except Exception as exc:
                     self.llm_failures[spec.name] = f"{type(exc).__name__}: {exc}"
             if cpu_fallback is not None:

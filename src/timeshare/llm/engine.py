@@ -205,6 +205,72 @@ def check_prompt(model: str, prompt: list[int], params: SamplingParams, vocab: i
             f"and max_tokens asks for {params.max_tokens} more")
 
 
+# NOTE [Key/value caches under pressure]
+# Between its turns a language model's running generations keep their key/value caches
+# on the device, so that the next turn starts at once, unless the device needs the room.
+# ``KVBudget(bytes)``, shared by the language models of one runtime, is how much of the
+# device their caches may keep there. When a turn begins, the caches of the models that
+# ran least recently move to host memory (page-locked on CUDA) until the caches on the
+# device, the starting model's included, fit; when a turn ends with generations left,
+# the same again, the model ending its turn moving last. They come back at their model's
+# next turn, bit for bit (``_kv_back``). A model's caches never move during its own
+# turn, so within a turn they may grow past the budget (up to ``max_sequences`` times
+# ``max_context`` positions); the budget bounds what stays on the device between turns.
+# The move is made by the engine that needs the room, in its own turn, while the other
+# engine waits for one (``Engine.move_kv_out``): no engine's batch is touched by two
+# threads at once. ``offload_kv`` still moves a model's caches out at every turn's end.
+class KVBudget:
+    """How many bytes the key/value caches of a runtime's language models may keep on the
+    device between their turns (NOTE [Key/value caches under pressure])."""
+
+    def __init__(self, capacity: int):
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+            raise ConfigError(f"kv_memory must be a non-negative number of bytes, got {capacity!r}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._engines: list[Engine] = []
+        self.moves = 0  # caches moved to host memory to make room
+        self.moved_bytes = 0
+
+    def join(self, engine: Engine) -> None:
+        with self._lock:
+            self._engines.append(engine)
+
+    def leave(self, engine: Engine) -> None:
+        with self._lock:
+            if engine in self._engines:
+                self._engines.remove(engine)
+
+    def on_device(self) -> int:
+        """The bytes of caches on the device now, all models together."""
+        with self._lock:
+            return sum(e.kv_device_bytes for e in self._engines)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"capacity": self.capacity, "on_device": sum(e.kv_device_bytes for e in self._engines),
+                    "moves": self.moves, "moved_bytes": self.moved_bytes}
+
+    def make_room(self, holder: Engine, *, keep: bool) -> None:
+        """Called by ``holder`` in its turn: move caches out, least recent turn first,
+        until those on the device fit; ``keep``: the holder's own stay (its turn begins)."""
+        with self._lock:
+            engines = list(self._engines)
+        over = sum(e.kv_device_bytes for e in engines) - self.capacity
+        if over <= 0:
+            return
+        others = sorted((e for e in engines if e is not holder), key=lambda e: e.last_turn)
+        for victim in others if keep else [*others, holder]:
+            if over <= 0:
+                break
+            moved = victim.move_kv_out() if victim is not holder else holder.give_up_kv()
+            if moved:
+                over -= moved
+                with self._lock:
+                    self.moves += 1
+                    self.moved_bytes += moved
+
+
 class Engine:
     """Continuous batching for the model ``name`` of ``runtime`` (NOTE [Decode bursts]).
 
@@ -214,7 +280,7 @@ class Engine:
 
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
                  vocab: int, max_context: int, max_sequences: int, new_cache: Callable[[KV | None], object],
-                 quantum_s: float = 0.05, offload_kv: bool = False):
+                 quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None):
         if max_sequences < 1:
             raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
         if max_context < 2:
@@ -237,8 +303,15 @@ class Engine:
         self.kv_host_bytes = 0  # the caches in host memory now
         self.kv_offloads = 0  # times they were moved there
         self._kv_device: torch.device | None = None  # where they go back to
+        # NOTE [Key/value caches under pressure]: the caches left on the device between
+        # turns, shared out by the budget.
+        self._budget = kv_budget
+        self._in_turn = False  # holds the device: its batch is its thread's alone
+        self.last_turn = 0.0  # when its latest turn began (monotonic)
         self.steps = 0
         self.turns = 0
+        if kv_budget is not None:
+            kv_budget.join(self)
         self._thread = threading.Thread(target=self._loop, name=f"timeshare-llm-{name}", daemon=True)
         self._thread.start()
 
@@ -274,6 +347,8 @@ class Engine:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        if self._budget is not None:
+            self._budget.leave(self)
         if self._thread.is_alive():
             log.warning("model %s: the engine is still in a step after %g s; it fails its sequences when the "
                         "step ends", self.name, timeout_s)
@@ -291,11 +366,22 @@ class Engine:
                     due = min((s.arrived for s in self._waiting), default=None)
                 try:
                     with self._rt.turn(self.name, urgent_since=due, ticket=self._ticket) as turn:
-                        self.turns += 1
-                        self._kv_back()
-                        self._turn(turn)
-                        if self.offload_kv and self._running:  # preempted with rows left
-                            self._kv_out()
+                        with self._cond:
+                            self._in_turn, self.last_turn = True, time.monotonic()
+                            self.turns += 1
+                            self._kv_back()
+                        try:
+                            if self._budget is not None:  # room for this turn's caches
+                                self._budget.make_room(self, keep=True)
+                            self._turn(turn)
+                            if self.offload_kv and self._running:  # preempted with rows left
+                                with self._cond:
+                                    self._kv_out()
+                            elif self._budget is not None and self._running:
+                                self._budget.make_room(self, keep=False)
+                        finally:
+                            with self._cond:
+                                self._in_turn = False
                 except Exception as exc:  # the turn itself failed: the runtime closed, the model left
                     log.warning("model %s: turn failed: %s", self.name, exc)
                     self._fail_all(exc)
@@ -307,11 +393,29 @@ class Engine:
         finally:
             self._fail_all(Unavailable(f"model {self.name!r} was closed"))
 
+    @property
+    def kv_device_bytes(self) -> int:
+        """The bytes of its caches on the device now (none while they are in host memory)."""
+        return 0 if self._kv_device is not None else self._batch.nbytes
+
+    def move_kv_out(self) -> int:
+        """NOTE [Key/value caches under pressure]: move the caches to host memory if the
+        engine is between turns with caches on the device; the bytes moved (0: it holds
+        the device, or has none there). Another engine's thread calls it, in its turn."""
+        with self._cond:
+            if self._in_turn or self._kv_device is not None:
+                return 0
+            moved = self._batch.nbytes
+            self._kv_out()
+            return moved if self._kv_device is not None else 0
+
     def _kv_out(self) -> None:
         """NOTE [Key/value caches off the device]: the running rows' caches leave the
         device for host memory (page-locked on CUDA), counted in ``kv_host_bytes``, while
         another task has the device; ``_kv_back`` returns them, bit for bit, at the next
-        turn. Done before the turn is given back, so the copy is the engine's own time."""
+        turn. Done before the turn is given back, so the copy is the engine's own time
+        (or, under pressure, the time of the engine that needs the room). With the
+        condition held."""
         kv = self._batch.kv
         if not kv or self._kv_device is not None:  # none, or out already
             return
@@ -327,6 +431,13 @@ class Engine:
         self._kv_device = device
         self.kv_host_bytes = self._batch.nbytes
         self.kv_offloads += 1
+
+    def give_up_kv(self) -> int:
+        """In its own turn, as it ends: move its caches to host memory; the bytes moved."""
+        with self._cond:
+            moved = self.kv_device_bytes
+            self._kv_out()
+            return moved if self._kv_device is not None else 0
 
     def _kv_back(self) -> None:
         if self._kv_device is None:

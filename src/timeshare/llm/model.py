@@ -15,7 +15,7 @@ import torch
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm.batch import KV
-from timeshare.llm.engine import Delta, Engine, Finish, Sequence
+from timeshare.llm.engine import Delta, Engine, Finish, KVBudget, Sequence
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
@@ -74,13 +74,14 @@ class LanguageModel(Texts):
 def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = None, pin: bool = False,
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
-         offload_kv: bool = False) -> LanguageModel:
+         offload_kv: bool = False, kv_budget: KVBudget | None = None) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
     the longest prompt plus completion (default: the model's positions);
     ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts];
-    ``offload_kv``: NOTE [Key/value caches off the device].
+    ``offload_kv``: NOTE [Key/value caches off the device]; ``kv_budget``: shared by the
+    runtime's language models, NOTE [Key/value caches under pressure].
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
     from transformers import DynamicCache
@@ -111,7 +112,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     try:
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, new_cache=new_cache, quantum_s=quantum_s,
-                        offload_kv=offload_kv)
+                        offload_kv=offload_kv, kv_budget=kv_budget)
     except BaseException:
         runtime.unregister(name)
         raise

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from timeshare.config import LLMConfig
 from timeshare.errors import Unavailable, UnknownModelError
 from timeshare.llm import model as lm
-from timeshare.llm.engine import Delta, Event, Finish
+from timeshare.llm.engine import Delta, Event, Finish, KVBudget
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.facade import Runtime
 
@@ -56,11 +56,12 @@ class ServedLLM(Protocol):
     def close(self) -> None: ...
 
 
-def open_local(runtime: Runtime, cfg: LLMConfig) -> ServedLLM:
-    """``cfg``'s model generating in this process, on ``runtime``."""
+def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = None) -> ServedLLM:
+    """``cfg``'s model generating in this process, on ``runtime``; ``kv_budget``: shared by
+    the runtime's language models (NOTE [Key/value caches under pressure])."""
     return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
                    max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
-                   offload_kv=cfg.offload_kv)
+                   offload_kv=cfg.offload_kv, kv_budget=kv_budget)
 
 
 class LanguageModels:

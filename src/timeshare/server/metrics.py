@@ -184,10 +184,19 @@ class _Levels:
                             "each language model's running generations", "model",
                             {n: s["kv_bytes"] for n, s in llms.items()})
             yield _by_label(GaugeMetricFamily, "timeshare_llm_kv_host_bytes", "Of those, the bytes in host memory "
-                            "while another task has the device (offload_kv)", "model",
+                            "while another task has the device (offload_kv, kv_memory)", "model",
                             {n: s["kv_host_bytes"] for n, s in llms.items()})
             yield _by_label(CounterMetricFamily, "timeshare_llm_kv_offloads", "Times a model's caches left the "
                             "device for host memory", "model", {n: s["kv_offloads"] for n, s in llms.items()})
+        kv = snap.get("kv_memory")
+        if kv is not None:  # NOTE [Key/value caches under pressure]
+            yield GaugeMetricFamily("timeshare_llm_kv_memory_bytes", "Bytes the language models' key/value caches "
+                                    "may keep on the device between their turns (kv_memory)", value=kv["capacity"])
+            yield GaugeMetricFamily("timeshare_llm_kv_device_bytes", "Bytes of key/value caches on the device now",
+                                    value=kv["on_device"])
+            yield CounterMetricFamily("timeshare_llm_kv_pressure_moves", "Times caches moved to host memory to keep "
+                                      "those on the device within kv_memory", value=kv["moves"])
+        if llms:
             yield _by_label(GaugeMetricFamily, "timeshare_llm_running", "Generations decoding together", "model",
                             {n: s["running"] for n, s in llms.items()})
             yield _by_label(GaugeMetricFamily, "timeshare_llm_waiting", "Generations waiting to start", "model",

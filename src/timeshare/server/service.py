@@ -20,6 +20,7 @@ import torch
 
 from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
+from timeshare.llm.engine import KVBudget
 from timeshare.models.spec import Builder
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
@@ -32,6 +33,7 @@ from timeshare.server.llms import LanguageModels, ServedLLM, open_local
 from timeshare.server.metrics import Metrics
 from timeshare.server.parser_pool import ParserPool
 from timeshare.server.runner import QueueRunner, Reply
+from timeshare.units import parse_bytes
 
 if TYPE_CHECKING:
     from timeshare.cluster.backend import ClusterRuntime
@@ -47,6 +49,10 @@ class Service:
         self.endpoints = {m.name: Endpoint(m) for m in config.models}
         self.metrics = Metrics(self)
         self.llms = LanguageModels(config.llms, self.metrics.llm_event, warmup=config.server.warmup)
+        kv_memory = config.runtime.kv_memory
+        # NOTE [Key/value caches under pressure]: one budget for the language models here.
+        self.kv_budget = None if kv_memory is None or config.cluster is not None else \
+            KVBudget(parse_bytes(kv_memory, what="kv_memory"))
         self.runtime: Backend | None = runtime
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
         # A model's batches run one at a time on one runtime; in front of a cluster, as many
@@ -89,14 +95,17 @@ class Service:
         if self.config.cluster is not None:
             return self.cluster().language_model(cfg.name)
         assert isinstance(self._rt, Runtime), "without a cluster the runtime is in this process"
-        return open_local(self._rt, cfg)
+        return open_local(self._rt, cfg, self.kv_budget)
 
     def _llm_defs(self) -> list:
         """The config's language models as every replica of a cluster loads them."""
         from timeshare.cluster.llm import LLMDef
 
+        kv = self.config.runtime.kv_memory
+        kv_memory = None if kv is None else parse_bytes(kv, what="kv_memory")
         return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
-                       max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv)
+                       max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv,
+                       kv_memory=kv_memory)
                 for c in self.config.llms]
 
     def _model_defs(self) -> list:
@@ -403,6 +412,8 @@ class Service:
         snap["inference_seconds"] = self._busy_s
         snap["jobs"] = self.training.iterations()
         snap["llms"] = self.llms.snapshot()
+        if self.kv_budget is not None:
+            snap["kv_memory"] = self.kv_budget.snapshot()
         return snap
 
     async def _call(self, fn, *args, **kwargs):
