@@ -434,8 +434,6 @@ class Config(_Strict):
             raise ValueError(f"model names must be distinct; repeated: {dup}")
         if self.llms and self.runtime.workers:
             raise ValueError("llms: generation runs in-process for now; use runtime.workers: 0")
-        if self.llms and self.runtime.scheduling == "pack":
-            raise ValueError("llms: decode turns do not run in lanes yet; use a scheduling other than 'pack'")
         if self.cluster is not None:
             if any(m.pinned for m in self.llms):
                 raise ValueError("cluster: language models cannot be pinned on a cluster")

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from timeshare.errors import ConfigError, Unavailable, WeightsError
+from timeshare.errors import ConfigError, LaneExceededError, Unavailable, WeightsError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
-from timeshare.llm.engine import ContextLengthError, Delta, Finish, KVBudget
+from timeshare.llm.engine import ContextLengthError, Delta, Finish, KVBudget, TokenTiming
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.events import CallRecord
 from timeshare.runtime.facade import Runtime
@@ -186,6 +186,62 @@ def test_under_a_kv_budget_the_least_recent_caches_wait_in_host_memory(tmp_path,
         assert a.engine.kv_host_bytes == b.engine.kv_host_bytes == 0 and budget.on_device() == 0
         a.close()
         b.close()
+
+
+class Sleeper(nn.Module):
+    """A linear layer whose forward sleeps 0.4 s when its first input is positive, and
+    records when each forward ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.windows: list[tuple[float, float]] = []
+
+    def forward(self, x):
+        t0 = time.monotonic()
+        if float(x[0, 0]) > 0:
+            time.sleep(0.4)
+        self.windows.append((t0, time.monotonic()))
+        return self.lin(x)
+
+
+def test_under_pack_a_language_model_decodes_in_its_lane_beside_another_model(llama, reference):
+    """NOTE [Turns in lanes]: tokens come while another model's forward runs in its own
+    lane, and they are the tokens of the model alone."""
+    sleeper = Sleeper()
+    x = torch.full((1, 4), 1.0)
+    with torch.no_grad():
+        want = sleeper.lin(x)
+    with Runtime("cpu", "64MiB", scheduling="pack", lane_memory="64MiB") as rt:
+        m = lm.load(rt, "llama", llama)
+        assert 0 < m.engine.lane_bytes <= 64 << 20
+        rt.register("sleeper", lambda: sleeper, sleeper.state_dict(), (torch.zeros(1, 4),))
+        for _ in range(2):  # measured: it asks for its own lane, not every free byte
+            rt.infer("sleeper", torch.zeros(1, 4))
+        times: list[float] = []
+        m.engine.subscribe(lambda e: times.append(time.monotonic()) if isinstance(e, TokenTiming) else None)
+        seq = m.generate(m.encode(PROMPTS[0]), SamplingParams(max_tokens=200, temperature=0))
+        started(seq, 3)
+        out = rt.infer("sleeper", x)
+        got = seq.result(60)
+        assert got.tokens == reference(PROMPTS[0], 200)
+        assert torch.equal(out, want)
+        start, end = sleeper.windows[-1]
+        assert end - start >= 0.4
+        assert sum(start < t < end for t in times) >= 3  # tokens while the other forward ran
+        m.close()
+
+
+def test_under_pack_a_prefill_that_outgrows_its_lane_fails_alone(llama):
+    with Runtime("cpu", "64MiB", scheduling="pack", lane_memory="16KiB") as rt:
+        m = lm.load(rt, "llama", llama)
+        rt.register("other", lambda: nn.Linear(4, 4), None, (torch.zeros(1, 4),))
+        want = rt.infer("other", torch.ones(1, 4))
+        with pytest.raises(LaneExceededError) as info:
+            m.generate(m.encode(PROMPTS[2]), GREEDY).result(60)
+        assert info.value.task == "llama" and info.value.asked > info.value.lane_bytes
+        assert torch.equal(rt.infer("other", torch.ones(1, 4)), want)  # the rest goes on
+        m.close()
 
 
 def test_sequences_that_join_a_running_batch_get_the_tokens_they_would_alone(llama, reference):

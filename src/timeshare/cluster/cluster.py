@@ -719,17 +719,16 @@ class Cluster:
             return rows
 
     def status(self) -> dict:
-        """Each replica's state, resident models and loads (asked of the live ones)."""
-        out = []
-        for s in self.slots:
-            row: dict = {"replica": s.name, "alive": s.alive, "outstanding": s.outstanding, "error": s.error}
-            if s.alive:
+        """``replica_rows`` with each live replica's own state, resident models and loads
+        (asked of it), and the cluster's counters."""
+        out = self.replica_rows()
+        actors = {s.name: s.actor for s in self.slots}
+        for row in out:
+            if row["alive"]:
                 try:
-                    row.update(self._ray.get(s.actor.stats.remote(), timeout=self.call_timeout_s))
+                    row.update(self._ray.get(actors[row["replica"]].stats.remote(), timeout=self.call_timeout_s))
                 except Exception as exc:
                     row["error"] = _cause(exc)
-            if s.alive or s.error:
-                out.append(row)
         return {"replicas": out, "requests": self.stats.requests, "loads": self.stats.loads,
                 "retried": self.stats.retried, "failed": self.stats.failed, "migrations": self.stats.migrations,
                 "cpu_fallbacks": self.stats.cpu_fallbacks,

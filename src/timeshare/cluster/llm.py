@@ -29,8 +29,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from timeshare.errors import Timeout, Unavailable
-from timeshare.llm.engine import Completion, Delta, Event, Finish, SequenceDone, TokenTiming, check_prompt
+from timeshare.errors import Unavailable
+from timeshare.llm.engine import (
+    Completion,
+    Delta,
+    Event,
+    Finish,
+    SequenceDone,
+    TokenTiming,
+    check_prompt,
+    collect,
+    read_events,
+)
 from timeshare.llm.model import Texts, open_directory
 from timeshare.llm.sampling import SamplingParams
 
@@ -90,20 +100,9 @@ class RemoteGeneration:
             self._events.put(event)
 
     def result(self, timeout_s: float) -> Completion:
-        """The whole completion (when no ``on_event`` was given); raises its error."""
-        text = []
-        while True:
-            try:
-                event = self._events.get(timeout=timeout_s)
-            except queue.Empty:
-                self.cancel()
-                raise Timeout(f"no token in {timeout_s:g} s") from None
-            if isinstance(event, Delta):
-                text.append(event.text)
-                continue
-            if event.error is not None:
-                raise event.error
-            return Completion("".join(text), [], event.reason, event.prompt_tokens, event.completion_tokens)
+        """The whole completion (when no ``on_event`` was given); raises its error. Its
+        tokens stay on the replica: only the text comes back."""
+        return collect(read_events(self._events, timeout_s, self.cancel, "generation"), [])
 
 
 class RemoteEngine:

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +126,35 @@ class Detokenizer:
         return now[len(shown):] if len(now) > len(shown) else ""
 
 
+def read_events(events: queue.Queue[Delta | Finish], timeout_s: float, cancel: Callable[[], None],
+                what: str) -> Iterator[Delta | Finish]:
+    """A generation's deltas from ``events``, then its finish, each waited for at most
+    ``timeout_s``; past that, the generation is cancelled and ``Timeout`` raised."""
+    while True:
+        try:
+            event = events.get(timeout=timeout_s)
+        except queue.Empty:
+            cancel()
+            raise Timeout(f"{what}: no token in {timeout_s:g} s") from None
+        yield event
+        if isinstance(event, Finish):
+            return
+
+
+def collect(events: Iterable[Delta | Finish], tokens: list[int]) -> Completion:
+    """The whole completion from a generation's events; raises its error if it failed."""
+    text = []
+    for event in events:
+        if isinstance(event, Delta):
+            text.append(event.text)
+        elif event.error is not None:
+            raise event.error
+        else:
+            return Completion("".join(text), list(tokens), event.reason, event.prompt_tokens,
+                              event.completion_tokens)
+    raise TimeshareError("the generation's events ended without its finish")
+
+
 class Sequence:
     """One request's generation. Read it with ``events`` (streaming) or ``result``, or
     give ``on_event`` (called in the engine's thread, for each event, instead);
@@ -159,28 +188,11 @@ class Sequence:
 
     def events(self, timeout_s: float) -> Iterator[Delta | Finish]:
         """The sequence's deltas, then its finish; each waited for at most ``timeout_s``."""
-        while True:
-            try:
-                event = self._events.get(timeout=timeout_s)
-            except queue.Empty:
-                self.cancel()
-                raise Timeout(f"sequence {self.id}: no token in {timeout_s:g} s") from None
-            yield event
-            if isinstance(event, Finish):
-                return
+        return read_events(self._events, timeout_s, self.cancel, f"sequence {self.id}")
 
     def result(self, timeout_s: float) -> Completion:
         """The whole completion; raises the sequence's error if it failed."""
-        text = []
-        for event in self.events(timeout_s):
-            if isinstance(event, Delta):
-                text.append(event.text)
-            elif event.error is not None:
-                raise event.error
-            else:
-                return Completion("".join(text), list(self.tokens), event.reason, event.prompt_tokens,
-                                  event.completion_tokens)
-        raise AssertionError("unreachable")
+        return collect(self.events(timeout_s), self.tokens)
 
     def _put(self, event: Delta | Finish) -> None:
         if self._on_event is None:
@@ -280,7 +292,8 @@ class Engine:
 
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
                  vocab: int, max_context: int, max_sequences: int, new_cache: Callable[[KV | None], object],
-                 quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None):
+                 quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None,
+                 lane_bytes: int | None = None):
         if max_sequences < 1:
             raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
         if max_context < 2:
@@ -306,6 +319,7 @@ class Engine:
         # NOTE [Key/value caches under pressure]: the caches left on the device between
         # turns, shared out by the budget.
         self._budget = kv_budget
+        self.lane_bytes = lane_bytes  # with lanes, what each turn's lane holds (NOTE [Turns in lanes])
         self._in_turn = False  # holds the device: its batch is its thread's alone
         self.last_turn = 0.0  # when its latest turn began (monotonic)
         self.steps = 0
@@ -365,7 +379,8 @@ class Engine:
                     # A request waiting for its first token makes the turn due since it arrived.
                     due = min((s.arrived for s in self._waiting), default=None)
                 try:
-                    with self._rt.turn(self.name, urgent_since=due, ticket=self._ticket) as turn:
+                    with self._rt.turn(self.name, urgent_since=due, ticket=self._ticket,
+                                       ephemeral=self.lane_bytes) as turn:
                         with self._cond:
                             self._in_turn, self.last_turn = True, time.monotonic()
                             self.turns += 1

@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
+from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm.batch import KV
 from timeshare.llm.engine import Delta, Engine, Finish, KVBudget, Sequence
 from timeshare.llm.sampling import SamplingParams
+from timeshare.memory.ephemeral import lane_bytes
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
 
@@ -96,9 +98,10 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     shards = [str(f) for f in hfdir.shard_files(path)]
     runtime.register(name, functools.partial(hfdir.build_causal_lm, str(path)), shards,
                      (example,), example_kwargs={"use_cache": False}, dtype=dtype, pin=pin, priority=priority)
+    prefill_peak = 0
     if profile:
         try:  # a prefill of PROFILE_TOKENS: the costs its pipelined loads are planned with
-            runtime.profile(name)
+            prefill_peak = runtime.profile(name).ephemeral_bytes
         except BaseException:
             runtime.unregister(name)
             raise
@@ -112,11 +115,30 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     try:
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, new_cache=new_cache, quantum_s=quantum_s,
-                        offload_kv=offload_kv, kv_budget=kv_budget)
+                        offload_kv=offload_kv, kv_budget=kv_budget,
+                        lane_bytes=turn_lane_bytes(config, dtype, max_sequences, int(context), prefill_peak))
     except BaseException:
         runtime.unregister(name)
         raise
     return LanguageModel(runtime, name, path, tokenizer, config, engine)
+
+
+def kv_bytes_per_token(config: Any, dtype: str | None) -> int:
+    """The key/value cache bytes one position of one sequence takes, every layer."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    parsed = parse_dtype(dtype)
+    element = parsed.itemsize if parsed is not None else 4
+    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+
+
+def turn_lane_bytes(config: Any, dtype: str | None, max_sequences: int, max_context: int, prefill_peak: int) -> int:
+    """What a turn's lane holds under 'pack' (NOTE [Turns in lanes]): the caches of
+    ``max_sequences`` sequences at ``max_context`` positions, and the profiled prefill's
+    peak scaled from ``PROFILE_TOKENS`` to ``max_context`` tokens, each with headroom."""
+    caches = kv_bytes_per_token(config, dtype) * max_sequences * max_context
+    return lane_bytes(caches) + lane_bytes(prefill_peak * max(1, max_context // PROFILE_TOKENS))
 
 
 @dataclass(frozen=True)

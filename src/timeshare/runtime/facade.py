@@ -25,11 +25,11 @@ from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
-from timeshare.runtime.dispatch import Dispatcher, Ticket
+from timeshare.runtime.dispatch import Dispatcher, Ticket, Turn
 from timeshare.runtime.events import Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
-from timeshare.runtime.lanes import lanes_call, wait_idle
+from timeshare.runtime.lanes import lanes_call, turn_call, wait_idle
 from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.table import ModelTable
@@ -316,22 +316,30 @@ class Runtime:
 
     @contextmanager
     def turn(self, name: str, *, urgent_since: float | None = None,
-             ticket: Ticket | None = None) -> Iterator[ModelTurn]:
+             ticket: Ticket | None = None, ephemeral: int | None = None) -> Iterator[ModelTurn]:
         """Hold the device for a series of calls to model ``name``: a language model's
         decode steps (NOTE [Decode bursts] in ``llm/engine.py``). The scheduler gives the
         turn as it gives one call's; inside it, ``ModelTurn.call`` runs at once, and
         ``ModelTurn.contended`` says at each step whether to give the device back.
         ``urgent_since`` (``time.monotonic()``): the turn is due since then (a request
         waiting for its first token), and comes before turns of its class that are not;
-        ``ticket`` lets another thread make it so while it waits (``Ticket.expedite``)."""
+        ``ticket`` lets another thread make it so while it waits (``Ticket.expedite``).
+        With lanes: ``ephemeral``, the bytes the turn's lane must hold (None: what is
+        free now); every call of the turn runs bounded by it (NOTE [Turns in lanes])."""
         m = self._get(name)
-        if self._gate.lane_capacity is not None:
-            raise ConfigError(f"model {name!r}: a turn of several calls cannot run under scheduling 'pack' "
-                              "(its calls would need lanes of their own)")
+        lanes = self._gate.lane_capacity
+        ask = 0 if lanes is None else min(lanes, self._gate.free_lane_bytes() if ephemeral is None else ephemeral)
         deadline = None if urgent_since is None else 0.0
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
-                                 arrived_at=urgent_since, ticket=ticket):
-            yield ModelTurn(self, name, m.priority, self._gate)
+                                 arrived_at=urgent_since, ticket=ticket, ephemeral=ask) as held:
+            yield ModelTurn(self, name, m.priority, self._gate, lane=held if lanes is not None else None)
+
+    def _call_in_lane(self, name: str, args: tuple, kwargs: dict | None, held: Turn) -> Call:
+        """A call of a turn that holds a lane (NOTE [Turns in lanes])."""
+        with self._lock:
+            m = self._get(name)
+            return turn_call(self._table, m, tuple(args), dict(kwargs or {}), held, self._lock, self._idle,
+                             self._gate.lane_threads)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
@@ -538,15 +546,25 @@ class ModelTurn:
     # switch then costs at most a fifth of the turn, however short ``quantum_s`` is.
     LOAD_FACTOR = 4.0
 
-    def __init__(self, runtime: Runtime, name: str, priority: Priority, gate: Dispatcher):
+    def __init__(self, runtime: Runtime, name: str, priority: Priority, gate: Dispatcher, *,
+                 lane: Turn | None = None):
         self.name = name
         self.started = time.monotonic()
         self.load_s = 0.0  # of this turn's calls that loaded the model
-        self._runtime, self._priority, self._gate = runtime, priority, gate
+        self._runtime, self._priority, self._gate, self._lane = runtime, priority, gate, lane
+
+    @property
+    def lane_bytes(self) -> int | None:
+        """With lanes: the size of the turn's lane (NOTE [Turns in lanes])."""
+        return None if self._lane is None else self._lane.lane_bytes
 
     def call(self, args: tuple = (), kwargs: dict | None = None) -> Call:
-        """``Runtime.call`` inside the turn: no wait for the scheduler."""
-        call = self._runtime.call(self.name, args, kwargs)
+        """``Runtime.call`` inside the turn: no wait for the scheduler; with lanes, bounded
+        by the turn's lane."""
+        if self._lane is None:
+            call = self._runtime.call(self.name, args, kwargs)
+        else:
+            call = self._runtime._call_in_lane(self.name, args, kwargs, self._lane)
         if call.record.loaded:
             self.load_s += call.record.seconds
         return call

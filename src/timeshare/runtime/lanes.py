@@ -18,6 +18,17 @@ bytes]), on its share of the cores; loads, placement, eviction and records stay 
 the lock, and a running model cannot be evicted (``ModelEntry.running``). Calls of one
 model run one at a time (``ModelEntry.alone``), as Salus runs one iteration per lane.
 
+# NOTE [Turns in lanes]
+A turn (``Runtime.turn``: a language model's prefills and decode steps) holds one lane for
+all its calls: it asks for the bytes its caller declares (a language model: its key/value
+caches at ``max_sequences`` times ``max_context`` positions, and its profiled prefill's
+peak, each with headroom; at most the lanes' capacity), or what is free when it declares
+nothing. Every call of the turn runs bounded by that lane, whatever its shape, so the
+whole cache a step builds counts against it; a call that asks for more fails alone with
+``LaneExceededError`` (a prefill: its sequence; a decode step: the batch). Its forwards
+run without the runtime's lock beside the other lanes' tasks; its caches between turns
+are the model's own (NOTE [Key/value caches under pressure]).
+
 On the CPU a lane's forward uses a fixed number of cores (``lane_threads``), never one
 that depends on how many lanes are busy: kernels pick their blocking by thread count,
 so a share that followed the load would change a model's output bits with the load.
@@ -58,6 +69,19 @@ def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, stra
         lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
         return table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=lane,
                           unlocked=None if turn.nested else unlocked(lock))
+    finally:
+        idle.notify_all()
+
+
+def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn: Turn, lock: threading.RLock,
+              idle: threading.Condition, threads: int) -> Call:
+    """A call inside a turn that holds a lane (a language model's step, NOTE [Turns in
+    lanes]), with ``lock`` held: bounded by the turn's lane whatever its shape; a resident
+    model's forward runs without the lock."""
+    try:
+        lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
+        return table.call(m, args, kwargs, None, waited_s=0.0, switched_from=None, lane=lane,
+                          unlocked=unlocked(lock), keep_peak=False)
     finally:
         idle.notify_all()
 

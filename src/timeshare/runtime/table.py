@@ -185,16 +185,17 @@ class ModelTable:
 
     def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
              switched_from: str | None, lane: LaneBound | None = None,
-             unlocked: Unlocked | None = None) -> Call:
+             unlocked: Unlocked | None = None, keep_peak: bool = True) -> Call:
         """One inference on caller inputs: ``run`` with its record, emitted to the listeners
         whether it succeeded or raised, and counted in ``failures`` if it raised. In a
-        ``lane``, the call's peak ephemeral bytes are kept per input shape."""
+        ``lane``, the call's peak ephemeral bytes are kept per input shape (unless not
+        ``keep_peak``: the calls of a turn, whose shapes change at every step)."""
         t0 = time.monotonic()
         loaded = m.block is None
         try:
             ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
                            lane=lane, unlocked=unlocked)
-            if ran.ephemeral_peak is not None and lane is not None and lane.limit is not None:
+            if ran.ephemeral_peak is not None and lane is not None and lane.limit is not None and keep_peak:
                 key = shape_key(args, kwargs)
                 m.ephemeral[key] = max(m.ephemeral.get(key, 0), ran.ephemeral_peak)
         except BaseException as exc:
