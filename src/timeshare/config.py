@@ -95,7 +95,7 @@ class RuntimeConfig(_Strict):
     dedup: bool = False
     """Tensors of identical content across models (fine-tuned variants of one base model)
     are held once in host memory and once on the device, and a load copies only those not
-    resident. Needs no host_memory and a scheduling other than "pack" for now."""
+    resident. Needs no host_memory for now."""
     thrashing: bool = False
     """Thrashing control: while loads take most of the device's time, the models used
     recently are kept resident and each model's requests wait longer to form batches."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -270,13 +271,53 @@ def test_with_workers_variants_share_their_base_and_answer_exactly():
         assert rt.snapshot()["shared"]["sets"] == 0 and rt.stats()["used_bytes"] == 0
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"host_memory": "64MiB"}, "host budget"),
-    ({"scheduling": "pack"}, "pack"),
-])
-def test_dedup_refuses_what_it_does_not_run_with(options, match):
-    with pytest.raises(ConfigError, match=match):
-        Runtime("cpu", "16MiB", dedup=True, **options)
+def test_dedup_refuses_what_it_does_not_run_with():
+    with pytest.raises(ConfigError, match="host budget"):
+        Runtime("cpu", "16MiB", dedup=True, host_memory="64MiB")
+
+
+class SlowVariant(VariantNet):
+    """A variant whose forward first sleeps ``delay`` seconds (set by the test)."""
+
+    delay = 0.0
+
+    def forward(self, ids):
+        time.sleep(SlowVariant.delay)
+        return super().forward(ids)
+
+
+def slow_variant(v: int) -> SlowVariant:
+    net = SlowVariant().eval()
+    net.load_state_dict(variant_net(v).state_dict())
+    return net
+
+
+def test_with_lanes_a_model_laid_out_again_is_laid_out_once_its_running_call_ends():
+    """A registration under pack that shares a running model's tensors waits for its call:
+    the running forward reads its own weights to the end (evicted blocks are poisoned)."""
+    with Runtime("cpu", "64MiB", dedup=True, scheduling="pack", lane_memory="16MiB", poison_evicted=True) as rt:
+        rt.register("s0", functools.partial(slow_variant, 0), example_inputs=(IDS,))
+        for _ in range(2):  # measured: it asks for its own lane
+            assert torch.equal(rt.infer("s0", IDS), want(0))
+        SlowVariant.delay = 0.5
+        try:
+            done: dict = {}
+
+            def slow_call():
+                done["out"] = rt.infer("s0", IDS)
+                done["at"] = time.monotonic()
+
+            caller = threading.Thread(target=slow_call)
+            caller.start()
+            time.sleep(0.15)  # in its forward, outside the runtime's lock
+            register(rt, 1)  # shares s0's base: s0 is laid out again
+            registered = time.monotonic()
+            caller.join(10)
+        finally:
+            SlowVariant.delay = 0.0
+        assert torch.equal(done["out"], want(0)) and registered >= done["at"]
+        assert rt.snapshot()["shared"]["sets"] == 1
+        assert torch.equal(rt.infer("v1", IDS), want(1)) and torch.equal(rt.infer("s0", IDS), want(0))
 
 
 def test_dedup_needs_example_inputs():

@@ -128,7 +128,7 @@ class Runtime:
         dedup: bool = False,
     ):
         if dedup:
-            sharing.check_dedup(host_memory=host_memory, scheduling=scheduling)
+            sharing.check_dedup(host_memory=host_memory)
         if direct_io and host_memory is None:
             raise ConfigError("direct_io applies to reads from disk under a host budget: set host_memory too")
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
@@ -223,7 +223,8 @@ class Runtime:
         if self._table.sharing is not None:
             member, digests = sharing.prepare(spec)
             unbind(member.layout)
-            with self._turn():
+            # With lanes it runs alone: models it lays out again may be running in theirs.
+            with self._turn(alone=True):
                 self._table.add_deduped(entry, member, digests)
             log.info("registered %s: %d tensors, %s of its own", name, len(member.layout.entries),
                      format_bytes(entry.nbytes))
@@ -533,9 +534,12 @@ class Runtime:
         wait_idle(self._idle, m, self.task_timeout_s)
 
     @contextmanager
-    def _turn(self, model: str = "", kind: Kind = Kind.CONTROL):
-        """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
-        with self._gate.priority(model, kind), self._lock:
+    def _turn(self, model: str = "", kind: Kind = Kind.CONTROL, *, alone: bool = False):
+        """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption
+        points]). ``alone``: with lanes, once no task of any lane runs, and none starts
+        before it ends (it asks for every lane's bytes)."""
+        with self._gate.priority(model, kind, ephemeral=(self._gate.lane_capacity or 0) if alone else 0), \
+                self._lock:
             yield
 
 

@@ -42,8 +42,11 @@ from timeshare.transfer.profiler import ExecutionOrder
 # jobs build their own modules and never hold a registered model's tensors, so no job
 # can change another model's outputs (there is nothing to copy on write). With workers a
 # set's store is a shared-memory segment taught to every worker before the models using it
-# (``AddShared``), and each call names where the model's sets are (``RunModel.shared``). Not
-# yet: under a host budget, and direct host access for models with shared tensors.
+# (``AddShared``), and each call names where the model's sets are (``RunModel.shared``).
+# With lanes (``pack``) a registration runs alone (``Runtime._turn(alone=True)``): a model
+# it lays out again may be running in a lane outside the runtime's lock, and is laid out
+# only once its call has ended. Not yet: under a host budget, and direct host access for
+# models with shared tensors.
 MIN_SHARED_BYTES = 1 << 10  # smaller tensors stay with their model: a piece of a few bytes is not worth a copy call
 
 
@@ -225,13 +228,10 @@ class SharedTensors:
         }
 
 
-def check_dedup(*, host_memory: object, scheduling: str) -> None:
+def check_dedup(*, host_memory: object) -> None:
     """Raise ConfigError where deduplication does not run yet (NOTE [Shared tensors])."""
     if host_memory is not None:
         raise ConfigError("dedup does not run under a host budget yet: leave host_memory unset")
-    if scheduling == "pack":
-        raise ConfigError("dedup does not run with 'pack' scheduling yet (a model laid out again at another's "
-                          "registration must not be running in a lane)")
 
 
 def prepare(spec: ModelSpec) -> tuple[Member, dict[str, str]]:
