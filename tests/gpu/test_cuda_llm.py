@@ -66,7 +66,7 @@ def test_caches_moved_to_pinned_host_memory_while_preempted_come_back_unchanged(
 def test_under_a_tight_kv_budget_caches_wait_in_host_memory_and_come_back_unchanged(tmp_path):
     """NOTE [Key/value caches under pressure] on CUDA: two models taking turns, with room
     for the caches of neither between turns: what waits is on the host, and comes back."""
-    from timeshare.llm.engine import KVBudget
+    from timeshare.llm.kv_budget import KVBudget
 
     paths = [hfdir.write_model_dir(tmp_path / f"m{i}", "llama", seed=3 + i, hidden=128, layers=4) for i in range(2)]
     budget = KVBudget(1)

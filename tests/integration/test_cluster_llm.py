@@ -9,8 +9,8 @@ import pytest
 from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, relay
 from timeshare.cluster.replica import Replica
 from timeshare.errors import Timeout
-from timeshare.llm.engine import Delta, Finish, SequenceDone, TokenTiming
 from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sequence import Delta, Finish, SequenceDone, TokenTiming
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,8 +16,9 @@ from torch import nn
 from timeshare.errors import ConfigError, LaneExceededError, Unavailable, WeightsError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
-from timeshare.llm.engine import ContextLengthError, Delta, Finish, KVBudget, TokenTiming
+from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sequence import ContextLengthError, Delta, Finish, TokenTiming
 from timeshare.runtime.events import CallRecord
 from timeshare.runtime.facade import Runtime
 

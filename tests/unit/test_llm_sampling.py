@@ -106,7 +106,7 @@ class FakeEngine:
 
 
 def test_the_kv_budget_moves_the_least_recent_caches_out_until_the_rest_fit():
-    from timeshare.llm.engine import KVBudget
+    from timeshare.llm.kv_budget import KVBudget
 
     budget = KVBudget(100)
     old, mid, new, holder = (FakeEngine("old", 40, 1.0), FakeEngine("mid", 40, 2.0), FakeEngine("new", 40, 3.0),

@@ -34,8 +34,8 @@ from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, Remote
 from timeshare.cluster.replica import ModelDef
 from timeshare.config import ClusterConfig
 from timeshare.errors import ConfigError, Conflict, TimeshareError, UnknownModelError
-from timeshare.llm.engine import Delta, Finish
 from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sequence import Delta, Finish
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.scheduler.migration import RUNNABLE, JobSeen, ReplicaSeen, plan_migrations

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from timeshare.errors import Unavailable
-from timeshare.llm.engine import (
+from timeshare.llm.model import Texts, open_directory
+from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sequence import (
     Completion,
     Delta,
     Event,
@@ -41,8 +43,6 @@ from timeshare.llm.engine import (
     collect,
     read_events,
 )
-from timeshare.llm.model import Texts, open_directory
-from timeshare.llm.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from timeshare.cluster.backend import ClusterRuntime

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from timeshare.errors import ConfigError, ModelTooLargeError
-from timeshare.llm.engine import KVBudget
+from timeshare.llm.kv_budget import KVBudget
 from timeshare.models.spec import Builder
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get

@@ -22,265 +22,32 @@ its load and its prefill, not for the others' turns.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from timeshare.errors import ConfigError, Timeout, TimeshareError, Unavailable
+from timeshare.errors import ConfigError, Unavailable
 from timeshare.llm.batch import KV, DecodeBatch
+from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
+from timeshare.llm.sequence import (
+    Delta,
+    Detokenizer,
+    Event,
+    Finish,
+    GenerationError,
+    Sequence,
+    SequenceDone,
+    TokenTiming,
+    check_prompt,
+)
 from timeshare.runtime.dispatch import Ticket
 from timeshare.runtime.facade import ModelTurn, Runtime
 
 log = logging.getLogger(__name__)
-
-
-class ContextLengthError(ConfigError):
-    """A prompt, with the tokens asked for, longer than the model's context."""
-
-
-class GenerationError(TimeshareError):
-    """The model's cache did not grow as a step must grow it."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New text of a sequence (and the tokens that completed it)."""
-
-    text: str
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Finish:
-    """A sequence's end: ``reason`` is "stop" (an end token or a stop string), "length"
-    (max_tokens or the context), "cancelled" or "error"."""
-
-    reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class TokenTiming:
-    """For listeners (metrics): ``first`` — time to the first token since arrival, else
-    the time since the sequence's previous token."""
-
-    model: str
-    first: bool
-    seconds: float
-
-
-@dataclass(frozen=True)
-class SequenceDone:
-    model: str
-    finish: Finish
-
-
-Event = TokenTiming | SequenceDone
-
-
-class Detokenizer:
-    """Text of a token stream, a piece per token, each decoded over a few tokens only
-    (the last ones already shown and the new ones): a tokenizer's text for a token may
-    depend on the tokens around it (a word's leading space, a character's bytes split
-    over tokens), so each new piece is the text of the window after the text of its
-    first part. A piece that ends in an incomplete character (U+FFFD) waits for the
-    next token. The pieces only grow the text: what was shown is never taken back."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
-        self._tokens: list[int] = []
-        self._prefix = 0  # the window starts here
-        self._read = 0  # tokens up to here are in the text
-
-    def add(self, token: int) -> str:
-        self._tokens.append(token)
-        shown = self._decode(self._tokens[self._prefix:self._read])
-        now = self._decode(self._tokens[self._prefix:])
-        if len(now) <= len(shown) or now.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._tokens)
-        return now[len(shown):]
-
-    def flush(self) -> str:
-        """What the last tokens decode to, complete or not (the sequence ends)."""
-        shown = self._decode(self._tokens[self._prefix:self._read])
-        now = self._decode(self._tokens[self._prefix:])
-        self._prefix = self._read = len(self._tokens)
-        return now[len(shown):] if len(now) > len(shown) else ""
-
-
-def read_events(events: queue.Queue[Delta | Finish], timeout_s: float, cancel: Callable[[], None],
-                what: str) -> Iterator[Delta | Finish]:
-    """A generation's deltas from ``events``, then its finish, each waited for at most
-    ``timeout_s``; past that, the generation is cancelled and ``Timeout`` raised."""
-    while True:
-        try:
-            event = events.get(timeout=timeout_s)
-        except queue.Empty:
-            cancel()
-            raise Timeout(f"{what}: no token in {timeout_s:g} s") from None
-        yield event
-        if isinstance(event, Finish):
-            return
-
-
-def collect(events: Iterable[Delta | Finish], tokens: list[int]) -> Completion:
-    """The whole completion from a generation's events; raises its error if it failed."""
-    text = []
-    for event in events:
-        if isinstance(event, Delta):
-            text.append(event.text)
-        elif event.error is not None:
-            raise event.error
-        else:
-            return Completion("".join(text), list(tokens), event.reason, event.prompt_tokens,
-                              event.completion_tokens)
-    raise TimeshareError("the generation's events ended without its finish")
-
-
-class Sequence:
-    """One request's generation. Read it with ``events`` (streaming) or ``result``, or
-    give ``on_event`` (called in the engine's thread, for each event, instead);
-    ``cancel`` frees it at the next step."""
-
-    def __init__(self, sid: int, prompt: list[int], params: SamplingParams, detokenizer: Detokenizer,
-                 on_event: Callable[[Delta | Finish], None] | None = None):
-        self.id, self.prompt, self.params, self.detokenizer = sid, prompt, params, detokenizer
-        self.tokens: list[int] = []
-        self.text = ""
-        self.sent = 0
-        self.finish: Finish | None = None
-        self.arrived = time.monotonic()
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.generator = params.generator()
-        self._events: queue.Queue[Delta | Finish] = queue.Queue()
-        self._on_event = on_event
-        self._cancelled = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self.finish is not None
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    def events(self, timeout_s: float) -> Iterator[Delta | Finish]:
-        """The sequence's deltas, then its finish; each waited for at most ``timeout_s``."""
-        return read_events(self._events, timeout_s, self.cancel, f"sequence {self.id}")
-
-    def result(self, timeout_s: float) -> Completion:
-        """The whole completion; raises the sequence's error if it failed."""
-        return collect(self.events(timeout_s), self.tokens)
-
-    def _put(self, event: Delta | Finish) -> None:
-        if self._on_event is None:
-            self._events.put(event)
-            return
-        try:
-            self._on_event(event)
-        except Exception:  # the reader's bug must not stop the engine
-            log.exception("sequence %d: on_event failed", self.id)
-            self.cancel()
-
-
-def check_prompt(model: str, prompt: list[int], params: SamplingParams, vocab: int, max_context: int) -> None:
-    """A prompt that cannot be generated from: a clear error before it queues anywhere."""
-    if not prompt:
-        raise ConfigError("the prompt is empty")
-    if any(not 0 <= t < vocab for t in prompt):
-        raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-    if len(prompt) + params.max_tokens > max_context:
-        raise ContextLengthError(
-            f"model {model!r} has a context of {max_context} tokens; the prompt has {len(prompt)} "
-            f"and max_tokens asks for {params.max_tokens} more")
-
-
-# NOTE [Key/value caches under pressure]
-# Between its turns a language model's running generations keep their key/value caches
-# on the device, so that the next turn starts at once, unless the device needs the room.
-# ``KVBudget(bytes)``, shared by the language models of one runtime, is how much of the
-# device their caches may keep there. When a turn begins, the caches of the models that
-# ran least recently move to host memory (page-locked on CUDA) until the caches on the
-# device, the starting model's included, fit; when a turn ends with generations left,
-# the same again, the model ending its turn moving last. They come back at their model's
-# next turn, bit for bit (``_kv_back``). A model's caches never move during its own
-# turn, so within a turn they may grow past the budget (up to ``max_sequences`` times
-# ``max_context`` positions); the budget bounds what stays on the device between turns.
-# The move is made by the engine that needs the room, in its own turn, while the other
-# engine waits for one (``Engine.move_kv_out``): no engine's batch is touched by two
-# threads at once. ``offload_kv`` still moves a model's caches out at every turn's end.
-class KVBudget:
-    """How many bytes the key/value caches of a runtime's language models may keep on the
-    device between their turns (NOTE [Key/value caches under pressure])."""
-
-    def __init__(self, capacity: int):
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-            raise ConfigError(f"kv_memory must be a non-negative number of bytes, got {capacity!r}")
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._engines: list[Engine] = []
-        self.moves = 0  # caches moved to host memory to make room
-        self.moved_bytes = 0
-
-    def join(self, engine: Engine) -> None:
-        with self._lock:
-            self._engines.append(engine)
-
-    def leave(self, engine: Engine) -> None:
-        with self._lock:
-            if engine in self._engines:
-                self._engines.remove(engine)
-
-    def on_device(self) -> int:
-        """The bytes of caches on the device now, all models together."""
-        with self._lock:
-            return sum(e.kv_device_bytes for e in self._engines)
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"capacity": self.capacity, "on_device": sum(e.kv_device_bytes for e in self._engines),
-                    "moves": self.moves, "moved_bytes": self.moved_bytes}
-
-    def make_room(self, holder: Engine, *, keep: bool) -> None:
-        """Called by ``holder`` in its turn: move caches out, least recent turn first,
-        until those on the device fit; ``keep``: the holder's own stay (its turn begins)."""
-        with self._lock:
-            engines = list(self._engines)
-        over = sum(e.kv_device_bytes for e in engines) - self.capacity
-        if over <= 0:
-            return
-        others = sorted((e for e in engines if e is not holder), key=lambda e: e.last_turn)
-        for victim in others if keep else [*others, holder]:
-            if over <= 0:
-                break
-            moved = victim.move_kv_out() if victim is not holder else holder.give_up_kv()
-            if moved:
-                over -= moved
-                with self._lock:
-                    self.moves += 1
-                    self.moved_bytes += moved
 
 
 class Engine:

@@ -16,8 +16,10 @@ from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm.batch import KV
-from timeshare.llm.engine import Delta, Engine, Finish, KVBudget, Sequence
+from timeshare.llm.engine import Engine
+from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sequence import Delta, Finish, Sequence
 from timeshare.memory.ephemeral import lane_bytes
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority

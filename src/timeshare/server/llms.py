@@ -13,8 +13,9 @@ from typing import Any, Protocol
 from timeshare.config import LLMConfig
 from timeshare.errors import Unavailable, UnknownModelError
 from timeshare.llm import model as lm
-from timeshare.llm.engine import Delta, Event, Finish, KVBudget
+from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sequence import Delta, Event, Finish
 from timeshare.runtime.facade import Runtime
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from timeshare.llm.engine import Event, TokenTiming
+from timeshare.llm.sequence import Event, TokenTiming
 from timeshare.runtime.events import CallRecord, EvictionRecord
 
 # 1 ms to 1 min: a resident call on a GPU up to a cold load of a large model on a CPU.

@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from timeshare.errors import ConfigError, Timeout, TimeshareError
-from timeshare.llm.engine import ContextLengthError, Delta, Finish
 from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sequence import ContextLengthError, Delta, Finish
 from timeshare.server.llms import Generation, ServedLLM
 from timeshare.server.status import served_error, status_of
 

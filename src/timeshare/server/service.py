@@ -20,7 +20,7 @@ import torch
 
 from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
-from timeshare.llm.engine import KVBudget
+from timeshare.llm.kv_budget import KVBudget
 from timeshare.models.spec import Builder
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
