@@ -13,6 +13,7 @@ handles.
     AddModel(model, ...)            Ack(seq)                 model ready
     RemoveModel(model)              Ack(seq)
     RunModel(seq, model, ...)       Result(seq, output, ...) or Failure(seq, error)
+      with kv: a language model's step on the caches its home keeps
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
     Train(seq, job, spec, lane)     Progress(seq, ...) after every iteration, then
                                     SegmentStopped(seq, ...) or Failure(seq, error)
@@ -20,6 +21,7 @@ handles.
                                     preemption point; ignored if it already ended)
     GetJobState(seq, job, full)     Result(seq, state dict, or with full the job's checkpoint)
     DropJob(seq, job)               Ack(seq)
+    DropCaches(seq, batch)          Ack(seq)  (a language model's caches in its home)
     Shutdown()                      (exits)
 
 A worker answers one request at a time, except that a Train segment reads the pipe
@@ -103,6 +105,21 @@ class RemoveModel:
 
 
 @dataclass(frozen=True)
+class KVStep:
+    """A language model's step in its home worker, which keeps the decode batch's caches
+    (NOTE [Generation in worker processes]). ``keep``: the rows that stay, applied before
+    the step (None: all); ``fresh``: the controller's batch is empty, so anything kept
+    under ``batch`` is stale; ``tokens``: the prompt (prefill) or each row's last token
+    (decode)."""
+
+    batch: str
+    kind: str  # "prefill" or "decode"
+    tokens: tuple[int, ...]
+    keep: tuple[int, ...] | None = None
+    fresh: bool = False
+
+
+@dataclass(frozen=True)
 class RunModel:
     seq: int
     model: str
@@ -118,6 +135,7 @@ class RunModel:
     # NOTE [Direct host access]: a resident model's keys that its load left on the host store
     # (the load may have run in another worker); None: this worker's own binding stands.
     host_keys: tuple[str, ...] | None = None
+    kv: KVStep | None = None  # NOTE [Generation in worker processes]: args and kwargs are empty
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,12 @@ class GetJobState:
 class DropJob:
     seq: int
     job: str
+
+
+@dataclass(frozen=True)
+class DropCaches:
+    seq: int
+    batch: str  # a language model's decode batch (KVStep.batch)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,17 @@ def _imported(path: Path) -> set[str]:
     return out
 
 
+def test_workers_import_of_llm_only_the_decode_batch():
+    """NOTE [Generation in worker processes]: a worker keeps decode batches, and nothing
+    else of ``llm`` (which imports the runtime)."""
+    for m in sorted((SRC / "worker").rglob("*.py")):
+        for node in ast.walk(ast.parse(m.read_text(), str(m))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("timeshare.llm"):
+                assert node.module == "timeshare.llm.batch", (m, node.module)
+    batch = ast.parse((SRC / "llm" / "batch.py").read_text())
+    assert _imported(SRC / "llm" / "batch.py") <= {"errors"}, batch
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_packages_import_only_what_the_layering_allows(package):
     modules = sorted((SRC / package).rglob("*.py"))

@@ -15,10 +15,50 @@ with no padding at all, exactly as ``transformers``' ``generate`` computes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from timeshare.errors import TimeshareError
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [batch, heads, length, dim]
+Forward = Callable[[tuple, dict], Any]  # (args, kwargs) -> the model's output
+
+
+class GenerationError(TimeshareError):
+    """The model's cache did not grow as a step must grow it."""
+
+
+def cache_layers(cache, width: int) -> KV:
+    """Keys and values of every layer of a model's cache, checked to hold ``width`` positions."""
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    if not kv or kv[0][0].shape[2] != width:
+        got = kv[0][0].shape[2] if kv else 0
+        raise GenerationError(f"the model's cache holds {got} positions after the step, not {width}")
+    return kv
+
+
+def prefill(batch: DecodeBatch, forward: Forward, prompt: list[int], device: torch.device) -> torch.Tensor:
+    """Prefill ``prompt`` and join its cache to ``batch`` as the last row; the logits of
+    its last position. No cache object goes in: the model makes its own, so a forward run
+    twice (a model's first load also profiles it) cannot append twice."""
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    out = forward((ids,), {"attention_mask": torch.ones_like(ids), "use_cache": True, "logits_to_keep": 1})
+    batch.join(cache_layers(out["past_key_values"], len(prompt)), len(prompt))
+    return out["logits"][0, -1]
+
+
+def decode(batch: DecodeBatch, forward: Forward, tokens: list[int], new_cache: Callable[[KV], object]
+           ) -> torch.Tensor:
+    """One decode step of every row of ``batch`` (``tokens``: each row's last token); the
+    rows' next-token logits. The batch takes the grown cache only if the step succeeds."""
+    ids, mask, positions = batch.step_inputs(tokens)
+    out = forward((ids,), {"attention_mask": mask, "position_ids": positions, "past_key_values": new_cache(batch.kv),
+                           "use_cache": True, "logits_to_keep": 1})
+    batch.stepped(cache_layers(out["past_key_values"], mask.shape[1]), mask)
+    return out["logits"][:, -1]
 
 
 def kv_bytes(kv: KV) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from timeshare.errors import ConfigError, Unavailable
-from timeshare.llm.batch import KV, DecodeBatch
+from timeshare.llm.caches import CachesLostError, LocalCaches, RemoteCaches
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
 from timeshare.llm.sequence import (
@@ -38,7 +38,6 @@ from timeshare.llm.sequence import (
     Detokenizer,
     Event,
     Finish,
-    GenerationError,
     Sequence,
     SequenceDone,
     TokenTiming,
@@ -54,11 +53,10 @@ class Engine:
     """Continuous batching for the model ``name`` of ``runtime`` (NOTE [Decode bursts]).
 
     ``decode``: token ids to text; ``eos``: the tokens that end a sequence; ``vocab``:
-    the number of token ids; ``new_cache``: an empty key/value cache of the model's
-    kind, from layers (None: empty)."""
+    the number of token ids; ``caches``: where the decode batch lives (``caches.py``)."""
 
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
-                 vocab: int, max_context: int, max_sequences: int, new_cache: Callable[[KV | None], object],
+                 vocab: int, max_context: int, max_sequences: int, caches: LocalCaches | RemoteCaches,
                  quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None,
                  lane_bytes: int | None = None):
         if max_sequences < 1:
@@ -66,11 +64,14 @@ class Engine:
         if max_context < 2:
             raise ConfigError(f"max_context must be at least 2, got {max_context}")
         self.name, self.max_context, self.max_sequences, self.quantum_s = name, max_context, max_sequences, quantum_s
-        self._rt, self._decode, self._eos, self._vocab, self._new_cache = runtime, decode, eos, vocab, new_cache
+        if isinstance(caches, RemoteCaches) and (offload_kv or kv_budget is not None):
+            raise ConfigError(f"language model {name!r}: offload_kv and kv_memory do not apply in worker processes "
+                              "yet (the caches stay in the model's home worker)")
+        self._rt, self._decode, self._eos, self._vocab = runtime, decode, eos, vocab
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
-        self._batch = DecodeBatch()
+        self._running: list[Sequence] = []  # in the order of the batch's rows
+        self._caches = caches
         self._ids = 0
         self._closed = False
         self._listeners: list[Callable[[Event], None]] = []
@@ -178,7 +179,7 @@ class Engine:
     @property
     def kv_device_bytes(self) -> int:
         """The bytes of its caches on the device now (none while they are in host memory)."""
-        return 0 if self._kv_device is not None else self._batch.nbytes
+        return 0 if self._kv_device is not None else self._caches.nbytes
 
     def move_kv_out(self) -> int:
         """NOTE [Key/value caches under pressure]: move the caches to host memory if the
@@ -187,7 +188,7 @@ class Engine:
         with self._cond:
             if self._in_turn or self._kv_device is not None:
                 return 0
-            moved = self._batch.nbytes
+            moved = self._caches.nbytes
             self._kv_out()
             return moved if self._kv_device is not None else 0
 
@@ -198,7 +199,10 @@ class Engine:
         turn. Done before the turn is given back, so the copy is the engine's own time
         (or, under pressure, the time of the engine that needs the room). With the
         condition held."""
-        kv = self._batch.kv
+        if not isinstance(self._caches, LocalCaches):
+            return
+        batch = self._caches.batch
+        kv = batch.kv
         if not kv or self._kv_device is not None:  # none, or out already
             return
         device = kv[0][0].device
@@ -209,9 +213,9 @@ class Engine:
             host.copy_(t)
             return host
 
-        self._batch.kv = [(out(k), out(v)) for k, v in kv]
+        batch.kv = [(out(k), out(v)) for k, v in kv]
         self._kv_device = device
-        self.kv_host_bytes = self._batch.nbytes
+        self.kv_host_bytes = batch.nbytes
         self.kv_offloads += 1
 
     def give_up_kv(self) -> int:
@@ -222,10 +226,10 @@ class Engine:
             return moved if self._kv_device is not None else 0
 
     def _kv_back(self) -> None:
-        if self._kv_device is None:
+        if self._kv_device is None or not isinstance(self._caches, LocalCaches):
             return
-        device, self._kv_device = self._kv_device, None
-        self._batch.kv = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in self._batch.kv]
+        device, self._kv_device, batch = self._kv_device, None, self._caches.batch
+        batch.kv = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in batch.kv]
         self.kv_host_bytes = 0
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -234,11 +238,20 @@ class Engine:
             self._waiting.clear()
             self._running = []
             self._admitting = None
-            self._batch = DecodeBatch()
             self.kv_bytes = 0
             self.kv_host_bytes, self._kv_device = 0, None
+        self._drop_caches()
         for seq in left:
             self._fail(seq, exc)
+
+    def _drop_caches(self) -> None:
+        """Every row is gone: so is the batch (in a worker, freed there too)."""
+        try:
+            if isinstance(self._caches, RemoteCaches) and self._caches.rows:
+                self._caches.keep([])
+            self._caches.reset()
+        except Exception as exc:  # the caches' worker is gone: nothing is left to free
+            log.warning("model %s: dropping its caches: %s", self.name, exc)
 
     def _turn(self, turn: ModelTurn) -> None:
         while not self._closed:
@@ -254,8 +267,8 @@ class Engine:
 
     def _admit(self, turn: ModelTurn) -> None:
         """Prefill waiting sequences into the batch, one at a time, while there is room.
-        A sequence that fails here (its prefill, its first token, joining the batch)
-        fails alone."""
+        A sequence that fails here (its prefill, its first token) fails alone, unless the
+        batch's caches were lost with their worker (then every row fails)."""
         self._drop_finished()
         while len(self._running) < self.max_sequences and not self._closed:
             with self._cond:
@@ -266,19 +279,17 @@ class Engine:
                 if seq.cancelled:
                     self._end(seq, "cancelled")
                     continue
-                ids = torch.tensor([seq.prompt], dtype=torch.long)
-                # No cache object goes in: the model makes its own, so a forward run twice
-                # (a model's first load also profiles it) cannot append twice.
-                out = turn.call((ids,), {"attention_mask": torch.ones_like(ids), "use_cache": True,
-                                         "logits_to_keep": 1}).output
-                kv = self._layers(out["past_key_values"], len(seq.prompt))
-                self._emit(seq, next_token(out["logits"][0, -1], seq.params, seq.generator))
-                if seq.done:
-                    continue
+                try:
+                    logits = self._caches.prefill(turn, seq.prompt)  # its row joins the batch
+                except CachesLostError as exc:
+                    self._fail_rows(exc)
+                    raise
                 with self._cond:
-                    self._batch.join(kv, len(seq.prompt))
                     self._running.append(seq)
-                    self.kv_bytes = self._batch.nbytes
+                    self.kv_bytes = self._caches.nbytes
+                self._emit(seq, next_token(logits, seq.params, seq.generator))
+                if seq.done:  # its first token ended it: its row goes now
+                    self._drop_finished()
             except Exception as exc:
                 self._fail(seq, exc)
             finally:
@@ -288,27 +299,26 @@ class Engine:
         """One decode step of every running sequence. A failed forward fails the batch
         (every one of them was in it); a failure choosing one sequence's token fails
         that sequence alone."""
-        ids, mask, positions = self._batch.step_inputs([s.tokens[-1] for s in self._running])
         try:
-            out = turn.call((ids,), {"attention_mask": mask, "position_ids": positions,
-                                     "past_key_values": self._new_cache(self._batch.kv), "use_cache": True,
-                                     "logits_to_keep": 1}).output
-            kv = self._layers(out["past_key_values"], mask.shape[1])
+            logits = self._caches.decode(turn, [s.tokens[-1] for s in self._running])
         except Exception as exc:
-            with self._cond:
-                failed, self._running, self._batch, self.kv_bytes = self._running, [], DecodeBatch(), 0
-            for seq in failed:
-                self._fail(seq, exc)
+            self._fail_rows(exc)
             return
         self.steps += 1
-        self._batch.stepped(kv, mask)
-        self.kv_bytes = self._batch.nbytes
-        logits = out["logits"][:, -1]
+        self.kv_bytes = self._caches.nbytes
         for seq, row in zip(self._running, logits):
             try:
                 self._emit(seq, next_token(row, seq.params, seq.generator))
             except Exception as exc:  # NaN logits under sampling, a tokenizer's error
                 self._fail(seq, exc)
+
+    def _fail_rows(self, exc: BaseException) -> None:
+        """The batch is lost: every running sequence fails with ``exc``."""
+        with self._cond:
+            failed, self._running, self.kv_bytes = self._running, [], 0
+        self._drop_caches()
+        for seq in failed:
+            self._fail(seq, exc)
 
     def _drop_finished(self) -> None:
         for seq in self._running:
@@ -318,19 +328,11 @@ class Engine:
         if len(rows) != len(self._running):
             try:
                 with self._cond:
-                    self._batch.keep(rows)
                     self._running = [self._running[i] for i in rows]
-                    self.kv_bytes = self._batch.nbytes
+                self._caches.keep(rows)
+                self.kv_bytes = self._caches.nbytes
             except Exception as exc:  # the batch's cache is lost with it
                 self._fail_all(exc)
-
-    @staticmethod
-    def _layers(cache, width: int) -> KV:
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        if not kv or kv[0][0].shape[2] != width:
-            got = kv[0][0].shape[2] if kv else 0
-            raise GenerationError(f"the model's cache holds {got} positions after the step, not {width}")
-        return kv
 
     # ------------------------------------------------------------------ one token
     def _emit(self, seq: Sequence, token: int) -> None:

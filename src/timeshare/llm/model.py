@@ -16,6 +16,7 @@ from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm.batch import KV
+from timeshare.llm.caches import LocalCaches, RemoteCaches
 from timeshare.llm.engine import Engine
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
@@ -90,9 +91,9 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     every load after is pipelined (without it, the first generation's load profiles)."""
     from transformers import DynamicCache
 
-    if runtime.in_process_worker() is None:
-        raise ConfigError(f"language model {name!r}: generation needs an in-process runtime (workers: 0); "
-                          "key/value caches in worker processes are not built yet")
+    if runtime.in_process_worker() is None and (offload_kv or kv_budget is not None):
+        raise ConfigError(f"language model {name!r}: offload_kv and kv_memory do not apply in worker processes "
+                          "yet (the caches stay in the model's home worker)")
     d = open_directory(name, path, max_context)
     path, config, tokenizer, context, vocab, eos = d.path, d.config, d.tokenizer, d.max_context, d.vocab, d.eos
     example = torch.arange(min(PROFILE_TOKENS, context - 1), dtype=torch.long)[None] % vocab
@@ -114,9 +115,11 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
+    # NOTE [Generation in worker processes]: with workers, the batch lives in a worker.
+    caches = LocalCaches(new_cache) if runtime.in_process_worker() is not None else RemoteCaches(runtime, name)
     try:
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
-                        max_sequences=max_sequences, new_cache=new_cache, quantum_s=quantum_s,
+                        max_sequences=max_sequences, caches=caches, quantum_s=quantum_s,
                         offload_kv=offload_kv, kv_budget=kv_budget,
                         lane_bytes=turn_lane_bytes(config, dtype, max_sequences, int(context), prefill_peak))
     except BaseException:

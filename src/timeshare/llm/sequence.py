@@ -21,10 +21,6 @@ class ContextLengthError(ConfigError):
     """A prompt, with the tokens asked for, longer than the model's context."""
 
 
-class GenerationError(TimeshareError):
-    """The model's cache did not grow as a step must grow it."""
-
-
 @dataclass(frozen=True)
 class Delta:
     """New text of a sequence (and the tokens that completed it)."""

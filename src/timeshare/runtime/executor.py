@@ -21,6 +21,7 @@ from torch import nn
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
+from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.registration import Tiered
 from timeshare.runtime.training import TrainingJob
@@ -105,11 +106,17 @@ class Executor(Protocol):
         """Give back what ``pack`` took for a model that was never added."""
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
+            kv: KVStep | None = None) -> Ran:
         """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
         ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime]);
         ``fill``: the host store is read from disk during the load (NOTE [Disk to device]);
-        ``shared``: its shared sets' offsets and whether they are loaded (NOTE [Shared tensors])."""
+        ``shared``: its shared sets' offsets and whether they are loaded (NOTE [Shared tensors]);
+        ``kv``: a language model's step on the caches its home worker keeps (NOTE
+        [Generation in worker processes]; workers only)."""
+
+    def drop_caches(self, batch: str) -> None:
+        """Free a language model's decode batch kept in a worker (none in-process)."""
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
         """Profile the resident model ``name`` for these inputs."""

@@ -23,6 +23,7 @@ from timeshare.device import resolve_device, synchronize
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
+from timeshare.protocol import KVStep
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Dispatcher, Ticket, Turn
@@ -301,6 +302,11 @@ class Runtime:
         request that queued elsewhere (a server's queue) arrived: its SLO deadline counts from then."""
         if strategy is not None and strategy not in STRATEGIES:
             raise ConfigError(f"unknown grouping strategy {strategy!r}; known: {list(STRATEGIES)}")
+        return self._call(name, args, kwargs, strategy=strategy, arrived_at=arrived_at)
+
+    def _call(self, name: str, args: tuple, kwargs: dict | None, *, strategy: str | None = None,
+              arrived_at: float | None = None, kv: KVStep | None = None) -> Call:
+        """``call``; ``kv``: a language model's step in its home worker (``ModelTurn.call``)."""
         args, kwargs = tuple(args), dict(kwargs or {})
         m = self._get(name)
         lanes = self._gate.lane_capacity
@@ -311,7 +317,8 @@ class Runtime:
             prev = turn.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
             if lanes is None:
-                return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched)
+                return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
+                                        kv=kv)
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
                               self._gate.lane_threads)
 
@@ -335,12 +342,17 @@ class Runtime:
                                  arrived_at=urgent_since, ticket=ticket, ephemeral=ask) as held:
             yield ModelTurn(self, name, m.priority, self._gate, lane=held if lanes is not None else None)
 
-    def _call_in_lane(self, name: str, args: tuple, kwargs: dict | None, held: Turn) -> Call:
+    def _call_in_lane(self, name: str, args: tuple, kwargs: dict | None, held: Turn, kv: KVStep | None) -> Call:
         """A call of a turn that holds a lane (NOTE [Turns in lanes])."""
         with self._lock:
             m = self._get(name)
             return turn_call(self._table, m, tuple(args), dict(kwargs or {}), held, self._lock, self._idle,
-                             self._gate.lane_threads)
+                             self._gate.lane_threads, kv)
+
+    def drop_caches(self, batch: str) -> None:
+        """Free a language model's decode batch kept in a worker process, all its rows
+        having ended (NOTE [Generation in worker processes]); nothing in-process."""
+        self._exec.drop_caches(batch)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
@@ -562,13 +574,14 @@ class ModelTurn:
         """With lanes: the size of the turn's lane (NOTE [Turns in lanes])."""
         return None if self._lane is None else self._lane.lane_bytes
 
-    def call(self, args: tuple = (), kwargs: dict | None = None) -> Call:
+    def call(self, args: tuple = (), kwargs: dict | None = None, *, kv: KVStep | None = None) -> Call:
         """``Runtime.call`` inside the turn: no wait for the scheduler; with lanes, bounded
-        by the turn's lane."""
+        by the turn's lane. ``kv``: a language model's step on the caches its home worker
+        keeps (NOTE [Generation in worker processes])."""
         if self._lane is None:
-            call = self._runtime.call(self.name, args, kwargs)
+            call = self._runtime._call(self.name, args, kwargs, kv=kv)
         else:
-            call = self._runtime._call_in_lane(self.name, args, kwargs, self._lane)
+            call = self._runtime._call_in_lane(self.name, args, kwargs, self._lane, kv)
         if call.record.loaded:
             self.load_s += call.record.seconds
         return call

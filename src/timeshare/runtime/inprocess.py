@@ -16,6 +16,7 @@ from timeshare.memory import Arena
 from timeshare.memory.ephemeral import LaneBound, in_lane
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
+from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.registration import Tiered
 from timeshare.runtime.training import LocalTrainingJob, TrainingJob
@@ -103,7 +104,10 @@ class InProcessExecutor:
             packed.store.release()
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
+            kv: KVStep | None = None) -> Ran:
+        if kv is not None:
+            raise ConfigError("in-process, a language model's decode batch is the engine's own (no KVStep)")
         with in_lane(lane, self.device) as meter:  # NOTE [Counting ephemeral bytes]: this thread only
             out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill, shared)
         # A resident run may overlap another model's load (lanes): only a load reads the latest load.
@@ -126,6 +130,9 @@ class InProcessExecutor:
         return map_tensors(obj, lambda t: t.to(self.device))
 
     def check_trainable(self, spec: TrainSpec) -> None:
+        return None
+
+    def drop_caches(self, batch: str) -> None:
         return None
 
     def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:

@@ -46,6 +46,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 from timeshare.errors import TimeshareError
 from timeshare.memory.ephemeral import LaneBound
+from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Turn
 from timeshare.runtime.residency import ModelEntry
@@ -74,14 +75,14 @@ def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, stra
 
 
 def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn: Turn, lock: threading.RLock,
-              idle: threading.Condition, threads: int) -> Call:
+              idle: threading.Condition, threads: int, kv: KVStep | None = None) -> Call:
     """A call inside a turn that holds a lane (a language model's step, NOTE [Turns in
     lanes]), with ``lock`` held: bounded by the turn's lane whatever its shape; a resident
     model's forward runs without the lock."""
     try:
         lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
         return table.call(m, args, kwargs, None, waited_s=0.0, switched_from=None, lane=lane,
-                          unlocked=unlocked(lock), keep_peak=False)
+                          unlocked=unlocked(lock), keep_peak=False, kv=kv)
     finally:
         idle.notify_all()
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
-from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
+from timeshare.errors import TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
@@ -73,8 +73,11 @@ class ProcessPool:
                         load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
                         backend_flags=backend_flags or BackendFlags.capture(),
                         direct_host_access=direct_host_access)
+        # NOTE [Generation in worker processes]: each language model's decode batch -> its home.
+        self._kv_homes: dict[str, WorkerHandle] = {}
+        self._kv_lost: dict[str, str] = {}  # batch -> why its caches are gone
         self._set = WorkerSet(n, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
-                              cv=self._cv, on_lost=self._segments.worker_lost)
+                              cv=self._cv, on_lost=self._worker_lost)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -158,11 +161,14 @@ class ProcessPool:
     # ------------------------------------------------------------------ tasks
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None,
-            shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None):
+            shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None,
+            kv: P.KVStep | None = None):
         msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill,
-                         shared=dict(shared) if shared is not None else None, host_keys=host_keys)
-        kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape_key(args, kwargs))
-        reply = self._task(msg, f"running {model}", kind)
+                         shared=dict(shared) if shared is not None else None, host_keys=host_keys, kv=kv)
+        shape = shape_key(args, kwargs) if kv is None else kv.kind
+        kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape)
+        reply = self._task(msg, f"running {model}", kind) if kv is None else \
+            self._home_task(kv, msg, f"running {model}", kind)
         t = reply.timings
         return Ran(reply.value, dict(t), t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"),
                    t.get("moved_bytes"))
@@ -188,6 +194,59 @@ class ProcessPool:
             return self._task_on(w, msg, what, requested, switch, kind)
         finally:
             w.unlease()
+
+    def _home_task(self, step: P.KVStep, msg: P.RunModel, what: str, kind):
+        """A language model's step, on the worker that keeps its batch's caches (NOTE
+        [Generation in worker processes]); it waits for that worker's pipe."""
+        requested = time.perf_counter()
+        with self._cv:
+            self._segments.preempt(msg.model, requested)  # a time-shared segment stops, as for any task
+            home = self._kv_home(step, what)
+        with self._claim(home, what):
+            return self._task_on(home, msg, what, requested, None, kind)
+
+    def _kv_home(self, step: P.KVStep, what: str) -> WorkerHandle:
+        """With the cv held: the batch's home; a new one for a batch that starts afresh,
+        the least used, not the first worker while there are others (inference goes
+        there). A batch whose home failed has lost its caches."""
+        home = self._kv_homes.get(step.batch)
+        if home is not None and home in self.workers:
+            return home
+        if not step.fresh:
+            why = self._kv_lost.get(step.batch, "its home worker is gone")
+            raise WorkerCrashedError(f"the key/value caches of {step.batch!r} are lost: {why}", where=what)
+        workers = self.workers[1:] or self.workers
+        used = {id(w): 0 for w in workers}
+        for w in list(self._kv_homes.values()) + self._segments.home_workers():
+            if id(w) in used:
+                used[id(w)] += 1
+        home = min(workers, key=lambda w: used[id(w)])
+        self._kv_homes[step.batch] = home
+        self._kv_lost.pop(step.batch, None)
+        return home
+
+    def drop_caches(self, batch: str) -> None:
+        """Free a language model's decode batch in its home (all its rows have ended)."""
+        with self._cv:
+            home = self._kv_homes.pop(batch, None)
+            self._kv_lost.pop(batch, None)
+        if home is None or home not in self.workers or not home.alive():
+            return
+        try:
+            with self._claim(home, f"dropping the caches of {batch}"):
+                home.request(P.DropCaches(self._set.next_seq(), batch), self.task_timeout_s,
+                             f"dropping the caches of {batch}")
+        except WorkerError as exc:
+            log.warning("dropping the caches of %s: %s", batch, exc)
+
+    def _worker_lost(self, w: WorkerHandle) -> None:
+        """``w`` failed (with the cv held): the jobs and decode batches it was home to lose
+        their state."""
+        self._segments.worker_lost(w)
+        for batch, home in list(self._kv_homes.items()):
+            if home is w:
+                del self._kv_homes[batch]
+                self._kv_lost[batch] = f"worker {w.id} held them and failed"
 
     def _take_standby(self, what: str) -> WorkerHandle:
         """The first worker that no segment runs on, leased to this thread (under the cv).
@@ -391,7 +450,7 @@ class ProcessPool:
                     "replacements": self.replacements, "failures": dict(self.failures),
                     "last_failure": None if self.last_failure is None else dict(self.last_failure),
                     "failing_to_start": self._set.failing_to_start, "profilings": self.profilings,
-                    "homes": self._segments.homes(),
+                    "homes": self._segments.homes(), "kv_homes": {b: w.id for b, w in self._kv_homes.items()},
                     "workers": [{"id": w.id, "pid": w.os_pid, "state": _state_of(w, training),
                                  "profiles": len(w.profiles)} for w in workers]}
 

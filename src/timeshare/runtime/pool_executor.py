@@ -176,9 +176,10 @@ class PoolExecutor:
         return segment
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
-            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None) -> Ran:
+            lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
+            kv: P.KVStep | None = None) -> Ran:
         ran = self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared,
-                             self._host_keys.get(name, ()) if resident else None)
+                             self._host_keys.get(name, ()) if resident else None, kv)
         if not resident and ran.timings is not None:
             self._host_keys[name] = tuple(ran.timings.get("host_keys", ()))
         return ran
@@ -203,6 +204,9 @@ class PoolExecutor:
         # them once, pinned (NOTE [Input staging]). Moving them here would send device
         # tensors through pickling, a device-to-host copy here and another upload there.
         return map_tensors(obj, lambda t: t.cpu())
+
+    def drop_caches(self, batch: str) -> None:
+        self._pool.drop_caches(batch)
 
     def check_trainable(self, spec: TrainSpec) -> None:
         spec.check_shippable()

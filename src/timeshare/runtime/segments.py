@@ -195,6 +195,10 @@ class Segments:
                 del self._homes[job]
                 self._lost[job] = f"worker {w.id} held it and failed"
 
+    def home_workers(self) -> list[WorkerHandle]:
+        """The workers that hold some job's state (one entry per job)."""
+        return list(self._homes.values())
+
     def homes(self) -> dict[str, int]:
         """Job -> its home worker's id."""
         return {job: w.id for job, w in self._homes.items()}

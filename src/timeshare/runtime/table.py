@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from timeshare.errors import DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
+from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Call, Ran
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
@@ -146,7 +147,7 @@ class ModelTable:
         return free if peak is None else lane_bytes(peak)
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
-            lane: LaneBound | None = None, unlocked: Unlocked | None = None) -> Ran:
+            lane: LaneBound | None = None, unlocked: Unlocked | None = None, kv: KVStep | None = None) -> Ran:
         """Forward ``m`` on executor-ready inputs, loading it first if it is not resident.
         ``unlocked``: a resident model's forward runs inside it, without the runtime's
         lock (NOTE [Lanes in the runtime]); its block stays put meanwhile."""
@@ -163,11 +164,12 @@ class ModelTable:
                 m.running += 1
                 try:
                     with unlocked(), m.alone:
-                        ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, lane, shared=shared)
+                        ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, lane, shared=shared,
+                                                kv=kv)
                 finally:
                     m.running -= 1
             else:
-                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared)
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared, kv=kv)
         except BaseException as exc:
             if not resident:
                 self.evict(m)  # a failed load leaves nothing behind
@@ -185,7 +187,7 @@ class ModelTable:
 
     def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
              switched_from: str | None, lane: LaneBound | None = None,
-             unlocked: Unlocked | None = None, keep_peak: bool = True) -> Call:
+             unlocked: Unlocked | None = None, keep_peak: bool = True, kv: KVStep | None = None) -> Call:
         """One inference on caller inputs: ``run`` with its record, emitted to the listeners
         whether it succeeded or raised, and counted in ``failures`` if it raised. In a
         ``lane``, the call's peak ephemeral bytes are kept per input shape (unless not
@@ -194,7 +196,7 @@ class ModelTable:
         loaded = m.block is None
         try:
             ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
-                           lane=lane, unlocked=unlocked)
+                           lane=lane, unlocked=unlocked, kv=kv)
             if ran.ephemeral_peak is not None and lane is not None and lane.limit is not None and keep_peak:
                 key = shape_key(args, kwargs)
                 m.ephemeral[key] = max(m.ephemeral.get(key, 0), ran.ephemeral_peak)

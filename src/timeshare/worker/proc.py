@@ -40,6 +40,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     from timeshare.transfer.copy import make_copy_engine
     from timeshare.transfer.host_store import HostStore, InputStaging
     from timeshare.tree import map_tensors, tensors_in
+    from timeshare.worker.generation import Batches
     from timeshare.worker.trainer import TrainingTask
     from timeshare.worker.worker import Worker
 
@@ -71,6 +72,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         return map_tensors((args, kwargs), lambda _t: next(moved))
 
     tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
+    batches = Batches(device)  # language models' decode batches this worker is home to
 
     def add_model(msg: P.AddModel) -> None:
         with torch.device("meta"):
@@ -122,9 +124,16 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             args, kwargs = to_device(msg.args, msg.kwargs)
             t_up = time.perf_counter()
             in_task[0] = True
+            kv_bytes = None
             with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
-                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
-                                 msg.shared, msg.host_keys)
+                if msg.kv is None:
+                    out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
+                                     msg.shared, msg.host_keys)
+                else:  # NOTE [Generation in worker processes]: a step on the caches kept here
+                    out, kv_bytes = batches.step(
+                        msg.kv, worker.models[msg.model].module,
+                        lambda a, k: worker.run(msg.model, msg.offset, msg.resident, a, k, msg.strategy, msg.fill,
+                                                msg.shared, msg.host_keys))
             in_task[0] = False
             t_run = time.perf_counter()
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
@@ -144,7 +153,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                        "ephemeral_peak": None if meter is None else meter.peak,
                        "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
                        "moved_bytes": None if msg.resident else worker.moved_bytes,
-                       "host_keys": worker.host_keys(msg.model)}
+                       "host_keys": worker.host_keys(msg.model), "kv_bytes": kv_bytes}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
                 # What the inputs took through the pinned staging buffer (NOTE [Input staging]).
@@ -162,6 +171,9 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             return P.Result(msg.seq, task.checkpoint() if msg.full else task.state_dict())
         if isinstance(msg, P.DropJob):
             tasks.pop(msg.job, None)
+            return P.Ack(msg.seq)
+        if isinstance(msg, P.DropCaches):
+            batches.drop(msg.batch)
             return P.Ack(msg.seq)
         if isinstance(msg, P.PreemptSegment):
             return None  # its segment already ended

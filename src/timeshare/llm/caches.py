@@ -1,0 +1,110 @@
+"""Where a language model's decode batch lives, as the engine sees it: in this process
+(``LocalCaches``, an in-process runtime) or in the model's home worker (``RemoteCaches``,
+``Runtime(workers=N)``). Both prefill a sequence into the batch, decode a step of every
+row, and drop rows; the engine (``engine.py``) does not know which it has. Runs in the
+controller.
+
+# NOTE [Generation in worker processes]
+With workers, a language model's caches live where its model computes: in one worker,
+the batch's *home*, chosen when the batch starts (the least used worker, not the first
+while there are others), as a training job's state does. The controller keeps the
+sequences (tokens, text, sampling) and how many rows the batch has; each step is a
+runtime call whose ``RunModel`` carries a ``KVStep`` (the prompt or each row's last
+token, the rows to keep, whether the batch starts afresh) and goes to the home, which
+loads the model if need be (pipelined, like any load), runs the step on the caches it
+keeps (``worker/generation.py``) and answers with the logits only: the caches never
+cross the pipe. Rows that end are dropped with the next step, or at once (``DropCaches``)
+when none is left, so an idle model holds no cache. A prefill that fails joins nothing
+and fails its sequence alone; a decode step that fails loses the batch, in the home too,
+and fails its rows. A home that dies takes the caches with it: the rows in it fail with
+``WorkerCrashedError`` saying so, and the next sequence starts a batch in a new home.
+Not yet with workers: ``offload_kv`` and ``kv_memory`` (the caches stay in the home).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.llm.batch import KV, DecodeBatch, decode, prefill
+from timeshare.protocol import KVStep
+from timeshare.runtime.facade import ModelTurn, Runtime
+
+_ids = itertools.count(1)
+
+
+class CachesLostError(WorkerError):
+    """The worker that kept a batch's caches failed: every row in it is lost."""
+
+
+class LocalCaches:
+    """The batch in this process: each step is a runtime call of the model."""
+
+    def __init__(self, new_cache: Callable[[KV], object]):
+        self.batch = DecodeBatch()
+        self._new_cache = new_cache
+
+    @property
+    def nbytes(self) -> int:
+        return self.batch.nbytes
+
+    def prefill(self, turn: ModelTurn, prompt: list[int]) -> torch.Tensor:
+        return prefill(self.batch, lambda a, k: turn.call(a, k).output, prompt, torch.device("cpu"))
+
+    def decode(self, turn: ModelTurn, tokens: list[int]) -> torch.Tensor:
+        return decode(self.batch, lambda a, k: turn.call(a, k).output, tokens, self._new_cache)
+
+    def keep(self, rows: list[int]) -> None:
+        self.batch.keep(rows)
+
+    def reset(self) -> None:
+        self.batch = DecodeBatch()
+
+
+class RemoteCaches:
+    """The batch in the model's home worker (NOTE [Generation in worker processes])."""
+
+    def __init__(self, runtime: Runtime, name: str):
+        self._rt = runtime
+        self.key = f"{name}#{next(_ids)}"  # one engine's batch, whatever else shares the name
+        self.rows = 0
+        self.nbytes = 0
+        self._keep: tuple[int, ...] | None = None  # rows to keep, sent with the next step
+
+    def prefill(self, turn: ModelTurn, prompt: list[int]) -> torch.Tensor:
+        logits = self._step(turn, "prefill", prompt)
+        self.rows += 1
+        return logits
+
+    def decode(self, turn: ModelTurn, tokens: list[int]) -> torch.Tensor:
+        try:
+            return self._step(turn, "decode", tokens)
+        except BaseException:
+            self.reset()  # the home dropped the batch too
+            raise
+
+    def keep(self, rows: list[int]) -> None:
+        self._keep = tuple(rows) if self._keep is None else tuple(self._keep[i] for i in rows)
+        self.rows = len(rows)
+        if not rows:  # nothing left: free the caches in the home now, not at the next step
+            self._keep = None
+            self.nbytes = 0
+            self._rt.drop_caches(self.key)
+
+    def reset(self) -> None:
+        self.rows, self.nbytes, self._keep = 0, 0, None
+
+    def _step(self, turn: ModelTurn, kind: str, tokens: list[int]) -> torch.Tensor:
+        step = KVStep(self.key, kind, tuple(tokens), keep=self._keep, fresh=self.rows == 0)
+        self._keep = None  # applied in the home before the step, whatever its fate
+        try:
+            call = turn.call((), {}, kv=step)
+        except (WorkerCrashedError, WorkerTimeoutError) as exc:  # the home was replaced: its caches are gone
+            self.reset()
+            raise CachesLostError(f"the key/value caches of {self.key!r} were lost: {exc}",
+                                  where=getattr(exc, "where", "")) from exc
+        self.nbytes = int((call.record.timings or {}).get("kv_bytes") or 0)
+        return call.output["logits"]

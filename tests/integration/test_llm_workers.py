@@ -1,0 +1,123 @@
+"""Generation in worker processes (NOTE [Generation in worker processes]): the decode
+batch's caches stay in the model's home worker; greedy tokens are those of
+``transformers`` alone, in a batch, after a pipelined load into a poisoned block and
+after another model took the device; a home killed mid-generation fails the rows it
+held, and the next generation starts in a new home."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.models import sleepy_linear
+from timeshare.errors import WorkerError
+from timeshare.llm import hfdir
+from timeshare.llm import model as lm
+from timeshare.llm.sampling import SamplingParams
+from timeshare.runtime.facade import Runtime
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["the model switch fast", "a gpu", "load weights layer token fast slow memory host device"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return hfdir.write_model_dir(tmp_path_factory.mktemp("wgen") / "llama", "llama", seed=3, hidden=128, layers=4)
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    tok = transformers.AutoTokenizer.from_pretrained(llama)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+
+    def generate(prompt: str, n: int) -> list[int]:
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                             pad_token_id=tok.pad_token_id)
+        return out[0, ids.shape[1]:].tolist()
+
+    return generate
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0)
+
+
+def homes(rt: Runtime) -> dict:
+    return rt.snapshot()["workers"]["kv_homes"]
+
+
+def test_generation_in_a_worker_equals_transformers_alone_batched_cold_and_preempted(llama, reference):
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        want_other = sleepy_linear()(x)
+    with Runtime("cpu", "64MiB", workers=2, poison_evicted=True, copy_delay_s=0.001) as rt:
+        m = lm.load(rt, "llama", llama)
+        rt.register("other", "tests.models:sleepy_linear", None, (x,))
+        assert m.generate(m.encode(PROMPTS[0]), greedy(24)).result(60).tokens == reference(PROMPTS[0], 24)
+        assert homes(rt) == {}  # its rows ended: the home let its caches go
+        rt.evict("llama")  # the next one loads, pipelined, into a poisoned block, in the home
+        with rt.hold_device():  # queued together: one batch in the home
+            seqs = [m.generate(m.encode(p), greedy(40)) for p in PROMPTS]
+        seen = []
+        while not all(s.done for s in seqs):
+            seen.append(dict(homes(rt)))
+            assert torch.equal(rt.infer("other", x), want_other)  # takes the device between two steps
+            time.sleep(0.01)
+        for prompt, seq in zip(PROMPTS, seqs):
+            assert seq.result(60).tokens == reference(prompt, 40)
+        home = next(h for h in seen if h)
+        first = rt.snapshot()["workers"]["workers"][0]["id"]
+        assert len(home) == 1 and first not in home.values()  # one home, not the first worker
+        assert m.engine.snapshot()["kv_bytes"] == 0
+        m.close()
+
+
+def test_a_killed_home_fails_the_rows_it_held_and_the_next_generation_starts_anew(llama, reference):
+    with Runtime("cpu", "64MiB", workers=2) as rt:
+        m = lm.load(rt, "llama", llama)
+        seq = m.generate(m.encode(PROMPTS[2]), greedy(200))
+        deadline = time.monotonic() + 30
+        while len(seq.tokens) < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        [home_id] = homes(rt).values()
+        pid = next(w["pid"] for w in rt.snapshot()["workers"]["workers"] if w["id"] == home_id)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match="caches"):
+            seq.result(60)
+        assert 3 <= len(seq.tokens) < 200
+        # A new batch in a new home; the model itself was never lost.
+        again = m.generate(m.encode(PROMPTS[2]), greedy(24))
+        assert again.result(60).tokens == reference(PROMPTS[2], 24)
+        workers = rt.snapshot()["workers"]["workers"]
+        assert home_id not in [w["id"] for w in workers] and len(workers) == 2
+        m.close()
+
+
+def test_sequences_joining_and_leaving_a_batch_in_a_worker_get_their_own_tokens(llama, reference):
+    with Runtime("cpu", "64MiB", workers=2) as rt:
+        m = lm.load(rt, "llama", llama)
+        long = m.generate(m.encode(PROMPTS[0]), greedy(120))
+        deadline = time.monotonic() + 30
+        while len(long.tokens) < 5 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        short = [m.generate(m.encode(p), greedy(n)) for p, n in ((PROMPTS[1], 8), (PROMPTS[2], 30))]
+        results = {}
+
+        def read(i, s):
+            results[i] = s.result(60).tokens
+
+        readers = [threading.Thread(target=read, args=(i, s)) for i, s in enumerate(short)]
+        for r in readers:
+            r.start()
+        assert long.result(60).tokens == reference(PROMPTS[0], 120)
+        for r in readers:
+            r.join(60)
+        assert results == {0: reference(PROMPTS[1], 8), 1: reference(PROMPTS[2], 30)}
+        m.close()
