@@ -221,3 +221,22 @@ def test_the_llms_section_is_checked(dirs, tmp_path):
     for cfg, words in bad:
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
             parse_config(cfg)
+
+
+def test_a_server_with_workers_generates_in_them_and_streams_the_same_text(dirs):
+    """NOTE [Generation in worker processes], through the server: the caches in a
+    worker, the text that of ``transformers``."""
+    cfg = {"runtime": {"device": "cpu", "memory": "8MiB", "workers": 2},
+           "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
+           "llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 2}]}
+    path = dirs["llama"]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt = "load weights layer token"
+    want = decode(path, reference(path, tok(prompt, add_special_tokens=False)["input_ids"], 16))
+    with running_server(cfg) as s:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0)
+        assert out.choices[0].text == want
+        streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+            model="llama", prompt=prompt, max_tokens=16, temperature=0, stream=True) if chunk.choices)
+        assert streamed == want
