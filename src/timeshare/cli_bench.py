@@ -67,6 +67,8 @@ def add_parsers(bench) -> None:
     p.add_argument("--fleet-max-tokens", type=int, default=16)
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--parts", nargs="+", default=["wake", "decode", "fleet"], choices=["wake", "decode", "fleet"])
+    p.add_argument("--workers", type=int, default=0,
+                   help="wake and decode on a runtime with this many worker processes (the caches in one of them)")
     p.add_argument("--workdir", default=None, help="write (and reuse) the model directories here")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -130,7 +132,7 @@ def run(args, console, run_bench) -> int:
                              fleet_models=args.fleet_models, fleet_requests=args.fleet_requests,
                              fleet_rate_per_s=args.fleet_rate, fleet_max_tokens=args.fleet_max_tokens,
                              zipf=args.zipf, device=args.device, seed=args.seed, workdir=args.workdir,
-                             parts=tuple(args.parts))
+                             parts=tuple(args.parts), workers=args.workers)
         return run_bench(run_llm, llm, _shower(console, _print_llm, plot_llm, args.plot), args.json)
     if args.bench == "variants":
         from timeshare.bench.variants import VariantsBenchConfig

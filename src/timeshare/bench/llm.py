@@ -73,6 +73,7 @@ class LLMBenchConfig:
     device: str = "auto"
     seed: int = 0
     workdir: str | None = None  # where the model directories are written (default: a temporary one)
+    workers: int = 0  # wake and decode: worker processes (NOTE [Generation in worker processes])
     parts: tuple[str, ...] = field(default_factory=lambda: ("wake", "decode", "fleet"))
 
     def __post_init__(self):
@@ -85,6 +86,8 @@ class LLMBenchConfig:
             raise ConfigError(f"unknown parts {sorted(unknown)}; known: wake, decode, fleet")
         if "fleet" in self.parts and (self.fleet_models < 3 or self.fleet_requests < 1 or self.fleet_rate_per_s <= 0):
             raise ConfigError("the fleet needs at least 3 models, 1 request and a positive rate")
+        if self.workers < 0 or self.workers == 1:
+            raise ConfigError("workers must be 0 (in-process) or at least 2 (a home and a standby)")
 
 
 def run(config: LLMBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -163,7 +166,7 @@ def _wake(config: LLMBenchConfig, device: torch.device, path: Path, prompt: list
     dtype = None if config.dtype == "fp32" else config.dtype
     one = SamplingParams(max_tokens=1, temperature=0)
     greedy = SamplingParams(max_tokens=config.new_tokens, temperature=0)
-    with Runtime(device, "auto", poison_evicted=True) as rt:
+    with Runtime(device, "auto", poison_evicted=True, workers=config.workers) as rt:
         seen: list[CallRecord] = []
         rt.subscribe(lambda r: seen.append(r) if isinstance(r, CallRecord) else None)
         model = lm.load(rt, "m", path, dtype=dtype)
@@ -236,7 +239,7 @@ def _decode(config: LLMBenchConfig, device: torch.device, path: Path, prompt: li
         return (n - 1) / (t[1] - t[0])
 
     ours, plain, batched = [], [], []
-    with Runtime(device, "auto") as rt:
+    with Runtime(device, "auto", workers=config.workers) as rt:
         model = lm.load(rt, "m", path, dtype=dtype)
         model.generate(prompt, params).result(600)
         plain_rate()  # both warmed up
