@@ -432,10 +432,6 @@ class Config(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"model names must be distinct; repeated: {dup}")
-        if self.llms and self.runtime.workers and (self.runtime.kv_memory is not None
-                                                   or any(m.offload_kv for m in self.llms)):
-            raise ValueError("llms: offload_kv and kv_memory do not apply with workers yet (the caches stay in "
-                             "each model's home worker); use runtime.workers: 0 for them")
         if self.cluster is not None:
             if any(m.pinned for m in self.llms):
                 raise ValueError("cluster: language models cannot be pinned on a cluster")

@@ -22,6 +22,7 @@ handles.
     GetJobState(seq, job, full)     Result(seq, state dict, or with full the job's checkpoint)
     DropJob(seq, job)               Ack(seq)
     DropCaches(seq, batch)          Ack(seq)  (a language model's caches in its home)
+    OffloadCaches(seq, batch)       Result(seq, bytes moved to the home's host memory)
     Shutdown()                      (exits)
 
 A worker answers one request at a time, except that a Train segment reads the pipe
@@ -209,6 +210,12 @@ class DropJob:
 class DropCaches:
     seq: int
     batch: str  # a language model's decode batch (KVStep.batch)
+
+
+@dataclass(frozen=True)
+class OffloadCaches:
+    seq: int
+    batch: str  # its caches go to host memory until its next step
 
 
 @dataclass(frozen=True)

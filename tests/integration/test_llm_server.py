@@ -213,7 +213,6 @@ def test_the_llms_section_is_checked(dirs, tmp_path):
     bad = [
         ({"llms": [{"name": "x", "path": str(tmp_path)}]}, "not a model directory"),
         ({"models": [{"name": "llama", "zoo": "tiny_mlp"}], "llms": ok["llms"]}, "repeated: ['llama']"),
-        ({"runtime": {"workers": 2, "kv_memory": "1MiB"}, "llms": ok["llms"]}, "workers: 0"),
         ({"llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 0}]}, "max_sequences"),
         ({"runtime": {"kv_memory": "auto"}, "llms": ok["llms"]}, "kv_memory"),
         ({"runtime": {"kv_memory": "lots"}, "llms": ok["llms"]}, "kv_memory"),

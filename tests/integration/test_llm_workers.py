@@ -121,3 +121,31 @@ def test_sequences_joining_and_leaving_a_batch_in_a_worker_get_their_own_tokens(
             r.join(60)
         assert results == {0: reference(PROMPTS[1], 8), 1: reference(PROMPTS[2], 30)}
         m.close()
+
+
+def test_in_a_worker_caches_wait_in_host_memory_under_offload_kv_and_a_kv_budget(tmp_path, llama, reference):
+    """NOTE [Key/value caches off the device] and [... under pressure] with workers: the
+    home moves a preempted batch's caches to its host memory and back before its next step."""
+    from timeshare.llm.kv_budget import KVBudget
+
+    qwen = hfdir.write_model_dir(tmp_path / "qwen", "qwen2", seed=6, hidden=96, layers=2)
+    tok = transformers.AutoTokenizer.from_pretrained(qwen)
+    ids = torch.tensor([tok(PROMPTS[1], add_special_tokens=False)["input_ids"]])
+    want_qwen = transformers.AutoModelForCausalLM.from_pretrained(qwen).eval().generate(
+        ids, max_new_tokens=60, do_sample=False, attention_mask=torch.ones_like(ids),
+        pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    budget = KVBudget(1 << 14)
+    with Runtime("cpu", "64MiB", workers=3) as rt:
+        a = lm.load(rt, "llama", llama, quantum_s=0.01, offload_kv=True)
+        b = lm.load(rt, "qwen", qwen, quantum_s=0.01, kv_budget=budget)
+        first = a.generate(a.encode(PROMPTS[0]), greedy(60))
+        deadline = time.monotonic() + 30
+        while len(first.tokens) < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        other = b.generate(b.encode(PROMPTS[1]), greedy(60))
+        assert first.result(60).tokens == reference(PROMPTS[0], 60)
+        assert other.result(60).tokens == want_qwen
+        assert a.engine.kv_offloads >= 1 and b.engine.kv_offloads >= 1 and budget.snapshot()["moves"] >= 1
+        assert a.engine.kv_host_bytes == b.engine.kv_host_bytes == 0 and homes(rt) == {}
+        a.close()
+        b.close()

@@ -18,7 +18,8 @@ when none is left, so an idle model holds no cache. A prefill that fails joins n
 and fails its sequence alone; a decode step that fails loses the batch, in the home too,
 and fails its rows. A home that dies takes the caches with it: the rows in it fail with
 ``WorkerCrashedError`` saying so, and the next sequence starts a batch in a new home.
-Not yet with workers: ``offload_kv`` and ``kv_memory`` (the caches stay in the home).
+``offload_kv`` and ``kv_memory`` move a batch's caches to the home's host memory
+(``OffloadCaches``); the home brings them back before the batch's next step.
 """
 
 from __future__ import annotations
@@ -46,6 +47,36 @@ class LocalCaches:
     def __init__(self, new_cache: Callable[[KV], object]):
         self.batch = DecodeBatch()
         self._new_cache = new_cache
+        self._device: torch.device | None = None  # while the caches are in host memory: where they go back
+
+    @property
+    def out(self) -> bool:
+        """Whether the caches are in host memory (NOTE [Key/value caches off the device])."""
+        return self._device is not None
+
+    def move_out(self) -> int:
+        """Move the caches to host memory (page-locked on CUDA); the bytes moved."""
+        kv = self.batch.kv
+        if not kv or self._device is not None:  # none, or out already
+            return 0
+        device = kv[0][0].device
+        pin = device.type == "cuda"
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t)
+            return host
+
+        self.batch.kv = [(out(k), out(v)) for k, v in kv]
+        self._device = device
+        return self.batch.nbytes
+
+    def move_back(self) -> None:
+        """The caches back where the model computes, bit for bit."""
+        if self._device is None:
+            return
+        device, self._device = self._device, None
+        self.batch.kv = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in self.batch.kv]
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +93,7 @@ class LocalCaches:
 
     def reset(self) -> None:
         self.batch = DecodeBatch()
+        self._device = None
 
 
 class RemoteCaches:
@@ -73,6 +105,19 @@ class RemoteCaches:
         self.rows = 0
         self.nbytes = 0
         self._keep: tuple[int, ...] | None = None  # rows to keep, sent with the next step
+        self.out = False  # the caches are in the home's host memory (page-locked on CUDA)
+
+    def move_out(self) -> int:
+        """Ask the home to move the caches to its host memory; the bytes moved. They
+        come back there, before the next step."""
+        if self.rows == 0 or self.out:
+            return 0
+        moved = self._rt.offload_caches(self.key)
+        self.out = moved > 0
+        return moved
+
+    def move_back(self) -> None:
+        self.out = False  # the home brings them back itself with the next step
 
     def prefill(self, turn: ModelTurn, prompt: list[int]) -> torch.Tensor:
         logits = self._step(turn, "prefill", prompt)
@@ -95,7 +140,7 @@ class RemoteCaches:
             self._rt.drop_caches(self.key)
 
     def reset(self) -> None:
-        self.rows, self.nbytes, self._keep = 0, 0, None
+        self.rows, self.nbytes, self._keep, self.out = 0, 0, None, False
 
     def _step(self, turn: ModelTurn, kind: str, tokens: list[int]) -> torch.Tensor:
         step = KVStep(self.key, kind, tuple(tokens), keep=self._keep, fresh=self.rows == 0)

@@ -27,8 +27,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import torch
-
 from timeshare.errors import ConfigError, Unavailable
 from timeshare.llm.caches import CachesLostError, LocalCaches, RemoteCaches
 from timeshare.llm.kv_budget import KVBudget
@@ -64,9 +62,6 @@ class Engine:
         if max_context < 2:
             raise ConfigError(f"max_context must be at least 2, got {max_context}")
         self.name, self.max_context, self.max_sequences, self.quantum_s = name, max_context, max_sequences, quantum_s
-        if isinstance(caches, RemoteCaches) and (offload_kv or kv_budget is not None):
-            raise ConfigError(f"language model {name!r}: offload_kv and kv_memory do not apply in worker processes "
-                              "yet (the caches stay in the model's home worker)")
         self._rt, self._decode, self._eos, self._vocab = runtime, decode, eos, vocab
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
@@ -83,7 +78,6 @@ class Engine:
         self.offload_kv = offload_kv
         self.kv_host_bytes = 0  # the caches in host memory now
         self.kv_offloads = 0  # times they were moved there
-        self._kv_device: torch.device | None = None  # where they go back to
         # NOTE [Key/value caches under pressure]: the caches left on the device between
         # turns, shared out by the budget.
         self._budget = kv_budget
@@ -179,57 +173,37 @@ class Engine:
     @property
     def kv_device_bytes(self) -> int:
         """The bytes of its caches on the device now (none while they are in host memory)."""
-        return 0 if self._kv_device is not None else self._caches.nbytes
+        return 0 if self._caches.out else self._caches.nbytes
 
     def move_kv_out(self) -> int:
         """NOTE [Key/value caches under pressure]: move the caches to host memory if the
         engine is between turns with caches on the device; the bytes moved (0: it holds
         the device, or has none there). Another engine's thread calls it, in its turn."""
         with self._cond:
-            if self._in_turn or self._kv_device is not None:
+            if self._in_turn:
                 return 0
-            moved = self._caches.nbytes
-            self._kv_out()
-            return moved if self._kv_device is not None else 0
+            return self._kv_out()
 
-    def _kv_out(self) -> None:
+    def give_up_kv(self) -> int:
+        """In its own turn, as it ends: move its caches to host memory; the bytes moved."""
+        with self._cond:
+            return self._kv_out()
+
+    def _kv_out(self) -> int:
         """NOTE [Key/value caches off the device]: the running rows' caches leave the
         device for host memory (page-locked on CUDA), counted in ``kv_host_bytes``, while
         another task has the device; ``_kv_back`` returns them, bit for bit, at the next
         turn. Done before the turn is given back, so the copy is the engine's own time
         (or, under pressure, the time of the engine that needs the room). With the
-        condition held."""
-        if not isinstance(self._caches, LocalCaches):
-            return
-        batch = self._caches.batch
-        kv = batch.kv
-        if not kv or self._kv_device is not None:  # none, or out already
-            return
-        device = kv[0][0].device
-        pin = device.type == "cuda"
-
-        def out(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            host.copy_(t)
-            return host
-
-        batch.kv = [(out(k), out(v)) for k, v in kv]
-        self._kv_device = device
-        self.kv_host_bytes = batch.nbytes
-        self.kv_offloads += 1
-
-    def give_up_kv(self) -> int:
-        """In its own turn, as it ends: move its caches to host memory; the bytes moved."""
-        with self._cond:
-            moved = self.kv_device_bytes
-            self._kv_out()
-            return moved if self._kv_device is not None else 0
+        condition held; the bytes moved."""
+        moved = self._caches.move_out()
+        if moved:
+            self.kv_host_bytes = moved
+            self.kv_offloads += 1
+        return moved
 
     def _kv_back(self) -> None:
-        if self._kv_device is None or not isinstance(self._caches, LocalCaches):
-            return
-        device, self._kv_device, batch = self._kv_device, None, self._caches.batch
-        batch.kv = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in batch.kv]
+        self._caches.move_back()
         self.kv_host_bytes = 0
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -239,7 +213,7 @@ class Engine:
             self._running = []
             self._admitting = None
             self.kv_bytes = 0
-            self.kv_host_bytes, self._kv_device = 0, None
+            self.kv_host_bytes = 0
         self._drop_caches()
         for seq in left:
             self._fail(seq, exc)

@@ -91,9 +91,6 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     every load after is pipelined (without it, the first generation's load profiles)."""
     from transformers import DynamicCache
 
-    if runtime.in_process_worker() is None and (offload_kv or kv_budget is not None):
-        raise ConfigError(f"language model {name!r}: offload_kv and kv_memory do not apply in worker processes "
-                          "yet (the caches stay in the model's home worker)")
     d = open_directory(name, path, max_context)
     path, config, tokenizer, context, vocab, eos = d.path, d.config, d.tokenizer, d.max_context, d.vocab, d.eos
     example = torch.arange(min(PROFILE_TOKENS, context - 1), dtype=torch.long)[None] % vocab

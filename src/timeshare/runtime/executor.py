@@ -118,6 +118,9 @@ class Executor(Protocol):
     def drop_caches(self, batch: str) -> None:
         """Free a language model's decode batch kept in a worker (none in-process)."""
 
+    def offload_caches(self, batch: str) -> int:
+        """Move a worker's decode batch to host memory until its next step; bytes moved."""
+
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
         """Profile the resident model ``name`` for these inputs."""
 

@@ -354,6 +354,12 @@ class Runtime:
         having ended (NOTE [Generation in worker processes]); nothing in-process."""
         self._exec.drop_caches(batch)
 
+    def offload_caches(self, batch: str) -> int:
+        """Move a language model's decode batch kept in a worker process to that worker's
+        host memory until its next step (NOTE [Key/value caches off the device]); the
+        bytes moved (0 in-process: the engine moves its own)."""
+        return self._exec.offload_caches(batch)
+
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
         requests run in order, one at a time, and survive a worker failure (only the

@@ -135,6 +135,9 @@ class InProcessExecutor:
     def drop_caches(self, batch: str) -> None:
         return None
 
+    def offload_caches(self, batch: str) -> int:
+        return 0
+
     def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
         return LocalTrainingJob(TrainingTask.build(spec, self.device), spec.name, lock=lock, gate=gate)
 

@@ -239,6 +239,17 @@ class ProcessPool:
         except WorkerError as exc:
             log.warning("dropping the caches of %s: %s", batch, exc)
 
+    def offload_caches(self, batch: str) -> int:
+        """Move a language model's decode batch to its home's host memory until its next
+        step; the bytes moved (0: no home, or nothing there)."""
+        with self._cv:
+            home = self._kv_homes.get(batch)
+        if home is None or home not in self.workers or not home.alive():
+            return 0
+        with self._claim(home, f"offloading the caches of {batch}"):
+            return int(home.request(P.OffloadCaches(self._set.next_seq(), batch), self.task_timeout_s,
+                                    f"offloading the caches of {batch}").value)
+
     def _worker_lost(self, w: WorkerHandle) -> None:
         """``w`` failed (with the cv held): the jobs and decode batches it was home to lose
         their state."""

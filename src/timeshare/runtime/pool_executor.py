@@ -208,6 +208,9 @@ class PoolExecutor:
     def drop_caches(self, batch: str) -> None:
         self._pool.drop_caches(batch)
 
+    def offload_caches(self, batch: str) -> int:
+        return self._pool.offload_caches(batch)
+
     def check_trainable(self, spec: TrainSpec) -> None:
         spec.check_shippable()
         if len(self._pool.workers) < 2:

@@ -22,6 +22,29 @@ class Batches:
     def __init__(self, device: torch.device):
         self.device = device
         self._batches: dict[str, DecodeBatch] = {}
+        self._out: set[str] = set()  # batches whose caches are in host memory
+
+    def offload(self, key: str) -> int:
+        """Move a batch's caches to host memory (page-locked on CUDA) until its next
+        step; the bytes moved (NOTE [Key/value caches off the device])."""
+        batch = self._batches.get(key)
+        if batch is None or not batch.kv or key in self._out:
+            return 0
+        pin = self.device.type == "cuda"
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t)
+            return host
+
+        batch.kv = [(out(k), out(v)) for k, v in batch.kv]
+        self._out.add(key)
+        return batch.nbytes
+
+    def _back(self, key: str, batch: DecodeBatch) -> None:
+        if key in self._out:
+            self._out.discard(key)
+            batch.kv = [(k.to(self.device, copy=True), v.to(self.device, copy=True)) for k, v in batch.kv]
 
     def step(self, step: P.KVStep, module: nn.Module, forward: Callable[[tuple, dict], Any]) -> tuple[dict, int]:
         """Run ``step`` with ``forward`` (the model's call here, loading it if need be);
@@ -34,6 +57,8 @@ class Batches:
             if not step.fresh:
                 raise GenerationError(f"the caches of {step.batch!r} are not in this worker: its home was replaced")
             batch = self._batches[step.batch] = DecodeBatch()
+            self._out.discard(step.batch)
+        self._back(step.batch, batch)
         if step.keep is not None:
             batch.keep(list(step.keep))
         if step.kind == "prefill":
@@ -42,16 +67,17 @@ class Batches:
             try:
                 logits = decode(batch, forward, list(step.tokens), lambda kv: _new_cache(module, kv))
             except BaseException:
-                del self._batches[step.batch]
+                self.drop(step.batch)
                 raise
         else:
             raise ValueError(f"unknown step {step.kind!r}")
         if not len(batch):
-            del self._batches[step.batch]
+            self.drop(step.batch)
         return {"logits": logits}, batch.nbytes
 
     def drop(self, key: str) -> None:
         self._batches.pop(key, None)
+        self._out.discard(key)
 
 
 def _new_cache(module: nn.Module, kv: KV):

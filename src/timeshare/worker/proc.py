@@ -175,6 +175,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         if isinstance(msg, P.DropCaches):
             batches.drop(msg.batch)
             return P.Ack(msg.seq)
+        if isinstance(msg, P.OffloadCaches):
+            return P.Result(msg.seq, batches.offload(msg.batch))
         if isinstance(msg, P.PreemptSegment):
             return None  # its segment already ended
         raise TypeError(f"unexpected message {type(msg).__name__}")
