@@ -111,13 +111,15 @@ class KVStep:
     (NOTE [Generation in worker processes]). ``keep``: the rows that stay, applied before
     the step (None: all); ``fresh``: the controller's batch is empty, so anything kept
     under ``batch`` is stale; ``tokens``: the prompt (prefill) or each row's last token
-    (decode)."""
+    (decode); ``rows``: the rows the controller counts once ``keep`` is applied, checked
+    there, so that the two never drift apart silently."""
 
     batch: str
     kind: str  # "prefill" or "decode"
     tokens: tuple[int, ...]
     keep: tuple[int, ...] | None = None
     fresh: bool = False
+    rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -325,3 +325,30 @@ def test_dedup_needs_example_inputs():
         with pytest.raises(ConfigError, match="example_inputs"):
             rt.register("v0", functools.partial(variant_net, 0))
         assert rt.models() == []
+
+
+def test_with_lanes_a_registration_runs_alone_beside_a_training_job_that_holds_persistent_memory():
+    """NOTE [Asks that shrink]: a job's state is admitted for its whole life; a registration
+    asking for every lane's bytes must not wait for more than the rest, forever."""
+    from tests.models import adam, endless_batches, train_net, train_step
+
+    with Runtime("cpu", "64MiB", dedup=True, scheduling="pack", lane_memory="16MiB") as rt:
+        job = rt.train("bg", train_net, adam, endless_batches, train_step)
+        deadline = time.monotonic() + 30
+        while job.stats.iterations < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.stats.persistent_bytes  # measured: re-admitted with its state
+        done = threading.Event()
+
+        def registrations():
+            register(rt, 0)
+            register(rt, 1)
+            done.set()
+
+        t = threading.Thread(target=registrations, daemon=True)
+        t.start()
+        assert done.wait(30), "the registration never got its turn"
+        assert torch.equal(rt.infer("v0", IDS), want(0)) and torch.equal(rt.infer("v1", IDS), want(1))
+        assert job.status == "running" and job.error is None
+        job.cancel()
+        assert job.wait(30)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -63,15 +62,16 @@ def test_generation_in_a_worker_equals_transformers_alone_batched_cold_and_preem
         assert m.generate(m.encode(PROMPTS[0]), greedy(24)).result(60).tokens == reference(PROMPTS[0], 24)
         assert homes(rt) == {}  # its rows ended: the home let its caches go
         rt.evict("llama")  # the next one loads, pipelined, into a poisoned block, in the home
-        with rt.hold_device():  # queued together: one batch in the home
-            seqs = [m.generate(m.encode(p), greedy(40)) for p in PROMPTS]
+        lengths = (40, 8, 25)  # rows leave the batch at different steps
+        with rt.hold_device():  # queued together: one batch in the home, rows joining one by one
+            seqs = [m.generate(m.encode(p), greedy(n)) for p, n in zip(PROMPTS, lengths)]
         seen = []
         while not all(s.done for s in seqs):
             seen.append(dict(homes(rt)))
             assert torch.equal(rt.infer("other", x), want_other)  # takes the device between two steps
             time.sleep(0.01)
-        for prompt, seq in zip(PROMPTS, seqs):
-            assert seq.result(60).tokens == reference(prompt, 40)
+        for prompt, seq, n in zip(PROMPTS, seqs, lengths):
+            assert seq.result(60).tokens == reference(prompt, n)
         home = next(h for h in seen if h)
         first = rt.snapshot()["workers"]["workers"][0]["id"]
         assert len(home) == 1 and first not in home.values()  # one home, not the first worker
@@ -100,29 +100,6 @@ def test_a_killed_home_fails_the_rows_it_held_and_the_next_generation_starts_ane
         m.close()
 
 
-def test_sequences_joining_and_leaving_a_batch_in_a_worker_get_their_own_tokens(llama, reference):
-    with Runtime("cpu", "64MiB", workers=2) as rt:
-        m = lm.load(rt, "llama", llama)
-        long = m.generate(m.encode(PROMPTS[0]), greedy(120))
-        deadline = time.monotonic() + 30
-        while len(long.tokens) < 5 and time.monotonic() < deadline:
-            time.sleep(0.002)
-        short = [m.generate(m.encode(p), greedy(n)) for p, n in ((PROMPTS[1], 8), (PROMPTS[2], 30))]
-        results = {}
-
-        def read(i, s):
-            results[i] = s.result(60).tokens
-
-        readers = [threading.Thread(target=read, args=(i, s)) for i, s in enumerate(short)]
-        for r in readers:
-            r.start()
-        assert long.result(60).tokens == reference(PROMPTS[0], 120)
-        for r in readers:
-            r.join(60)
-        assert results == {0: reference(PROMPTS[1], 8), 1: reference(PROMPTS[2], 30)}
-        m.close()
-
-
 def test_in_a_worker_caches_wait_in_host_memory_under_offload_kv_and_a_kv_budget(tmp_path, llama, reference):
     """NOTE [Key/value caches off the device] and [... under pressure] with workers: the
     home moves a preempted batch's caches to its host memory and back before its next step."""
@@ -135,7 +112,7 @@ def test_in_a_worker_caches_wait_in_host_memory_under_offload_kv_and_a_kv_budget
         ids, max_new_tokens=60, do_sample=False, attention_mask=torch.ones_like(ids),
         pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
     budget = KVBudget(1 << 14)
-    with Runtime("cpu", "64MiB", workers=3) as rt:
+    with Runtime("cpu", "64MiB", workers=2) as rt:
         a = lm.load(rt, "llama", llama, quantum_s=0.01, offload_kv=True)
         b = lm.load(rt, "qwen", qwen, quantum_s=0.01, kv_budget=budget)
         first = a.generate(a.encode(PROMPTS[0]), greedy(60))

@@ -390,3 +390,21 @@ def test_training_jobs_measure_their_persistent_and_ephemeral_memory():
         assert job.stats.persistent_bytes == 4 * params + 4 * 4
         # One iteration's activations (a batch of 8 through 64 hidden units) and gradients, at least.
         assert 8 * 64 * 4 * 2 < job.stats.ephemeral_bytes < 1 << 20
+
+
+def test_with_lanes_two_jobs_that_share_a_home_take_turns_on_it():
+    """With workers=2 both jobs live on the second worker (the first stays free for
+    inference): the one that waits stops the other's segment after a while, in turn."""
+    from tests.models import adam, endless_batches, train_batches, train_net, train_step
+
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", workers=2) as rt:
+        endless = rt.train("endless", train_net, adam, endless_batches, train_step)
+        deadline = time.monotonic() + 30
+        while endless.stats.iterations < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        short = rt.train("short", train_net, adam, train_batches(40), train_step, iterations=40)
+        assert short.wait(30), "the job waiting for the shared home never got a turn"
+        assert short.error is None and short.stats.iterations == 40
+        assert endless.status == "running" and endless.stats.preemptions >= 1
+        endless.cancel()
+        assert endless.wait(30)

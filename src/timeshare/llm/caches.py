@@ -25,6 +25,7 @@ and fails its rows. A home that dies takes the caches with it: the rows in it fa
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,7 @@ from timeshare.llm.batch import KV, DecodeBatch, decode, prefill
 from timeshare.protocol import KVStep
 from timeshare.runtime.facade import ModelTurn, Runtime
 
+log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 
@@ -112,7 +114,11 @@ class RemoteCaches:
         come back there, before the next step."""
         if self.rows == 0 or self.out:
             return 0
-        moved = self._rt.offload_caches(self.key)
+        try:
+            moved = self._rt.offload_caches(self.key)
+        except WorkerError as exc:  # the home is busy or gone: they stay (or are lost with it)
+            log.warning("moving the caches of %s to host memory: %s", self.key, exc)
+            return 0
         self.out = moved > 0
         return moved
 
@@ -143,7 +149,7 @@ class RemoteCaches:
         self.rows, self.nbytes, self._keep, self.out = 0, 0, None, False
 
     def _step(self, turn: ModelTurn, kind: str, tokens: list[int]) -> torch.Tensor:
-        step = KVStep(self.key, kind, tuple(tokens), keep=self._keep, fresh=self.rows == 0)
+        step = KVStep(self.key, kind, tuple(tokens), keep=self._keep, fresh=self.rows == 0, rows=self.rows)
         self._keep = None  # applied in the home before the step, whatever its fate
         try:
             call = turn.call((), {}, kv=step)

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 
 from timeshare.errors import ConfigError, Unavailable
+from timeshare.llm.batch import GenerationError
 from timeshare.llm.caches import CachesLostError, LocalCaches, RemoteCaches
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
@@ -146,10 +147,11 @@ class Engine:
                         with self._cond:
                             self._in_turn, self.last_turn = True, time.monotonic()
                             self.turns += 1
-                            self._kv_back()
                         try:
-                            if self._budget is not None:  # room for this turn's caches
-                                self._budget.make_room(self, keep=True)
+                            if self._budget is not None:  # room for this turn's caches, before they come back
+                                self._budget.make_room(self, keep=True, incoming=self.kv_host_bytes)
+                            with self._cond:
+                                self._kv_back()
                             self._turn(turn)
                             if self.offload_kv and self._running:  # preempted with rows left
                                 with self._cond:
@@ -266,6 +268,7 @@ class Engine:
                     self._drop_finished()
             except Exception as exc:
                 self._fail(seq, exc)
+                self._drop_finished()  # its row, if it had joined
             finally:
                 self._admitting = None
 
@@ -275,6 +278,8 @@ class Engine:
         that sequence alone."""
         try:
             logits = self._caches.decode(turn, [s.tokens[-1] for s in self._running])
+            if logits.shape[0] != len(self._running):
+                raise GenerationError(f"a decode step of {len(self._running)} sequences gave {logits.shape[0]} rows")
         except Exception as exc:
             self._fail_rows(exc)
             return

@@ -60,12 +60,13 @@ class KVBudget:
             return {"capacity": self.capacity, "on_device": sum(e.kv_device_bytes for e in self._engines),
                     "moves": self.moves, "moved_bytes": self.moved_bytes}
 
-    def make_room(self, holder: Engine, *, keep: bool) -> None:
+    def make_room(self, holder: Engine, *, keep: bool, incoming: int = 0) -> None:
         """Called by ``holder`` in its turn: move caches out, least recent turn first,
-        until those on the device fit; ``keep``: the holder's own stay (its turn begins)."""
+        until those on the device fit; ``keep``: the holder's own stay (its turn begins);
+        ``incoming``: the holder's bytes about to come back from host memory."""
         with self._lock:
             engines = list(self._engines)
-        over = sum(e.kv_device_bytes for e in engines) - self.capacity
+        over = sum(e.kv_device_bytes for e in engines) + incoming - self.capacity
         if over <= 0:
             return
         others = sorted((e for e in engines if e is not holder), key=lambda e: e.last_turn)

@@ -125,13 +125,15 @@ class Dispatcher:
     @contextmanager
     def priority(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
                  unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None,
-                 ephemeral: int = 0, ticket: Ticket | None = None):
+                 ephemeral: int = 0, ticket: Ticket | None = None, at_most: bool = False):
         """Hold the runtime for one call; yields its :class:`Turn`. Re-entrant in a
         thread (a call inside a call). ``deadline_s`` (an SLO) counts from ``arrived_at``
         (on this dispatcher's clock) when given, else from now. ``ephemeral``: with
         lanes, the bytes the call's lane must hold (all of them: it runs alone).
         ``ticket``: bound to the task while it waits, so that another thread can bring
-        its deadline forward (``Ticket.expedite``)."""
+        its deadline forward (``Ticket.expedite``). ``at_most``: ``ephemeral`` is an upper
+        bound, lowered while the task waits to what the lanes could ever give it beside
+        the persistent memory admitted (NOTE [Asks that shrink])."""
         depth = getattr(self._local, "depth", 0)
         if depth:
             self._local.depth = depth + 1
@@ -148,10 +150,12 @@ class Dispatcher:
             self.scheduler.submit(task, now)
             if ticket is not None:
                 ticket.bind(self, task.id)
+            self._fit(task, at_most)
             self._step()
             try:
                 while task.state is not State.RUNNING:
                     self._cond.wait(self._timeout())
+                    self._fit(task, at_most)
                     self._step()
             except BaseException:  # interrupted while queued: leave no task behind
                 if ticket is not None:
@@ -175,6 +179,23 @@ class Dispatcher:
             with self._cond:
                 self.scheduler.update(Finished(task.id, self.clock()))
                 self._step()
+
+    # NOTE [Asks that shrink]
+    # A task that asks for "as much as it can get" (a language model's turn sized by an
+    # estimate, a call whose memory is not measured yet) must not wait for more than the
+    # lanes can give: persistent memory admitted (a training job's state) and the lanes
+    # of long-lived tasks (a training job's, for its whole life) may never leave. While
+    # such a task waits, its ask is lowered to the bytes free beside them, when some are,
+    # so that it gets a lane of its own at once and the tasks queued behind it do not
+    # wait forever; its bound is then the lane it gets. (Growing a job's lane instead would
+    # make it wait for the job's iterations, which never leave their lane.)
+    def _fit(self, task: Task, at_most: bool) -> None:
+        lanes = self.scheduler.lanes
+        if not at_most or lanes is None or task.state is not State.WAITING or lanes.admitted(task.id):
+            return
+        free = lanes.capacity - lanes.used - task.persistent
+        if 0 < free < task.ephemeral:
+            task.ephemeral = free
 
     # ------------------------------------------------------------------ training jobs
     def job_task(self, job: Preemptible) -> Task:

@@ -173,6 +173,8 @@ class Runtime:
                                  sharing.SharedTensors() if dedup else None)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
+        if self._table.shared is not None:
+            self._table.shared.wait_idle = self._wait_idle
         self._closed = False
 
     @property
@@ -224,8 +226,7 @@ class Runtime:
         if self._table.sharing is not None:
             member, digests = sharing.prepare(spec)
             unbind(member.layout)
-            # With lanes it runs alone: models it lays out again may be running in theirs.
-            with self._turn(alone=True):
+            with self._turn():  # a model laid out again waits for its running call (NOTE [Shared tensors])
                 self._table.add_deduped(entry, member, digests)
             log.info("registered %s: %d tensors, %s of its own", name, len(member.layout.entries),
                      format_bytes(entry.nbytes))
@@ -310,9 +311,11 @@ class Runtime:
         args, kwargs = tuple(args), dict(kwargs or {})
         m = self._get(name)
         lanes = self._gate.lane_capacity
-        ask = 0 if lanes is None else self._table.lane_ask(m, shape_key(args, kwargs), self._gate.free_lane_bytes())
+        key = shape_key(args, kwargs)
+        ask = 0 if lanes is None else self._table.lane_ask(m, key, self._gate.free_lane_bytes())
+        unmeasured = lanes is not None and key not in m.ephemeral  # it asks for what is free: NOTE [Asks that shrink]
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
-                                 arrived_at=arrived_at, ephemeral=ask) as turn, self._lock:
+                                 arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited
             prev = turn.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
@@ -339,7 +342,7 @@ class Runtime:
         ask = 0 if lanes is None else min(lanes, self._gate.free_lane_bytes() if ephemeral is None else ephemeral)
         deadline = None if urgent_since is None else 0.0
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
-                                 arrived_at=urgent_since, ticket=ticket, ephemeral=ask) as held:
+                                 arrived_at=urgent_since, ticket=ticket, ephemeral=ask, at_most=True) as held:
             yield ModelTurn(self, name, m.priority, self._gate, lane=held if lanes is not None else None)
 
     def _call_in_lane(self, name: str, args: tuple, kwargs: dict | None, held: Turn, kv: KVStep | None) -> Call:
@@ -552,12 +555,9 @@ class Runtime:
         wait_idle(self._idle, m, self.task_timeout_s)
 
     @contextmanager
-    def _turn(self, model: str = "", kind: Kind = Kind.CONTROL, *, alone: bool = False):
-        """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption
-        points]). ``alone``: with lanes, once no task of any lane runs, and none starts
-        before it ends (it asks for every lane's bytes)."""
-        with self._gate.priority(model, kind, ephemeral=(self._gate.lane_capacity or 0) if alone else 0), \
-                self._lock:
+    def _turn(self, model: str = "", kind: Kind = Kind.CONTROL):
+        """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
+        with self._gate.priority(model, kind), self._lock:
             yield
 
 

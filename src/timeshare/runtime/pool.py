@@ -23,7 +23,7 @@ from timeshare.errors import TimeshareError, WorkerCrashedError, WorkerError, Wo
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
-from timeshare.runtime.segments import Segment, Segments, Switch
+from timeshare.runtime.segments import SHARE_S, Segment, Segments, Switch
 from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
 from timeshare.transfer.disk import FillSpec
 from timeshare.tree import shape_key
@@ -165,7 +165,8 @@ class ProcessPool:
             kv: P.KVStep | None = None):
         msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill,
                          shared=dict(shared) if shared is not None else None, host_keys=host_keys, kv=kv)
-        shape = shape_key(args, kwargs) if kv is None else kv.kind
+        # A key/value step's time grows with its tokens: prompts and batches by powers of two.
+        shape = shape_key(args, kwargs) if kv is None else f"{kv.kind}-{max(1, len(kv.tokens)).bit_length()}"
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape)
         reply = self._task(msg, f"running {model}", kind) if kv is None else \
             self._home_task(kv, msg, f"running {model}", kind)
@@ -201,9 +202,10 @@ class ProcessPool:
         requested = time.perf_counter()
         with self._cv:
             self._segments.preempt(msg.model, requested)  # a time-shared segment stops, as for any task
+            switch = self._segments.claim_switch(msg.model, requested)
             home = self._kv_home(step, what)
         with self._claim(home, what):
-            return self._task_on(home, msg, what, requested, None, kind)
+            return self._task_on(home, msg, what, requested, switch, kind)
 
     def _kv_home(self, step: P.KVStep, what: str) -> WorkerHandle:
         """With the cv held: the batch's home; a new one for a batch that starts afresh,
@@ -228,16 +230,23 @@ class ProcessPool:
     def drop_caches(self, batch: str) -> None:
         """Free a language model's decode batch in its home (all its rows have ended)."""
         with self._cv:
-            home = self._kv_homes.pop(batch, None)
+            home = self._kv_homes.get(batch)
             self._kv_lost.pop(batch, None)
         if home is None or home not in self.workers or not home.alive():
+            with self._cv:
+                self._kv_homes.pop(batch, None)
             return
         try:
             with self._claim(home, f"dropping the caches of {batch}"):
                 home.request(P.DropCaches(self._set.next_seq(), batch), self.task_timeout_s,
                              f"dropping the caches of {batch}")
         except WorkerError as exc:
+            # Kept as its home: the batch's next start goes there and drops what is left.
             log.warning("dropping the caches of %s: %s", batch, exc)
+            return
+        with self._cv:
+            if self._kv_homes.get(batch) is home:
+                del self._kv_homes[batch]
 
     def offload_caches(self, batch: str) -> int:
         """Move a language model's decode batch to its home's host memory until its next
@@ -334,7 +343,14 @@ class ProcessPool:
         self._set.ready(home)
         lane = gate.lane_bound(job_handle)
         with self._cv:
-            if not gate.holds_turn(job_handle) or not self._segments.may_start(home, lane):
+            held = gate.holds_turn(job_handle)
+            if not held or not self._segments.may_start(home, lane, job):
+                other = self._segments.on(home)
+                now = time.perf_counter()
+                if held and lane is not None and other is not None and other.lane is not None:
+                    self._segments.yield_to(home, job)  # a shared home: turns (NOTE [Switch protocol])
+                    if now - other.started_at >= SHARE_S:
+                        self._segments.preempt("", now, job=other.job)
                 self._cv.wait(0.05)
                 return None
             if home not in self.workers:

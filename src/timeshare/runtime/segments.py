@@ -20,7 +20,9 @@ waits for the old one's memory.
 With lanes (``scheduling="pack"``) several segments run at once, each on its own home
 and in its own lane, beside the inferences of other lanes on the remaining workers: a
 task never stops a segment in a lane, only the scheduler does (a Preempt, as for any
-task of a lane). Jobs that share a home take turns on it. Each switch records stop, start, load, clean and total
+task of a lane). Jobs that share a home (more jobs than workers but one) take turns on
+it: a job that finds its home busy stops the segment there once it has run
+``SHARE_S`` (``ProcessPool.begin_segment``). Each switch records stop, start, load, clean and total
 times (``Switch``). A worker that fails is replaced: a standby becomes active at once
 and a new one boots behind it.
 """
@@ -28,7 +30,7 @@ and a new one boots behind it.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from timeshare import protocol as P
 from timeshare.errors import WorkerCrashedError, WorkerError
@@ -36,6 +38,7 @@ from timeshare.memory.ephemeral import LaneBound
 from timeshare.worker.handle import WorkerHandle
 
 KEEP_SWITCHES = 1000  # switch records kept, the latest
+SHARE_S = 0.2  # with lanes, how long a segment keeps a home another job waits for
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Segment:
     worker: WorkerHandle
     seq: int
     lane: LaneBound | None = None  # None: time-shared, the device's only task
+    started_at: float = field(default_factory=time.perf_counter)
     preempted_at: float | None = None
     switch: Switch | None = None
 
@@ -91,6 +95,7 @@ class Segments:
     def __init__(self, claim_within_s: float):
         self._claim_within_s = claim_within_s
         self._running: dict[str, Segment] = {}  # job -> its segment running (several only in lanes)
+        self._next_on: dict[WorkerHandle, tuple[str, float]] = {}  # a shared home -> the job whose turn is next
         self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
         self._lost: dict[str, str] = {}  # job -> why its state is gone
         self.switches: list[Switch] = []  # the latest, oldest first
@@ -104,16 +109,30 @@ class Segments:
         """The workers segments run on: no task goes there."""
         return {seg.worker for seg in self._running.values()}
 
-    def may_start(self, home: WorkerHandle, lane: LaneBound | None) -> bool:
-        """Whether a segment may start on ``home`` now: a time-shared one when no other
-        runs, one in a lane when no segment runs on its home and none runs time-shared."""
+    def on(self, worker: WorkerHandle) -> Segment | None:
+        """The segment running on ``worker``, if any."""
+        return next((s for s in self._running.values() if s.worker is worker), None)
+
+    def may_start(self, home: WorkerHandle, lane: LaneBound | None, job: str = "") -> bool:
+        """Whether ``job``'s segment may start on ``home`` now: a time-shared one when no
+        other runs, one in a lane when no segment runs on its home, none runs
+        time-shared, and the home's next turn (``yield_to``) is not another job's."""
         if lane is None:
             return not self._running
+        nxt = self._next_on.get(home)
+        if nxt is not None and nxt[0] != job and time.perf_counter() - nxt[1] < 5 * SHARE_S:
+            return False
         return all(seg.worker is not home and seg.lane is not None for seg in self._running.values())
+
+    def yield_to(self, home: WorkerHandle, job: str) -> None:
+        """``job`` waits for ``home``: its next segment there is ``job``'s (for a while)."""
+        self._next_on[home] = (job, time.perf_counter())
 
     def start(self, job: str, home: WorkerHandle, seq: int, lane: LaneBound | None = None) -> Segment:
         """Record the segment whose ``Train`` (``seq``) went to ``home``."""
         seg = self._running[job] = Segment(job, home, seq, lane)
+        if self._next_on.get(home, ("",))[0] == job:
+            del self._next_on[home]
         return seg
 
     def end(self, seg: Segment) -> None:

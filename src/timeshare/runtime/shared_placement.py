@@ -37,6 +37,7 @@ class SharedPlacement:
         self._evict = evict
         self._emit = emit
         self._placing = placing
+        self.wait_idle: Callable[[ModelEntry], None] = lambda m: None  # the runtime's (lanes)
         residency.on_leave = self.left
         residency.spare = self.free_spare
 
@@ -82,6 +83,9 @@ class SharedPlacement:
         the executor had already let go of the old copy, it gets it back (or, failing
         that too, the model is unregistered, saying so)."""
         sharing, entry = self.sharing, self.entries[name]
+        # With lanes its call may be running outside the runtime's lock: it ends first, and
+        # none starts meanwhile (a call takes the lock before it runs).
+        self.wait_idle(entry)
         old = sharing.members[name]
         sset, own = sharing.new_set(name, keys)
         sset.store = self.executor.add_shared(sset.sid, sset.store)

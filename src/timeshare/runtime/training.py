@@ -253,7 +253,7 @@ class WorkerTrainingJob(TrainingJob):
         # segment was starting found no segment to preempt: pass it on now. With lanes, a
         # job re-admitted with its measured memory (``Dispatcher._resize``) may hold another
         # lane now: its segment stops, and the next one runs bounded by the new lane.
-        if self._gate.must_yield(self) or self._gate.lane_bound(self) != lane:
+        if self._gate.must_yield(self) or _lane_changed(lane, self._gate.lane_bound(self)):
             self._pool.preempt(self.name)
 
     def _run(self) -> JobState:
@@ -273,6 +273,14 @@ class WorkerTrainingJob(TrainingJob):
             if stopped.reason == "finished":
                 return JobState.FINISHED
             self.stats.preemptions += 1
+
+
+def _lane_changed(running, now) -> bool:
+    """Whether a segment bound by ``running`` must restart to be bound by ``now``: another
+    lane, or a smaller one (a larger one only loosens what the worker already enforces)."""
+    if running is None or now is None:
+        return running is not now
+    return now.lane != running.lane or (now.limit or 0) < (running.limit or 0)
 
 
 def validate_training_args(name, model, optimizer, data, step, iterations) -> None:

@@ -61,6 +61,10 @@ class Batches:
         self._back(step.batch, batch)
         if step.keep is not None:
             batch.keep(list(step.keep))
+        if len(batch) != step.rows:
+            self.drop(step.batch)
+            raise GenerationError(f"the caches of {step.batch!r} hold {len(batch)} rows here, the controller "
+                                  f"counts {step.rows}: the batch is dropped")
         if step.kind == "prefill":
             logits = prefill(batch, forward, list(step.tokens), self.device)
         elif step.kind == "decode":
