@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.llm_reference import greedy_tokens
 from timeshare.errors import ConfigError, LaneExceededError, Unavailable, WeightsError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
@@ -35,16 +36,8 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(llama):
-    tok = transformers.AutoTokenizer.from_pretrained(llama)
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
-
-    def generate(prompt: str, n: int = GREEDY.max_tokens) -> list[int]:
-        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
-                             pad_token_id=tok.pad_token_id)
-        return out[0, ids.shape[1]:].tolist()
-
-    return generate
+    generate = greedy_tokens(llama)
+    return lambda prompt, n=GREEDY.max_tokens: generate(prompt, n)
 
 
 def started(seq, tokens: int = 3) -> None:
@@ -164,11 +157,7 @@ def test_under_a_kv_budget_the_least_recent_caches_wait_in_host_memory(tmp_path,
     """NOTE [Key/value caches under pressure]: two models taking turns, with room on the
     device for the caches of at most one (tight) or of both (roomy)."""
     qwen = hfdir.write_model_dir(tmp_path / "qwen", "qwen2", seed=6, hidden=96, layers=2)
-    tok = transformers.AutoTokenizer.from_pretrained(qwen)
-    ids = torch.tensor([tok(PROMPTS[1], add_special_tokens=False)["input_ids"]])
-    want_qwen = transformers.AutoModelForCausalLM.from_pretrained(qwen).eval().generate(
-        ids, max_new_tokens=80, do_sample=False, attention_mask=torch.ones_like(ids),
-        pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    want_qwen = greedy_tokens(qwen)(PROMPTS[1], 80)
     budget = KVBudget(kv_memory)
     with Runtime("cpu", "64MiB") as rt:
         a = lm.load(rt, "llama", llama, quantum_s=0.01, kv_budget=budget)

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from tests.llm_reference import greedy_tokens
 from tests.models import sleepy_linear
 from timeshare.errors import WorkerError
 from timeshare.llm import hfdir
@@ -32,16 +33,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(llama):
-    tok = transformers.AutoTokenizer.from_pretrained(llama)
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
-
-    def generate(prompt: str, n: int) -> list[int]:
-        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
-                             pad_token_id=tok.pad_token_id)
-        return out[0, ids.shape[1]:].tolist()
-
-    return generate
+    return greedy_tokens(llama)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -106,11 +98,7 @@ def test_in_a_worker_caches_wait_in_host_memory_under_offload_kv_and_a_kv_budget
     from timeshare.llm.kv_budget import KVBudget
 
     qwen = hfdir.write_model_dir(tmp_path / "qwen", "qwen2", seed=6, hidden=96, layers=2)
-    tok = transformers.AutoTokenizer.from_pretrained(qwen)
-    ids = torch.tensor([tok(PROMPTS[1], add_special_tokens=False)["input_ids"]])
-    want_qwen = transformers.AutoModelForCausalLM.from_pretrained(qwen).eval().generate(
-        ids, max_new_tokens=60, do_sample=False, attention_mask=torch.ones_like(ids),
-        pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    want_qwen = greedy_tokens(qwen)(PROMPTS[1], 60)
     budget = KVBudget(1 << 14)
     with Runtime("cpu", "64MiB", workers=2) as rt:
         a = lm.load(rt, "llama", llama, quantum_s=0.01, offload_kv=True)

@@ -48,7 +48,16 @@ class SharedPlacement:
         in its store, and its packed form is returned for the table to add. Then
         ``committed`` or ``abandoned``."""
         sharing = self.sharing
-        split = sharing.split(member.store, digests)
+        while True:
+            split = sharing.split(member.store, digests)
+            # With lanes a model to lay out again may be running outside the runtime's lock:
+            # wait for its call (the lock is released meanwhile, so anything may have
+            # changed: match again), until none is; from then on the lock is held.
+            busy = [self.entries[other] for other in split.moved if self.entries[other].running]
+            if not busy:
+                break
+            for entry in busy:
+                self.wait_idle(entry)
         made: dict[tuple[str, str], tuple[str, str]] = {}
         for other, keys in split.moved.items():
             sset = self._relayout(other, keys)
@@ -83,9 +92,6 @@ class SharedPlacement:
         the executor had already let go of the old copy, it gets it back (or, failing
         that too, the model is unregistered, saying so)."""
         sharing, entry = self.sharing, self.entries[name]
-        # With lanes its call may be running outside the runtime's lock: it ends first, and
-        # none starts meanwhile (a call takes the lock before it runs).
-        self.wait_idle(entry)
         old = sharing.members[name]
         sset, own = sharing.new_set(name, keys)
         sset.store = self.executor.add_shared(sset.sid, sset.store)

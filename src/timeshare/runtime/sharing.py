@@ -44,9 +44,10 @@ from timeshare.transfer.profiler import ExecutionOrder
 # set's store is a shared-memory segment taught to every worker before the models using it
 # (``AddShared``), and each call names where the model's sets are (``RunModel.shared``).
 # With lanes (``pack``) a model laid out again may be running in a lane outside the
-# runtime's lock: it is laid out once its call has ended (``SharedPlacement.wait_idle``),
-# and no call of it starts meanwhile, since a call takes the lock before it runs. Not
-# yet: under a host budget, and direct host access for models with shared tensors.
+# runtime's lock: it is laid out once its call has ended (``SharedPlacement.wait_idle``,
+# which releases the lock while it waits); from then until the new layout is in place the
+# lock is held, and a call takes it before it runs. Not yet: under a host budget, and
+# direct host access for models with shared tensors.
 MIN_SHARED_BYTES = 1 << 10  # smaller tensors stay with their model: a piece of a few bytes is not worth a copy call
 
 
