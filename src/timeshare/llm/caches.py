@@ -97,6 +97,10 @@ class LocalCaches:
         self.batch = DecodeBatch()
         self._device = None
 
+    def clear(self) -> None:
+        """Every row is gone: so is the batch."""
+        self.reset()
+
 
 class RemoteCaches:
     """The batch in the model's home worker (NOTE [Generation in worker processes])."""
@@ -147,6 +151,12 @@ class RemoteCaches:
 
     def reset(self) -> None:
         self.rows, self.nbytes, self._keep, self.out = 0, 0, None, False
+
+    def clear(self) -> None:
+        """Every row is gone: so is the batch, freed in the home too if it held any."""
+        if self.rows:
+            self.keep([])
+        self.reset()
 
     def _step(self, turn: ModelTurn, kind: str, tokens: list[int]) -> torch.Tensor:
         step = KVStep(self.key, kind, tuple(tokens), keep=self._keep, fresh=self.rows == 0, rows=self.rows)

@@ -223,9 +223,7 @@ class Engine:
     def _drop_caches(self) -> None:
         """Every row is gone: so is the batch (in a worker, freed there too)."""
         try:
-            if isinstance(self._caches, RemoteCaches) and self._caches.rows:
-                self._caches.keep([])
-            self._caches.reset()
+            self._caches.clear()
         except Exception as exc:  # the caches' worker is gone: nothing is left to free
             log.warning("model %s: dropping its caches: %s", self.name, exc)
 
