@@ -15,7 +15,7 @@ import torch
 
 import timeshare.transfer.copy as copy_mod
 from tests.models import VariantNet, variant_net
-from timeshare.errors import ConfigError, ModelTooLargeError, PipelineError
+from timeshare.errors import ConfigError, MemoryBudgetError, ModelTooLargeError, PipelineError
 from timeshare.runtime import sharing
 from timeshare.runtime.facade import Runtime
 from timeshare.runtime.inprocess import InProcessExecutor
@@ -271,9 +271,62 @@ def test_with_workers_variants_share_their_base_and_answer_exactly():
         assert rt.snapshot()["shared"]["sets"] == 0 and rt.stats()["used_bytes"] == 0
 
 
-def test_dedup_refuses_what_it_does_not_run_with():
-    with pytest.raises(ConfigError, match="host budget"):
-        Runtime("cpu", "16MiB", dedup=True, host_memory="64MiB")
+OWN_BYTES = sum(p.numel() * 4 for name, p in VariantNet().named_parameters() if name.startswith(("head", "out")))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_under_a_host_budget_the_sets_stay_and_the_variants_stores_come_back_from_disk(tmp_path, workers):
+    # NOTE [Shared tensors under a host budget]: room for the set and about two variants'
+    # own bytes; six variants, each evicted from both tiers in turn (blocks poisoned).
+    budget = BASE_BYTES + OWN_BYTES * 5 // 2
+    with Runtime("cpu", "64MiB", dedup=True, host_memory=budget, spill_dir=str(tmp_path), workers=workers,
+                 poison_evicted=True) as rt:
+        for v in range(6):
+            register(rt, v)
+            assert rt.snapshot()["host_tier"]["used"] <= budget
+        shared = rt.snapshot()["shared"]
+        tier = rt.snapshot()["host_tier"]
+        assert shared["sets"] == 1 and tier["shared_bytes"] == shared["shared_bytes"] >= BASE_BYTES
+        assert tier["drops"] >= 3  # six own stores do not fit beside the set
+        for v in (0, 3, 1, 5, 2, 4, 0):
+            assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
+            rt.evict(f"v{v}", host=True)
+            assert rt.snapshot()["host_tier"]["used"] <= budget
+        tier = rt.snapshot()["host_tier"]
+        assert tier["fills"] >= 6 and tier["bytes_read"] >= 6 * OWN_BYTES
+        for v in range(6):
+            rt.unregister(f"v{v}")
+        assert rt.snapshot()["host_tier"]["used"] == 0 and rt.snapshot()["shared"]["sets"] == 0
+        assert list(tmp_path.iterdir()) == []  # every spill file removed
+
+
+def test_under_a_host_budget_a_dropped_store_is_read_back_to_be_matched():
+    # v0's store goes to disk for another model; registering v1 must still find v0's base.
+    other = functools.partial(variant_net, 7, base_seed=9)
+    with Runtime("cpu", "64MiB", dedup=True, host_memory=2 * BASE_BYTES + OWN_BYTES * 3 // 2,
+                 poison_evicted=True) as rt:
+        register(rt, 0)
+        rt.register("other", other, example_inputs=(IDS,))
+        assert rt.diagnostics()["host_tier"]["stores"]["v0"]["filled"] is False  # dropped for "other"
+        register(rt, 1)
+        assert rt.snapshot()["shared"]["sets"] == 1
+        with torch.no_grad():
+            assert torch.equal(rt.infer("other", IDS), other()(IDS))
+        for v in (1, 0, 1):
+            assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
+            rt.evict(f"v{v}", host=True)
+
+
+def test_under_a_host_budget_a_variant_that_does_not_fit_beside_the_sets_is_refused_and_loses_nothing():
+    with Runtime("cpu", "64MiB", dedup=True, host_memory=BASE_BYTES + OWN_BYTES * 3 // 2) as rt:
+        register(rt, 0)
+        register(rt, 1)
+        big_head = functools.partial(variant_net, 2, tuned=("head", "out", "base"))
+        with pytest.raises(MemoryBudgetError, match="shared tensors held"):
+            rt.register("v2", big_head, example_inputs=(IDS,))
+        assert rt.models() == ["v0", "v1"] and rt.snapshot()["shared"]["sets"] == 1
+        for v in (0, 1):
+            assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
 
 
 class SlowVariant(VariantNet):

@@ -69,9 +69,11 @@ class Executor(Protocol):
     def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
         """Make a checked, packed model ready to add (outside the runtime's lock)."""
 
-    def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
+    def pack_tiered(self, spec: ModelSpec, tiered: Tiered,
+                    shared: dict[str, tuple[str, TensorEntry]] | None = None) -> Packed:
         """``pack`` for a registration under a host budget: its store, already in
-        execution order, in pages this executor can share (NOTE [Host tier])."""
+        execution order, in pages this executor can share (NOTE [Host tier]);
+        ``shared`` as for ``pack_shared`` (NOTE [Shared tensors under a host budget])."""
 
     def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
                     order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:

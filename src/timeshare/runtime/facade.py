@@ -128,8 +128,6 @@ class Runtime:
         direct_io: bool = False,
         dedup: bool = False,
     ):
-        if dedup:
-            sharing.check_dedup(host_memory=host_memory)
         if direct_io and host_memory is None:
             raise ConfigError("direct_io applies to reads from disk under a host budget: set host_memory too")
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,

@@ -66,15 +66,21 @@ class HostTier:
         self.bytes_read = 0
         self.read_s = 0.0
         self.spill_bytes = 0
+        # Host memory held under the budget outside these stores, never dropped: the
+        # shared sets with deduplication (NOTE [Shared tensors under a host budget]).
+        self.outside: Callable[[], int] = lambda: 0
 
     @property
     def used(self) -> int:
-        return sum(s.store.nbytes for s in list(self.models.values()) if s.filled)  # read without the lock too
+        # read without the lock too
+        return self.outside() + sum(s.store.nbytes for s in list(self.models.values()) if s.filled)
 
     def check_fits(self, name: str, nbytes: int) -> None:
-        if nbytes > self.budget:
-            raise MemoryBudgetError(f"model {name!r} needs {format_bytes(nbytes)} of host memory, more than the "
-                                    f"whole host budget ({format_bytes(self.budget)}); raise host_memory")
+        outside = self.outside()
+        if nbytes + outside > self.budget:
+            held = f" beside the {format_bytes(outside)} of shared tensors held" if outside else ""
+            raise MemoryBudgetError(f"model {name!r} needs {format_bytes(nbytes)} of host memory{held}, more than "
+                                    f"the whole host budget ({format_bytes(self.budget)}); raise host_memory")
 
     def add(self, name: str, stored: Stored, protected: Iterable[str] = ()) -> None:
         """A registered model's store; a filled one is made room for (others dropped)."""
@@ -182,6 +188,7 @@ class HostTier:
         return {
             "budget": self.budget,
             "used": self.used,
+            "shared_bytes": self.outside(),
             "models": len(self.models),
             "filled": sum(1 for s in list(self.models.values()) if s.filled),
             "drops": self.drops,
@@ -260,10 +267,11 @@ class HostTier:
     def _undroppable_bytes(self, name: str, protected: Iterable[str]) -> int:
         """Bytes that would stay in use if every store that may be dropped were."""
         keep = set(protected) | {name}
-        return sum(s.store.nbytes for n, s in self.models.items() if s.filled and (n in keep or s.streaming))
+        return self.outside() + sum(s.store.nbytes for n, s in self.models.items()
+                                    if s.filled and (n in keep or s.streaming))
 
     def _used_without(self, name: str) -> int:
-        return sum(s.store.nbytes for n, s in self.models.items() if s.filled and n != name)
+        return self.outside() + sum(s.store.nbytes for n, s in self.models.items() if s.filled and n != name)
 
 
 def make_host_tier(host_memory: int | str | None, eviction: str, executor: Executor, *, workers: int,

@@ -70,11 +70,12 @@ class InProcessExecutor:
     def remove_shared(self, sid: str) -> None:
         self._worker.remove_shared(sid)
 
-    def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
+    def pack_tiered(self, spec: ModelSpec, tiered: Tiered,
+                    shared: dict[str, tuple[str, TensorEntry]] | None = None) -> Packed:
         if tiered.filled:
             self._pin(tiered.store)
         return Packed(spec.name, spec, tiered.module, tiered.layout, tiered.store, tiered.store.nbytes,
-                      order=tiered.order, pages=tiered.pages, view=tiered.store)
+                      order=tiered.order, pages=tiered.pages, view=tiered.store, shared=shared)
 
     def host_dropping(self, name: str) -> None:
         self._worker.finish_pending(name)  # a tail still copying reads the store

@@ -89,7 +89,8 @@ class PoolExecutor:
         # The controller keeps no view of the store: only the workers map it from now on.
         return Packed(spec.name, spec, module, layout, None, packed.nbytes, segment, order, tuple(packed.entries))
 
-    def pack_tiered(self, spec: ModelSpec, tiered: Tiered) -> Packed:
+    def pack_tiered(self, spec: ModelSpec, tiered: Tiered,
+                    shared: dict[str, tuple[str, TensorEntry]] | None = None) -> Packed:
         store = tiered.store
         segment = self._segment(spec.name, store.nbytes)
         try:
@@ -103,7 +104,7 @@ class PoolExecutor:
             _unlink(segment)
             raise
         return Packed(spec.name, spec, tiered.module, tiered.layout, None, store.nbytes, segment, tiered.order,
-                      tuple(store.entries), pages=pages, view=view)
+                      tuple(store.entries), pages=pages, view=view, shared=shared)
 
     def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
                     order: ExecutionOrder, shared: dict[str, tuple[str, TensorEntry]]) -> Packed:

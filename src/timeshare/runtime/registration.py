@@ -116,6 +116,18 @@ def build_tiered(spec: ModelSpec, spill_dir: Path) -> Tiered:
     return Tiered(module, layout, store, pages, order, backing, filled=not lazy)
 
 
+def tiered_copy(name: str, module: nn.Module, layout: TensorLayout, store: HostStore, order: ExecutionOrder,
+                spill_dir: Path) -> Tiered:
+    """A copy of a store already laid out in execution order (a model's own tensors under
+    deduplication, NOTE [Shared tensors under a host budget]) in droppable pages of its
+    own, filled, with a spill file written the first time it is dropped."""
+    pages = HostPages(store.nbytes)
+    copy = HostStore(store.entries, pages.tensor, store.alignment)
+    copy.buffer.copy_(store.buffer)
+    backing = SpillBacking(spill_dir / f"{name}-{uuid.uuid4().hex[:8]}.store")
+    return Tiered(module, layout, copy, pages, order, backing, filled=True)
+
+
 def _build(spec: ModelSpec) -> tuple[nn.Module, TensorLayout]:
     module = build_module(spec.name, spec.build)
     module.eval()

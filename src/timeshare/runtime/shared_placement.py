@@ -15,21 +15,39 @@ from dataclasses import replace
 from timeshare.errors import ModelTooLargeError, TimeshareError
 from timeshare.runtime.events import EvictionRecord
 from timeshare.runtime.executor import Executor, Packed
+from timeshare.runtime.host_tier import HostTier, Stored
+from timeshare.runtime.registration import tiered_copy
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.sharing import Member, SharedSet, SharedTensors
 from timeshare.transfer.host_store import HostStore
 
 log = logging.getLogger(__name__)
 
+# NOTE [Shared tensors under a host budget]
+# With ``host_memory`` and ``dedup`` together, the shared sets stay in host memory for as
+# long as a model uses them: every variant's load reads them, so they are the hottest
+# bytes there are. They count against the budget (``HostTier.outside``) and are never
+# dropped. What the host tier drops and reads back are the models' own stores (the bytes
+# that differ between variants), each in droppable pages of its own with a spill file
+# written the first time it is dropped (``registration.tiered_copy``); a load of a dropped
+# store reads it from disk while it copies, and copies the model's sets beside it. A
+# registration compares its tensors with the stores of the models that hold the same
+# digests, so those stores are read back first (``HostTier.ensure``) and kept until the
+# models are laid out again. A model whose own bytes do not fit beside the sets is refused
+# before anything moves (``MemoryBudgetError``).
+
 
 class SharedPlacement:
     """``sharing``'s sets in ``residency``'s arena and in ``executor``, for the models of
     ``entries`` (the table's own dictionary). ``evict`` and ``emit`` are the table's;
-    ``placing()`` names the model being placed now, whose sets must not be freed."""
+    ``placing()`` names the model being placed now, whose sets must not be freed. With a
+    host budget, ``host`` is the host tier and ``readers()`` the models whose stores it
+    must keep (NOTE [Shared tensors under a host budget])."""
 
     def __init__(self, sharing: SharedTensors, entries: dict[str, ModelEntry], residency: Residency,
                  executor: Executor, *, evict: Callable[[ModelEntry], object],
-                 emit: Callable[[EvictionRecord], None], placing: Callable[[], str | None]):
+                 emit: Callable[[EvictionRecord], None], placing: Callable[[], str | None],
+                 host: HostTier | None = None, readers: Callable[[], set[str]] = set):
         self.sharing = sharing
         self.entries = entries
         self.residency = residency
@@ -37,18 +55,28 @@ class SharedPlacement:
         self._evict = evict
         self._emit = emit
         self._placing = placing
+        self.host = host
+        self._readers = readers
         self.wait_idle: Callable[[ModelEntry], None] = lambda m: None  # the runtime's (lanes)
         residency.on_leave = self.left
         residency.spare = self.free_spare
+        if host is not None:
+            sets = sharing.sets
+            host.outside = lambda: sum(s.nbytes for s in list(sets.values()))
 
     # ------------------------------------------------------------------ registration
-    def prepare(self, name: str, member: Member, digests: dict[str, str]) -> Packed:
+    def prepare(self, name: str, member: Member, digests: dict[str, str]) -> tuple[Packed, Stored | None]:
         """A new model's tensors matched against the registered ones: other models'
         matching tensors move to new sets (each laid out again), ``member`` keeps the rest
-        in its store, and its packed form is returned for the table to add. Then
-        ``committed`` or ``abandoned``."""
+        in its store, and its packed form (and under a host budget its store for the host
+        tier) is returned for the table to add. Then ``committed`` or ``abandoned``."""
         sharing = self.sharing
         while True:
+            owners = sharing.owners(digests)
+            if self.host is not None:
+                # Their bytes are compared and moved from: in memory until laid out again.
+                for other in owners:
+                    self.host.ensure(other, owners | self._readers())
             split = sharing.split(member.store, digests)
             # With lanes a model to lay out again may be running outside the runtime's lock:
             # wait for its call (the lock is released meanwhile, so anything may have
@@ -58,19 +86,22 @@ class SharedPlacement:
                 break
             for entry in busy:
                 self.wait_idle(entry)
+        if self.host is not None:
+            # Refused before anything moves: the new sets and this model's own bytes.
+            self.host.check_fits(name, sum(e.nbytes for e in member.store.entries if e.key not in split.refs))
         made: dict[tuple[str, str], tuple[str, str]] = {}
         for other, keys in split.moved.items():
-            sset = self._relayout(other, keys)
+            sset = self._relayout(other, keys, set(split.moved))
             made.update({(other, k): (sset.sid, d) for k, d in keys.items()})
         refs = split.refs | {key: made[owner] for key, owner in split.claims.items()}
         rest = [e for e in member.store.entries if e.key not in refs]
         member.store = HostStore.pack(rest, {e.key: member.store.tensor(e.key) for e in rest})
         member.refs = refs
         member.digests = {k: d for k, d in digests.items() if k not in refs}
-        packed = self._packed(member)
+        packed, stored = self._packed(member)
         for sid, _ in refs.values():
             sharing.sets[sid].users.add(name)  # held while the table adds the model
-        return packed
+        return packed, stored
 
     def committed(self, name: str, member: Member, packed: Packed) -> None:
         """The table added the model ``prepare`` made ready."""
@@ -85,55 +116,79 @@ class SharedPlacement:
             if sset is not None:
                 sset.users.discard(name)
 
-    def _relayout(self, name: str, keys: dict[str, str]) -> SharedSet:
+    def _relayout(self, name: str, keys: dict[str, str], moving: set[str]) -> SharedSet:
         """Move ``name``'s tensors ``keys`` (key -> digest) into a new shared set: the set
         and the new store are made and handed to the executor first; then the model leaves
         the arena and the executor's copy is replaced. On failure nothing changed, or, if
         the executor had already let go of the old copy, it gets it back (or, failing
-        that too, the model is unregistered, saying so)."""
+        that too, the model is unregistered, saying so). ``moving``: the models this
+        registration lays out again, whose host stores stay in memory meanwhile."""
         sharing, entry = self.sharing, self.entries[name]
         old = sharing.members[name]
         sset, own = sharing.new_set(name, keys)
         sset.store = self.executor.add_shared(sset.sid, sset.store)
         try:
             new = replace(old, store=own, refs=old.refs | {k: (sset.sid, d) for k, d in keys.items()})
-            packed = self._packed(new, {sset.sid: sset})
+            packed, stored = self._packed(new, {sset.sid: sset})
         except BaseException:
             self.executor.remove_shared(sset.sid)
             raise
         self._evict(entry)
         self.executor.remove(name)
+        if self.host is not None:
+            self.host.remove(name)  # the old store's pages stay until ``old`` goes: a restore copies them
         try:
-            self.executor.add(packed)
+            self._add(name, packed, stored, moving)
         except BaseException:
-            self.executor.discard(packed)
             self.executor.remove_shared(sset.sid)
-            self._restore(name, old)
+            self._restore(name, old, moving)
             raise
         assert packed.view is not None
         sharing.moved_out(name, sset, keys, packed.view)
         entry.nbytes = packed.nbytes
         return sset
 
-    def _restore(self, name: str, member: Member) -> None:
+    def _add(self, name: str, packed: Packed, stored: Stored | None, moving: set[str]) -> None:
+        """Hand a model laid out again to the host tier and the executor; on failure
+        neither holds it."""
+        hosted = False
+        try:
+            if stored is not None:
+                assert self.host is not None
+                self.host.add(name, stored, moving | self._readers())
+                hosted = True
+            self.executor.add(packed)
+        except BaseException:
+            if hosted:
+                assert self.host is not None
+                self.host.remove(name)
+            self.executor.discard(packed)
+            raise
+
+    def _restore(self, name: str, member: Member, moving: set[str]) -> None:
         """Give the executor ``name``'s previous layout back after a failed relayout; if
         that fails too, forget the model rather than keep one the executor does not know."""
         try:
-            packed = self._packed(member)
-            try:
-                self.executor.add(packed)
-            except BaseException:
-                self.executor.discard(packed)
-                raise
+            packed, stored = self._packed(member)
+            self._add(name, packed, stored, moving)
         except Exception:
             log.exception("model %s could not be laid out again nor restored: it is unregistered", name)
             self.remove(name)
             del self.entries[name]
 
-    def _packed(self, member: Member, new_sets: dict[str, SharedSet] | None = None) -> Packed:
-        sets = self.sharing.sets | (new_sets or {})
-        return self.executor.pack_shared(member.spec, member.module, member.layout, member.store, member.order,
-                                         member.shared_entries(sets))
+    def _packed(self, member: Member, new_sets: dict[str, SharedSet] | None = None) -> tuple[Packed, Stored | None]:
+        """``member`` packed for the executor; under a host budget in droppable pages of
+        its own, with the host tier's record of them (NOTE [Shared tensors under a host
+        budget])."""
+        shared = member.shared_entries(self.sharing.sets | (new_sets or {}))
+        if self.host is None:
+            return self.executor.pack_shared(member.spec, member.module, member.layout, member.store, member.order,
+                                             shared), None
+        tiered = tiered_copy(member.spec.name, member.module, member.layout, member.store, member.order,
+                             self.host.spill_dir)
+        packed = self.executor.pack_tiered(member.spec, tiered, shared)
+        assert packed.view is not None and packed.pages is not None
+        return packed, Stored(packed.view, packed.pages, tiered.backing, filled=True)
 
     def remove(self, name: str) -> None:
         """``name`` is unregistered (and out of the arena): the sets no model uses go."""

@@ -46,8 +46,8 @@ from timeshare.transfer.profiler import ExecutionOrder
 # With lanes (``pack``) a model laid out again may be running in a lane outside the
 # runtime's lock: it is laid out once its call has ended (``SharedPlacement.wait_idle``,
 # which releases the lock while it waits); from then until the new layout is in place the
-# lock is held, and a call takes it before it runs. Not yet: under a host budget, and
-# direct host access for models with shared tensors.
+# lock is held, and a call takes it before it runs. Under a host budget, see NOTE [Shared
+# tensors under a host budget]. Not yet: direct host access for models with shared tensors.
 MIN_SHARED_BYTES = 1 << 10  # smaller tensors stay with their model: a piece of a few bytes is not worth a copy call
 
 
@@ -146,6 +146,10 @@ class SharedTensors:
                 claims[key] = owner
         return Split(refs, moved, claims)
 
+    def owners(self, digests: Mapping[str, str]) -> set[str]:
+        """The registered models holding, alone, a tensor with one of these digests."""
+        return {self._own[d][0] for d in digests.values() if d in self._own}
+
     def new_set(self, name: str, keys: Mapping[str, str]) -> tuple[SharedSet, HostStore]:
         """The set made of ``name``'s tensors ``keys`` (key -> digest), and ``name``'s own
         store without them (both in its execution order); neither is recorded yet."""
@@ -227,12 +231,6 @@ class SharedTensors:
             "spare_sets": sum(1 for s in self.sets.values() if s.block is not None and not s.resident),
             "saved_bytes": max(0, logical - own - shared),
         }
-
-
-def check_dedup(*, host_memory: object) -> None:
-    """Raise ConfigError where deduplication does not run yet (NOTE [Shared tensors])."""
-    if host_memory is not None:
-        raise ConfigError("dedup does not run under a host budget yet: leave host_memory unset")
 
 
 def prepare(spec: ModelSpec) -> tuple[Member, dict[str, str]]:

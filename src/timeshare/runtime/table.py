@@ -45,7 +45,7 @@ class ModelTable:
         # With deduplication: the shared sets in the arena and the executor (NOTE [Shared tensors]).
         self.shared = None if sharing is None else SharedPlacement(
             sharing, self.entries, residency, executor, evict=self.evict, emit=self.emit,
-            placing=lambda: self._placing)
+            placing=lambda: self._placing, host=host, readers=self.host_readers)
         self.strategy = strategy  # the runtime's grouping, when a call names none
         self.listeners: list[Listener] = []
         self.failures = 0  # calls that raised
@@ -89,10 +89,10 @@ class ModelTable:
         [Shared tensors], ``SharedPlacement.prepare``)."""
         assert self.shared is not None
         self.check_free(entry.name)
-        packed = self.shared.prepare(entry.name, member, digests)
+        packed, stored = self.shared.prepare(entry.name, member, digests)
         entry.nbytes = packed.nbytes
         try:
-            self.add(entry, packed)
+            self.add(entry, packed, stored)
         except BaseException:
             self.shared.abandoned(entry.name, member)
             raise

@@ -182,7 +182,7 @@ class Worker:
                 with torch.no_grad():
                     out = wm.module(*args, **kwargs)
             elif fill is not None:
-                out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill)
+                out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill, missing, at)
             elif wm.order is None or not wm.profiles:
                 out = self._first_load(wm, offset, args, kwargs, missing, at)
             else:
@@ -212,17 +212,19 @@ class Worker:
         return {sid: off for sid, (off, _) in given.items()}
 
     def _load_from_disk(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
-                        fill: FillSpec):
-        """A load whose source is read from disk meanwhile; the store is whole at the end."""
+                        fill: FillSpec, missing: tuple[str, ...] = (), at: Mapping[str, int] | None = None):
+        """A load whose source is read from disk meanwhile; the store is whole at the end.
+        ``missing`` and ``at``: the model's shared sets, as for ``run`` (their stores stay
+        in memory: only the model's own store is read from disk)."""
         stream = self.last_fill = StreamFill(fill, wm.store.buffer, threads=self.read_threads,
                                              deadline_s=self.read_deadline_s).start()
         try:
             if wm.order is None or not wm.profiles:
                 stream.wait_all()
-                out = self._first_load(wm, offset, args, kwargs)
+                out = self._first_load(wm, offset, args, kwargs, missing, at)
             else:
                 out = self._pipelined_load(wm, offset, args, kwargs, strategy, ready=stream.wait_until,
-                                           disk_Bps=self.disk_Bps)  # no shared sets under a host budget
+                                           disk_Bps=self.disk_Bps, missing=missing, at=at)
             stream.wait_all()
             if stream.read_s > 0:  # measured on every load from disk; the next plans for it
                 self.disk_Bps = stream.bytes_read / stream.read_s
