@@ -345,6 +345,17 @@ def seeded_embed_net(seed: int) -> EmbedNet:
     return net
 
 
+def embed_variant(variant: int) -> EmbedNet:
+    """``seeded_embed_net(0)``'s embedding table under a small net of its own (seeded from
+    ``variant``): variants that share only the table (NOTE [Shared tensors])."""
+    net = seeded_embed_net(0)
+    g = torch.Generator().manual_seed(1000 + variant)
+    with torch.no_grad():
+        for p in [*net.fc1.parameters(), *net.fc2.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return net
+
+
 class VariantNet(nn.Module):
     """A base of four 256 KiB layers and a head: fine-tuned variants share the base
     (NOTE [Shared tensors])."""

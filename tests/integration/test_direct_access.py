@@ -4,6 +4,7 @@ while the model is resident."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.integration.test_host_tier import NBYTES, X, reference, seeded_tier_net
-from tests.models import EmbedNet, seeded_embed_net
+from tests.models import EmbedNet, embed_variant, seeded_embed_net
 from timeshare.errors import ConfigError
 from timeshare.models.weights import save_weights
 from timeshare.runtime.facade import Runtime
@@ -118,6 +119,39 @@ def test_with_workers_a_resident_model_keeps_its_embedding_on_the_host_in_every_
         assert rt.is_resident("e")
         for _ in range(3):
             assert torch.equal(rt.infer("e", IDS), want())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shared_embedding_is_read_from_its_sets_host_store_and_its_set_still_arrives_whole(workers):
+    # Variants that share only the embedding table (NOTE [Shared tensors]); the arena holds
+    # the set or "other", not both, so each round e0 loads with its set freed (poisoned).
+    # Computed from the set's host store, the table is copied last, and must arrive whole
+    # all the same: a variant loaded for the first time next reads it in the arena.
+    def variant(v: int) -> torch.Tensor:
+        with torch.no_grad():
+            return embed_variant(v)(IDS)
+
+    other = functools.partial(seeded_embed_net, 7)
+    with Runtime("cpu", "32MiB", dedup=True, workers=workers, poison_evicted=True, copy_delay_s=0.002) as rt:
+        for v in range(3):
+            rt.register(f"e{v}", functools.partial(embed_variant, v), example_inputs=(IDS,))
+        rt.register("other", other, example_inputs=(IDS,))
+        assert rt.snapshot()["shared"]["sets"] == 1
+        assert torch.equal(rt.infer("e0", IDS), variant(0))  # the first load copies whole and profiles
+        assert rt.profile("e0").direct_layers == 1
+        for v in (1, 2):
+            rt.evict("e0")
+            with torch.no_grad():
+                assert torch.equal(rt.infer("other", IDS), other()(IDS))
+            assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
+            assert torch.equal(rt.infer("e0", IDS), variant(0))
+            if not workers:
+                worker = rt.in_process_worker()
+                table = next(iter(worker.shared.values())).buffer
+                weight = worker.models["e0"].module.embed.weight
+                assert table.data_ptr() <= weight.data_ptr() < table.data_ptr() + table.numel()
+            assert torch.equal(rt.infer(f"e{v}", IDS), variant(v))  # its first load: the set in the arena
+            assert torch.equal(rt.infer("e0", IDS), variant(0))  # resident
 
 
 def test_direct_host_access_is_refused_where_it_does_not_run():

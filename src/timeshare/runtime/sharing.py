@@ -47,7 +47,7 @@ from timeshare.transfer.profiler import ExecutionOrder
 # runtime's lock: it is laid out once its call has ended (``SharedPlacement.wait_idle``,
 # which releases the lock while it waits); from then until the new layout is in place the
 # lock is held, and a call takes it before it runs. Under a host budget, see NOTE [Shared
-# tensors under a host budget]. Not yet: direct host access for models with shared tensors.
+# tensors under a host budget]; with direct host access, NOTE [Direct host access].
 MIN_SHARED_BYTES = 1 << 10  # smaller tensors stay with their model: a piece of a few bytes is not worth a copy call
 
 

@@ -90,7 +90,11 @@ class WorkerModel:
 # tensors reads its host store whenever it runs, so the host tier keeps that store. With
 # workers, the binding is the loading worker's: it reports the host-bound keys, and a
 # worker that runs the model resident later (a standby, a replacement) is told them
-# (``RunModel.host_keys``), since their bytes were never copied to the arena.
+# (``RunModel.host_keys``), since their bytes were never copied to the arena. A direct
+# layer's tensors held in a shared set (NOTE [Shared tensors]) are read from the set's
+# host store, and the profile weighs their bytes too; a load that copies the set still
+# copies them, since another model may read the set in the arena, but with its last
+# group, where no layer waits for them.
 DIRECT_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
 
@@ -119,7 +123,6 @@ def adopt_order(wm: WorkerModel, order: ExecutionOrder, direct: bool = False) ->
     modules = dict(wm.module.named_modules(remove_duplicate=False))
     wm.layer_modules = [modules[layer.module] if layer.module else wm.module for layer in order.layers]
     wm.direct_candidates = 0
-    direct = direct and not wm.shared  # a prefix of the own store only (NOTE [Shared tensors])
     while direct and wm.direct_candidates < n - 1 and \
             isinstance(wm.layer_modules[wm.direct_candidates], DIRECT_MODULES):
         wm.direct_candidates += 1
@@ -195,15 +198,21 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | Non
     if cached is not None:
         return cached
     index = {sid: i for i, sid in enumerate(missing)}
+    k = profile.direct_layers  # NOTE [Direct host access]: the leading k layers are not copied
     extra = [[(index[sid], a, b) for sid, a, b in runs if sid in index] for runs in wm.layer_shared]
-    if any(extra):  # more bytes than the profile's: planned for what this load moves
+    # The direct layers' shared tensors are read from the set's host store; their set is
+    # whole in the arena after the load all the same (another model may read them there),
+    # so they are copied last, where nothing waits for them.
+    spared = tuple(p for i in range(k) for p in extra[i])
+    extra[:k] = [[] for _ in range(k)]
+    if any(extra) or spared:  # more bytes than the profile's: planned for what this load moves
         moved = [n + sum(b - a for _, a, b in pieces) for n, pieces in zip(profile.layer_bytes, extra)]
+        moved[-1] += sum(b - a for _, a, b in spared)
         plan = make_plan(strategy, profile.cost_model(disk, moved), moved, fixed_group_bytes)
     elif disk is None:
         plan = profile.plans[strategy]
     else:
         plan = make_plan(strategy, profile.cost_model(disk), profile.layer_bytes, fixed_group_bytes)
-    k = profile.direct_layers  # NOTE [Direct host access]: the leading k layers are not copied
     first = wm.layer_spans[k][0]
     ranges = [(wm.layer_spans[max(a, k)][0], wm.layer_spans[b - 1][1]) if b > k else (first, first)
               for a, b in plan.groups]
@@ -216,7 +225,7 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | Non
     if index and pieces:
         # A set is whole in the arena after any load that copies it, also the tensors this
         # model does not use (another model sharing the set may): they go with the last group.
-        pieces[-1] = pieces[-1] + unused_runs(wm, index)
+        pieces[-1] = pieces[-1] + spared + unused_runs(wm, index)
     group_of_layer = [g for g, (a, b) in enumerate(plan.groups) for _ in range(a, b)]
     wait_of = {}
     for mod, layer in wm.waits:

@@ -63,13 +63,16 @@ def profile_resident(wm: WorkerModel, args: tuple, kwargs: dict, link: LinkCosts
     return profile
 
 
-def with_direct_layers(profile: ModelProfile, direct_compute_s: list[float], fixed_group_bytes: int) -> ModelProfile:
+def with_direct_layers(profile: ModelProfile, direct_compute_s: list[float], fixed_group_bytes: int,
+                       spared: list[int] | None = None) -> ModelProfile:
     """NOTE [Direct host access]: the longest prefix of the candidate layers whose compute
     from the host store (``direct_compute_s``, measured) costs less extra than copying
-    them would take; the plans are made again with those layers direct."""
+    them would take (``spared``: each layer's bytes, its shared tensors' too; default its
+    own); the plans are made again with those layers direct."""
+    sizes = profile.layer_bytes if spared is None else spared
     k = 0
     for i, direct in enumerate(direct_compute_s):
-        if direct - profile.compute_s[i] >= profile.layer_bytes[i] / profile.link.bandwidth_Bps:
+        if direct - profile.compute_s[i] >= sizes[i] / profile.link.bandwidth_Bps:
             break
         k = i + 1
     if k == 0:

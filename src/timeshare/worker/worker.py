@@ -12,7 +12,7 @@ eviction policy (see docs/architecture.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 import torch
@@ -382,10 +382,7 @@ class Worker:
         the model's sets are (``at``, NOTE [Shared tensors])."""
         if wm.bound_at != offset or wm.shared_bound != at:
             views = self.arena.views(offset, wm.store.entries)
-            by_set: dict[str, list[TensorEntry]] = {}
-            for key, (sid, e) in wm.shared.items():
-                by_set.setdefault(sid, []).append(replace(e, key=key))
-            for sid, entries in by_set.items():
+            for sid, entries in _by_set(wm, wm.shared).items():
                 views.update(self.arena.views(at[sid], entries))
             bind(wm.layout, views)
             wm.bound_at = offset
@@ -397,13 +394,23 @@ class Worker:
         arena (NOTE [Direct host access])."""
         if keys == wm.host_bound:
             return
-        back = [e for e in wm.store.entries if e.key in set(wm.host_bound) - set(keys)]
+        leaving = set(wm.host_bound) - set(keys)
+        back = [e for e in wm.store.entries if e.key in leaving]
         if back:  # copied by this load's plan: the arena's bytes again
             assert wm.bound_at is not None
             bind_some(wm.layout, self.arena.views(wm.bound_at, back))
+        for sid, entries in _by_set(wm, leaving).items():  # in their set's block again
+            bind_some(wm.layout, self.arena.views(wm.shared_bound[sid], entries))
         if keys:
-            bind_some(wm.layout, {k: wm.store.tensor(k) for k in keys})
+            bind_some(wm.layout, {k: self._host_tensor(wm, k) for k in keys})
         wm.host_bound = keys
+
+    def _host_tensor(self, wm: WorkerModel, key: str) -> torch.Tensor:
+        """``key``'s bytes in host memory: the model's store, or its shared set's."""
+        if key in wm.shared:
+            sid, e = wm.shared[key]
+            return HostStore.view(self.shared[sid].buffer, e)
+        return wm.store.tensor(key)
 
     def reads_host(self, name: str) -> bool:
         """Whether ``name`` computes from its host store (NOTE [Direct host access]): the
@@ -438,7 +445,11 @@ class Worker:
         profile = profile_resident(wm, args, kwargs, self._link_costs(), self.device,
                                    repeats=self.profile_repeats, fixed_group_bytes=self.fixed_group_bytes)
         if wm.direct_candidates:
-            profile = with_direct_layers(profile, self._time_direct(wm, args, kwargs), self.fixed_group_bytes)
+            # A candidate's shared tensors count as bytes its direct access spares: a load
+            # that copies their set copies them last (NOTE [Direct host access]).
+            spared = [b + sum(e - a for _, a, e in runs) for b, runs in zip(profile.layer_bytes, wm.layer_shared)]
+            profile = with_direct_layers(profile, self._time_direct(wm, args, kwargs), self.fixed_group_bytes,
+                                         spared)
         wm.profiles[profile.shape_key] = profile
         wm.last_profile = profile.shape_key
 
@@ -513,3 +524,12 @@ class Worker:
         fences, self._fences = self._fences, []
         return fences
 
+
+def _by_set(wm: WorkerModel, keys: Iterable[str]) -> dict[str, list[TensorEntry]]:
+    """The shared ones among ``keys``, as entries of their sets named by the model's keys."""
+    by_set: dict[str, list[TensorEntry]] = {}
+    for key in keys:
+        if key in wm.shared:
+            sid, e = wm.shared[key]
+            by_set.setdefault(sid, []).append(replace(e, key=key))
+    return by_set
