@@ -15,7 +15,7 @@ import torch
 
 import timeshare.transfer.copy as copy_mod
 from tests.models import VariantNet, variant_net
-from timeshare.errors import ConfigError, MemoryBudgetError, ModelTooLargeError, PipelineError
+from timeshare.errors import ConfigError, MemoryBudgetError, ModelTooLargeError, PipelineError, WeightsError
 from timeshare.runtime import sharing
 from timeshare.runtime.facade import Runtime
 from timeshare.runtime.inprocess import InProcessExecutor
@@ -315,6 +315,24 @@ def test_under_a_host_budget_a_dropped_store_is_read_back_to_be_matched():
         for v in (1, 0, 1):
             assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
             rt.evict(f"v{v}", host=True)
+
+
+def test_under_a_host_budget_a_store_that_cannot_come_back_is_not_matched_and_fails_its_model_alone(tmp_path):
+    # v0's store was dropped to its spill file, which is then cut short: registering v1
+    # cannot compare with v0, so it holds its own copy; v0's calls fail, v1 answers.
+    other = functools.partial(variant_net, 7, base_seed=9)
+    with Runtime("cpu", "64MiB", dedup=True, host_memory=2 * BASE_BYTES + OWN_BYTES * 3 // 2,
+                 spill_dir=str(tmp_path)) as rt:
+        register(rt, 0)
+        rt.register("other", other, example_inputs=(IDS,))
+        (spill,) = [p for p in tmp_path.iterdir() if p.name.startswith("v0-")]
+        os.truncate(spill, spill.stat().st_size - 100)
+        register(rt, 1)
+        assert rt.snapshot()["shared"]["sets"] == 0
+        assert torch.equal(rt.infer("v1", IDS), want(1))
+        with pytest.raises(WeightsError, match="damaged"):
+            rt.infer("v0", IDS)
+        assert torch.equal(rt.infer("v1", IDS), want(1))
 
 
 def test_under_a_host_budget_a_variant_that_does_not_fit_beside_the_sets_is_refused_and_loses_nothing():

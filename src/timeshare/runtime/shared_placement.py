@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from timeshare.errors import ModelTooLargeError, TimeshareError
+from timeshare.errors import MemoryBudgetError, ModelTooLargeError, TimeshareError, WeightsError
 from timeshare.runtime.events import EvictionRecord
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 # registration compares its tensors with the stores of the models that hold the same
 # digests, so those stores are read back first (``HostTier.ensure``) and kept until the
 # models are laid out again. A model whose own bytes do not fit beside the sets is refused
-# before anything moves (``MemoryBudgetError``).
+# before anything moves (``MemoryBudgetError``). A store that cannot be read back (its spill
+# file damaged) is not matched: that model fails its own calls, the registration goes on.
 
 
 class SharedPlacement:
@@ -72,12 +73,19 @@ class SharedPlacement:
         tier) is returned for the table to add. Then ``committed`` or ``abandoned``."""
         sharing = self.sharing
         while True:
-            owners = sharing.owners(digests)
+            owners, unreadable = sharing.owners(digests), set()
             if self.host is not None:
                 # Their bytes are compared and moved from: in memory until laid out again.
+                # One that cannot come back (its spill file damaged, no room) is not
+                # matched: its own calls say why, and this registration goes on.
                 for other in owners:
-                    self.host.ensure(other, owners | self._readers())
-            split = sharing.split(member.store, digests)
+                    try:
+                        self.host.ensure(other, owners | self._readers())
+                    except (WeightsError, MemoryBudgetError) as exc:
+                        log.warning("registering %s: not matched against %s, whose host copy cannot be read "
+                                    "back (%s)", name, other, exc)
+                        unreadable.add(other)
+            split = sharing.split(member.store, digests, unreadable)
             # With lanes a model to lay out again may be running outside the runtime's lock:
             # wait for its call (the lock is released meanwhile, so anything may have
             # changed: match again), until none is; from then on the lock is held.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -128,9 +128,10 @@ class SharedTensors:
         self._own: dict[str, tuple[str, str]] = {}  # digest -> (model, key) holding it alone
         self._ids = itertools.count(1)
 
-    def split(self, store: HostStore, digests: Mapping[str, str]) -> Split:
+    def split(self, store: HostStore, digests: Mapping[str, str], skip: Set[str] = frozenset()) -> Split:
         """Match a new model's tensors (``store``, its ``digests``) against what is
-        registered, bytes compared; changes nothing."""
+        registered, bytes compared, except the tensors held alone by the models in
+        ``skip``; changes nothing."""
         refs: dict[str, tuple[str, str]] = {}
         moved: dict[str, dict[str, str]] = {}
         claims: dict[str, tuple[str, str]] = {}
@@ -141,7 +142,8 @@ class SharedTensors:
                 refs[key] = (sid, d)
                 continue
             owner = self._own.get(d)
-            if owner is not None and same_bytes(mine, self.members[owner[0]].store.tensor(owner[1])):
+            if owner is not None and owner[0] not in skip and \
+                    same_bytes(mine, self.members[owner[0]].store.tensor(owner[1])):
                 moved.setdefault(owner[0], {})[owner[1]] = d
                 claims[key] = owner
         return Split(refs, moved, claims)
