@@ -249,6 +249,30 @@ def test_bad_lane_options_are_refused_before_anything_is_taken(options, words):
         Runtime("cpu", "16MiB", scheduling="pack", **options)
 
 
+@pytest.mark.parametrize("ephemeral", [-1, 1.5, True, "8MiB"])
+def test_a_turn_asking_for_a_bad_number_of_lane_bytes_is_refused_before_it_queues(ephemeral):
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
+        rt.register("m", lane_net, example_inputs=(torch.randn(2, 64),))
+        with pytest.raises(ConfigError, match="ephemeral must be"):
+            with rt.turn("m", ephemeral=ephemeral):
+                pass
+        with rt.turn("m", ephemeral=1 << 20) as turn:  # nothing was held: a good ask gets its turn
+            assert torch.equal(turn.call((torch.ones(2, 64),)).output, lane_net()(torch.ones(2, 64)).detach())
+
+
+def test_a_turns_first_load_is_bounded_by_its_lane_but_the_runtimes_link_probe_is_not():
+    # The turn's first call loads and profiles the model: the worker's one-off link probe
+    # (64 MiB of scratch) is the runtime's, not the turn's; the forward's bytes are the turn's.
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
+        rt.register("m", lane_net, example_inputs=(torch.randn(2, 64),))
+        x = torch.ones(2, 64)
+        with rt.turn("m", ephemeral=1 << 20) as turn:
+            assert torch.equal(turn.call((x,)).output, lane_net()(x).detach())
+        with rt.turn("m", ephemeral=1 << 20) as turn:
+            with pytest.raises(LaneExceededError):
+                turn.call((torch.ones(8192, 64),))  # 2 MiB of activations per layer: over its 1 MiB
+
+
 def lane_net() -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))

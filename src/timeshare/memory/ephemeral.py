@@ -16,6 +16,10 @@ over the limit raises :class:`~timeshare.errors.LaneExceededError` naming the ta
 lane's size and what the task had asked for, in the task's own thread, so only that
 task fails. The operator's output exists by then (it is freed as the error unwinds):
 the guard bounds what a task may hold, one operator's worth of overshoot aside.
+
+The runtime's own scratch memory is not a task's: a worker's one-off probe of the link
+(64 MiB, at its first profile, which may happen inside a call in a lane: a replacement
+worker's first load) runs ``unmetered()``, so no meter of its thread counts it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from timeshare.errors import LaneExceededError
 
 LANE_HEADROOM = 1.25  # a lane is the profiled peak times this (allocator rounding, small variations)
+_paused = threading.local()  # ``unmetered`` blocks running in this thread
+
+
+@contextmanager
+def unmetered() -> Iterator[None]:
+    """Run a block of the runtime's own work whose tensors no meter of this thread counts."""
+    _paused.depth = getattr(_paused, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _paused.depth -= 1
 
 
 class EphemeralMeter(TorchDispatchMode):
@@ -52,6 +67,8 @@ class EphemeralMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(_paused, "depth", 0):
+            return out
         if type(out) is torch.Tensor:  # the common case first: this runs for every operator
             self._count(out, args)
         elif isinstance(out, (tuple, list)):

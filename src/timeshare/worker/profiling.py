@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from timeshare.memory.ephemeral import EphemeralMeter
+from timeshare.memory.ephemeral import EphemeralMeter, unmetered
 from timeshare.models.binding import TensorLayout
 from timeshare.transfer.copy import CopyEngine
 from timeshare.transfer.planner import STRATEGIES, make_plan
@@ -104,11 +104,13 @@ def measure_ephemeral(run: Callable[[], object], device: torch.device) -> int:
 
 def probe_link(engine: CopyEngine, device: torch.device, *, pin_host: bool) -> LinkCosts:
     """The link's costs, by copying a scratch host buffer to a scratch device buffer
-    through ``engine``; the scratch memory is given back before this returns."""
-    src = torch.full((LINK_PROBE_BYTES,), 7, dtype=torch.uint8, pin_memory=pin_host)
-    dst = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
-    link = measure_link(engine, src, dst, device)
-    del src, dst
+    through ``engine``; the scratch memory is given back before this returns, and counts
+    in no lane (``unmetered``: the probe may run inside a call in a lane)."""
+    with unmetered():
+        src = torch.full((LINK_PROBE_BYTES,), 7, dtype=torch.uint8, pin_memory=pin_host)
+        dst = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+        link = measure_link(engine, src, dst, device)
+        del src, dst
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
