@@ -34,3 +34,12 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
     assert fleet["texts_agree"] == 6
     assert plot.stat().st_size > 0
     assert len(r["models"]) == 3 and all(m["parameters"] > 0 for m in r["models"])
+
+
+@pytest.mark.parametrize("args, words", [(["--workers", "1"], "workers must be 0"),
+                                         (["--fleet-models", "2"], "at least 3 models"),
+                                         (["--new-tokens", "1"], "new_tokens at least 2")])
+def test_bench_llm_refuses_a_bad_option_before_it_builds_anything(tmp_path, capsys, args, words):
+    code = main(["bench", "llm", "--size", "tiny", "--device", "cpu", "--workdir", str(tmp_path / "models"), *args])
+    assert code != 0 and words in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "models").exists()

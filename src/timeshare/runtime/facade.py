@@ -335,6 +335,8 @@ class Runtime:
         ``ticket`` lets another thread make it so while it waits (``Ticket.expedite``).
         With lanes: ``ephemeral``, the bytes the turn's lane must hold (None: what is
         free now); every call of the turn runs bounded by it (NOTE [Turns in lanes])."""
+        if ephemeral is not None and (isinstance(ephemeral, bool) or not isinstance(ephemeral, int) or ephemeral < 0):
+            raise ConfigError(f"ephemeral must be a whole number of bytes, at least 0, or None; got {ephemeral!r}")
         m = self._get(name)
         lanes = self._gate.lane_capacity
         ask = 0 if lanes is None else min(lanes, self._gate.free_lane_bytes() if ephemeral is None else ephemeral)
