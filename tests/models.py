@@ -356,6 +356,19 @@ def embed_variant(variant: int) -> EmbedNet:
     return net
 
 
+class EmbedRowsNet(EmbedNet):
+    """An ``EmbedNet`` that also returns its table's first rows: a view of its weight."""
+
+    def forward(self, ids):
+        return super().forward(ids), self.embed.weight[:4]
+
+
+def embed_rows_variant(variant: int) -> EmbedRowsNet:
+    net = EmbedRowsNet().eval()
+    net.load_state_dict(embed_variant(variant).state_dict())
+    return net
+
+
 class VariantNet(nn.Module):
     """A base of four 256 KiB layers and a head: fine-tuned variants share the base
     (NOTE [Shared tensors])."""

@@ -300,6 +300,26 @@ def test_under_a_host_budget_the_sets_stay_and_the_variants_stores_come_back_fro
         assert list(tmp_path.iterdir()) == []  # every spill file removed
 
 
+def test_under_a_host_budget_a_load_read_from_disk_copies_the_set_it_misses_beside():
+    # A pipelined load whose own store streams from disk while its set, freed from the
+    # arena for "other" (poisoned), is copied in the same groups.
+    other = functools.partial(variant_net, 7, base_seed=9)
+    with Runtime("cpu", 2_621_440, dedup=True, host_memory=2 * BASE_BYTES + 2 * OWN_BYTES, poison_evicted=True,
+                 copy_delay_s=0.002) as rt:
+        register(rt, 0)
+        register(rt, 1)
+        rt.register("other", other, example_inputs=(IDS,))
+        assert torch.equal(rt.infer("v0", IDS), want(0))  # the first load: whole, profiled
+        for _ in range(2):
+            rt.evict("v0", host=True)
+            with torch.no_grad():
+                assert torch.equal(rt.infer("other", IDS), other()(IDS))
+            assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
+            before = rt.snapshot()["host_tier"]["streamed_fills"]
+            assert torch.equal(rt.infer("v0", IDS), want(0))
+            assert rt.snapshot()["host_tier"]["streamed_fills"] == before + 1
+
+
 def test_under_a_host_budget_a_dropped_store_is_read_back_to_be_matched():
     # v0's store goes to disk for another model; registering v1 must still find v0's base.
     other = functools.partial(variant_net, 7, base_seed=9)
@@ -333,6 +353,25 @@ def test_under_a_host_budget_a_store_that_cannot_come_back_is_not_matched_and_fa
         with pytest.raises(WeightsError, match="damaged"):
             rt.infer("v0", IDS)
         assert torch.equal(rt.infer("v1", IDS), want(1))
+        register(rt, 2)  # matched against v1's copy now, not v0's lost one
+        assert rt.snapshot()["shared"]["sets"] == 1
+        for v in (2, 1):
+            assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
+
+
+def test_under_a_host_budget_a_registration_whose_sets_would_crowd_out_another_model_is_refused():
+    # "other" fits the budget alone; sharing v0's base with v1 would hold a set beside it
+    # that leaves no room for "other" ever again: the registration of v1 is refused.
+    other = functools.partial(variant_net, 7, base_seed=9)
+    with Runtime("cpu", "64MiB", dedup=True, host_memory=BASE_BYTES + OWN_BYTES * 3 // 2) as rt:
+        rt.register("other", other, example_inputs=(IDS,))
+        register(rt, 0)
+        with pytest.raises(MemoryBudgetError, match="model 'other' needs .* beside the .* shared tensors held"):
+            register(rt, 1)
+        assert rt.models() == ["other", "v0"] and rt.snapshot()["shared"]["sets"] == 0
+        with torch.no_grad():
+            assert torch.equal(rt.infer("other", IDS), other()(IDS))
+        assert torch.equal(rt.infer("v0", IDS), want(0))
 
 
 def test_under_a_host_budget_a_variant_that_does_not_fit_beside_the_sets_is_refused_and_loses_nothing():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.integration.test_host_tier import NBYTES, X, reference, seeded_tier_net
-from tests.models import EmbedNet, embed_variant, seeded_embed_net
+from tests.models import EmbedNet, embed_rows_variant, embed_variant, seeded_embed_net
 from timeshare.errors import ConfigError
 from timeshare.models.weights import save_weights
 from timeshare.runtime.facade import Runtime
@@ -152,6 +152,24 @@ def test_a_shared_embedding_is_read_from_its_sets_host_store_and_its_set_still_a
                 assert table.data_ptr() <= weight.data_ptr() < table.data_ptr() + table.numel()
             assert torch.equal(rt.infer(f"e{v}", IDS), variant(v))  # its first load: the set in the arena
             assert torch.equal(rt.infer("e0", IDS), variant(0))  # resident
+
+
+def test_an_output_that_views_a_shared_table_on_the_host_is_a_copy():
+    # The table is read from the set's host store, which every variant reads: an output
+    # viewing it must be the caller's own bytes, or writing to it changes every variant.
+    with Runtime("cpu", "64MiB", dedup=True) as rt:
+        for v in range(2):
+            rt.register(f"r{v}", functools.partial(embed_rows_variant, v), example_inputs=(IDS,))
+        rt.infer("r0", IDS)
+        rt.evict("r0")
+        _, rows = rt.infer("r0", IDS)  # pipelined: the table on the set's host store
+        assert rt.profile("r0").direct_layers == 1
+        rows.fill_(0.0)
+        with torch.no_grad():
+            want_rows = embed_rows_variant(0)(IDS)[1]
+        assert torch.equal(rt.infer("r0", IDS)[1], want_rows)  # resident, still on the host store
+        rt.evict("r0")
+        assert torch.equal(rt.infer("r0", IDS)[1], want_rows)
 
 
 def test_direct_host_access_is_refused_where_it_does_not_run():

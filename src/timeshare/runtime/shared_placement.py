@@ -18,8 +18,9 @@ from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.registration import tiered_copy
 from timeshare.runtime.residency import ModelEntry, Residency
-from timeshare.runtime.sharing import Member, SharedSet, SharedTensors
+from timeshare.runtime.sharing import Member, SharedSet, SharedTensors, Split
 from timeshare.transfer.host_store import HostStore
+from timeshare.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,11 @@ log = logging.getLogger(__name__)
 # store reads it from disk while it copies, and copies the model's sets beside it. A
 # registration compares its tensors with the stores of the models that hold the same
 # digests, so those stores are read back first (``HostTier.ensure``) and kept until the
-# models are laid out again. A model whose own bytes do not fit beside the sets is refused
-# before anything moves (``MemoryBudgetError``). A store that cannot be read back (its spill
-# file damaged) is not matched: that model fails its own calls, the registration goes on.
+# models are laid out again. A registration after which some model's own store (its own
+# included) would not fit beside the sets is refused before anything moves
+# (``MemoryBudgetError``): that model could never be loaded again. A store that cannot be
+# read back (its spill file damaged, or no room) is passed over: that model fails its own
+# calls, the registration goes on, and its tensors are matched in the lost one's place.
 
 
 class SharedPlacement:
@@ -58,6 +61,7 @@ class SharedPlacement:
         self._placing = placing
         self.host = host
         self._readers = readers
+        self._passed_over: set[str] = set()  # models the registration being prepared could not compare with
         self.wait_idle: Callable[[ModelEntry], None] = lambda m: None  # the runtime's (lanes)
         residency.on_leave = self.left
         residency.spare = self.free_spare
@@ -95,8 +99,8 @@ class SharedPlacement:
             for entry in busy:
                 self.wait_idle(entry)
         if self.host is not None:
-            # Refused before anything moves: the new sets and this model's own bytes.
-            self.host.check_fits(name, sum(e.nbytes for e in member.store.entries if e.key not in split.refs))
+            self._check_host_room(name, member, split)
+        self._passed_over = unreadable
         made: dict[tuple[str, str], tuple[str, str]] = {}
         for other, keys in split.moved.items():
             sset = self._relayout(other, keys, set(split.moved))
@@ -111,14 +115,39 @@ class SharedPlacement:
             sharing.sets[sid].users.add(name)  # held while the table adds the model
         return packed, stored
 
+    def _check_host_room(self, name: str, member: Member, split: Split) -> None:
+        """Under a host budget, refuse a registration before anything moves if, with the
+        sets it makes, some model's own store (its own included) would no longer fit
+        beside the sets in the budget: that model could never be loaded again."""
+        assert self.host is not None
+        by_key = {e.key: e for e in member.store.entries}
+        moved = {other: sum(self.sharing.members[other].store.by_key[k].nbytes for k in keys)
+                 for other, keys in split.moved.items()}
+        held = self.host.outside() + sum(moved.values())
+        own = sum(e.nbytes for k, e in by_key.items() if k not in split.refs and k not in split.claims)
+        who, largest = name, own
+        for other, stored in self.host.models.items():
+            n = stored.store.nbytes - moved.get(other, 0)
+            if n > largest:
+                who, largest = other, n
+        if largest + held > self.host.budget:
+            raise MemoryBudgetError(
+                f"registering {name!r}: model {who!r} needs {format_bytes(largest)} of host memory beside the "
+                f"{format_bytes(held)} of shared tensors held, more than the host budget "
+                f"({format_bytes(self.host.budget)}); raise host_memory")
+
     def committed(self, name: str, member: Member, packed: Packed) -> None:
         """The table added the model ``prepare`` made ready."""
         assert packed.view is not None
         member.store = packed.view  # the pages the executor reads: compared and moved from later
-        self.sharing.add(name, member)
+        # Its tensors are matched from now on in place of those of models that were passed
+        # over (their stores could not be read back), which may never come back.
+        self.sharing.add(name, member, prefer_over=self._passed_over)
+        self._passed_over = set()
 
     def abandoned(self, name: str, member: Member) -> None:
         """The table could not add it: the sets it would have used are not held for it."""
+        self._passed_over = set()
         for sid, _ in member.refs.values():
             sset = self.sharing.sets.get(sid)
             if sset is not None:
@@ -179,6 +208,8 @@ class SharedPlacement:
         try:
             packed, stored = self._packed(member)
             self._add(name, packed, stored, moving)
+            assert packed.view is not None
+            member.store = packed.view  # the pages the executor reads now: the old ones go
         except Exception:
             log.exception("model %s could not be laid out again nor restored: it is unregistered", name)
             self.remove(name)

@@ -176,13 +176,15 @@ class SharedTensors:
                 del self._own[d]
         member.store = own
 
-    def add(self, name: str, member: Member) -> None:
-        """Record a new model whose ``refs`` are all to recorded sets."""
+    def add(self, name: str, member: Member, prefer_over: Set[str] = frozenset()) -> None:
+        """Record a new model whose ``refs`` are all to recorded sets; its tensors become
+        the ones matched for their digests in place of those of ``prefer_over``."""
         self.members[name] = member
         for sid, _ in member.refs.values():
             self.sets[sid].users.add(name)
         for k, d in member.digests.items():
-            self._own.setdefault(d, (name, k))
+            if d not in self._own or self._own[d][0] in prefer_over:
+                self._own[d] = (name, k)
 
     def remove(self, name: str) -> list[SharedSet]:
         """Forget ``name``; returns the sets no model refers to any more (forgotten too)."""

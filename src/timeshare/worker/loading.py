@@ -94,7 +94,9 @@ class WorkerModel:
 # layer's tensors held in a shared set (NOTE [Shared tensors]) are read from the set's
 # host store, and the profile weighs their bytes too; a load that copies the set still
 # copies them, since another model may read the set in the arena, but with its last
-# group, where no layer waits for them.
+# group, where no layer waits for them. The choice is made once per profile: when the set
+# is resident already (a switch between variants), the direct layer spares no copy and
+# costs only its compute from host memory, the same on the CPU.
 DIRECT_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
 

@@ -284,8 +284,11 @@ class Worker:
         as it is. A worker process then pickles the result, with no further copy."""
         ptr = self.arena.buffer.untyped_storage().data_ptr()
         # A model computing from its host store (NOTE [Direct host access]) may return one
-        # of those tensors: a copy, since the store's pages may go.
+        # of those tensors: a copy, since the store's pages may go (and a shared set's
+        # bytes are every variant's).
         owned = {ptr} | {wm.store.buffer.untyped_storage().data_ptr() for wm in self.models.values() if wm.host_bound}
+        owned |= {self.shared[sid].buffer.untyped_storage().data_ptr()
+                  for wm in self.models.values() for sid in {wm.shared[k][0] for k in wm.host_bound if k in wm.shared}}
 
         def give(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
