@@ -84,6 +84,17 @@ def test_a_resident_model_whose_tensors_become_shared_is_laid_out_again_and_stay
             assert torch.equal(rt.infer(f"v{v}", IDS), want(v))
 
 
+def test_a_pinned_model_whose_tensors_become_shared_is_resident_again_after_the_registration():
+    with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True) as rt:
+        register(rt, 0, pin=True)
+        assert torch.equal(rt.infer("v0", IDS), want(0))
+        register(rt, 1)  # v0 is laid out again: it leaves the arena, and comes back
+        assert rt.is_resident("v0") and rt.snapshot()["shared"]["sets"] == 1
+        call = rt.call("v0", (IDS,))
+        assert not call.record.loaded and torch.equal(call.output, want(0))
+        assert torch.equal(rt.infer("v1", IDS), want(1))
+
+
 def test_unregistering_gives_every_byte_back():
     with Runtime("cpu", "64MiB", dedup=True) as rt:
         for v in range(3):

@@ -62,6 +62,7 @@ class SharedPlacement:
         self.host = host
         self._readers = readers
         self._passed_over: set[str] = set()  # models the registration being prepared could not compare with
+        self.reload: list[str] = []  # pinned models the registration being prepared evicted
         self.wait_idle: Callable[[ModelEntry], None] = lambda m: None  # the runtime's (lanes)
         residency.on_leave = self.left
         residency.spare = self.free_spare
@@ -102,6 +103,9 @@ class SharedPlacement:
             self._check_host_room(name, member, split)
         self._passed_over = unreadable
         made: dict[tuple[str, str], tuple[str, str]] = {}
+        # Pinned models that leave the arena to be laid out again are loaded again after.
+        self.reload = [other for other in split.moved
+                       if self.entries[other].pinned and self.entries[other].block is not None]
         for other, keys in split.moved.items():
             sset = self._relayout(other, keys, set(split.moved))
             made.update({(other, k): (sset.sid, d) for k, d in keys.items()})

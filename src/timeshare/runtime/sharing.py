@@ -34,7 +34,7 @@ from timeshare.transfer.profiler import ExecutionOrder
 # its sets' stores (``LoadPlan.pieces``, copied in the same group by the copy engine,
 # ``SharedCopies``). The first model whose tensors match is laid out again: it is
 # evicted, its store repacked without the moved tensors, and re-added to the executor
-# (its profiles go: the next load profiles again). A load copies the sets that are not
+# (its profiles go: the next load profiles again; a pinned model is loaded again at once). A load copies the sets that are not
 # in the arena yet with the model's own bytes; a switch between two variants whose sets
 # are resident copies only what differs. A set with no resident user stays in the arena
 # and is the first thing freed when room is needed, except while a model that uses it is

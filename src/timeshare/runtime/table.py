@@ -97,6 +97,15 @@ class ModelTable:
             self.shared.abandoned(entry.name, member)
             raise
         self.shared.committed(entry.name, member, packed)
+        for name in self.shared.reload:  # a pinned model stays resident: loaded again at once
+            m = self.entries.get(name)
+            if m is None or m.block is not None:
+                continue
+            try:
+                self.run(m, self.executor.inputs(m.spec.example_inputs), self.executor.inputs(m.spec.example_kwargs),
+                         None)
+            except Exception:  # its next call loads it, and says why if it cannot
+                log.exception("could not load pinned model %s again after laying it out anew", name)
 
     @property
     def sharing(self) -> SharedTensors | None:
