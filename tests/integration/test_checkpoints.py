@@ -3,7 +3,12 @@ ends bitwise equal to the same job never interrupted."""
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,17 @@ def varying_batches():
     while True:
         yield zoo_get("tiny_cnn").example_inputs(4, seed=i)
         i += 1
+
+
+def held(data, gate: str):
+    """``data``'s batches, the fifth held back until the file ``gate`` exists (at most a
+    minute): the job is surely still running meanwhile (a file: it works across processes)."""
+    for i, batch in enumerate(data()):
+        if i == 4:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        yield batch
 
 
 def dropout_net() -> torch.nn.Module:
@@ -53,13 +69,17 @@ def _whole_then_checkpointed(rt, work) -> tuple[dict, list, dict, int]:
     whole = rt.train("whole", **work, iterations=ITERATIONS, seed=3)
     assert whole.wait(120) and whole.error is None
     want, want_losses = whole.state_dict(), list(whole.stats.losses)
-    part = rt.train("part", **work, iterations=ITERATIONS, seed=3)
+    gate = Path(tempfile.mkdtemp(prefix="timeshare-gate-")) / "open"
+    part = rt.train("part", **(work | {"data": functools.partial(held, work["data"], str(gate))}),
+                    iterations=ITERATIONS, seed=3)
     while part.stats.iterations < 3:
         time.sleep(0.001)
     with pytest.raises(ConfigError, match="pause it"):
-        part.checkpoint()  # running: no consistent state to take
+        part.checkpoint()  # running (held before its fifth batch): no consistent state to take
     part.pause()
+    gate.touch()
     _paused(part)
+    shutil.rmtree(gate.parent)
     done = part.stats.iterations
     assert 3 <= done < ITERATIONS
     cp = part.checkpoint()
