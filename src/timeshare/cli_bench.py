@@ -89,6 +89,8 @@ def add_parsers(bench) -> None:
     p.add_argument("--repeats", type=int, default=10, help="switches timed (median)")
     p.add_argument("--device", default="auto")
     p.add_argument("--memory", default="auto", help="arena size, e.g. 2GiB")
+    p.add_argument("--host-memory", default=None,
+                   help="a host budget (e.g. 600MiB): a switch whose variant's own bytes come from disk is timed too")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
     p.add_argument("--plot", type=Path, default=None, help="write the bytes and latencies as a PNG")
 
@@ -141,7 +143,7 @@ def run(args, console, run_bench) -> int:
 
         variants = VariantsBenchConfig(variants=args.variants, tuned_layers=args.tuned_layers, batch=args.batch,
                                        repeats=args.repeats, device=args.device, memory=args.memory,
-                                       size=args.size)
+                                       size=args.size, host_memory=args.host_memory)
 
         return run_bench(run_variants, variants, _shower(console, _print_variants, plot_variants, args.plot),
                          args.json)
@@ -243,8 +245,16 @@ def _print_variants(console, r: dict) -> None:
         x = r[key]
         t.add_row(label, f"{x['first_inference_s']:.4f}", f"{x['overhead_s']:.4f}", fb(x["moved_bytes"]),
                   f"{x['floor_s']:.4f}")
+    h = r.get("host_tier")
+    if h is not None:
+        x = h["switch_from_disk"]
+        t.add_row(f"variant switch from disk ({fb(x['read_bytes'])} read)", f"{x['first_inference_s']:.4f}", "-",
+                  fb(x["moved_bytes"]), "-")
     t.add_row("plain PyTorch load", f"{r['plain_pytorch']['first_inference_s']:.4f}", "-", fb(b["one_model"]), "-")
     console.print(t)
+    if h is not None:
+        console.print(f"host budget {fb(h['budget'])}: {fb(h['used'])} used ({fb(h['shared_bytes'])} of shared "
+                      f"tensors), {h['drops']} stores dropped, {h['fills']} read back")
     bound = "at least " if r["switch_overhead_within_noise"] else ""
     console.print(f"switch {r['switch_speedup_vs_full_load']:.2f}x faster than a full load; its overhead "
                   f"{bound}{r['switch_overhead_ratio_vs_full_load']:.1f}x smaller (noise "

@@ -152,8 +152,11 @@ def test_bench_disk_streams_cold_models_from_disk_with_exact_outputs(tmp_path, c
 
 def test_bench_variants_holds_the_base_once_and_switches_with_few_bytes(tmp_path, capsys):
     path = tmp_path / "variants.json"
+    # A host budget with room for the base and about two variants' own bytes: the variant
+    # switched to from disk reads only its own bytes there.
     code = cli.main(["bench", "variants", "--size", "tiny", "--variants", "3", "--repeats", "2", "--device", "cpu",
-                     "--memory", "8MiB", "--json", str(path), "--plot", str(tmp_path / "variants.png")])
+                     "--memory", "8MiB", "--host-memory", "590KiB", "--json", str(path),
+                     "--plot", str(tmp_path / "variants.png")])
     assert code == 0
     assert "bench variants" in capsys.readouterr().out and (tmp_path / "variants.png").stat().st_size > 0
     data = json.loads(path.read_text())
@@ -161,6 +164,9 @@ def test_bench_variants_holds_the_base_once_and_switches_with_few_bytes(tmp_path
     b = data["bytes"]
     assert b["shared_sets"] == 1 and b["host"] < 1.2 * b["one_model"] < b["separate_copies"] / 2
     assert data["switch"]["moved_bytes"] < data["full_load"]["moved_bytes"] / 5
+    h = data["host_tier"]
+    assert h["used"] <= h["budget"] and h["shared_bytes"] == b["shared_bytes"] and h["drops"] >= 2
+    assert 0 < h["switch_from_disk"]["moved_bytes"] <= h["switch_from_disk"]["read_bytes"] < b["one_model"] / 5
     assert data["plain_pytorch"]["first_inference_s"] > 0 and data["ready_s"] > 0
     assert cli.main(["bench", "variants", "--variants", "1", "--device", "cpu"]) == 2
 

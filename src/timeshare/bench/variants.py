@@ -14,6 +14,10 @@ registered with ``dedup=True``. Reported:
   after its profile), plain PyTorch (``load_state_dict`` from a host copy, ``.to(device)``,
   the inference; the module built beforehand), and the floor: the ready inference, and
   ``max(ready, bytes / measured link bandwidth)`` for each load.
+With ``host_memory`` (NOTE [Shared tensors under a host budget]) the variants run under
+that host budget, and a third switch is timed: B's own bytes dropped from host memory
+too, so that its first inference reads them from disk while it copies them (the base
+stays in host memory and in the arena); its latency and the bytes read from disk.
 Every output is compared bitwise with the variant's plain-PyTorch output, with evicted
 blocks poisoned (NaN) so that a tensor read before its copy could not go unnoticed.
 """
@@ -46,6 +50,7 @@ class VariantsBenchConfig:
     device: str = "auto"
     memory: str = "auto"
     size: str = "base"  # "tiny": the zoo's 2-layer BERT, for quick checks
+    host_memory: str | None = None  # a host budget: switches from disk are timed too
 
 
 def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -73,7 +78,9 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
 
     progress("timeshare with dedup: registering")
     exact = total = 0
-    with Runtime(device, config.memory, dedup=True, poison_evicted=True) as rt:
+    from_disk: list[tuple[float, int, int]] = []
+    host_tier = None
+    with Runtime(device, config.memory, dedup=True, poison_evicted=True, host_memory=config.host_memory) as rt:
         t0 = time.perf_counter()
         for name, build in zip(names, builders):
             rt.register(name, build, example_inputs=inputs)
@@ -100,6 +107,18 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
             exact += outputs_equal(call.output, reference[b]) + outputs_equal(warm.output, reference[b])
             total += 2
             switches.append((call.record.seconds, call.record.moved_bytes or 0, warm.record.seconds))
+        for k in range(config.repeats if config.host_memory is not None else 0):
+            a, b = names[k % len(names)], names[(k + 1) % len(names)]
+            progress(f"timeshare: switch from disk {k + 1}/{config.repeats}")
+            rt.infer(a, *inputs)
+            rt.evict(b, host=True)  # B's own bytes leave host memory too: read back from disk
+            read = rt.snapshot()["host_tier"]["bytes_read"]
+            call = rt.call(b, inputs)
+            exact, total = exact + outputs_equal(call.output, reference[b]), total + 1
+            from_disk.append((call.record.seconds, call.record.moved_bytes or 0,
+                              rt.snapshot()["host_tier"]["bytes_read"] - read))
+        if config.host_memory is not None:
+            host_tier = rt.snapshot()["host_tier"]
         after = rt.snapshot()["shared"]
 
     progress("timeshare without dedup: full loads")
@@ -124,11 +143,19 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
     switch_over, switch_noise = _paired(switches)
     full_over, full_noise = _paired(full)
     logical = shared["logical_bytes"]
+    disk = None
+    if host_tier is not None:
+        disk = {"budget": host_tier["budget"], "used": host_tier["used"], "shared_bytes": host_tier["shared_bytes"],
+                "drops": host_tier["drops"], "fills": host_tier["fills"],
+                "switch_from_disk": {"first_inference_s": statistics.median(s for s, _, _ in from_disk),
+                                     "moved_bytes": statistics.median(m for _, m, _ in from_disk),
+                                     "read_bytes": statistics.median(r for _, _, r in from_disk),
+                                     "samples_s": [s for s, _, _ in from_disk]}}
     return {
         "environment": describe(device),
         "config": {"variants": config.variants, "tuned_layers": config.tuned_layers, "batch": config.batch,
                    "size": config.size,
-                   "repeats": config.repeats, "memory": config.memory,
+                   "repeats": config.repeats, "memory": config.memory, "host_memory": config.host_memory,
                    "tuned": "pooler and classifier" + (f", last {config.tuned_layers} encoder layers"
                                                       if config.tuned_layers else "")},
         "register_s": register_s,
@@ -153,6 +180,7 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
                       "moved_bytes": statistics.median(m for _, m, _ in full),
                       "floor_s": max(ready_s, full_bytes / link_Bps), "copy_floor_s": full_bytes / link_Bps,
                       "samples_s": [s for s, _, _ in full], "resident_samples_s": [w for _, _, w in full]},
+        "host_tier": disk,
         "plain_pytorch": plain,
         "switch_speedup_vs_full_load": full_s / switch_s,
         # The switch's overhead may be below what this machine can resolve: then the ratio

@@ -34,20 +34,21 @@ from timeshare.transfer.profiler import ExecutionOrder
 # its sets' stores (``LoadPlan.pieces``, copied in the same group by the copy engine,
 # ``SharedCopies``). The first model whose tensors match is laid out again: it is
 # evicted, its store repacked without the moved tensors, and re-added to the executor
-# (its profiles go: the next load profiles again; a pinned model is loaded again at once). A load copies the sets that are not
-# in the arena yet with the model's own bytes; a switch between two variants whose sets
-# are resident copies only what differs. A set with no resident user stays in the arena
-# and is the first thing freed when room is needed, except while a model that uses it is
-# being placed. Inference never writes its weights, so sharing them is safe; training
-# jobs build their own modules and never hold a registered model's tensors, so no job
-# can change another model's outputs (there is nothing to copy on write). With workers a
-# set's store is a shared-memory segment taught to every worker before the models using it
-# (``AddShared``), and each call names where the model's sets are (``RunModel.shared``).
-# With lanes (``pack``) a model laid out again may be running in a lane outside the
-# runtime's lock: it is laid out once its call has ended (``SharedPlacement.wait_idle``,
-# which releases the lock while it waits); from then until the new layout is in place the
-# lock is held, and a call takes it before it runs. Under a host budget, see NOTE [Shared
-# tensors under a host budget]; with direct host access, NOTE [Direct host access].
+# (its profiles go: the next load profiles again; a pinned model is loaded again at
+# once). A load copies the sets that are not in the arena yet with the model's own
+# bytes; a switch between two variants whose sets are resident copies only what differs.
+# A set with no resident user stays in the arena and is the first thing freed when room
+# is needed, except while a model that uses it is being placed. Inference never writes
+# its weights, so sharing them is safe; training jobs build their own modules and never
+# hold a registered model's tensors, so no job can change another model's outputs (there
+# is nothing to copy on write). With workers a set's store is a shared-memory segment
+# taught to every worker before the models using it (``AddShared``), and each call names
+# where the model's sets are (``RunModel.shared``). With lanes (``pack``) a model laid
+# out again may be running in a lane outside the runtime's lock: it is laid out once its
+# call has ended (``SharedPlacement.wait_idle``, which releases the lock while it
+# waits); from then until the new layout is in place the lock is held, and a call takes
+# it before it runs. Under a host budget, see NOTE [Shared tensors under a host budget];
+# with direct host access, NOTE [Direct host access].
 MIN_SHARED_BYTES = 1 << 10  # smaller tensors stay with their model: a piece of a few bytes is not worth a copy call
 
 
