@@ -235,7 +235,12 @@ def plot(result: dict, path) -> None:
     rows = [("ready (floor)", result["ready_s"]), ("variant switch", result["switch"]["first_inference_s"]),
             ("full load", result["full_load"]["first_inference_s"]),
             ("plain PyTorch", result["plain_pytorch"]["first_inference_s"])]
-    right.bar([r[0] for r in rows], [r[1] * 1e3 for r in rows], color=["#ccc", "#1f77b4", "#ff7f0e", "#999"])
+    colors = ["#ccc", "#1f77b4", "#ff7f0e", "#999"]
+    if result.get("host_tier"):
+        rows.insert(2, ("switch from disk", result["host_tier"]["switch_from_disk"]["first_inference_s"]))
+        colors.insert(2, "#aec7e8")
+    right.bar([r[0] for r in rows], [r[1] * 1e3 for r in rows], color=colors)
+    right.tick_params(axis="x", labelrotation=15)
     right.set_ylabel("first inference after the switch, ms")
     right.set_title(f"{result['environment']['device']}, batch {result['config']['batch']}")
     fig.tight_layout()
