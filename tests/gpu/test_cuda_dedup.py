@@ -45,3 +45,31 @@ def test_variants_on_cuda_are_exact_and_give_pinned_memory_back(workers):
         for v in range(3):
             rt.unregister(f"v{v}")
         assert rt.snapshot()["host_pinned_bytes"] == 0 and rt.snapshot()["shared"]["sets"] == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_variants_under_a_host_budget_on_cuda_read_their_own_bytes_back_exactly(tmp_path, workers):
+    # NOTE [Shared tensors under a host budget]: the set stays pinned in host memory; each
+    # variant's own store is dropped (unpinned first) and read back from its spill file
+    # while its load copies it, then pinned again.
+    from tests.integration.test_dedup import BASE_BYTES, OWN_BYTES
+
+    budget = BASE_BYTES + OWN_BYTES * 5 // 2
+    with timeshare.Runtime(device="cuda", memory="64MiB", workers=workers, dedup=True, profile_repeats=1,
+                           host_memory=budget, spill_dir=str(tmp_path), poison_evicted=True) as rt:
+        for v in range(4):
+            rt.register(f"v{v}", functools.partial(variant_net, v), example_inputs=(IDS,))
+        ready = {}
+        for v in range(4):
+            rt.infer(f"v{v}", IDS)
+            ready[v] = rt.infer(f"v{v}", IDS)
+            assert torch.allclose(ready[v], want(v), rtol=1e-4, atol=1e-5)
+        for v in (0, 2, 1, 3, 0):
+            rt.evict(f"v{v}", host=True)
+            call = rt.call(f"v{v}", (IDS,))
+            assert call.record.loaded and torch.equal(call.output, ready[v]), v
+            assert rt.snapshot()["host_tier"]["used"] <= budget
+        assert rt.snapshot()["host_tier"]["fills"] >= 5
+        for v in range(4):
+            rt.unregister(f"v{v}")
+        assert rt.snapshot()["host_pinned_bytes"] == 0 and rt.snapshot()["host_tier"]["used"] == 0
