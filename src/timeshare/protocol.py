@@ -108,18 +108,19 @@ class RemoveModel:
 @dataclass(frozen=True)
 class KVStep:
     """A language model's step in its home worker, which keeps the decode batch's caches
-    (NOTE [Generation in worker processes]). ``keep``: the rows that stay, applied before
-    the step (None: all); ``fresh``: the controller's batch is empty, so anything kept
-    under ``batch`` is stale; ``tokens``: the prompt (prefill) or each row's last token
-    (decode); ``rows``: the rows the controller counts once ``keep`` is applied, checked
-    there, so that the two never drift apart silently."""
+    (NOTE [Generation in worker processes]). ``rows``: the id of each row the controller
+    holds, in order; the home keeps exactly those before the step (a row it lacks loses
+    the batch), so that a step the home never saw cannot leave the two mapping rows to
+    sequences differently. ``new``: a prefill's row id, appended if it succeeds.
+    ``fresh``: the controller's batch is empty, so anything kept under ``batch`` is stale;
+    ``tokens``: the prompt (prefill) or each row's last token (decode)."""
 
     batch: str
     kind: str  # "prefill" or "decode"
     tokens: tuple[int, ...]
-    keep: tuple[int, ...] | None = None
+    rows: tuple[int, ...] = ()
+    new: int | None = None
     fresh: bool = False
-    rows: int = 0
 
 
 @dataclass(frozen=True)

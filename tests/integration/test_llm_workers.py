@@ -92,6 +92,27 @@ def test_a_killed_home_fails_the_rows_it_held_and_the_next_generation_starts_ane
         m.close()
 
 
+def test_a_request_queued_while_the_home_dies_starts_a_batch_of_its_own(llama, reference):
+    # The home dies while the device is held: the engine's next turn prefills the newcomer
+    # first, into a batch whose caches are gone. The rows of that batch fail; the newcomer,
+    # which never had caches there, starts a batch in a new home and answers exactly.
+    with Runtime("cpu", "64MiB", workers=2) as rt:
+        m = lm.load(rt, "llama", llama)
+        seq = m.generate(m.encode(PROMPTS[2]), greedy(200))
+        deadline = time.monotonic() + 30
+        while len(seq.tokens) < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        with rt.hold_device():
+            [home_id] = homes(rt).values()
+            pid = next(w["pid"] for w in rt.snapshot()["workers"]["workers"] if w["id"] == home_id)
+            os.kill(pid, signal.SIGKILL)
+            again = m.generate(m.encode(PROMPTS[1]), greedy(16))
+        with pytest.raises(WorkerError, match="caches"):
+            seq.result(60)
+        assert again.result(60).tokens == reference(PROMPTS[1], 16)
+        m.close()
+
+
 def test_in_a_worker_caches_wait_in_host_memory_under_offload_kv_and_a_kv_budget(tmp_path, llama, reference):
     """NOTE [Key/value caches off the device] and [... under pressure] with workers: the
     home moves a preempted batch's caches to its host memory and back before its next step."""

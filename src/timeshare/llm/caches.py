@@ -10,14 +10,18 @@ the batch's *home*, chosen when the batch starts (the least used worker, not the
 while there are others), as a training job's state does. The controller keeps the
 sequences (tokens, text, sampling) and how many rows the batch has; each step is a
 runtime call whose ``RunModel`` carries a ``KVStep`` (the prompt or each row's last
-token, the rows to keep, whether the batch starts afresh) and goes to the home, which
+token, the id of every row the controller holds, whether the batch starts afresh) and
+goes to the home, which
 loads the model if need be (pipelined, like any load), runs the step on the caches it
 keeps (``worker/generation.py``) and answers with the logits only: the caches never
-cross the pipe. Rows that end are dropped with the next step, or at once (``DropCaches``)
-when none is left, so an idle model holds no cache. A prefill that fails joins nothing
-and fails its sequence alone; a decode step that fails loses the batch, in the home too,
-and fails its rows. A home that dies takes the caches with it: the rows in it fail with
-``WorkerCrashedError`` saying so, and the next sequence starts a batch in a new home.
+cross the pipe. Rows that end are dropped with the next step (the home keeps exactly
+the rows it is sent, by id, so a step it never saw, failed on the way, cannot shift one
+sequence's cache under another's tokens; a row it lacks loses the batch), or at once
+(``DropCaches``) when none is left, so an idle model holds no cache. A prefill that
+fails joins nothing and fails its sequence alone; a decode step that fails loses the
+batch, in the home too (told again by the controller), and fails its rows. A home that
+dies takes the caches with it: the rows in it fail with ``WorkerCrashedError`` saying
+so, and the next sequence (one already queued too) starts a batch in a new home.
 ``offload_kv`` and ``kv_memory`` move a batch's caches to the home's host memory
 (``OffloadCaches``); the home brings them back before the batch's next step.
 """
@@ -108,10 +112,14 @@ class RemoteCaches:
     def __init__(self, runtime: Runtime, name: str):
         self._rt = runtime
         self.key = f"{name}#{next(_ids)}"  # one engine's batch, whatever else shares the name
-        self.rows = 0
+        self._rows: list[int] = []  # each row's id, in order: sent with every step (``KVStep.rows``)
+        self._row_ids = itertools.count(1)
         self.nbytes = 0
-        self._keep: tuple[int, ...] | None = None  # rows to keep, sent with the next step
         self.out = False  # the caches are in the home's host memory (page-locked on CUDA)
+
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
 
     def move_out(self) -> int:
         """Ask the home to move the caches to its host memory; the bytes moved. They
@@ -130,27 +138,34 @@ class RemoteCaches:
         self.out = False  # the home brings them back itself with the next step
 
     def prefill(self, turn: ModelTurn, prompt: list[int]) -> torch.Tensor:
-        logits = self._step(turn, "prefill", prompt)
-        self.rows += 1
+        row = next(self._row_ids)
+        logits = self._step(turn, "prefill", prompt, row)
+        self._rows.append(row)
         return logits
 
     def decode(self, turn: ModelTurn, tokens: list[int]) -> torch.Tensor:
         try:
             return self._step(turn, "decode", tokens)
         except BaseException:
-            self.reset()  # the home dropped the batch too
+            # The batch is lost: its rows fail. The home drops it when the step failed
+            # there; it is told to here as well (a failure before the step reached it).
+            self.reset()
+            try:
+                self._rt.drop_caches(self.key)
+            except Exception:
+                log.exception("dropping the caches of %s after a failed step", self.key)
             raise
 
     def keep(self, rows: list[int]) -> None:
-        self._keep = tuple(rows) if self._keep is None else tuple(self._keep[i] for i in rows)
-        self.rows = len(rows)
+        """Keep these rows (indices into the batch): the home drops the others with the
+        next step, or now if none is left."""
+        self._rows = [self._rows[i] for i in rows]
         if not rows:  # nothing left: free the caches in the home now, not at the next step
-            self._keep = None
             self.nbytes = 0
             self._rt.drop_caches(self.key)
 
     def reset(self) -> None:
-        self.rows, self.nbytes, self._keep, self.out = 0, 0, None, False
+        self._rows, self.nbytes, self.out = [], 0, False
 
     def clear(self) -> None:
         """Every row is gone: so is the batch, freed in the home too if it held any."""
@@ -158,9 +173,8 @@ class RemoteCaches:
             self.keep([])
         self.reset()
 
-    def _step(self, turn: ModelTurn, kind: str, tokens: list[int]) -> torch.Tensor:
-        step = KVStep(self.key, kind, tuple(tokens), keep=self._keep, fresh=self.rows == 0, rows=self.rows)
-        self._keep = None  # applied in the home before the step, whatever its fate
+    def _step(self, turn: ModelTurn, kind: str, tokens: list[int], new: int | None = None) -> torch.Tensor:
+        step = KVStep(self.key, kind, tuple(tokens), rows=tuple(self._rows), new=new, fresh=not self._rows)
         try:
             call = turn.call((), {}, kv=step)
         except (WorkerCrashedError, WorkerTimeoutError) as exc:  # the home was replaced: its caches are gone

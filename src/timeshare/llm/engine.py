@@ -256,8 +256,12 @@ class Engine:
                 try:
                     logits = self._caches.prefill(turn, seq.prompt)  # its row joins the batch
                 except CachesLostError as exc:
+                    if not self._running:  # its own batch, fresh: the loss is its own
+                        raise
+                    # The rows already in the batch are lost with their home; this one
+                    # never had caches there: it starts a batch of its own, in a new home.
                     self._fail_rows(exc)
-                    raise
+                    logits = self._caches.prefill(turn, seq.prompt)
                 with self._cond:
                     self._running.append(seq)
                     self.kv_bytes = self._caches.nbytes
@@ -308,8 +312,8 @@ class Engine:
                     self._running = [self._running[i] for i in rows]
                 self._caches.keep(rows)
                 self.kv_bytes = self._caches.nbytes
-            except Exception as exc:  # the batch's cache is lost with it
-                self._fail_all(exc)
+            except Exception as exc:  # the batch's cache is lost with it (the queued sequences are not)
+                self._fail_rows(exc)
 
     # ------------------------------------------------------------------ one token
     def _emit(self, seq: Sequence, token: int) -> None:

@@ -22,6 +22,7 @@ class Batches:
     def __init__(self, device: torch.device):
         self.device = device
         self._batches: dict[str, DecodeBatch] = {}
+        self._rows: dict[str, list[int]] = {}  # each batch's row ids, in order (``KVStep.rows``)
         self._out: set[str] = set()  # batches whose caches are in host memory
 
     def offload(self, key: str) -> int:
@@ -43,30 +44,42 @@ class Batches:
 
     def _back(self, key: str, batch: DecodeBatch) -> None:
         if key in self._out:
-            self._out.discard(key)
             batch.kv = [(k.to(self.device, copy=True), v.to(self.device, copy=True)) for k, v in batch.kv]
+            self._out.discard(key)
 
     def step(self, step: P.KVStep, module: nn.Module, forward: Callable[[tuple, dict], Any]) -> tuple[dict, int]:
         """Run ``step`` with ``forward`` (the model's call here, loading it if need be);
         its output (the logits to choose tokens from) and the bytes of the batch's caches
-        after it. The rows to keep go first, whatever the step's fate: the controller has
-        dropped them too. A prefill that fails joins nothing; a decode step that fails
-        loses the batch (the controller fails all its rows)."""
+        after it. The rows the controller no longer holds go first, whatever the step's
+        fate: it has dropped them too. A prefill that fails joins nothing; a decode step
+        that fails loses the batch (the controller fails all its rows), as does a batch
+        that cannot be brought back or lacks a row the controller holds."""
         batch = self._batches.get(step.batch)
         if step.fresh or batch is None:
             if not step.fresh:
                 raise GenerationError(f"the caches of {step.batch!r} are not in this worker: its home was replaced")
             batch = self._batches[step.batch] = DecodeBatch()
+            self._rows[step.batch] = []
             self._out.discard(step.batch)
-        self._back(step.batch, batch)
-        if step.keep is not None:
-            batch.keep(list(step.keep))
-        if len(batch) != step.rows:
+        held = self._rows[step.batch]
+        try:
+            self._back(step.batch, batch)
+            if list(step.rows) != held:
+                where = {row: i for i, row in enumerate(held)}
+                missing = [row for row in step.rows if row not in where]
+                if missing:
+                    raise GenerationError(f"the caches of {step.batch!r} lack rows {missing} here (they hold "
+                                          f"{held}): the batch is dropped")
+                batch.keep([where[row] for row in step.rows])
+                held[:] = step.rows
+        except BaseException:
             self.drop(step.batch)
-            raise GenerationError(f"the caches of {step.batch!r} hold {len(batch)} rows here, the controller "
-                                  f"counts {step.rows}: the batch is dropped")
+            raise
         if step.kind == "prefill":
+            if step.new is None or step.new in held:
+                raise GenerationError(f"a prefill of {step.batch!r} needs a new row id, not {step.new!r}")
             logits = prefill(batch, forward, list(step.tokens), self.device)
+            held.append(step.new)
         elif step.kind == "decode":
             try:
                 logits = decode(batch, forward, list(step.tokens), lambda kv: _new_cache(module, kv))
@@ -81,6 +94,7 @@ class Batches:
 
     def drop(self, key: str) -> None:
         self._batches.pop(key, None)
+        self._rows.pop(key, None)
         self._out.discard(key)
 
 

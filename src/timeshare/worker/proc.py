@@ -136,13 +136,18 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                                                 msg.shared, msg.host_keys))
             in_task[0] = False
             t_run = time.perf_counter()
-            worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
-            out = worker.to_host(out)  # each output comes down once; pickling sends it as it is
-            t_host = time.perf_counter()
-            if device.type == "cuda":
-                # Nothing of this task is still queued when we answer: no copy from the
-                # host store or the input staging buffer (NOTE [Input staging]) is in flight.
-                torch.cuda.synchronize(device)
+            try:
+                worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
+                out = worker.to_host(out)  # each output comes down once; pickling sends it as it is
+                t_host = time.perf_counter()
+                if device.type == "cuda":
+                    # Nothing of this task is still queued when we answer: no copy from the
+                    # host store or the input staging buffer (NOTE [Input staging]) is in flight.
+                    torch.cuda.synchronize(device)
+            except BaseException:
+                if msg.kv is not None and msg.kv.kind == "decode":
+                    batches.drop(msg.kv.batch)  # the controller fails the batch's rows: nothing here keeps them
+                raise
             t_sync = time.perf_counter()
             load = None if msg.resident else worker.load_seconds()
             profiles = worker.models[msg.model].profiles
