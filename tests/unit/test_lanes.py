@@ -93,6 +93,19 @@ def test_release_shrinks_to_the_largest_remaining_and_drops_empty_lanes():
     assert lm.admit(4, 4, 8) == 1
 
 
+def test_a_lane_does_not_shrink_under_the_task_running_in_it():
+    lm = LaneManager(12)
+    assert lm.admit(1, 1, 8) == 0
+    assert lm.admit(2, 1, 3) == 0  # joins lane 0 (8 bytes)
+    lm.lanes[0].busy = 2  # task 2 runs, bounded by the lane's 8 bytes
+    lm.release(1)  # task 1 leaves: the lane keeps its 8 while task 2 may use them
+    assert _sizes(lm) == {0: 8} and lm.lane_total == 8 and lm.choose(0, 4) == ("join", 0)
+    lm.idle(0)  # task 2 stopped: now the lane fits it
+    assert _sizes(lm) == {0: 3} and lm.lane_total == 3 and lm.choose(0, 4) == ("new", None)
+    lm.idle(5)  # a lane that is gone: nothing to do
+    assert lm.safe()
+
+
 def test_admit_twice_raises_and_bad_capacity():
     lm = LaneManager(10)
     lm.admit(1, 1, 1)

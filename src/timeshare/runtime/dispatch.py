@@ -21,10 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, MemoryBudgetError
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress, State, Stopped, Task
+from timeshare.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class Dispatcher:
         self._jobs: dict[int, Preemptible] = {}  # task id -> its job
         self._job_tasks: dict[Preemptible, Task] = {}  # a job -> its task
         self._sized: set[Preemptible] = set()  # jobs re-admitted with their measured memory (lanes)
+        self._resizing: dict[Preemptible, tuple[int, int]] = {}  # ... once stopped: (persistent, lane) bytes
         self._outbox: list[tuple[Preemptible, str]] = []  # interrupts decided, not yet sent
         self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
         self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
@@ -223,36 +225,51 @@ class Dispatcher:
                 return None
             return LaneBound(job.name, task.lane, self._lane_size(task.lane), self.lane_threads)
 
-    def _resize(self, job: Preemptible, task: Task) -> Task:
+    def _resize(self, job: Preemptible) -> None:
         """With the condition held, at a preemption point: once the job has measured its
-        memory, re-admit it with it (persistent state, and one iteration's peak with
-        headroom) in place of the whole budget, as Salus resizes lanes at iteration
-        boundaries. The old task leaves its lane; the new one keeps its progress."""
+        memory, it is to be re-admitted with it (persistent state, and one iteration's
+        peak with headroom where it fits) in place of the whole budget, as Salus resizes
+        lanes at iteration boundaries. The job stops first; its admission is swapped for
+        the new one once it has (``_swap``), so that its memory is counted until its
+        segment has stopped. Sizes that can never fit are refused here, while the job
+        still holds its admission."""
         stats = job.stats
         if not self.packs or stats.ephemeral_bytes is None or job in self._sized:
-            return task
+            return
+        persistent, capacity = stats.persistent_bytes or 0, self.lane_capacity or 0
+        if persistent + stats.ephemeral_bytes > capacity:
+            raise MemoryBudgetError(
+                f"training job {job.name!r} measured {format_bytes(persistent)} of state and "
+                f"{format_bytes(stats.ephemeral_bytes)} per iteration: more than the lanes' "
+                f"{format_bytes(capacity)} together; raise lane_memory")
         self._sized.add(job)
-        now = self.clock()
-        if task.state in (State.RUNNING, State.STOPPING):
-            self.scheduler.update(Stopped(task.id, now, float(stats.iterations)))
-        if task.state is State.HELD:
-            self.scheduler.release(task.id, now)
+        self._resizing[job] = (persistent, min(lane_bytes(stats.ephemeral_bytes), capacity - persistent))
+
+    def _swap(self, job: Preemptible, task: Task) -> Task:
+        """With the condition held and the job stopped (its task waiting): the resize
+        ``_resize`` decided. The old task leaves its lane and the new one is queued in
+        the same step, keeping its progress."""
+        sizes = self._resizing.pop(job, None)
+        if sizes is None:
+            return task
+        assert task.state is State.WAITING, task.state
         self.scheduler.withdraw(task.id)
         new = Task(next(self._ids), Kind.TRAINING, job.name, task.arrival, task.work, task.unit_s, task.priority,
-                   persistent=stats.persistent_bytes or 0,
-                   ephemeral=min(lane_bytes(stats.ephemeral_bytes), self.lane_capacity or 0))
+                   persistent=sizes[0], ephemeral=sizes[1])
         new.done, new.service = task.done, task.service
         self._jobs.pop(task.id, None)
         self._job_tasks[job] = new
         self._jobs[new.id] = job
-        self.scheduler.submit(new, now)
+        self.scheduler.submit(new, self.clock())
         return new
 
     def must_yield(self, job: Preemptible) -> bool:
         """At a preemption point: must the job stop now? Reports its progress."""
         task = self.job_task(job)
         with self._cond:
-            task = self._resize(job, task)
+            self._resize(job)
+            if job in self._resizing:  # it stops, and is re-admitted with its sizes once it has
+                return True
             if task.state is State.RUNNING:
                 stats = job.stats
                 unit = stats.step_seconds / stats.iterations if stats.iterations else None
@@ -267,6 +284,8 @@ class Dispatcher:
         with self._cond:
             if task.state in (State.RUNNING, State.STOPPING):
                 self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
+            if task.state is State.WAITING:
+                task = self._swap(job, task)
             while not job.cancelled:
                 if job.paused:
                     if task.state in (State.RUNNING, State.STOPPING):  # given the device, then paused: hand it back
@@ -293,6 +312,7 @@ class Dispatcher:
         with self._cond:
             task = self._job_tasks.pop(job, None)
             self._sized.discard(job)
+            self._resizing.pop(job, None)
             if task is None:
                 return
             self._jobs.pop(task.id, None)

@@ -8,10 +8,13 @@ headroom, or until measured all the lane memory free at that moment (all of it w
 device is idle). That first call of a shape runs under the lock and unbounded (a first
 load also traces and profiles), and the model is then profiled for the shape (the
 profile counts the peak; a first load profiles anyway). A training job asks for what is
-free too, measures its state and one iteration's peak at its second iteration, and is
-re-admitted with them at its next preemption point (``Dispatcher._resize``), as Salus
-resizes lanes at iteration boundaries; its first iterations are bounded by what was
-free, and fail with ``LaneExceededError`` if they need more. Tasks of
+free too, measures its state and one iteration's peak at its second iteration, stops at
+its next preemption point and, once stopped, is re-admitted with them
+(``Dispatcher._resize``, ``_swap``: its first admission counts until its iteration has
+ended), as Salus resizes lanes at iteration boundaries; sizes that can never fit fail
+the job, its admission still held. Its first iterations are bounded by what was free,
+and fail with ``LaneExceededError`` if they need more. A lane another task leaves does
+not shrink while a task runs in it: that task's bound is the lane's size. Tasks of
 different lanes run at the same time: a call whose model is resident runs its forward
 without the runtime's lock, metered and bounded by its lane (NOTE [Counting ephemeral
 bytes]), on its share of the cores; loads, placement, eviction and records stay under

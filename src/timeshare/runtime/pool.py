@@ -373,6 +373,7 @@ class ProcessPool:
         what = f"training {seg.job}"
         kind = (seg.job, "iteration")
         last: float | None = None  # when the segment's latest Progress arrived
+        failed: Exception | None = None  # raised by ``on_progress``: the controller's, not the step's
         try:
             while True:
                 # NOTE [Call deadlines]: the first iteration of a segment may rebuild or
@@ -386,13 +387,20 @@ class ProcessPool:
                     if last is not None:
                         self.deadlines.observe(kind, now - last)
                     last = now
-                    on_progress(reply)
+                    if failed is None:
+                        try:
+                            on_progress(reply)
+                        except Exception as exc:
+                            # The segment stops at its next preemption point with the job's
+                            # state kept in the worker; the error is raised once it has.
+                            failed = exc
+                            self.preempt(seg.job)
                     continue
                 if not isinstance(reply, P.SegmentStopped):
                     raise WorkerError(f"worker {seg.worker.id} answered a training segment with "
                                       f"{type(reply).__name__}", where=f"worker {seg.worker.id}, {what}")
                 seg.stopped(reply)
-                return reply
+                break
         except TimeshareError as exc:
             with self._cv:
                 if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
@@ -405,6 +413,9 @@ class ProcessPool:
             with self._cv:
                 self._segments.end(seg)
                 self._cv.notify_all()
+        if failed is not None:
+            raise failed
+        return reply
 
     def preempt(self, job: str, for_model: str = "") -> None:
         """Ask the job's running segment, if any, to stop at its next preemption point;

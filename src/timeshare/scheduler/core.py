@@ -421,7 +421,7 @@ class Scheduler:
             t.done = r.done
             t.segment_start = None
             if self.lanes is not None and t.lane is not None:
-                self.lanes.lanes[t.lane].busy = None
+                self.lanes.idle(t.lane)
             t.state = _WAITING
             t.ready_at = r.at
             self._enqueue(t)

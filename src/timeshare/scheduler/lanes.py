@@ -19,7 +19,9 @@ by Salus's Algorithm 1:
      (lanes tried in ascending order of size);
   4. else the task waits.
 A lane shrinks to its largest remaining E when a task leaves it, and disappears when
-empty (Salus resizes lanes at iteration boundaries; here that is when tasks leave).
+empty (Salus resizes lanes at iteration boundaries; here that is when tasks leave) —
+but not while another task runs in it: that task was given the lane's size as its
+bound when it started, so the lane shrinks once it stops (``idle``).
 """
 
 from __future__ import annotations
@@ -114,16 +116,29 @@ class LaneManager:
         return lane.id
 
     def release(self, task_id: int) -> None:
-        """The task ended: its persistent memory goes, its lane shrinks or goes."""
+        """The task ended: its persistent memory goes, its lane shrinks or goes (once no
+        other task runs in it)."""
         lane_id, persistent = self._where.pop(task_id)
         self.persistent -= persistent
         lane = self.lanes[lane_id]
         del lane.tasks[task_id]
         if lane.busy == task_id:
             lane.busy = None
+        self._refit(lane)
+
+    def idle(self, lane_id: int) -> None:
+        """The task running in the lane stopped: the lane fits its tasks again."""
+        lane = self.lanes.get(lane_id)
+        if lane is not None:
+            lane.busy = None
+            self._refit(lane)
+
+    def _refit(self, lane: Lane) -> None:
+        if lane.busy is not None:  # its running task's bound is the lane's size now
+            return
         if not lane.tasks:
             self._lane_total -= lane.size
-            del self.lanes[lane_id]
+            del self.lanes[lane.id]
         else:
             new = max(lane.tasks.values())
             self._lane_total -= lane.size - new
