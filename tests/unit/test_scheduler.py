@@ -182,6 +182,20 @@ def test_pack_task_in_a_busy_lane_waits_and_later_arrivals_may_start():
     assert s.lanes.lanes[0].size == 3
 
 
+def test_pack_an_inference_in_a_training_jobs_lane_makes_the_job_yield_at_its_next_iteration():
+    # An endless job holds lane 0; the request fits no new lane and joins it: the job
+    # yields (at its next iteration boundary), the request runs, then the job again.
+    s = Scheduler("pack", capacity=10)
+    submit(s, 0.0, train(1, work=math.inf, persistent=2, ephemeral=6))
+    assert step(s, 0.0) == [("run", 1)]
+    submit(s, 1.0, infer(2, ephemeral=4))  # new lane: 2 + 6 + 4 > 10; joins lane 0
+    assert step(s, 1.0) == [("preempt", 1)]
+    s.update(Stopped(1, 1.5, done=3.0))
+    assert step(s, 1.5) == [("run", 2)] and s.tasks[2].lane == 0
+    s.update(Finished(2, 1.6))
+    assert step(s, 1.6) == [("run", 1)] and s.lanes.safe()
+
+
 # ---------------------------------------------------------------------- FAIR
 def test_fair_round_robin():
     s = Scheduler("fair")

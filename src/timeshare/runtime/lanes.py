@@ -19,7 +19,9 @@ different lanes run at the same time: a call whose model is resident runs its fo
 without the runtime's lock, metered and bounded by its lane (NOTE [Counting ephemeral
 bytes]), on its share of the cores; loads, placement, eviction and records stay under
 the lock, and a running model cannot be evicted (``ModelEntry.running``). Calls of one
-model run one at a time (``ModelEntry.alone``), as Salus runs one iteration per lane.
+model run one at a time (``ModelEntry.alone``), as Salus runs one iteration per lane;
+an inference that joins a lane a training job runs in makes the job yield at its next
+iteration boundary (``Scheduler._lane_holder``), or an endless job would hold it forever.
 
 # NOTE [Turns in lanes]
 A turn (``Runtime.turn``: a language model's prefills and decode steps) holds one lane for

@@ -84,6 +84,7 @@ class Scheduler:
             raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
         self.lanes = LaneManager(capacity) if capacity is not None else None
         self.slots = slots if slots is not None else (math.inf if self.policy.packs else 1)
+        self._packs = self.lanes is not None and self.slots == math.inf  # tasks of different lanes run together
         self.quantum_s = quantum_s if quantum_s is not None else self.policy.default_quantum_s
         self.max_batch = max_batch
         self.batch_factor = 1.0  # raised by the executor while it thrashes
@@ -156,7 +157,7 @@ class Scheduler:
         decisions: list[Decision] = []
         if self._waiting:
             self._start(now, decisions)
-            if self._waiting and not self.stopping and (self.policy.preemptive or self.quantum_s):
+            if self._waiting and not self.stopping and (self.policy.preemptive or self.quantum_s or self._packs):
                 if self._preempt(now, decisions):
                     self._start(now, decisions)
         return decisions
@@ -342,6 +343,8 @@ class Scheduler:
             worst = max(blockers, key=lambda t: (policy.rank(t, now), t.seq), default=None)
             if worst is not None and policy.rank(best, now) < policy.rank(worst, now):
                 victim = worst
+        if victim is None and best is not None:
+            victim = self._lane_holder(best)
         if victim is None and self.quantum_s:
             victim = self._slice_over(best, candidates, now)
         if victim is None:
@@ -353,6 +356,25 @@ class Scheduler:
         self.preemptions += 1
         decisions.append(Preempt(victim, best))
         return True
+
+    def _lane_holder(self, best: Task) -> Task | None:
+        """With lanes: the training job running in the lane an inference waits in. A job
+        is a stream of iterations that may never end; a request is one: the job yields
+        its lane at its next iteration boundary and comes back after the request, as
+        tasks of one lane take turns in Salus (an endless job would otherwise hold an
+        inference that joined its lane forever)."""
+        if not self._packs or best.kind is not Kind.INFERENCE:
+            return None
+        assert self.lanes is not None
+        lane_id = best.lane
+        if lane_id is None:  # not admitted yet: the lane Algorithm 1 would put it in
+            choice = self.lanes.choose(best.persistent, best.ephemeral)
+            lane_id = choice[1] if choice is not None else None
+        lane = self.lanes.lanes.get(lane_id) if lane_id is not None else None
+        holder = self.running.get(lane.busy) if lane is not None and lane.busy is not None else None
+        if holder is None or holder.kind is not Kind.TRAINING or not holder.preemptible or holder.state is not _RUNNING:
+            return None
+        return holder
 
     def _blockers(self, best: Task, candidates: list[Task]) -> list[Task]:
         """The running tasks whose stop would let ``best`` start. With memory lanes, a
