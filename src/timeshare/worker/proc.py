@@ -245,8 +245,10 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             except _Exit:
                 return
             except Exception as exc:
-                subject = getattr(msg, "model", None) or getattr(msg, "job", "")
+                subject = getattr(msg, "model", None) or getattr(msg, "job", "") or getattr(msg, "batch", "")
                 what = f"{where}, {_VERBS.get(type(msg), type(msg).__name__.lower())} {subject}".rstrip()
+                if isinstance(msg, P.RunModel) and msg.kv is not None:  # NOTE [Generation in worker processes]
+                    what += f" ({msg.kv.kind} of batch {msg.kv.batch})"
                 if isinstance(msg, P.Train) and msg.job in tasks:
                     what += f" (iteration {tasks.pop(msg.job).stats.iterations + 1})"  # its state is undefined now
                 elif isinstance(msg, P.Train):
