@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from timeshare import protocol as P
-from timeshare.llm.batch import GenerationError
+from timeshare.llm.batch import BatchLostError
 from timeshare.worker.generation import Batches
 
 pytest.importorskip("transformers")
@@ -71,9 +71,17 @@ def test_a_row_the_home_lacks_loses_the_batch_rather_than_reading_another_cache(
     batches = Batches(torch.device("cpu"))
     prefill(batches, (), 1, token=5)
     prefill(batches, (1,), 2, token=6)
-    with pytest.raises(GenerationError, match=r"lack rows \[4\]"):
+    with pytest.raises(BatchLostError, match=r"lack rows \[4\]"):
         decode(batches, (1, 4), (5, 8))
-    with pytest.raises(GenerationError, match="not in this worker"):  # dropped: nothing is left to misread
+    with pytest.raises(BatchLostError, match="not in this worker"):  # dropped: nothing is left to misread
         decode(batches, (1,), (5,))
     prefill(batches, (), 1, token=3)  # a fresh batch starts anew under the same key
     assert decode(batches, (1,), (3,)) == [3]
+
+
+def test_a_lost_batch_is_known_as_such_once_it_has_crossed_the_pipe():
+    # The controller turns it into "the caches were lost" (its rows fail, the next
+    # sequence starts afresh) by the type the worker reported.
+    info = P.ErrorInfo.capture(BatchLostError("gone"), "worker 1, running llama")
+    exc = info.to_exception()
+    assert BatchLostError.named(exc.remote_type) and not BatchLostError.named("builtins.RuntimeError")

@@ -182,10 +182,11 @@ def test_pack_task_in_a_busy_lane_waits_and_later_arrivals_may_start():
     assert s.lanes.lanes[0].size == 3
 
 
-def test_pack_an_inference_in_a_training_jobs_lane_makes_the_job_yield_at_its_next_iteration():
+@pytest.mark.parametrize("slots", [None, 2])  # 2: worker processes
+def test_pack_an_inference_in_a_training_jobs_lane_makes_the_job_yield_at_its_next_iteration(slots):
     # An endless job holds lane 0; the request fits no new lane and joins it: the job
     # yields (at its next iteration boundary), the request runs, then the job again.
-    s = Scheduler("pack", capacity=10)
+    s = Scheduler("pack", capacity=10, slots=slots)
     submit(s, 0.0, train(1, work=math.inf, persistent=2, ephemeral=6))
     assert step(s, 0.0) == [("run", 1)]
     submit(s, 1.0, infer(2, ephemeral=4))  # new lane: 2 + 6 + 4 > 10; joins lane 0

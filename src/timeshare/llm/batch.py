@@ -31,6 +31,16 @@ class GenerationError(TimeshareError):
     """The model's cache did not grow as a step must grow it."""
 
 
+class BatchLostError(GenerationError):
+    """A decode batch is gone from its home worker (dropped, or never there): the rows
+    in it are lost, and the next sequence starts a fresh batch (``llm/caches.py``)."""
+
+    @classmethod
+    def named(cls, remote_type: str) -> bool:
+        """Whether an error that crossed the pipe as ``remote_type`` was this one."""
+        return remote_type == f"{cls.__module__}.{cls.__qualname__}"
+
+
 def cache_layers(cache, width: int) -> KV:
     """Keys and values of every layer of a model's cache, checked to hold ``width`` positions."""
     kv = [(layer.keys, layer.values) for layer in cache.layers]

@@ -20,8 +20,10 @@ sequence's cache under another's tokens; a row it lacks loses the batch), or at 
 (``DropCaches``) when none is left, so an idle model holds no cache. A prefill that
 fails joins nothing and fails its sequence alone; a decode step that fails loses the
 batch, in the home too (told again by the controller), and fails its rows. A home that
-dies takes the caches with it: the rows in it fail with ``WorkerCrashedError`` saying
-so, and the next sequence (one already queued too) starts a batch in a new home.
+dies takes the caches with it, and a home that dropped a batch says so
+(``BatchLostError``): the rows in it fail with ``CachesLostError`` saying so, and the
+next sequence (one already queued too) starts a batch afresh. Caches a prefill could not
+bring back from host memory stay there for the next step.
 ``offload_kv`` and ``kv_memory`` move a batch's caches to the home's host memory
 (``OffloadCaches``); the home brings them back before the batch's next step.
 """
@@ -34,8 +36,8 @@ from collections.abc import Callable
 
 import torch
 
-from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
-from timeshare.llm.batch import KV, DecodeBatch, decode, prefill
+from timeshare.errors import RemoteError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.llm.batch import KV, BatchLostError, DecodeBatch, decode, prefill
 from timeshare.protocol import KVStep
 from timeshare.runtime.facade import ModelTurn, Runtime
 
@@ -139,7 +141,14 @@ class RemoteCaches:
 
     def prefill(self, turn: ModelTurn, prompt: list[int]) -> torch.Tensor:
         row = next(self._row_ids)
-        logits = self._step(turn, "prefill", prompt, row)
+        try:
+            logits = self._step(turn, "prefill", prompt, row)
+        except CachesLostError:
+            raise
+        except BaseException:
+            if not self._rows:  # a fresh batch: the home may hold the row it failed after
+                self._drop_quietly()
+            raise
         self._rows.append(row)
         return logits
 
@@ -150,11 +159,14 @@ class RemoteCaches:
             # The batch is lost: its rows fail. The home drops it when the step failed
             # there; it is told to here as well (a failure before the step reached it).
             self.reset()
-            try:
-                self._rt.drop_caches(self.key)
-            except Exception:
-                log.exception("dropping the caches of %s after a failed step", self.key)
+            self._drop_quietly()
             raise
+
+    def _drop_quietly(self) -> None:
+        try:
+            self._rt.drop_caches(self.key)
+        except Exception:
+            log.exception("dropping the caches of %s after a failed step", self.key)
 
     def keep(self, rows: list[int]) -> None:
         """Keep these rows (indices into the batch): the home drops the others with the
@@ -179,6 +191,12 @@ class RemoteCaches:
             call = turn.call((), {}, kv=step)
         except (WorkerCrashedError, WorkerTimeoutError) as exc:  # the home was replaced: its caches are gone
             self.reset()
+            raise CachesLostError(f"the key/value caches of {self.key!r} were lost: {exc}",
+                                  where=getattr(exc, "where", "")) from exc
+        except RemoteError as exc:
+            if not BatchLostError.named(exc.remote_type):
+                raise
+            self.reset()  # the home dropped the batch (``worker/generation.py``)
             raise CachesLostError(f"the key/value caches of {self.key!r} were lost: {exc}",
                                   where=getattr(exc, "where", "")) from exc
         self.nbytes = int((call.record.timings or {}).get("kv_bytes") or 0)

@@ -84,7 +84,7 @@ class Scheduler:
             raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
         self.lanes = LaneManager(capacity) if capacity is not None else None
         self.slots = slots if slots is not None else (math.inf if self.policy.packs else 1)
-        self._packs = self.lanes is not None and self.slots == math.inf  # tasks of different lanes run together
+        self._packs = self.lanes is not None and self.policy.packs  # tasks of different lanes run together
         self.quantum_s = quantum_s if quantum_s is not None else self.policy.default_quantum_s
         self.max_batch = max_batch
         self.batch_factor = 1.0  # raised by the executor while it thrashes

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from timeshare import protocol as P
-from timeshare.llm.batch import KV, DecodeBatch, GenerationError, decode, prefill
+from timeshare.llm.batch import KV, BatchLostError, DecodeBatch, GenerationError, decode, prefill
 
 
 class Batches:
@@ -57,23 +57,28 @@ class Batches:
         batch = self._batches.get(step.batch)
         if step.fresh or batch is None:
             if not step.fresh:
-                raise GenerationError(f"the caches of {step.batch!r} are not in this worker: its home was replaced")
+                raise BatchLostError(f"the caches of {step.batch!r} are not in this worker: its home was replaced "
+                                     "or dropped them")
             batch = self._batches[step.batch] = DecodeBatch()
             self._rows[step.batch] = []
             self._out.discard(step.batch)
         held = self._rows[step.batch]
         try:
-            self._back(step.batch, batch)
+            self._back(step.batch, batch)  # failing (out of memory), the caches stay in host memory
             if list(step.rows) != held:
                 where = {row: i for i, row in enumerate(held)}
                 missing = [row for row in step.rows if row not in where]
                 if missing:
-                    raise GenerationError(f"the caches of {step.batch!r} lack rows {missing} here (they hold "
-                                          f"{held}): the batch is dropped")
+                    self.drop(step.batch)
+                    raise BatchLostError(f"the caches of {step.batch!r} lack rows {missing} here (they held "
+                                         f"{held}): the batch is dropped")
                 batch.keep([where[row] for row in step.rows])
                 held[:] = step.rows
+        except BatchLostError:
+            raise
         except BaseException:
-            self.drop(step.batch)
+            if step.kind != "prefill":  # a decode step's failure loses the batch; a prefill's is its own
+                self.drop(step.batch)
             raise
         if step.kind == "prefill":
             if step.new is None or step.new in held:
