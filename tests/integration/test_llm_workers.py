@@ -71,15 +71,22 @@ def test_generation_in_a_worker_equals_transformers_alone_batched_cold_and_preem
         m.close()
 
 
+def decoding_in_its_home(rt: Runtime, llama):
+    """The model loaded and a long generation decoding in its home: the model, the
+    sequence, and its home's worker id and pid."""
+    m = lm.load(rt, "llama", llama)
+    seq = m.generate(m.encode(PROMPTS[2]), greedy(200))
+    deadline = time.monotonic() + 30
+    while len(seq.tokens) < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    [home_id] = homes(rt).values()
+    pid = next(w["pid"] for w in rt.snapshot()["workers"]["workers"] if w["id"] == home_id)
+    return m, seq, home_id, pid
+
+
 def test_a_killed_home_fails_the_rows_it_held_and_the_next_generation_starts_anew(llama, reference):
     with Runtime("cpu", "64MiB", workers=2) as rt:
-        m = lm.load(rt, "llama", llama)
-        seq = m.generate(m.encode(PROMPTS[2]), greedy(200))
-        deadline = time.monotonic() + 30
-        while len(seq.tokens) < 3 and time.monotonic() < deadline:
-            time.sleep(0.002)
-        [home_id] = homes(rt).values()
-        pid = next(w["pid"] for w in rt.snapshot()["workers"]["workers"] if w["id"] == home_id)
+        m, seq, home_id, pid = decoding_in_its_home(rt, llama)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerError, match="caches"):
             seq.result(60)
@@ -97,14 +104,8 @@ def test_a_request_queued_while_the_home_dies_starts_a_batch_of_its_own(llama, r
     # first, into a batch whose caches are gone. The rows of that batch fail; the newcomer,
     # which never had caches there, starts a batch in a new home and answers exactly.
     with Runtime("cpu", "64MiB", workers=2) as rt:
-        m = lm.load(rt, "llama", llama)
-        seq = m.generate(m.encode(PROMPTS[2]), greedy(200))
-        deadline = time.monotonic() + 30
-        while len(seq.tokens) < 3 and time.monotonic() < deadline:
-            time.sleep(0.002)
+        m, seq, _, pid = decoding_in_its_home(rt, llama)
         with rt.hold_device():
-            [home_id] = homes(rt).values()
-            pid = next(w["pid"] for w in rt.snapshot()["workers"]["workers"] if w["id"] == home_id)
             os.kill(pid, signal.SIGKILL)
             again = m.generate(m.encode(PROMPTS[1]), greedy(16))
         with pytest.raises(WorkerError, match="caches"):
