@@ -139,13 +139,6 @@ def train_net():
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
 
 
-def wide_net():
-    """``train_net``'s shape, wider: about 1 MiB of parameters, 4 MiB of training state
-    with Adam's (a job whose measured memory outgrows a small lane budget)."""
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4))
-
-
 def train_batches(n=150):
     g = torch.Generator().manual_seed(7)
     return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
