@@ -10,7 +10,7 @@ from timeshare.bench.chaos import FAULTS, ChaosBenchConfig, run
 def test_faults_never_cost_a_wrong_answer_and_the_pool_heals():
     # A call deadline floor of 3 s: stops longer than that are killed as hung, and a call
     # slowed by a busy 2-core machine is not mistaken for one.
-    cfg = ChaosBenchConfig(clients=4, duration_s=18, fault_every_s=2.5, stop_max_s=4.5, deadline_min_s=3.0,
+    cfg = ChaosBenchConfig(clients=4, duration_s=15, fault_every_s=2.5, stop_max_s=4.5, deadline_min_s=3.0,
                            distinct_inputs=3, seed=1)
     out = run(cfg)
     r = out["result"]
