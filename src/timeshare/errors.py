@@ -13,6 +13,8 @@ Every error timeshare raises derives from :class:`TimeshareError`::
      │    ├── ModelTooLargeError  the model alone is larger than the whole budget
      │    └── LaneExceededError   a task's ephemeral memory outgrew its lane
      ├── PipelineError            a pipelined load failed or did not finish in time
+ ├── GenerationError          a language model's step did not grow its cache as it must
+ │    └── BatchLostError      a decode batch is gone from its home worker
      ├── WorkerError              a worker process failed a task (recoverable: a new
      │    │                       worker takes its place)
      │    ├── WorkerCrashedError  the worker process died
@@ -114,6 +116,14 @@ class LaneExceededError(MemoryBudgetError):
 class PipelineError(TimeshareError):
     """A pipelined weight load failed, or a group did not arrive before its deadline."""
 
+
+class GenerationError(TimeshareError):
+    """A language model's step did not grow its key/value cache as a step must."""
+
+
+class BatchLostError(GenerationError):
+    """A decode batch is gone from its home worker (dropped, or never there): the rows
+    in it are lost, and the next sequence starts a fresh batch (``llm/caches.py``)."""
 
 class WorkerError(TimeshareError):
     """A worker process failed a task. The runtime replaces the worker; the error says

@@ -169,6 +169,8 @@ def test_bench_variants_holds_the_base_once_and_switches_with_few_bytes(tmp_path
     assert 0 < h["switch_from_disk"]["moved_bytes"] <= h["switch_from_disk"]["read_bytes"] < b["one_model"] / 5
     assert data["plain_pytorch"]["first_inference_s"] > 0 and data["ready_s"] > 0
     assert cli.main(["bench", "variants", "--variants", "1", "--device", "cpu"]) == 2
+    assert cli.main(["bench", "variants", "--host-memory", "lots", "--device", "cpu"]) == 2
+    assert "host_memory 'lots' is not a size" in " ".join(capsys.readouterr().err.split())
 
 
 def test_bench_tiers_serves_models_beyond_host_memory_exactly(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from timeshare import protocol as P
-from timeshare.llm.batch import BatchLostError
+from timeshare.errors import BatchLostError
 from timeshare.worker.generation import Batches
 
 pytest.importorskip("transformers")
@@ -82,6 +82,5 @@ def test_a_row_the_home_lacks_loses_the_batch_rather_than_reading_another_cache(
 def test_a_lost_batch_is_known_as_such_once_it_has_crossed_the_pipe():
     # The controller turns it into "the caches were lost" (its rows fail, the next
     # sequence starts afresh) by the type the worker reported.
-    info = P.ErrorInfo.capture(BatchLostError("gone"), "worker 1, running llama")
-    exc = info.to_exception()
-    assert BatchLostError.named(exc.remote_type) and not BatchLostError.named("builtins.RuntimeError")
+    exc = P.ErrorInfo.capture(BatchLostError("gone"), "worker 1, running llama").to_exception()
+    assert isinstance(exc, BatchLostError) and exc.where == "worker 1, running llama"

@@ -39,6 +39,7 @@ from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo.variants import SIZES, bert_variant
 from timeshare.runtime.facade import Runtime
+from timeshare.units import parse_bytes
 
 
 @dataclass
@@ -56,6 +57,8 @@ class VariantsBenchConfig:
 def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
     if config.variants < 2 or config.repeats < 1 or config.batch < 1 or config.size not in SIZES:
         raise ConfigError(f"variants must be at least 2, repeats and batch at least 1, size one of {list(SIZES)}")
+    if config.host_memory not in (None, "auto"):
+        parse_bytes(config.host_memory, what="host_memory")  # refused before anything is built
     device = resolve_device(config.device)
     inputs = zoo_get(SIZES[config.size][1]).example_inputs(config.batch, torch.float32)
     builders = [functools.partial(bert_variant, v, config.tuned_layers, size=config.size)

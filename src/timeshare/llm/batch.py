@@ -21,24 +21,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from timeshare.errors import TimeshareError
+from timeshare.errors import GenerationError
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [batch, heads, length, dim]
 Forward = Callable[[tuple, dict], Any]  # (args, kwargs) -> the model's output
 
 
-class GenerationError(TimeshareError):
-    """The model's cache did not grow as a step must grow it."""
+def new_cache(config, kv: KV | None):
+    """A ``transformers`` cache for a model of ``config`` holding ``kv`` (empty if none)."""
+    from transformers import DynamicCache
 
-
-class BatchLostError(GenerationError):
-    """A decode batch is gone from its home worker (dropped, or never there): the rows
-    in it are lost, and the next sequence starts a fresh batch (``llm/caches.py``)."""
-
-    @classmethod
-    def named(cls, remote_type: str) -> bool:
-        """Whether an error that crossed the pipe as ``remote_type`` was this one."""
-        return remote_type == f"{cls.__module__}.{cls.__qualname__}"
+    return DynamicCache(ddp_cache_data=kv, config=config) if kv else DynamicCache(config=config)
 
 
 def cache_layers(cache, width: int) -> KV:
@@ -94,6 +87,23 @@ class DecodeBatch:
     @property
     def nbytes(self) -> int:
         return kv_bytes(self.kv)
+
+    def to_host(self) -> int:
+        """Move the caches to host memory (page-locked when they were on CUDA) until
+        ``to_device``; the bytes moved (NOTE [Key/value caches off the device])."""
+        pin = bool(self.kv) and self.kv[0][0].device.type == "cuda"
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t)
+            return host
+
+        self.kv = [(out(k), out(v)) for k, v in self.kv]
+        return self.nbytes
+
+    def to_device(self, device: torch.device) -> None:
+        """The caches back on ``device``, bit for bit."""
+        self.kv = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in self.kv]
 
     def join(self, kv: KV, length: int) -> None:
         """Add a row whose cache (``kv``, one row of ``length`` tokens) was just

@@ -36,8 +36,8 @@ from collections.abc import Callable
 
 import torch
 
-from timeshare.errors import RemoteError, WorkerCrashedError, WorkerError, WorkerTimeoutError
-from timeshare.llm.batch import KV, BatchLostError, DecodeBatch, decode, prefill
+from timeshare.errors import BatchLostError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.llm.batch import KV, DecodeBatch, decode, prefill
 from timeshare.protocol import KVStep
 from timeshare.runtime.facade import ModelTurn, Runtime
 
@@ -67,24 +67,15 @@ class LocalCaches:
         kv = self.batch.kv
         if not kv or self._device is not None:  # none, or out already
             return 0
-        device = kv[0][0].device
-        pin = device.type == "cuda"
-
-        def out(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            host.copy_(t)
-            return host
-
-        self.batch.kv = [(out(k), out(v)) for k, v in kv]
-        self._device = device
-        return self.batch.nbytes
+        self._device = kv[0][0].device
+        return self.batch.to_host()
 
     def move_back(self) -> None:
         """The caches back where the model computes, bit for bit."""
         if self._device is None:
             return
         device, self._device = self._device, None
-        self.batch.kv = [(k.to(device, copy=True), v.to(device, copy=True)) for k, v in self.batch.kv]
+        self.batch.to_device(device)
 
     @property
     def nbytes(self) -> int:
@@ -189,14 +180,9 @@ class RemoteCaches:
         step = KVStep(self.key, kind, tuple(tokens), rows=tuple(self._rows), new=new, fresh=not self._rows)
         try:
             call = turn.call((), {}, kv=step)
-        except (WorkerCrashedError, WorkerTimeoutError) as exc:  # the home was replaced: its caches are gone
+        except (WorkerCrashedError, WorkerTimeoutError, BatchLostError) as exc:
+            # The home was replaced, or dropped the batch (``worker/generation.py``): its caches are gone.
             self.reset()
-            raise CachesLostError(f"the key/value caches of {self.key!r} were lost: {exc}",
-                                  where=getattr(exc, "where", "")) from exc
-        except RemoteError as exc:
-            if not BatchLostError.named(exc.remote_type):
-                raise
-            self.reset()  # the home dropped the batch (``worker/generation.py``)
             raise CachesLostError(f"the key/value caches of {self.key!r} were lost: {exc}",
                                   where=getattr(exc, "where", "")) from exc
         self.nbytes = int((call.record.timings or {}).get("kv_bytes") or 0)

@@ -27,8 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from timeshare.errors import ConfigError, Unavailable
-from timeshare.llm.batch import GenerationError
+from timeshare.errors import ConfigError, GenerationError, Unavailable
 from timeshare.llm.caches import CachesLostError, LocalCaches, RemoteCaches
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token

@@ -15,7 +15,7 @@ import torch
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
-from timeshare.llm.batch import KV
+from timeshare.llm.batch import new_cache
 from timeshare.llm.caches import LocalCaches, RemoteCaches
 from timeshare.llm.engine import Engine
 from timeshare.llm.kv_budget import KVBudget
@@ -89,8 +89,6 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     runtime's language models, NOTE [Key/value caches under pressure].
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
-    from transformers import DynamicCache
-
     d = open_directory(name, path, max_context)
     path, config, tokenizer, context, vocab, eos = d.path, d.config, d.tokenizer, d.max_context, d.vocab, d.eos
     example = torch.arange(min(PROFILE_TOKENS, context - 1), dtype=torch.long)[None] % vocab
@@ -106,14 +104,12 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
             runtime.unregister(name)
             raise
 
-    def new_cache(kv: KV | None):
-        return DynamicCache(ddp_cache_data=kv, config=config) if kv else DynamicCache(config=config)
-
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
     # NOTE [Generation in worker processes]: with workers, the batch lives in a worker.
-    caches = LocalCaches(new_cache) if runtime.in_process_worker() is not None else RemoteCaches(runtime, name)
+    in_process = runtime.in_process_worker() is not None
+    caches = LocalCaches(functools.partial(new_cache, config)) if in_process else RemoteCaches(runtime, name)
     try:
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, caches=caches, quantum_s=quantum_s,

@@ -135,10 +135,10 @@ class SharedPlacement:
             if n > largest:
                 who, largest = other, n
         if largest + held > self.host.budget:
+            beside = f" beside the {format_bytes(held)} of shared tensors held" if held else ""
             raise MemoryBudgetError(
-                f"registering {name!r}: model {who!r} needs {format_bytes(largest)} of host memory beside the "
-                f"{format_bytes(held)} of shared tensors held, more than the host budget "
-                f"({format_bytes(self.host.budget)}); raise host_memory")
+                f"registering {name!r}: model {who!r} needs {format_bytes(largest)} of host memory{beside}, more "
+                f"than the host budget ({format_bytes(self.host.budget)}); raise host_memory")
 
     def committed(self, name: str, member: Member, packed: Packed) -> None:
         """The table added the model ``prepare`` made ready."""

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from timeshare import protocol as P
-from timeshare.llm.batch import KV, BatchLostError, DecodeBatch, GenerationError, decode, prefill
+from timeshare.errors import BatchLostError, GenerationError
+from timeshare.llm.batch import DecodeBatch, decode, new_cache, prefill
 
 
 class Batches:
@@ -31,20 +32,13 @@ class Batches:
         batch = self._batches.get(key)
         if batch is None or not batch.kv or key in self._out:
             return 0
-        pin = self.device.type == "cuda"
-
-        def out(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            host.copy_(t)
-            return host
-
-        batch.kv = [(out(k), out(v)) for k, v in batch.kv]
+        moved = batch.to_host()
         self._out.add(key)
-        return batch.nbytes
+        return moved
 
     def _back(self, key: str, batch: DecodeBatch) -> None:
         if key in self._out:
-            batch.kv = [(k.to(self.device, copy=True), v.to(self.device, copy=True)) for k, v in batch.kv]
+            batch.to_device(self.device)
             self._out.discard(key)
 
     def step(self, step: P.KVStep, module: nn.Module, forward: Callable[[tuple, dict], Any]) -> tuple[dict, int]:
@@ -87,7 +81,8 @@ class Batches:
             held.append(step.new)
         elif step.kind == "decode":
             try:
-                logits = decode(batch, forward, list(step.tokens), lambda kv: _new_cache(module, kv))
+                config = getattr(module, "config", None)
+                logits = decode(batch, forward, list(step.tokens), lambda kv: new_cache(config, kv))
             except BaseException:
                 self.drop(step.batch)
                 raise
@@ -102,9 +97,3 @@ class Batches:
         self._rows.pop(key, None)
         self._out.discard(key)
 
-
-def _new_cache(module: nn.Module, kv: KV):
-    from transformers import DynamicCache
-
-    config = getattr(module, "config", None)
-    return DynamicCache(ddp_cache_data=kv, config=config) if kv else DynamicCache(config=config)
