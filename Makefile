@@ -1,24 +1,43 @@
-# The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
-# Where python3 already has torch (a GPU machine), the venv uses that torch; elsewhere it
-# installs torch==2.13.0, which on our CPU machines is a local CPU-only wheel. The
-# installed torch is then pinned by a constraint so nothing pulls CUDA wheels.
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv first, from
+# requirements.lock: every dependency at an exact version with its hashes, installed without
+# resolution (--no-deps), so a fresh machine gets what CI tested. torch is the one package
+# outside the lock: where python3 already has torch (a GPU machine) the venv uses that torch;
+# elsewhere it installs torch==2.13.0, which on our CPU machines is a local CPU-only wheel (an
+# unpinned torch would pull gigabytes of CUDA wheels). torch's own dependencies are locked.
+# `make lock` refreshes the lock (uv pip compile, from pyproject.toml's ranges).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LOCK := requirements.lock
 CPU_TORCH := torch==2.13.0
+# The lock is resolved against the CPU torch wheel (its dependencies carry no CUDA packages).
+TORCH_WHEELS ?= /opt/wheels
+LOCK_TORCH := torch==2.13.0+cpu
+PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-gpu gpu-campaign bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
+.PHONY: demo test test-latest lock test-gpu gpu-wheels gpu-campaign bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml $(LOCK) Makefile
+	rm -rf $(VENV)
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 		echo "using the torch of $(PY)"; $(PY) -m venv --system-site-packages $(VENV); \
 	else \
-		$(PY) -m venv $(VENV) && $(BIN)/pip install -q --disable-pip-version-check "$(CPU_TORCH)"; \
+		$(PY) -m venv $(VENV); \
 	fi
-	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
-	$(BIN)/pip install -q --disable-pip-version-check -c $(VENV)/constraints.txt -e '.[dev]'
+	$(PIP) --require-hashes --no-deps -r $(LOCK)
+	@if ! $(BIN)/python -c "import torch" >/dev/null 2>&1; then $(PIP) --no-deps "$(CPU_TORCH)"; fi
+	$(PIP) --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
 	@touch $(STAMP)
+
+# Refresh requirements.lock from pyproject.toml's ranges: the newest release of everything
+# within them today. Commit the result after `make test` passes on it.
+lock: $(STAMP)
+	echo "$(LOCK_TORCH)" > $(VENV)/lock-torch.txt
+	$(BIN)/uv pip compile pyproject.toml --extra dev --extra llm --generate-hashes --python-version 3.11 \
+		--find-links $(TORCH_WHEELS) -c $(VENV)/lock-torch.txt --no-emit-package torch \
+		--custom-compile-command "make lock" -o $(LOCK)
 
 demo: $(STAMP)
 	@$(BIN)/timeshare demo
