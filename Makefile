@@ -39,6 +39,32 @@ lock: $(STAMP)
 		--find-links $(TORCH_WHEELS) -c $(VENV)/lock-torch.txt --no-emit-package torch \
 		--custom-compile-command "make lock" -o $(LOCK)
 
+# The newest release of every dependency, unlocked, in a throwaway venv: runs the language-model
+# and server tests, where upstream changes have broken us before (transformers 5.24 renamed the
+# cache argument). Run it before `make lock`, or any day, to hear of the next break first.
+# LATEST_PINS="transformers==5.17.0" tries a given release instead (the GPU image's, say).
+LATEST_VENV := .venv-latest
+LATEST_PINS ?=
+LATEST_TESTS := tests/unit/test_llm_sampling.py tests/unit/test_generation_rows.py tests/unit/test_server_units.py \
+	tests/unit/test_server_limits.py tests/unit/test_status_codes.py tests/integration/test_llm_generate.py \
+	tests/integration/test_llm_hfdir.py tests/integration/test_llm_server.py tests/integration/test_llm_workers.py \
+	tests/integration/test_bench_llm.py tests/integration/test_server.py tests/integration/test_server_fuzz.py \
+	tests/integration/test_server_hostile.py tests/integration/test_server_process.py tests/integration/test_cli_serve.py
+
+test-latest:
+	rm -rf $(LATEST_VENV)
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		$(PY) -m venv --system-site-packages $(LATEST_VENV); \
+	else \
+		$(PY) -m venv $(LATEST_VENV) && $(LATEST_VENV)/bin/pip install -q --disable-pip-version-check "$(CPU_TORCH)"; \
+	fi
+	$(LATEST_VENV)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(LATEST_VENV)/constraints.txt
+	$(LATEST_VENV)/bin/pip install -q --disable-pip-version-check --upgrade --upgrade-strategy eager \
+		-c $(LATEST_VENV)/constraints.txt -e '.[dev]' $(LATEST_PINS)
+	$(LATEST_VENV)/bin/python -c "import transformers, fastapi, pydantic, uvicorn; print('transformers', \
+		transformers.__version__, 'fastapi', fastapi.__version__, 'pydantic', pydantic.__version__, 'uvicorn', uvicorn.__version__)"
+	$(LATEST_VENV)/bin/python -m pytest -n 2 $(LATEST_TESTS)
+
 demo: $(STAMP)
 	@$(BIN)/timeshare demo
 

@@ -28,12 +28,36 @@ def _segments() -> set[str]:
         return set()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_leaked_shared_memory():
-    before = _segments()
-    yield
-    leaked = _segments() - before
-    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+# The leak check spans the whole run: under pytest-xdist it runs in the controller, before the
+# first test worker starts and after the last one ends, since one worker cannot tell its own
+# segments from another's in /dev/shm.
+_BEFORE = pytest.StashKey[set[str]]()
+_LEAKED = pytest.StashKey[list[str]]()
+
+
+def _in_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    if not _in_xdist_worker(session.config):
+        session.config.stash[_BEFORE] = _segments()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None:
+        return
+    leaked = sorted(_segments() - before)
+    if leaked:
+        session.config.stash[_LEAKED] = leaked
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    leaked = config.stash.get(_LEAKED, None)
+    if leaked:
+        terminalreporter.write_line(f"FAILED: shared-memory segments left behind: {leaked}", red=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ import torch
 
 from timeshare import protocol as P
 from timeshare.errors import BatchLostError
+from timeshare.llm.batch import cache_key
 from timeshare.worker.generation import Batches
 
 pytest.importorskip("transformers")
@@ -30,7 +31,7 @@ def forward(args: tuple, kwargs: dict) -> dict:
     position; a decode step appends each row's token. Each row's logits are one-hot on
     the first token its cache holds, so they say whose cache a row reads."""
     (ids,) = args
-    past = kwargs.get("past_key_values")
+    past = kwargs.get(cache_key())
     if past is None or not past.layers:
         keys = ids[:, :1, None, None].float().expand(1, ids.shape[1], 1, 1).permute(0, 2, 1, 3).contiguous()
     else:
@@ -40,7 +41,7 @@ def forward(args: tuple, kwargs: dict) -> dict:
     first = (k != 0).float().argmax(dim=1)  # left padding is zeros: the row's first position
     owner = k[torch.arange(k.shape[0]), first].long()
     logits = torch.nn.functional.one_hot(owner, 16).float()[:, None, :]
-    return {"past_key_values": _Cache(keys), "logits": logits}
+    return {cache_key(): _Cache(keys), "logits": logits}
 
 
 def prefill(batches: Batches, rows: tuple[int, ...], new: int, token: int) -> torch.Tensor:

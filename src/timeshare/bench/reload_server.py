@@ -72,12 +72,14 @@ class Reloader:
     def _generate(self, name: str, prompt: str, max_tokens: int, emit) -> tuple[int, int]:
         from transformers import DynamicCache
 
+        from timeshare.llm.batch import cache_key
+
         tok = self.tokenizers[name]
         with torch.no_grad():
             module: Any = self.model(name)
             ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]], device=self.device)
             cache = DynamicCache(config=module.config)
-            out = module(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+            out = module(ids, attention_mask=torch.ones_like(ids), **{cache_key(): cache}, use_cache=True,
                          logits_to_keep=1)
             tokens: list[int] = []
             sent = ""
@@ -92,7 +94,7 @@ class Reloader:
                 if token == eos or len(tokens) == max_tokens:
                     break
                 n = ids.shape[1] + len(tokens)
-                out = module(torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True,
+                out = module(torch.tensor([[token]], device=self.device), **{cache_key(): cache}, use_cache=True,
                              attention_mask=torch.ones(1, n, dtype=torch.long, device=self.device),
                              position_ids=torch.tensor([[n - 1]], device=self.device), logits_to_keep=1)
             text = str(tok.decode(tokens, skip_special_tokens=True))

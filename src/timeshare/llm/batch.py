@@ -15,6 +15,7 @@ with no padding at all, exactly as ``transformers``' ``generate`` computes it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,17 @@ from timeshare.errors import GenerationError
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [batch, heads, length, dim]
 Forward = Callable[[tuple, dict], Any]  # (args, kwargs) -> the model's output
+
+
+@functools.cache
+def cache_key() -> str:
+    """The name under which the installed ``transformers`` passes a model's key/value cache
+    into its forward and back in its output: ``cache`` in newer releases (5.24 warns on the
+    old name, and our tests turn warnings into errors), ``past_key_values`` in older ones
+    (5.17, the GPU image's). Read off the causal-LM output record, which has exactly one."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def new_cache(config, kv: KV | None):
@@ -49,7 +61,7 @@ def prefill(batch: DecodeBatch, forward: Forward, prompt: list[int], device: tor
     twice (a model's first load also profiles it) cannot append twice."""
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     out = forward((ids,), {"attention_mask": torch.ones_like(ids), "use_cache": True, "logits_to_keep": 1})
-    batch.join(cache_layers(out["past_key_values"], len(prompt)), len(prompt))
+    batch.join(cache_layers(out[cache_key()], len(prompt)), len(prompt))
     return out["logits"][0, -1]
 
 
@@ -58,9 +70,9 @@ def decode(batch: DecodeBatch, forward: Forward, tokens: list[int], new_cache: C
     """One decode step of every row of ``batch`` (``tokens``: each row's last token); the
     rows' next-token logits. The batch takes the grown cache only if the step succeeds."""
     ids, mask, positions = batch.step_inputs(tokens)
-    out = forward((ids,), {"attention_mask": mask, "position_ids": positions, "past_key_values": new_cache(batch.kv),
+    out = forward((ids,), {"attention_mask": mask, "position_ids": positions, cache_key(): new_cache(batch.kv),
                            "use_cache": True, "logits_to_keep": 1})
-    batch.stepped(cache_layers(out["past_key_values"], mask.shape[1]), mask)
+    batch.stepped(cache_layers(out[cache_key()], mask.shape[1]), mask)
     return out["logits"][:, -1]
 
 
