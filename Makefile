@@ -80,9 +80,32 @@ test-gpu: $(STAMP)
 # under its own time limit; results under bench/results/<device>/. It runs on the python3 that
 # has CUDA torch (GPU machines have no package index), with the project from src/.
 # make gpu-campaign STEP=tests,link   runs those steps only.
+# The GPU image (Python 3.12, torch, transformers) lacks some of our runtime dependencies and
+# has no package index. `make gpu-wheels`, here, downloads their wheels at the lock's versions
+# into .whl/ (ignored); carry .whl to the GPU machine and `make gpu-campaign` installs them
+# with --no-index into .gpu-site/ before it starts, ahead of the image's packages.
+GPU_WHEELS_DIR := .whl
+GPU_SITE := $(CURDIR)/.gpu-site
+GPU_MISSING := pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi starlette uvicorn \
+	opentelemetry-api
+GPU_PLATFORMS := $(foreach n,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+	manylinux1_x86_64,--platform $(n))
+
+gpu-wheels: $(LOCK)
+	rm -rf $(GPU_WHEELS_DIR) && mkdir -p $(GPU_WHEELS_DIR)
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --abi cp312 --abi abi3 --abi none $(GPU_PLATFORMS) --platform any -d $(GPU_WHEELS_DIR) \
+		$$(for p in $(GPU_MISSING); do grep -i -m1 "^$$p==" $(LOCK) | cut -d' ' -f1; done)
+	@ls $(GPU_WHEELS_DIR)
+
 gpu-campaign:
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then \
-		PYTHONPATH=src $(PY) -m timeshare.bench.campaign $(if $(STEP),--steps $(STEP)) $(if $(MAX_STEP_S),--max-step-s $(MAX_STEP_S)); \
+		if [ -d $(GPU_WHEELS_DIR) ]; then \
+			$(PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) \
+				$(GPU_WHEELS_DIR)/*.whl || exit 1; \
+		fi; \
+		PYTHONPATH=src$(if $(wildcard $(GPU_WHEELS_DIR)),:$(GPU_SITE)) $(PY) -m timeshare.bench.campaign \
+			$(if $(STEP),--steps $(STEP)) $(if $(MAX_STEP_S),--max-step-s $(MAX_STEP_S)); \
 	else \
 		echo "make gpu-campaign needs a CUDA device: $(PY) has no torch that sees one (torch.cuda.is_available() is false)" >&2; \
 		exit 2; \
