@@ -245,6 +245,27 @@ def flags_probe():
     return build(FlagsProbe)
 
 
+class DeterminismProbe(nn.Module):
+    """Returns whether the process that runs it computes with deterministic kernels (NOTE
+    [Deterministic kernels]): deterministic algorithms, cuDNN deterministic, cuDNN
+    benchmark, and CUBLAS_WORKSPACE_CONFIG at a value PyTorch accepts, as 1.0 or 0.0."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import os
+
+        flags = [torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                 torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")]
+        return self.lin(x).sum() * 0 + torch.tensor([float(f) for f in flags])
+
+
+def determinism_probe():
+    return build(DeterminismProbe)
+
+
 class RowSum(nn.Module):
     """Each row's sum and its first and last values: takes inputs of any width (the large
     JSON bodies of the hostile-client tests)."""

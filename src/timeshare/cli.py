@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", default="small_resnet:8",
                    help="two training jobs MODEL:BATCH packed vs FIFO (in workers with --workers); 'none' to skip")
     p.add_argument("--train-iterations", type=int, default=20)
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="train with deterministic kernels (torch.use_deterministic_algorithms, cuDNN deterministic, "
+                   "CUBLAS_WORKSPACE_CONFIG=:4096:8) in every process that trains, so that packed against alone "
+                   "tests packing; on by default on every device")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
     p.add_argument("--plot", type=Path, default=None, help="write the PACK timeline as a PNG")
 
@@ -186,7 +190,7 @@ def _bench_lanes(args) -> int:
     cfg = LanesBenchConfig(model=args.model, counts=counts, batch=args.batch, device=args.device,
                            duration_s=args.duration, memory=args.memory, lane_memory=args.lane_memory,
                            workers=args.workers, train=None if args.train == "none" else args.train,
-                           train_iterations=args.train_iterations)
+                           train_iterations=args.train_iterations, deterministic=args.deterministic)
 
     def show(result: dict) -> None:
         _print_lanes(result)
@@ -217,8 +221,22 @@ def _print_lanes(result: dict) -> None:
         console.print(f"two {tr['workload']} jobs x {tr['iterations']} iterations: "
                       f"FIFO {tr['fifo']['makespan_s']:.2f} s "
                       f"({tr['fifo']['it_per_s']:.1f} it/s), PACK {tr['pack']['makespan_s']:.2f} s "
-                      f"({tr['pack']['it_per_s']:.1f} it/s), {tr['pack_over_fifo']:.2f}x; weights as alone: "
-                      f"{tr['fifo']['weights_exact'] and tr['pack']['weights_exact']}")
+                      f"({tr['pack']['it_per_s']:.1f} it/s), {tr['pack_over_fifo']:.2f}x")
+        console.print(f"weights ({tr['comparison']}): alone twice equal: {_yes(tr['alone_repeatable'])}; "
+                      f"packed = alone: {_yes(tr['packed_equals_alone'])}; time-sliced = alone: "
+                      f"{_yes(tr['time_sliced_equals_alone'])}")
+        for mode, label in (("pack", "PACK"), ("fifo", "FIFO")):
+            r = tr[mode]
+            console.print(f"  {label}: {r['verdict']} (largest difference: alone twice "
+                          f"{_diff(r['alone_max_abs_diff'])}, together vs alone {_diff(r['max_abs_diff'])})")
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def _diff(value: float | None) -> str:
+    return "shapes differ" if value is None else f"{value:.3g}"
 
 
 def _bench_link(args) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,6 +170,23 @@ def host_registrar(device: torch.device) -> HostRegistrar | None:
     return CudaHostRegistrar(device) if device.type == "cuda" else None
 
 
+# NOTE [Deterministic kernels]
+# A bitwise claim about training (a packed job ends with the weights it has alone) means
+# something only where the same job run twice ends with the same bits. On CUDA it need
+# not: by default cuDNN may pick backward algorithms that accumulate with atomics, so the
+# order of the additions, and the last bits of the weights, change from run to run.
+# Deterministic kernels take three switches in every process that computes:
+# ``torch.use_deterministic_algorithms(True)`` (an operator with no deterministic kernel
+# then raises instead of running), cuDNN deterministic with benchmarking off, and
+# CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment. PyTorch reads the last once, at
+# the process's first cuBLAS call (a process that used cuBLAS without it raises on every
+# cuBLAS call once deterministic algorithms are on), so it is set before the process
+# first computes on CUDA: worker processes inherit it at spawn and apply it again with
+# the other flags (``BackendFlags``) before their first kernel.
+CUBLAS_WORKSPACE_VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")  # the values PyTorch accepts as deterministic
+
+
 # The objects whose ``fp32_precision`` (PyTorch's newer TF32 API) selects the kernels'
 # float32 arithmetic, parents before children: setting a parent can reset its children.
 _PRECISION_PATHS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn",
@@ -187,11 +205,12 @@ class BackendFlags:
     """The numerics switches of PyTorch's backends that change a kernel's result bits:
     TF32 for matmul and cuDNN (``fp32_precision`` per backend where PyTorch has it, else
     the legacy ``allow_tf32`` flags and the float32 matmul precision), cuDNN's
-    deterministic and benchmark modes, reduced-precision reductions and deterministic
-    algorithms. A worker process starts with PyTorch's defaults; the runtime captures
-    the creating process's flags and every worker applies them before its first kernel,
-    so a worker computes the same bits as the process that created the runtime. Reading
-    and setting them never initializes CUDA."""
+    deterministic and benchmark modes, reduced-precision reductions, deterministic
+    algorithms and the cuBLAS workspace configuration they need on CUDA (NOTE
+    [Deterministic kernels]). A worker process starts with PyTorch's defaults; the
+    runtime captures the creating process's flags and every worker applies them before
+    its first kernel, so a worker computes the same bits as the process that created the
+    runtime. Reading and setting them never initializes CUDA."""
 
     cudnn_benchmark: bool
     cudnn_deterministic: bool
@@ -201,6 +220,7 @@ class BackendFlags:
     deterministic_warn_only: bool
     precisions: tuple[tuple[str, str], ...] = ()  # (backend path, fp32_precision), newer PyTorch
     legacy: tuple[bool, bool, str] | None = None  # (cudnn allow_tf32, matmul allow_tf32, matmul precision)
+    cublas_workspace_config: str | None = None  # the environment's CUBLAS_WORKSPACE_CONFIG (None: unset)
 
     @classmethod
     def capture(cls) -> BackendFlags:
@@ -221,6 +241,7 @@ class BackendFlags:
             deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
             precisions=precisions,
             legacy=legacy,
+            cublas_workspace_config=os.environ.get(CUBLAS_WORKSPACE_VARIABLE),
         )
 
     def apply(self) -> None:
@@ -237,3 +258,53 @@ class BackendFlags:
         m.allow_fp16_reduced_precision_reduction = self.matmul_allow_fp16_reduced
         m.allow_bf16_reduced_precision_reduction = self.matmul_allow_bf16_reduced
         torch.use_deterministic_algorithms(self.deterministic_algorithms, warn_only=self.deterministic_warn_only)
+        # Read by PyTorch and cuBLAS at this process's first cuBLAS call: a worker applies
+        # the flags before its first kernel (NOTE [Deterministic kernels]).
+        if self.cublas_workspace_config is None:
+            os.environ.pop(CUBLAS_WORKSPACE_VARIABLE, None)
+        else:
+            os.environ[CUBLAS_WORKSPACE_VARIABLE] = self.cublas_workspace_config
+
+
+@contextmanager
+def cublas_workspace_deterministic() -> Iterator[str]:
+    """Run a block with CUBLAS_WORKSPACE_CONFIG at a deterministic value (:4096:8, unless
+    it has one already), put back as it was afterwards. Enter it before this process's
+    first cuBLAS call (NOTE [Deterministic kernels])."""
+    before = os.environ.get(CUBLAS_WORKSPACE_VARIABLE)
+    if before not in CUBLAS_DETERMINISTIC:
+        os.environ[CUBLAS_WORKSPACE_VARIABLE] = CUBLAS_DETERMINISTIC[0]
+    try:
+        yield os.environ[CUBLAS_WORKSPACE_VARIABLE]
+    finally:
+        if before is None:
+            os.environ.pop(CUBLAS_WORKSPACE_VARIABLE, None)
+        else:
+            os.environ[CUBLAS_WORKSPACE_VARIABLE] = before
+
+
+@contextmanager
+def deterministic_kernels() -> Iterator[dict]:
+    """Run a block with deterministic kernels (NOTE [Deterministic kernels]) in this process
+    and in the worker processes of every runtime created in it; the flags and the
+    environment as they were are put back afterwards. Yields ``kernel_settings()``."""
+    before = BackendFlags.capture()
+    with cublas_workspace_deterministic():
+        try:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+            yield kernel_settings()
+        finally:
+            before.apply()
+
+
+def kernel_settings() -> dict:
+    """This process's switches that decide whether its kernels are deterministic, for a
+    benchmark's record (NOTE [Deterministic kernels])."""
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cublas_workspace_config": os.environ.get(CUBLAS_WORKSPACE_VARIABLE),
+    }

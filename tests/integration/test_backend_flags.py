@@ -1,5 +1,7 @@
 """Worker processes compute with the numerics flags of the process that created the runtime."""
 
+import os
+from contextlib import nullcontext
 from dataclasses import fields
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 
 import timeshare
 from tests import models
-from timeshare.device import BackendFlags
+from timeshare.device import BackendFlags, deterministic_kernels
 
 
 @pytest.fixture
@@ -25,6 +27,7 @@ def unusual_flags():
             torch.backends.cudnn.allow_tf32 = False
             torch.set_float32_matmul_precision("medium")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not before.matmul_allow_bf16_reduced
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8" if before.cublas_workspace_config != ":16:8" else ":4096:8"
         wanted = BackendFlags.capture()
         assert wanted != before
         yield wanted
@@ -42,6 +45,7 @@ def test_apply_sets_every_captured_flag_back(unusual_flags):
     m.allow_bf16_reduced_precision_reduction = not unusual_flags.matmul_allow_bf16_reduced
     torch.use_deterministic_algorithms(not unusual_flags.deterministic_algorithms,
                                        warn_only=not unusual_flags.deterministic_warn_only)
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
     if unusual_flags.legacy is None:
         m.fp32_precision = "ieee"  # "tf32" in unusual_flags
     else:
@@ -62,3 +66,21 @@ def test_workers_run_with_the_creators_backend_flags(unusual_flags):
         in_worker = rt.infer("probe", *x)
     local = models.flags_probe()(*x)
     assert torch.equal(in_worker, local), (in_worker, local)
+
+
+def test_workers_compute_with_deterministic_kernels_when_their_creator_does():
+    """NOTE [Deterministic kernels]: a runtime created inside ``deterministic_kernels`` has
+    workers that compute (and train) with deterministic algorithms, cuDNN deterministic
+    without benchmark, and CUBLAS_WORKSPACE_CONFIG set; one created outside has none of it."""
+    x = (torch.randn(2, 4),)
+    env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    asked = []
+    for deterministic in (True, False):
+        with deterministic_kernels() if deterministic else nullcontext():
+            with timeshare.Runtime(device="cpu", memory="4MiB", workers=1, profile_repeats=1) as rt:
+                rt.register("probe", "tests.models:determinism_probe", None, x)
+                asked.append(rt.infer("probe", *x).tolist())
+    on, off = asked
+    assert on == [1.0, 1.0, 0.0, 1.0], on  # deterministic algorithms, cuDNN deterministic, no benchmark, cuBLAS
+    assert off[0] == 0.0 and off[3] == float(env in (":4096:8", ":16:8")), off
+    assert not torch.are_deterministic_algorithms_enabled() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == env

@@ -1,4 +1,7 @@
 import json
+import os
+
+import torch
 
 from timeshare import cli
 
@@ -112,11 +115,11 @@ def test_bench_hostile_measures_the_limits_and_the_baseline(tmp_path, capsys):
 
 def test_bench_lanes_packs_and_time_slices_with_exact_outputs(tmp_path, capsys):
     path, png = tmp_path / "lanes.json", tmp_path / "lanes.png"
+    env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     code = cli.main(["bench", "lanes", "--model", "tiny_cnn", "--counts", "2,3", "--duration", "0.5", "--device", "cpu",
                      "--memory", "16MiB", "--json", str(path), "--plot", str(png), "--train", "tiny_cnn:4",
                      "--train-iterations", "4"])
     assert code == 0
-    assert "bench lanes" in capsys.readouterr().out
     data = json.loads(path.read_text())
     assert data["outputs_exact"] is True and [r["models"] for r in data["rows"]] == [2, 3]
     for r in data["rows"]:
@@ -127,8 +130,24 @@ def test_bench_lanes_packs_and_time_slices_with_exact_outputs(tmp_path, capsys):
     assert any(b["model"] != a["model"] and b["start_s"] < a["start_s"] + a["seconds"]
                for a, b in zip(spans, spans[1:]))
     assert png.stat().st_size > 0
-    tr = data["training"]  # two jobs packed and time-sliced, each ending with the weights it has alone
-    assert tr["fifo"]["weights_exact"] and tr["pack"]["weights_exact"] and tr["pack"]["makespan_s"] > 0
+    # Two jobs packed and time-sliced, each ending with the weights it has alone; alone twice
+    # ends with the same weights, so the comparison tests packing (deterministic kernels, the default).
+    tr = data["training"]
+    assert tr["deterministic"] is True and tr["kernels"]["deterministic_algorithms"] is True
+    assert tr["kernels"]["cudnn_deterministic"] is True and tr["kernels"]["cudnn_benchmark"] is False
+    cublas = env if env in (":4096:8", ":16:8") else ":4096:8"  # one PyTorch accepts as deterministic is kept
+    assert tr["kernels"]["cublas_workspace_config"] == cublas
+    for mode in ("fifo", "pack"):
+        assert tr[mode]["alone_repeatable"] and tr[mode]["alone_max_abs_diff"] == 0.0, tr[mode]
+        assert tr[mode]["equals_alone"] and tr[mode]["max_abs_diff"] == 0.0, tr[mode]
+        assert tr[mode]["verdict"].startswith("exact"), tr[mode]
+    assert tr["alone_repeatable"] and tr["packed_equals_alone"] and tr["time_sliced_equals_alone"]
+    assert tr["pack"]["makespan_s"] > 0 and "deterministic kernels" in tr["comparison"]
+    out = " ".join(capsys.readouterr().out.split())  # as printed, less the console's line breaks
+    assert "bench lanes" in out and f"CUBLAS_WORKSPACE_CONFIG={cublas}" in out  # under which settings
+    assert "alone twice equal: yes; packed = alone: yes; time-sliced = alone: yes" in out
+    # The bench gives the process's flags and environment back.
+    assert not torch.are_deterministic_algorithms_enabled() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == env
     assert cli.main(["bench", "lanes", "--counts", "2,x"]) == 2
     assert cli.main(["bench", "lanes", "--counts", "0"]) == 2
     assert cli.main(["bench", "lanes", "--train", "nope:3", "--device", "cpu"]) == 2  # before any model runs

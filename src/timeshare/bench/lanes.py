@@ -10,7 +10,12 @@ every output is bitwise equal to the model's output alone. Beside them: plain Py
 (the same N modules and threads, no runtime: what concurrency gives without lanes or
 bounds) and the hardware bound (the model alone at one core, times min(N, cores)).
 Then two training jobs (``train``) packed against FIFO time-slicing: the makespan of
-both, and whether each ends with the weights of the same job run alone.
+both, and whether each ends with the weights of the same job run alone. The job is run
+alone twice first: whether the two alone runs end with the same weights says whether
+the training itself repeats bit for bit on this device, without which "packed equals
+alone" cannot tell packing from the kernels (``compare_training``). With
+``deterministic`` (the default) the training runs with deterministic kernels (NOTE
+[Deterministic kernels] in ``device.py``), under which it must.
 The timeline (``--plot``) shows each model's forwards in time under PACK.
 
 "Alone" for exactness is the model alone on the same runtime (a lane computes on
@@ -24,11 +29,14 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+
+import torch
 
 from timeshare.bench.common import native_call, native_module, outputs_equal
 from timeshare.bench.environment import describe
-from timeshare.device import resolve_device
+from timeshare.device import cublas_workspace_deterministic, deterministic_kernels, kernel_settings, resolve_device
 from timeshare.errors import ConfigError
 from timeshare.memory.ephemeral import cores, cpu_share
 from timeshare.models.workloads import TrainingWorkload
@@ -51,6 +59,9 @@ class LanesBenchConfig:
     train: str | None = "small_resnet:8"  # two jobs of this workload, packed vs FIFO (None: skip)
     train_iterations: int = 20
     time_slice_s: float = 0.1  # FIFO time-slicing between the two jobs
+    # The training runs with deterministic kernels (NOTE [Deterministic kernels]), so that
+    # "packed equals alone" tests packing, not the device's kernels; False: the default ones.
+    deterministic: bool = True
 
 
 def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -59,6 +70,12 @@ def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: No
     workload = TrainingWorkload.parse(config.train) if config.train else None  # refused before any work
     if config.train_iterations < 1:
         raise ConfigError("train_iterations must be at least 1")
+    with cublas_workspace_deterministic() if config.deterministic and workload is not None else nullcontext():
+        # Before this process first computes: NOTE [Deterministic kernels].
+        return _run(config, workload, progress)
+
+
+def _run(config: LanesBenchConfig, workload: TrainingWorkload | None, progress: Callable[[str], None]) -> dict:
     device = resolve_device(config.device)
     zoo = zoo_get(config.model)
     inputs = zoo.example_inputs(config.batch)
@@ -98,32 +115,98 @@ def run(config: LanesBenchConfig, progress: Callable[[str], None] = lambda s: No
 def _training(config: LanesBenchConfig, workload: TrainingWorkload, device, progress) -> dict:
     """Two jobs of the same workload, ``train_iterations`` each, started together: the
     makespan and aggregate iterations per second under FIFO time-slicing and under PACK,
-    and whether each job's final weights equal the same job run alone in that mode. With
-    workers, each job in a worker of its own (at least 3: two homes and a standby)."""
+    and how each job's final weights compare with the same job run alone in that mode,
+    itself run twice (``compare_training``). With workers, each job in a worker of its own
+    (at least 3: two homes and a standby). With ``deterministic``, every process that
+    trains does so with deterministic kernels: this one, and the workers, which take its
+    flags when the runtime starts them (``BackendFlags``)."""
     workers = max(3, config.workers) if config.workers else 0
-    out: dict = {"workload": str(workload), "iterations": config.train_iterations, "workers": workers}
-    for mode in ("fifo", "pack"):
-        slice_s = config.time_slice_s if mode == "fifo" else None
-        with Runtime(device, config.memory, scheduling=mode, lane_memory=config.lane_memory,
-                     time_slice_s=slice_s, workers=workers) as rt:
-            progress(f"training alone, {mode}")
-            alone = rt.train("alone", **workload.train_args(), iterations=config.train_iterations, seed=0)
-            t0 = time.perf_counter()
-            _finish(alone)
-            alone_s = time.perf_counter() - t0
-            want = alone.state_dict()
-            progress(f"two jobs, {mode}")
-            t0 = time.perf_counter()
-            jobs = [rt.train(f"job{i}", **workload.train_args(), iterations=config.train_iterations, seed=0)
-                    for i in range(2)]
-            for job in jobs:
-                _finish(job)
-            makespan = time.perf_counter() - t0
-            exact = all(outputs_equal(list(job.state_dict().values()), list(want.values())) for job in jobs)
-        out[mode] = {"alone_s": alone_s, "makespan_s": makespan,
-                     "it_per_s": 2 * config.train_iterations / makespan, "weights_exact": exact}
+    with deterministic_kernels() if config.deterministic else nullcontext():
+        settings = kernel_settings()
+        out: dict = {"workload": str(workload), "iterations": config.train_iterations, "workers": workers,
+                     "deterministic": config.deterministic, "kernels": settings}
+        for mode in ("fifo", "pack"):
+            out[mode] = _train_mode(config, workload, device, mode, workers, progress)
+    out["alone_repeatable"] = out["fifo"]["alone_repeatable"] and out["pack"]["alone_repeatable"]
+    out["packed_equals_alone"] = out["pack"]["equals_alone"]
+    out["time_sliced_equals_alone"] = out["fifo"]["equals_alone"]
+    out["comparison"] = ("final weights of each job against the same job alone on that runtime, run alone twice "
+                         f"first; {_kernels_text(config.deterministic, settings)}")
     out["pack_over_fifo"] = out["pack"]["it_per_s"] / out["fifo"]["it_per_s"]
     return out
+
+
+def _train_mode(config: LanesBenchConfig, workload: TrainingWorkload, device, mode: str, workers: int,
+                progress) -> dict:
+    slice_s = config.time_slice_s if mode == "fifo" else None
+    args = dict(**workload.train_args(), iterations=config.train_iterations, seed=0)
+    with Runtime(device, config.memory, scheduling=mode, lane_memory=config.lane_memory,
+                 time_slice_s=slice_s, workers=workers) as rt:
+        alone: list[dict[str, torch.Tensor]] = []
+        alone_s = []
+        for i in range(2):  # twice: does the training itself repeat on this device?
+            progress(f"training alone ({i + 1} of 2), {mode}")
+            job = rt.train(f"alone{i}", **args)
+            t0 = time.perf_counter()
+            _finish(job)
+            alone_s.append(time.perf_counter() - t0)
+            alone.append(job.state_dict())
+            rt.forget_job(job.name)  # with workers, its home holds no state of it beside the next jobs
+        progress(f"two jobs, {mode}")
+        t0 = time.perf_counter()
+        jobs = [rt.train(f"job{i}", **args) for i in range(2)]
+        for job in jobs:
+            _finish(job)
+        makespan = time.perf_counter() - t0
+        together = [job.state_dict() for job in jobs]
+    return {"alone_s": min(alone_s), "makespan_s": makespan, "it_per_s": 2 * config.train_iterations / makespan,
+            **compare_training(alone[0], alone[1], together)}
+
+
+def weights_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float | None:
+    """The largest absolute difference between two state dicts' tensors of one name: 0.0
+    exactly when every tensor is equal by ``torch.equal`` (as in ``outputs_equal``), inf
+    where they differ by a NaN; None when their names, shapes or dtypes differ."""
+    if a.keys() != b.keys() or any(a[k].shape != b[k].shape or a[k].dtype != b[k].dtype for k in a):
+        return None
+    worst = 0.0
+    for k in a:
+        if not torch.equal(a[k], b[k]):
+            diff = (a[k].double() - b[k].double()).abs().max().item()
+            worst = max(worst, diff if diff > 0 else float("inf"))  # a NaN on either side
+    return worst
+
+
+def compare_training(alone: dict[str, torch.Tensor], alone_again: dict[str, torch.Tensor],
+                     together: list[dict[str, torch.Tensor]]) -> dict:
+    """How jobs trained together (packed or time-sliced) compare with the same job alone.
+
+    ``alone_repeatable``: the job alone twice ended with bitwise equal weights, so the
+    training repeats on this device; ``equals_alone``: every job trained together ended
+    bitwise equal to the first alone run. Only when the first holds does the second test
+    the sharing; ``verdict`` says which case it is, and the largest differences are
+    beside them (the kernels' rounding is of the order of the last bits; a lost or
+    mixed-up update is not)."""
+    again = weights_difference(alone, alone_again)
+    diffs = [weights_difference(alone, t) for t in together]
+    repeatable = again == 0.0
+    equal = bool(together) and all(d == 0.0 for d in diffs)
+    if not repeatable:
+        verdict = "inconclusive: alone twice differs (the kernels do not repeat), so together vs alone says nothing"
+    elif equal:
+        verdict = "exact: together equals alone, and alone repeats"
+    else:
+        verdict = "SHARING CHANGES THE WEIGHTS: alone repeats, together differs"
+    known = [d for d in diffs if d is not None]
+    return {"alone_repeatable": repeatable, "alone_max_abs_diff": again, "equals_alone": equal,
+            "max_abs_diff": max(known) if known and len(known) == len(diffs) else None, "verdict": verdict}
+
+
+def _kernels_text(deterministic: bool, settings: dict) -> str:
+    if not deterministic:
+        return f"default kernels (deterministic algorithms {'on' if settings['deterministic_algorithms'] else 'off'})"
+    return (f"deterministic kernels in every process that trains (torch.use_deterministic_algorithms(True), "
+            f"cuDNN deterministic, benchmark off, CUBLAS_WORKSPACE_CONFIG={settings['cublas_workspace_config']})")
 
 
 def _finish(job, timeout_s: float = 600.0) -> None:
@@ -168,12 +251,14 @@ def _served(config, device, zoo, inputs, reference, n: int, mode: str, timeline:
         rt.subscribe(lambda r: records.append(r) if isinstance(r, CallRecord) else None)
         latencies: dict[str, list[float]] = {name: [] for name in names}
         exact = [True]
-        stop = time.perf_counter() + config.duration_s
-        start_line = threading.Barrier(n)
+        # The clock starts when every client is ready, and each makes at least one request:
+        # on a loaded machine, starting the threads may take longer than ``duration_s``.
+        stop = [0.0]
+        start_line = threading.Barrier(n, action=lambda: stop.__setitem__(0, time.perf_counter() + config.duration_s))
 
         def client(name: str) -> None:
             start_line.wait(60)
-            while time.perf_counter() < stop:
+            while not latencies[name] or time.perf_counter() < stop[0]:
                 t0 = time.perf_counter()
                 out = rt.infer(name, *inputs)
                 latencies[name].append(time.perf_counter() - t0)
