@@ -133,6 +133,34 @@ def slow():
     return build(Slow)
 
 
+class Held(nn.Module):
+    """Many small layers (a layer-by-layer load has many groups); given ``begun`` (a
+    path), the forward creates that file and then holds until its worker is killed. In a
+    pipelined load the forward starts once every group is queued, so the file says the
+    load is under way and cannot answer before the kill."""
+
+    HOLD_S = 60.0  # a bound all the same: the call's deadline kills a worker held this long
+
+    def __init__(self, layers: int = 64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(layers))
+
+    def forward(self, x, *, begun: str = ""):
+        import time
+        from pathlib import Path
+
+        if begun:
+            Path(begun).touch()
+            time.sleep(self.HOLD_S)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def held():
+    return build(Held)
+
+
 # --- training jobs (importable, so worker processes can rebuild them) -------------------
 def train_net():
     torch.manual_seed(1)

@@ -128,6 +128,50 @@ def test_killed_workers_fail_their_task_and_are_replaced(rt, phase):
     assert len(os.listdir("/proc/self/fd")) - fds_before <= 2  # pipes and sentinels of dead workers are closed
 
 
+def test_killing_every_worker_mid_load_fails_the_call_and_gives_its_block_back(tmp_path):
+    """The CPU twin of the CUDA kill mid-load (tests/gpu/test_cuda.py). A task whose worker
+    dies is not run again on a replacement: the caller gets WorkerCrashedError, the block
+    placed for the load is given back, and the replacements load the model exactly."""
+    begun = tmp_path / "begun"
+    # Every group's copy held back (a layer-by-layer load of 64 groups), evicted blocks
+    # poisoned (NOTE [Poisoned reloads]); the killed call's forward holds once it has begun
+    # (tests.models.Held), so the kill surely lands before any answer, whatever the load.
+    with timeshare.Runtime(device="cpu", memory="64MiB", workers=2, profile_repeats=1, task_timeout_s=20,
+                           copy_delay_s=0.005, poison_evicted=True) as rt:
+        rt.register("held", "tests.models:held", None, (X,), example_kwargs={"begun": ""})
+        reference = rt.infer("held", X)  # the first load: profiled
+        rt.evict("held")
+        used, health = rt.stats()["used_bytes"], rt.snapshot()["workers"]
+        pids = rt.worker_pids()
+        result: dict = {}
+
+        def load():
+            try:
+                result["call"] = rt.call("held", (X,), {"begun": str(begun)}, strategy="per_layer")
+            except BaseException as exc:  # handed to the test
+                result["error"] = exc
+
+        t = threading.Thread(target=load)
+        t.start()
+        models.wait_until(begun.exists, 60, "the load's forward to begin")
+        serving = [w["id"] for w in rt.snapshot()["workers"]["workers"] if w["state"] == "busy"]
+        for pid in pids:  # both: no standby is left to take the task over
+            os.kill(pid, signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive()
+        err = result.get("error")
+        assert isinstance(err, WorkerCrashedError), result
+        assert len(serving) == 1 and f"worker {serving[0]} was killed by signal 9" in str(err), (serving, err)
+        assert "running held" in str(err)
+        assert not rt.is_resident("held") and rt.stats()["used_bytes"] == used  # the load's block is free
+        models.wait_until(lambda: rt.snapshot()["workers"]["replacements"] >= health["replacements"] + 2
+                          and rt.snapshot()["workers"]["ready"] == 2, 120, "two replacements ready")
+        assert rt.snapshot()["workers"]["failures"]["crashed"] == health["failures"]["crashed"] + 2
+        assert not set(rt.worker_pids()) & set(pids)
+        call = rt.call("held", (X,))  # into the poisoned block, by a replacement
+        assert call.record.loaded and same(call.output, reference)
+
+
 def test_a_hung_worker_is_killed_at_the_deadline_and_replaced():
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=1.0) as rt:
         rt.register("slow", "tests.models:slow", None, (X,), example_kwargs={"delay_s": 0.0})
