@@ -88,7 +88,9 @@ def make_current(device: torch.device) -> None:
 # would lock 128 MB) and keeps freed blocks locked in its cache. Whoever registers a
 # range unregisters it, after the last copy from it has finished and before the memory
 # is freed (``HostPin`` in transfer/host_store.py), and the bytes are counted where they
-# were registered, so the pinned-bytes metric reports what is locked.
+# were registered, so the pinned-bytes metric reports what is locked. Under a host budget
+# a store is locked only while its pages hold bytes (NOTE [Locked host tier] in
+# transfer/backing.py).
 class HostRegistrar(Protocol):
     """Page-locks host memory for a device's copies (a fake stands in for it in tests)."""
 

@@ -12,6 +12,7 @@ handles.
     (spawn args: Start)             Hello(worker, pid)       after start-up
     AddModel(model, ...)            Ack(seq)                 model ready
     RemoveModel(model)              Ack(seq)
+    UnpinStore(seq, model)          Ack(seq)  (its store unlocked: the host tier drops its pages)
     RunModel(seq, model, ...)       Result(seq, output, ...) or Failure(seq, error)
       with kv: a language model's step on the caches its home keeps
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
@@ -77,7 +78,9 @@ class AddModel:
     store_name: str
     store_nbytes: int
     order: ExecutionOrder
-    pin_host: bool = True  # page-lock the store (on CUDA); not under a host budget (NOTE [Host tier])
+    # Under a host budget the store's pages come and go (NOTE [Host tier]): it is page-locked
+    # (on CUDA) by this worker's loads and until an UnpinStore, not when added (NOTE [Locked host tier]).
+    droppable: bool = False
     # NOTE [Shared tensors]: the keys held in shared sets, as (key, set, the tensor's entry in the set)
     shared: tuple[tuple[str, str, TensorEntry], ...] = ()
 
@@ -101,6 +104,15 @@ class RemoveShared:
 
 @dataclass(frozen=True)
 class RemoveModel:
+    seq: int
+    model: str
+
+
+@dataclass(frozen=True)
+class UnpinStore:
+    """Unlock the model's host store once no copy reads it: the host tier is about to give
+    its pages back (NOTE [Locked host tier])."""
+
     seq: int
     model: str
 

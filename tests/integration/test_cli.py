@@ -165,6 +165,7 @@ def test_bench_disk_streams_cold_models_from_disk_with_exact_outputs(tmp_path, c
         assert r["bitwise_equal"] is True
         assert r["sequential_read_GBps"] > 0 and r["reader_GBps"] > 0 and r["baseline_first_inference_s"] > 0
         assert r["cold_first_inference_s"] > 0 and r["disk_stage_s"] > 0 and r["floor_s"] > 0
+        assert r["store_pinned"] is False  # nothing is page-locked on the CPU (True on CUDA)
     assert cli.main(["bench", "disk", "--models", "gpt9", "--device", "cpu"]) == 2
     assert cli.main(["bench", "disk", "--repeats", "0", "--device", "cpu"]) == 2
 

@@ -11,8 +11,9 @@ For each model, with the file's pages dropped from the page cache before every c
   on a module built beforehand (building is not timed), then the first inference;
 - timeshare: the model registered under a host budget, profiled once, then evicted from
   device and host memory (``Runtime.evict(host=True)``); the cold call streams the file
-  group by group while earlier groups are copied and computed. Its disk stage is the
-  reads' own time (first read to last);
+  group by group while earlier groups are copied and computed, into a store page-locked
+  on CUDA before the reads (NOTE [Locked host tier]; ``store_pinned`` says so). Its disk
+  stage is the reads' own time (first read to last);
 - the floor: max(file bytes / sequential bandwidth, the resident model's inference).
 Outputs are compared bitwise with plain PyTorch's.
 """
@@ -180,6 +181,7 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
             exact = exact and outputs_equal(out, reference)
         worker = rt.in_process_worker()  # whether its reads bypassed the page cache (in-process only)
         direct = worker.last_fill.direct if worker is not None and worker.last_fill is not None else None
+        pinned = worker is not None and worker.store_pinned(name)  # the store the cold calls copied from
     seq_bw = size / seq_s
     ours, disk_s, ready_s = statistics.median(cold), statistics.median(disk), statistics.median(ready)
     floor = max(size / seq_bw, ready_s)
@@ -187,7 +189,7 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
         "model": name, "bytes": size,
         "sequential_read_GBps": seq_bw / 1e9, "parallel_read_GBps": size / par_s / 1e9,
         "reader_GBps": size / reader_s / 1e9, "direct_reader_GBps": size / direct_s / 1e9,
-        "direct_reader_was_direct": all(d for _, d in direct_runs), "direct_reads": direct,
+        "direct_reader_was_direct": all(d for _, d in direct_runs), "direct_reads": direct, "store_pinned": pinned,
         "baseline_load_s": statistics.median(base_load), "baseline_first_inference_s": statistics.median(base_total),
         "ready_inference_s": ready_s,
         "cold_first_inference_s": ours, "cold_samples_s": cold,

@@ -92,10 +92,12 @@ class Executor(Protocol):
         """Forget a set no model refers to any more and give back its host memory."""
 
     def host_dropping(self, name: str) -> None:
-        """``name``'s host store is about to lose its pages: no copy may read it after."""
+        """``name``'s host store is about to lose its pages: no copy may read it after, and
+        no process holds it page-locked (NOTE [Locked host tier]). Idempotent."""
 
-    def host_filled(self, name: str) -> None:
-        """``name``'s host store holds its bytes again."""
+    def host_filling(self, name: str) -> None:
+        """``name``'s host store has its pages again and is about to be written: page-lock
+        it where this process copies from it (NOTE [Locked host tier])."""
 
     def reads_host(self, name: str) -> bool:
         """Whether ``name`` computes from its host store when it runs (NOTE [Direct host

@@ -29,7 +29,7 @@ from timeshare.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
 
-Hook = Callable[[str], None]  # the executor, told that a model's store is about to go / is back
+Hook = Callable[[str], None]  # the executor, told that a model's store is about to go / to be written
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Stored:
 class HostTier:
     """Host memory as a cache over disk: at most ``budget`` bytes of stores filled."""
 
-    def __init__(self, budget: int, policy: EvictionPolicy, *, dropping: Hook, filled: Hook,
+    def __init__(self, budget: int, policy: EvictionPolicy, *, dropping: Hook, filling: Hook,
                  spill_dir: Path, own_spill_dir: bool = False, direct_io: bool = False):
         if budget <= 0:
             raise ValueError(f"host budget must be positive, got {budget}")
@@ -56,8 +56,10 @@ class HostTier:
         self.spill_dir = spill_dir
         self.direct_io = direct_io  # NOTE [Direct reads]: the backings read with O_DIRECT
         self._own_spill_dir = own_spill_dir  # made for this runtime: removed at close
+        # NOTE [Locked host tier]: told before a store's pages go, and once they are back,
+        # before they are written.
         self._dropping = dropping
-        self._filled = filled
+        self._filling = filling
         self.models: dict[str, Stored] = {}
         self.drops = 0
         self.fills = 0
@@ -117,9 +119,10 @@ class HostTier:
         s.pages.reserve()  # MemoryBudgetError now rather than a fault at a write into a full tmpfs
         t0 = time.perf_counter()
         try:
+            self._filling(name)
             spec = s.backing.stream(s.store) if stream else None
             n = 0 if spec is not None else s.backing.fill(s.store)
-        except WeightsError as exc:
+        except BaseException as exc:  # the pages reserved (and maybe locked) go back
             self.abandon(name, exc)
             raise
         s.filled, s.failed = True, None  # counted from now: the load writes it
@@ -142,11 +145,10 @@ class HostTier:
         s = self.models.get(name)
         if s is None:
             return
-        if s.filled:
-            try:
-                self._dropping(name)
-            except Exception:  # the failure being handled is the one to report
-                log.exception("host tier: settling %s after a failed fill", name)
+        try:  # filled or not, the store may be locked (NOTE [Locked host tier])
+            self._dropping(name)
+        except Exception:  # the failure being handled is the one to report
+            log.exception("host tier: settling %s after a failed fill", name)
         s.pages.drop()
         s.filled = s.streaming = False
         self.policy.removed(name)
@@ -157,7 +159,6 @@ class HostTier:
         self.read_s += seconds
         self.bytes_read += nbytes
         self.fills += 1
-        self._filled(name)
 
     def drop(self, name: str) -> bool:
         """Give ``name``'s host memory back (its bytes are on disk); True if it was filled."""
@@ -226,10 +227,15 @@ class HostTier:
         except MemoryBudgetError:
             return False
         n = s.store.nbytes
-        s.store.buffer.copy_(source[:n])
+        try:
+            self._filling(name)
+            s.store.buffer.copy_(source[:n])
+        except Exception as exc:  # the pages reserved (and maybe locked) go back; the eviction goes on
+            log.warning("host tier: could not keep %s in host memory: %s", name, exc)
+            self.abandon(name, exc)
+            return False
         s.filled, s.failed = True, None
         self.demotions += 1
-        self._filled(name)
         self.policy.admitted(name, time.monotonic())
         return True
 
@@ -306,7 +312,7 @@ def make_host_tier(host_memory: int | str | None, eviction: str, executor: Execu
         path, own = Path(spill_dir), False
         path.mkdir(parents=True, exist_ok=True)
     return HostTier(budget, make_eviction_policy(eviction), dropping=executor.host_dropping,
-                    filled=executor.host_filled, spill_dir=path, own_spill_dir=own, direct_io=direct_io)
+                    filling=executor.host_filling, spill_dir=path, own_spill_dir=own, direct_io=direct_io)
 
 
 def pack(spec: ModelSpec, executor: Executor, tier: HostTier) -> tuple[Packed, Stored]:

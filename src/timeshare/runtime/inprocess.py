@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from timeshare.device import host_registrar, synchronize
 from timeshare.errors import ConfigError
 from timeshare.memory import Arena
 from timeshare.memory.ephemeral import LaneBound, in_lane
@@ -49,10 +48,7 @@ class InProcessExecutor:
         return None
 
     def pack(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore) -> Packed:
-        if self.device.type == "cuda":  # NOTE [Exact host pinning]
-            registrar = host_registrar(self.device)
-            assert registrar is not None
-            store.pin(registrar)
+        self._pin(store)
         return Packed(spec.name, spec, module, layout, store, store.nbytes)
 
     def pack_shared(self, spec: ModelSpec, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -72,33 +68,33 @@ class InProcessExecutor:
 
     def pack_tiered(self, spec: ModelSpec, tiered: Tiered,
                     shared: dict[str, tuple[str, TensorEntry]] | None = None) -> Packed:
-        if tiered.filled:
+        if tiered.filled:  # NOTE [Locked host tier]: locked while its pages hold bytes
             self._pin(tiered.store)
         return Packed(spec.name, spec, tiered.module, tiered.layout, tiered.store, tiered.store.nbytes,
                       order=tiered.order, pages=tiered.pages, view=tiered.store, shared=shared)
 
     def host_dropping(self, name: str) -> None:
-        self._worker.finish_pending(name)  # a tail still copying reads the store
-        if self.device.type == "cuda":
-            synchronize(self.device)  # that wait is on the device: the host waits for the copies too
-        self._worker.models[name].store.release()  # NOTE [Exact host pinning]: unpinned before the pages go
+        # The copies reading the store are waited for on the host too (NOTE [Exact host
+        # pinning]): unlocked before its pages go (NOTE [Locked host tier]).
+        self._worker.unpin_store(name)
 
-    def host_filled(self, name: str) -> None:
-        self._pin(self._worker.models[name].store)
+    def host_filling(self, name: str) -> None:
+        if name in self._worker.models:
+            self._worker.pin_store(name)  # before the reads: they land in locked memory
 
     def reads_host(self, name: str) -> bool:
         return self._worker.reads_host(name)
 
     def _pin(self, store: HostStore) -> None:
-        if self.device.type == "cuda":  # NOTE [Exact host pinning]
-            registrar = host_registrar(self.device)
-            assert registrar is not None
+        """Page-lock ``store`` with the worker's registrar (on CUDA; NOTE [Exact host pinning])."""
+        registrar = self._worker.host_registrar
+        if registrar is not None:
             store.pin(registrar)
 
     def add(self, packed: Packed) -> None:
         assert packed.store is not None
         self._worker.add(packed.name, packed.module, packed.layout, packed.store, order=packed.order,
-                         shared=packed.shared)
+                         shared=packed.shared, droppable=packed.pages is not None)
 
     def discard(self, packed: Packed) -> None:
         if packed.store is not None:

@@ -137,6 +137,20 @@ class ProcessPool:
             self._unteach_all(sid, lambda w: _forget(w.taught_sets, sid),
                               lambda: P.RemoveShared(self._set.next_seq(), sid))
 
+    def unpin_store(self, model: str, workers: set[int]) -> None:
+        """The workers of ids ``workers`` unlock ``model``'s host store (NOTE [Locked host
+        tier]); one no longer in the pool took its locks with it, and one that fails to
+        answer is replaced, which does the same. Only those workers are claimed."""
+        what = f"unlocking the host store of {model}"
+        for w in [w for w in list(self.workers) if w.id in workers]:
+            try:
+                with self._claim(w, what):
+                    if w in self.workers:
+                        w.request(P.UnpinStore(self._set.next_seq(), model), self.startup_timeout_s, what)
+            except WorkerError as exc:
+                log.warning("%s: %s", what, exc)
+                self._set.replace(w, exc)
+
     def _teach_all(self, what: str, knows: Callable[[WorkerHandle], bool],
                    teach: Callable[[WorkerHandle], None]) -> None:
         for w in list(self.workers):

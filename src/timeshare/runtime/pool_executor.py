@@ -50,7 +50,10 @@ class PoolExecutor:
         self._pool = pool
         self._segments: dict[str, SharedMemory] = {}  # model -> its host store's segment
         self._shared_segments: dict[str, SharedMemory] = {}  # shared set -> its store's segment
-        self._unpinned: set[str] = set()  # models whose stores workers do not page-lock (host tier)
+        # NOTE [Locked host tier]: models whose stores the host tier drops and refills, and
+        # for each the workers whose results said they hold it page-locked.
+        self._droppable: set[str] = set()
+        self._locked_in: dict[str, set[int]] = {}
         # NOTE [Direct host access]: each resident model's keys its load left on the host
         # store, as the loading worker said; told to any worker that runs it resident.
         self._host_keys: dict[str, tuple[str, ...]] = {}
@@ -144,10 +147,15 @@ class PoolExecutor:
             _unlink(segment)
 
     def host_dropping(self, name: str) -> None:
-        return None  # workers answer a call only once its copies are over, and do not pin tiered stores
+        # Workers answer a call only once its copies are over; those holding the store
+        # locked unlock it first (NOTE [Locked host tier]).
+        workers = self._locked_in.get(name)
+        if workers:
+            self._pool.unpin_store(name, workers)
+        self._locked_in.pop(name, None)
 
-    def host_filled(self, name: str) -> None:
-        return None
+    def host_filling(self, name: str) -> None:
+        return None  # a registration locks for its own process: each worker locks at its load
 
     def reads_host(self, name: str) -> bool:
         return bool(self._host_keys.get(name))
@@ -156,10 +164,10 @@ class PoolExecutor:
         assert packed.segment is not None and packed.order is not None
         shared = tuple((k, sid, e) for k, (sid, e) in (packed.shared or {}).items())
         self._pool.add(P.AddModel(0, packed.name, packed.spec.build, packed.entries, packed.segment.name,
-                                  packed.nbytes, packed.order, pin_host=packed.pages is None, shared=shared))
+                                  packed.nbytes, packed.order, droppable=packed.pages is not None, shared=shared))
         self._segments[packed.name] = packed.segment
         if packed.pages is not None:
-            self._unpinned.add(packed.name)
+            self._droppable.add(packed.name)
 
     def discard(self, packed: Packed) -> None:
         if packed.segment is not None and packed.name not in self._segments:
@@ -183,6 +191,12 @@ class PoolExecutor:
                              self._host_keys.get(name, ()) if resident else None, kv)
         if not resident and ran.timings is not None:
             self._host_keys[name] = tuple(ran.timings.get("host_keys", ()))
+            if name in self._droppable and "worker" in ran.timings:  # NOTE [Locked host tier]
+                workers = self._locked_in.setdefault(name, set())
+                if ran.timings.get("store_pinned"):
+                    workers.add(ran.timings["worker"])
+                else:
+                    workers.discard(ran.timings["worker"])
         return ran
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
@@ -194,7 +208,8 @@ class PoolExecutor:
 
     def remove(self, name: str) -> None:
         self._pool.remove(name)
-        self._unpinned.discard(name)
+        self._droppable.discard(name)
+        self._locked_in.pop(name, None)
         self._host_keys.pop(name, None)
         segment = self._segments.pop(name, None)
         if segment is not None:
@@ -235,10 +250,13 @@ class PoolExecutor:
         return self._pool.health()
 
     def pinned_host_bytes(self) -> int:
-        """Every worker registers each store's segment: the same pages, counted once."""
+        """Every worker registers each store's segment: the same pages, counted once; a
+        droppable store while a live worker holds it locked (NOTE [Locked host tier])."""
         if self.device.type != "cuda":
             return 0
-        return sum(s.size for name, s in self._segments.items() if name not in self._unpinned) + \
+        live = {w.id for w in list(self._pool.workers)}
+        return sum(s.size for name, s in self._segments.items()
+                   if name not in self._droppable or self._locked_in.get(name, set()) & live) + \
             sum(s.size for s in self._shared_segments.values())
 
     def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,

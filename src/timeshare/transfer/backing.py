@@ -27,6 +27,27 @@ what comes and goes are its pages:
   as one cache of their summed size would.
 Reads (``transfer/disk.py``) are chunked and spread over a few threads, each reading
 straight into the store (``os.preadv`` into its bytes), with no staging copy on the CPU.
+
+# NOTE [Locked host tier]
+On CUDA a store under the budget is page-locked (``cudaHostRegister``, NOTE [Exact host
+pinning] in timeshare/device.py) while its pages hold bytes, in the process that copies
+from it, so that a load read back from disk copies asynchronously and overlaps compute
+as without a budget. A registration holds for the process that made it, and locked pages
+cannot be given back: dropped while locked, they would stay in memory, out of the
+budget's count, and the device would go on reading them after the store was refilled.
+So a store is unlocked, after the copies that read it, in every process that locked it
+before ``drop()`` (``Executor.host_dropping``), and locked again before its bytes are
+written:
+- in-process, when the host tier has reserved its pages for a fill or a demotion
+  (``Executor.host_filling``), so that reads from disk land in locked memory;
+- in a worker process, by each load of it that finds it unlocked (``Worker.run``), before
+  the load's reads from disk; the worker's ``Result`` says it holds the lock
+  (``store_pinned``, and ``lock_s``), the controller keeps which workers do, and before a
+  drop sends those, and only those, an ``UnpinStore``. A load that locked and then failed
+  unlocks again, so that the record made from results stays exact; a worker that dies
+  takes its locks with it.
+The bytes are counted once: against the budget (the store's pages) and in
+``host_pinned_bytes`` (what is registered). On the CPU nothing is locked.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ class WorkerModel:
     pending: LoadHandle | None = None
     last_use: object = None  # CUDA: an event after the model's last forward (see NOTE [Arena reuse ordering])
     order_fixed: bool = False  # the store was laid out in ``order`` by its owner: never retraced or repacked
+    droppable: bool = False  # under a host budget: page-locked only while it holds bytes (NOTE [Locked host tier])
     direct_candidates: int = 0  # leading layers that may be computed from the host store (NOTE [Direct host access])
     host_bound: tuple[str, ...] = ()  # keys whose slots point at the host store now
     # NOTE [Shared tensors]: keys held once in a shared set, not in ``store``: the set and

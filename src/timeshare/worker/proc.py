@@ -95,9 +95,10 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         buffer = map_shared_memory(msg.store_name, msg.store_nbytes)
         store = HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment)
         del buffer
-        if registrar is not None and msg.pin_host:
+        if registrar is not None and not msg.droppable:
             store.pin(registrar)  # page-locked in this process, so copies are asynchronous DMA
-        worker.add(msg.model, module, layout, store, order=msg.order, shared=shared)
+        # A droppable store is locked by its loads instead (NOTE [Locked host tier]).
+        worker.add(msg.model, module, layout, store, order=msg.order, shared=shared, droppable=msg.droppable)
 
     def add_shared(msg: P.AddShared) -> None:
         buffer = map_shared_memory(msg.store_name, msg.store_nbytes)  # NOTE [Mappings outlive close]
@@ -116,8 +117,12 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         if isinstance(msg, P.RemoveModel):
             worker.remove(msg.model)  # unpins its store and drops every view: the segment is unmapped
             return P.Ack(msg.seq)
+        if isinstance(msg, P.UnpinStore):
+            worker.unpin_store(msg.model)  # NOTE [Locked host tier]: before the controller drops its pages
+            return P.Ack(msg.seq)
         if isinstance(msg, P.RunModel):
             t0 = time.perf_counter()
+            was_locked = worker.store_pinned(msg.model)
             for profile in msg.profiles:
                 worker.adopt_profile(msg.model, profile)
             known = set(worker.models[msg.model].profiles)
@@ -147,6 +152,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             except BaseException:
                 if msg.kv is not None and msg.kv.kind == "decode":
                     batches.drop(msg.kv.batch)  # the controller fails the batch's rows: nothing here keeps them
+                if not was_locked and worker.store_pinned(msg.model):
+                    worker.unlock_failed_load(msg.model)  # only a Result reports a lock (NOTE [Locked host tier])
                 raise
             t_sync = time.perf_counter()
             load = None if msg.resident else worker.load_seconds()
@@ -158,7 +165,10 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                        "ephemeral_peak": None if meter is None else meter.peak,
                        "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
                        "moved_bytes": None if msg.resident else worker.moved_bytes,
-                       "host_keys": worker.host_keys(msg.model), "kv_bytes": kv_bytes}
+                       "host_keys": worker.host_keys(msg.model), "kv_bytes": kv_bytes,
+                       # NOTE [Locked host tier]: whether this worker holds the store page-locked now.
+                       "worker": start.worker, "store_pinned": worker.store_pinned(msg.model),
+                       "lock_s": worker.lock_s}
             if device.type == "cuda":  # device allocations made by this process so far (tests)
                 timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
                 # What the inputs took through the pinned staging buffer (NOTE [Input staging]).

@@ -12,6 +12,7 @@ eviction policy (see docs/architecture.md).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
@@ -78,13 +79,16 @@ class Worker:
         self.read_threads = READ_THREADS
         self.disk_Bps: float | None = None  # the latest load from disk's read bandwidth
         self.moved_bytes = 0  # bytes the latest ``run``'s load copies to the device (shared sets included)
+        self.lock_s: float | None = None  # the latest ``run``'s page-locking of its store (NOTE [Locked host tier])
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
             order: ExecutionOrder | None = None,
-            shared: Mapping[str, tuple[str, TensorEntry]] | None = None) -> WorkerModel:
+            shared: Mapping[str, tuple[str, TensorEntry]] | None = None, droppable: bool = False) -> WorkerModel:
         """``shared``: the model's keys held in shared sets (NOTE [Shared tensors]), which
-        needs ``order``; the store holds the others."""
+        needs ``order``; the store holds the others. ``droppable``: the host tier gives the
+        store's pages back and fills them again; this worker page-locks it at its loads
+        and until ``unpin_store`` (NOTE [Locked host tier])."""
         if shared and order is None:
             raise TimeshareError(f"model {name!r}: shared tensors need the execution order traced at registration")
         sets = frozenset(sid for sid, _ in (shared or {}).values())
@@ -92,7 +96,7 @@ class Worker:
         if missing:
             raise TimeshareError(f"model {name!r} uses shared sets {sorted(missing)} this worker does not have")
         wm = WorkerModel(name, module, layout, store, shared=dict(shared or {}), shared_sets=sets,
-                         shared_sizes={sid: self.shared[sid].nbytes for sid in sets})
+                         shared_sizes={sid: self.shared[sid].nbytes for sid in sets}, droppable=droppable)
         self.models[name] = wm
         if order is not None:
             self._adopt_order(wm, order, repack=False)
@@ -142,6 +146,29 @@ class Worker:
         self.release_shared(sid)
         self._drop_store(self.shared.pop(sid))
 
+    def pin_store(self, name: str) -> bool:
+        """Page-lock ``name``'s host store now, if this worker locks stores and it is not
+        locked (NOTE [Locked host tier]); True if this call locked it."""
+        wm = self.models[name]
+        if self.host_registrar is None or wm.store.pinned:
+            return False
+        wm.store.pin(self.host_registrar)
+        return True
+
+    def unpin_store(self, name: str) -> None:
+        """``name``'s host store is about to lose its pages (NOTE [Locked host tier]):
+        unlocked once no copy reads it. Idempotent."""
+        wm = self.models.get(name)
+        if wm is None:
+            return
+        self.finish_pending(name)  # a tail still copying reads the store
+        self._drop_store(wm.store)
+
+    def store_pinned(self, name: str) -> bool:
+        """Whether ``name``'s host store is page-locked in this process now."""
+        wm = self.models.get(name)
+        return wm is not None and wm.store.pinned
+
     def pinned_host_bytes(self) -> int:
         """Host memory this worker's stores hold page-locked (safe to call from any thread)."""
         stores = [wm.store for wm in list(self.models.values())] + list(self.shared.values())
@@ -169,11 +196,19 @@ class Worker:
         missing = tuple(sid for sid, (_, there) in (shared or {}).items() if not there)
         if resident and missing:
             raise TimeshareError(f"model {name!r} is resident but its shared sets {list(missing)} are not")
+        locked = False
+        self.lock_s = None
         if not resident:
             self.last_load = None
             self.last_fill = None
             self.moved_bytes = 0
         try:
+            if not resident and wm.droppable:
+                # NOTE [Locked host tier]: before the reads from disk, so that they land in
+                # locked memory, and before any copy, so that the copies are asynchronous.
+                t0 = time.perf_counter()
+                locked = self.pin_store(name)
+                self.lock_s = time.perf_counter() - t0 if locked else None
             if resident:
                 self.finish_pending(name)
                 self._bind(wm, offset, at)
@@ -194,9 +229,21 @@ class Worker:
         except BaseException:
             for sid in missing:  # the controller frees those sets: no later call waits on this load
                 self._shared_loads.pop(sid, None)
+            if locked:
+                self.unlock_failed_load(name)
             raise
         self._mark_used(wm)
         return out
+
+    def unlock_failed_load(self, name: str) -> None:
+        """A load that locked ``name``'s droppable store failed: unlock it, so that only a
+        successful call reports a lock (NOTE [Locked host tier]). Never raises: the
+        failure being handled is the one to report."""
+        try:
+            self.unpin_store(name)
+        except Exception:
+            log.exception("unlocking the host store of %s after a failed load", name)
+            self.models[name].store.release()  # the device is broken: nothing copies any more
 
     def _shared_offsets(self, wm: WorkerModel, shared: Mapping[str, tuple[int, bool]] | None) -> dict[str, int]:
         """Where ``wm``'s shared sets are, checked; those already there are waited for if
