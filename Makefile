@@ -68,10 +68,13 @@ test-latest:
 demo: $(STAMP)
 	@$(BIN)/timeshare demo
 
+# The suite in TEST_WORKERS pytest-xdist workers; tests/conftest.py says how tests are grouped.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests/gpu -m cuda

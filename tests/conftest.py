@@ -60,8 +60,44 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"FAILED: shared-memory segments left behind: {leaked}", red=True)
 
 
+# How `make test` spreads the suite over pytest-xdist's workers (-n 2 --dist loadgroup
+# --no-loadscope-reorder): Ray's tests together on one worker (two local Ray clusters at once
+# would fight over two cores), each module with a module- or session-scoped fixture of its own
+# on one worker (built once, not once per worker), every other test on its own; the longest
+# chains first, so the single tests even out the end.
+RAY_MODULES = {"test_cluster.py", "test_cluster_server.py", "test_cluster_llm.py"}
+# Modules of single tests that each take tens of seconds: dealt out before the short ones.
+SLOW_MODULES = ("test_campaign.py", "test_cli.py", "test_bench_llm.py", "test_faults.py", "test_checkpoints.py",
+                "test_chaos.py", "test_llm_workers.py", "test_direct_access.py", "test_dedup.py")
+
+
+def _shares_a_fixture(path: Path, seen: dict[Path, bool] = {}) -> bool:  # noqa: B006 (a cache)
+    if path not in seen:
+        text = path.read_text()
+        seen[path] = 'scope="module"' in text or 'scope="session"' in text
+    return seen[path]
+
+
+def _distribute(items) -> None:
+    def rank(item) -> int:
+        name = item.path.name
+        if name in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+            return 0
+        if _shares_a_fixture(item.path):
+            item.add_marker(pytest.mark.xdist_group(name))
+            return 1
+        return 2 if name in SLOW_MODULES else 3
+
+    ranks = {id(item): rank(item) for item in items}
+    items.sort(key=lambda item: ranks[id(item)])  # stable: each module keeps its own order
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    _distribute(items)
 
     if torch.cuda.is_available():
         return
