@@ -66,8 +66,8 @@ def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed
     want = decode(llm, reference(llm, ids, 16))
     refs = references([ModelDef(z, z, str(weights_path(z))) for z in ZOO])
     with ServerProcess(_config(llm, migrate_after_s=None), ready_timeout_s=300) as server, \
-            Client(server.url) as client:
-        chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            Client(server.url) as client, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as chat:
 
         def complete() -> None:
             out = chat.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0)

@@ -42,7 +42,10 @@ def server(dirs):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    # Closed at the end: an OpenAI client left to the garbage collector drops its kept-alive
+    # sockets unclosed, and the ResourceWarning fails whichever later test the collector runs in.
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
 
 
 def reference(path, prompt_ids: list[int], n: int) -> list[int]:
@@ -233,9 +236,9 @@ def test_a_server_with_workers_generates_in_them_and_streams_the_same_text(dirs)
     prompt = "load weights layer token"
     want = decode(path, reference(path, tok(prompt, add_special_tokens=False)["input_ids"], 16))
     with running_server(cfg) as s:
-        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        out = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0)
-        assert out.choices[0].text == want
-        streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
-            model="llama", prompt=prompt, max_tokens=16, temperature=0, stream=True) if chunk.choices)
-        assert streamed == want
+        with openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            out = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0)
+            assert out.choices[0].text == want
+            streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+                model="llama", prompt=prompt, max_tokens=16, temperature=0, stream=True) if chunk.choices)
+            assert streamed == want
