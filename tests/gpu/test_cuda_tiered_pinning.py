@@ -68,8 +68,11 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
         for name in ("a", "b"):
             rt.register(name, "tests.gpu.test_cuda_tiered_pinning:chain", None, (X,))
         ready = {}
+        loaders = set()  # with workers: the workers that ran a load
         for name in ("a", "b"):
-            rt.infer(name, X)  # the first load traces and profiles
+            first = rt.call(name, (X,))  # the first load traces and profiles
+            if workers:
+                loaders.add(first.record.timings["worker"])
             ready[name] = rt.infer(name, X)
         for rep in range(3):
             for name in ("a", "b"):
@@ -82,8 +85,16 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
                 if workers:
                     # Locked by this load, not left locked from before: the drop unlocked it
                     # in the worker (UnpinStore), so the device never reads pages given back.
-                    assert call.record.timings["store_pinned"] is True
-                    assert call.record.timings["lock_s"] is not None
+                    t = call.record.timings
+                    assert t["store_pinned"] is True and t["lock_s"] is not None
+                    # ``host_pinned_bytes`` above is the controller's record, so it cannot
+                    # check itself; this is measured in the worker: it holds exactly the
+                    # store in memory locked, the other's having been unlocked before its
+                    # pages went. A worker locks a droppable store only at its loads, and
+                    # all of them ran in this one (tasks go to the first ready worker,
+                    # asserted below): no other worker holds anything locked.
+                    assert t["host_pinned_bytes"] == store
+                    loaders.add(t["worker"])
                 else:
                     worker = rt.in_process_worker()
                     assert worker is not None
@@ -93,6 +104,8 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
                     assert not other.pinned  # dropped: unlocked before its pages went
         tier = rt.snapshot()["host_tier"]
         assert tier["drops"] >= 6 and tier["streamed_fills"] >= 6  # really read back from disk
+        if workers:
+            assert len(loaders) == 1, loaders
         for name in ("a", "b"):
             rt.unregister(name)
         assert rt.snapshot()["host_pinned_bytes"] == 0 and rt.snapshot()["host_tier"]["used"] == 0

@@ -7,6 +7,7 @@ drop and read-back cycles, with nothing left locked at the end."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from tests.integration.test_host_tier import NBYTES, X, reference, stores, write
 from tests.models import seeded_tier_net
-from tests.unit.test_tiered_pinning import LockLedger
+from tests.unit.test_tiered_pinning import LockLedger, RefusingRegistrar
 from timeshare.errors import WeightsError
 from timeshare.runtime.facade import Runtime
 
@@ -112,6 +113,25 @@ def test_a_failed_read_back_leaves_nothing_locked(tmp_path):
         assert ledger.live == {} and len(ledger.registered) == ledger.unregistered == 2
 
 
+def test_a_store_that_cannot_be_locked_is_read_back_unlocked(tmp_path, caplog):
+    """cudaHostRegister failing is no reason to fail a load: it copies from pageable
+    memory, as without a lock, with one warning, and nothing counts as locked."""
+    caplog.set_level(logging.WARNING, logger="timeshare")
+    path = write(tmp_path, 1)
+    with Runtime("cpu", "4MiB", host_memory=int(1.5 * NBYTES)) as rt:
+        worker = rt.in_process_worker()
+        assert worker is not None
+        worker.host_registrar = RefusingRegistrar()
+        rt.register("a", "tests.models:tier_net", path, (X,))
+        for _ in range(3):
+            assert torch.equal(rt.infer("a", X), reference(1))
+            assert not worker.store_pinned("a") and rt.snapshot()["host_pinned_bytes"] == 0
+            rt.evict("a", host=True)
+        assert rt.snapshot()["host_tier"]["fills"] == 3
+    said = [r.getMessage() for r in caplog.records if "cannot page-lock the host store of a" in r.getMessage()]
+    assert len(said) == 1 and "cudaHostRegister failed" in said[0]
+
+
 def test_workers_on_the_cpu_lock_nothing_and_each_load_says_so(tmp_path):
     paths = [write(tmp_path, i) for i in range(2)]
     with Runtime("cpu", NBYTES + (64 << 10), workers=2, host_memory=int(1.5 * NBYTES)) as rt:
@@ -122,4 +142,5 @@ def test_workers_on_the_cpu_lock_nothing_and_each_load_says_so(tmp_path):
             assert call.record.loaded and torch.equal(call.output, reference(i))
             t = call.record.timings
             assert isinstance(t["worker"], int) and t["store_pinned"] is False and t["lock_s"] is None
+            assert t["host_pinned_bytes"] == 0
         assert rt.snapshot()["host_tier"]["drops"] >= 3 and rt.snapshot()["host_pinned_bytes"] == 0

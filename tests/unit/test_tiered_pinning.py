@@ -7,21 +7,30 @@ implements the real ``HostRegistrar`` interface and reads the memory it is hande
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+import logging
+import multiprocessing
+import os
+import threading
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from tests.models import seeded_tier_net
 from tests.unit.test_host_memory import FakeRegistrar
 from timeshare import protocol as P
+from timeshare.errors import DeviceError, PipelineError
 from timeshare.memory.arena import Arena
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.executor import Packed
+from timeshare.runtime.pool import ProcessPool
 from timeshare.runtime.pool_executor import PoolExecutor
 from timeshare.runtime.registration import Tiered, build_tiered, model_spec
+from timeshare.runtime.segments import Segments
 from timeshare.transfer.copy import CpuCopyEngine
+from timeshare.worker.proc import worker_main
 from timeshare.worker.worker import Worker
 
 CPU = torch.device("cpu")
@@ -46,6 +55,13 @@ class LockLedger(FakeRegistrar):
         if nbytes is not None:
             self.held_at_unlock.append(any(ctypes.string_at(ptr, nbytes)))
         super().unregister(ptr)
+
+
+class RefusingRegistrar(FakeRegistrar):
+    """cudaHostRegister failing (out of lockable memory, say): locks nothing."""
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        raise DeviceError(f"cannot page-lock {nbytes:,} bytes of host memory: cudaHostRegister failed")
 
 
 def tiered(tmp_path: Path, seed: int = 1) -> Tiered:
@@ -139,6 +155,117 @@ def test_a_store_without_a_budget_is_locked_when_added_and_not_by_loads(tmp_path
     assert ledger.live == {}
 
 
+def test_a_store_that_cannot_be_locked_loads_from_pageable_memory_and_says_so_once(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="timeshare")
+    arena = Arena(CPU, 1 << 20)
+    engine = CpuCopyEngine(deadline_s=10)
+    try:
+        w = Worker(CPU, arena, engine, profile_repeats=1, registrar=RefusingRegistrar())
+        t = tiered(tmp_path)
+        w.add("m", t.module, t.layout, t.store, order=t.order, droppable=True)
+        block = arena.allocate(t.store.nbytes, "m")
+        assert block is not None
+        for _ in range(2):
+            out = w.run("m", block.offset, False, (X,), {}, "optimal")
+            assert torch.equal(out, w.run("m", block.offset, True, (X,), {}, "optimal"))
+            assert torch.allclose(out, reference(), atol=1e-6)
+            assert not w.store_pinned("m") and w.pinned_host_bytes() == 0 and w.lock_s is None
+            w.unpin_store("m")
+        said = [r.getMessage() for r in caplog.records if "cannot page-lock the host store of m" in r.getMessage()]
+        assert len(said) == 1 and "cudaHostRegister failed" in said[0]
+    finally:
+        engine.close()
+        arena.close()
+
+
+class FailedTail:
+    """A load's tail whose copies failed: waiting for it raises."""
+
+    def wait_all(self) -> None:
+        raise PipelineError("a group did not arrive before its deadline")
+
+
+def test_a_store_is_unlocked_even_after_a_failed_copy(tmp_path, worker):
+    w, ledger, arena = worker
+    t = tiered(tmp_path)
+    w.add("m", t.module, t.layout, t.store, order=t.order, droppable=True)
+    block = arena.allocate(t.store.nbytes, "m")
+    assert block is not None
+    w.run("m", block.offset, False, (X,), {}, "optimal")
+    assert ledger.live
+    w.models["m"].pending = FailedTail()  # type: ignore[assignment]
+    w.unpin_store("m")  # the failure was the load's, reported with it: the pages must be able to go
+    assert ledger.live == {} and not w.store_pinned("m")
+
+
+# ------------------------------------------------------------------ a worker process's loop
+class NoCacheLM(nn.Module):
+    """Takes a key/value step's forward but returns no cache: the step fails after its load."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 64)
+
+    def forward(self, ids, attention_mask=None, use_cache=None, logits_to_keep=None):
+        return {"logits": self.emb(ids)}
+
+
+def no_cache_lm() -> NoCacheLM:
+    torch.manual_seed(0)
+    return NoCacheLM()
+
+
+IDS = torch.tensor([[1, 2, 3]])
+
+
+def test_a_worker_process_unlocks_a_store_whose_step_failed_after_the_load(tmp_path, monkeypatch):
+    """``worker_main`` on a thread, with the recording registrar as its device's: a key/value
+    step loads (and locks) the store, then fails in the batch's bookkeeping; only a Result
+    reports a lock, so the store must be unlocked. A Result reports what is locked."""
+    ledger = LockLedger()
+    monkeypatch.setattr("timeshare.device.host_registrar", lambda device: ledger)
+    pool = FakePool()
+    ex = PoolExecutor(torch.device("cuda"), pool)  # a device object only: it builds the messages
+    spec, _ = model_spec("lm", no_cache_lm, None, (IDS,), None, None, "be", None)
+    ex.add(ex.pack_tiered(spec, build_tiered(spec, tmp_path)))
+    arena = Arena(CPU, 1 << 20)
+    start = P.Start(worker=7, parent_pid=os.getppid(), device="cpu", arena=arena.share(),
+                    arena_capacity=arena.capacity, profile_repeats=1, fixed_group_bytes=1 << 20, load_timeout_s=10.0)
+    ours, theirs = multiprocessing.Pipe()
+    loop = threading.Thread(target=worker_main, args=(start, theirs), daemon=True)
+    loop.start()
+
+    def reply():
+        assert ours.poll(30), "the worker did not answer"
+        return P.loads(ours.recv_bytes())
+
+    def ask(msg):
+        ours.send_bytes(P.dumps(msg))
+        return reply()
+
+    try:
+        assert isinstance(reply(), P.Hello)
+        assert isinstance(ask(replace(pool.added[0], seq=1)), P.Ack)
+        nbytes = pool.added[0].store_nbytes
+        step = P.KVStep("b", "prefill", (1, 2, 3), new=0, fresh=True)
+        failed = ask(P.RunModel(2, "lm", 0, False, (), {}, "optimal", kv=step))
+        assert isinstance(failed, P.Failure) and failed.error.type_name == "builtins.KeyError", failed
+        assert ledger.registered == [nbytes] and ledger.live == {}  # locked by the load, unlocked by its failure
+        ran = ask(P.RunModel(3, "lm", 0, False, (IDS,), {}, "optimal"))
+        assert isinstance(ran, P.Result), ran
+        assert ran.timings["store_pinned"] is True and ran.timings["worker"] == 7
+        assert ran.timings["host_pinned_bytes"] == ledger.locked == nbytes  # measured in the worker
+        assert isinstance(ask(P.UnpinStore(4, "lm")), P.Ack)
+        assert ledger.live == {}
+        ours.send_bytes(P.dumps(P.Shutdown()))
+        loop.join(30)
+        assert not loop.is_alive()
+    finally:
+        ours.close()
+        arena.close()
+        ex.remove("lm")
+
+
 # ------------------------------------------------------------------ the controller's record
 @dataclass
 class FakeSegment:
@@ -165,6 +292,10 @@ class FakePool:
     unpinned: list[tuple[str, set[int]]] = field(default_factory=list)
     answer: dict | Exception = field(default_factory=dict)
     refuse_unpin: Exception | None = None
+    retired_stops: int = 0
+
+    def stop_retired(self) -> None:
+        self.retired_stops += 1
 
     def add(self, msg: P.AddModel) -> None:
         self.added.append(msg)
@@ -208,6 +339,7 @@ def test_the_pool_unlocks_a_store_in_exactly_the_workers_that_reported_a_lock(tm
     assert ex.pinned_host_bytes() == 1300
     ex.host_dropping("m")
     assert pool.unpinned == [("m", {1})] and ex.pinned_host_bytes() == 300
+    assert pool.retired_stops == 1  # a benchmark's one-shot worker may hold it unrecorded: stopped first
     ex.host_dropping("m")  # nothing locked any more: no worker is claimed
     assert len(pool.unpinned) == 1
 
@@ -240,3 +372,56 @@ def test_the_pool_unlocks_a_store_in_exactly_the_workers_that_reported_a_lock(tm
     assert ex.pinned_host_bytes() == 300
     ex.host_dropping("m")  # a model removed is forgotten: its worker unlocked it when it removed it
     assert len(pool.unpinned) == 2
+
+
+@dataclass(eq=False)
+class FakeWorkerHandle:
+    """A worker's handle as ``ProcessPool.unpin_store`` drives it; answers ``UnpinStore``
+    or raises what the worker sent back."""
+
+    id: int
+    error: Exception | None = None
+    asked: list[P.UnpinStore] = field(default_factory=list)
+
+    def try_lease(self, timeout: float = 0.0) -> bool:
+        return True
+
+    def unlease(self) -> None:
+        return None
+
+    def request(self, msg: P.UnpinStore, timeout: float, what: str) -> P.Ack:
+        self.asked.append(msg)
+        if self.error is not None:
+            raise self.error
+        return P.Ack(msg.seq)
+
+
+@dataclass
+class FakeWorkerSet:
+    workers: list[FakeWorkerHandle]
+    replaced: list[int] = field(default_factory=list)
+    seq: int = 0
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def replace(self, w: FakeWorkerHandle, cause: BaseException | str) -> None:
+        self.replaced.append(w.id)  # killed: its locks go with its process
+        self.workers[self.workers.index(w)] = FakeWorkerHandle(100 + w.id)
+
+
+def test_a_worker_that_fails_to_unlock_is_replaced_and_the_others_still_unlock():
+    """A worker's own error (a failed copy, a broken device) comes back as its own type,
+    not a WorkerError: the pool replaces that worker whatever the error and goes on, so
+    that the store's pages can go with no process left holding them locked."""
+    handles = [FakeWorkerHandle(1, PipelineError("a tail failed")), FakeWorkerHandle(2, DeviceError("gone")),
+               FakeWorkerHandle(3), FakeWorkerHandle(4)]
+    pool = ProcessPool.__new__(ProcessPool)  # only what unpin_store uses: no processes
+    pool._set = FakeWorkerSet(list(handles))  # type: ignore[assignment]
+    pool._cv = threading.Condition(threading.RLock())
+    pool._segments = Segments(claim_within_s=5.0)
+    pool.task_timeout_s = pool.startup_timeout_s = 5.0
+    pool.unpin_store("m", {1, 2, 3})
+    assert [len(h.asked) for h in handles] == [1, 1, 1, 0]  # exactly the workers named
+    assert pool._set.replaced == [1, 2]  # type: ignore[attr-defined]

@@ -140,14 +140,15 @@ class ProcessPool:
     def unpin_store(self, model: str, workers: set[int]) -> None:
         """The workers of ids ``workers`` unlock ``model``'s host store (NOTE [Locked host
         tier]); one no longer in the pool took its locks with it, and one that fails to
-        answer is replaced, which does the same. Only those workers are claimed."""
+        unlock, however it fails, is replaced, which does the same: the store's pages can
+        go once this returns. Only those workers are claimed."""
         what = f"unlocking the host store of {model}"
         for w in [w for w in list(self.workers) if w.id in workers]:
             try:
                 with self._claim(w, what):
                     if w in self.workers:
                         w.request(P.UnpinStore(self._set.next_seq(), model), self.startup_timeout_s, what)
-            except WorkerError as exc:
+            except Exception as exc:  # a worker's own error (a failed copy, a broken device) too
                 log.warning("%s: %s", what, exc)
                 self._set.replace(w, exc)
 
@@ -330,7 +331,7 @@ class ProcessPool:
         """PipeSwitch's "two processes, no standby" baseline (benchmarks only): start a
         worker now, teach it ``model`` and the profiles known for it, load and run, stop it.
         The weights still come from the shared host store: no file is read."""
-        self._stop_retired()
+        self.stop_retired()
         w = self._set.spawn()
         self._retired.append(w)  # stopped later, off the timed path
         with w.leased(self.startup_timeout_s, f"running {model}"):
@@ -341,7 +342,9 @@ class ProcessPool:
                              shared=dict(shared) if shared is not None else None)
             return w.request(msg, self.task_timeout_s, f"running {model}").value
 
-    def _stop_retired(self) -> None:
+    def stop_retired(self) -> None:
+        """Stop the workers ``run_in_new_worker`` started: they may hold a store page-locked
+        that no record names (NOTE [Locked host tier])."""
         retired, self._retired = self._retired, []
         for w in retired:
             w.stop()
@@ -511,7 +514,7 @@ class ProcessPool:
 
     def close(self) -> None:
         self._set.close()
-        self._stop_retired()
+        self.stop_retired()
 
 
 def _state_of(w: WorkerHandle, training: set[WorkerHandle]) -> str:

@@ -148,7 +148,9 @@ class PoolExecutor:
 
     def host_dropping(self, name: str) -> None:
         # Workers answer a call only once its copies are over; those holding the store
-        # locked unlock it first (NOTE [Locked host tier]).
+        # locked unlock it first (NOTE [Locked host tier]), and a benchmark's one-shot
+        # worker, which may have locked it unrecorded, is stopped.
+        self._pool.stop_retired()
         workers = self._locked_in.get(name)
         if workers:
             self._pool.unpin_store(name, workers)

@@ -43,9 +43,11 @@ written:
 - in a worker process, by each load of it that finds it unlocked (``Worker.run``), before
   the load's reads from disk; the worker's ``Result`` says it holds the lock
   (``store_pinned``, and ``lock_s``), the controller keeps which workers do, and before a
-  drop sends those, and only those, an ``UnpinStore``. A load that locked and then failed
-  unlocks again, so that the record made from results stays exact; a worker that dies
-  takes its locks with it.
+  drop sends those, and only those, an ``UnpinStore``. A call that locked and then failed,
+  wherever it failed, unlocks again, so that the record made from results stays exact; a
+  worker that dies takes its locks with it, so one that fails to unlock is replaced.
+A lock is best effort: where ``cudaHostRegister`` fails, the store stays pageable (one
+warning per model) and its loads copy from there, reported as not locked.
 The bytes are counted once: against the budget (the store's pages) and in
 ``host_pinned_bytes`` (what is registered). On the CPU nothing is locked.
 """

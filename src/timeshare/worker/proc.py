@@ -104,6 +104,59 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         buffer = map_shared_memory(msg.store_name, msg.store_nbytes)  # NOTE [Mappings outlive close]
         worker.add_shared(msg.sid, HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment))
 
+    def run_model(msg: P.RunModel, t0: float) -> P.Result:
+        for profile in msg.profiles:
+            worker.adopt_profile(msg.model, profile)
+        known = set(worker.models[msg.model].profiles)
+        args, kwargs = to_device(msg.args, msg.kwargs)
+        t_up = time.perf_counter()
+        in_task[0] = True
+        kv_bytes = None
+        with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
+            if msg.kv is None:
+                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
+                                 msg.shared, msg.host_keys)
+            else:  # NOTE [Generation in worker processes]: a step on the caches kept here
+                out, kv_bytes = batches.step(
+                    msg.kv, worker.models[msg.model].module,
+                    lambda a, k: worker.run(msg.model, msg.offset, msg.resident, a, k, msg.strategy, msg.fill,
+                                            msg.shared, msg.host_keys))
+        in_task[0] = False
+        t_run = time.perf_counter()
+        try:
+            worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
+            out = worker.to_host(out)  # each output comes down once; pickling sends it as it is
+            t_host = time.perf_counter()
+            if device.type == "cuda":
+                # Nothing of this task is still queued when we answer: no copy from the
+                # host store or the input staging buffer (NOTE [Input staging]) is in flight.
+                torch.cuda.synchronize(device)
+        except BaseException:
+            if msg.kv is not None and msg.kv.kind == "decode":
+                batches.drop(msg.kv.batch)  # the controller fails the batch's rows: nothing here keeps them
+            raise
+        t_sync = time.perf_counter()
+        load = None if msg.resident else worker.load_seconds()
+        profiles = worker.models[msg.model].profiles
+        learned = tuple(p for k, p in profiles.items() if k not in known)
+        # Where the worker's time went (the bench's breakdown of a call through a worker).
+        timings = {"received_at": t0, "load_s": load, "unpickle_s": unpickled[0], "upload_s": t_up - t0,
+                   "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
+                   "ephemeral_peak": None if meter is None else meter.peak,
+                   "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
+                   "moved_bytes": None if msg.resident else worker.moved_bytes,
+                   "host_keys": worker.host_keys(msg.model), "kv_bytes": kv_bytes,
+                   # NOTE [Locked host tier]: whether this worker holds the store page-locked now,
+                   # and what it holds page-locked in all, as measured here (tests check the record).
+                   "worker": start.worker, "store_pinned": worker.store_pinned(msg.model),
+                   "lock_s": worker.lock_s, "host_pinned_bytes": worker.pinned_host_bytes()}
+        if device.type == "cuda":  # device allocations made by this process so far (tests)
+            timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+            # What the inputs took through the pinned staging buffer (NOTE [Input staging]).
+            timings["input_staged_bytes"] = staging.staged_nbytes
+            timings["input_pinned_bytes"] = staging.pinned_nbytes
+        return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
+
     def handle(msg):
         if isinstance(msg, P.AddModel):
             add_model(msg)
@@ -123,58 +176,15 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         if isinstance(msg, P.RunModel):
             t0 = time.perf_counter()
             was_locked = worker.store_pinned(msg.model)
-            for profile in msg.profiles:
-                worker.adopt_profile(msg.model, profile)
-            known = set(worker.models[msg.model].profiles)
-            args, kwargs = to_device(msg.args, msg.kwargs)
-            t_up = time.perf_counter()
-            in_task[0] = True
-            kv_bytes = None
-            with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
-                if msg.kv is None:
-                    out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
-                                     msg.shared, msg.host_keys)
-                else:  # NOTE [Generation in worker processes]: a step on the caches kept here
-                    out, kv_bytes = batches.step(
-                        msg.kv, worker.models[msg.model].module,
-                        lambda a, k: worker.run(msg.model, msg.offset, msg.resident, a, k, msg.strategy, msg.fill,
-                                                msg.shared, msg.host_keys))
-            in_task[0] = False
-            t_run = time.perf_counter()
             try:
-                worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
-                out = worker.to_host(out)  # each output comes down once; pickling sends it as it is
-                t_host = time.perf_counter()
-                if device.type == "cuda":
-                    # Nothing of this task is still queued when we answer: no copy from the
-                    # host store or the input staging buffer (NOTE [Input staging]) is in flight.
-                    torch.cuda.synchronize(device)
+                return run_model(msg, t0)
             except BaseException:
-                if msg.kv is not None and msg.kv.kind == "decode":
-                    batches.drop(msg.kv.batch)  # the controller fails the batch's rows: nothing here keeps them
+                # Only a Result reports a lock (NOTE [Locked host tier]): a load that locked the
+                # store unlocks it whatever failed after it (a key/value step's bookkeeping, the
+                # copy of its output to the host), or no record would name this worker.
                 if not was_locked and worker.store_pinned(msg.model):
-                    worker.unlock_failed_load(msg.model)  # only a Result reports a lock (NOTE [Locked host tier])
+                    worker.unlock_failed_load(msg.model)
                 raise
-            t_sync = time.perf_counter()
-            load = None if msg.resident else worker.load_seconds()
-            profiles = worker.models[msg.model].profiles
-            learned = tuple(p for k, p in profiles.items() if k not in known)
-            # Where the worker's time went (the bench's breakdown of a call through a worker).
-            timings = {"received_at": t0, "load_s": load, "unpickle_s": unpickled[0], "upload_s": t_up - t0,
-                       "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
-                       "ephemeral_peak": None if meter is None else meter.peak,
-                       "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
-                       "moved_bytes": None if msg.resident else worker.moved_bytes,
-                       "host_keys": worker.host_keys(msg.model), "kv_bytes": kv_bytes,
-                       # NOTE [Locked host tier]: whether this worker holds the store page-locked now.
-                       "worker": start.worker, "store_pinned": worker.store_pinned(msg.model),
-                       "lock_s": worker.lock_s}
-            if device.type == "cuda":  # device allocations made by this process so far (tests)
-                timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
-                # What the inputs took through the pinned staging buffer (NOTE [Input staging]).
-                timings["input_staged_bytes"] = staging.staged_nbytes
-                timings["input_pinned_bytes"] = staging.pinned_nbytes
-            return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
         if isinstance(msg, P.Profile):
             profile = worker.profile(msg.model, msg.offset, *to_device(msg.args, msg.kwargs), msg.shared,
                                      msg.host_keys)

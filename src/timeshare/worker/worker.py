@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from timeshare.device import HostRegistrar, host_registrar, synchronize
-from timeshare.errors import PipelineError, TimeshareError
+from timeshare.errors import DeviceError, PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import TensorLayout, bind, bind_some, unbind
 from timeshare.transfer.copy import CopyEngine, LoadHandle, Piece, Ready, SharedCopies
@@ -80,6 +80,7 @@ class Worker:
         self.disk_Bps: float | None = None  # the latest load from disk's read bandwidth
         self.moved_bytes = 0  # bytes the latest ``run``'s load copies to the device (shared sets included)
         self.lock_s: float | None = None  # the latest ``run``'s page-locking of its store (NOTE [Locked host tier])
+        self._lock_refused: set[str] = set()  # models whose stores could not be page-locked (warned once)
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -152,7 +153,14 @@ class Worker:
         wm = self.models[name]
         if self.host_registrar is None or wm.store.pinned:
             return False
-        wm.store.pin(self.host_registrar)
+        try:
+            wm.store.pin(self.host_registrar)
+        except DeviceError as exc:  # best effort: the load copies from pageable memory instead
+            if name not in self._lock_refused:
+                self._lock_refused.add(name)
+                log.warning("cannot page-lock the host store of %s; its loads copy from pageable memory: %s",
+                            name, exc)
+            return False
         return True
 
     def unpin_store(self, name: str) -> None:
@@ -161,7 +169,10 @@ class Worker:
         wm = self.models.get(name)
         if wm is None:
             return
-        self.finish_pending(name)  # a tail still copying reads the store
+        try:
+            self.finish_pending(name)  # a tail still copying reads the store
+        except Exception as exc:  # that load's failure is its own: unlocked all the same, once the device is idle
+            log.warning("unlocking the host store of %s after a failed copy: %s", name, exc)
         self._drop_store(wm.store)
 
     def store_pinned(self, name: str) -> bool:
