@@ -41,6 +41,9 @@ class ChaosBenchConfig:
     duration_s: float = 300.0
     workers: int = 2
     fault_every_s: float = 5.0
+    # The run goes on past duration_s (by at most as long again) until this many faults have
+    # happened: on a loaded machine a fault's wait for its target can eat the duration.
+    min_faults: int = 0
     faults: list[str] = field(default_factory=lambda: list(FAULTS))
     training: str | None = "tiny_cnn:8"  # MODEL:BATCH, restarted whenever a fault ends it
     stop_max_s: float = 8.0  # a SIGSTOP lasts up to this; past the call's deadline the pool kills the worker
@@ -205,7 +208,8 @@ def _fault_loop(cfg: ChaosBenchConfig, rec: _Recorder) -> None:
     rng = random.Random(cfg.seed)
     order: list[str] = []
     end = rec.now() + cfg.duration_s
-    while rec.now() + cfg.fault_every_s <= end:
+    hard_end = end + cfg.duration_s
+    while rec.now() + cfg.fault_every_s <= end or (len(rec.faults) < cfg.min_faults and rec.now() < hard_end):
         time.sleep(cfg.fault_every_s * rng.uniform(0.7, 1.3) if rec.faults else cfg.fault_every_s)
         if not order:  # every kind in turn, in a shuffled order: each one happens
             order = list(cfg.faults)

@@ -23,7 +23,7 @@ import torch
 
 from timeshare.bench.common import outputs_equal
 from timeshare.bench.environment import describe
-from timeshare.cluster.cluster import Cluster, import_ray, start_local_ray
+from timeshare.cluster.cluster import REPLICA_CPUS, Cluster, import_ray, start_local_ray
 from timeshare.cluster.replica import ModelDef
 from timeshare.errors import ConfigError
 from timeshare.models.spec import build_module
@@ -53,15 +53,23 @@ def model_defs(count: int) -> list[ModelDef]:
             for i in range(count)]
 
 
-def references(models: list[ModelDef]) -> dict[str, object]:
-    """Each model's outputs on its example inputs, computed alone here with plain PyTorch."""
+def references(models: list[ModelDef], threads: int = REPLICA_CPUS) -> dict[str, object]:
+    """Each model's outputs on its example inputs, computed alone here with plain PyTorch
+    on ``threads`` intra-op threads, as a replica computes them (``REPLICA_CPUS``): on the
+    CPU the bits depend on the thread count, so a reference on this process's default
+    count matched a replica's only where an earlier call had happened to lower it."""
     out = {}
-    for m in models:
-        module = build_module(m.name, m.builder())
-        if m.weights is not None:
-            module.load_state_dict(read_weights(m.weights), strict=True)
-        with torch.inference_mode():
-            out[m.name] = module.eval()(*m.example_inputs())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in models:
+            module = build_module(m.name, m.builder())
+            if m.weights is not None:
+                module.load_state_dict(read_weights(m.weights), strict=True)
+            with torch.inference_mode():
+                out[m.name] = module.eval()(*m.example_inputs())
+    finally:
+        torch.set_num_threads(before)
     return out
 
 

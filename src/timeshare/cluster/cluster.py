@@ -69,6 +69,10 @@ log = logging.getLogger(__name__)
 OBSERVE = "observe"  # the actors' concurrency group for calls that must not wait for the device
 GENERATE = "generate"  # the group of generations (NOTE [Language models on a cluster])
 REPLICA_CALLS = 16  # calls a replica's actor takes at once (NOTE [Cluster deployment])
+# The CPUs a replica's actor holds. Ray gives an actor as many intra-op threads as it holds
+# CPUs (OMP_NUM_THREADS, unless the environment sets it), and a CPU kernel's bits depend on
+# its thread count: a reference for a replica's outputs is computed on as many threads.
+REPLICA_CPUS = 1
 
 
 class ReplicaLostError(Unavailable):
@@ -189,7 +193,8 @@ class Cluster:
         # inference in progress, in threads of their own: a scrape never waits for the device.
         # A replica on "cuda" takes one GPU, which Ray makes its "cuda" (CUDA_VISIBLE_DEVICES).
         gpus = 1 if str(device).startswith("cuda") else 0
-        self._actor_class = self._ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0, max_concurrency=REPLICA_CALLS,
+        self._actor_class = self._ray.remote(num_cpus=REPLICA_CPUS, num_gpus=gpus, max_restarts=0,
+                                             max_concurrency=REPLICA_CALLS,
                                              concurrency_groups={OBSERVE: 2,
                                                                  GENERATE: self.generations_per_replica})(Replica)
         self._lock = threading.Lock()
