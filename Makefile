@@ -69,12 +69,14 @@ demo: $(STAMP)
 	@$(BIN)/timeshare demo
 
 # The suite in TEST_WORKERS pytest-xdist workers; tests/conftest.py says how tests are grouped.
+# One intra-op thread per process: two test processes and their workers share two cores, and
+# kernels on two threads each would spin against each other.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests/gpu -m cuda

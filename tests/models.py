@@ -294,6 +294,23 @@ def determinism_probe():
     return build(DeterminismProbe)
 
 
+class EnvProbe(nn.Module):
+    """Returns the length of $TIMESHARE_TEST_MARK in the process that runs it (0: unset)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import os
+
+        return self.lin(x).sum() * 0 + float(len(os.environ.get("TIMESHARE_TEST_MARK", "")))
+
+
+def env_probe():
+    return build(EnvProbe)
+
+
 class RowSum(nn.Module):
     """Each row's sum and its first and last values: takes inputs of any width (the large
     JSON bodies of the hostile-client tests)."""

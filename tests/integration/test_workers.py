@@ -221,6 +221,19 @@ def test_close_leaves_no_process_and_workers_die_with_their_controller(tmp_path)
     assert not any(alive(p) for p in orphans)
 
 
+def test_a_worker_computes_in_its_controllers_environment_as_it_is_when_the_worker_starts(monkeypatch):
+    """NOTE [Fork server]: workers fork from a server started with the first of them; a
+    variable set after that still reaches the workers started after it."""
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=1):
+        pass  # the fork server is running now, with this environment
+    monkeypatch.setenv("TIMESHARE_TEST_MARK", "after")
+    x = torch.ones(1, 4)
+    with timeshare.Runtime(device="cpu", memory="16MiB", workers=2) as rt:
+        rt.register("env", "tests.models:env_probe", None, (x,))
+        assert rt.infer("env", x).item() == 5.0
+        assert rt.snapshot()["workers"]["ready"] == 2
+
+
 def test_a_profile_measured_by_one_worker_serves_every_other():
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1) as rt:
         rt.register("cnn", ZOO["tiny_cnn"].builder, weights_path("tiny_cnn"), ZOO["tiny_cnn"].example_inputs(2))

@@ -117,7 +117,8 @@ class WorkerSet:
     # ------------------------------------------------------------------ lifecycle
     def spawn(self) -> WorkerHandle:
         """Start a worker process (not added to the set)."""
-        start = self._start(worker=self._next_id, parent_pid=os.getpid(), arena=self._share_arena())
+        start = self._start(worker=self._next_id, parent_pid=os.getpid(), arena=self._share_arena(),
+                            environ=tuple(os.environ.items()))  # NOTE [Fork server]
         self._next_id += 1
         return WorkerHandle(self._ctx, start)
 

@@ -23,6 +23,13 @@ from timeshare.worker.proc import worker_main
 
 log = logging.getLogger(__name__)
 
+# multiprocessing's fork-server processes report their exit status through a pipe that
+# ``poll`` reads once, with no lock: two threads polling one dead worker at once (one of
+# them, say, ``Process.start``'s own sweep of ended children while a replacement starts)
+# leave one of them with EOF, and "exit code 255" for a worker killed by a signal. Every
+# start and every poll of a worker process here holds this lock (NOTE [Fork server]).
+_POLL = threading.Lock()
+
 
 class WorkerHandle:
     """The controller's end of one worker process."""
@@ -33,7 +40,8 @@ class WorkerHandle:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=worker_main, args=(start, child), name=f"timeshare-worker-{self.id}",
                                 daemon=True)
-        self.proc.start()
+        with _POLL:
+            self.proc.start()
         child.close()
         self.booted = False  # sent Hello
         self.ready = False  # booted and taught every model (set by the pool)
@@ -163,12 +171,11 @@ class WorkerHandle:
         waiting a moment for it to be reaped; for a worker that never said Hello, a hint
         at why."""
         try:
-            self.proc.join(5)
-            code = self.proc.exitcode
+            code = self._exit_code(5)
             deadline = time.monotonic() + 5
             while code is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # another thread (the pool's watcher) is reaping it right now
-                code = self.proc.exitcode
+                code = self._exit_code(0)
         except ValueError:  # its process object was closed by another thread: how it ended is unknown
             return "was stopped"
         if code is None:
@@ -192,9 +199,16 @@ class WorkerHandle:
         """The error for a worker whose process ended, with how it ended."""
         return WorkerCrashedError(f"worker {self.id} {self.exit_description()}", where=f"worker {self.id}, {what}")
 
+    def _exit_code(self, timeout_s: float) -> int | None:
+        """The process's exit code once it has ended within ``timeout_s``, else None; the
+        wait is outside the lock, the one read of the status under it."""
+        wait([self.proc.sentinel], timeout_s)
+        with _POLL:
+            return self.proc.exitcode
+
     def alive(self) -> bool:
         try:
-            return not self._released and self.proc.is_alive()
+            return not self._released and self._exit_code(0) is None
         except ValueError:  # released by another thread between the two checks
             return False
 
@@ -206,11 +220,11 @@ class WorkerHandle:
     def _kill(self) -> None:
         if self._released:
             return
-        if self.proc.is_alive():
+        if self._exit_code(0) is None:
             self.proc.kill()
-        self.proc.join(5)
+        self._exit_code(5)
         self.conn.close()
-        if self.proc.exitcode is not None:
+        if self._exit_code(0) is not None:
             self.proc.close()  # frees the sentinel's file descriptor
             self._released = True
 
@@ -219,15 +233,34 @@ class WorkerHandle:
         with self._life:  # one thread at a time ends a process (the pool's watcher may race a close)
             if self._released:
                 return
-            if self.proc.is_alive():
+            if self._exit_code(0) is None:
                 self.post(P.Shutdown())
-                self.proc.join(timeout_s)
-            if self.proc.is_alive():
+                self._exit_code(timeout_s)
+            if self._exit_code(0) is None:
                 self.proc.terminate()
-                self.proc.join(timeout_s)
+                self._exit_code(timeout_s)
             self._kill()
 
 
+# NOTE [Fork server]
+# Workers start from multiprocessing's fork server, which imports torch and the worker's
+# modules once (``set_forkserver_preload``) and forks a fresh worker from that clean state:
+# starting one costs a fork (tens of milliseconds) instead of a fresh interpreter importing
+# torch (about 3 s of CPU on our 2-core machines), which is what a crashed worker's
+# replacement, and every test that starts workers, used to wait for. It is still never a fork
+# of the controller: the server has imported modules but run no kernel and touched no CUDA
+# (CUDA is never touched at import), so a child may start CUDA itself. What a fork inherits
+# from the server rather than from the controller is mended in ``worker_main``: the
+# environment comes in ``Start.environ``, and a worker's parent is the server, which exits
+# when its controller does, so a worker leaves when its parent changes or its controller
+# is gone. Where the fork server is unavailable (not on Linux or macOS), workers are spawned.
+WORKER_PRELOAD = ["timeshare.worker.proc"]
+
+
 def spawn_context():
-    """The start method of worker processes: spawn, never a fork after CUDA started."""
-    return mp.get_context("spawn")
+    """The start method of worker processes (NOTE [Fork server])."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts, with the first worker
+    return ctx

@@ -29,6 +29,16 @@ class _Exit(Exception):
     """Shutdown arrived in the middle of a training segment."""
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user took the pid: ours is gone
+        return False
+    return True
+
+
 def worker_main(start: P.Start, conn: Connection) -> None:
     """Entry point of a worker process (spawned)."""
     import torch
@@ -45,6 +55,10 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     from timeshare.worker.worker import Worker
 
     where = f"worker {start.worker}"
+    if start.environ:  # NOTE [Fork server]: the controller's environment, not the server's
+        os.environ.clear()
+        os.environ.update(start.environ)
+    parent = os.getppid()  # the fork server's pid, or the controller's where workers are spawned
     if start.backend_flags is not None:  # before the first kernel: the creator's numerics, bit for bit
         start.backend_flags.apply()
     device = resolve_device(start.device)
@@ -249,7 +263,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     try:
         while True:
             if not conn.poll(POLL_S):
-                if os.getppid() != start.parent_pid:
+                if os.getppid() != parent or not _alive(start.parent_pid):
                     log.warning("%s: controller is gone; exiting", where)
                     return
                 continue
