@@ -3,6 +3,7 @@ the suite leaves no shared-memory segment behind."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -71,11 +72,10 @@ SLOW_MODULES = ("test_campaign.py", "test_cli.py", "test_bench_llm.py", "test_fa
                 "test_chaos.py", "test_llm_workers.py", "test_direct_access.py", "test_dedup.py")
 
 
-def _shares_a_fixture(path: Path, seen: dict[Path, bool] = {}) -> bool:  # noqa: B006 (a cache)
-    if path not in seen:
-        text = path.read_text()
-        seen[path] = 'scope="module"' in text or 'scope="session"' in text
-    return seen[path]
+@functools.cache
+def _shares_a_fixture(path: Path) -> bool:
+    text = path.read_text()
+    return 'scope="module"' in text or 'scope="session"' in text
 
 
 def _distribute(items) -> None:

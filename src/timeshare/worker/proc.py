@@ -32,9 +32,7 @@ class _Exit(Exception):
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a process of another user took the pid: ours is gone
+    except (ProcessLookupError, PermissionError):  # gone, or its pid taken by another user's process
         return False
     return True
 
