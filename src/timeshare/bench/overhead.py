@@ -178,6 +178,10 @@ def _threads(config: OverheadBenchConfig, device, n_models: int, progress) -> di
     return {"models": n_models, "rows": rows}
 
 
+def _caller(rt: Runtime, names: list[str], inputs: tuple) -> Callable[[int], object]:
+    return lambda i: rt.infer(names[i], *inputs)
+
+
 def _drive(n_threads: int, n_models: int, duration_s: float, call: Callable[[int], object]) -> dict:
     """``n_threads`` closed-loop callers, thread k calling models k, k+n, ... in turn, for
     ``duration_s`` once all are ready: requests per second and process CPU per request."""
@@ -230,13 +234,7 @@ def _transfer(config: OverheadBenchConfig, device) -> dict:
                 native = module.to(device).eval()
                 reference = native_call(native, (x,), device)
                 exact = all(outputs_equal(rt.infer(name, x), reference) for rt in (local, pooled))
-                copy_into = torch.empty_like(x)
-                ways: dict[str, Callable[[], object]] = {
-                    "memcpy": lambda x=x, into=copy_into: into.copy_(x),
-                    "plain_pytorch": lambda native=native, x=x: native_call(native, (x,), device),
-                    "in_process": lambda name=name, x=x: local.infer(name, x),
-                    "workers": lambda name=name, x=x: pooled.infer(name, x),
-                }
+                ways = _transfer_ways(x, native, name, local, pooled, device)
                 samples: dict[str, list[float]] = {k: [] for k in ways}
                 for _ in range(config.transfer_repeats):
                     for way, fn in ways.items():
@@ -253,6 +251,17 @@ def _transfer(config: OverheadBenchConfig, device) -> dict:
     return {"rows": rows}
 
 
+def _transfer_ways(x: torch.Tensor, native: nn.Module, name: str, local: Runtime, pooled: Runtime,
+                   device) -> dict[str, Callable[[], object]]:
+    into = torch.empty_like(x)
+    return {
+        "memcpy": lambda: into.copy_(x),
+        "plain_pytorch": lambda: native_call(native, (x,), device),
+        "in_process": lambda: local.infer(name, x),
+        "workers": lambda: pooled.infer(name, x),
+    }
+
+
 # ---------------------------------------------------------------------- pack
 def _pack(config: OverheadBenchConfig, device) -> dict:
     zoo = zoo_get(config.model)
@@ -266,7 +275,7 @@ def _pack(config: OverheadBenchConfig, device) -> dict:
                 rt.register(name, zoo.builder, weights_path(config.model), inputs)
                 rt.infer(name, *inputs)
                 rt.infer(name, *inputs)
-            r = _drive(n, n, config.duration_s, lambda i, rt=rt: rt.infer(names[i], *inputs))
+            r = _drive(n, n, config.duration_s, _caller(rt, names, inputs))
         mean = statistics.fmean(r["per_client"])
         r["min_share_of_mean"] = min(r["per_client"]) / mean if mean else None
         r["max_share_of_mean"] = max(r["per_client"]) / mean if mean else None
