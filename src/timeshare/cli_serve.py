@@ -53,7 +53,10 @@ def add_parsers(sub, bench) -> None:
         description="Starts `timeshare serve` with the models and a memory budget that holds about half of "
         "them, sends --requests requests from --clients threads (503s are retried after Retry-After), and "
         "checks every response against the model's reference output computed alone: reports lost, "
-        "duplicated and mismatched responses, 5xx, throughput and latency percentiles.")
+        "duplicated and mismatched responses, 5xx, throughput and latency percentiles. The same requests go to a "
+        "plain-PyTorch server in turns (first --sequential ones one at a time); each server's own cost per "
+        "request is broken down by hop (parse, queue, thread hops, the runtime call, encode). "
+        "--memory all: every model resident, no switch.")
     p.add_argument("--models", nargs="+", default=None,
                    help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
     p.add_argument("--clients", type=int, default=16)
@@ -63,6 +66,11 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequential", type=int, default=200,
+                   help="first, this many requests one at a time to each server (0: none)")
+    p.add_argument("--rounds", type=int, default=1, help="both passes on both servers this often (medians)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the plain-PyTorch server (same requests, every model resident, one lock)")
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
     from timeshare.bench.chaos import FAULTS
@@ -119,7 +127,8 @@ def run(args, console, write_json, run_bench) -> int:
 
         kwargs = {} if args.models is None else {"models": args.models}
         cfg = ServeBenchConfig(clients=args.clients, requests=args.requests, device=args.device, memory=args.memory,
-                               workers=args.workers, max_batch=args.max_batch, seed=args.seed, **kwargs)
+                               workers=args.workers, max_batch=args.max_batch, seed=args.seed,
+                               sequential=args.sequential, rounds=args.rounds, baseline=args.baseline, **kwargs)
         return run_bench(bench_run, cfg, lambda r: _print_bench_serve(console, r), args.json)
     if args.command == "bench" and args.bench == "hostile":
         from timeshare.bench.hostile import HostileBenchConfig
@@ -323,6 +332,41 @@ def _print_bench_serve(console, result: dict) -> None:
                   f"mean batch {r['mean_batch_rows']:.2f} rows; lost {r['lost']}, duplicated {r['duplicated']}, "
                   f"mismatched {r['mismatched']}, 5xx {r['status_5xx']} (503 retried: {r['status_503_retried']}); "
                   f"server exit {r['server_exit_code']}, leftover processes {r['server_leftover_processes']}")
+    passes, comparison = result.get("passes", {}), result.get("comparison", {})
+    if not passes:
+        return
+    table = Table(title="timeshare's server beside a plain-PyTorch one (medians over rounds)")
+    for col in ("pass", "server", "clients", "req/s", "p50 ms", "p99 ms", "batch rows", "loads", "mismatched",
+                "req/s ratio", "p50 ratio"):
+        table.add_column(col, justify="left" if col in ("pass", "server") else "right")
+    for name, by_server in passes.items():
+        row = comparison.get(name, {})
+        for server, results in by_server.items():
+            last, med = results[-1], row.get(server, {})
+            ratios = ("", "")
+            if server == "timeshare" and "throughput_ratio" in row:
+                ratios = (f"{row['throughput_ratio']:.2f}", f"{row['p50_ratio']:.2f}" if row["p50_ratio"] else "-")
+            clients = 1 if name == "alone" else cfg["clients"]
+            table.add_row(name, server, str(clients), f"{med.get('throughput_rps', 0):.1f}", _ms(med.get("p50_ms")),
+                          _ms(med.get("p99_ms")), f"{last['mean_batch_rows']:.2f}", str(last["loads"]),
+                          str(last["mismatched"]), *ratios)
+    console.print(table)
+    hops = Table(title="each server's own time per request, by hop (mean us, last round; NOTE [Request hops])")
+    columns = [(name, server) for name, by_server in passes.items() for server in by_server]
+    hops.add_column("hop")
+    for name, server in columns:
+        hops.add_column(f"{server} {name}", justify="right")
+    names: list[str] = []
+    for name, server in columns:
+        names += [h for h in passes[name][server][-1]["hops"].get("us", {}) if h not in names]
+    for h in [*names, "total"]:
+        cells = []
+        for name, server in columns:
+            hp = passes[name][server][-1]["hops"]
+            value = hp.get("total_us") if h == "total" else hp.get("us", {}).get(h)
+            cells.append("-" if value is None else f"{value:.0f}")
+        hops.add_row(h, *cells)
+    console.print(hops)
 
 
 def _models(args, console) -> int:

@@ -31,7 +31,7 @@ def test_many_clients_over_models_that_must_take_turns():
 def test_bench_serve_command_writes_its_json(tmp_path):
     out = tmp_path / "serve.json"
     code = cli.main(["bench", "serve", "--models", "tiny_mlp", "tiny_bert", "--requests", "60", "--clients", "4",
-                     "--json", str(out)])
+                     "--sequential", "20", "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     r = result["result"]
@@ -39,3 +39,10 @@ def test_bench_serve_command_writes_its_json(tmp_path):
     assert r["server_exit_code"] == 0 and r["server_leftover_processes"] == 0
     assert r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
     assert result["environment"]["torch"]
+    # The plain-PyTorch server had the same requests, and every hop was counted on both.
+    for name, requests in (("alone", 20), ("load", 60)):
+        for server in ("timeshare", "plain"):
+            p = result["passes"][name][server][-1]
+            assert p["answered"] == requests and p["mismatched"] == 0, (name, server)
+            assert p["hops"]["requests"] == requests and p["hops"]["total_us"] > 0
+        assert result["comparison"][name]["throughput_ratio"] > 0

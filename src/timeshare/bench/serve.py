@@ -2,17 +2,27 @@
 with a memory budget that holds only some of them, so requests force switches. Every
 response is checked against the model's reference output, computed alone in this
 process from the same weights: none may be lost, duplicated or mismatched.
-Runs in the caller's process; the server is a child process (or a given URL).
+
+Beside timeshare's server, the same client sends the same requests to a plain-PyTorch
+server (``bench/plain_server.py``: every model resident, one lock around the forward),
+in turns, first one request at a time (``sequential``: what a request costs alone),
+then the load; each server's hops (NOTE [Request hops]) are summed over each pass, so
+the report says where a request's time went in each, and the ratio of the two.
+Runs in the caller's process; the servers are child processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+import httpx
 import numpy as np
 import torch
 
@@ -34,19 +44,25 @@ class ServeBenchConfig:
     clients: int = 16
     requests: int = 2000
     device: str = "cpu"
-    memory: str | None = None  # default: room for about half of the models' bytes
+    memory: str | None = None  # default: room for about half of the models' bytes; "all": room for every model
     workers: int = 0
     max_batch: int = 8
     max_queue: int = 256
     distinct_inputs: int = 8  # per model; a response is checked against its own input's reference
     retries: int = 20  # a 503 is retried after its Retry-After, at most this often
     seed: int = 0
+    baseline: bool = True  # also the plain-PyTorch server, same client, same requests, in turns
+    sequential: int = 200  # first, this many requests one at a time (one client) to each server
+    rounds: int = 1  # both passes on both servers this often; ratios of the medians
 
     def __post_init__(self):
         for name in self.models:
             zoo_get(name)
         if self.clients < 1 or self.requests < 1 or self.distinct_inputs < 1:
             raise ConfigError("clients, requests and distinct_inputs must be at least 1")
+        if self.sequential < 0 or self.rounds < 1:
+            raise ConfigError(f"sequential must be at least 0 and rounds at least 1, got {self.sequential} and "
+                              f"{self.rounds}")
 
 
 @dataclass
@@ -75,10 +91,12 @@ def references(cfg: ServeBenchConfig) -> dict[str, list[_Case]]:
 
 def server_config(cfg: ServeBenchConfig) -> dict:
     memory: str | int | None = cfg.memory
+    # The weights files' sizes stand for the models' (alignment and buffers add a little).
+    sizes = sorted(weights_path(m).stat().st_size for m in cfg.models)
     if memory is None:
-        # The weights files' sizes stand for the models' (alignment and buffers add a little).
-        sizes = sorted(weights_path(m).stat().st_size for m in cfg.models)
         memory = int(max(sizes[-1] * 1.1 + 4096, sum(sizes) / 2))  # the largest fits; not all at once
+    elif memory == "all":
+        memory = int(sum(sizes) * 1.25 + 4096 * len(sizes))  # every model resident: no switch
     return {
         "runtime": {"device": cfg.device, "memory": memory, "workers": cfg.workers},
         "server": {"request_timeout_s": 120, "warmup": True},
@@ -132,7 +150,7 @@ def drive(url: str, cfg: ServeBenchConfig, cases: dict[str, list[_Case]]) -> dic
                             "mismatch": mismatch,
                             "switched": bool(good is not None and good.parameters.get("timeshare_switched_from")),
                             "loaded": bool(good is not None and good.parameters.get("timeshare_loaded")),
-                            "batch_rows": good.parameters.get("timeshare_batch_rows") if good is not None else None})
+                            "batch_rows": good.parameters.get("timeshare_batch_rows", 1) if good is not None else None})
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(cfg.clients) as pool:
@@ -194,20 +212,90 @@ def _pct(values, q) -> float | None:
     return float(np.percentile(values, q) * 1e3) if values else None
 
 
+def hop_sums(url: str) -> tuple[int, dict[str, float]]:
+    """Timeshare's server's hop sums so far (NOTE [Request hops]), from its ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    count, sums = 0, {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "timeshare_request_hops":
+            count = int(family.samples[0].value)
+        elif family.name == "timeshare_request_hop_seconds":
+            sums = {s.labels["hop"]: s.value for s in family.samples}
+    return count, sums
+
+
+def per_request_us(before: tuple[int, dict[str, float]], after: tuple[int, dict[str, float]]) -> dict:
+    """Each hop's mean microseconds per request between two readings of the sums."""
+    n = after[0] - before[0]
+    if n <= 0:
+        return {"requests": 0, "us": {}}
+    us = {h: (after[1][h] - before[1].get(h, 0.0)) / n * 1e6 for h in after[1]}
+    return {"requests": n, "us": us, "total_us": sum(us.values())}
+
+
+def measured_pass(url: str, cfg: ServeBenchConfig, cases: dict[str, list[_Case]], sums) -> dict:
+    """``drive`` with the server's hops per request over the pass; ``sums()`` reads them."""
+    before = sums()
+    result = drive(url, cfg, cases)
+    result["hops"] = per_request_us(before, sums())
+    return result
+
+
+def _plain_sums(plain) -> tuple[int, dict[str, float]]:
+    stats = plain.stats()
+    return stats["requests"], stats["hop_seconds"]
+
+
+def compare(passes: dict[str, dict[str, list[dict]]]) -> dict:
+    """Per pass: each server's median requests/s and p50 over the rounds, and
+    timeshare's over plain PyTorch's."""
+    out = {}
+    for name, by_server in passes.items():
+        row: dict = {}
+        for server, results in by_server.items():
+            row[server] = {"throughput_rps": statistics.median(r["throughput_rps"] for r in results),
+                           "p50_ms": statistics.median(r["p50_ms"] for r in results),
+                           "p99_ms": statistics.median(r["p99_ms"] for r in results)}
+        if "plain" in row and row["plain"]["throughput_rps"] > 0:
+            ts, plain = row["timeshare"], row["plain"]
+            row["throughput_ratio"] = ts["throughput_rps"] / plain["throughput_rps"]
+            row["p50_ratio"] = ts["p50_ms"] / plain["p50_ms"] if plain["p50_ms"] > 0 else None
+            row["p50_added_ms"] = ts["p50_ms"] - plain["p50_ms"]
+        out[name] = row
+    return out
+
+
 def run(cfg: ServeBenchConfig, progress=None) -> dict:
-    """The whole benchmark: references, a server process, the load, its shutdown."""
+    """The whole benchmark: references, the servers' processes, the passes in turns,
+    their shutdown."""
+    from timeshare.bench.plain_server import PlainServerProcess
     from timeshare.server.process import ServerProcess
 
     cases = references(cfg)
     server_cfg = server_config(cfg)
-    with ServerProcess(server_cfg) as server:
-        if progress:
-            progress("server ready; sending requests")
-        result = drive(server.url, cfg, cases)
+    alone = dataclasses.replace(cfg, clients=1, requests=cfg.sequential)
+    plan = ([("alone", alone)] if cfg.sequential else []) + [("load", cfg)]
+    passes: dict[str, dict[str, list[dict]]] = {name: {} for name, _ in plan}
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(ServerProcess(server_cfg))
+        plain = stack.enter_context(PlainServerProcess(cfg.models, cfg.device)) if cfg.baseline else None
+        servers = [("timeshare", server.url, lambda: hop_sums(server.url))]
+        if plain is not None:
+            servers.append(("plain", plain.url, lambda: _plain_sums(plain)))
+        for i in range(cfg.rounds):
+            for name, pass_cfg in plan:
+                for label, url, sums in servers:
+                    if progress:
+                        progress(f"round {i + 1}/{cfg.rounds}: {name} on {label}")
+                    passes[name].setdefault(label, []).append(measured_pass(url, pass_cfg, cases, sums))
+        result = passes["load"]["timeshare"][-1]
         code = server.stop()
         result["server_exit_code"] = code
         leftovers = [server.describe(pid) for pid in server.leftovers()]
         result["server_leftover_processes"] = len(leftovers)
         result["server_leftovers"] = leftovers
     return {"benchmark": "serve", "config": asdict(cfg), "server_config": server_cfg,
-            "environment": describe(resolve_device(cfg.device)), "result": result}
+            "environment": describe(resolve_device(cfg.device)), "result": result,
+            "passes": passes, "comparison": compare(passes)}

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from contextlib import asynccontextmanager
+from time import perf_counter_ns
 
 import torch
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from timeshare import __version__
 from timeshare.errors import BadRequest, TimeshareError, UnknownModelError
 from timeshare.server.admin import add_admin_plane
+from timeshare.server.hops import RequestTimes
 from timeshare.server.openai import add_openai_api, openai_error
 from timeshare.server.parsing import HEADER_LENGTH, describe_validation
 from timeshare.server.schemas import InferenceRequest
@@ -118,6 +119,9 @@ def _errors(app: FastAPI, service: Service) -> None:
         return error_response(499, "the client disconnected")
 
 
+ARRIVED = "timeshare.arrived"  # the scope's key for the first stamp of NOTE [Request hops]
+
+
 class BodyLimit:
     """Request bodies over ``limit`` bytes get 413 (as JSON, like every error here):
     by Content-Length before the body is read, or as soon as a chunked body passes it."""
@@ -128,6 +132,7 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[ARRIVED] = perf_counter_ns()  # the request's first stamp (NOTE [Request hops])
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             response = error_response(413, f"request body of {int(declared)} bytes is over the limit of "
@@ -183,18 +188,25 @@ def _data_plane(app: FastAPI, service: Service) -> None:
     @app.post("/v2/models/{model}/infer", summary="Inference", openapi_extra=infer_body)
     @app.post("/v2/models/{model}/versions/{version}/infer", include_in_schema=False)
     async def infer(model: str, request: Request, version: str = "1"):
-        t0 = time.perf_counter()
+        now = perf_counter_ns()
+        times = RequestTimes(request.scope.get(ARRIVED, now), now)  # NOTE [Request hops]
         code = 500
         try:
             ep = _versioned(service, model, version)
             declared = request.headers.get("content-length", "")
             service.parsers.admit(int(declared) if declared.isdigit() else None)  # 503 before reading, if full
+            body = await request.body()
+            times.read = perf_counter_ns()
             # Large JSON bodies are parsed in a parser process (NOTE [Parsing off the event loop]).
-            req, tensors = await service.parsers.parse(await request.body(), request.headers.get(HEADER_LENGTH))
+            req, tensors = await service.parsers.parse(body, request.headers.get(HEADER_LENGTH))
+            times.parsed = perf_counter_ns()
             wanted = _requested_outputs(ep, req)
-            reply = await service.infer(model, tensors)
+            reply = await service.infer(model, tensors, times)
+            times.resumed = perf_counter_ns()
             response = encode_reply(model, req, reply, wanted)
+            times.encoded = perf_counter_ns()
             code = 200
+            service.hops.add(times)
             return response
         except (asyncio.CancelledError, ClientDisconnect):
             code = 499  # the client went away, or shutdown gave up on it (nginx's code)
@@ -204,7 +216,8 @@ def _data_plane(app: FastAPI, service: Service) -> None:
             raise
         finally:
             if model in service.endpoints:
-                service.metrics.answered(model, code, time.perf_counter() - t0 if code == 200 else None)
+                seconds = (perf_counter_ns() - times.arrived) / 1e9 if code == 200 else None
+                service.metrics.answered(model, code, seconds)
 
 
 def _versioned(service: Service, model: str, version: str):

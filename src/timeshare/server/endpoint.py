@@ -19,6 +19,7 @@ from timeshare.config import ModelConfig, TensorSpec
 from timeshare.dtypes import TORCH_DTYPES, parse_dtype
 from timeshare.errors import BadRequest
 from timeshare.models.zoo import get as zoo_get
+from timeshare.server.hops import RequestTimes
 from timeshare.server.tensors import datatype_of
 
 
@@ -44,6 +45,7 @@ class Pending:
     rows: int
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
+    times: RequestTimes | None = None  # its stamps, NOTE [Request hops]
 
     @property
     def key(self) -> tuple:

@@ -64,6 +64,7 @@ class Metrics:
         self.generations = Counter("timeshare_llm_generations", "Finished generations by how they ended: stop, "
                                    "length, cancelled, error", ["model", "finish_reason"], registry=r)
         r.register(_Levels(service))
+        r.register(_Hops(service))
 
     # ------------------------------------------------------------------ events
     def record(self, rec: CallRecord | EvictionRecord) -> None:
@@ -230,6 +231,25 @@ class _Levels:
             yield GaugeMetricFamily("timeshare_workers_failing_to_start", "Replacements in a row that died before "
                                     "they were ready (the pool backs off between them)",
                                     value=workers["failing_to_start"])
+
+
+class _Hops:
+    """Scrape-time sums of the answered requests' hops (NOTE [Request hops]): a hop's
+    mean over an interval is the rise of its sum over the rise of the count."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        count, sums = self.service.hops.snapshot()
+        yield CounterMetricFamily("timeshare_request_hops", "Inference requests answered whose hops are counted "
+                                  "in timeshare_request_hop_seconds", value=count)
+        yield _by_label(CounterMetricFamily, "timeshare_request_hop_seconds", "Seconds answered inference requests "
+                        "spent in each hop of the server's path, summed (route, read, parse, check, queue, "
+                        "to_thread, prepare, runtime, split, to_loop, encode)", "hop", sums)
 
 
 def _by_label(family, name: str, documentation: str, label: str, values: dict):

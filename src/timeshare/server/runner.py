@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from time import perf_counter_ns
 
 import torch
 
@@ -85,6 +86,10 @@ class QueueRunner:
                 batch = ep.take_batch()
                 if not batch:
                     break
+                now = perf_counter_ns()
+                for p in batch:
+                    if p.times is not None:
+                        p.times.taken = now
                 ep.in_flight.extend(batch)
                 task = asyncio.create_task(self._serve(ep, batch), name=f"timeshare-batch-{ep.name}")
                 running.add(task)
@@ -117,13 +122,16 @@ class QueueRunner:
     def execute(self, ep: Endpoint, batch: list[Pending]) -> list[Reply | BaseException]:
         """In a pool thread: one forward for the batch (NOTE [Request batching]); each
         request's reply or error."""
+        in_thread = perf_counter_ns()
         if len(batch) == 1:
             args = batch[0].tensors
         else:
             args = [torch.cat([p.tensors[i] for p in batch]) for i in range(len(batch[0].tensors))]
         try:
             # The SLO counts from the oldest request's arrival, not from the dispatcher.
+            called = perf_counter_ns()
             call = self._runtime().call(ep.name, tuple(args), arrived_at=min(p.enqueued for p in batch))
+            returned = perf_counter_ns()
         except Exception as exc:
             err = served_error(ep.name, exc)
             if len(batch) > 1 and isinstance(err, (BadRequest, Overloaded)):
@@ -153,4 +161,9 @@ class QueueRunner:
             self.metrics.queued(ep.name, r.queue_s)
             replies.append(r)
         self.metrics.batched(ep.name, sum(rows))
+        replied = perf_counter_ns()
+        for p in batch:  # NOTE [Request hops]: the batch's stamps are each request's
+            t = p.times
+            if t is not None:
+                t.in_thread, t.called, t.returned, t.replied = in_thread, called, returned, replied
         return replies

@@ -14,6 +14,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,7 @@ from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
 from timeshare.server.backend import Backend
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs
+from timeshare.server.hops import HopTotals, RequestTimes
 from timeshare.server.jobs import TrainingJobs
 from timeshare.server.llms import LanguageModels, ServedLLM, open_local
 from timeshare.server.metrics import Metrics
@@ -47,6 +49,7 @@ class Service:
     def __init__(self, config: Config, *, runtime: Backend | None = None):
         self.config = config
         self.endpoints = {m.name: Endpoint(m) for m in config.models}
+        self.hops = HopTotals()  # where answered requests' time went (NOTE [Request hops])
         self.metrics = Metrics(self)
         self.llms = LanguageModels(config.llms, self.metrics.llm_event, warmup=config.server.warmup)
         kv_memory = config.runtime.kv_memory
@@ -229,8 +232,9 @@ class Service:
         except KeyError:
             raise UnknownModelError(f"no model named {name!r}; known: {sorted(self.endpoints)}") from None
 
-    async def infer(self, name: str, given: dict[str, torch.Tensor]) -> Reply:
-        """Queue one request and wait for its outputs (all of them, by name)."""
+    async def infer(self, name: str, given: dict[str, torch.Tensor], times: RequestTimes | None = None) -> Reply:
+        """Queue one request and wait for its outputs (all of them, by name); ``times``
+        takes its stamps on the way (NOTE [Request hops])."""
         ep = self.endpoint(name)
         tensors, rows = ep.check(given)
         if self._stopping:
@@ -243,8 +247,10 @@ class Service:
             self.metrics.rejected(name)
             raise Overloaded(f"model {name!r} has {len(ep.queue)} requests waiting (max_queue)",
                              ep.retry_after(resident))
-        p = Pending(tensors, rows, asyncio.get_running_loop().create_future())
+        p = Pending(tensors, rows, asyncio.get_running_loop().create_future(), times=times)
         ep.queue.append(p)
+        if times is not None:
+            times.queued = perf_counter_ns()
         ep.wake.set()
         try:
             return await asyncio.wait_for(asyncio.shield(p.future), self.config.server.request_timeout_s)
