@@ -156,11 +156,11 @@ def test_edf_counts_an_slo_from_the_request_arrival_when_given(from_arrival):
     with gate.priority("holder", Kind.INFERENCE):
         early = threading.Thread(target=call, args=("early", 1.0))  # deadline 101.0
         early.start()
-        _wait_queued(gate, 2)
+        _wait_queued(gate, 1)
         now[0] = 100.5
         late = threading.Thread(target=call, args=("late", 0.8, 99.0 if from_arrival else None))
         late.start()  # deadline 99.8 from its arrival, 101.3 from now
-        _wait_queued(gate, 3)
+        _wait_queued(gate, 2)
     early.join(30), late.join(30)
     assert order == (["late", "early"] if from_arrival else ["early", "late"])
 
@@ -169,6 +169,6 @@ def _wait_queued(gate, n: int, timeout_s: float = 30) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
-    while len(gate.scheduler.tasks) < n:
+    while gate.scheduler.waiting < n:
         assert time.monotonic() < deadline, "the call never reached the scheduler"
         time.sleep(0.005)

@@ -17,7 +17,6 @@ import itertools
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,7 +28,9 @@ from timeshare.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05  # a waiter re-runs the step at least this often (a slice may end meanwhile)
+# A waiter's deadline when the scheduler asks for no wake-up: it is woken by whoever starts
+# its task (NOTE [Hand-offs]), so waking at this deadline means a wake-up was lost.
+_SAFETY_S = 5.0
 
 
 class Preemptible(Protocol):
@@ -112,7 +113,10 @@ class Dispatcher:
         else:
             self.scheduler = Scheduler(policy, quantum_s=time_slice_s, slots=1)
         self.clock = clock
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._held: _Hold | None = None  # NOTE [Uncontended calls]: the call holding the device without a task
+        self._wakers: dict[int, threading.Lock] = {}  # NOTE [Hand-offs]: task id -> the lock its waiter sleeps on
+        self._shrinking: dict[int, Task] = {}  # waiting tasks whose ask shrinks (NOTE [Asks that shrink])
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._jobs: dict[int, Preemptible] = {}  # task id -> its job
@@ -123,64 +127,141 @@ class Dispatcher:
         self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
         self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
 
-    # ------------------------------------------------------------------ calls
-    @contextmanager
+    # NOTE [Hand-offs]
+    # A call that must wait sleeps on a lock of its own (``_wakers``, taken locked, one per
+    # waiting task), and only the thread that starts its task releases it: the scheduler's
+    # step runs once per change of state (an arrival, a call's end, a job's progress, a
+    # stop, a deadline brought forward), in the thread that made the change, and wakes
+    # exactly the tasks it started. No waiter re-runs the step on another's behalf and no
+    # waiter polls: one sleeps with a deadline only when the scheduler asks to be looked at
+    # again (``next_wakeup``: a time slice ending), and whoever wakes at it runs the step.
+    # Asks that shrink (NOTE [Asks that shrink]) are refitted inside the step for every
+    # waiting task that has one, since lanes change only there.
+    #
+    # NOTE [Uncontended calls]
+    # With one slot (every policy but "pack") and nothing running, stopping or waiting, a
+    # call takes the device with one lock and no scheduler task (``_held``): nothing could
+    # have been chosen instead of it, and nothing can be preempted for an inference. While
+    # it holds, arrivals queue in the scheduler as usual and the step is deferred (nothing
+    # may start beside it); its end runs the step, which hands the device to the best of
+    # them. A call so taken is no preemptible segment and holds no lane.
+
     def priority(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
                  unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None,
-                 ephemeral: int = 0, ticket: Ticket | None = None, at_most: bool = False):
-        """Hold the runtime for one call; yields its :class:`Turn`. Re-entrant in a
-        thread (a call inside a call). ``deadline_s`` (an SLO) counts from ``arrived_at``
-        (on this dispatcher's clock) when given, else from now. ``ephemeral``: with
-        lanes, the bytes the call's lane must hold (all of them: it runs alone).
-        ``ticket``: bound to the task while it waits, so that another thread can bring
-        its deadline forward (``Ticket.expedite``). ``at_most``: ``ephemeral`` is an upper
-        bound, lowered while the task waits to what the lanes could ever give it beside
-        the persistent memory admitted (NOTE [Asks that shrink])."""
-        depth = getattr(self._local, "depth", 0)
+                 ephemeral: int = 0, ticket: Ticket | None = None, at_most: bool = False) -> _Hold:
+        """Hold the runtime for one call (a context manager); yields its :class:`Turn`.
+        Re-entrant in a thread (a call inside a call). ``deadline_s`` (an SLO) counts
+        from ``arrived_at`` (on this dispatcher's clock) when given, else from now.
+        ``ephemeral``: with lanes, the bytes the call's lane must hold (all of them: it
+        runs alone). ``ticket``: bound to the task while it waits, so that another
+        thread can bring its deadline forward (``Ticket.expedite``). ``at_most``:
+        ``ephemeral`` is an upper bound, lowered while the task waits to what the lanes
+        could ever give it beside the persistent memory admitted (NOTE [Asks that shrink])."""
+        return _Hold(self, model, kind, priority, unit_s, deadline_s, arrived_at, ephemeral, ticket, at_most)
+
+    def _enter(self, hold: _Hold) -> Turn:
+        local = self._local
+        depth = getattr(local, "depth", 0)
         if depth:
-            self._local.depth = depth + 1
-            try:
-                yield Turn(nested=True)
-            finally:
-                self._local.depth -= 1
-            return
-        with self._cond:
+            local.depth = depth + 1
+            hold.task = None
+            return Turn(nested=True)
+        lock = self._lock
+        with lock:
+            sched = self.scheduler
             now = self.clock()
-            start = now if arrived_at is None else min(arrived_at, now)
-            task = Task(next(self._ids), kind, model, now, 1.0, unit_s, priority,
-                        None if deadline_s is None else start + deadline_s, ephemeral=ephemeral)
-            self.scheduler.submit(task, now)
-            if ticket is not None:
-                ticket.bind(self, task.id)
-            self._fit(task, at_most)
-            self._step()
-            try:
-                while task.state is not State.RUNNING:
-                    self._cond.wait(self._timeout())
-                    self._fit(task, at_most)
-                    self._step()
-            except BaseException:  # interrupted while queued: leave no task behind
-                if ticket is not None:
-                    ticket.bind(None, None)
+            if self._held is None and sched.lanes is None and sched.slots == 1 and not sched.waiting \
+                    and not sched.running and not sched.stopping:
+                # NOTE [Uncontended calls]
+                self._held = hold
+                hold.task = None
+                previous = self._user if hold.kind is Kind.INFERENCE else None
+                if hold.kind is not Kind.CONTROL:
+                    self._user = (hold.kind, hold.model)
+                local.depth = 1
+                return Turn(0.0, previous)
+            task = self._submit(hold, now)
+            hold.task = task
+            waker = self._waker(task)
+        try:
+            self._wait(task, waker)
+        except BaseException:  # interrupted while queued: leave no task behind
+            with lock:
+                self._wakers.pop(task.id, None)
+                self._shrinking.pop(task.id, None)
+                if hold.ticket is not None:
+                    hold.ticket.bind(None, None)
                 self._previous.pop(task.id, None)
                 if task.state is State.WAITING:
                     self.scheduler.withdraw(task.id)
                 elif task.state is State.RUNNING:
                     self.scheduler.update(Finished(task.id, self.clock()))
                 self._step()
-                raise
-            if ticket is not None:
-                ticket.bind(None, None)
+            raise
+        with lock:
+            if hold.ticket is not None:
+                hold.ticket.bind(None, None)
             turn = Turn(self.clock() - now, self._previous.pop(task.id, None), lane=task.lane,
                         lane_bytes=self._lane_size(task.lane))
-        self._local.depth = 1
-        try:
-            yield turn
-        finally:
-            self._local.depth = 0
-            with self._cond:
-                self.scheduler.update(Finished(task.id, self.clock()))
+        local.depth = 1
+        return turn
+
+    def _exit(self, hold: _Hold) -> None:
+        local = self._local
+        if local.depth > 1:
+            local.depth -= 1
+            return
+        local.depth = 0
+        with self._lock:
+            if hold.task is None:  # NOTE [Uncontended calls]
+                self._held = None
+            else:
+                self.scheduler.update(Finished(hold.task.id, self.clock()))
+            self._step()
+
+    def _submit(self, hold: _Hold, now: float) -> Task:
+        """With the lock held: the call's task, queued, and the step run for it."""
+        start = now if hold.arrived_at is None else min(hold.arrived_at, now)
+        task = Task(next(self._ids), hold.kind, hold.model, now, 1.0, hold.unit_s, hold.priority,
+                    None if hold.deadline_s is None else start + hold.deadline_s, ephemeral=hold.ephemeral)
+        self.scheduler.submit(task, now)
+        if hold.ticket is not None:
+            hold.ticket.bind(self, task.id)
+        if hold.at_most and self.scheduler.lanes is not None:
+            self._shrinking[task.id] = task
+        self._step()
+        return task
+
+    def _waker(self, task: Task) -> threading.Lock | None:
+        """With the lock held: the lock the task's waiter sleeps on, released by whoever
+        starts the task (NOTE [Hand-offs]); None if it already runs."""
+        if task.state is State.RUNNING:
+            return None
+        waker = self._wakers.get(task.id)
+        if waker is None:
+            waker = threading.Lock()
+            waker.acquire()
+            self._wakers[task.id] = waker
+        return waker
+
+    def _wait(self, task: Task, waker: threading.Lock | None) -> None:
+        """Sleep until the task runs (NOTE [Hand-offs]). A deadline only when the scheduler
+        asks for a wake-up (a slice ends): whoever wakes at it runs the step."""
+        while waker is not None:
+            with self._lock:
+                timeout = self._timeout()
+            if waker.acquire(timeout=timeout):
+                return  # released by the thread that started the task
+            with self._lock:
+                if task.state is State.RUNNING:
+                    return
                 self._step()
+                if task.state is State.RUNNING:
+                    if timeout == _SAFETY_S:
+                        log.warning("task %d (%s) started only at its waiter's deadline: a lost wake-up",
+                                    task.id, task.model)
+                    return
+                waker = self._waker(task)
 
     # NOTE [Asks that shrink]
     # A task that asks for "as much as it can get" (a language model's turn sized by an
@@ -191,9 +272,9 @@ class Dispatcher:
     # so that it gets a lane of its own at once and the tasks queued behind it do not
     # wait forever; its bound is then the lane it gets. (Growing a job's lane instead would
     # make it wait for the job's iterations, which never leave their lane.)
-    def _fit(self, task: Task, at_most: bool) -> None:
+    def _fit(self, task: Task) -> None:
         lanes = self.scheduler.lanes
-        if not at_most or lanes is None or task.state is not State.WAITING or lanes.admitted(task.id):
+        if lanes is None or task.state is not State.WAITING or lanes.admitted(task.id):
             return
         free = lanes.capacity - lanes.used - task.persistent
         if 0 < free < task.ephemeral:
@@ -202,7 +283,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ training jobs
     def job_task(self, job: Preemptible) -> Task:
         """The job's task, created (queued) on first use."""
-        with self._cond:
+        with self._lock:
             task = self._job_tasks.get(job)
             if task is None:
                 now = self.clock()
@@ -219,7 +300,7 @@ class Dispatcher:
     def lane_bound(self, job: Preemptible) -> LaneBound | None:
         """With lanes: what the job's next iteration runs with (its lane, the lane's size,
         the cores); None without lanes."""
-        with self._cond:
+        with self._lock:
             task = self._job_tasks.get(job)
             if not self.packs or task is None:
                 return None
@@ -266,7 +347,7 @@ class Dispatcher:
     def must_yield(self, job: Preemptible) -> bool:
         """At a preemption point: must the job stop now? Reports its progress."""
         task = self.job_task(job)
-        with self._cond:
+        with self._lock:
             self._resize(job)
             if job in self._resizing:  # it stops, and is re-admitted with its sizes once it has
                 return True
@@ -277,16 +358,22 @@ class Dispatcher:
             self._step()
             return task.state is not State.RUNNING
 
-    def wait_for_training_turn(self, job: Preemptible, poll_s: float = _POLL_S) -> None:
+    def wait_for_training_turn(self, job: Preemptible) -> None:
         """Stop the job's segment in the scheduler's books and wait until it runs again
-        (or is cancelled). A paused job is held out of the queue until resumed."""
+        (or is cancelled). A paused job is held out of the queue until resumed. The job's
+        thread sleeps on its waker (NOTE [Hand-offs]); ``notify`` wakes it for a pause,
+        a resume or a cancel."""
         task = self.job_task(job)
-        with self._cond:
+        with self._lock:
             if task.state in (State.RUNNING, State.STOPPING):
                 self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
             if task.state is State.WAITING:
                 task = self._swap(job, task)
-            while not job.cancelled:
+        while True:
+            with self._lock:
+                if job.cancelled:
+                    self._wakers.pop(task.id, None)
+                    return
                 if job.paused:
                     if task.state in (State.RUNNING, State.STOPPING):  # given the device, then paused: hand it back
                         self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
@@ -298,18 +385,24 @@ class Dispatcher:
                 # Given the device, even if already told to stop again: the job runs one
                 # iteration first, so back-to-back calls cannot starve it.
                 if task.state in (State.RUNNING, State.STOPPING) and not job.paused:
+                    self._wakers.pop(task.id, None)
                     return
-                self._cond.wait(min(poll_s, self._timeout()))
+                waker = self._wakers.get(task.id)
+                if waker is None:
+                    waker = self._wakers[task.id] = threading.Lock()
+                    waker.acquire()
+                timeout = self._timeout()
+            waker.acquire(timeout=timeout)
 
     def holds_turn(self, job: Preemptible) -> bool:
         """Whether the scheduler gave the job the device (it may already be told to stop:
         it still runs one iteration, see ``wait_for_training_turn``)."""
-        with self._cond:
+        with self._lock:
             task = self._job_tasks.get(job)
             return task is not None and task.state in (State.RUNNING, State.STOPPING)
 
     def job_ended(self, job: Preemptible) -> None:
-        with self._cond:
+        with self._lock:
             task = self._job_tasks.pop(job, None)
             self._sized.discard(job)
             self._resizing.pop(job, None)
@@ -333,7 +426,7 @@ class Dispatcher:
     def lanes(self) -> dict | None:
         """The lanes now, for operators (None without lanes): capacity, bytes in lanes,
         each lane's size, tasks and the one running, and tasks waiting for admission."""
-        with self._cond:
+        with self._lock:
             lanes = self.scheduler.lanes
             if lanes is None:
                 return None
@@ -351,7 +444,7 @@ class Dispatcher:
 
     def free_lane_bytes(self) -> int:
         """With lanes: what a task of unknown memory asks for (NOTE [Lanes in the runtime])."""
-        with self._cond:
+        with self._lock:
             return self._free_lane_bytes()
 
     def _free_lane_bytes(self) -> int:
@@ -369,25 +462,37 @@ class Dispatcher:
 
     def expedite(self, task_id: int, since: float) -> None:
         """A waiting task is due since ``since`` (this dispatcher's clock), if not earlier."""
-        with self._cond:
+        with self._lock:
             if self.scheduler.expedite(task_id, since):
                 self._step()
-                self._cond.notify_all()
 
     def most_urgent_waiting(self) -> tuple[Priority, float | None] | None:
         """The priority and deadline of the waiting task that would run first (None:
         nobody waits)."""
-        with self._cond:
+        with self._lock:
             task = self.scheduler.most_urgent_waiting()
             return None if task is None else (task.priority, task.deadline)
 
     def notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+        """A job was paused, resumed or cancelled: its thread, if it waits, looks again."""
+        with self._lock:
+            for task_id in list(self._wakers):
+                if task_id in self._jobs:
+                    self._release(task_id)
 
     # ------------------------------------------------------------------ the step
     def _step(self) -> None:
-        """With the condition held: one scheduler step; carry out its decisions."""
+        """With the lock held: one scheduler step; carry out its decisions, waking the
+        waiter of each task started (NOTE [Hand-offs]). Deferred while an uncontended call
+        holds the device (NOTE [Uncontended calls]): its end runs it."""
+        if self._held is not None:
+            return
+        if self._shrinking:
+            for task in list(self._shrinking.values()):
+                if task.state is State.WAITING:
+                    self._fit(task)
+                else:
+                    del self._shrinking[task.id]
         decisions = self.scheduler.schedule(self.clock())
         for d in decisions:
             if not isinstance(d, Preempt):
@@ -396,6 +501,7 @@ class Dispatcher:
                         if t.kind is Kind.INFERENCE:  # read back by the waiting call
                             self._previous[t.id] = self._user
                         self._user = (t.kind, t.model)
+                    self._release(t.id)
                 continue
             job = self._jobs.get(d.task.id)
             if job is not None:
@@ -403,9 +509,13 @@ class Dispatcher:
                 # switch is recorded for the inference it makes way for.
                 by = d.by
                 self._outbox.append((job, by.model if by is not None and by.kind is Kind.INFERENCE else ""))
-        if decisions:
-            self._cond.notify_all()
-        self._send_interrupts()
+        if self._outbox:
+            self._send_interrupts()
+
+    def _release(self, task_id: int) -> None:
+        waker = self._wakers.pop(task_id, None)
+        if waker is not None:
+            waker.release()
 
     # NOTE [Interrupts outside the lock]
     # A Preempt for a job reaches it through ``job.interrupt``, which takes the pool's
@@ -416,15 +526,39 @@ class Dispatcher:
     def _send_interrupts(self) -> None:
         while self._outbox:
             pending, self._outbox = self._outbox, []
-            self._cond.release()
+            self._lock.release()
             try:
                 for job, model in pending:
                     job.interrupt(model)
             finally:
-                self._cond.acquire()
+                self._lock.acquire()
 
     def _timeout(self) -> float:
+        """With the lock held: how long a waiter may sleep. Until the scheduler's next
+        wake-up when it asks for one (a slice ends), else a safety deadline."""
         wake = self.scheduler.next_wakeup(self.clock())
         if wake is None:
-            return _POLL_S
-        return max(0.001, min(_POLL_S, wake - self.clock()))
+            return _SAFETY_S
+        return max(0.001, min(_SAFETY_S, wake - self.clock()))
+
+
+class _Hold:
+    """One call's hold on the runtime (``Dispatcher.priority``): a context manager that
+    yields the call's :class:`Turn`."""
+
+    __slots__ = ("gate", "model", "kind", "priority", "unit_s", "deadline_s", "arrived_at", "ephemeral", "ticket",
+                 "at_most", "task")
+
+    def __init__(self, gate: Dispatcher, model: str, kind: Kind, priority: Priority, unit_s: float,
+                 deadline_s: float | None, arrived_at: float | None, ephemeral: int, ticket: Ticket | None,
+                 at_most: bool) -> None:
+        self.gate, self.model, self.kind, self.priority = gate, model, kind, priority
+        self.unit_s, self.deadline_s, self.arrived_at = unit_s, deadline_s, arrived_at
+        self.ephemeral, self.ticket, self.at_most = ephemeral, ticket, at_most
+        self.task: Task | None = None
+
+    def __enter__(self) -> Turn:
+        return self.gate._enter(self)
+
+    def __exit__(self, *exc) -> None:
+        self.gate._exit(self)

@@ -306,12 +306,15 @@ class Runtime:
     def _call(self, name: str, args: tuple, kwargs: dict | None, *, strategy: str | None = None,
               arrived_at: float | None = None, kv: KVStep | None = None) -> Call:
         """``call``; ``kv``: a language model's step in its home worker (``ModelTurn.call``)."""
-        args, kwargs = tuple(args), dict(kwargs or {})
+        args = args if type(args) is tuple else tuple(args)
+        kwargs = {} if not kwargs else dict(kwargs)
         m = self._get(name)
         lanes = self._gate.lane_capacity
-        key = shape_key(args, kwargs)
-        ask = 0 if lanes is None else self._table.lane_ask(m, key, self._gate.free_lane_bytes())
-        unmeasured = lanes is not None and key not in m.ephemeral  # it asks for what is free: NOTE [Asks that shrink]
+        ask, unmeasured = 0, False
+        if lanes is not None:  # the shape's measured peak, or what is free: NOTE [Asks that shrink]
+            key = shape_key(args, kwargs)
+            ask = self._table.lane_ask(m, key, self._gate.free_lane_bytes())
+            unmeasured = key not in m.ephemeral
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
                                  arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited

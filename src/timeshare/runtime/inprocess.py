@@ -105,6 +105,9 @@ class InProcessExecutor:
             kv: KVStep | None = None) -> Ran:
         if kv is not None:
             raise ConfigError("in-process, a language model's decode batch is the engine's own (no KVStep)")
+        if lane is None and resident:  # the resident call's path: nothing to meter or report
+            return Ran(self._worker.to_host(self._worker.run(name, offset, True, args, kwargs, strategy, None,
+                                                             shared)))
         with in_lane(lane, self.device) as meter:  # NOTE [Counting ephemeral bytes]: this thread only
             out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill, shared)
         # A resident run may overlap another model's load (lanes): only a load reads the latest load.
@@ -124,7 +127,7 @@ class InProcessExecutor:
         self._worker.remove(name)
 
     def inputs(self, obj: Any) -> Any:
-        return map_tensors(obj, lambda t: t.to(self.device))
+        return on_device(obj, self.device)
 
     def check_trainable(self, spec: TrainSpec) -> None:
         return None
@@ -166,3 +169,17 @@ class InProcessExecutor:
         for sid in list(self._worker.shared):
             self._worker.remove_shared(sid)
         self._engine.close()
+
+
+def on_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with its tensors on ``device``: the object itself when they all are there
+    already (a call's inputs usually are: no container is rebuilt), else a copy moved."""
+    if type(obj) is tuple or type(obj) is list:
+        if all(type(x) is torch.Tensor and x.device == device for x in obj):
+            return obj
+    elif type(obj) is dict:
+        if not obj or all(type(x) is torch.Tensor and x.device == device for x in obj.values()):
+            return obj
+    elif type(obj) is torch.Tensor and obj.device == device:
+        return obj
+    return map_tensors(obj, lambda t: t.to(device))
