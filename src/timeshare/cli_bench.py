@@ -348,15 +348,17 @@ def _print_overhead(console, r: dict) -> None:
         console.print(table)
     for block in r.get("threads") or []:
         table = Table(title=f"bench overhead: threads over {block['models']} resident models")
-        for col in ("threads", "req/s", "plain req/s (one lock)", "vs plain", "CPU us/req", "plain CPU us/req",
-                    "CPU vs one thread"):
+        for col in ("threads", "req/s", "plain req/s (one lock)", "vs plain", "plain, fair lock", "vs fair",
+                    "CPU us/req", "plain CPU us/req", "fair CPU us/req", "CPU vs one thread"):
             table.add_column(col, justify="right")
         for row in block["rows"]:
-            ours, base = row["timeshare"], row["plain_pytorch"]
+            ours, base, fair = row["timeshare"], row["plain_pytorch"], row["plain_pytorch_fair"]
             growth = row["cpu_per_request_vs_one_thread"]
             table.add_row(str(row["threads"]), f"{ours['req_per_s']:,.0f}", f"{base['req_per_s']:,.0f}",
-                          f"{row['req_per_s_vs_plain']:.2f}x", us(ours["cpu_us_per_request"]),
-                          us(base["cpu_us_per_request"]), "-" if growth is None else f"{growth:.2f}x")
+                          f"{row['req_per_s_vs_plain']:.2f}x", f"{fair['req_per_s']:,.0f}",
+                          f"{row['req_per_s_vs_plain_fair']:.2f}x", us(ours["cpu_us_per_request"]),
+                          us(base["cpu_us_per_request"]), us(fair["cpu_us_per_request"]),
+                          "-" if growth is None else f"{growth:.2f}x")
         console.print(table)
     t = r.get("transfer")
     if t is not None:

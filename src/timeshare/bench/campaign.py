@@ -52,6 +52,14 @@ STEPS: dict[str, Step] = {
         Step("tests", ("-m", "pytest", "tests/gpu", "-m", "cuda", "-p", "no:cacheprovider", "-q",
                        "--timeout", "240"), 480, bench=False),
         Step("link", ("link",), 240),
+        # What the runtime costs around a forward when nothing switches (issue 32): one
+        # caller, threads over 8 and 42 models, large inputs through workers, PACK vs FIFO;
+        # then Salus's lanes on the zoo's small model, and a zoo model resident through a
+        # worker against plain PyTorch (bench switch's "ready", no baselines).
+        Step("overhead", ("overhead", "--workers", "2", "--duration", "1.0"), 300),
+        Step("lanes", ("lanes", "--counts", "8,42", "--duration", "3", "--train-iterations", "10"), 420),
+        Step("ready", ("switch", "--batch", "8", "--dtype", "fp32", "--train", "resnet152:64", "--memory", "4GiB",
+                       "--baselines", "--repeats", "20"), 360),
         Step("pipeline-fp32", ("pipeline", "--batch", "8", "--dtype", "fp32", "--repeats", "20", "--warmup", "3"), 420),
         Step("pipeline-bf16", ("pipeline", "--batch", "8", "--dtype", "bf16", "--repeats", "20", "--warmup", "3"), 420),
         Step("switch-fp32", ("switch", "--batch", "8", "--dtype", "fp32", "--train", "resnet152:64", "--memory", "4GiB",
@@ -204,6 +212,20 @@ def summarize(out: Path) -> dict:
                                      "stop_and_start_vs_timeshare") if k in r},
                 "exact": r["outputs_match_ready"], "ready_breakdown_ms": r.get("ready_breakdown_ms"),
             })
+    o = load("overhead")
+    if o is not None:
+        summary["overhead"] = _overhead_summary(o)
+    lanes = load("lanes")
+    if lanes is not None:
+        summary["lanes"] = [{"models": r["models"], "fifo_req_per_s": r["fifo"]["req_per_s"],
+                             "pack_req_per_s": r["pack"]["req_per_s"], "plain_req_per_s": r["plain_pytorch_req_per_s"],
+                             "fifo_vs_plain": r["fifo"]["req_per_s"] / r["plain_pytorch_req_per_s"],
+                             "pack_over_fifo": r["pack_over_fifo"]} for r in lanes.get("rows", [])]
+    ready = load("ready")
+    if ready is not None:
+        summary["ready"] = [{"model": r["model"], "native_ms": r["native_ms"], "ready_ms": r["ready_ms"],
+                             "ready_vs_native": r["ready_ms"] / r["native_ms"], "exact": r["outputs_match_ready"]}
+                            for r in ready.get("results", [])]
     c = load("cycles")
     for r in (c or {}).get("results", []):
         summary["cycles"].append({"cycle_s": r["cycle_s"], "fraction_of_ready": r["fraction_of_ready"],
@@ -213,6 +235,20 @@ def summarize(out: Path) -> dict:
     if summary["pipeline"]:
         plot_first_inference(summary, out / "first-inference.png")
     return summary
+
+
+def _overhead_summary(o: dict) -> dict:
+    """The headline figures of ``bench overhead``."""
+    single = o.get("single") or {}
+    return {
+        "single_us": single.get("us_per_call"),
+        "threads": [{"models": b["models"], "threads": r["threads"], "req_per_s": r["timeshare"]["req_per_s"],
+                     "vs_plain": r["req_per_s_vs_plain"], "cpu_vs_one_thread": r["cpu_per_request_vs_one_thread"]}
+                    for b in o.get("threads") or [] for r in b["rows"]],
+        "transfer": [{"head": r["head"], "input": r["input"], **r["ms"]}
+                     for r in (o.get("transfer") or {}).get("rows", [])],
+        "pack_over_fifo": (o.get("pack") or {}).get("pack_over_fifo"),
+    }
 
 
 # PipeSwitch's artifact on a V100 (PCIe 3.0 x16), batch 8, fp32, mean ms (../shared/REFERENCES.md).
@@ -304,6 +340,35 @@ def _markdown(s: dict) -> str:
                 f"{f(r.get('two_processes_ms'), 0)} | {f(r.get('one_process_ms'), 0)} | "
                 f"{f(r.get('stop_and_start_ms'), 0)} | {f(r.get('stop_and_start_vs_timeshare'), 0)}x | "
                 f"{'yes' if r['exact'] else 'NO'} |")
+    o = s.get("overhead")
+    if o:
+        u = o.get("single_us") or {}
+        lines += ["", "## The runtime's own cost, nothing switched (bench overhead)", "",
+                  f"One caller, tiny model: plain PyTorch {f(u.get('plain_pytorch'), 1)} us, in-process "
+                  f"{f(u.get('in_process'), 1)} us, through workers {f(u.get('workers'), 1)} us; PACK over FIFO "
+                  f"{f(o.get('pack_over_fifo'))}x.", "", "| models | threads | req/s | vs plain (one lock) | "
+                  "CPU per request vs one thread |", "|---|---|---|---|---|"]
+        for r in o["threads"]:
+            lines.append(f"| {r['models']} | {r['threads']} | {r['req_per_s']:,.0f} | {f(r['vs_plain'])}x | "
+                         f"{f(r['cpu_vs_one_thread'])}x |")
+        if o["transfer"]:
+            lines += ["", "| head | input | copy (floor) ms | plain ms | in-process ms | workers ms |",
+                      "|---|---|---|---|---|---|"]
+            for r in o["transfer"]:
+                lines.append(f"| {r['head']} | {r['input']} | {f(r['memcpy'])} | {f(r['plain_pytorch'])} | "
+                             f"{f(r['in_process'])} | {f(r['workers'])} |")
+    if s.get("lanes"):
+        lines += ["", "## Many small models (bench lanes)", "", "| models | plain req/s | FIFO req/s | FIFO/plain | "
+                  "PACK/FIFO |", "|---|---|---|---|---|"]
+        for r in s["lanes"]:
+            lines.append(f"| {r['models']} | {r['plain_req_per_s']:,.0f} | {r['fifo_req_per_s']:,.0f} | "
+                         f"{f(r['fifo_vs_plain'])} | {f(r['pack_over_fifo'])} |")
+    if s.get("ready"):
+        lines += ["", "## A resident model through a worker (ms, median)", "", "| model | plain PyTorch | ready | "
+                  "ready/plain | exact |", "|---|---|---|---|---|"]
+        for r in s["ready"]:
+            lines.append(f"| {r['model']} | {f(r['native_ms'])} | {f(r['ready_ms'])} | {f(r['ready_vs_native'])} | "
+                         f"{'yes' if r['exact'] else 'NO'} |")
     if s["cycles"]:
         lines += ["", "## Inference throughput time-sharing with training", "", "| cycle s | of ready | switches |",
                   "|---|---|---|"]

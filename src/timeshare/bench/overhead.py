@@ -8,7 +8,10 @@ Four parts, each measured in one run beside its own baseline:
   three so that drift in the machine hits all of them alike (medians of rounds).
 - ``threads``: 1, 4 and 16 caller threads over 8 and 42 resident tiny models: requests
   per second and CPU time per request (the process's), against plain PyTorch behind one
-  lock (the device is time-shared: one forward at a time) driven by the same threads.
+  lock (the device is time-shared: one forward at a time) driven by the same threads,
+  and behind a fair lock handed over in arrival order (``FairLock``), as the runtime
+  hands the device over: ``threading.Lock`` lets the releasing thread take it again and
+  starve the others (each client's count is in the JSON).
 - ``transfer``: the round trip of a large input (4.8 MB: a batch of 8 at 224x224; 8.6 MB:
   at 299x299) through a head that reads it all and answers a small output, and through
   one that echoes it back: plain PyTorch, in-process, through workers; the floor is one
@@ -22,6 +25,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -162,20 +166,58 @@ def _threads(config: OverheadBenchConfig, device, n_models: int, progress) -> di
             rt.infer(name, *inputs)
         lock = threading.Lock()
 
+        fair = FairLock()
+
         def plain(i: int) -> None:
             with lock:
+                native_call(natives[i], inputs, device)
+
+        def plain_fair(i: int) -> None:
+            with fair:
                 native_call(natives[i], inputs, device)
 
         for n in config.threads:
             progress(f"{n_models} models, {n} threads")
             ours = _drive(n, n_models, config.duration_s, lambda i: rt.infer(names[i], *inputs))
             base = _drive(n, n_models, config.duration_s, plain)
-            rows.append({"threads": n, "timeshare": ours, "plain_pytorch": base,
-                         "req_per_s_vs_plain": ours["req_per_s"] / base["req_per_s"]})
+            handed = _drive(n, n_models, config.duration_s, plain_fair)
+            rows.append({"threads": n, "timeshare": ours, "plain_pytorch": base, "plain_pytorch_fair": handed,
+                         "req_per_s_vs_plain": ours["req_per_s"] / base["req_per_s"],
+                         "req_per_s_vs_plain_fair": ours["req_per_s"] / handed["req_per_s"]})
     one = rows[0]["timeshare"]["cpu_us_per_request"] if rows and rows[0]["threads"] == 1 else None
     for row in rows:
         row["cpu_per_request_vs_one_thread"] = None if one is None else row["timeshare"]["cpu_us_per_request"] / one
     return {"models": n_models, "rows": rows}
+
+
+class FairLock:
+    """One forward at a time in arrival order: the lock is handed to the longest waiter
+    (a thread that releases and asks again queues behind the others), as the runtime
+    hands the device over. Plain PyTorch behind ``threading.Lock`` is unfair: the thread
+    that releases usually takes it again, running many forwards in a row with no switch
+    between threads, while others starve."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: deque[threading.Lock] = deque()
+        self._busy = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if not self._busy:
+                self._busy = True
+                return
+            waiter = threading.Lock()
+            waiter.acquire()
+            self._queue.append(waiter)
+        waiter.acquire()  # released by the holder, which hands the lock over
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            if self._queue:
+                self._queue.popleft().release()
+            else:
+                self._busy = False
 
 
 def _caller(rt: Runtime, names: list[str], inputs: tuple) -> Callable[[int], object]:
