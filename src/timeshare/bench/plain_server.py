@@ -7,7 +7,8 @@ Runs in its own process (``python -m timeshare.bench.plain_server``, started by
 :class:`PlainServerProcess`) or, for tests, in the caller's (:func:`create_plain_app`).
 
 It stamps its own hops like timeshare's server (NOTE [Request hops]) with the same
-clock and sums them at ``GET /stats``: parse, to_thread, forward, to_loop, encode.
+clock and sums them at ``GET /stats``: route, read, parse, to_thread, forward, to_loop,
+encode.
 """
 
 from __future__ import annotations
@@ -36,7 +37,19 @@ from timeshare.models.zoo import weights_path
 from timeshare.server.endpoint import flatten_outputs
 
 HEADER_LENGTH = "inference-header-content-length"
-PLAIN_HOPS = ("read", "parse", "to_thread", "forward", "to_loop", "encode")
+PLAIN_HOPS = ("route", "read", "parse", "to_thread", "forward", "to_loop", "encode")
+ARRIVED = "plain.arrived"
+
+
+class _Arrival:
+    """The first stamp, where timeshare's server takes it (its first middleware)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        scope[ARRIVED] = perf_counter_ns()
+        await self.app(scope, receive, send)
 
 
 def load_models(names: list[str], device: torch.device) -> dict[str, tuple[torch.nn.Module, list[str]]]:
@@ -55,6 +68,7 @@ def create_plain_app(models: dict[str, tuple[torch.nn.Module, list[str]]], devic
     """The FastAPI app: ``POST /v2/models/{model}/infer``, ``GET /v2/health/ready``,
     ``GET /stats`` (the hops' sums)."""
     app = FastAPI()
+    app.add_middleware(_Arrival)
     lock = threading.Lock()
     sums = [0] * len(PLAIN_HOPS)
     count = [0]
@@ -76,7 +90,7 @@ def create_plain_app(models: dict[str, tuple[torch.nn.Module, list[str]]], devic
 
     @app.post("/v2/models/{model}/infer")
     async def infer(model: str, request: Request):
-        t0 = perf_counter_ns()
+        routed = perf_counter_ns()
         if model not in models:
             return JSONResponse({"error": f"no model {model!r}"}, status_code=404)
         module, input_names = models[model]
@@ -116,7 +130,8 @@ def create_plain_app(models: dict[str, tuple[torch.nn.Module, list[str]]], devic
         response = Response(header + b"".join(blobs), media_type="application/octet-stream",
                             headers={"Inference-Header-Content-Length": str(len(header))}) if binary else \
             Response(header, media_type="application/json")
-        stamps = (t0, t_read, t_parsed, start, end, t_resumed, perf_counter_ns())
+        arrived = request.scope.get(ARRIVED, routed)
+        stamps = (arrived, routed, t_read, t_parsed, start, end, t_resumed, perf_counter_ns())
         for i, (a, b) in enumerate(zip(stamps, stamps[1:])):
             sums[i] += b - a
         count[0] += 1

@@ -46,11 +46,15 @@ class Pending:
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
     times: RequestTimes | None = None  # its stamps, NOTE [Request hops]
+    _key: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> tuple:
-        """Requests with equal keys can run as one batch (concatenated along dim 0)."""
-        return tuple((tuple(t.shape[1:]), t.dtype) for t in self.tensors)
+        """Requests with equal keys can run as one batch (concatenated along dim 0);
+        made once, though a request is compared with each one taken before it."""
+        if self._key is None:
+            self._key = tuple((tuple(t.shape[1:]), t.dtype) for t in self.tensors)
+        return self._key
 
 
 class Endpoint:
@@ -58,6 +62,11 @@ class Endpoint:
         self.cfg = cfg
         self.name = cfg.name
         self.inputs: list[TensorSpec] = cfg.inputs if cfg.inputs is not None else _zoo_inputs(cfg)
+        # What every request's check needs of the inputs, made once (they never change).
+        self._names = [s.name for s in self.inputs]
+        self._known = frozenset(self._names)
+        self._specs = [(s, TORCH_DTYPES.get(s.datatype), s.shape, s.min is not None or s.max is not None)
+                       for s in self.inputs]
         self.outputs: list[OutputSpec] = []  # known after the first inference
         self.state = ModelState.UNAVAILABLE
         self.reason = "not loaded yet"
@@ -75,29 +84,29 @@ class Endpoint:
     def check(self, given: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         """The inputs in the forward's order, and their rows; :class:`BadRequest` names
         the first problem."""
-        names = [s.name for s in self.inputs]
-        extra = sorted(set(given) - set(names))
-        if extra:
-            raise BadRequest(f"model {self.name!r} has no input {extra[0]!r}; its inputs are {names}")
-        missing = [n for n in names if n not in given]
-        if missing:
+        names = self._names
+        if len(given) != len(names) or not self._known.issuperset(given):
+            extra = sorted(set(given) - self._known)
+            if extra:
+                raise BadRequest(f"model {self.name!r} has no input {extra[0]!r}; its inputs are {names}")
+            missing = [n for n in names if n not in given]
             raise BadRequest(f"model {self.name!r} needs input {missing[0]!r}; its inputs are {names}")
         ordered, rows = [], None
-        for spec in self.inputs:
+        for spec, dtype, want, bounded in self._specs:
             t = given[spec.name]
-            got = datatype_of(t.dtype)
-            if got != spec.datatype:
+            if t.dtype != dtype:
+                got = datatype_of(t.dtype)
                 raise BadRequest(f"input {spec.name!r} of model {self.name!r} must be {spec.datatype}, got {got}")
-            shape = list(t.shape)
-            if len(shape) != len(spec.shape) or any(s not in (-1, g) for s, g in zip(spec.shape, shape)):
+            shape = t.shape
+            if len(shape) != len(want) or any(s != -1 and s != g for s, g in zip(want, shape)):
                 raise BadRequest(f"input {spec.name!r} of model {self.name!r} must have shape {spec.shape} "
-                                 f"(-1: any size), got {shape}")
+                                 f"(-1: any size), got {list(shape)}")
             if rows is None:
                 rows = shape[0]
             elif shape[0] != rows:
                 raise BadRequest(f"inputs of model {self.name!r} disagree on the batch size: "
                                  f"{spec.name!r} has {shape[0]}, an earlier one {rows}")
-            if t.numel() and (spec.min is not None or spec.max is not None):
+            if bounded and t.numel():
                 values = t.numpy()  # numpy: torch has no min/max for uint16/32/64
                 lo, hi = int(values.min()), int(values.max())
                 if (spec.min is not None and lo < spec.min) or (spec.max is not None and hi > spec.max):

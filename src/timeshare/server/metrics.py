@@ -65,6 +65,11 @@ class Metrics:
                                    "length, cancelled, error", ["model", "finish_reason"], registry=r)
         r.register(_Levels(service))
         r.register(_Hops(service))
+        # Children of labelled metrics by model, for the calls every request makes. A model
+        # unloaded and loaded again keeps its series, as prometheus_client's labels() would.
+        self._answered: dict[str, tuple[Counter, Histogram]] = {}
+        self._queued: dict[str, Histogram] = {}
+        self._batched: dict[str, Histogram] = {}
 
     # ------------------------------------------------------------------ events
     def record(self, rec: CallRecord | EvictionRecord) -> None:
@@ -83,12 +88,24 @@ class Metrics:
             self.switch_seconds.labels(rec.model).observe(rec.seconds)
 
     def answered(self, model: str, code: int, seconds: float | None) -> None:
+        if code == 200:  # the children of the common case, looked up once (labels() takes a lock)
+            children = self._answered.get(model)
+            if children is None:
+                children = self._answered[model] = (self.requests.labels(model, "200"),
+                                                    self.request_seconds.labels(model))
+            children[0].inc()
+            if seconds is not None:
+                children[1].observe(seconds)
+            return
         self.requests.labels(model, str(code)).inc()
         if seconds is not None:
             self.request_seconds.labels(model).observe(seconds)
 
     def queued(self, model: str, seconds: float) -> None:
-        self.queue_seconds.labels(model).observe(seconds)
+        child = self._queued.get(model)
+        if child is None:
+            child = self._queued[model] = self.queue_seconds.labels(model)
+        child.observe(seconds)
 
     def llm_event(self, event: Event) -> None:
         if isinstance(event, TokenTiming):
@@ -100,7 +117,10 @@ class Metrics:
         self.generations.labels(event.model, f.reason).inc()
 
     def batched(self, model: str, rows: int) -> None:
-        self.batch_rows.labels(model).observe(rows)
+        child = self._batched.get(model)
+        if child is None:
+            child = self._batched[model] = self.batch_rows.labels(model)
+        child.observe(rows)
 
     def rejected(self, model: str) -> None:
         self.rejections.labels(model).inc()

@@ -91,11 +91,12 @@ class QueueRunner:
                     if p.times is not None:
                         p.times.taken = now
                 ep.in_flight.extend(batch)
+                if self.batches == 1:  # served by this task: no task per batch, no wake-up to start it
+                    await self._serve(ep, batch)
+                    continue
                 task = asyncio.create_task(self._serve(ep, batch), name=f"timeshare-batch-{ep.name}")
                 running.add(task)
                 task.add_done_callback(running.discard)
-                if self.batches == 1:
-                    await task
             if ep.state is ModelState.UNAVAILABLE:
                 while ep.queue:
                     p = ep.queue.popleft()
@@ -103,21 +104,28 @@ class QueueRunner:
                         p.future.set_exception(Unavailable(f"model {ep.name!r} was unloaded"))
 
     async def _serve(self, ep: Endpoint, batch: list[Pending]) -> None:
-        """One batch: its forward in a pool thread, then each request's answer."""
+        """One batch: its forward in a pool thread, which answers each request itself
+        (one wake-up of the event loop for the requests, not one for this task and then
+        one for them), then this task goes on."""
         loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def work() -> None:  # in a pool thread
+            try:
+                replies = self.execute(ep, batch)
+            except BaseException as exc:  # a bug in the batching itself: every request learns of it
+                replies = [exc] * len(batch)
+            loop.call_soon_threadsafe(_answer, batch, replies, done)
+
         try:
-            replies = await loop.run_in_executor(self._executor, self.execute, ep, batch)
-        except Exception as exc:  # a bug in the batching itself: every request learns of it
-            replies = [exc] * len(batch)
+            self._executor.submit(work)
+            await done
         finally:
-            ids = {id(p) for p in batch}
-            ep.in_flight = [p for p in ep.in_flight if id(p) not in ids]
-        for p, r in zip(batch, replies):
-            if not p.future.done():
-                if isinstance(r, BaseException):
-                    p.future.set_exception(r)
-                else:
-                    p.future.set_result(r)
+            if len(ep.in_flight) == len(batch):  # the only batch out (always, but in front of a cluster)
+                ep.in_flight = []
+            else:
+                ids = {id(p) for p in batch}
+                ep.in_flight = [p for p in ep.in_flight if id(p) not in ids]
 
     def execute(self, ep: Endpoint, batch: list[Pending]) -> list[Reply | BaseException]:
         """In a pool thread: one forward for the batch (NOTE [Request batching]); each
@@ -167,3 +175,15 @@ class QueueRunner:
             if t is not None:
                 t.in_thread, t.called, t.returned, t.replied = in_thread, called, returned, replied
         return replies
+
+
+def _answer(batch: list[Pending], replies: list[Reply | BaseException], done: asyncio.Future) -> None:
+    """On the event loop: each request's reply or error, then the runner's turn."""
+    for p, r in zip(batch, replies):
+        if not p.future.done():
+            if isinstance(r, BaseException):
+                p.future.set_exception(r)
+            else:
+                p.future.set_result(r)
+    if not done.done():
+        done.set_result(None)

@@ -235,11 +235,15 @@ class Service:
     async def infer(self, name: str, given: dict[str, torch.Tensor], times: RequestTimes | None = None) -> Reply:
         """Queue one request and wait for its outputs (all of them, by name); ``times``
         takes its stamps on the way (NOTE [Request hops])."""
-        ep = self.endpoint(name)
+        return await self.infer_at(self.endpoint(name), given, times)
+
+    async def infer_at(self, ep: Endpoint, given: dict[str, torch.Tensor], times: RequestTimes | None = None) -> Reply:
+        """:meth:`infer` for the endpoint the route has already looked up."""
+        name = ep.name
         tensors, rows = ep.check(given)
         if self._stopping:
             raise Overloaded("the server is shutting down", 1)
-        if ep.state not in (ModelState.LOADING, ModelState.READY):
+        if ep.state is not ModelState.READY and ep.state is not ModelState.LOADING:
             raise Unavailable(f"model {name!r} is not loaded ({ep.state.value}: {ep.reason}); "
                               f"POST /v2/repository/models/{name}/load")
         if len(ep.queue) >= ep.cfg.max_queue:
@@ -247,17 +251,22 @@ class Service:
             self.metrics.rejected(name)
             raise Overloaded(f"model {name!r} has {len(ep.queue)} requests waiting (max_queue)",
                              ep.retry_after(resident))
-        p = Pending(tensors, rows, asyncio.get_running_loop().create_future(), times=times)
+        future = asyncio.get_running_loop().create_future()
+        p = Pending(tensors, rows, future, times=times)
         ep.queue.append(p)
         if times is not None:
             times.queued = perf_counter_ns()
         ep.wake.set()
+        # The request's own future, awaited under a deadline: a timed-out or abandoned
+        # request's future is cancelled with its task, and the runner skips it if still
+        # queued (no second future, no task for the deadline).
         try:
-            return await asyncio.wait_for(asyncio.shield(p.future), self.config.server.request_timeout_s)
+            async with asyncio.timeout(self.config.server.request_timeout_s):
+                return await future
         except TimeoutError:
             raise Timeout(f"model {name!r} did not answer within {self.config.server.request_timeout_s} s") from None
         finally:
-            p.future.cancel()  # no-op once answered; a timed-out or abandoned request is skipped if still queued
+            future.cancel()  # no-op once answered
 
     def queue_depths(self) -> dict[str, int]:
         return {n: len(ep.queue) for n, ep in self.endpoints.items()}

@@ -29,8 +29,11 @@ def datatype_of(dtype: torch.dtype) -> str:
         raise TimeshareError(f"torch dtype {dtype} has no Open Inference Protocol datatype") from None
 
 
+_ELEMENT_SIZES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+
+
 def element_size(datatype: str) -> int:
-    return torch.empty((), dtype=TORCH_DTYPES[datatype]).element_size()
+    return _ELEMENT_SIZES[datatype]
 
 
 def from_json(name: str, datatype: str, shape: list[int], data) -> torch.Tensor:
@@ -123,10 +126,13 @@ def from_binary(name: str, datatype: str, shape: list[int], raw: bytes | memoryv
     if len(raw) != size:
         raise BadRequest(f"input {name!r}: {datatype} of shape {shape} is {size} bytes, binary data has {len(raw)}")
     dtype = TORCH_DTYPES[datatype]
+    # One copy of the bytes (the tensor owns them: the body is read-only). numpy checks
+    # small tensors for NaN several times faster than a torch op is dispatched.
     t = torch.frombuffer(bytearray(raw), dtype=dtype) if size else torch.empty(0, dtype=dtype)
     t = t.reshape(shape)
-    if finite and dtype.is_floating_point and count and not torch.isfinite(t).all():
-        raise BadRequest(f"input {name!r}: data contains NaN or infinity")
+    if finite and count and dtype.is_floating_point:
+        if not (torch.isfinite(t).all() if dtype == torch.bfloat16 else np.isfinite(t.numpy()).all()):
+            raise BadRequest(f"input {name!r}: data contains NaN or infinity")
     return t
 
 
@@ -139,10 +145,16 @@ def to_json_data(t: torch.Tensor) -> list:
 
 
 def to_binary(t: torch.Tensor) -> bytes:
+    return binary_view(t).tobytes()
+
+
+def binary_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order, without copying a contiguous tensor on the
+    host: the response's body is the one copy (``app.encode_reply``)."""
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()
+        t = t.view(torch.int16)
+    return t.numpy().reshape(-1).view(np.uint8).data
 
 
 def _kind_name(kind: str | None) -> str:
