@@ -93,12 +93,14 @@ class TrainingJob:
         """Stop at the next preemption point and stay stopped until ``resume()``."""
         self._pause.set()
         self.interrupt()
+        self._gate.notify()  # a job waiting for its turn is held out of the queue now
 
     def hold(self) -> None:
         """Stay stopped once stopped, without stopping now: the job runs on until the
         scheduler next preempts it (an inference takes the device, say), then waits for
         ``resume()``. A benchmark's way to start an inference turn with a real switch."""
         self._pause.set()
+        self._gate.notify()
 
     def resume(self) -> None:
         self._pause.clear()
