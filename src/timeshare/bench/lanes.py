@@ -4,8 +4,9 @@
 
 Each model has one closed-loop client thread (a request as soon as the previous one
 answered) for ``duration_s`` per mode. Reported per N: aggregate requests per second
-in each mode, the added latency per request over each model alone (the mean latency
-in the mode minus the model's own latency measured alone, idle runtime), and whether
+in each mode, each client's share of them against the mean, the added latency per
+request over each model alone (the mean latency in the mode minus the model's own
+latency measured alone, idle runtime), and whether
 every output is bitwise equal to the model's output alone. Beside them: plain PyTorch
 (the same N modules and threads, no runtime: what concurrency gives without lanes or
 bounds) and the hardware bound (the model alone at one core, times min(N, cores)).
@@ -274,9 +275,15 @@ def _served(config, device, zoo, inputs, reference, n: int, mode: str, timeline:
             base = records[0].started
             timeline.extend({"model": r.model, "start_s": r.started - base, "seconds": r.seconds}
                             for r in records[: 2000])
+        per_client = [len(latencies[name]) for name in names]
+        mean = statistics.fmean(per_client)
         return {
             "requests": done,
             "req_per_s": done / elapsed,
+            # Fairness: each client's requests against the mean (NOTE [Requests wait in arrival order]).
+            "per_client": per_client,
+            "min_share_of_mean": min(per_client) / mean,
+            "max_share_of_mean": max(per_client) / mean,
             "mean_latency_ms": statistics.fmean(x for v in latencies.values() for x in v) * 1e3,
             "alone_ms": statistics.fmean(alone.values()) * 1e3,
             "added_latency_ms": statistics.fmean(added) * 1e3 if added else None,

@@ -17,6 +17,13 @@ lane's size and what the task had asked for, in the task's own thread, so only t
 task fails. The operator's output exists by then (it is freed as the error unwinds):
 the guard bounds what a task may hold, one operator's worth of overshoot aside.
 
+A meter costs tens of microseconds of Python per operator, under the interpreter lock
+that concurrent lanes share. So only what is not known yet is metered: a shape's first
+calls (``LaneBound.metered``, NOTE [Measured shapes run unmetered] in
+``runtime/lanes.py``), a turn's calls and training iterations. A call of a measured
+shape runs unmetered: admission keeps its lane (it asks for its measured peak with
+headroom) and, on CUDA, the allocator's pool checks it (NOTE [Lane pools]).
+
 The runtime's own scratch memory is not a task's: a worker's one-off probe of the link
 (64 MiB, at its first profile, which may happen inside a call in a lane: a replacement
 worker's first load) runs ``unmetered()``, so no meter of its thread counts it.
@@ -36,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from timeshare.errors import LaneExceededError
+from timeshare.memory.lane_pool import CudaLanePool, LanePools, pool_allowance
 
 LANE_HEADROOM = 1.25  # a lane is the profiled peak times this (allocator rounding, small variations)
 _paused = threading.local()  # ``unmetered`` blocks running in this thread
@@ -112,25 +120,69 @@ class EphemeralMeter(TorchDispatchMode):
 class LaneBound:
     """What a call in a lane runs with, in whichever process runs it: its task's name,
     the lane and its size in bytes (None: metered, not bounded), and the cores it may
-    use (None: all)."""
+    use (None: all). ``metered``: counted per operator by an :class:`EphemeralMeter`;
+    False for a shape whose peak is known, which admission keeps within the lane (on
+    CUDA the allocator's pool checks it: NOTE [Lane pools])."""
 
     task: str
     lane: int | None
     limit: int | None
     threads: int | None = None
+    metered: bool = True
 
 
 @contextmanager
 def in_lane(lane: LaneBound | None, device: torch.device) -> Iterator[EphemeralMeter | None]:
-    """Run a block as a call in ``lane``: metered and bounded (NOTE [Counting ephemeral
-    bytes]), on the lane's CUDA stream or its share of the CPU's cores. Without a lane:
-    nothing changes, no meter."""
+    """Run a block as a call in ``lane``, on the lane's CUDA stream or its share of the
+    CPU's cores: metered and bounded (NOTE [Counting ephemeral bytes]), or, unmetered, in
+    a pool of the allocator on CUDA (NOTE [Lane pools]). Without a lane: nothing
+    changes, no meter. Yields the meter, None when unmetered."""
     if lane is None:
         yield None
         return
-    with lane_stream(device, lane.lane), cpu_share(device, lane.threads), \
-            EphemeralMeter(lane.limit, task=lane.task, lane=lane.lane) as meter:
-        yield meter
+    with lane_stream(device, lane.lane), cpu_share(device, lane.threads):
+        if lane.metered:
+            with EphemeralMeter(lane.limit, task=lane.task, lane=lane.lane) as meter:
+                yield meter
+        elif device.type == "cuda" and lane.limit is not None:
+            with pooled(cuda_pools(device), lane):
+                yield None
+        else:  # the CPU: admission alone keeps a measured shape in its lane
+            yield None
+
+
+@contextmanager
+def pooled(pools: LanePools, lane: LaneBound) -> Iterator[None]:
+    """Run a block with its allocations in a pool lent by ``pools``; fail it with
+    :class:`LaneExceededError` if the pool holds more than the lane allows afterwards
+    (NOTE [Lane pools]). An error of the block's own gives the pool back."""
+    assert lane.limit is not None, "a pool bounds a lane of known size"
+    pool = pools.acquire(lane.limit)
+    try:
+        with pool.activate():
+            yield
+    except BaseException:
+        pools.give_back(pool, pool.held_bytes())
+        raise
+    held = pool.held_bytes()
+    if held > pool_allowance(lane.limit):
+        pools.drop(pool)
+        raise LaneExceededError(lane.task, lane.lane, lane.limit, held)
+    pools.give_back(pool, held)
+
+
+_pools: dict[int, LanePools] = {}
+
+
+def cuda_pools(device: torch.device) -> LanePools:
+    """The lane pools of a CUDA device, made on first use."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        pools = _pools.get(index)
+        if pools is None:
+            where = torch.device("cuda", index)
+            pools = _pools[index] = LanePools(lambda: CudaLanePool(where))
+        return pools
 
 
 LANE_STREAMS = 8  # lanes beyond this many share streams (lane id modulo): serialised, still correct

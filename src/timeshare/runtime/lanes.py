@@ -39,17 +39,32 @@ that depends on how many lanes are busy: kernels pick their blocking by thread c
 so a share that followed the load would change a model's output bits with the load.
 With workers, each lane's call runs in a worker process of its own (at most one per
 worker at a time), so lanes do not share an interpreter lock; in-process, they are
-threads, and the metering of every operator serialises on the lock.
+threads, and the metering of every operator serialises on the lock (so only the calls
+of NOTE [Measured shapes run unmetered] are metered).
+
+# NOTE [Measured shapes run unmetered]
+Metering a forward costs Python per operator (NOTE [Counting ephemeral bytes]); in
+lanes that share an interpreter lock it was most of PACK's cost. So a model's calls of
+an input shape are metered only until the shape's peak is known: its first call
+(alone, unbounded, profiled) and then ``CONFIRMING_CALLS`` calls bounded by their lanes
+whose peaks do not raise the measured one. After those, its calls run unmetered
+(``LaneBound.metered`` False): the lane it is admitted to (its measured peak with
+headroom) is its bound, kept by admission, and on CUDA checked by the allocator's pool
+(NOTE [Lane pools]). A model whose memory depends on its inputs' values, not only their
+shapes, raises its peak or fails its lane while confirming, which starts the count
+again: such a shape stays metered and bounded per operator. A turn's calls are always
+metered: their shapes change at every step.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from timeshare.errors import TimeshareError
+from timeshare.errors import LaneExceededError, TimeshareError
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Call
@@ -65,18 +80,58 @@ def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, stra
     the lane; a resident model's forward runs without the lock. Waiters on ``idle`` hear
     when it ends."""
     try:
-        if shape_key(args, kwargs) not in m.ephemeral:
+        key = shape_key(args, kwargs)
+        known = m.ephemeral.get(key)
+        if known is None:
             # Its first call of this shape, under the lock, on the lane's cores but not
             # bounded: a first load also traces and profiles. The profile measures it.
             first = LaneBound(m.name, turn.lane, None, threads)
             call = table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=first)
             table.profile(m, args, kwargs)  # cached if the load profiled
             return call
-        lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
-        return table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=lane,
-                          unlocked=None if turn.nested else unlocked(lock))
+        seen = confirmed.of(m)
+        metered = seen.get(key, 0) < CONFIRMING_CALLS  # NOTE [Measured shapes run unmetered]
+        lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads, metered)
+        try:
+            call = table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=lane,
+                              unlocked=None if turn.nested else unlocked(lock))
+        except LaneExceededError:
+            seen[key] = 0
+            raise
+        if metered:
+            seen[key] = seen.get(key, 0) + 1 if m.ephemeral.get(key, 0) <= known else 0
+        return call
     finally:
         idle.notify_all()
+
+
+CONFIRMING_CALLS = 2  # bounded, metered calls whose peaks confirm a shape's measured one
+
+
+class Confirmations:
+    """Per model, how many metered calls of each input shape have confirmed its measured
+    peak in a row (NOTE [Measured shapes run unmetered]). Read and written with the
+    runtime's lock held; a model's counts go with its entry (a model registered again
+    under the same name starts over)."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, tuple[weakref.ref, dict[str, int]]] = {}
+
+    def of(self, m: ModelEntry) -> dict[str, int]:
+        found = self._of.get(id(m))
+        if found is not None and found[0]() is m:
+            return found[1]
+        counts: dict[str, int] = {}
+        key = id(m)
+        self._of[key] = (weakref.ref(m, lambda _ref: self._of.pop(key, None)), counts)
+        return counts
+
+    def trusted(self, m: ModelEntry, key: str) -> bool:
+        """Whether ``m``'s calls on inputs of shape ``key`` run unmetered now."""
+        return self.of(m).get(key, 0) >= CONFIRMING_CALLS
+
+
+confirmed = Confirmations()
 
 
 def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn: Turn, lock: threading.RLock,

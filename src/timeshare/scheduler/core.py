@@ -228,11 +228,33 @@ class Scheduler:
     def _admissible(self, t: Task) -> bool:
         return self.lanes is None or self.lanes.choose(t.persistent, t.ephemeral) is not None
 
+    def _startable(self, t: Task) -> bool:
+        """Whether an admissible task may be admitted now: a request under PACK only to a
+        lane it can run in at once (NOTE [Requests wait in arrival order])."""
+        if not self._packs or t.kind is not Kind.INFERENCE:
+            return True
+        assert self.lanes is not None
+        choice = self.lanes.choose(t.persistent, t.ephemeral)
+        if choice is None or choice[1] is None:
+            return choice is not None
+        return self.lanes.lanes[choice[1]].busy is None
+
     # NOTE [Admission order]: tasks not yet admitted wait in one heap, admitted ones
     # (they hold persistent memory and a lane) in another. Only the best task of the
     # first heap is tried for admission: if Algorithm 1 says it must wait, the ones
     # behind it wait too (no overtaking for memory, and a decision stays O(log n)).
     # Admitted tasks whose lane is busy are stepped over, at most _ASIDE of them.
+    #
+    # NOTE [Requests wait in arrival order]: with PACK, a request (one inference) is
+    # admitted only when it can start at once: where Algorithm 1 would put it in a busy
+    # lane (to join or grow it), it stays first in the queue of tasks not admitted, and
+    # the ones behind it wait too. Admitted to a busy lane, it would wait for that one
+    # lane while later requests took the lanes that free up: a closed-loop client whose
+    # request joined a lane fell behind for good (one got 7 requests, another 1,798).
+    # Waiting unadmitted, it takes the first lane or memory that frees, before anyone
+    # behind it. A training job still joins a busy lane (jobs of one lane take turns
+    # in it, NOTE [Salus lanes]), and a request bound for a job's lane still makes the
+    # job yield (``_lane_holder``).
     def _take(self) -> Task | None:
         """Pop the best task that can start now (admitting it if needed), or None."""
         aside: list[tuple] = []
@@ -246,7 +268,7 @@ class Scheduler:
                 aside.append(heappop(self._admitted))
                 a = None
         n = self._peek(self._heap)
-        if n is not None and not self._admissible(n):
+        if n is not None and not (self._admissible(n) and self._startable(n)):
             n = None
         if a is not None and (n is None or self.policy.key(a) < self.policy.key(n)):
             heappop(self._admitted)  # ``a`` is the top until the stepped-over ones go back
