@@ -4,8 +4,16 @@ Imported by both sides.
 Messages are small frozen dataclasses, pickled by value (never through shared-memory
 tensor reductions, so a crash cannot leak a segment) and sent as bytes over a
 ``multiprocessing`` pipe. Shared memory is named once, when a worker starts
-(``Start``) or learns a model (``AddModel``); nothing on the switch path exchanges
-handles.
+(``Start``) or learns a model (``AddModel``), or when its tensor channel grows
+(``RunModel.channel``); nothing on the switch path exchanges handles.
+
+A call's tensors do not travel in the pickle: inputs (``RunModel``, ``Profile``) and
+outputs (``Result``) are written into the worker's tensor channel, a shared-memory
+buffer per worker, and the message carries a ``TensorRef`` (offset, shape, dtype,
+strides) in each tensor's place; ``refs`` counts them (NOTE [Tensor channel] in
+``worker/channel.py``). A tensor the channel cannot carry (too large, a subclass, a
+sparse or quantized layout, inside an object the walk of ``tree.py`` does not open)
+is pickled in place, and logged once.
 
     controller -> worker            worker -> controller
     ----------------------------    ---------------------------------------
@@ -14,8 +22,11 @@ handles.
     RemoveModel(model)              Ack(seq)
     UnpinStore(seq, model)          Ack(seq)  (its store unlocked: the host tier drops its pages)
     RunModel(seq, model, ...)       Result(seq, output, ...) or Failure(seq, error)
+      args as TensorRefs, channel:    output as TensorRefs in the channel (refs, out_nbytes)
+      a grown channel to map first
       with kv: a language model's step on the caches its home keeps
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
+      args as TensorRefs, channel
     Train(seq, job, spec, lane)     Progress(seq, ...) after every iteration, then
                                     SegmentStopped(seq, ...) or Failure(seq, error)
     PreemptSegment(seq)             (the Train with that seq stops at its next
@@ -64,6 +75,28 @@ class Start:
     # The controller's environment when it started this worker: a process forked from the
     # fork server would otherwise see the server's, as it was when it started (NOTE [Fork server]).
     environ: tuple[tuple[str, str], ...] = ()
+    channel: ChannelSpec | None = None  # NOTE [Tensor channel]: the worker's buffer for call tensors
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """A worker's tensor channel (NOTE [Tensor channel]): the shared-memory segment's name
+    and size, mapped by the worker when it starts or when the controller grows it."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor in a worker's tensor channel, in the message in its place (NOTE [Tensor
+    channel]): its bytes start at ``offset``; ``stride`` None is contiguous."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: Any  # torch.dtype (pickled by name)
+    stride: tuple[int, ...] | None = None
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +188,10 @@ class RunModel:
     # (the load may have run in another worker); None: this worker's own binding stands.
     host_keys: tuple[str, ...] | None = None
     kv: KVStep | None = None  # NOTE [Generation in worker processes]: args and kwargs are empty
+    # NOTE [Tensor channel]: how many TensorRefs args and kwargs hold (0: none to decode), and
+    # the channel to map before decoding them when the controller has just grown it.
+    refs: int = 0
+    channel: ChannelSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +203,8 @@ class Profile:
     kwargs: dict
     shared: dict[str, tuple[int, bool]] | None = None
     host_keys: tuple[str, ...] | None = None
+    refs: int = 0  # NOTE [Tensor channel], as for RunModel
+    channel: ChannelSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +292,10 @@ class Result:
     seconds: float = 0.0
     timings: dict = field(default_factory=dict)  # received_at, load_s (see Switch)
     profiles: tuple = ()  # ModelProfiles measured while running this task, for the other workers
+    # NOTE [Tensor channel]: how many TensorRefs ``value`` holds, and the channel bytes its
+    # tensors needed (those pickled for want of room included: the controller grows the channel).
+    refs: int = 0
+    out_nbytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,24 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
+def map_instances(obj: Any, cls: type, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every instance of ``cls`` inside it replaced by ``fn(instance)``, over
+    the same structures as ``map_tensors`` (an instance that is itself a dataclass is a
+    leaf, not opened)."""
+    if isinstance(obj, cls):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        return type(obj)(*(map_instances(x, cls, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_instances(x, cls, fn) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_instances(v, cls, fn)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_instances(getattr(obj, f.name), cls, fn) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
 

@@ -269,10 +269,10 @@ def test_the_pinned_bytes_metric_is_the_registered_bytes_and_unregister_gives_th
 
 
 def test_worker_inputs_come_from_host_memory_pinned_and_outputs_are_the_in_process_ones():
-    """NOTE [Input staging]: the controller's device never sees an input; the worker
-    stages them in its exact-size pinned buffer (reused, grown when larger)."""
+    """NOTE [Tensor channel]: the controller's device never sees an input; the worker
+    uploads them from its page-locked channel, with no staging copy (NOTE [Input staging]
+    is for inputs that come pickled)."""
     from timeshare.runtime.events import CallRecord
-    from timeshare.transfer.host_store import aligned_offsets
 
     zoo = ZOO["tiny_bert"]
     ids = zoo.example_inputs(2)
@@ -291,14 +291,12 @@ def test_worker_inputs_come_from_host_memory_pinned_and_outputs_are_the_in_proce
         torch.cuda.reset_peak_memory_stats(dev)
         assert same(rt.infer("b", *ids), expected[0])
         assert torch.cuda.max_memory_allocated(dev) == torch.cuda.memory_allocated(dev)  # no input went up here
-        pinned = aligned_offsets([t.nbytes for t in ids], 512)[1]
-        assert calls[-1].timings["input_staged_bytes"] == sum(t.nbytes for t in ids)
-        assert calls[-1].timings["input_pinned_bytes"] == pinned
+        assert calls[-1].timings["input_staged_bytes"] == 0 and calls[-1].timings["input_pinned_bytes"] == 0
+        assert calls[-1].timings["channel_page_locked"]
         for r, want in zip(rows, expected[1:]):
             assert same(rt.infer("s", r), want)
-            pinned = max(pinned, aligned_offsets([r.nbytes], 512)[1])  # grown only when larger, exactly
-            assert calls[-1].timings["input_pinned_bytes"] == pinned
-        assert pinned == 40_448
+            assert calls[-1].timings["input_channel_bytes"] == r.nbytes
+            assert calls[-1].timings["input_staged_bytes"] == 0
 
 
 def test_workers_on_cuda_1_compute_the_in_process_outputs_and_leave_cuda_0_alone():

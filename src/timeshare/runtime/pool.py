@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
@@ -27,7 +27,7 @@ from timeshare.runtime.segments import SHARE_S, Segment, Segments, Switch
 from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
 from timeshare.transfer.disk import FillSpec
 from timeshare.tree import shape_key
-from timeshare.worker.handle import WorkerHandle
+from timeshare.worker.handle import Inputs, WorkerHandle
 
 if TYPE_CHECKING:
     from timeshare.runtime.dispatch import Dispatcher, Preemptible
@@ -59,7 +59,13 @@ class ProcessPool:
         copy_delay_s: float = 0.0,
         backend_flags: BackendFlags | None = None,
         direct_host_access: bool | None = None,
+        channel_bytes: int | None = None,
+        channel_max_bytes: int | None = None,
     ):
+        """``channel_bytes``: each worker's tensor channel's first size (0: none, a call's
+        tensors are pickled); ``channel_max_bytes``: the most it grows to for a call whose
+        tensors need more (NOTE [Tensor channel]); None: the defaults of ``worker/channel.py``
+        (8 MiB, 256 MiB)."""
         self.task_timeout_s = task_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.deadlines = Deadlines(task_timeout_s, factor=task_deadline_factor, min_s=task_deadline_min_s)
@@ -77,7 +83,8 @@ class ProcessPool:
         self._kv_homes: dict[str, WorkerHandle] = {}
         self._kv_lost: dict[str, str] = {}  # batch -> why its caches are gone
         self._set = WorkerSet(n, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
-                              cv=self._cv, on_lost=self._worker_lost)
+                              cv=self._cv, on_lost=self._worker_lost, channel_bytes=channel_bytes,
+                              channel_max_bytes=channel_max_bytes)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -178,49 +185,57 @@ class ProcessPool:
             lane: LaneBound | None = None, fill: FillSpec | None = None,
             shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None,
             kv: P.KVStep | None = None):
-        msg = P.RunModel(self._set.next_seq(), model, offset, resident, args, kwargs, strategy, lane=lane, fill=fill,
-                         shared=dict(shared) if shared is not None else None, host_keys=host_keys, kv=kv)
+        shared = dict(shared) if shared is not None else None
+
+        def make(inputs: Inputs, profiles: tuple) -> P.RunModel:
+            return P.RunModel(self._set.next_seq(), model, offset, resident, inputs.args, inputs.kwargs, strategy,
+                              profiles, lane=lane, fill=fill, shared=shared, host_keys=host_keys, kv=kv,
+                              refs=inputs.refs, channel=inputs.channel)
+
         # A key/value step's time grows with its tokens: prompts and batches by powers of two.
         shape = shape_key(args, kwargs) if kv is None else f"{kv.kind}-{max(1, len(kv.tokens)).bit_length()}"
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape)
-        reply = self._task(msg, f"running {model}", kind) if kv is None else \
-            self._home_task(kv, msg, f"running {model}", kind)
+        call = _Call(model, make, args, kwargs, run=True)
+        reply, value = self._task(call, f"running {model}", kind) if kv is None else \
+            self._home_task(kv, call, f"running {model}", kind)
         t = reply.timings
-        return Ran(reply.value, dict(t), t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"),
-                   t.get("moved_bytes"))
+        return Ran(value, t, t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"), t.get("moved_bytes"))
 
     def profile(self, model: str, offset: int, args: tuple, kwargs: dict,
                 shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None):
-        msg = P.Profile(self._set.next_seq(), model, offset, args, kwargs,
-                        shared=dict(shared) if shared is not None else None, host_keys=host_keys)
-        return self._task(msg, f"profiling {model}").value
+        shared = dict(shared) if shared is not None else None
+
+        def make(inputs: Inputs, profiles: tuple) -> P.Profile:
+            return P.Profile(self._set.next_seq(), model, offset, inputs.args, inputs.kwargs, shared=shared,
+                             host_keys=host_keys, refs=inputs.refs, channel=inputs.channel)
+
+        return self._task(_Call(model, make, args, kwargs, run=False), f"profiling {model}")[1]
 
     def release(self, model: str) -> None:
         """Nothing to wait for: a worker finishes every copy before it answers a task."""
         return None
 
-    def _task(self, msg, what: str, kind=None):
+    def _task(self, call: _Call, what: str, kind=None):
         requested = time.perf_counter()
-        model = getattr(msg, "model", "")
         with self._cv:  # NOTE [Switch protocol]: the stop goes out as the task goes to a standby
-            self._segments.preempt(model, requested)
-            switch = self._segments.claim_switch(model, requested) if isinstance(msg, P.RunModel) else None
+            self._segments.preempt(call.model, requested)
+            switch = self._segments.claim_switch(call.model, requested) if call.run else None
             w = self._take_standby(what)
         try:
-            return self._task_on(w, msg, what, requested, switch, kind)
+            return self._task_on(w, call, what, requested, switch, kind)
         finally:
             w.unlease()
 
-    def _home_task(self, step: P.KVStep, msg: P.RunModel, what: str, kind):
+    def _home_task(self, step: P.KVStep, call: _Call, what: str, kind):
         """A language model's step, on the worker that keeps its batch's caches (NOTE
         [Generation in worker processes]); it waits for that worker's pipe."""
         requested = time.perf_counter()
         with self._cv:
-            self._segments.preempt(msg.model, requested)  # a time-shared segment stops, as for any task
-            switch = self._segments.claim_switch(msg.model, requested)
+            self._segments.preempt(call.model, requested)  # a time-shared segment stops, as for any task
+            switch = self._segments.claim_switch(call.model, requested)
             home = self._kv_home(step, what)
         with self._claim(home, what):
-            return self._task_on(home, msg, what, requested, switch, kind)
+            return self._task_on(home, call, what, requested, switch, kind)
 
     def _kv_home(self, step: P.KVStep, what: str) -> WorkerHandle:
         """With the cv held: the batch's home; a new one for a batch that starts afresh,
@@ -297,18 +312,23 @@ class ProcessPool:
                 raise WorkerTimeoutError(f"no worker was free within {self.startup_timeout_s:g} s", where=what)
             self._cv.wait(min(left, 0.05))
 
-    def _task_on(self, w: WorkerHandle, msg, what: str, requested: float, switch: Switch | None, kind=None):
+    def _task_on(self, w: WorkerHandle, call: _Call, what: str, requested: float, switch: Switch | None,
+                 kind=None) -> tuple[P.Result, Any]:
+        """Run ``call`` on ``w``, whose lease this thread holds: its reply, and the reply's
+        value with its tensors copied out of the worker's channel (NOTE [Tensor channel])."""
         self._set.ready(w)
-        model = getattr(msg, "model", "")
-        known = self._profiles.get(model, {})
-        if isinstance(msg, P.RunModel) and known:  # profiles measured elsewhere: no profiling here
+        model = call.model
+        known = self._profiles.get(model)
+        missing: tuple = ()
+        if call.run and known:  # profiles measured elsewhere: no profiling here
             missing = tuple(p for k, p in known.items() if (model, k) not in w.profiles)
             if missing:
-                msg = replace(msg, profiles=missing)
                 w.profiles.update((model, p.shape_key) for p in missing)
         sent = time.perf_counter()
         try:  # NOTE [Call deadlines]
-            reply = w.request(msg, self.task_timeout_s if kind is None else self.deadlines.of(kind), what)
+            inputs = w.encode_inputs(call.args, call.kwargs)
+            msg = call.make(inputs, missing)
+            reply, value = w.call(msg, inputs, self.task_timeout_s if kind is None else self.deadlines.of(kind), what)
         except WorkerError as exc:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._set.replace(w, exc)
@@ -316,15 +336,17 @@ class ProcessPool:
         replied = time.perf_counter()
         if kind is not None:
             self.deadlines.observe(kind, replied - sent)
-        if isinstance(reply, P.Result):  # the whole round trip, and the worker's own share of it
-            reply = replace(reply, timings={**reply.timings, "round_trip_s": replied - sent, "worker_s": reply.seconds})
-        self.profilings += len(reply.profiles)
-        for p in reply.profiles:
-            self._profiles.setdefault(model, {})[p.shape_key] = p
-            w.profiles.add((model, p.shape_key))
+        timings = reply.timings  # the whole round trip, and the worker's own share of it
+        timings["round_trip_s"] = replied - sent
+        timings["worker_s"] = reply.seconds
+        if reply.profiles:
+            self.profilings += len(reply.profiles)
+            for p in reply.profiles:
+                self._profiles.setdefault(model, {})[p.shape_key] = p
+                w.profiles.add((model, p.shape_key))
         if switch is not None:
-            switch.task_done(sent, reply.timings)
-        return reply
+            switch.task_done(sent, timings)
+        return reply, value
 
     def run_in_new_worker(self, model: str, offset: int, args: tuple, kwargs: dict, strategy: str,
                           shared: Mapping[str, tuple[int, bool]] | None = None):
@@ -338,9 +360,11 @@ class ProcessPool:
             w.wait_ready(self.startup_timeout_s)
             self._set.teach(w, self._set.registration(model))
             profiles = tuple(self._profiles.get(model, {}).values())
-            msg = P.RunModel(self._set.next_seq(), model, offset, False, args, kwargs, strategy, profiles,
-                             shared=dict(shared) if shared is not None else None)
-            return w.request(msg, self.task_timeout_s, f"running {model}").value
+            inputs = w.encode_inputs(args, kwargs)
+            msg = P.RunModel(self._set.next_seq(), model, offset, False, inputs.args, inputs.kwargs, strategy,
+                             profiles, shared=dict(shared) if shared is not None else None, refs=inputs.refs,
+                             channel=inputs.channel)
+            return w.call(msg, inputs, self.task_timeout_s, f"running {model}")[1]
 
     def stop_retired(self) -> None:
         """Stop the workers ``run_in_new_worker`` started: they may hold a store page-locked
@@ -515,6 +539,19 @@ class ProcessPool:
     def close(self) -> None:
         self._set.close()
         self.stop_retired()
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A task for a worker: the model, its inputs, and how to make its message once the
+    inputs are in the chosen worker's channel (NOTE [Tensor channel]) and the profiles it
+    lacks are known. ``run``: a RunModel (else a Profile)."""
+
+    model: str
+    make: Callable[[Inputs, tuple], P.RunModel | P.Profile]
+    args: tuple
+    kwargs: dict
+    run: bool
 
 
 def _state_of(w: WorkerHandle, training: set[WorkerHandle]) -> str:

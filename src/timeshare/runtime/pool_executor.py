@@ -218,9 +218,9 @@ class PoolExecutor:
             _unlink(segment)
 
     def inputs(self, obj: Any) -> Any:
-        # Inputs stay on the host: they cross the pipe as host bytes and the worker uploads
-        # them once, pinned (NOTE [Input staging]). Moving them here would send device
-        # tensors through pickling, a device-to-host copy here and another upload there.
+        # Inputs stay on the host: they cross in the worker's tensor channel and the worker
+        # uploads them once, from its page-locked mapping of it (NOTE [Tensor channel]).
+        # Moving them here would cost a device-to-host copy here and another upload there.
         return map_tensors(obj, lambda t: t.cpu())
 
     def drop_caches(self, batch: str) -> None:

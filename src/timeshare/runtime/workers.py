@@ -33,7 +33,8 @@ class WorkerSet:
     ``start`` makes a worker's ``Start`` message from its ``worker``, ``parent_pid`` and
     ``arena``; ``share_arena`` gives each spawned worker its own arena handle; ``cv`` is
     the pool's condition, which guards the worker list and is notified when a worker is
-    replaced; ``on_lost`` is called with it held for each worker replaced."""
+    replaced; ``on_lost`` is called with it held for each worker replaced; ``channel_bytes``
+    and ``channel_max_bytes``: each worker's tensor channel (``WorkerHandle``)."""
 
     def __init__(
         self,
@@ -44,8 +45,12 @@ class WorkerSet:
         startup_timeout_s: float,
         cv: threading.Condition,
         on_lost: Callable[[WorkerHandle], None],
+        channel_bytes: int | None = None,
+        channel_max_bytes: int | None = None,
     ):
         self._ctx = spawn_context()
+        # NOTE [Tensor channel]: each worker's, a replacement's included, is created with it.
+        self._channel = (channel_bytes, channel_max_bytes)
         self._start = start
         # A fresh handle per spawned worker: a CUDA IPC handle carries a reference count
         # that each receiving process consumes once, so one handle must not serve two.
@@ -120,7 +125,7 @@ class WorkerSet:
         start = self._start(worker=self._next_id, parent_pid=os.getpid(), arena=self._share_arena(),
                             environ=tuple(os.environ.items()))  # NOTE [Fork server]
         self._next_id += 1
-        return WorkerHandle(self._ctx, start)
+        return WorkerHandle(self._ctx, start, *self._channel)
 
     def ready(self, w: WorkerHandle) -> None:
         """Finish a worker's start-up and teach it every model (new workers only)."""

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import select
 import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
+from typing import Any
+
+import torch
 
 from timeshare import protocol as P
-from timeshare.errors import WorkerCrashedError, WorkerTimeoutError
+from timeshare.errors import MemoryBudgetError, WorkerCrashedError, WorkerTimeoutError
+from timeshare.memory.allocator import align_up
+from timeshare.worker import channel as C
 from timeshare.worker.proc import worker_main
 
 log = logging.getLogger(__name__)
@@ -31,17 +38,52 @@ log = logging.getLogger(__name__)
 _POLL = threading.Lock()
 
 
-class WorkerHandle:
-    """The controller's end of one worker process."""
+@dataclass(frozen=True)
+class Inputs:
+    """A call's args and kwargs as written into a worker's tensor channel (NOTE [Tensor
+    channel]): TensorRefs in place of the tensors written, ``refs`` of them; ``channel``:
+    the channel the worker must map first (None: the one it has); ``left``: tensors that
+    travel pickled."""
 
-    def __init__(self, ctx, start: P.Start):
-        self.start = start
+    args: tuple
+    kwargs: dict
+    refs: int = 0
+    channel: P.ChannelSpec | None = None
+    left: tuple[torch.Tensor, ...] = ()
+
+
+class WorkerHandle:
+    """The controller's end of one worker process. ``channel_bytes``: its tensor channel's
+    first size (0: none, every tensor pickled); ``channel_max_bytes``: the size it may grow
+    to (NOTE [Tensor channel]); None: ``channel.DEFAULT_BYTES`` and ``channel.MAX_BYTES``."""
+
+    def __init__(self, ctx, start: P.Start, channel_bytes: int | None = None, channel_max_bytes: int | None = None):
         self.id = start.worker
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker_main, args=(start, child), name=f"timeshare-worker-{self.id}",
-                                daemon=True)
-        with _POLL:
-            self.proc.start()
+        channel_bytes = C.DEFAULT_BYTES if channel_bytes is None else channel_bytes
+        channel_max_bytes = C.MAX_BYTES if channel_max_bytes is None else channel_max_bytes
+        # NOTE [Tensor channel]: the controller owns it; the worker maps it by name at start.
+        self.channel: C.Channel | None = None
+        if channel_bytes > 0:
+            try:
+                self.channel = C.Channel.create(channel_bytes)
+            except MemoryBudgetError as exc:  # a small /dev/shm (Docker's 64 MB): slower, still right
+                log.warning("worker %d has no tensor channel, its calls' tensors are pickled: %s", self.id, exc)
+        self._channel_max = max(channel_max_bytes, channel_bytes)
+        self._channel_sent = False  # the worker confirmed mapping ``channel`` (a Result came back)
+        self._out_hint = 0  # the most bytes the worker's outputs needed in the channel so far
+        if self.channel is not None:
+            start = replace(start, channel=self.channel.spec)
+        self.start = start
+        try:
+            self.conn, child = ctx.Pipe(duplex=True)
+            self.proc = ctx.Process(target=worker_main, args=(start, child), name=f"timeshare-worker-{self.id}",
+                                    daemon=True)
+            with _POLL:
+                self.proc.start()
+        except BaseException:
+            if self.channel is not None:
+                self.channel.release()
+            raise
         child.close()
         self.booted = False  # sent Hello
         self.ready = False  # booted and taught every model (set by the pool)
@@ -112,6 +154,67 @@ class WorkerHandle:
         except (BrokenPipeError, ConnectionResetError, OSError):
             return False
 
+    # ------------------------------------------------------------------ calls
+    def encode_inputs(self, args: tuple, kwargs: dict) -> Inputs:
+        """Write a call's tensors into the worker's channel, grown first if they (and the
+        outputs the worker last needed room for) do not fit (NOTE [Tensor channel]). The
+        caller holds the lease, and sends the message made of them next."""
+        self._check_owner()
+        channel = self.channel
+        if channel is None:
+            return Inputs(args, kwargs)
+        enc = C.encode((args, kwargs), channel.buffer, say=False)
+        want = align_up(enc.need, C.ALIGNMENT) + self._out_hint
+        if want > channel.nbytes and channel.nbytes < self._channel_max:
+            grown = self._grow(want)
+            if grown is not None:
+                channel = grown
+                enc = C.encode((args, kwargs), channel.buffer, say=False)
+        C.report(enc)
+        (a, k) = enc.value
+        return Inputs(a, k, enc.refs, None if self._channel_sent else channel.spec, tuple(enc.left))
+
+    def _grow(self, want: int) -> C.Channel | None:
+        """A larger channel in place of the current one (between calls: nothing reads the
+        old one any more); None, logged, where /dev/shm has no room for it."""
+        assert self.channel is not None
+        size = min(self._channel_max, max(align_up(want + want // 4, C.PAGE), 2 * self.channel.nbytes))
+        try:
+            grown = C.Channel.create(size)
+        except MemoryBudgetError as exc:
+            log.warning("worker %d: the tensor channel stays at %d bytes: %s", self.id, self.channel.nbytes, exc)
+            self._channel_max = self.channel.nbytes  # not tried again
+            return None
+        log.debug("worker %d: tensor channel grown from %d to %d bytes", self.id, self.channel.nbytes, size)
+        self.channel.release()  # the worker keeps its mapping until it maps the new one
+        self.channel = grown
+        self._channel_sent = False
+        return grown
+
+    def call(self, msg, inputs: Inputs, timeout_s: float, what: str) -> tuple[Any, Any]:
+        """Send a call's message (made with ``inputs``) and wait for its reply (as
+        ``request``); returns the reply and its value, whose tensors are copied out of the
+        channel, the caller's own: the next call may overwrite the channel (NOTE [Tensor
+        channel])."""
+        self._check_owner()
+        if not self.post_bytes(C.dumps(msg, inputs.left)):
+            raise self._crashed(what)
+        reply = self.receive(timeout_s, what, msg.seq)
+        if not isinstance(reply, P.Result):
+            return reply, getattr(reply, "value", None)
+        channel = self.channel
+        if channel is not None and not self._channel_sent:
+            self._channel_sent = True  # it maps the channel before it answers: the name can go
+            channel.unlink()
+        if reply.out_nbytes > self._out_hint:
+            self._out_hint = reply.out_nbytes
+        if not reply.refs:
+            return reply, reply.value
+        if channel is None:
+            raise WorkerCrashedError(f"worker {self.id} answered with tensors in a channel it was not given",
+                                     where=f"worker {self.id}, {what}")
+        return reply, C.copies(reply.value, channel.buffer)
+
     # ------------------------------------------------------------------ requests
     def wait_ready(self, timeout_s: float) -> None:
         if not self.booted:
@@ -120,6 +223,9 @@ class WorkerHandle:
             if not isinstance(hello, P.Hello):
                 raise WorkerCrashedError(f"worker {self.id} sent {type(hello).__name__} instead of Hello")
             self.pid, self.booted = hello.pid, True
+            if self.channel is not None:  # mapped before its Hello (NOTE [Tensor channel])
+                self._channel_sent = True
+                self.channel.unlink()
 
     def request(self, msg, timeout_s: float, what: str):
         """Send ``msg`` and wait for the reply that carries its seq; a Failure is re-raised
@@ -207,9 +313,20 @@ class WorkerHandle:
             return self.proc.exitcode
 
     def alive(self) -> bool:
+        if self._released:
+            return False
         try:
-            return not self._released and self._exit_code(0) is None
-        except ValueError:  # released by another thread between the two checks
+            # Every task asks, so without a lock or a selector object (NOTE [Fork server]):
+            # an exit status read already (by any thread, or by ``Process.start``'s sweep of
+            # ended children) is kept on the process object; one not read yet makes the
+            # sentinel readable. The status pipe is empty once read, and its end may still
+            # be open: the sentinel alone would then say alive.
+            popen = getattr(self.proc, "_popen", None)
+            if popen is None or popen.returncode is not None:
+                return False
+            ended, _, _ = select.select([self.proc.sentinel], [], [], 0)
+            return not ended and not self._released
+        except (ValueError, OSError):  # released by another thread between the two checks
             return False
 
     def kill(self) -> None:
@@ -224,6 +341,8 @@ class WorkerHandle:
             self.proc.kill()
         self._exit_code(5)
         self.conn.close()
+        if self.channel is not None:
+            self.channel.release()  # NOTE [Tensor channel]: its name, and this side's mapping and descriptor
         if self._exit_code(0) is not None:
             self.proc.close()  # frees the sentinel's file descriptor
             self._released = True

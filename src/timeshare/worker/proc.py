@@ -48,6 +48,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     from timeshare.transfer.copy import make_copy_engine
     from timeshare.transfer.host_store import HostStore, InputStaging
     from timeshare.tree import map_tensors, tensors_in
+    from timeshare.worker import channel as C
     from timeshare.worker.generation import Batches
     from timeshare.worker.trainer import TrainingTask
     from timeshare.worker.worker import Worker
@@ -69,19 +70,66 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     worker = Worker(device, arena, engine, profile_repeats=start.profile_repeats,
                     fixed_group_bytes=start.fixed_group_bytes, registrar=registrar,
                     direct_host_access=start.direct_host_access)
-    staging = InputStaging(registrar, alignment=arena.allocator.alignment)
+    staging = InputStaging(registrar, alignment=arena.allocator.alignment)  # inputs that came pickled
+    # NOTE [Tensor channel]: mapped (and on CUDA page-locked) before the Hello.
+    channel = C.Channel.attach(start.channel, registrar) if start.channel is not None else None
+    cuda = device.type == "cuda"
 
     unpickled = [0.0]  # seconds the last message took to unpickle
     in_task = [False]  # inside the task's own code (a forward, a training step): its errors are the task's
 
+    def inputs_of(msg: P.RunModel | P.Profile) -> tuple[tuple, dict, int]:
+        """The call's args and kwargs where the model runs, and the first channel byte after
+        them (NOTE [Tensor channel]): views of the channel where the controller wrote them,
+        mapping first a channel it has grown."""
+        nonlocal channel
+        if msg.channel is not None and (channel is None or msg.channel.name != channel.spec.name):
+            old, channel = channel, None
+            if old is not None:
+                old.release()
+            channel = C.Channel.attach(msg.channel, registrar)
+        args, kwargs, end = msg.args, msg.kwargs, 0
+        if msg.refs:
+            if channel is None:
+                raise ModelError(f"{msg.refs} inputs are in a tensor channel this worker was not given")
+            (args, kwargs), end = C.views((args, kwargs), channel.buffer)
+        if not cuda:
+            return args, kwargs, end  # already where the model runs
+        return (*to_device(args, kwargs), end)
+
     def to_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Inputs arrive as host tensors (pickled bytes). On CUDA they are uploaded once
-        each, from the pinned staging buffer, in one call for args and kwargs (NOTE
-        [Input staging]); on the CPU they already are where the model runs."""
-        if device.type != "cuda":
+        """On CUDA each input is uploaded once, with a non-blocking copy: from the page-locked
+        channel where it lies there (NOTE [Tensor channel]), else (it came pickled) from the
+        pinned staging buffer, in one call for args and kwargs (NOTE [Input staging])."""
+        tensors = tensors_in((args, kwargs))
+        if not tensors:
             return args, kwargs
-        moved = iter(staging.upload(tensors_in((args, kwargs)), device))
-        return map_tensors((args, kwargs), lambda _t: next(moved))
+        in_channel = [channel is not None and channel.holds(t) for t in tensors]
+        staged = iter(staging.upload([t for t, c in zip(tensors, in_channel) if not c], device)
+                      if not all(in_channel) else [])
+        moved = []
+        for t, c in zip(tensors, in_channel):
+            if c:
+                up = t.detach().to(device, non_blocking=True)
+                moved.append(up.requires_grad_() if t.requires_grad else up)
+            else:
+                moved.append(next(staged))
+        if channel is not None and any(in_channel):
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            channel.mark_in_flight(done)  # the uploads read the channel until then
+        it = iter(moved)
+        return map_tensors((args, kwargs), lambda _t: next(it))
+
+    def settle() -> None:
+        """Nothing of this worker reads the channel once this returns: before any answer to
+        a call, a Failure too, since the controller then writes the next call's inputs."""
+        if channel is None:
+            return
+        try:
+            channel.settle()
+        except Exception:
+            log.exception("%s: waiting for the uploads from the tensor channel", where)
 
     tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
     batches = Batches(device)  # language models' decode batches this worker is home to
@@ -116,11 +164,12 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         buffer = map_shared_memory(msg.store_name, msg.store_nbytes)  # NOTE [Mappings outlive close]
         worker.add_shared(msg.sid, HostStore(list(msg.entries), buffer, alignment=arena.allocator.alignment))
 
-    def run_model(msg: P.RunModel, t0: float) -> P.Result:
+    def run_model(msg: P.RunModel, t0: float) -> tuple[P.Result, list]:
         for profile in msg.profiles:
             worker.adopt_profile(msg.model, profile)
-        known = set(worker.models[msg.model].profiles)
-        args, kwargs = to_device(msg.args, msg.kwargs)
+        wm = worker.models[msg.model]
+        known = len(wm.profiles)
+        args, kwargs, in_end = inputs_of(msg)
         t_up = time.perf_counter()
         in_task[0] = True
         kv_bytes = None
@@ -130,44 +179,56 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                                  msg.shared, msg.host_keys)
             else:  # NOTE [Generation in worker processes]: a step on the caches kept here
                 out, kv_bytes = batches.step(
-                    msg.kv, worker.models[msg.model].module,
+                    msg.kv, wm.module,
                     lambda a, k: worker.run(msg.model, msg.offset, msg.resident, a, k, msg.strategy, msg.fill,
                                             msg.shared, msg.host_keys))
         in_task[0] = False
         t_run = time.perf_counter()
         try:
             worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
-            out = worker.to_host(out)  # each output comes down once; pickling sends it as it is
+            # Each output is copied once, into the channel after the inputs (from the device,
+            # queued, on CUDA); one that does not fit comes down to the host and is pickled.
+            if channel is not None:
+                enc = C.encode(out, channel.buffer, in_end, non_blocking=cuda, keep=worker.to_host)
+                out, refs, out_nbytes, left = enc.value, enc.refs, enc.need - in_end, enc.left
+            else:
+                out, refs, out_nbytes, left = worker.to_host(out), 0, 0, []
             t_host = time.perf_counter()
-            if device.type == "cuda":
-                # Nothing of this task is still queued when we answer: no copy from the
-                # host store or the input staging buffer (NOTE [Input staging]) is in flight.
+            if cuda:
+                # Nothing of this task is still queued when we answer: no copy from the host
+                # store, the channel or the input staging buffer (NOTE [Input staging]) is in
+                # flight, and every output is in the channel.
                 torch.cuda.synchronize(device)
         except BaseException:
             if msg.kv is not None and msg.kv.kind == "decode":
                 batches.drop(msg.kv.batch)  # the controller fails the batch's rows: nothing here keeps them
             raise
         t_sync = time.perf_counter()
-        load = None if msg.resident else worker.load_seconds()
-        profiles = worker.models[msg.model].profiles
-        learned = tuple(p for k, p in profiles.items() if k not in known)
+        learned = tuple(wm.profiles.values())[known:] if len(wm.profiles) > known else ()
         # Where the worker's time went (the bench's breakdown of a call through a worker).
-        timings = {"received_at": t0, "load_s": load, "unpickle_s": unpickled[0], "upload_s": t_up - t0,
+        timings = {"received_at": t0, "load_s": None if msg.resident else worker.load_seconds(),
+                   "unpickle_s": unpickled[0], "upload_s": t_up - t0,
                    "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
                    "ephemeral_peak": None if meter is None else meter.peak,
                    "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
                    "moved_bytes": None if msg.resident else worker.moved_bytes,
-                   "host_keys": worker.host_keys(msg.model), "kv_bytes": kv_bytes,
+                   "host_keys": wm.host_bound, "kv_bytes": kv_bytes,
                    # NOTE [Locked host tier]: whether this worker holds the store page-locked now,
                    # and what it holds page-locked in all, as measured here (tests check the record).
-                   "worker": start.worker, "store_pinned": worker.store_pinned(msg.model),
-                   "lock_s": worker.lock_s, "host_pinned_bytes": worker.pinned_host_bytes()}
-        if device.type == "cuda":  # device allocations made by this process so far (tests)
+                   "worker": start.worker, "store_pinned": wm.store.pinned,
+                   "lock_s": worker.lock_s, "host_pinned_bytes": worker.pinned_host_bytes(),
+                   # NOTE [Tensor channel]: the bytes the inputs and the outputs took there.
+                   "input_channel_bytes": in_end, "output_channel_bytes": out_nbytes,
+                   "outputs_in_channel": refs, "outputs_pickled": len(left)}
+        if cuda:  # device allocations made by this process so far (tests)
             timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
-            # What the inputs took through the pinned staging buffer (NOTE [Input staging]).
+            # What the inputs took through the pinned staging buffer (NOTE [Input staging]): those
+            # that came pickled; and the channel's page-locked bytes (NOTE [Tensor channel]).
             timings["input_staged_bytes"] = staging.staged_nbytes
             timings["input_pinned_bytes"] = staging.pinned_nbytes
-        return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned)
+            timings["channel_pinned_bytes"] = channel.nbytes if channel is not None and channel.pinned else 0
+            timings["channel_page_locked"] = channel is not None and channel.page_locked
+        return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned, refs, out_nbytes), left
 
     def handle(msg):
         if isinstance(msg, P.AddModel):
@@ -191,6 +252,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             try:
                 return run_model(msg, t0)
             except BaseException:
+                settle()
                 # Only a Result reports a lock (NOTE [Locked host tier]): a load that locked the
                 # store unlocks it whatever failed after it (a key/value step's bookkeeping, the
                 # copy of its output to the host), or no record would name this worker.
@@ -198,8 +260,11 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                     worker.unlock_failed_load(msg.model)
                 raise
         if isinstance(msg, P.Profile):
-            profile = worker.profile(msg.model, msg.offset, *to_device(msg.args, msg.kwargs), msg.shared,
-                                     msg.host_keys)
+            try:
+                args, kwargs, _ = inputs_of(msg)
+                profile = worker.profile(msg.model, msg.offset, args, kwargs, msg.shared, msg.host_keys)
+            finally:
+                settle()
             return P.Result(msg.seq, profile, profiles=(profile,))
         if isinstance(msg, P.Train):
             return train(msg)
@@ -286,7 +351,10 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                 elif isinstance(msg, P.Train):
                     what += " (building the job)" if msg.spec is not None else ""
                 reply = P.Failure(seq, P.ErrorInfo.capture(exc, what, in_task=in_task[0]))
-            if reply is not None:
+            if isinstance(reply, tuple):  # a call's Result, and the tensors it left to pickling
+                reply, left = reply
+                conn.send_bytes(C.dumps(reply, left))
+            elif reply is not None:
                 conn.send_bytes(P.dumps(reply))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the controller closed the pipe
@@ -295,6 +363,8 @@ def worker_main(start: P.Start, conn: Connection) -> None:
         for model in list(worker.models):
             worker.remove(model)
         staging.release()
+        if channel is not None:
+            channel.release()
         arena.close()
 
 

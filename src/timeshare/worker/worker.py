@@ -81,6 +81,10 @@ class Worker:
         self.moved_bytes = 0  # bytes the latest ``run``'s load copies to the device (shared sets included)
         self.lock_s: float | None = None  # the latest ``run``'s page-locking of its store (NOTE [Locked host tier])
         self._lock_refused: set[str] = set()  # models whose stores could not be page-locked (warned once)
+        # NOTE [Direct host access]: the models with keys bound to host memory now (kept by
+        # ``_bind`` and ``_bind_direct``), so that ``to_host`` looks at those alone, not at
+        # every registered model on every call.
+        self._host_bound: set[str] = set()
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -119,6 +123,7 @@ class Worker:
     def remove(self, name: str) -> None:
         """Forget ``name``; its host store is unpinned (NOTE [Exact host pinning])."""
         wm = self.models.pop(name)
+        self._host_bound.discard(name)
         unbind(wm.layout)
         self._drop_store(wm.store)
 
@@ -339,14 +344,17 @@ class Worker:
         stays valid after the model leaves (and can cross a process boundary). Each
         output is copied at most once: a device tensor comes down once, a host tensor
         that is a view of the arena is cloned once, any other host tensor is returned
-        as it is. A worker process then pickles the result, with no further copy."""
-        ptr = self.arena.buffer.untyped_storage().data_ptr()
+        as it is. A worker process then copies it into its tensor channel, or pickles
+        what does not fit there (NOTE [Tensor channel])."""
+        owned = {self.arena.buffer.untyped_storage().data_ptr()}
         # A model computing from its host store (NOTE [Direct host access]) may return one
         # of those tensors: a copy, since the store's pages may go (and a shared set's
         # bytes are every variant's).
-        owned = {ptr} | {wm.store.buffer.untyped_storage().data_ptr() for wm in self.models.values() if wm.host_bound}
-        owned |= {self.shared[sid].buffer.untyped_storage().data_ptr()
-                  for wm in self.models.values() for sid in {wm.shared[k][0] for k in wm.host_bound if k in wm.shared}}
+        for name in self._host_bound:
+            wm = self.models[name]
+            owned.add(wm.store.buffer.untyped_storage().data_ptr())
+            owned |= {self.shared[wm.shared[k][0]].buffer.untyped_storage().data_ptr()
+                      for k in wm.host_bound if k in wm.shared}
 
         def give(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
@@ -449,6 +457,7 @@ class Worker:
             wm.bound_at = offset
             wm.shared_bound = dict(at)
             wm.host_bound = ()
+            self._host_bound.discard(wm.name)
 
     def _bind_direct(self, wm: WorkerModel, keys: tuple[str, ...]) -> None:
         """After ``_bind``: the slots of ``keys`` on the host store, the others' on the
@@ -465,6 +474,10 @@ class Worker:
         if keys:
             bind_some(wm.layout, {k: self._host_tensor(wm, k) for k in keys})
         wm.host_bound = keys
+        if keys:
+            self._host_bound.add(wm.name)
+        else:
+            self._host_bound.discard(wm.name)
 
     def _host_tensor(self, wm: WorkerModel, key: str) -> torch.Tensor:
         """``key``'s bytes in host memory: the model's store, or its shared set's."""
