@@ -116,7 +116,7 @@ def test_an_interrupted_waiter_leaves_no_task_or_waker_behind():
     class Stop(BaseException):
         pass
 
-    def interrupted(task, waker):
+    def interrupted(task, waiter, timeout):
         raise Stop
 
     raised: list[BaseException] = []

@@ -115,7 +115,7 @@ class Dispatcher:
         self.clock = clock
         self._lock = threading.Lock()
         self._held: _Hold | None = None  # NOTE [Uncontended calls]: the call holding the device without a task
-        self._wakers: dict[int, threading.Lock] = {}  # NOTE [Hand-offs]: task id -> the lock its waiter sleeps on
+        self._wakers: dict[int, _Waiter] = {}  # NOTE [Hand-offs]: task id -> its waiting thread's lock
         self._shrinking: dict[int, Task] = {}  # waiting tasks whose ask shrinks (NOTE [Asks that shrink])
         self._ids = itertools.count(1)
         self._local = threading.local()
@@ -129,7 +129,8 @@ class Dispatcher:
 
     # NOTE [Hand-offs]
     # A call that must wait sleeps on a lock of its own (``_wakers``, taken locked, one per
-    # waiting task), and only the thread that starts its task releases it: the scheduler's
+    # waiting task), and only the thread that starts its task releases it, handing over the
+    # call's turn with it, so that the woken call takes no lock of the dispatcher's: the scheduler's
     # step runs once per change of state (an arrival, a call's end, a job's progress, a
     # stop, a deadline brought forward), in the thread that made the change, and wakes
     # exactly the tasks it started. No waiter re-runs the step on another's behalf and no
@@ -182,27 +183,29 @@ class Dispatcher:
                 return Turn(0.0, previous)
             task = self._submit(hold, now)
             hold.task = task
-            waker = self._waker(task)
-        try:
-            self._wait(task, waker)
-        except BaseException:  # interrupted while queued: leave no task behind
-            with lock:
-                self._wakers.pop(task.id, None)
-                self._shrinking.pop(task.id, None)
-                if hold.ticket is not None:
-                    hold.ticket.bind(None, None)
-                self._previous.pop(task.id, None)
-                if task.state is State.WAITING:
-                    self.scheduler.withdraw(task.id)
-                elif task.state is State.RUNNING:
-                    self.scheduler.update(Finished(task.id, self.clock()))
-                self._step()
-            raise
-        with lock:
-            if hold.ticket is not None:
-                hold.ticket.bind(None, None)
-            turn = Turn(self.clock() - now, self._previous.pop(task.id, None), lane=task.lane,
-                        lane_bytes=self._lane_size(task.lane))
+            if task.state is State.RUNNING:  # started by its own arrival's step
+                turn = self._turn_of(task, self._previous.pop(task.id, None))
+                waiter = None
+            else:
+                waiter = self._wakers[task.id] = _Waiter()
+                timeout = self._timeout()
+        if waiter is not None:
+            try:
+                turn = self._wait(task, waiter, timeout)
+            except BaseException:  # interrupted while queued: leave no task behind
+                with lock:
+                    self._wakers.pop(task.id, None)
+                    self._shrinking.pop(task.id, None)
+                    if hold.ticket is not None:
+                        hold.ticket.bind(None, None)
+                    if task.state is State.WAITING:
+                        self.scheduler.withdraw(task.id)
+                    elif task.state is State.RUNNING:
+                        self.scheduler.update(Finished(task.id, self.clock()))
+                    self._step()
+                raise
+        if hold.ticket is not None:
+            hold.ticket.bind(None, None)
         local.depth = 1
         return turn
 
@@ -232,36 +235,26 @@ class Dispatcher:
         self._step()
         return task
 
-    def _waker(self, task: Task) -> threading.Lock | None:
-        """With the lock held: the lock the task's waiter sleeps on, released by whoever
-        starts the task (NOTE [Hand-offs]); None if it already runs."""
-        if task.state is State.RUNNING:
-            return None
-        waker = self._wakers.get(task.id)
-        if waker is None:
-            waker = threading.Lock()
-            waker.acquire()
-            self._wakers[task.id] = waker
-        return waker
-
-    def _wait(self, task: Task, waker: threading.Lock | None) -> None:
-        """Sleep until the task runs (NOTE [Hand-offs]). A deadline only when the scheduler
-        asks for a wake-up (a slice ends): whoever wakes at it runs the step."""
-        while waker is not None:
+    def _wait(self, task: Task, waiter: _Waiter, timeout: float) -> Turn:
+        """Sleep until the task runs; its turn, as the thread that started it made it
+        (NOTE [Hand-offs]): the woken call takes no lock of the dispatcher's. A deadline
+        only when the scheduler asks for a wake-up (a slice ends): whoever wakes at it
+        runs the step."""
+        while not waiter.lock.acquire(timeout=timeout):
             with self._lock:
-                timeout = self._timeout()
-            if waker.acquire(timeout=timeout):
-                return  # released by the thread that started the task
-            with self._lock:
-                if task.state is State.RUNNING:
-                    return
-                self._step()
-                if task.state is State.RUNNING:
-                    if timeout == _SAFETY_S:
+                if waiter.turn is None:
+                    self._step()
+                    if waiter.turn is not None and timeout == _SAFETY_S:
                         log.warning("task %d (%s) started only at its waiter's deadline: a lost wake-up",
                                     task.id, task.model)
-                    return
-                waker = self._waker(task)
+                if waiter.turn is not None:
+                    return waiter.turn
+                timeout = self._timeout()
+        assert waiter.turn is not None, "a waiter was released without its turn"
+        return waiter.turn
+
+    def _turn_of(self, task: Task, previous: tuple[Kind, str] | None) -> Turn:
+        return Turn(self.clock() - task.arrival, previous, lane=task.lane, lane_bytes=self._lane_size(task.lane))
 
     # NOTE [Asks that shrink]
     # A task that asks for "as much as it can get" (a language model's turn sized by an
@@ -387,12 +380,11 @@ class Dispatcher:
                 if task.state in (State.RUNNING, State.STOPPING) and not job.paused:
                     self._wakers.pop(task.id, None)
                     return
-                waker = self._wakers.get(task.id)
-                if waker is None:
-                    waker = self._wakers[task.id] = threading.Lock()
-                    waker.acquire()
+                waiter = self._wakers.get(task.id)
+                if waiter is None:
+                    waiter = self._wakers[task.id] = _Waiter()
                 timeout = self._timeout()
-            waker.acquire(timeout=timeout)
+            waiter.lock.acquire(timeout=timeout)
 
     def holds_turn(self, job: Preemptible) -> bool:
         """Whether the scheduler gave the job the device (it may already be told to stop:
@@ -497,11 +489,17 @@ class Dispatcher:
         for d in decisions:
             if not isinstance(d, Preempt):
                 for t in (d.task, *d.task.batch):
+                    previous = None
                     if t.kind is not Kind.CONTROL:
-                        if t.kind is Kind.INFERENCE:  # read back by the waiting call
-                            self._previous[t.id] = self._user
+                        if t.kind is Kind.INFERENCE:
+                            previous = self._user
                         self._user = (t.kind, t.model)
-                    self._release(t.id)
+                    waiter = self._wakers.pop(t.id, None)
+                    if waiter is not None:  # its turn, handed over with the wake-up
+                        waiter.turn = self._turn_of(t, previous)
+                        waiter.lock.release()
+                    elif previous is not None:  # started by its own arrival: read back by the call
+                        self._previous[t.id] = previous
                 continue
             job = self._jobs.get(d.task.id)
             if job is not None:
@@ -513,9 +511,10 @@ class Dispatcher:
             self._send_interrupts()
 
     def _release(self, task_id: int) -> None:
-        waker = self._wakers.pop(task_id, None)
-        if waker is not None:
-            waker.release()
+        """Wake a job's thread to look again (no turn: it reads its task's state)."""
+        waiter = self._wakers.pop(task_id, None)
+        if waiter is not None:
+            waiter.lock.release()
 
     # NOTE [Interrupts outside the lock]
     # A Preempt for a job reaches it through ``job.interrupt``, which takes the pool's
@@ -540,6 +539,18 @@ class Dispatcher:
         if wake is None:
             return _SAFETY_S
         return max(0.001, min(_SAFETY_S, wake - self.clock()))
+
+
+class _Waiter:
+    """A waiting thread's lock, taken at creation and released by the thread that starts
+    its task, with the task's turn (None for a job's thread woken to look again)."""
+
+    __slots__ = ("lock", "turn")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.turn: Turn | None = None
 
 
 class _Hold:

@@ -156,6 +156,8 @@ class Scheduler:
         """What to start and what to preempt now."""
         decisions: list[Decision] = []
         if self._waiting:
+            if len(self.running) >= self.slots and not any(t.preemptible for t in self.running.values()):
+                return decisions  # no slot free, and nothing running may be stopped for one
             self._start(now, decisions)
             if self._waiting and not self.stopping and (self.policy.preemptive or self.quantum_s or self._packs):
                 if self._preempt(now, decisions):
