@@ -208,6 +208,14 @@ class Worker:
         [Direct host access]; None: as this worker bound them). A resident run leaves
         ``last_load`` alone: with lanes it may overlap a load."""
         wm = self.models[name]
+        if resident and not shared and not wm.shared_sets and wm.pending is None and wm.bound_at == offset \
+                and not wm.shared_bound and (host_keys is None or host_keys == wm.host_bound):
+            # The resident call's path: bound where it is, nothing shared, nothing in flight.
+            self.lock_s = None
+            with torch.no_grad():
+                out = wm.module(*args, **kwargs)
+            self._mark_used(wm)
+            return out
         at = self._shared_offsets(wm, shared)
         missing = tuple(sid for sid, (_, there) in (shared or {}).items() if not there)
         if resident and missing:
@@ -346,6 +354,12 @@ class Worker:
         that is a view of the arena is cloned once, any other host tensor is returned
         as it is. A worker process then copies it into its tensor channel, or pickles
         what does not fit there (NOTE [Tensor channel])."""
+        if type(out) is torch.Tensor and not self._host_bound:  # one tensor, no store to alias
+            t = out.detach()
+            if t.device.type != "cpu":
+                return t.cpu()
+            arena = self.arena.buffer.untyped_storage().data_ptr()
+            return t.clone() if t.untyped_storage().data_ptr() == arena else t
         owned = {self.arena.buffer.untyped_storage().data_ptr()}
         # A model computing from its host store (NOTE [Direct host access]) may return one
         # of those tensors: a copy, since the store's pages may go (and a shared set's
