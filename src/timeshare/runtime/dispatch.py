@@ -61,7 +61,7 @@ class _Progressing(Protocol):
     persistent_bytes: int | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Turn:
     """What a call learns when it is given the device: how long it waited, and which
     task used the device before it (None: nothing since start; control calls such as
@@ -218,6 +218,8 @@ class Dispatcher:
         with self._lock:
             if hold.task is None:  # NOTE [Uncontended calls]
                 self._held = None
+                if not self.scheduler.waiting:
+                    return  # nothing could start: no step
             else:
                 self.scheduler.update(Finished(hold.task.id, self.clock()))
             self._step()

@@ -291,7 +291,7 @@ class Runtime:
         Tensors in the inputs may live anywhere; outputs come back on the CPU with the
         structure the module returned (tensor, tuple, dict, dataclass...).
         """
-        return self.call(name, args, kwargs).output
+        return self._call(name, args, kwargs).output
 
     def call(self, name: str, args: tuple = (), kwargs: dict | None = None, *, strategy: str | None = None,
              arrived_at: float | None = None) -> Call:

@@ -216,7 +216,8 @@ class ModelTable:
             raise
         record = CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from, None, ran.timings,
                             ran.moved_bytes)
-        self.emit(record)
+        if self.listeners:
+            self.emit(record)
         return Call(ran.output, record)
 
     def profile(self, m: ModelEntry, args: tuple, kwargs: dict) -> ModelProfile:
