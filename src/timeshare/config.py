@@ -69,6 +69,10 @@ class RuntimeConfig(_Strict):
     jobs' state, beside the arena; "auto": as much as the arena."""
     lane_threads: Annotated[int, Field(ge=1)] | None = None
     """With "pack" on the CPU: the cores each lane's forward uses (default: half of them)."""
+    lane_slots: Annotated[int, Field(ge=1)] | None = None
+    """With "pack": how many lanes run at once (default: one per worker with workers; on
+    the CPU in the server's process, the cores over ``lane_threads``; on CUDA, as many as
+    memory allows)."""
     time_slice_s: Annotated[float, Field(gt=0)] | None = None
     """With "fifo" or "fair": how long a training job keeps the device before waiting calls run."""
     eviction: Literal["lru", "clock", "second_chance", "working_set", "cost"] = "lru"
@@ -119,7 +123,8 @@ class RuntimeConfig(_Strict):
         return dict(device=self.device, memory=self.memory, eviction=self.eviction, strategy=self.strategy,
                     workers=self.workers, thrashing=self.thrashing, dedup=self.dedup, scheduling=self.scheduling,
                     time_slice_s=self.time_slice_s, lane_memory=self.lane_memory, lane_threads=self.lane_threads,
-                    host_memory=self.host_memory, spill_dir=self.spill_dir, direct_io=self.direct_io,
+                    lane_slots=self.lane_slots, host_memory=self.host_memory, spill_dir=self.spill_dir,
+                    direct_io=self.direct_io,
                     task_timeout_s=self.task_timeout_s or default_task_timeout_s,
                     task_deadline_factor=self.task_deadline_factor, task_deadline_min_s=self.task_deadline_min_s)
 

@@ -55,7 +55,9 @@ class Greedy(nn.Module):
 
 @pytest.fixture
 def packed():
-    rt = Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB")
+    # Up to 4 lanes at once whatever the cores: these tests meet several forwards at a
+    # barrier (NOTE [Lanes at once] caps them at the cores by default).
+    rt = Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", lane_slots=4)
     yield rt
     Meeting.barrier = None
     rt.close()
@@ -241,6 +243,7 @@ def test_a_job_that_outgrows_its_lane_fails_alone(packed):
 
 @pytest.mark.parametrize("options, words", [
     ({"lane_threads": 0}, "lane_threads must be a positive integer"),
+    ({"lane_slots": 0}, "lane_slots must be a positive integer"),
     ({"lane_memory": "lots"}, "lane_memory"),
     ({"lane_memory": 0}, "lane_memory must be positive"),
 ])
@@ -251,7 +254,7 @@ def test_bad_lane_options_are_refused_before_anything_is_taken(options, words):
 
 @pytest.mark.parametrize("ephemeral", [-1, 1.5, True, "8MiB"])
 def test_a_turn_asking_for_a_bad_number_of_lane_bytes_is_refused_before_it_queues(ephemeral):
-    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", lane_slots=4) as rt:
         rt.register("m", lane_net, example_inputs=(torch.randn(2, 64),))
         with pytest.raises(ConfigError, match="ephemeral must be"):
             with rt.turn("m", ephemeral=ephemeral):
@@ -263,7 +266,7 @@ def test_a_turn_asking_for_a_bad_number_of_lane_bytes_is_refused_before_it_queue
 def test_a_turns_first_load_is_bounded_by_its_lane_but_the_runtimes_link_probe_is_not():
     # The turn's first call loads and profiles the model: the worker's one-off link probe
     # (64 MiB of scratch) is the runtime's, not the turn's; the forward's bytes are the turn's.
-    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", lane_slots=4) as rt:
         rt.register("m", lane_net, example_inputs=(torch.randn(2, 64),))
         x = torch.ones(2, 64)
         with rt.turn("m", ephemeral=1 << 20) as turn:
@@ -432,3 +435,48 @@ def test_with_lanes_two_jobs_that_share_a_home_take_turns_on_it():
         assert endless.status == "running" and endless.stats.preemptions >= 1
         endless.cancel()
         assert endless.wait(30)
+
+
+class Crowded(nn.Module):
+    """Counts the forwards running at once (each sleeps a while, so that they overlap
+    when they may)."""
+
+    now = 0
+    most = 0
+    lock = threading.Lock()
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        with Crowded.lock:
+            Crowded.now += 1
+            Crowded.most = max(Crowded.most, Crowded.now)
+        time.sleep(0.03)
+        with Crowded.lock:
+            Crowded.now -= 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("slots", [None, 1, 3])
+def test_lanes_at_once_are_capped_in_process_at_the_cores_or_lane_slots(slots):
+    """NOTE [Lanes at once]: by default on the CPU in-process, at most the cores over
+    lane_threads lanes run at once; ``lane_slots`` sets it."""
+    from timeshare.memory.ephemeral import cores
+
+    options = {} if slots is None else {"lane_slots": slots}
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="8MiB", lane_threads=1, **options) as rt:
+        names = [f"c{i}" for i in range(5)]
+        for n in names:
+            rt.register(n, Crowded, example_inputs=(X,))
+            for _ in range(3):  # measured, then confirmed: unmetered
+                rt.infer(n, X)
+        Crowded.most = 0
+        threads = [threading.Thread(target=lambda n=n: [rt.infer(n, X) for _ in range(4)]) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        expected = max(1, cores()) if slots is None else slots
+        assert Crowded.most == min(expected, len(names)), (Crowded.most, expected)

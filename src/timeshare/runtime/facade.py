@@ -68,7 +68,10 @@ class Runtime:
     keeps the device before waiting calls get it (FIFO time-slicing; FAIR's default 1 s).
     "pack" runs calls of different memory lanes at the same time (NOTE [Lanes in the
     runtime]): ``lane_memory`` bytes for their ephemeral memory ("auto": the arena's
-    size), each lane's forward on ``lane_threads`` CPU cores (default: half of them).
+    size), each lane's forward on ``lane_threads`` CPU cores (default: half of them), at
+    most ``lane_slots`` lanes at once (default: one per worker with workers; in-process on
+    the CPU, the cores over ``lane_threads``, since more threads than cores only take
+    turns; on CUDA, as many as memory allows).
 
     ``host_memory``: a budget for the models' host copies (NOTE [Host tier]; None, the
     default: every model's host copy stays in memory). Under it, host memory is a cache
@@ -122,6 +125,7 @@ class Runtime:
         thrashing: bool = False,
         lane_memory: int | str = "auto",
         lane_threads: int | None = None,
+        lane_slots: int | None = None,
         host_memory: int | str | None = None,
         spill_dir: str | None = None,
         direct_host_access: bool | None = None,
@@ -133,7 +137,8 @@ class Runtime:
         assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
                                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
                                task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,
-                               copy_delay_s=copy_delay_s, workers=workers, lane_threads=lane_threads)
+                               copy_delay_s=copy_delay_s, workers=workers, lane_threads=lane_threads,
+                               lane_slots=lane_slots)
         # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
         # before any memory is taken (the lanes' budget is known once the arena is).
         Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=1 if scheduling == "pack" else None)
@@ -145,7 +150,7 @@ class Runtime:
         self._arena = arena = assembly.open_arena(self.device, memory)
         try:
             self._gate = assembly.make_dispatcher(scheduling, time_slice_s, self.device, arena, lane_memory=lane_memory,
-                                                  workers=workers, lane_threads=lane_threads)
+                                                  workers=workers, lane_threads=lane_threads, lane_slots=lane_slots)
             self._exec: Executor = assembly.make_executor(
                 self.device, arena, workers, profile_repeats=profile_repeats,
                 fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
@@ -310,7 +315,7 @@ class Runtime:
         kwargs = {} if not kwargs else dict(kwargs)
         m = self._get(name)
         lanes = self._gate.lane_capacity
-        ask, unmeasured = 0, False
+        ask, unmeasured, key = 0, False, None
         if lanes is not None:  # the shape's measured peak, or what is free: NOTE [Asks that shrink]
             key = shape_key(args, kwargs)
             ask = self._table.lane_ask(m, key, self._gate.free_lane_bytes())
@@ -324,7 +329,7 @@ class Runtime:
                 return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
                                         kv=kv)
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
-                              self._gate.lane_threads)
+                              self._gate.lane_threads, key)
 
     @contextmanager
     def turn(self, name: str, *, urgent_since: float | None = None,

@@ -61,8 +61,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from timeshare.errors import LaneExceededError, TimeshareError
 from timeshare.memory.ephemeral import LaneBound
@@ -75,12 +75,13 @@ from timeshare.tree import shape_key
 
 
 def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, turn: Turn,
-               switched: str | None, lock: threading.RLock, idle: threading.Condition, threads: int) -> Call:
+               switched: str | None, lock: threading.RLock, idle: threading.Condition, threads: int,
+               key: str | None = None) -> Call:
     """An inference given its lane (``turn``), with ``lock`` held: metered and bounded by
     the lane; a resident model's forward runs without the lock. Waiters on ``idle`` hear
-    when it ends."""
+    when it ends. ``key``: the inputs' shape key, when the caller has it."""
     try:
-        key = shape_key(args, kwargs)
+        key = shape_key(args, kwargs) if key is None else key
         known = m.ephemeral.get(key)
         if known is None:
             # Its first call of this shape, under the lock, on the lane's cores but not
@@ -149,14 +150,25 @@ def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn:
 
 def unlocked(lock: threading.RLock) -> Callable[[], AbstractContextManager]:
     """A lane's forward without the runtime's ``lock`` (held once by this thread)."""
-    @contextmanager
-    def outside() -> Iterator[None]:
-        lock.release()
-        try:
-            yield
-        finally:
-            lock.acquire()
-    return outside
+    return _Outside(lock).again
+
+
+class _Outside:
+    """The runtime's lock released for a block, taken back after it."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock = lock
+
+    def again(self) -> _Outside:
+        return self
+
+    def __enter__(self) -> None:
+        self.lock.release()
+
+    def __exit__(self, *exc) -> None:
+        self.lock.acquire()
 
 
 def wait_idle(idle: threading.Condition, m: ModelEntry, timeout_s: float) -> None:
