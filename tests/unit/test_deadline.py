@@ -52,3 +52,16 @@ def test_bad_arguments_are_refused():
         Deadlines(0)
     with pytest.raises(ValueError, match="Deadlines needs cap_s > 0, factor >= 1"):
         Deadlines(10, factor=0.5)
+
+
+def test_the_latest_call_of_a_kind_decides_whether_its_reply_is_awaited_spinning():
+    """NOTE [Spin before sleeping]: the pool spins for a kind whose latest call answered
+    within SPIN_S, read from ``last``; the slowest recent one still sets the deadline."""
+    d = Deadlines(60.0, factor=10, min_s=0.01)
+    kind = ("m", "resident", "(1, 32)")
+    assert d.last(kind) is None
+    d.observe(kind, 0.5)
+    d.observe(kind, 0.001)
+    assert d.last(kind) == 0.001 and d.of(kind) == pytest.approx(5.0)
+    d.forget("m")
+    assert d.last(kind) is None

@@ -46,6 +46,12 @@ class Deadlines:
             return self.cap_s
         return min(self.cap_s, max(self.min_s, self.factor * slowest))
 
+    def last(self, kind: Hashable) -> float | None:
+        """How long the latest call of ``kind`` took (None: none seen)."""
+        with self._lock:
+            times = self._seen.get(kind)
+            return times[-1] if times else None
+
     def observe(self, kind: Hashable, seconds: float) -> None:
         """A call of ``kind`` answered after ``seconds``."""
         with self._lock:

@@ -27,7 +27,7 @@ from timeshare.runtime.segments import SHARE_S, Segment, Segments, Switch
 from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
 from timeshare.transfer.disk import FillSpec
 from timeshare.tree import shape_key
-from timeshare.worker.handle import Inputs, WorkerHandle
+from timeshare.worker.handle import SPIN_S, Inputs, WorkerHandle
 
 if TYPE_CHECKING:
     from timeshare.runtime.dispatch import Dispatcher, Preemptible
@@ -328,7 +328,10 @@ class ProcessPool:
         try:  # NOTE [Call deadlines]
             inputs = w.encode_inputs(call.args, call.kwargs)
             msg = call.make(inputs, missing)
-            reply, value = w.call(msg, inputs, self.task_timeout_s if kind is None else self.deadlines.of(kind), what)
+            timeout, last = (self.task_timeout_s, None) if kind is None else \
+                (self.deadlines.of(kind), self.deadlines.last(kind))
+            spin = SPIN_S if last is not None and last < SPIN_S else 0.0  # NOTE [Spin before sleeping]
+            reply, value = w.call(msg, inputs, timeout, what, spin)
         except WorkerError as exc:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._set.replace(w, exc)

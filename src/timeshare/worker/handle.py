@@ -28,7 +28,7 @@ from timeshare.memory.allocator import align_up
 from timeshare.worker import channel as C
 from timeshare.worker.proc import worker_main
 
-SPIN_S = 0.002  # NOTE [Spin before sleeping]
+SPIN_S = 0.002  # NOTE [Spin before sleeping]: calls that answer within this are awaited spinning
 
 log = logging.getLogger(__name__)
 
@@ -195,15 +195,16 @@ class WorkerHandle:
         self._channel_sent = False
         return grown
 
-    def call(self, msg, inputs: Inputs, timeout_s: float, what: str) -> tuple[Any, Any]:
+    def call(self, msg, inputs: Inputs, timeout_s: float, what: str, spin_s: float = 0.0) -> tuple[Any, Any]:
         """Send a call's message (made with ``inputs``) and wait for its reply (as
         ``request``); returns the reply and its value, whose tensors are copied out of the
         channel, the caller's own: the next call may overwrite the channel (NOTE [Tensor
-        channel])."""
+        channel]). ``spin_s``: poll for the reply this long before sleeping (NOTE [Spin
+        before sleeping])."""
         self._check_owner()
         if not self.post_bytes(C.dumps(msg, inputs.left)):
             raise self._crashed(what)
-        reply = self.receive(timeout_s, what, msg.seq)
+        reply = self.receive(timeout_s, what, msg.seq, spin_s)
         if not isinstance(reply, P.Result):
             return reply, getattr(reply, "value", None)
         channel = self.channel
@@ -239,14 +240,14 @@ class WorkerHandle:
             raise self._crashed(what)
         return self.receive(timeout_s, what, msg.seq)
 
-    def receive(self, timeout_s: float, what: str, seq: int):
+    def receive(self, timeout_s: float, what: str, seq: int, spin_s: float = 0.0):
         """The next message from the worker that answers request ``seq`` (a reply, a
         training segment's Progress or Stopped); a Failure is re-raised as an error.
         Messages for other requests are discarded and logged."""
         self._check_owner()
         deadline = time.monotonic() + timeout_s
         while True:
-            reply = self._recv(max(0.0, deadline - time.monotonic()), what, timeout_s)
+            reply = self._recv(max(0.0, deadline - time.monotonic()), what, timeout_s, spin_s)
             got = getattr(reply, "seq", None)
             if got == seq:
                 break
@@ -256,10 +257,10 @@ class WorkerHandle:
             raise reply.error.to_exception()
         return reply
 
-    def _recv(self, timeout_s: float, what: str, deadline_s: float | None = None):
+    def _recv(self, timeout_s: float, what: str, deadline_s: float | None = None, spin_s: float = 0.0):
         if self._released:  # killed and replaced by another thread meanwhile
             raise WorkerCrashedError(f"worker {self.id} was stopped", where=f"worker {self.id}, {what}")
-        if self.booted and self._spin():
+        if spin_s > 0 and self._spin(spin_s):
             try:
                 return P.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
@@ -282,19 +283,21 @@ class WorkerHandle:
         )
 
     # NOTE [Spin before sleeping]
-    # A reply usually comes within a millisecond (a resident model's forward, an Ack).
+    # A short call's reply comes within a millisecond (a small resident model's forward).
     # Sleeping in the kernel until it comes costs the controller a wake-up from an idle
     # core, which on a virtual machine is hundreds of microseconds (a tiny model's round
-    # trip went from 1.2 ms to 0.6 ms on the 2-core VM with this). So the lease holder
-    # first polls the pipe without blocking for up to SPIN_S, then sleeps as before
-    # (with the worker's sentinel and the call's deadline). Only the controller spins:
-    # a worker that spun while waiting for its next request took the core its
-    # controller needed, and was slower. One poll object per pipe, made once: the
-    # multiprocessing ``poll`` builds a selector per call.
-    def _spin(self) -> bool:
-        """Whether the pipe became readable within SPIN_S, polled without sleeping."""
+    # trip went from 1.2 ms to 0.6 ms on the 2-core VM with this). So for a call whose
+    # kind answered within SPIN_S last time (the pool knows: ``Deadlines.last``), the
+    # lease holder first polls the pipe without blocking for up to SPIN_S, then sleeps as
+    # before (with the worker's sentinel and the call's deadline). Longer calls sleep at
+    # once: spinning through them took a core from the worker (an 8.6 MB input's call
+    # doubled on 2 cores). Only the controller spins: a worker that spun while waiting
+    # for its next request took the core its controller needed, and was slower. One poll
+    # object per pipe, made once: the multiprocessing ``poll`` builds a selector per call.
+    def _spin(self, seconds: float) -> bool:
+        """Whether the pipe became readable within ``seconds``, polled without sleeping."""
         poll = self._readable.poll
-        end = time.perf_counter() + SPIN_S
+        end = time.perf_counter() + seconds
         while not poll(0):
             if time.perf_counter() >= end:
                 return False
