@@ -47,17 +47,23 @@ def test_unregister_and_close_give_every_byte_back_with_workers():
     rt = timeshare.Runtime(device="cpu", memory="4MiB", workers=2, profile_repeats=1)
     try:
         pids = rt.worker_pids()
-        arena = set(shm_mappings()) - mine
-        assert len(arena) == 1 and all(set(shm_mappings(p)) == arena for p in pids)
+        ours = set(shm_mappings()) - mine
+        base = {p: set(shm_mappings(p)) for p in pids}
+        arena = ours & set.intersection(*base.values())  # the one segment every process maps
+        assert len(arena) == 1
+        # Beside it, each worker maps its own tensor channel, which the controller maps too
+        # (NOTE [Tensor channel]).
+        channels = [base[p] - arena for p in pids]
+        assert all(len(c) == 1 for c in channels) and set.union(*channels) == ours - arena
 
         rt.register("m", "tests.models:out_of_order", None, (X,))
-        assert set(shm_mappings()) - mine == arena  # the controller keeps no view of a host store
-        store = set(shm_mappings(pids[0])) - arena
+        assert set(shm_mappings()) - mine == ours  # the controller keeps no view of a host store
+        store = set(shm_mappings(pids[0])) - base[pids[0]]
         assert len(store) == 1
         (name,) = store
         host = rt.snapshot()["host_bytes"]
         assert host > 0 and shm_mappings(pids[0])[name] >= host  # the segment, page-rounded
-        assert exists(name) and all(set(shm_mappings(p)) == arena | store for p in pids)  # every worker maps it
+        assert exists(name) and all(set(shm_mappings(p)) == base[p] | store for p in pids)  # every worker maps it
         with torch.no_grad():
             expected = models.out_of_order().eval()(X)
         assert torch.equal(rt.infer("m", X)["y"], expected["y"])
@@ -65,11 +71,11 @@ def test_unregister_and_close_give_every_byte_back_with_workers():
 
         rt.unregister("m")
         assert rt.stats()["used_bytes"] == 0 and rt.snapshot()["host_bytes"] == 0
-        assert not exists(name) and set(shm_mappings()) - mine == arena
-        assert all(set(shm_mappings(p)) == arena for p in pids)  # the workers let go of it too
+        assert not exists(name) and set(shm_mappings()) - mine == ours
+        assert all(set(shm_mappings(p)) == base[p] for p in pids)  # the workers let go of it too
     finally:
         rt.close()
-    assert not any(exists(n) for n in arena) and set(shm_mappings()) - mine == set()
+    assert not any(exists(n) for n in ours) and set(shm_mappings()) - mine == set()
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
