@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -239,7 +240,10 @@ def _served(config, device, zoo, inputs, reference, n: int, mode: str, timeline:
         for name in names:
             rt.register(name, zoo.builder, weights_path(config.model), inputs)
             rt.infer(name, *inputs)  # resident, profiled, its lane measured
-            own[name] = rt.infer(name, *inputs)  # the model alone on this runtime: what every call must give
+            # The model alone on this runtime: what every call must give, computed in a thread
+            # of its own as the clients' are (a new thread takes the process's thread count
+            # for its kernels, which a lane may have set: NOTE [Lane threads in new threads]).
+            own[name] = _in_thread(partial(rt.infer, name, *inputs))
         alone = {}
         for name in names:  # each model's own latency on this runtime, idle
             samples = []
@@ -308,6 +312,30 @@ def _native_threads(module, inputs, device, n: int, duration_s: float) -> float:
     t0 = time.perf_counter()
     _run_threads([threading.Thread(target=client, args=(i,)) for i in range(n)])
     return sum(count) / (time.perf_counter() - t0)
+
+
+# NOTE [Lane threads in new threads]
+# ``cpu_share`` sets the thread count of a lane's kernels with ``torch.set_num_threads``,
+# and the setting stays (memory/ephemeral.py). A thread started after that computes with
+# the count set last, while a thread that ran kernels before keeps its own: the same
+# forward in the main thread and in a client thread can then differ in its last bits (a
+# convolution's sums are split by thread). So the references a bench compares clients
+# with are computed in a new thread too.
+def _in_thread(fn: Callable[[], object]) -> object:
+    """``fn()`` in a new thread; its result, or its exception raised here."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # re-raised in the caller
+            out.append((False, exc))
+
+    _run_threads([threading.Thread(target=run)])
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _run_threads(threads: list[threading.Thread]) -> None:
