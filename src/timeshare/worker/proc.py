@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -23,6 +24,7 @@ from timeshare.memory.ephemeral import in_lane
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often an idle worker checks that its parent is alive
+POLL_MS = int(POLL_S * 1000)
 
 
 class _Exit(Exception):
@@ -215,13 +217,16 @@ def worker_main(start: P.Start, conn: Connection) -> None:
                    "host_keys": wm.host_bound, "kv_bytes": kv_bytes,
                    # NOTE [Locked host tier]: whether this worker holds the store page-locked now,
                    # and what it holds page-locked in all, as measured here (tests check the record).
-                   "worker": start.worker, "store_pinned": wm.store.pinned,
-                   "lock_s": worker.lock_s, "host_pinned_bytes": worker.pinned_host_bytes(),
+                   "worker": start.worker, "store_pinned": wm.store.pinned, "lock_s": worker.lock_s,
                    # NOTE [Tensor channel]: the bytes the inputs and the outputs took there.
                    "input_channel_bytes": in_end, "output_channel_bytes": out_nbytes,
                    "outputs_in_channel": refs, "outputs_pickled": len(left)}
-        if cuda:  # device allocations made by this process so far (tests)
-            timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+        if not msg.resident:
+            # What a load leaves behind, measured where it happened (tests): counted over every
+            # store, and the allocator's statistics on CUDA, so not on a resident call's path.
+            timings["host_pinned_bytes"] = worker.pinned_host_bytes()
+            if cuda:  # device allocations made by this process so far
+                timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
             # What the inputs took through the pinned staging buffer (NOTE [Input staging]): those
             # that came pickled; and the channel's page-locked bytes (NOTE [Tensor channel]).
             timings["input_staged_bytes"] = staging.staged_nbytes
@@ -322,10 +327,13 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             task.preempted()  # cleaning: offload if the job asked for it
         return P.SegmentStopped(msg.seq, reason, task.stats, stopped, time.perf_counter())
 
+    # One poll object for the pipe, made once: ``Connection.poll`` builds a selector per call.
+    readable = select.poll()
+    readable.register(conn.fileno(), select.POLLIN)
     conn.send_bytes(P.dumps(P.Hello(start.worker, os.getpid())))
     try:
         while True:
-            if not conn.poll(POLL_S):
+            if not readable.poll(POLL_MS):
                 if os.getppid() != parent or not _alive(start.parent_pid):
                     log.warning("%s: controller is gone; exiting", where)
                     return
