@@ -8,10 +8,12 @@ workers it holds, and hears of each failed worker (``on_lost``).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -21,6 +23,33 @@ from timeshare.errors import WorkerCrashedError, WorkerTimeoutError
 from timeshare.worker.handle import WorkerHandle, spawn_context
 
 log = logging.getLogger(__name__)
+
+# NOTE [Workers at exit]
+# At interpreter exit multiprocessing's own exit hook terminates the workers (daemon
+# children) and joins them, while the pool's watcher thread still runs: it saw each death,
+# replaced the worker and closed process objects that the hook was joining ("process
+# object is closed"; once, a hang). So every open worker set is closed by a hook of ours
+# first (registered after multiprocessing's, when the first set starts: hooks run last
+# registered first): the workers are asked to stop, and nothing is replaced after.
+_open_sets: weakref.WeakSet[WorkerSet] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_hooked = False
+
+
+def _close_open_sets() -> None:
+    for workers in list(_open_sets):
+        try:
+            workers.close()
+        except Exception:
+            log.exception("closing a worker set at exit")
+
+
+def _hook_exit() -> None:
+    global _hooked
+    with _exit_hook:
+        if not _hooked:
+            atexit.register(_close_open_sets)
+            _hooked = True
 
 # What went wrong with a replaced worker: it died before it was ready, stopped answering
 # within its deadline, died, or broke the protocol (answered something unexpected).
@@ -68,6 +97,8 @@ class WorkerSet:
         self._boot_failures = 0  # replacements in a row that died before they were ready (back-off)
         self._closed = False
         self.workers: list[WorkerHandle] = [self.spawn() for _ in range(n)]  # they boot in parallel
+        _hook_exit()  # NOTE [Workers at exit]: after multiprocessing's hook, so it runs before it
+        _open_sets.add(self)
         try:
             for w in self.workers:
                 self.ready(w)
@@ -214,5 +245,6 @@ class WorkerSet:
         with self._cv:
             self._closed = True
             workers, self.workers = self.workers, []
+        _open_sets.discard(self)
         for w in workers:
             w.stop()
