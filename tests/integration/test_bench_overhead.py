@@ -54,7 +54,7 @@ def test_the_fair_lock_hands_over_in_arrival_order():
             t.start()
             ready.append(t)
             deadline = time.monotonic() + 10
-            while len(lock._queue) < i + 1:  # queued before the next one starts
+            while lock.waiting < i + 1:  # queued before the next one starts
                 assert time.monotonic() < deadline
                 time.sleep(0.001)
     for t in ready:

@@ -86,7 +86,7 @@ def test_calls_queued_behind_a_holder_run_one_at_a_time_in_policy_order_each_wok
     assert counting.submits == 16
     # One step per arrival and one per end: at most 2 per call and the holder's end.
     assert counting.steps <= 2 * 16 + 1, counting.steps
-    assert not gate.scheduler.tasks and not gate._wakers
+    assert not gate.scheduler.tasks and not gate.sleeping
 
 
 def test_a_call_arriving_while_an_uncontended_call_holds_waits_for_its_end():
@@ -135,6 +135,6 @@ def test_an_interrupted_waiter_leaves_no_task_or_waker_behind():
         t.join(30)
         del gate._wait
         assert len(raised) == 1
-        assert not gate.scheduler.tasks and not gate._wakers
+        assert not gate.scheduler.tasks and not gate.sleeping
     with gate.priority("after", Kind.INFERENCE) as turn:  # the device is free again
         assert turn.previous == (Kind.INFERENCE, "holder")

@@ -212,6 +212,12 @@ class FairLock:
             self._queue.append(waiter)
         waiter.acquire()  # released by the holder, which hands the lock over
 
+    @property
+    def waiting(self) -> int:
+        """Threads queued for the lock."""
+        with self._lock:
+            return len(self._queue)
+
     def __exit__(self, *exc) -> None:
         with self._lock:
             if self._queue:

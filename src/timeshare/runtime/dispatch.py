@@ -460,6 +460,12 @@ class Dispatcher:
             if self.scheduler.expedite(task_id, since):
                 self._step()
 
+    @property
+    def sleeping(self) -> int:
+        """Threads asleep on their own lock until their task starts (NOTE [Hand-offs])."""
+        with self._lock:
+            return len(self._wakers)
+
     def most_urgent_waiting(self) -> tuple[Priority, float | None] | None:
         """The priority and deadline of the waiting task that would run first (None:
         nobody waits)."""
