@@ -5,7 +5,7 @@ import json
 import threading
 import time
 
-from timeshare.bench import campaign
+from timeshare.bench import campaign, campaign_summary
 from timeshare.bench.campaign import Step
 from timeshare.bench.overhead import FairLock
 
@@ -34,7 +34,7 @@ def test_the_overhead_step_measures_every_part_and_the_summary_reports_it(tmp_pa
     assert {x["input_bytes"] for x in rows} == {8 * 3 * 224 * 224 * 4, 8 * 3 * 299 * 299 * 4}
     pack = r["pack"]
     assert pack["pack_over_fifo"] == pack["pack"]["req_per_s"] / pack["fifo"]["req_per_s"]
-    summary = campaign.summarize(tmp_path)
+    summary = campaign_summary.summarize(tmp_path)
     assert summary["overhead"]["pack_over_fifo"] == pack["pack_over_fifo"]
     assert "The runtime's own cost" in (tmp_path / "SUMMARY.md").read_text()
 

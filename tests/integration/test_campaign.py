@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from timeshare.bench import campaign, link
+from timeshare.bench import campaign, campaign_summary, link
 from timeshare.bench.campaign import Step
 
 
@@ -49,7 +49,7 @@ def test_a_bench_step_writes_self_describing_json_and_the_summary(tmp_path):
     assert {"date", "torch", "device"} <= set(data["environment"])
     failing = campaign.run_step(Step("pipeline-fp32", ("pipeline", "--models", "no_such_model"), 60), tmp_path)
     assert failing["returncode"] != 0  # recorded, and the summary still has the link step
-    summary = campaign.summarize(tmp_path)
+    summary = campaign_summary.summarize(tmp_path)
     assert summary["link"]["h2d"]["bandwidth_GBps"] == data["fit"]["h2d"]["bandwidth_GBps"]
     text = (tmp_path / "SUMMARY.md").read_text()
     assert "Pinned host-to-device" in text and "| link | 0 |" in text
