@@ -16,7 +16,7 @@ TORCH_WHEELS ?= /opt/wheels
 LOCK_TORCH := torch==2.13.0+cpu
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-latest lock test-gpu gpu-wheels gpu-campaign bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
+.PHONY: demo test test-latest lock test-gpu gpu-wheels gpu-campaign gpu-campaign-list bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
 
 $(STAMP): pyproject.toml $(LOCK) Makefile
 	rm -rf $(VENV)
@@ -85,6 +85,8 @@ test-gpu: $(STAMP)
 # under its own time limit; results under bench/results/<device>/. It runs on the python3 that
 # has CUDA torch (GPU machines have no package index), with the project from src/.
 # make gpu-campaign STEP=tests,link   runs those steps only.
+# make gpu-campaign BUDGET_S=480 CAMPAIGN_OUT=/tmp/c ARCHIVE=$$OUT/campaign.tar.gz   runs the steps in order of
+# value while they fit in 480 s (by their last recorded seconds) and packs everything into ARCHIVE after each.
 # The GPU image (Python 3.12, torch, transformers) lacks some of our runtime dependencies and
 # has no package index. `make gpu-wheels`, here, downloads their wheels at the lock's versions
 # into .whl/ (ignored); carry .whl to the GPU machine and `make gpu-campaign` installs them
@@ -110,11 +112,17 @@ gpu-campaign:
 				$(GPU_WHEELS_DIR)/*.whl || exit 1; \
 		fi; \
 		PYTHONPATH=src$(if $(wildcard $(GPU_WHEELS_DIR)),:$(GPU_SITE)) $(PY) -m timeshare.bench.campaign \
-			$(if $(STEP),--steps $(STEP)) $(if $(MAX_STEP_S),--max-step-s $(MAX_STEP_S)); \
+			$(if $(STEP),--steps $(STEP)) $(if $(MAX_STEP_S),--max-step-s $(MAX_STEP_S)) \
+			$(if $(BUDGET_S),--budget-s $(BUDGET_S)) $(if $(CAMPAIGN_OUT),--out $(CAMPAIGN_OUT)) \
+			$(if $(ARCHIVE),--archive $(ARCHIVE)); \
 	else \
 		echo "make gpu-campaign needs a CUDA device: $(PY) has no torch that sees one (torch.cuda.is_available() is false)" >&2; \
 		exit 2; \
 	fi
+
+# The campaign's steps in the order they run, with the seconds each took when last recorded.
+gpu-campaign-list:
+	@PYTHONPATH=src $(PY) -m timeshare.bench.campaign --list
 
 bench-pipeline: $(STAMP)
 	$(BIN)/timeshare bench pipeline --json bench/results/pipeline-$$(date +%Y%m%d).json

@@ -4,6 +4,7 @@ the summary, and a clear refusal where there is no CUDA device."""
 import json
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -67,3 +68,63 @@ def test_the_campaign_refuses_a_machine_without_cuda(capsys):
 
 def test_device_slug():
     assert campaign.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def _steps(monkeypatch, *steps):
+    monkeypatch.setattr(campaign, "STEPS", {s.name: s for s in steps})
+
+
+# A step that lists the archive as it stands when the step starts.
+_LIST_ARCHIVE = ("-c", "import sys, tarfile; print(sorted(tarfile.open(sys.argv[1]).getnames()))")
+
+
+def test_a_cpu_dry_run_packs_every_step_and_skips_what_the_budget_cannot_hold(tmp_path, monkeypatch, capsys):
+    out, archive = tmp_path / "run", tmp_path / "back" / "campaign.tar.gz"
+    _steps(monkeypatch,
+           Step("first", ("-c", "print('first ran')"), 60, bench=False, estimate_s=1),
+           Step("huge", ("-c", "print('huge ran')"), 60, bench=False, estimate_s=10_000),
+           Step("peek", (*_LIST_ARCHIVE, str(archive)), 60, bench=False, estimate_s=1))
+    rc = campaign.main(["--allow-cpu", "--out", str(out), "--archive", str(archive), "--budget-s", "300"])
+    assert rc == 0, capsys.readouterr()
+    # The archive stood packed with the first step before the third began: a call cut
+    # short after any step still brings that step back.
+    assert "'run/first.json'" in (out / "peek.log").read_text() and "'run/first.log'" in (out / "peek.log").read_text()
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"run/first.json", "run/peek.json", "run/peek.log", "run/campaign.json", "run/SUMMARY.md"} <= names
+    assert not (out / "huge.log").exists() and "run/huge.log" not in names
+    record = json.loads((out / "campaign.json").read_text())
+    assert [s["step"] for s in record["steps"]] == ["first", "huge", "peek"]
+    assert "needs about 10000 s (estimate)" in record["steps"][1]["skipped"]
+    assert record["commit"] == json.loads((out / "first.json").read_text())["campaign"]["commit"] != ""
+    assert not list(archive.parent.glob("*.part"))
+
+
+def test_a_step_is_limited_to_what_is_left_of_the_budget(tmp_path, monkeypatch):
+    _steps(monkeypatch, Step("slow", ("-c", "import time; time.sleep(60)"), 120, bench=False, estimate_s=1))
+    records = campaign.run_campaign(["slow"], tmp_path, tmp_path / "a.tar.gz", budget_s=3, results=tmp_path)
+    assert records[0]["timed_out"] is True and records[0]["limit_s"] <= 3
+
+
+def test_recorded_durations_come_from_the_newest_run_of_the_same_command(tmp_path, monkeypatch, capsys):
+    step = Step("link", ("link", "--sizes", "1MiB"), 60, estimate_s=7)
+    _steps(monkeypatch, step)
+
+    results = tmp_path / "bench" / "results"
+
+    def record(folder, command, started, seconds, **extra):
+        (results / folder).mkdir(parents=True, exist_ok=True)
+        (results / folder / "link.json").write_text(json.dumps({"campaign": {
+            "step": "link", "command": command, "started": started, "seconds": seconds, **extra}}))
+
+    record("gpu-a", "python -m timeshare bench link --sizes 1MiB --json x", "2026-11-01T00:00:00", 11.0)
+    record("gpu-b", "python -m timeshare bench link --sizes 1MiB --json y", "2026-11-20T00:00:00", 13.0)
+    assert campaign.recorded_seconds(results) == {"link": (13.0, "gpu-b/link.json")}
+    record("gpu-b", "python -m timeshare bench link --sizes 1MiB --json y", "2026-11-21T00:00:00", 99.0,
+           timed_out=True)  # cut short: says nothing about its length
+    assert campaign.recorded_seconds(results) == {"link": (11.0, "gpu-a/link.json")}
+    record("gpu-a", "python -m timeshare bench link --sizes 64KiB --json x", "2026-11-22T00:00:00", 5.0)
+    assert campaign.recorded_seconds(results) == {}  # another command: the estimate stands
+    monkeypatch.setattr(campaign, "ROOT", tmp_path)
+    assert campaign.main(["--list"]) == 0
+    assert "~7" in capsys.readouterr().out
