@@ -66,33 +66,7 @@ def add_parsers(bench) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write all results to this file")
 
-    p = bench.add_parser("llm", help="language models: cold vs warm time to first token, decode, a fleet",
-                         description="Model directories written from code (seeded weights). wake: time to first "
-                         "token with the model resident and not (loaded pipelined while its prefill runs), against "
-                         "from_pretrained then the prefill, and the floor. decode: tokens per second against "
-                         "transformers' generate. fleet: N models in room for two, a Zipf-popular stream of "
-                         "streamed completions through the OpenAI API, against a reload-on-switch server.")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "gpt2"])
-    p.add_argument("--size", default="small", choices=["tiny", "small", "1b"],
-                   help="small: 64M to 113M parameters; 1b: about 0.9B (for a GPU); tiny: a quick check")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--concurrent", type=int, default=4, help="generations decoded together in the decode part")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--fleet-models", type=int, default=8)
-    p.add_argument("--fleet-requests", type=int, default=100)
-    p.add_argument("--fleet-rate", type=float, default=0.5, help="requests per second (Poisson)")
-    p.add_argument("--fleet-max-tokens", type=int, default=16)
-    p.add_argument("--zipf", type=float, default=1.0)
-    p.add_argument("--parts", nargs="+", default=["wake", "decode", "fleet"], choices=["wake", "decode", "fleet"])
-    p.add_argument("--workers", type=int, default=0,
-                   help="wake and decode on a runtime with this many worker processes (the caches in one of them)")
-    p.add_argument("--workdir", default=None, help="write (and reuse) the model directories here")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
-    p.add_argument("--plot", type=Path, default=None, help="write the three parts as a PNG")
+    _add_llm(bench)
 
     p = bench.add_parser("variants", help="fine-tuned BERT-base variants held once: bytes and switch latency",
                          description="N variants of BERT-base (one seeded base; each its own pooler and "
@@ -132,6 +106,41 @@ def add_parsers(bench) -> None:
     p.add_argument("--plot", type=Path, default=None, help="write loads and latency per policy as a PNG")
 
 
+def _add_llm(bench) -> None:
+    p = bench.add_parser("llm", help="language models: cold vs warm time to first token, decode, a fleet",
+                         description="Model directories written from code (seeded weights). wake: time to first "
+                         "token with the model resident and not (loaded pipelined while its prefill runs), against "
+                         "from_pretrained then the prefill, and the floor. decode: tokens per second at each count of "
+                         "sequences against transformers' generate of a batch as large, and whether the greedy tokens "
+                         "agree. fleet: N models in room for two, a Zipf-popular stream of "
+                         "streamed completions through the OpenAI API, against a reload-on-switch server.")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "gpt2"])
+    p.add_argument("--size", default="small", choices=["tiny", "small", "1b", "8b"],
+                   help="small: 64M to 113M parameters; 1b: about 0.9B (for a GPU); 8b: Llama-3-8B's shape, 8.0B "
+                   "in bf16 (16 GB, drawn on the device; wake and decode only); tiny: a quick check")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--concurrent", default="1,4",
+                   help="decode: counts of generations decoded together, comma-separated (a row each), e.g. 1,8,32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-baseline", action="store_true",
+                   help="wake: skip from_pretrained then the prefill (8b skips it anyway: minutes)")
+    p.add_argument("--fleet-models", type=int, default=8)
+    p.add_argument("--fleet-requests", type=int, default=100)
+    p.add_argument("--fleet-rate", type=float, default=0.5, help="requests per second (Poisson)")
+    p.add_argument("--fleet-max-tokens", type=int, default=16)
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--parts", nargs="+", default=["wake", "decode", "fleet"], choices=["wake", "decode", "fleet"])
+    p.add_argument("--workers", type=int, default=0,
+                   help="wake and decode on a runtime with this many worker processes (the caches in one of them)")
+    p.add_argument("--workdir", default=None, help="write (and reuse) the model directories here")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    p.add_argument("--plot", type=Path, default=None, help="write the three parts as a PNG")
+
+
 def run(args, console, run_bench) -> int:
     if args.bench == "overhead":
         from timeshare.bench.overhead import OverheadBenchConfig
@@ -154,12 +163,13 @@ def run(args, console, run_bench) -> int:
                                      drill=not args.no_drill, seed=args.seed)
         return run_bench(run_cluster, cluster, _shower(console, _print_cluster, plot_cluster, args.plot), args.json)
     if args.bench == "llm":
-        from timeshare.bench.llm import LLMBenchConfig
+        from timeshare.bench.llm import LLMBenchConfig, parse_counts
         from timeshare.bench.llm import plot as plot_llm
         from timeshare.bench.llm import run as run_llm
 
         llm = LLMBenchConfig(arch=args.arch, size=args.size, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
-                             new_tokens=args.new_tokens, concurrent=args.concurrent, repeats=args.repeats,
+                             new_tokens=args.new_tokens, concurrent=parse_counts(args.concurrent),
+                             repeats=args.repeats, baseline=not args.no_baseline,
                              fleet_models=args.fleet_models, fleet_requests=args.fleet_requests,
                              fleet_rate_per_s=args.fleet_rate, fleet_max_tokens=args.fleet_max_tokens,
                              zipf=args.zipf, device=args.device, seed=args.seed, workdir=args.workdir,
@@ -215,21 +225,29 @@ def _print_llm(console, r: dict) -> None:
     from timeshare.units import format_bytes as fb
 
     cfg = r["config"]
+    m = r["models"][0]
     console.print(f"bench llm: {cfg['arch']} ({cfg['size']}, {cfg['dtype']}) on {r['environment']['device']}; "
+                  f"{m['parameters']:,} parameters, {fb(m['bytes'])} on disk; "
                   f"prompt {cfg['prompt_tokens']} tokens")
     if "wake" in r:
         w = r["wake"]
+        base = (f"load-then-generate skipped ({w['baseline_skipped']})" if w["load_then_generate_s"] is None else
+                f"load-then-generate {w['load_then_generate_s'] * 1e3:.1f} ms "
+                f"({w['speedup_vs_load_then_generate']:.1f}x slower)")
         console.print(f"wake: {fb(w['bytes'])} at {w['link_GBps']:.2f} GB/s (copy {w['copy_s'] * 1e3:.1f} ms); "
                       f"TTFT warm {w['warm_ttft_s'] * 1e3:.1f} ms, cold {w['cold_ttft_s'] * 1e3:.1f} ms "
                       f"({w['cold_over_warm_plus_copy']:.2f}x warm + copy, {w['cold_over_floor']:.2f}x the floor), "
-                      f"load-then-generate {w['load_then_generate_s'] * 1e3:.1f} ms "
-                      f"({w['speedup_vs_load_then_generate']:.1f}x slower); cold tokens exact "
-                      f"{w['cold_tokens_exact']}/{w['cold_runs']}")
+                      f"{base}; cold tokens exact {w['cold_tokens_exact']}/{w['cold_runs']}")
     if "decode" in r:
-        d = r["decode"]
-        console.print(f"decode: {d['ours_tokens_per_s']:.1f} tokens/s against transformers' "
-                      f"{d['plain_tokens_per_s']:.1f} ({d['ours_over_plain']:.2f}x); {d['concurrent']} together "
-                      f"{d['ours_batched_tokens_per_s']:.1f} tokens/s")
+        t = Table(title=f"decode: {r['decode']['tokens']} tokens per sequence, model resident")
+        for col in ("sequences", "timeshare tokens/s", "transformers tokens/s", "ratio", "tokens exact",
+                    "same first tokens (transformers' own)"):
+            t.add_column(col, justify="right")
+        for row in r["decode"]["rows"]:
+            t.add_row(str(row["sequences"]), f"{row['ours_tokens_per_s']:.1f}", f"{row['plain_tokens_per_s']:.1f}",
+                      f"{row['ours_over_plain']:.2f}x", f"{row['tokens_exact']}/{row['sequences_compared']}",
+                      f"{row['agreeing_prefix_mean']:.1f} ({row['plain_self_prefix_mean']:.1f})")
+        console.print(t)
     if "fleet" in r:
         f = r["fleet"]
         t = Table(title=f"fleet: {f['models']} models in {fb(f['budget_bytes'])}, {f['requests']} requests at "
