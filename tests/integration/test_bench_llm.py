@@ -43,6 +43,7 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
     assert wake["load_then_generate_s"] > 0 and wake["baseline_skipped"] is None
     rows = r["decode"]["rows"]
     assert [row["sequences"] for row in rows] == [1, 2]
+    assert r["decode"]["ours_tokens_per_s"] == rows[0]["ours_tokens_per_s"]  # as runs of one count said it
     for row in rows:  # every sequence of every repeat: transformers' greedy tokens at the same batch
         assert row["tokens_exact"] == row["sequences_compared"] == 2 * row["sequences"]
         assert row["agreeing_prefix_mean"] == row["plain_self_prefix_mean"] == 6
