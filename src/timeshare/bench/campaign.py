@@ -71,13 +71,13 @@ STEPS: dict[str, Step] = {
     s.name: s
     for s in [
         # What the runtime costs around a forward when nothing switches (issue 32).
-        Step("overhead", ("overhead", "--workers", "2", "--duration", "1.0"), 300, estimate_s=120,
+        Step("overhead", ("overhead", "--workers", "2", "--duration", "0.5"), 300, estimate_s=60,
              what="one caller, threads over 8 and 42 models, large inputs through workers, PACK vs FIFO"),
         Step("ready", ("switch", "--batch", "8", "--dtype", "fp32", "--train", "resnet152:64", "--memory", "4GiB",
-                       "--baselines", "--repeats", "20"), 240, estimate_s=60,
+                       "--baselines", "--repeats", "10"), 240, estimate_s=45,
              what="zoo models resident through a worker against plain PyTorch, and switched from training"),
-        Step("lanes", ("lanes", "--counts", "8,42", "--duration", "3", "--train-iterations", "10"), 300,
-             estimate_s=70, what="Salus's lanes: many small models, PACK vs FIFO vs plain PyTorch, training"),
+        Step("lanes", ("lanes", "--counts", "8,42", "--duration", "2", "--train-iterations", "10"), 300,
+             estimate_s=40, what="Salus's lanes: many small models, PACK vs FIFO vs plain PyTorch, training"),
         # Language models (issues 18, 35): a 0.9B bf16 model's cold time to first token
         # against bytes / bandwidth + warm, and decode at 1, 8 and 32 sequences.
         Step("llm-1b", ("llm", "--size", "1b", "--dtype", "bf16", "--parts", "wake", "decode",
@@ -86,6 +86,14 @@ STEPS: dict[str, Step] = {
         Step("tests", ("-m", "pytest", "tests/gpu", "-m", "cuda", "-p", "no:cacheprovider", "-q",
                        "--timeout", "150", "-rfE"), 360, bench=False, estimate_s=150,
              what="the GPU test tier"),
+        # The GPU tests added or changed since the first H200 run: the tensor channel, lane
+        # pools, deterministic lanes, the locked host tier, dedup and the kill mid-load.
+        Step("tests-new", ("-m", "pytest", "tests/gpu/test_cuda_channel.py", "tests/gpu/test_cuda_lane_pools.py",
+                           "tests/gpu/test_cuda_lanes_determinism.py", "tests/gpu/test_cuda_tiered_pinning.py",
+                           "tests/gpu/test_cuda_dedup.py", "tests/gpu/test_cuda.py::"
+                           "test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was", "-m", "cuda",
+                           "-p", "no:cacheprovider", "-q", "--timeout", "120", "-rfE"), 240, bench=False,
+             estimate_s=50, what="the GPU tests new since the first H200 run"),
         Step("pipeline-bf16", ("pipeline", "--batch", "8", "--dtype", "bf16", "--repeats", "10", "--warmup", "2"),
              180, estimate_s=30, what="pipelined first inference by grouping strategy, bf16"),
         Step("switch-sas", ("switch", "--models", "resnet152", "--batch", "8", "--dtype", "fp32", "--train",
