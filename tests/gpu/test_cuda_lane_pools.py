@@ -4,6 +4,8 @@ alone, and the lanes go on. Marked ``cuda``; skipped on machines without a GPU."
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -49,6 +51,36 @@ def test_a_pool_holds_what_its_calls_allocate_and_fails_the_call_that_goes_beyon
         z = torch.empty(big, dtype=torch.uint8, device=device)
         del z
     assert info.value.task == "greedy" and info.value.asked >= big
+
+
+def test_a_fresh_thread_and_stream_multiply_in_a_small_lane():
+    """NOTE [Library workspaces outside pools]: cuBLAS's workspace for a (thread, stream)
+    first seen in a pooled call is made outside the pool; made inside, the pool held 34-36
+    MiB after a product of a few KiB and the call failed against a 1 MiB lane (H200)."""
+    device = torch.device("cuda")
+    pools = cuda_pools(device)
+    a = torch.randn(64, 64, device=device)
+    b = torch.randn(64, device=device)
+    failures, dropped = [], pools.dropped
+
+    def lane_call():
+        stream = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.stream(stream), pooled(pools, LaneBound("mm", 0, 1 * MIB, metered=False)):
+                out = torch.addmm(b, a, a) @ a
+                out16 = (a.bfloat16() @ a.bfloat16()).float()
+            stream.synchronize()
+            torch.testing.assert_close(out, (b + a @ a) @ a)
+            assert out16.shape == (64, 64)
+        except BaseException as exc:  # noqa: BLE001 - the main thread reports it
+            failures.append(exc)
+
+    for _ in range(2):
+        t = threading.Thread(target=lane_call)
+        t.start()
+        t.join(60)
+    assert not failures, failures
+    assert pools.dropped == dropped  # no pool went over its lane
 
 
 def test_a_confirmed_shape_runs_unmetered_and_a_call_beyond_its_lane_fails_alone():

@@ -87,6 +87,10 @@ def test_a_large_input_is_read_from_the_channel_and_answers_exactly(runtimes):
         timings = records[-1].timings
         assert timings["input_channel_bytes"] == x.nbytes  # in the channel, not pickled
         assert timings["output_channel_bytes"] > 0
+        # Every call, resident ones too, says how its inputs came: none through the staging
+        # copy, and whether the channel is page-locked (never on the CPU; the GPU tier: always).
+        assert timings["input_staged_bytes"] == 0 and timings["channel_page_locked"] is False
+        assert timings["channel_pinned_bytes"] == 0
 
 
 def test_an_echo_comes_back_exact_and_stays_the_callers_after_the_next_call(runtimes):

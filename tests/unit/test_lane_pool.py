@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from timeshare.errors import LaneExceededError
 from timeshare.memory.ephemeral import EphemeralMeter, LaneBound, in_lane, pooled
-from timeshare.memory.lane_pool import POOL_SLACK, LanePools, pool_allowance
+from timeshare.memory.lane_pool import POOL_SLACK, LanePools, Once, pool_allowance
 
 MIB = 1 << 20
 _active = threading.local()  # the fake pool this thread allocates from
@@ -115,3 +115,32 @@ def test_on_the_cpu_a_measured_shape_runs_unmetered_and_an_unmeasured_one_metere
     with pytest.raises(LaneExceededError), in_lane(LaneBound("m", 0, 1024), cpu) as meter:
         assert isinstance(meter, EphemeralMeter) and _get_current_dispatch_mode() is meter
         torch.ones(1 << 16)
+
+
+def test_library_state_is_made_once_per_key_and_the_memory_of_keys_is_bounded():
+    # NOTE [Library workspaces outside pools]: the warm-up runs the first time a (thread,
+    # stream) is seen, never again for it; past its limit the set starts over (a repeat).
+    made = []
+    once = Once(lambda: made.append(1), limit=3)
+    for key in ["a", "b", "a", "a", "b", "c"]:
+        once(key)
+    assert len(made) == once.runs == 3
+    once("d")  # a fourth key: the remembered ones are forgotten first
+    once("a")
+    assert len(made) == 5 and once.runs == 5
+
+
+def test_a_failed_warm_up_is_tried_again():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no device")
+
+    once = Once(flaky)
+    with pytest.raises(RuntimeError):
+        once("k")
+    once("k")
+    once("k")
+    assert len(calls) == 2 and once.runs == 1

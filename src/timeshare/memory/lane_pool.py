@@ -23,6 +23,15 @@ forward. What keeps lanes apart beforehand is admission (NOTE [Salus lanes]): a
 measured shape asks for its measured peak with headroom. Idle pools keep what they
 cached; at most ``idle_max`` are kept, the fullest dropped first.
 
+NOTE [Library workspaces outside pools]: cuBLAS keeps a workspace per handle and stream
+(32 MiB on Hopper, with CUBLAS_WORKSPACE_CONFIG=:4096:8 too), allocated from the caching
+allocator at the first matrix product a thread issues on a stream, and kept. Made inside
+a pool, it stays there: on the H200 every pooled call of a fresh lane stream held 34-36
+MiB against a lane of 1 MiB and failed with LaneExceededError. So a pool, before it is
+activated, has the thread's current stream make its library state outside it, once per
+(thread, stream): a tiny product and a product with a bias (cuBLASLt's path), in the
+default pool. ``Once`` is that bookkeeping, tested on the CPU.
+
 The pure logic (``LanePools``, ``pool_allowance``) takes any object with the
 ``LanePool`` interface, so it is tested on the CPU with fakes; ``CudaLanePool`` is the
 one real pool.
@@ -103,6 +112,29 @@ class LanePools:
             self.dropped += 1
 
 
+class Once:
+    """Runs ``fn`` the first time a key is seen; remembers at most ``limit`` keys (a key
+    forgotten is warmed again: harmless, only a repeat)."""
+
+    def __init__(self, fn: Callable[[], None], limit: int = 4096):
+        self._fn = fn
+        self._seen: set[object] = set()
+        self._lock = threading.Lock()
+        self.limit = limit
+        self.runs = 0
+
+    def __call__(self, key: object) -> None:
+        with self._lock:
+            if key in self._seen:
+                return
+        self._fn()
+        with self._lock:
+            if len(self._seen) >= self.limit:
+                self._seen.clear()
+            self._seen.add(key)
+            self.runs += 1
+
+
 class CudaLanePool:
     """A ``torch.cuda.MemPool`` of one device (NOTE [Lane pools]). Made on first use in
     a call on CUDA, never at import."""
@@ -116,8 +148,35 @@ class CudaLanePool:
         self.pool = torch.cuda.MemPool()
 
     def activate(self) -> AbstractContextManager[None]:
-        return self._torch.cuda.use_mem_pool(self.pool, self.device)
+        torch = self._torch
+        stream = torch.cuda.current_stream(self.index)
+        _warm_libraries(self.index)((threading.get_ident(), self.index, stream.cuda_stream))
+        return torch.cuda.use_mem_pool(self.pool, self.index)  # an index: torch wants no bare "cuda"
 
     def held_bytes(self) -> int:
         return sum(int(s["total_size"]) for s in self.pool.snapshot(include_traces=False)
                    if s.get("device", self.index) == self.index)
+
+
+_warmers: dict[int, Once] = {}
+_warmers_lock = threading.Lock()
+
+
+def _warm_libraries(index: int) -> Once:
+    """The device's NOTE [Library workspaces outside pools] bookkeeping."""
+    with _warmers_lock:
+        once = _warmers.get(index)
+        if once is None:
+            once = _warmers[index] = Once(lambda: _touch_blas(index))
+        return once
+
+
+def _touch_blas(index: int) -> None:
+    """A product on this thread's current stream, plain and with a bias, in each floating
+    type a lane computes in: cuBLAS and cuBLASLt make their handle and workspace now."""
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a = torch.ones(16, 16, device=torch.device("cuda", index), dtype=dtype)
+        torch.mm(a, a)
+        torch.addmm(a[0], a, a)
