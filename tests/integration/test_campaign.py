@@ -128,3 +128,11 @@ def test_recorded_durations_come_from_the_newest_run_of_the_same_command(tmp_pat
     monkeypatch.setattr(campaign, "ROOT", tmp_path)
     assert campaign.main(["--list"]) == 0
     assert "~7" in capsys.readouterr().out
+
+
+def test_the_commit_named_by_the_caller_wins_over_a_copied_trees_git(monkeypatch):
+    monkeypatch.setenv("TIMESHARE_COMMIT", "abc123def456")
+    assert campaign.commit() == "abc123def456"
+    monkeypatch.delenv("TIMESHARE_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=campaign.ROOT, capture_output=True, text=True)
+    assert campaign.commit() == (head.stdout.strip() if head.returncode == 0 else "unknown")

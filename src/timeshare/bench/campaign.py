@@ -215,7 +215,11 @@ def environment() -> dict:
 
 
 def commit() -> str:
-    """The commit the campaign runs at: git's, else ``TIMESHARE_COMMIT`` (a copied tree has no .git)."""
+    """The commit the campaign runs at: ``TIMESHARE_COMMIT`` where set (a copied tree may
+    carry no .git, or a stale one: the H200's copy answered its session's first commit),
+    else git's."""
+    if os.environ.get("TIMESHARE_COMMIT"):
+        return os.environ["TIMESHARE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10)
@@ -223,7 +227,7 @@ def commit() -> str:
         head = None
     if head is not None and head.returncode == 0 and head.stdout.strip():
         return head.stdout.strip()
-    return os.environ.get("TIMESHARE_COMMIT", "unknown")
+    return "unknown"
 
 
 def recorded_seconds(results: Path) -> dict[str, tuple[float, str]]:
