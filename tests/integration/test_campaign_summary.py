@@ -17,10 +17,11 @@ def _copy_run(dest: Path, names: list[str] | None = None) -> dict[str, dict]:
     """The run's step files (not its summary) copied into ``dest``; their JSON by name."""
     out = {}
     for path in sorted(H200.glob("*.json")):
-        if path.name == "summary.json" or (names is not None and path.stem not in names):
-            continue
+        data = json.loads(path.read_text())
+        if "campaign" not in data or (names is not None and path.stem not in names):
+            continue  # the summary, a call's own record: not a step
         shutil.copyfile(path, dest / path.name)
-        out[path.stem] = json.loads(path.read_text())
+        out[path.stem] = data
     return out
 
 
@@ -40,7 +41,7 @@ def test_the_h200_run_shows_every_step_with_its_numbers(tmp_path):
     assert "not_summarized" not in summary and "Not summarized" not in text
     for name, r in raw.items():
         rec = r["campaign"]
-        assert _row(text, name, str(rec["returncode"]), str(rec["seconds"]))
+        assert _row(text, name, str(rec["returncode"]), str(rec.get("seconds", "-")))
 
     # llm: the wake and the decode, as the bench recorded them
     wake, decode = raw["llm-1b"]["wake"], raw["llm-1b"]["decode"]
@@ -54,9 +55,14 @@ def test_the_h200_run_shows_every_step_with_its_numbers(tmp_path):
                  f"{wake['cold_over_floor']:.2f}x", f"{wake['load_then_generate_s'] * 1e3:.1f}",
                  f"{wake['speedup_vs_load_then_generate']:.1f}x", f"{wake['cold_tokens_exact']}/{wake['cold_runs']}"):
         assert f"| {cell} |" in line, (cell, line)
-    line = _row(text, "llm-1b", "llama 1b bf16", str(decode["tokens"]))
+    line = _row(text, "llm-1b", "llama 1b bf16", str(decode["tokens"]), "1")
     assert (f"| {decode['ours_tokens_per_s']:.1f} | {decode['plain_tokens_per_s']:.1f} | "
             f"{decode['ours_over_plain']:.2f}x |") in line
+    # a run at several counts of sequences: a row each, with how many matched transformers
+    for d in raw["llm-8b"]["decode"]["rows"]:
+        line = _row(text, "llm-8b", "llama 8b bf16", "32", str(d["sequences"]))
+        assert (f"| {d['ours_tokens_per_s']:.1f} | {d['plain_tokens_per_s']:.1f} | {d['ours_over_plain']:.2f}x | "
+                f"{d['tokens_exact']}/{d['sequences_compared']} |") in line
 
     # lanes: every serving row of both files, and each file's training row
     assert "## Many small models, and two training jobs (bench lanes)" in text
@@ -113,6 +119,6 @@ def test_a_corrupt_and_a_failed_step_still_make_a_summary(tmp_path):
     # The steps that could be read are summarized as they would be alone.
     assert summary["pipeline"] == [] and summary["variants"] == []
     assert summary["link"]["h2d"] == raw["link"]["fit"]["h2d"]
-    assert summary["llm"][0]["decode"]["ours_tokens_per_s"] == raw["llm-1b"]["decode"]["ours_tokens_per_s"]
+    assert summary["llm"][0]["decode"]["rows"][0]["ours"] == raw["llm-1b"]["decode"]["ours_tokens_per_s"]
     assert "## A language model: wake and decode" in text and "Pinned host-to-device" in text
     assert "## Cold first inference from disk" not in text and not (tmp_path / "first-inference.png").exists()

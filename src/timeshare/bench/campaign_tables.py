@@ -64,12 +64,24 @@ def llm_rows(step: str, r: dict) -> list[dict]:
             "cold_tokens_exact": wake.get("cold_tokens_exact"), "cold_runs": wake.get("cold_runs"),
         }
     if decode is not None:
-        row["decode"] = {
-            "tokens": decode.get("tokens"), "ours_tokens_per_s": decode["ours_tokens_per_s"],
-            "plain_tokens_per_s": decode["plain_tokens_per_s"], "ours_over_plain": decode.get("ours_over_plain"),
-            "concurrent": decode.get("concurrent"), "batched_tokens_per_s": decode.get("ours_batched_tokens_per_s"),
-        }
+        row["decode"] = {"tokens": decode.get("tokens"), "rows": _decode_rows(decode)}
     return [row]
+
+
+def _decode_rows(decode: dict) -> list[dict]:
+    """One row per count of sequences decoded together: ``rows`` as bench llm writes them
+    since it decodes at several counts, or the one sequence (and the ours-only batched
+    figure) of a run before that."""
+    if "rows" in decode:
+        return [{"sequences": x["sequences"], "ours": x["ours_tokens_per_s"], "plain": x.get("plain_tokens_per_s"),
+                 "ratio": x.get("ours_over_plain"), "exact": x.get("tokens_exact"),
+                 "compared": x.get("sequences_compared")} for x in decode["rows"]]
+    rows = [{"sequences": 1, "ours": decode["ours_tokens_per_s"], "plain": decode.get("plain_tokens_per_s"),
+             "ratio": decode.get("ours_over_plain"), "exact": None, "compared": None}]
+    if decode.get("ours_batched_tokens_per_s") is not None:
+        rows.append({"sequences": decode.get("concurrent"), "ours": decode["ours_batched_tokens_per_s"],
+                     "plain": None, "ratio": None, "exact": None, "compared": None})
+    return rows
 
 
 def lanes_rows(step: str, r: dict) -> list[dict]:
@@ -158,14 +170,15 @@ def llm_table(rows: list[dict]) -> list[str]:
                          f"{times(w['speedup_vs_load_then_generate'], 1)} | {exact} |")
     decodes = [r for r in rows if r["decode"]]
     if decodes:
-        lines += ["", "Decode, model resident (tokens/s, one sequence unless said):", "",
-                  "| step | model | tokens | timeshare | transformers | timeshare / transformers | N together |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Decode, model resident (tokens/s, all sequences together; exact: sequences whose greedy "
+                  "tokens equal transformers' on the same batch):", "",
+                  "| step | model | tokens | sequences | timeshare | transformers | timeshare / transformers | exact |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in decodes:
-            d = r["decode"]
-            n = "-" if d["batched_tokens_per_s"] is None else f"{fmt(d['batched_tokens_per_s'], 1)} ({d['concurrent']})"
-            lines.append(f"| {r['step']} | {r['model']} | {d['tokens'] or '-'} | {fmt(d['ours_tokens_per_s'], 1)} | "
-                         f"{fmt(d['plain_tokens_per_s'], 1)} | {times(d['ours_over_plain'])} | {n} |")
+            for d in r["decode"]["rows"]:
+                exact = "-" if d["exact"] is None else f"{d['exact']}/{d['compared']}"
+                lines.append(f"| {r['step']} | {r['model']} | {r['decode']['tokens'] or '-'} | {d['sequences']} | "
+                             f"{fmt(d['ours'], 1)} | {fmt(d['plain'], 1)} | {times(d['ratio'])} | {exact} |")
     return lines
 
 
