@@ -84,7 +84,7 @@ test-gpu: $(STAMP)
 # The GPU campaign (src/timeshare/bench/campaign.py): steps of a few minutes each, every one
 # under its own time limit; results under bench/results/<device>/. It runs on the python3 that
 # has CUDA torch (GPU machines have no package index), with the project from src/.
-# make gpu-campaign STEP=tests,link   runs those steps only.
+# make gpu-campaign STEP=tests,link   runs those steps only; STEP=lease1, then STEP=lease2: a 15-minute lease in two calls.
 # make gpu-campaign BUDGET_S=480 CAMPAIGN_OUT=/tmp/c ARCHIVE=$$OUT/campaign.tar.gz   runs the steps in order of
 # value while they fit in 480 s (by their last recorded seconds) and packs everything into ARCHIVE after each.
 # The GPU image (Python 3.12, torch, transformers) lacks some of our runtime dependencies and

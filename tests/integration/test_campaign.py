@@ -136,3 +136,17 @@ def test_the_commit_named_by_the_caller_wins_over_a_copied_trees_git(monkeypatch
     monkeypatch.delenv("TIMESHARE_COMMIT")
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=campaign.ROOT, capture_output=True, text=True)
     assert campaign.commit() == (head.stdout.strip() if head.returncode == 0 else "unknown")
+
+
+def test_two_calls_of_a_lease_cover_what_the_open_issues_need_and_each_fits():
+    # Issue 36: the GPU test tier, overhead, lanes, switch (ready and one stop-and-start), the
+    # 0.9B model at 1/8/32 sequences, the 8B-shaped wake, the fleet and pipeline in bf16.
+    needed = {"tests", "overhead", "lanes", "ready", "switch-sas", "llm-1b", "llm-8b", "llm-fleet", "pipeline-bf16"}
+    covered = set(campaign.expand("lease1")) | set(campaign.expand("lease2"))
+    assert needed <= covered and covered <= set(campaign.STEPS)
+    assert "--concurrent" in campaign.STEPS["llm-1b"].args and "1,8,32" in campaign.STEPS["llm-1b"].args
+    recorded = campaign.recorded_seconds(campaign.ROOT / "bench" / "results")
+    for group in campaign.GROUPS:
+        planned = campaign.plan(campaign.expand(group), recorded)
+        assert sum(p.expected_s for p in planned) <= campaign.LEASE_CALL_S, group
+    assert campaign.expand("lease1,link") == [*campaign.GROUPS["lease1"], "link"]

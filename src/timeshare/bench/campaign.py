@@ -7,6 +7,7 @@ them as fit and brings every finished one back.
     python -m timeshare.bench.campaign --list
     make gpu-campaign [STEP=tests,link] [BUDGET_S=480] [ARCHIVE=$OUT/campaign.tar.gz]
     make gpu-campaign-list
+    make gpu-campaign STEP=lease1 BUDGET_S=450, then STEP=lease2: a 15-minute lease in two calls
 
 Each step is one command (the GPU test tier, or one ``timeshare bench`` run) started as
 a child process with its own time limit. A step that fails or runs out of time is
@@ -122,6 +123,24 @@ STEPS: dict[str, Step] = {
              420, estimate_s=300, what="inference throughput time-sharing with training"),
     ]
 }
+
+
+# Two calls of a 15-minute lease (a machine's start takes one or two minutes of it): each
+# group's expected seconds stay within LEASE_CALL_S, and together they hold what the open
+# issues need measured. ``--steps lease1`` names a group.
+LEASE_CALL_S = 450
+GROUPS: dict[str, tuple[str, ...]] = {
+    "lease1": ("overhead", "ready", "lanes", "llm-1b", "tests"),
+    "lease2": ("pipeline-bf16", "switch-sas", "llm-8b", "llm-fleet", "link", "pipeline-fp32", "variants", "disk"),
+}
+
+
+def expand(steps: str) -> list[str]:
+    """Step names from a comma-separated list of steps and groups."""
+    names: list[str] = []
+    for n in (n.strip() for n in steps.split(",")):
+        names += GROUPS.get(n, (n,)) if n else ()
+    return names
 
 
 def device_slug(name: str) -> str:
@@ -288,6 +307,9 @@ def list_steps(results: Path) -> str:
         shown = f"{p.expected_s:7.0f}" if p.source != "estimate" else f"{'~' + str(int(p.expected_s)):>7}"
         lines.append(f"{p.step.name:<14} {shown} {p.step.limit_s:7d}  {p.source}: {p.step.what}")
     lines.append("(~: no run recorded, an estimate; steps run in this order, the most valuable first)")
+    for group, members in GROUPS.items():
+        total = sum(p.expected_s for p in plan(list(members), recorded))
+        lines.append(f"--steps {group}: {', '.join(members)} (about {total:.0f} s)")
     return "\n".join(lines)
 
 
@@ -323,7 +345,8 @@ def run_campaign(names: list[str], out: Path, archive: Path, budget_s: float | N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m timeshare.bench.campaign", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from: {', '.join(STEPS)}")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"comma-separated, from: {', '.join(STEPS)}; or a group: {', '.join(GROUPS)}")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<device>)")
     parser.add_argument("--archive", type=Path, default=None,
                         help="the archive packed after every step (default <out>/campaign.tar.gz)")
@@ -341,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (ROOT / "tests" / "gpu").is_dir():
         print(f"the GPU campaign runs from the repository's root (no tests/gpu under {ROOT})", file=sys.stderr)
         return 2
-    names = [n.strip() for n in args.steps.split(",") if n.strip()]
+    names = expand(args.steps)
     unknown = [n for n in names if n not in STEPS]
     if unknown:
-        parser.error(f"unknown step(s) {unknown}; known: {list(STEPS)}")
+        parser.error(f"unknown step(s) {unknown}; known: {list(STEPS)} and the groups {list(GROUPS)}")
     import torch
 
     has_cuda = torch.cuda.is_available()
