@@ -93,11 +93,31 @@ def _distribute(items) -> None:
     items.sort(key=lambda item: ranks[id(item)])  # stable: each module keeps its own order
 
 
+def _name_groups(items) -> None:
+    """The ``@group`` suffix of every grouped test's id, which is what --dist loadgroup
+    schedules by. pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9.2 no
+    longer reads (the id lives in ``item._id``): without this every xdist_group was
+    ignored, Ray's modules ran on both workers at once and shared fixtures were built
+    on both."""
+    try:
+        from _pytest.nodes import NodeId
+    except ImportError:  # a pytest that keeps the id in _nodeid: xdist's own suffix works
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        suffix = "@" + "_".join(sorted(names))
+        if names and not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
     import torch
 
     _distribute(items)
+    if _in_xdist_worker(config) and config.getvalue("loadgroup"):
+        _name_groups(items)
 
     if torch.cuda.is_available():
         return
