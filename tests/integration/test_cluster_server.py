@@ -154,28 +154,41 @@ def test_a_starved_training_job_moves_to_an_idle_replica_and_ends_as_if_never_mo
         model = ModelDef("mlp", "small_resnet", str(weights_path("small_resnet")), batch=16)
         cluster = Cluster([model], replicas=2, memory="4MiB")
         backend = ClusterRuntime(cluster, migrate_after_s=0.5, poll_s=0.1)
+        moved_once = threading.Event()
+        migrate = backend.migrate
+
+        def migrate_and_tell(*args, **kwargs):  # the front end's own move, then the event the test waits on
+            try:
+                return migrate(*args, **kwargs)
+            finally:
+                moved_once.set()
+
+        backend.migrate = migrate_and_tell
         try:
             args = model.example_inputs()
             backend.infer("mlp", *args)
             busy = next(r["replica"] for r in cluster.replica_rows() if r["routed_resident"])
+            actor = next(slot.actor for slot in cluster.slots if slot.name == busy)
             workload = TrainingWorkload.parse("tiny_cnn:8")
             kwargs = {**workload.train_args(), "iterations": 200, "seed": 3}
             cluster.start_job("job", kwargs, replica=busy)
             stop = threading.Event()
 
+            # Straight to the job's replica, past the router: the router follows a model's
+            # demand and would route a stream like this one to the other replica too, which
+            # would then never look idle (a request in flight there) and the job never move.
             def hammer():  # a stream of requests with no gap: the job's replica never idles
                 while not stop.is_set():
-                    backend.infer("mlp", *args)
+                    ray.get(actor.infer.remote("mlp", args), timeout=60)
 
-            threads = [threading.Thread(target=hammer) for _ in range(2)]
+            threads = [threading.Thread(target=hammer) for _ in range(3)]
             for t in threads:
                 t.start()
-            deadline = time.monotonic() + 60
-            while not backend.migrations and time.monotonic() < deadline:
-                time.sleep(0.05)
+            moved_once.wait(timeout=90)
             stop.set()
             for t in threads:
-                t.join(30)
+                t.join(60)
+            assert not any(t.is_alive() for t in threads)
             assert backend.migrations, "the starved job did not move"
             moved = backend.migrations[0]
             assert moved["from"] == busy and moved["to"] != busy
