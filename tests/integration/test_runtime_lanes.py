@@ -181,10 +181,29 @@ def test_the_profile_carries_ephemeral_bytes_and_sets_the_lane(packed):
     assert profile.summary()["ephemeral_bytes"] == profile.ephemeral_bytes
 
 
-def _meeting_job(rt: Runtime, name: str, barrier: threading.Barrier, iterations: int = 8, scratch=None):
+def _meeting_model() -> nn.Module:
+    """The meeting jobs' model, its weights from a generator of its own.
+
+    NOTE [Models built before jobs start]: every job's model is built before any job
+    starts. ``nn.Linear`` draws its initial weights from the process's random state, which
+    a running job's first iteration has swapped for its own (NOTE [One random state per
+    process]): a model built meanwhile in this thread advanced that job's state, the job
+    then counted as one that draws and held the random state's lock through every later
+    iteration, barrier wait included, so the other job's first iteration waited for it
+    and the barrier broke (about 1 run in 70 on a loaded machine)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def _meeting_job(rt: Runtime, name: str, model: nn.Module, barrier: threading.Barrier, iterations: int = 8,
+                 scratch=None):
     """A job whose iterations from the fourth on wait at ``barrier`` for the other job's
     (so both finish only if they run side by side); ``scratch(i)``: floats iteration i
-    allocates besides."""
+    allocates besides. ``model``: from :func:`_meeting_model`, built before any job started."""
     done = [0]
 
     def step(model, optimizer, batch):
@@ -196,25 +215,21 @@ def _meeting_job(rt: Runtime, name: str, barrier: threading.Barrier, iterations:
         optimizer.step()
         done[0] += 1
         if done[0] >= 4:
-            barrier.wait(timeout=10)
+            barrier.wait(timeout=30)  # a deadline only: met at once when the jobs run side by side
         return loss
 
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    g = torch.Generator().manual_seed(3)  # not the global state, which running jobs swap
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     batches = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(iterations)]
     return rt.train(name, model, lambda p: torch.optim.SGD(p, lr=0.01), batches, step, iterations=iterations)
 
 
 def test_training_jobs_in_different_lanes_run_side_by_side_and_train_as_alone(packed):
-    alone = _meeting_job(packed, "alone", threading.Barrier(1))
+    alone = _meeting_job(packed, "alone", _meeting_model(), threading.Barrier(1))
     alone.wait(60)
     assert alone.error is None, alone.error
     want = alone.state_dict()
     barrier = threading.Barrier(2)
-    jobs = [_meeting_job(packed, f"job{i}", barrier) for i in range(2)]
+    models = [_meeting_model() for _ in range(2)]  # NOTE [Models built before jobs start]
+    jobs = [_meeting_job(packed, f"job{i}", model, barrier) for i, model in enumerate(models)]
     for job in jobs:
         job.wait(60)
     for job in jobs:
@@ -226,12 +241,15 @@ def test_training_jobs_in_different_lanes_run_side_by_side_and_train_as_alone(pa
 
 def test_a_job_that_outgrows_its_lane_fails_alone(packed):
     # Built before the jobs start: an in-process job's step swaps the process's random
-    # state, which a module built meanwhile in another thread would draw its weights from.
+    # state, which a module built meanwhile in another thread would draw its weights from
+    # (NOTE [Models built before jobs start]).
     packed.register("m0", lambda: Meeting(0), example_inputs=(X,))
+    models = [_meeting_model() for _ in range(3)]
     barrier = threading.Barrier(2)
     # From its sixth iteration on, the greedy job asks for 2 MiB more than it measured.
-    greedy = _meeting_job(packed, "greedy", threading.Barrier(1), scratch=lambda i: (1 << 19) if i >= 5 else 16)
-    steady = [_meeting_job(packed, f"steady{i}", barrier) for i in range(2)]
+    greedy = _meeting_job(packed, "greedy", models[0], threading.Barrier(1),
+                          scratch=lambda i: (1 << 19) if i >= 5 else 16)
+    steady = [_meeting_job(packed, f"steady{i}", models[1 + i], barrier) for i in range(2)]
     for job in (greedy, *steady):
         job.wait(60)
     assert isinstance(greedy.error, LaneExceededError) and greedy.error.task == "greedy", greedy.error
