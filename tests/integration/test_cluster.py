@@ -11,8 +11,7 @@ import subprocess
 import pytest
 
 from timeshare import cli
-from timeshare.bench.cluster import ClusterBenchConfig, model_defs, references
-from timeshare.bench.cluster import run as run_bench
+from timeshare.bench.cluster import model_defs, references
 from timeshare.bench.common import outputs_equal
 from timeshare.cluster.cluster import Cluster, ReplicaLostError, import_ray, start_local_ray
 from timeshare.errors import ConfigError, ModelTooLargeError, UnknownModelError
@@ -42,11 +41,19 @@ def test_an_unreachable_ray_address_is_a_clear_error_at_once():
         Cluster(model_defs(1), address="127.0.0.1:9")
 
 
-def test_affinity_routing_on_three_replicas_and_a_replica_killed_loses_nothing(local_ray, tmp_path):
+def test_affinity_routing_on_three_replicas_and_a_replica_killed_loses_nothing(local_ray, tmp_path, capsys):
     """The must-show: 3 CPU replicas, 12 small models, Zipf requests. One client, so that
     the loads are those of the routing alone (no timing), on replicas too small to hold
-    every model at once (2.5 MiB each, 8.6 MB of models)."""
-    result = run_bench(ClusterBenchConfig(replicas=3, models=12, requests=240, clients=1, memory="2.5MiB"))
+    every model at once (2.5 MiB each, 8.6 MB of models). Run as ``timeshare bench
+    cluster`` (its JSON and plot are the results read here): one cluster for both."""
+    path, png = tmp_path / "cluster.json", tmp_path / "cluster.png"
+    code = cli.main(["bench", "cluster", "--replicas", "3", "--models", "12", "--requests", "240", "--clients", "1",
+                     "--memory", "2.5MiB", "--policies", "timeshare,random,ray", "--json", str(path),
+                     "--plot", str(png)])
+    assert code == 0 and "bench cluster" in capsys.readouterr().out
+    result = json.loads(path.read_text())
+    assert [r["policy"] for r in result["rows"]] == ["timeshare", "random", "ray"]  # as asked, in that order
+    assert result["ray"] == import_ray().__version__ and png.stat().st_size > 0
     by = {r["policy"]: r for r in result["rows"]}
     ours, ray_rule, rnd = by["timeshare"], by["ray"], by["random"]
     assert ours["loads_per_request"] <= 0.5 * rnd["loads_per_request"]
@@ -63,14 +70,14 @@ def test_affinity_routing_on_three_replicas_and_a_replica_killed_loses_nothing(l
 def test_a_cluster_refuses_clearly_and_the_rest_serves(local_ray):
     models = model_defs(4)
     refs = references(models)
-    # A replica that cannot start: the others serve.
-    with Cluster(models, replicas=3, memory="3MiB", failing=[1]) as cluster:
+    # A replica that cannot start: the other serves.
+    with Cluster(models, replicas=2, memory="3MiB", failing=[1]) as cluster:
         status = cluster.status()["replicas"]
-        assert [r["alive"] for r in status] == [True, False, True]
+        assert [r["alive"] for r in status] == [True, False]
         assert "told not to start" in status[1]["error"]
         for m in models:
             reply = cluster.infer(m.name, *m.example_inputs())
-            assert reply.replica != "replica-1" and outputs_equal(reply.outputs, refs[m.name])
+            assert reply.replica == "replica-0" and outputs_equal(reply.outputs, refs[m.name])
         with pytest.raises(UnknownModelError, match="unknown model 'nope'"):
             cluster.infer("nope")
         # Every replica gone: requests fail clearly, nothing hangs.
@@ -80,55 +87,43 @@ def test_a_cluster_refuses_clearly_and_the_rest_serves(local_ray):
             cluster.infer(models[0].name, *models[0].example_inputs())
         with pytest.raises(ReplicaLostError, match="no replica is alive"):
             cluster.infer(models[0].name, *models[0].example_inputs())
-    # A model larger than every replica: refused by name; the others serve.
-    with Cluster(models, replicas=2, memory="1MiB") as cluster:
+    # A model larger than the replica: refused by name; the others serve.
+    with Cluster(models, replicas=1, memory="1MiB") as cluster:
         big = models[2]  # small_resnet, 2.3 MB
         with pytest.raises(ModelTooLargeError, match=big.name):
             cluster.infer(big.name, *big.example_inputs())
         assert outputs_equal(cluster.infer(models[0].name, *models[0].example_inputs()).outputs, refs[models[0].name])
     with pytest.raises(ConfigError, match="no replica started"):
-        Cluster(models, replicas=2, memory="3MiB", failing=[0, 1])
+        Cluster(models, replicas=1, memory="3MiB", failing=[0])
 
 
-def test_bench_cluster_writes_json_and_a_plot(local_ray, tmp_path, capsys):
-    path, png = tmp_path / "cluster.json", tmp_path / "cluster.png"
-    code = cli.main(["bench", "cluster", "--replicas", "2", "--models", "2", "--requests", "20", "--no-drill",
-                     "--policies", "random,timeshare", "--json", str(path), "--plot", str(png)])
-    assert code == 0 and "bench cluster" in capsys.readouterr().out
-    data = json.loads(path.read_text())
-    assert [r["policy"] for r in data["rows"]] == ["random", "timeshare"] and data["outputs_exact"]
-    assert data["ray"] == import_ray().__version__ and png.stat().st_size > 0
-
-
-def test_a_training_job_migrated_between_replicas_ends_bitwise_equal_to_an_uninterrupted_run(local_ray):
+def test_a_training_job_migrated_between_replicas_ends_bitwise_equal_and_a_move_that_fails_leaves_it_where_it_was(
+        local_ray):
     import time
 
     import torch
 
     with Cluster(model_defs(1), replicas=2, memory="3MiB") as cluster:
-        assert cluster.train("whole", "tiny_cnn:4", 1000, seed=5, replica="replica-0") == "replica-0"
+        # A move: the job goes on where it was stopped and ends as if never moved.
+        assert cluster.train("whole", "tiny_cnn:4", 500, seed=5, replica="replica-0") == "replica-0"
         want = cluster.job_weights("whole", timeout_s=120)
-        assert cluster.train("moved", "tiny_cnn:4", 1000, seed=5, replica="replica-0") == "replica-0"
+        assert cluster.train("moved", "tiny_cnn:4", 500, seed=5, replica="replica-0") == "replica-0"
         deadline = time.monotonic() + 60
         while cluster.job("moved")["iterations"] < 3:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         moved = cluster.migrate("moved")
-        assert moved["from"] == "replica-0" and moved["to"] == "replica-1" and 3 <= moved["iterations"] < 1000
+        assert moved["from"] == "replica-0" and moved["to"] == "replica-1" and 3 <= moved["iterations"] < 500
         got = cluster.job_weights("moved", timeout_s=120)
         where = cluster.job("moved")
         assert where["replica"] == "replica-1" and where["resumed_at"] == moved["iterations"]  # went on, not over
-        assert cluster.job("moved")["iterations"] == 1000
+        assert cluster.job("moved")["iterations"] == 500
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
         assert cluster.status()["migrations"] == 1
         with pytest.raises(UnknownModelError, match="no training job"):
             cluster.migrate("nope")
 
-
-def test_a_move_that_fails_leaves_the_job_running_where_it_was(local_ray):
-    import time
-
-    with Cluster(model_defs(1), replicas=2, memory="3MiB") as cluster:
+        # A move that fails: the job keeps running where it was.
         cluster.train("stays", "tiny_cnn:4", 400, seed=1, replica="replica-0")
         cluster.kill_replica("replica-1")  # dies before the move: the router has not noticed yet
         with pytest.raises(Exception, match="replica-1|actor"):
@@ -139,7 +134,7 @@ def test_a_move_that_fails_leaves_the_job_running_where_it_was(local_ray):
         while cluster.job("stays")["status"] != "finished":
             assert time.monotonic() < deadline, cluster.job("stays")
             time.sleep(0.05)
-        assert cluster.job("stays")["iterations"] == 400 and cluster.status()["migrations"] == 0
+        assert cluster.job("stays")["iterations"] == 400 and cluster.status()["migrations"] == 1  # the first move only
 
 
 def test_a_request_runs_on_the_replicas_cpu_when_its_device_is_busy(local_ray):
