@@ -72,6 +72,7 @@ def test_device_slug():
 
 def _steps(monkeypatch, *steps):
     monkeypatch.setattr(campaign, "STEPS", {s.name: s for s in steps})
+    monkeypatch.setattr(campaign, "GROUPS", {"all": tuple(s.name for s in steps)})
 
 
 # A step that lists the archive as it stands when the step starts.
