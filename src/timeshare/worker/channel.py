@@ -9,11 +9,13 @@ it page-locks the channel and uploads from it) and writes its outputs after them
 
 from __future__ import annotations
 
+import copyreg
 import io
 import logging
 import mmap
 import os
 import pickle
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
@@ -228,11 +230,37 @@ def dense_stride(t: torch.Tensor) -> tuple[int, ...] | None:
 
 def _view(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
           stride: tuple[int, ...] | None) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    flat = buffer[offset:offset + n * dtype.itemsize].view(dtype)
-    return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
+    """The tensor at ``offset`` of ``buffer``: one ``as_strided`` of the buffer seen as
+    ``dtype`` (kept on the buffer, one per dtype), instead of a slice and two views per
+    tensor, three calls into torch on every input and output of every call."""
+    size = dtype.itemsize
+    if offset % size:
+        n = 1
+        for d in shape:
+            n *= d
+        flat = buffer[offset:offset + n * size].view(dtype)
+        return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
+    bases = buffer.__dict__.get("_typed")
+    if bases is None:
+        bases = buffer.__dict__["_typed"] = {}
+    base = bases.get(dtype)
+    if base is None:
+        whole = buffer.numel() // size * size
+        base = bases[dtype] = buffer[:whole].view(dtype)
+    if stride is None:
+        stride = _contiguous(shape)
+    return base.as_strided(shape, stride, offset // size)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) < 2:
+        return (1,) * len(shape)
+    out = [1] * len(shape)
+    step = 1
+    for i in range(len(shape) - 1, 0, -1):
+        step *= max(shape[i], 1)  # as torch counts a dimension of 0
+        out[i - 1] = step
+    return tuple(out)
 
 
 def encode(obj: Any, buffer: torch.Tensor, start: int = 0, *, non_blocking: bool = False,
@@ -311,23 +339,40 @@ def copies(obj: Any, buffer: torch.Tensor) -> Any:
     return map_instances(obj, P.TensorRef, copy)
 
 
-class _CallPickler(pickle.Pickler):
-    """Pickles a call's message; a tensor that reaches it other than those the encoding left
-    in place (it sat where the walk does not look) is logged once: it travels pickled."""
+class _Pickling(threading.local):
+    """One pickler per thread, kept: making one per message cost as much as the pickling.
+    Tensors are found through its dispatch table, in C (a ``reducer_override`` in Python
+    ran for every object pickled); ``left``: the ids of the tensors meant to travel pickled."""
 
-    def __init__(self, file: io.BytesIO, left: Sequence[torch.Tensor]):
-        super().__init__(file, protocol=P.PROTOCOL)
-        self._left = {id(t) for t in left}
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+        self.pickler = pickle.Pickler(self.out, protocol=P.PROTOCOL)
+        self.pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: self._reduce,
+                                       torch.nn.Parameter: self._reduce}
+        self.left: set[int] = set()
 
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and id(obj) not in self._left:
+    def _reduce(self, t: torch.Tensor) -> Any:
+        if id(t) not in self.left:
             _once("inside an object that tree.py's walk does not open (tuple, list, dict, named tuple, "
                   "dataclass)")
-        return NotImplemented
+        return t.__reduce_ex__(P.PROTOCOL)
+
+    def dumps(self, msg: object, left: Sequence[torch.Tensor]) -> bytes:
+        out = self.out
+        self.left = {id(t) for t in left} if left else set()
+        try:
+            self.pickler.dump(msg)
+            return out.getvalue()
+        finally:
+            self.pickler.clear_memo()
+            out.seek(0)
+            out.truncate()
+            self.left = set()
+
+
+_pickling = _Pickling()
 
 
 def dumps(msg: object, left: Sequence[torch.Tensor] = ()) -> bytes:
     """``msg`` pickled, as ``protocol.dumps``; tensors other than ``left`` in it are logged once."""
-    out = io.BytesIO()
-    _CallPickler(out, left).dump(msg)
-    return out.getvalue()
+    return _pickling.dumps(msg, left)
