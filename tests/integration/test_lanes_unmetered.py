@@ -83,3 +83,46 @@ def test_with_workers_a_confirmed_shape_runs_unmetered_in_the_worker():
         rt.register("w", f"{here}:witness", example_inputs=(X,))
         seen = [_metered(rt, "w", X) for _ in range(1 + CONFIRMING_CALLS + 2)]
         assert seen == [True] * (1 + CONFIRMING_CALLS) + [False] * 2
+
+
+class Cores(nn.Module):
+    """Returns the intra-op thread count its forward runs with."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.lin(x), torch.tensor(torch.get_num_threads())
+
+
+def test_in_process_a_confirmed_shape_runs_on_its_lanes_cores_without_a_meter():
+    # The unmetered call on the CPU takes the resident call's plain path; the lane's
+    # cores are all it keeps of the lane (NOTE [Lanes in the runtime]).
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", lane_threads=2) as rt:
+            rt.register("c", Cores, example_inputs=(X,))
+            for _ in range(1 + CONFIRMING_CALLS):
+                rt.infer("c", X)
+            torch.set_num_threads(3)
+            assert int(rt.infer("c", X)[1]) == 2
+            rt.register("w", Witness, example_inputs=(X,))
+            assert [_metered(rt, "w", X) for _ in range(1 + CONFIRMING_CALLS + 1)][-1] is False
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_measured_shape_asks_for_its_peak_without_reading_what_is_free(monkeypatch):
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
+        reads = []
+        free = rt._gate.free_lane_bytes
+        monkeypatch.setattr(rt._gate, "free_lane_bytes", lambda: reads.append(1) or free())
+        rt.register("w", Witness, example_inputs=(X,))
+        rt.infer("w", X)  # a shape not measured yet asks for what is free; its first call measures it
+        assert reads
+        reads.clear()
+        for _ in range(1 + CONFIRMING_CALLS):
+            rt.infer("w", X)  # its measured peak is its ask, metered or not
+        assert reads == []

@@ -227,9 +227,22 @@ def cpu_share(device: torch.device, threads: int | None) -> Iterator[None]:
     setting stays: part of it (MKL's) is process-wide, so putting it back after each call
     would change the thread count under a concurrent call of another lane, and with it
     that call's bits. Every lane sets the same count."""
-    if device.type == "cpu" and threads is not None and torch.get_num_threads() != threads:
-        torch.set_num_threads(max(1, threads))
+    if device.type == "cpu":
+        use_cores(threads)
     yield
+
+
+def use_cores(threads: int | None) -> None:
+    """``cpu_share`` for a thread known to compute on the CPU, without a block around it."""
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(max(1, threads))
+
+
+def plain_on_cpu(lane: LaneBound, device: torch.device) -> bool:
+    """Whether a call in ``lane`` runs as it would outside lanes, its cores aside: an
+    unmetered call on the CPU (no meter, no stream, no pool: ``in_lane`` would only set
+    its cores, NOTE [Measured shapes run unmetered])."""
+    return not lane.metered and device.type == "cpu"
 
 
 def lane_bytes(peak: int) -> int:

@@ -318,7 +318,7 @@ class Runtime:
         ask, unmeasured, key = 0, False, None
         if lanes is not None:  # the shape's measured peak, or what is free: NOTE [Asks that shrink]
             key = shape_key(args, kwargs)
-            ask = self._table.lane_ask(m, key, self._gate.free_lane_bytes())
+            ask = self._table.lane_ask(m, key, self._gate.free_lane_bytes)
             unmeasured = key not in m.ephemeral
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
                                  arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as turn, self._lock:

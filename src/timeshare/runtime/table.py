@@ -149,11 +149,12 @@ class ModelTable:
         if self.shared is not None:
             self.shared.remove(m.name)  # the sets no model uses any more go
 
-    def lane_ask(self, m: ModelEntry, key: str, free: int) -> int:
+    def lane_ask(self, m: ModelEntry, key: str, free: Callable[[], int]) -> int:
         """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
-        measured peak with headroom, or until measured all the lane memory ``free`` now."""
+        measured peak with headroom, or until measured all the lane memory ``free()``
+        says is free now (asked only then: it takes the dispatcher's lock)."""
         peak = m.ephemeral.get(key)
-        return free if peak is None else lane_bytes(peak)
+        return free() if peak is None else lane_bytes(peak)
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
             lane: LaneBound | None = None, unlocked: Unlocked | None = None, kv: KVStep | None = None) -> Ran:

@@ -354,11 +354,13 @@ class Scheduler:
 
     def _preempt(self, now: float, decisions: list) -> bool:
         """Preempt one running task if the policy says so; True if it did."""
-        best = self._best_startable()
-        if best is None and not (self.lanes is not None and self.slots == math.inf):
-            return False
+        # Nothing preemptible running (requests only: PACK steps here at every change)
+        # ends it before the best waiting task is looked for.
         candidates = [t for t in self.running.values() if t.state is _RUNNING and t.preemptible]
         if not candidates:
+            return False
+        best = self._best_startable()
+        if best is None and not (self.lanes is not None and self.slots == math.inf):
             return False
         policy = self.policy
         victim = None
