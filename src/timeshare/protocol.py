@@ -285,12 +285,51 @@ class Ack:
     seq: int
 
 
+@dataclass(slots=True)
+class CallTimings:
+    """Where one call through a worker spent its time, as the worker measured it (seconds
+    on its ``perf_counter``), what its tensors took, and what its load left behind; the
+    controller adds the round trip and the worker's whole share. Typed, built once per
+    call and read by attribute: the records, the switch's record and the benchmarks'
+    breakdown all read this one object."""
+
+    received_at: float  # the worker's clock when the message was read
+    unpickle_s: float  # the message's unpickling
+    upload_s: float  # inputs to where the model runs (views of the channel on the CPU)
+    forward_s: float
+    to_host_s: float  # outputs into the channel (or to the host, pickled)
+    sync_s: float  # the device's last work (CUDA)
+    worker: int  # the worker's id
+    store_pinned: bool = False  # NOTE [Locked host tier]: the model's store is page-locked there now
+    lock_s: float | None = None  # what this call's load spent page-locking the store
+    load_s: float | None = None  # a load's copies, first start to last arrival (None: resident)
+    read_s: float | None = None  # a load from disk: its reads (NOTE [Disk to device])
+    moved_bytes: int | None = None  # a load: the bytes copied to the device
+    host_keys: tuple[str, ...] = ()  # NOTE [Direct host access]: the keys the model reads from the host
+    ephemeral_peak: int | None = None  # in a lane: the forward's peak ephemeral bytes
+    kv_bytes: int | None = None  # a key/value step: the bytes its batch's caches hold
+    # NOTE [Tensor channel]: the bytes the inputs and the outputs took there, and how the
+    # outputs came back; inputs that came pickled and went through the staging buffer.
+    input_channel_bytes: int = 0
+    output_channel_bytes: int = 0
+    outputs_in_channel: int = 0
+    outputs_pickled: int = 0
+    input_staged_bytes: int = 0
+    input_pinned_bytes: int = 0
+    channel_pinned_bytes: int = 0
+    channel_page_locked: bool = False
+    host_pinned_bytes: int | None = None  # a load: host memory this worker holds page-locked
+    cuda_segments: int | None = None  # a load on CUDA: the allocator's segments in this process
+    round_trip_s: float | None = None  # the controller's: the message sent -> its reply read
+    worker_s: float | None = None  # the worker's whole share of the round trip
+
+
 @dataclass(frozen=True)
 class Result:
     seq: int
     value: Any
     seconds: float = 0.0
-    timings: dict = field(default_factory=dict)  # received_at, load_s (see Switch)
+    timings: CallTimings | None = None  # a call's (RunModel's); None for other requests
     profiles: tuple = ()  # ModelProfiles measured while running this task, for the other workers
     # NOTE [Tensor channel]: how many TensorRefs ``value`` holds, and the channel bytes its
     # tensors needed (those pickled for want of room included: the controller grows the channel).

@@ -127,7 +127,7 @@ def test_workers_share_the_cuda_arena_and_switch_without_device_allocation():
             models.wait_until(lambda: job.stats.iterations >= 2, what="2 training iterations")
             call = rt.call("r", x)
             assert same(call.output, expected)
-            segments.append(call.record.timings["cuda_segments"])
+            segments.append(call.record.timings.cuda_segments)
         job.cancel()
         assert job.wait(60)
         assert len(set(segments[2:])) == 1, segments  # no cudaMalloc on the switch path once warm
@@ -291,12 +291,12 @@ def test_worker_inputs_come_from_host_memory_pinned_and_outputs_are_the_in_proce
         torch.cuda.reset_peak_memory_stats(dev)
         assert same(rt.infer("b", *ids), expected[0])
         assert torch.cuda.max_memory_allocated(dev) == torch.cuda.memory_allocated(dev)  # no input went up here
-        assert calls[-1].timings["input_staged_bytes"] == 0 and calls[-1].timings["input_pinned_bytes"] == 0
-        assert calls[-1].timings["channel_page_locked"]
+        assert calls[-1].timings.input_staged_bytes == 0 and calls[-1].timings.input_pinned_bytes == 0
+        assert calls[-1].timings.channel_page_locked
         for r, want in zip(rows, expected[1:]):
             assert same(rt.infer("s", r), want)
-            assert calls[-1].timings["input_channel_bytes"] == r.nbytes
-            assert calls[-1].timings["input_staged_bytes"] == 0
+            assert calls[-1].timings.input_channel_bytes == r.nbytes
+            assert calls[-1].timings.input_staged_bytes == 0
 
 
 def test_workers_on_cuda_1_compute_the_in_process_outputs_and_leave_cuda_0_alone():

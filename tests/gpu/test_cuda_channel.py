@@ -47,11 +47,11 @@ def test_worker_outputs_through_the_page_locked_channel_are_the_in_process_ones(
             assert same(out, want), m
             assert all(not t.is_cuda for t in tensors_in(out))  # outputs come back on the host
             t = rec.timings
-            assert t["channel_page_locked"] and t["channel_pinned_bytes"] > 0  # CUDA sees the pages locked
-            assert t["input_staged_bytes"] == 0  # uploaded from the channel itself, no staging copy
-            assert t["input_channel_bytes"] >= sum(x.nbytes for x in a)
+            assert t.channel_page_locked and t.channel_pinned_bytes > 0  # CUDA sees the pages locked
+            assert t.input_staged_bytes == 0  # uploaded from the channel itself, no staging copy
+            assert t.input_channel_bytes >= sum(x.nbytes for x in a)
         first = got[-2]
         kept = first.clone()
         rt.infer("echo", big[0] * 2)  # the channel overwritten: the output copied out stays
         assert torch.equal(first, kept)
-        assert records[-1].timings["outputs_in_channel"] == 1
+        assert records[-1].timings.outputs_in_channel == 1

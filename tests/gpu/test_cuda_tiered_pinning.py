@@ -72,7 +72,7 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
         for name in ("a", "b"):
             first = rt.call(name, (X,))  # the first load traces and profiles
             if workers:
-                loaders.add(first.record.timings["worker"])
+                loaders.add(first.record.timings.worker)
             ready[name] = rt.infer(name, X)
         for rep in range(3):
             for name in ("a", "b"):
@@ -86,15 +86,15 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
                     # Locked by this load, not left locked from before: the drop unlocked it
                     # in the worker (UnpinStore), so the device never reads pages given back.
                     t = call.record.timings
-                    assert t["store_pinned"] is True and t["lock_s"] is not None
+                    assert t.store_pinned is True and t.lock_s is not None
                     # ``host_pinned_bytes`` above is the controller's record, so it cannot
                     # check itself; this is measured in the worker: it holds exactly the
                     # store in memory locked, the other's having been unlocked before its
                     # pages went. A worker locks a droppable store only at its loads, and
                     # all of them ran in this one (tasks go to the first ready worker,
                     # asserted below): no other worker holds anything locked.
-                    assert t["host_pinned_bytes"] == store
-                    loaders.add(t["worker"])
+                    assert t.host_pinned_bytes == store
+                    loaders.add(t.worker)
                 else:
                     worker = rt.in_process_worker()
                     assert worker is not None

@@ -85,12 +85,12 @@ def test_a_large_input_is_read_from_the_channel_and_answers_exactly(runtimes):
     for _ in range(3):  # the first grows the channel of the worker it runs on
         assert _same(pooled.infer("reader", x), expected)
         timings = records[-1].timings
-        assert timings["input_channel_bytes"] == x.nbytes  # in the channel, not pickled
-        assert timings["output_channel_bytes"] > 0
+        assert timings.input_channel_bytes == x.nbytes  # in the channel, not pickled
+        assert timings.output_channel_bytes > 0
         # Every call, resident ones too, says how its inputs came: none through the staging
         # copy, and whether the channel is page-locked (never on the CPU; the GPU tier: always).
-        assert timings["input_staged_bytes"] == 0 and timings["channel_page_locked"] is False
-        assert timings["channel_pinned_bytes"] == 0
+        assert timings.input_staged_bytes == 0 and timings.channel_page_locked is False
+        assert timings.channel_pinned_bytes == 0
 
 
 def test_an_echo_comes_back_exact_and_stays_the_callers_after_the_next_call(runtimes):
@@ -99,10 +99,10 @@ def test_an_echo_comes_back_exact_and_stays_the_callers_after_the_next_call(runt
     x1, x2 = torch.randn(*BIG, generator=g), torch.randn(*BIG, generator=g)
     pooled.infer("echo", x1)  # its output did not fit: pickled, and the channel grows for the next
     first = pooled.infer("echo", x1)
-    assert records[-1].timings["outputs_in_channel"] == 1 and records[-1].timings["outputs_pickled"] == 0
+    assert records[-1].timings.outputs_in_channel == 1 and records[-1].timings.outputs_pickled == 0
     kept = first.clone()
     second = pooled.infer("echo", x2)  # same worker, same offsets in its channel
-    assert records[-1].timings["outputs_in_channel"] == 1
+    assert records[-1].timings.outputs_in_channel == 1
     assert torch.equal(first, kept)  # not a view of the channel: the next call did not change it
     assert _same(first, local.infer("echo", x1)) and _same(second, local.infer("echo", x2))
     assert not torch.equal(first, second)

@@ -141,6 +141,6 @@ def test_workers_on_the_cpu_lock_nothing_and_each_load_says_so(tmp_path):
             call = rt.call(f"m{i}", (X,))
             assert call.record.loaded and torch.equal(call.output, reference(i))
             t = call.record.timings
-            assert isinstance(t["worker"], int) and t["store_pinned"] is False and t["lock_s"] is None
-            assert t["host_pinned_bytes"] == 0
+            assert isinstance(t.worker, int) and t.store_pinned is False and t.lock_s is None
+            assert t.host_pinned_bytes == 0
         assert rt.snapshot()["host_tier"]["drops"] >= 3 and rt.snapshot()["host_pinned_bytes"] == 0

@@ -253,8 +253,8 @@ def test_a_worker_process_unlocks_a_store_whose_step_failed_after_the_load(tmp_p
         assert ledger.registered == [nbytes] and ledger.live == {}  # locked by the load, unlocked by its failure
         ran = ask(P.RunModel(3, "lm", 0, False, (IDS,), {}, "optimal"))
         assert isinstance(ran, P.Result), ran
-        assert ran.timings["store_pinned"] is True and ran.timings["worker"] == 7
-        assert ran.timings["host_pinned_bytes"] == ledger.locked == nbytes  # measured in the worker
+        assert ran.timings.store_pinned is True and ran.timings.worker == 7
+        assert ran.timings.host_pinned_bytes == ledger.locked == nbytes  # measured in the worker
         assert isinstance(ask(P.UnpinStore(4, "lm")), P.Ack)
         assert ledger.live == {}
         ours.send_bytes(P.dumps(P.Shutdown()))
@@ -307,7 +307,9 @@ class FakePool:
             host_keys=None, kv=None) -> Ran:
         if isinstance(self.answer, Exception):
             raise self.answer
-        return Ran(None, {"host_keys": (), **self.answer})
+        timings = P.CallTimings(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, worker=self.answer.get("worker", 0),
+                                store_pinned=self.answer.get("store_pinned", False))
+        return Ran(None, timings)
 
     def unpin_store(self, model: str, workers: set[int]) -> None:
         if self.refuse_unpin is not None:

@@ -24,6 +24,7 @@ with the ready model's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import select
@@ -139,8 +140,8 @@ def _measure(rt: Runtime, job, name: str, inputs: tuple, config: SwitchBenchConf
         exact &= outputs_equal(out, reference)
         if round_ >= config.warmup:
             ready.append(ms)
-            if calls and calls[-1].timings:
-                breakdown.append({**calls[-1].timings, "call_s": ms / 1e3})
+            if calls and calls[-1].timings is not None:
+                breakdown.append({**dataclasses.asdict(calls[-1].timings), "call_s": ms / 1e3})
         ms, out = _time_ms(functools.partial(native_call, plain, inputs, rt.device), rt.device)
         exact &= outputs_equal(out, reference)
         if round_ >= config.warmup:
@@ -208,9 +209,10 @@ def _breakdown(samples: list[dict]) -> dict:
         return {}
     keys = ("call_s", "round_trip_s", "worker_s", "unpickle_s", "upload_s", "forward_s", "to_host_s", "sync_s")
     out = {k[:-2]: _median([s[k] * 1e3 for s in samples if s.get(k) is not None]) for k in keys}
-    out["pipe_and_pickle"] = _median([(s["round_trip_s"] - s["worker_s"] - s.get("unpickle_s", 0.0)) * 1e3
-                                      for s in samples if "round_trip_s" in s and "worker_s" in s])
-    out["controller"] = _median([(s["call_s"] - s["round_trip_s"]) * 1e3 for s in samples if "round_trip_s" in s])
+    timed = [s for s in samples if s.get("round_trip_s") is not None and s.get("worker_s") is not None]
+    out["pipe_and_pickle"] = _median([(s["round_trip_s"] - s["worker_s"] - (s.get("unpickle_s") or 0.0)) * 1e3
+                                      for s in timed])
+    out["controller"] = _median([(s["call_s"] - s["round_trip_s"]) * 1e3 for s in timed])
     return out
 
 

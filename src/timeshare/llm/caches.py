@@ -185,5 +185,6 @@ class RemoteCaches:
             self.reset()
             raise CachesLostError(f"the key/value caches of {self.key!r} were lost: {exc}",
                                   where=getattr(exc, "where", "")) from exc
-        self.nbytes = int((call.record.timings or {}).get("kv_bytes") or 0)
+        timings = call.record.timings
+        self.nbytes = int(timings.kv_bytes or 0) if timings is not None else 0
         return call.output["logits"]

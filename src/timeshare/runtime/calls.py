@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from timeshare.protocol import CallTimings
 from timeshare.runtime.events import CallRecord
 
 
@@ -15,7 +16,7 @@ class Ran:
     went (``round_trip_s``, ``worker_s`` and the worker's own parts; None in-process)."""
 
     output: Any
-    timings: dict | None = None
+    timings: CallTimings | None = None
     load_s: float | None = None  # the copies of a load, first start to last arrival, when measured
     ephemeral_peak: int | None = None  # in a lane: the forward's peak ephemeral bytes
     read_s: float | None = None  # a load from disk: its reads, first to last (NOTE [Disk to device])

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from timeshare.protocol import CallTimings
+
 
 @dataclass(frozen=True)
 class CallRecord:
@@ -20,9 +22,8 @@ class CallRecord:
     it (pipelined); ``switched_from``: the task that used the device before, when it
     was another one (a model name or a training job's name), else None; ``error``:
     the exception's type name when the call failed; ``timings``: with workers, where
-    the call's time went (``round_trip_s`` from sending the task to its reply,
-    ``worker_s`` the worker's share, and its parts: ``unpickle_s``, ``upload_s``,
-    ``forward_s``, ``to_host_s``, ``sync_s``, ``load_s``), else None; ``moved_bytes``:
+    the call's time went (a ``CallTimings``: ``round_trip_s`` from sending the task to
+    its reply, ``worker_s`` the worker's share, and its parts), else None; ``moved_bytes``:
     what a loading call copied to the device, shared sets included (NOTE [Shared
     tensors]; None when the call did not load)."""
 
@@ -33,7 +34,7 @@ class CallRecord:
     loaded: bool
     switched_from: str | None
     error: str | None = None
-    timings: dict | None = None
+    timings: CallTimings | None = None
     moved_bytes: int | None = None
 
     @property

@@ -199,7 +199,9 @@ class ProcessPool:
         reply, value = self._task(call, f"running {model}", kind) if kv is None else \
             self._home_task(kv, call, f"running {model}", kind)
         t = reply.timings
-        return Ran(value, t, t.get("load_s"), t.get("ephemeral_peak"), t.get("read_s"), t.get("moved_bytes"))
+        if t is None:
+            return Ran(value)
+        return Ran(value, t, t.load_s, t.ephemeral_peak, t.read_s, t.moved_bytes)
 
     def profile(self, model: str, offset: int, args: tuple, kwargs: dict,
                 shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None):
@@ -340,8 +342,9 @@ class ProcessPool:
         if kind is not None:
             self.deadlines.observe(kind, replied - sent)
         timings = reply.timings  # the whole round trip, and the worker's own share of it
-        timings["round_trip_s"] = replied - sent
-        timings["worker_s"] = reply.seconds
+        if timings is not None:
+            timings.round_trip_s = replied - sent
+            timings.worker_s = reply.seconds
         if reply.profiles:
             self.profilings += len(reply.profiles)
             for p in reply.profiles:

@@ -192,13 +192,13 @@ class PoolExecutor:
         ran = self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared,
                              self._host_keys.get(name, ()) if resident else None, kv)
         if not resident and ran.timings is not None:
-            self._host_keys[name] = tuple(ran.timings.get("host_keys", ()))
-            if name in self._droppable and "worker" in ran.timings:  # NOTE [Locked host tier]
+            self._host_keys[name] = tuple(ran.timings.host_keys)
+            if name in self._droppable:  # NOTE [Locked host tier]
                 workers = self._locked_in.setdefault(name, set())
-                if ran.timings.get("store_pinned"):
-                    workers.add(ran.timings["worker"])
+                if ran.timings.store_pinned:
+                    workers.add(ran.timings.worker)
                 else:
-                    workers.discard(ran.timings["worker"])
+                    workers.discard(ran.timings.worker)
         return ran
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:

@@ -58,13 +58,12 @@ class Switch:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def task_done(self, sent: float, timings: dict) -> None:
+    def task_done(self, sent: float, timings: P.CallTimings | None) -> None:
         """The inference's task is back: ``sent``, when its Run went out; ``timings``, its
         reply's (NOTE [Switch records])."""
         self.total_s = time.perf_counter() - self.requested_at
-        received = timings.get("received_at")
-        self.start_s = received - sent if received is not None else None
-        self.load_s = timings.get("load_s")
+        self.start_s = timings.received_at - sent if timings is not None else None
+        self.load_s = timings.load_s if timings is not None else None
 
 
 @dataclass

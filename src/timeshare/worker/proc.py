@@ -207,33 +207,27 @@ def worker_main(start: P.Start, conn: Connection) -> None:
             raise
         t_sync = time.perf_counter()
         learned = tuple(wm.profiles.values())[known:] if len(wm.profiles) > known else ()
-        # Where the worker's time went (the bench's breakdown of a call through a worker).
-        timings = {"received_at": t0, "load_s": None if msg.resident else worker.load_seconds(),
-                   "unpickle_s": unpickled[0], "upload_s": t_up - t0,
-                   "forward_s": t_run - t_up, "to_host_s": t_host - t_run, "sync_s": t_sync - t_host,
-                   "ephemeral_peak": None if meter is None else meter.peak,
-                   "read_s": worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
-                   "moved_bytes": None if msg.resident else worker.moved_bytes,
-                   "host_keys": wm.host_bound, "kv_bytes": kv_bytes,
-                   # NOTE [Locked host tier]: whether this worker holds the store page-locked now,
-                   # and what it holds page-locked in all, as measured here (tests check the record).
-                   "worker": start.worker, "store_pinned": wm.store.pinned, "lock_s": worker.lock_s,
-                   # NOTE [Tensor channel]: the bytes the inputs and the outputs took there.
-                   "input_channel_bytes": in_end, "output_channel_bytes": out_nbytes,
-                   "outputs_in_channel": refs, "outputs_pickled": len(left)}
+        # Where the worker's time went (the bench's breakdown of a call through a worker), and
+        # NOTE [Locked host tier]: whether this worker holds the store page-locked now, as
+        # measured here (tests check the record); NOTE [Tensor channel]: what the tensors took
+        # there and through the staging buffer, on every call (the GPU tier checks each call's
+        # inputs came through the channel).
+        timings = P.CallTimings(
+            t0, unpickled[0], t_up - t0, t_run - t_up, t_host - t_run, t_sync - t_host, start.worker,
+            wm.store.pinned, worker.lock_s,
+            None if msg.resident else worker.load_seconds(),
+            worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
+            None if msg.resident else worker.moved_bytes, wm.host_bound,
+            None if meter is None else meter.peak, kv_bytes,
+            in_end, out_nbytes, refs, len(left), staging.staged_nbytes, staging.pinned_nbytes,
+            channel.nbytes if channel is not None and channel.pinned else 0,
+            channel is not None and channel.page_locked)
         if not msg.resident:
             # What a load leaves behind, measured where it happened (tests): counted over every
             # store, and the allocator's statistics on CUDA, so not on a resident call's path.
-            timings["host_pinned_bytes"] = worker.pinned_host_bytes()
+            timings.host_pinned_bytes = worker.pinned_host_bytes()
             if cuda:  # device allocations made by this process so far
-                timings["cuda_segments"] = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
-        # What the inputs took through the pinned staging buffer (NOTE [Input staging]): those
-        # that came pickled; and the channel's page-locked bytes (NOTE [Tensor channel]). Fields
-        # read, on every call: the GPU tier checks each call's inputs came through the channel.
-        timings["input_staged_bytes"] = staging.staged_nbytes
-        timings["input_pinned_bytes"] = staging.pinned_nbytes
-        timings["channel_pinned_bytes"] = channel.nbytes if channel is not None and channel.pinned else 0
-        timings["channel_page_locked"] = channel is not None and channel.page_locked
+                timings.cuda_segments = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
         return P.Result(msg.seq, out, time.perf_counter() - t0, timings, learned, refs, out_nbytes), left
 
     def handle(msg):
