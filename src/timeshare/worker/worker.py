@@ -58,6 +58,7 @@ class Worker:
     ):
         self.device = device
         self.arena = arena
+        self._arena_at = arena.buffer.untyped_storage().data_ptr()  # fixed for the arena's life
         self.engine = engine
         self.profile_repeats = profile_repeats
         self.fixed_group_bytes = fixed_group_bytes
@@ -355,11 +356,10 @@ class Worker:
         as it is. A worker process then copies it into its tensor channel, or pickles
         what does not fit there (NOTE [Tensor channel])."""
         if type(out) is torch.Tensor and not self._host_bound:  # one tensor, no store to alias
-            t = out.detach()
-            if t.device.type != "cpu":
+            t = out.detach() if out.requires_grad else out
+            if not t.is_cpu:
                 return t.cpu()
-            arena = self.arena.buffer.untyped_storage().data_ptr()
-            return t.clone() if t.untyped_storage().data_ptr() == arena else t
+            return t.clone() if t.untyped_storage().data_ptr() == self._arena_at else t
         owned = {self.arena.buffer.untyped_storage().data_ptr()}
         # A model computing from its host store (NOTE [Direct host access]) may return one
         # of those tensors: a copy, since the store's pages may go (and a shared set's
