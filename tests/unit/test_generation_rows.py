@@ -10,7 +10,7 @@ import torch
 
 from timeshare import protocol as P
 from timeshare.errors import BatchLostError
-from timeshare.llm.batch import cache_key
+from timeshare.worker.batch import cache_key
 from timeshare.worker.generation import Batches
 
 pytest.importorskip("transformers")

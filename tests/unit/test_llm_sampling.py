@@ -1,5 +1,5 @@
 """Choosing tokens and stopping (``llm/sampling.py``), and the decode batch's padding
-(``llm/batch.py``): pure pieces, checked against direct computation."""
+(``worker/batch.py``): pure pieces, checked against direct computation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from timeshare.errors import ConfigError
-from timeshare.llm.batch import DecodeBatch
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
+from timeshare.worker.batch import DecodeBatch
 
 
 def test_greedy_takes_the_most_likely_token():

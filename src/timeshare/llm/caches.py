@@ -37,9 +37,9 @@ from collections.abc import Callable
 import torch
 
 from timeshare.errors import BatchLostError, WorkerCrashedError, WorkerError, WorkerTimeoutError
-from timeshare.llm.batch import KV, DecodeBatch, decode, prefill
 from timeshare.protocol import KVStep
 from timeshare.runtime.facade import ModelTurn, Runtime
+from timeshare.worker.batch import KV, DecodeBatch, decode, prefill
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)

@@ -15,7 +15,6 @@ import torch
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
-from timeshare.llm.batch import new_cache
 from timeshare.llm.caches import LocalCaches, RemoteCaches
 from timeshare.llm.engine import Engine
 from timeshare.llm.kv_budget import KVBudget
@@ -24,6 +23,7 @@ from timeshare.llm.sequence import Delta, Finish, Sequence
 from timeshare.memory.ephemeral import lane_bytes
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
+from timeshare.worker.batch import new_cache
 
 PROFILE_TOKENS = 32  # the prompt length a model's prefill is profiled (and its loads planned) for
 

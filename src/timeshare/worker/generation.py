@@ -14,7 +14,7 @@ from torch import nn
 
 from timeshare import protocol as P
 from timeshare.errors import BatchLostError, GenerationError
-from timeshare.llm.batch import DecodeBatch, decode, new_cache, prefill
+from timeshare.worker.batch import DecodeBatch, decode, new_cache, prefill
 
 
 class Batches:
