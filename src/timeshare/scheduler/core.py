@@ -8,7 +8,9 @@ and in the simulator, unchanged.
 
 No I/O, no sleeping, no clock of its own: every call takes ``now``. The executor
 calls ``schedule`` again after each arrival and each result, and at
-``next_wakeup(now)`` when time slices are in use.
+``next_wakeup(now)`` when time slices are in use. This module admits tasks (Salus's
+lanes, NOTE [Admission order]), starts and batches them and takes results back; which
+running task to stop for a waiting one is ``preemption.py``'s choice.
 
 # NOTE [Scheduler slots]
 At most ``slots`` tasks run at once (1 by default: the device is time-shared; PACK:
@@ -27,6 +29,7 @@ from heapq import heappop, heappush
 from timeshare.errors import ConfigError, MemoryBudgetError
 from timeshare.scheduler.lanes import LaneManager
 from timeshare.scheduler.policies import Policy, make_policy
+from timeshare.scheduler.preemption import choose_victim
 from timeshare.scheduler.task import (
     Decision,
     Failed,
@@ -84,7 +87,8 @@ class Scheduler:
             raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
         self.lanes = LaneManager(capacity) if capacity is not None else None
         self.slots = slots if slots is not None else (math.inf if self.policy.packs else 1)
-        self._packs = self.lanes is not None and self.policy.packs  # tasks of different lanes run together
+        # Tasks of different lanes run together (PACK with a memory model).
+        self.packs = self.lanes is not None and self.policy.packs
         self.quantum_s = quantum_s if quantum_s is not None else self.policy.default_quantum_s
         self.max_batch = max_batch
         self.batch_factor = 1.0  # raised by the executor while it thrashes
@@ -159,7 +163,7 @@ class Scheduler:
             if len(self.running) >= self.slots and not any(t.preemptible for t in self.running.values()):
                 return decisions  # no slot free, and nothing running may be stopped for one
             self._start(now, decisions)
-            if self._waiting and not self.stopping and (self.policy.preemptive or self.quantum_s or self._packs):
+            if self._waiting and not self.stopping and (self.policy.preemptive or self.quantum_s or self.packs):
                 if self._preempt(now, decisions):
                     self._start(now, decisions)
         return decisions
@@ -233,7 +237,7 @@ class Scheduler:
     def _startable(self, t: Task) -> bool:
         """Whether an admissible task may be admitted now: a request under PACK only to a
         lane it can run in at once (NOTE [Requests wait in arrival order])."""
-        if not self._packs or t.kind is not Kind.INFERENCE:
+        if not self.packs or t.kind is not Kind.INFERENCE:
             return True
         assert self.lanes is not None
         choice = self.lanes.choose(t.persistent, t.ephemeral)
@@ -256,7 +260,7 @@ class Scheduler:
     # Waiting unadmitted, it takes the first lane or memory that frees, before anyone
     # behind it. A training job still joins a busy lane (jobs of one lane take turns
     # in it, NOTE [Salus lanes]), and a request bound for a job's lane still makes the
-    # job yield (``_lane_holder``).
+    # job yield (``preemption.lane_holder``).
     def _take(self) -> Task | None:
         """Pop the best task that can start now (admitting it if needed), or None."""
         aside: list[tuple] = []
@@ -362,17 +366,7 @@ class Scheduler:
         best = self._best_startable()
         if best is None and not (self.lanes is not None and self.slots == math.inf):
             return False
-        policy = self.policy
-        victim = None
-        if policy.preemptive and best is not None:
-            blockers = self._blockers(best, candidates)
-            worst = max(blockers, key=lambda t: (policy.rank(t, now), t.seq), default=None)
-            if worst is not None and policy.rank(best, now) < policy.rank(worst, now):
-                victim = worst
-        if victim is None and best is not None:
-            victim = self._lane_holder(best)
-        if victim is None and self.quantum_s:
-            victim = self._slice_over(best, candidates, now)
+        victim = choose_victim(self, best, candidates, now)
         if victim is None:
             return False
         victim.state = _STOPPING
@@ -382,66 +376,6 @@ class Scheduler:
         self.preemptions += 1
         decisions.append(Preempt(victim, best))
         return True
-
-    def _lane_holder(self, best: Task) -> Task | None:
-        """With lanes: the training job running in the lane an inference waits in. A job
-        is a stream of iterations that may never end; a request is one: the job yields
-        its lane at its next iteration boundary and comes back after the request, as
-        tasks of one lane take turns in Salus (an endless job would otherwise hold an
-        inference that joined its lane forever)."""
-        if not self._packs or best.kind is not Kind.INFERENCE:
-            return None
-        assert self.lanes is not None
-        lane_id = best.lane
-        if lane_id is None:  # not admitted yet: the lane Algorithm 1 would put it in
-            choice = self.lanes.choose(best.persistent, best.ephemeral)
-            lane_id = choice[1] if choice is not None else None
-        lane = self.lanes.lanes.get(lane_id) if lane_id is not None else None
-        holder = self.running.get(lane.busy) if lane is not None and lane.busy is not None else None
-        if holder is None or holder.kind is not Kind.TRAINING or not holder.preemptible or holder.state is not _RUNNING:
-            return None
-        return holder
-
-    def _blockers(self, best: Task, candidates: list[Task]) -> list[Task]:
-        """The running tasks whose stop would let ``best`` start. With memory lanes, a
-        ``best`` admitted to (or bound for) a lane another task holds waits for it alone:
-        a preempted task keeps its memory, so stopping any other frees at most a slot
-        that ``best`` cannot use, and the stopped task, still the best startable one,
-        would start again at once (a livelock at one instant). Otherwise a full set of
-        slots is what holds ``best`` back, and any running task will do."""
-        if self.lanes is not None:
-            lane_id = best.lane
-            if lane_id is None:  # not admitted yet: the lane Algorithm 1 would put it in
-                choice = self.lanes.choose(best.persistent, best.ephemeral)
-                lane_id = choice[1] if choice is not None else None
-            lane = self.lanes.lanes.get(lane_id) if lane_id is not None else None
-            if lane is not None and lane.busy is not None:
-                return [t for t in candidates if t.id == lane.busy]
-            if len(self.running) < self.slots:
-                return []
-        return candidates
-
-    def _slice_over(self, best: Task | None, candidates: list[Task], now: float) -> Task | None:
-        """A running task whose time slice is used up and that a waiting task would come
-        before. Packing with lanes: the waiting task must share its lane."""
-        policy, q = self.policy, self.quantum_s
-        assert q is not None, "_slice_over is only called with time slices"
-        packed_lanes = self.lanes if self.slots == math.inf else None
-        packed = packed_lanes is not None
-        best_key = policy.key(best) if best is not None else None
-        for t in candidates:
-            assert t.segment_start is not None, "_run starts a segment for every running task"
-            if now - t.segment_start < q or (best is None and not packed):
-                continue
-            if packed_lanes is not None:
-                lane = packed_lanes.lanes.get(t.lane) if t.lane is not None else None
-                waiting = [self.tasks[i] for i in lane.tasks if i != t.id and self.tasks[i].state is _WAITING] \
-                    if lane is not None else []
-                if waiting and min(policy.key(w) for w in waiting) < policy.requeue_key(t, now):
-                    return t
-            elif best_key is not None and best_key < policy.requeue_key(t, now):  # not packed: best is set
-                return t
-        return None
 
     def _account(self, t: Task, at: float) -> None:
         if t.mark is not None:
