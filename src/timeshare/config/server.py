@@ -1,0 +1,101 @@
+"""The ``server`` and ``admin`` sections of ``timeshare.yaml``: where the HTTP server
+listens and what it accepts (ports, limits, timeouts, parsing), and who may use the admin
+plane and how much (the token, hosts, training jobs' limits). Runs in the server's process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from timeshare.config.fields import Strict, bytes_field
+
+
+class ServerConfig(Strict):
+    """The HTTP server: where it listens and what it accepts."""
+
+    host: str = "0.0.0.0"
+    """The data plane's address. The admin plane answers loopback clients only, unless a token is set."""
+    http_port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    """Open Inference Protocol, admin and /metrics (0: any free port)."""
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] | None = 8002
+    """A second port that serves only /metrics (null: none)."""
+    max_request_bytes: int | str = "64MiB"
+    """Larger request bodies get 413."""
+    request_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """A request not answered by then gets 504; what it queued is dropped."""
+    drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """On Ctrl-C or SIGTERM: how long in-flight requests may take to finish."""
+    warmup: bool = True
+    """Run every model once at start-up (this profiles it) before the server is ready."""
+    openapi: bool = False
+    """Serve the API's description (/openapi.json, /docs, /redoc). Off by default: it maps
+    the admin plane for anyone who can reach the port."""
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """A connection must send a request's line and headers within this many seconds of
+    opening, or of its previous answer; else it is closed (with 408 if it had sent part of
+    them). Idle keep-alive connections close sooner, after uvicorn's 5 s."""
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """A request's whole body must arrive within this many seconds of its headers, or the
+    request gets 408 and its connection is closed: a client cannot hold a connection by
+    trickling. Raise it for clients that upload large bodies over slow links."""
+    max_header_bytes: int | str = "16KiB"
+    """A request line plus headers over this size gets 431 and its connection is closed."""
+    max_connections: Annotated[int, Field(ge=1)] = 1000
+    """Connections beyond this many open ones get 503 at once and are closed."""
+    parse_in_process_bytes: int | str = "1MiB"
+    """JSON request bodies up to this size are parsed on the event loop; larger ones in a
+    parser process, so that parsing them (seconds for tens of MB) stalls no other client."""
+    parse_processes: Annotated[int, Field(ge=0, le=64)] = 2
+    """Parser processes for large bodies (0: parse every body on the event loop). Each
+    parses one body at a time, with a peak memory of about 6 times the body's size."""
+    parse_queue: Annotated[int, Field(ge=0)] = 4
+    """Large bodies that may wait for a busy parser; beyond that they get 503 with Retry-After."""
+
+    @field_validator("max_request_bytes", "parse_in_process_bytes", mode="before")
+    @classmethod
+    def _limit(cls, v, info):
+        return bytes_field(v, info.field_name)
+
+    @field_validator("max_header_bytes", mode="before")
+    @classmethod
+    def _header_limit(cls, v):
+        n = bytes_field(v, "max_header_bytes")
+        if n < 1024:
+            raise ValueError("max_header_bytes must be at least 1 KiB")
+        return n
+
+
+class AdminConfig(Strict):
+    """The admin plane: the model repository (load, unload, index), pinning and training jobs."""
+
+    enabled: bool = True
+    token: str | None = None
+    """When set, any client with "Authorization: Bearer <token>" may use the admin plane;
+    without one, only loopback clients may."""
+    token_env: str | None = "TIMESHARE_ADMIN_TOKEN"
+    """An environment variable to read the token from when ``token`` is not set."""
+    allowed_hosts: list[str] = []
+    """Without a token, the admin plane accepts only requests whose Host (and Origin, when
+    present) names localhost or a loopback address, so that a web page the operator visits
+    cannot drive it (DNS rebinding, cross-site POSTs). Names added here are accepted too."""
+    max_training_batch: Annotated[int, Field(ge=1)] = 256
+    """Training jobs submitted through the admin plane (not those of this file) take at
+    most this batch; a larger one gets 400."""
+    max_training_iterations: Annotated[int, Field(ge=1)] | None = 1_000_000
+    """Submitted training jobs must give ``iterations``, at most this many (null: no limit,
+    and jobs that run until cancelled may be submitted)."""
+    max_training_jobs: Annotated[int, Field(ge=1)] = 4
+    """A submission while this many training jobs run (those of this file included) gets 409."""
+    max_finished_jobs: Annotated[int, Field(ge=0)] = 32
+    """Finished training jobs (done, failed or cancelled) kept for status queries; the
+    oldest are forgotten first."""
+
+    def resolved_token(self) -> str | None:
+        if self.token:
+            return self.token
+        if self.token_env:
+            return os.environ.get(self.token_env) or None
+        return None

@@ -1,0 +1,159 @@
+"""The ``models``, ``llms`` and ``training`` sections of ``timeshare.yaml``: what a server
+runs (models from the zoo or from code with their inputs, generative language models,
+training jobs), each checked against the zoo or the files it names. Runs in the server's
+process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from timeshare.config.fields import DATATYPES, Strict, valid_name
+
+
+class TensorSpec(Strict):
+    """One input of a model, as the Open Inference Protocol describes it."""
+
+    name: str
+    datatype: Literal[DATATYPES]  # type: ignore[valid-type]
+    shape: list[Annotated[int, Field(ge=-1)]]
+    """-1 marks a dimension of any size; the first is the batch dimension."""
+    min: int | None = None
+    """The smallest value an integer input may hold (token ids: 0)."""
+    max: int | None = None
+    """The largest value an integer input may hold (token ids: the vocabulary size - 1)."""
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if (self.min is not None or self.max is not None) and self.datatype not in (
+                "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"):
+            raise ValueError(f"input {self.name!r}: min and max apply to integer datatypes only, not {self.datatype}")
+        return self
+
+
+class ModelConfig(Strict):
+    """A model to serve: from the zoo (``zoo``) or from code (``build``)."""
+
+    name: str
+    zoo: str | None = None
+    """A zoo model's name (``timeshare models`` lists them); its inputs and seeded weights come with it."""
+    build: str | None = None
+    """"module:function" returning an nn.Module (needs ``inputs``)."""
+    weights: str | None = None
+    """A safetensors file (default: the zoo's seeded weights; the module's own values for ``build``)."""
+    inputs: list[TensorSpec] | None = None
+    """The forward's positional inputs, in order (default for the zoo: from its example inputs)."""
+    example_batch: Annotated[int, Field(ge=1)] = 1
+    """The batch of the example inputs used to profile the model."""
+    dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    pinned: bool = False
+    """Load at start-up and never evict; the server is not ready until it is resident."""
+    priority: Literal["latency_critical", "best_effort"] = "latency_critical"
+    slo_ms: Annotated[float, Field(gt=0)] | None = None
+    """A latency objective; the deadline (from the request's arrival) that orders calls of one
+    priority under "priority" and "edf"."""
+    max_batch: Annotated[int, Field(ge=1, le=4096)] = 8
+    """At most this many rows per request, and per batch formed from concurrent requests."""
+    max_queue: Annotated[int, Field(ge=1)] = 64
+    """Requests waiting for this model beyond this get 503 with Retry-After."""
+    batching: bool = True
+    """Run concurrent requests as one forward along dimension 0 (false: when an output's
+    first dimension is not the batch, e.g. a summary over the batch)."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v):
+        return valid_name(v, "model name")
+
+    @model_validator(mode="after")
+    def _source(self):
+        if (self.zoo is None) == (self.build is None):
+            raise ValueError("give exactly one of 'zoo' (a zoo model) or 'build' ('module:function')")
+        if self.zoo is not None:
+            from timeshare.models.zoo import ZOO
+
+            if self.zoo not in ZOO:
+                raise ValueError(f"unknown zoo model {self.zoo!r}; known: {sorted(ZOO)}")
+        elif not self.inputs:
+            raise ValueError("a model given by 'build' needs 'inputs' (name, datatype and shape of each)")
+        if self.inputs is not None:
+            names = [i.name for i in self.inputs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"input names must be distinct, got {names}")
+            for i in self.inputs:
+                if not i.shape:
+                    raise ValueError(f"input {i.name!r} needs a batch dimension (shape [-1, ...])")
+        if self.weights is not None and not Path(self.weights).is_file():
+            raise ValueError(f"weights file {self.weights!r} does not exist")
+        return self
+
+
+class TrainingConfig(Strict):
+    """A training job on a zoo model with a synthetic objective (seeded data)."""
+
+    name: str
+    model: str
+    """A zoo model's name."""
+    batch: Annotated[int, Field(ge=1)] = 8
+    iterations: Annotated[int, Field(ge=1)] | None = None
+    """Stop after this many (null: run until cancelled)."""
+    lr: Annotated[float, Field(gt=0)] = 1e-4
+    offload: bool = False
+    """Move the job's state to host memory while inference has the device."""
+    seed: int = 0
+    start: bool = True
+    """Start with the server (false: submit it later through the admin plane)."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v):
+        return valid_name(v, "training job name")
+
+    @field_validator("model")
+    @classmethod
+    def _zoo_model(cls, v):
+        from timeshare.models.zoo import ZOO
+
+        if v not in ZOO:
+            raise ValueError(f"unknown zoo model {v!r}; known: {sorted(ZOO)}")
+        return v
+
+
+class LLMConfig(Strict):
+    """A generative language model, served through the OpenAI-compatible API (``/v1``)."""
+
+    name: str
+    """The ``model`` field of requests."""
+    path: str
+    """A Hugging Face model directory: config.json, safetensors weights (sharded or not),
+    tokenizer files and, for chat, a chat template."""
+    dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    pinned: bool = False
+    """Load at start-up and never evict."""
+    priority: Literal["latency_critical", "best_effort"] = "latency_critical"
+    max_context: Annotated[int, Field(ge=2)] | None = None
+    """The longest prompt plus completion, in tokens (default: the model's positions)."""
+    max_sequences: Annotated[int, Field(ge=1, le=1024)] = 8
+    """Sequences decoded together; more wait their turn."""
+    offload_kv: bool = False
+    """While another task has the device, keep the key/value caches of this model's
+    running generations in host memory (page-locked on CUDA) rather than on the device;
+    they come back, unchanged, at its next turn."""
+    quantum_ms: Annotated[float, Field(gt=0)] = 50.0
+    """How long the model keeps the device while others of its priority wait (a more
+    urgent request takes it at the next token)."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v):
+        return valid_name(v, "language model name")
+
+    @field_validator("path")
+    @classmethod
+    def _directory(cls, v):
+        if not (Path(v) / "config.json").is_file():
+            raise ValueError(f"{v!r} is not a model directory (no config.json)")
+        return v
