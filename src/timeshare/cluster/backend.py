@@ -26,86 +26,23 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from timeshare.cluster.cluster import Cluster, ReplicaLostError
 from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, RemoteLanguageModel, relay
+from timeshare.cluster.remote_job import ENDED, RemoteJob
 from timeshare.cluster.replica import ModelDef
+from timeshare.cluster.snapshots import COUNTERS, add_snapshots
+from timeshare.cluster.starvation import JobTrack, jobs_seen
 from timeshare.config import ClusterConfig
 from timeshare.errors import ConfigError, Conflict, TimeshareError, UnknownModelError
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
-from timeshare.scheduler.migration import RUNNABLE, JobSeen, ReplicaSeen, plan_migrations
+from timeshare.scheduler.migration import RUNNABLE, ReplicaSeen, plan_migrations
 
 log = logging.getLogger(__name__)
-
-ENDED = ("finished", "failed", "cancelled")
-HISTORY_S = 600.0  # how far back a job's samples of device time go
-
-
-class ReplicaJobError(TimeshareError):
-    """A training job that failed on its replica (the replica's error, as text), or whose replica was lost."""
-
-
-@dataclass
-class RemoteStats:
-    """A remote job's statistics as its replica last reported them (``TrainingStats``'s fields)."""
-
-    iterations: int = 0
-    preemptions: int = 0
-    step_seconds: float = 0.0
-    preempted_seconds: float = 0.0
-    losses: list[float] = field(default_factory=list)
-    ephemeral_bytes: int | None = None
-    persistent_bytes: int | None = None
-
-
-class RemoteJob:
-    """A training job on a replica, as a server sees one of its runtime's jobs."""
-
-    def __init__(self, owner: ClusterRuntime, name: str):
-        self._owner, self.name = owner, name
-
-    @property
-    def status(self) -> str:
-        return self._owner.job_view(self.name)["status"]
-
-    @property
-    def stats(self) -> RemoteStats:
-        v = self._owner.job_view(self.name)
-        return RemoteStats(v["iterations"], v["preemptions"], v["step_seconds"], v["preempted_seconds"],
-                           [] if v["loss"] is None else [v["loss"]], v["ephemeral_bytes"], v["persistent_bytes"])
-
-    @property
-    def error(self) -> BaseException | None:
-        text = self._owner.job_view(self.name)["error"]
-        return None if text is None else ReplicaJobError(text)
-
-    @property
-    def replica(self) -> str:
-        return self._owner.job_view(self.name)["replica"]
-
-    def pause(self) -> None:
-        self._owner.control_job(self.name, "pause")
-
-    def resume(self) -> None:
-        self._owner.control_job(self.name, "resume")
-
-    def cancel(self) -> None:
-        self._owner.control_job(self.name, "cancel")
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """True once the job has ended (as last reported), waiting up to ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.status not in ENDED:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(min(self._owner.poll_s, 0.05) if deadline is None else
-                       max(0.0, min(self._owner.poll_s, 0.05, deadline - time.monotonic())))
-        return True
 
 
 class ClusterRuntime:
@@ -125,7 +62,7 @@ class ClusterRuntime:
         self._latest: dict[str, dict] = {}  # replica -> its last snapshot
         self._retired: list[dict] = []  # the last snapshots of replicas lost: their counters still count
         self._views: dict[str, dict] = {}  # training job -> its last view, with its replica
-        self._tracks: dict[str, _Track] = {}  # training job -> where it is since when, its device time
+        self._tracks: dict[str, JobTrack] = {}  # training job -> where it is since when, its device time
         self._changed_at: dict[str, float] = {}  # training job -> when it was last moved, forgotten or started
         self.migrations: deque[dict] = deque(maxlen=100)
         self.unmovable: dict[str, str] = {}  # jobs whose move failed, and why: not tried again
@@ -232,7 +169,7 @@ class ClusterRuntime:
         now = time.monotonic()
         with self._lock:
             self._views[name] = view
-            self._tracks[name] = _Track(view["replica"], now)
+            self._tracks[name] = JobTrack(view["replica"], now)
             self._changed_at[name] = now
             self.unmovable.pop(name, None)
         return RemoteJob(self, name)
@@ -272,7 +209,7 @@ class ClusterRuntime:
         now = time.monotonic()
         with self._lock:
             self._views[name] = view
-            self._tracks[name] = _Track(view["replica"], now, moved["from"])
+            self._tracks[name] = JobTrack(view["replica"], now, moved["from"])
             self._changed_at[name] = now
             self.migrations.append({**moved, "at": time.time()})
         log.info("training job %s moved from %s to %s at iteration %d", name, moved["from"], moved["to"],
@@ -366,7 +303,7 @@ class ClusterRuntime:
                     self._views[name] = {"replica": replica, **view}
                     track = self._tracks.get(name)
                     if track is None or track.replica != replica:  # new here (started elsewhere, or moved)
-                        track = self._tracks[name] = _Track(replica, now)
+                        track = self._tracks[name] = JobTrack(replica, now)
                     if view["status"] in RUNNABLE:
                         track.sample(now, view["step_seconds"])
                     else:  # paused or ended: judged afresh once it runs again
@@ -382,16 +319,7 @@ class ClusterRuntime:
         after_s = self.migrate_after_s
         assert after_s is not None
         with self._lock:
-            seen = []
-            for n, v in self._views.items():
-                track = self._tracks.get(n)
-                if track is None or track.replica != v["replica"] or n in self.unmovable:
-                    continue
-                # A window of several iterations at least: device time shows when an iteration ends.
-                step_s = v["step_seconds"] / max(1, v["iterations"])
-                seen.append(JobSeen(n, v["replica"], v["status"], track.share(now, max(after_s, 3 * step_s)),
-                                    track.arrived_at, track.came_from))
-            running = [v["replica"] for v in self._views.values() if v["status"] not in ENDED]
+            seen, running = jobs_seen(self._views, self._tracks, self.unmovable, now, after_s)
         replicas = [ReplicaSeen(r["replica"], r["alive"], r["outstanding"], running.count(r["replica"])) for r in rows]
         for job, target in plan_migrations(seen, replicas, now, after_s):
             try:
@@ -437,55 +365,3 @@ class ClusterRuntime:
             self._poller.join(timeout=30)
         if self.owns_cluster:
             self.cluster.close()
-
-
-@dataclass
-class _Track:
-    """Where a job is, since when, where it came from, and samples of its device time
-    (``step_seconds``) to measure its share of the device (NOTE [Migration of starved jobs])."""
-
-    replica: str
-    arrived_at: float
-    came_from: str | None = None
-    samples: deque[tuple[float, float]] = field(default_factory=deque)
-
-    def sample(self, now: float, step_seconds: float) -> None:
-        self.samples.append((now, step_seconds))
-        while len(self.samples) > 2 and self.samples[1][0] <= now - HISTORY_S:
-            self.samples.popleft()
-
-    def share(self, now: float, window_s: float) -> float | None:
-        """Of the device since the newest sample at least ``window_s`` old; None before
-        there is one."""
-        base = None
-        for t, seconds in self.samples:
-            if t > now - window_s:
-                break
-            base = (t, seconds)
-        if base is None:
-            return None
-        t1, s1 = self.samples[-1]
-        return max(0.0, s1 - base[1]) / max(t1 - base[0], 1e-9)
-
-
-# The counters of a runtime's snapshot (the rest are levels: memory, residency, queues).
-COUNTERS = ("loads", "evictions", "failures", "preemptions", "training_seconds", "training_iterations")
-
-
-def add_snapshots(values: list) -> Any:
-    """The replicas' snapshots added up: numbers summed, mappings key by key, lists
-    joined, None where none has a value; anything else is the first's."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return None
-    first = present[0]
-    if isinstance(first, bool):
-        return all(present)
-    if isinstance(first, (int, float)):
-        return sum(present)
-    if isinstance(first, dict):
-        keys = dict.fromkeys(k for v in present for k in v)
-        return {k: add_snapshots([v.get(k) for v in present]) for k in keys}
-    if isinstance(first, list):
-        return [x for v in present for x in v]
-    return first
