@@ -10,6 +10,8 @@ from pathlib import Path
 
 from rich.table import Table
 
+from timeshare.cli_options import arena_option, device_batch_option, json_option, models_option, plot_option
+
 NAMES = ("disk", "tiers", "variants", "llm", "cluster", "overhead")
 
 
@@ -28,10 +30,10 @@ def add_parsers(bench) -> None:
     p.add_argument("--model-counts", type=int, nargs="+", default=[8, 42])
     p.add_argument("--duration", type=float, default=1.5, help="seconds per threads or pack measurement")
     p.add_argument("--transfer-repeats", type=int, default=20)
-    p.add_argument("--memory", default="auto", help="arena size, e.g. 1GiB")
+    arena_option(p, "1GiB")
     p.add_argument("--parts", nargs="+", default=["single", "threads", "transfer", "pack"],
                    choices=["single", "threads", "transfer", "pack"])
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    json_option(p)
 
     p = bench.add_parser("disk", help="cold first inference from disk vs safetensors + load_state_dict",
                          description="The first inference of a model whose weights are only on disk (page cache "
@@ -39,14 +41,14 @@ def add_parsers(bench) -> None:
                          "are copied and computed, against safetensors load_file + load_state_dict + .to(device) "
                          "then the inference, and against the disk's own sequential read bandwidth measured in "
                          "the same run.")
-    p.add_argument("--models", nargs="+", default=None, help="zoo models (default: resnet152 inception_v3 bert_base)")
-    p.add_argument("--batch", type=int, default=None, help="default: 8 on CUDA, 1 on the CPU")
+    models_option(p)
+    device_batch_option(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=3, help="cold runs per model (median)")
-    p.add_argument("--memory", default="auto", help="arena size, e.g. 4GiB")
+    arena_option(p, "4GiB")
     p.add_argument("--direct-io", action="store_true", help="the runtime reads with O_DIRECT where it can")
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
-    p.add_argument("--plot", type=Path, default=None, help="write a bar chart as a PNG")
+    json_option(p)
+    plot_option(p, "write a bar chart as a PNG")
 
     p = bench.add_parser("tiers", help="many zoo-size models beyond host memory, served from disk, host and device",
                          description="N zoo-size models registered under a host budget of a fraction of their "
@@ -61,10 +63,10 @@ def add_parsers(bench) -> None:
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--device", default="auto")
-    p.add_argument("--memory", default="auto", help="arena size, e.g. 2GiB")
+    arena_option(p, "2GiB")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    json_option(p)
 
     _add_llm(bench)
 
@@ -81,11 +83,11 @@ def add_parsers(bench) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10, help="switches timed (median)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--memory", default="auto", help="arena size, e.g. 2GiB")
+    arena_option(p, "2GiB")
     p.add_argument("--host-memory", default=None,
                    help="a host budget (e.g. 600MiB): a switch whose variant's own bytes come from disk is timed too")
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
-    p.add_argument("--plot", type=Path, default=None, help="write the bytes and latencies as a PNG")
+    json_option(p)
+    plot_option(p, "write the bytes and latencies as a PNG")
 
 
     p = bench.add_parser("cluster", help="routing on a local Ray cluster of CPU replicas, and a replica killed",
@@ -102,8 +104,8 @@ def add_parsers(bench) -> None:
     p.add_argument("--policies", default="random,ray,timeshare")
     p.add_argument("--no-drill", action="store_true", help="skip the kill-and-add drill")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
-    p.add_argument("--plot", type=Path, default=None, help="write loads and latency per policy as a PNG")
+    json_option(p)
+    plot_option(p, "write loads and latency per policy as a PNG")
 
 
 def _add_llm(bench) -> None:
@@ -137,8 +139,8 @@ def _add_llm(bench) -> None:
     p.add_argument("--workdir", default=None, help="write (and reuse) the model directories here")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
-    p.add_argument("--plot", type=Path, default=None, help="write the three parts as a PNG")
+    json_option(p)
+    plot_option(p, "write the three parts as a PNG")
 
 
 def run(args, console, run_bench) -> int:

@@ -1,4 +1,5 @@
-"""The serving commands of the CLI: argument parsing and printing only.
+"""The serving commands of the CLI: argument parsing and printing only. Runs in the CLI's
+process.
 
     timeshare serve [--config timeshare.yaml] [--host H] [--port N] [--metrics-port N|none] [--check]
     timeshare demo [--duration 40] [--out demo-output]
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from timeshare.cli_options import SERVE_MODELS_HELP, json_option, models_option
 from timeshare.errors import ConfigError
 
 
@@ -57,8 +59,7 @@ def add_parsers(sub, bench) -> None:
         "plain-PyTorch server in turns (first --sequential ones one at a time); each server's own cost per "
         "request is broken down by hop (parse, queue, thread hops, the runtime call, encode). "
         "--memory all: every model resident, no switch.")
-    p.add_argument("--models", nargs="+", default=None,
-                   help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
+    models_option(p, SERVE_MODELS_HELP)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--device", default="cpu")
@@ -71,7 +72,7 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--rounds", type=int, default=1, help="both passes on both servers this often (medians)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the plain-PyTorch server (same requests, every model resident, one lock)")
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    json_option(p)
 
     from timeshare.bench.chaos import FAULTS
 
@@ -82,8 +83,7 @@ def add_parsers(sub, bench) -> None:
         "reference, while every --fault-every seconds a worker is killed (computing or loading, training, "
         "idle, or still starting) or stopped and resumed. Reports wrong answers (must be 0), failures by "
         "status and whether a fault explains each, time to heal, and what is left after shutdown.")
-    p.add_argument("--models", nargs="+", default=None,
-                   help="zoo models (default: tiny_mlp tiny_cnn tiny_bert tied_lm)")
+    models_option(p, SERVE_MODELS_HELP)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of faults and requests")
     p.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults (jittered +-30%%)")
@@ -93,7 +93,7 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--memory", default=None, help="the budget (default: about half of the models' bytes)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    json_option(p)
 
     p = bench.add_parser(
         "hostile", help="hostile clients: a large JSON body, idle connections, a huge header, a foreign web page",
@@ -105,7 +105,7 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--body-mib", type=float, default=63.0)
     p.add_argument("--idle", type=int, default=1000, help="idle connections to open")
     p.add_argument("--header-timeout", type=float, default=10.0, help="the server's server.header_timeout_s")
-    p.add_argument("--json", type=Path, default=None, help="write all results to this file")
+    json_option(p)
 
     p = sub.add_parser("models", aliases=["zoo"], help="list the model zoo, or the models of a config",
                        description="The zoo's models (built from code, seeded weights), or with --config the "

@@ -94,81 +94,7 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
     with Runtime(device=config.device, memory=config.memory, poison_evicted=True, direct_host_access=False) as rt:
         env = describe(rt.device)
         for name in config.models:
-            zoo = zoo_get(name)
-            progress(f"{name}: weights")
-            rt.register(name, zoo.builder, weights_path(name), dtype=dtype)
-            inputs = tuple(
-                t.to(dtype) if t.is_floating_point() else t for t in zoo.example_inputs(config.batch, torch.float32)
-            )
-            progress(f"{name}: profiling")
-            prof = rt.profile(name, *inputs)
-            reference = rt.infer(name, *inputs)
-
-            native = native_module(name, dtype, rt.device)
-            native_out = native_call(native, inputs, rt.device)
-            samples: dict[str, list[float]] = {k: [] for k in ["native", "ready", *config.strategies]}
-            matches = {k: True for k in config.strategies}
-            for round_ in range(config.warmup + config.repeats):
-                progress(f"{name}: round {round_ + 1}/{config.warmup + config.repeats}")
-                for label in samples:
-                    strategy = None if label in ("ready", "native") else label
-                    if strategy is not None:
-                        rt.evict(name)
-                    if label == "native":
-                        ms, out = _time_ms(functools.partial(native_call, native, inputs, rt.device), rt.device)
-                    else:
-                        ms, out = _time_ms(lambda: rt.call(name, inputs, strategy=strategy).output, rt.device)
-                    if round_ >= config.warmup:
-                        samples[label].append(ms)
-                    if strategy is not None:
-                        matches[strategy] &= outputs_equal(out, reference)
-            del native
-            ready = stats_of(samples["ready"])
-            native_stats = stats_of(samples["native"])
-            needed = sum(prof.layer_bytes)
-            link = prof.link
-            r = ModelResult(
-                model=name,
-                bytes=needed + prof.tail_bytes,
-                needed_bytes=needed,
-                layers=len(prof.layer_bytes),
-                ready_ms=ready["median_ms"],
-                ready=ready,
-                transfer_ms=needed / link.bandwidth_Bps * 1e3,
-                overhead_ms=link.overhead_s * 1e3,
-                floor_ms=load_floor_ms(needed, link.bandwidth_Bps, link.overhead_s, ready["median_ms"]),
-                profile=prof.summary(),
-                native_ms=native_stats["median_ms"],
-                native=native_stats,
-                native_matches_ready=outputs_equal(native_out, reference),
-            )
-            for strategy in config.strategies:
-                st = stats_of(samples[strategy])
-                r.outputs_match_ready &= matches[strategy]
-                r.strategies[strategy] = {
-                    **st,
-                    "ms": st["median_ms"],
-                    "groups": len(prof.plans[strategy]),
-                    "predicted_ms": prof.plans[strategy].predicted_s * 1e3,
-                    "vs_ready": st["median_ms"] / r.ready_ms,
-                    "vs_floor": st["median_ms"] / r.floor_ms,
-                    "outputs_match_ready": matches[strategy],
-                }
-            if rt.device.type == "cpu":
-                direct = _direct_row(name, inputs, reference, config, dtype, r.ready_ms, r.floor_ms, progress)
-                if direct is not None:
-                    r.strategies["optimal+direct"] = direct
-                    r.outputs_match_ready &= direct["outputs_match_ready"]
-            if "optimal" in r.strategies:
-                best = min(r.strategies, key=lambda k: r.strategies[k]["ms"])
-                opt, top = r.strategies["optimal"], r.strategies[best]
-                r.verdict = {
-                    "best": best,
-                    "optimal_minus_best_ms": opt["ms"] - top["ms"],
-                    "noise_ms": max(opt["iqr_ms"], top["iqr_ms"]),
-                    "optimal_within_noise_of_best": opt["ms"] - top["ms"] <= max(opt["iqr_ms"], top["iqr_ms"]),
-                }
-            results.append(r)
+            results.append(_measure_model(rt, name, config, dtype, progress))
             rt.unregister(name)
     return {
         "benchmark": "pipeline",
@@ -186,6 +112,102 @@ def run(config: PipelineBenchConfig, progress: Callable[[str], None] = lambda s:
             "overhead_us": results[0].profile["overhead_us"],
         },
         "results": [r.__dict__ for r in results],
+    }
+
+
+def _measure_model(rt: Runtime, name: str, config: PipelineBenchConfig, dtype,
+                   progress: Callable[[str], None]) -> ModelResult:
+    """One model: registered, profiled, timed in rounds, and its row with every strategy's
+    figures and the verdict on the optimal grouping."""
+    zoo = zoo_get(name)
+    progress(f"{name}: weights")
+    rt.register(name, zoo.builder, weights_path(name), dtype=dtype)
+    inputs = tuple(
+        t.to(dtype) if t.is_floating_point() else t for t in zoo.example_inputs(config.batch, torch.float32)
+    )
+    progress(f"{name}: profiling")
+    prof = rt.profile(name, *inputs)
+    reference = rt.infer(name, *inputs)
+
+    native = native_module(name, dtype, rt.device)
+    native_out = native_call(native, inputs, rt.device)
+    samples, matches = _time_rounds(rt, name, native, inputs, reference, config, progress)
+    del native
+    ready = stats_of(samples["ready"])
+    native_stats = stats_of(samples["native"])
+    needed = sum(prof.layer_bytes)
+    link = prof.link
+    r = ModelResult(
+        model=name,
+        bytes=needed + prof.tail_bytes,
+        needed_bytes=needed,
+        layers=len(prof.layer_bytes),
+        ready_ms=ready["median_ms"],
+        ready=ready,
+        transfer_ms=needed / link.bandwidth_Bps * 1e3,
+        overhead_ms=link.overhead_s * 1e3,
+        floor_ms=load_floor_ms(needed, link.bandwidth_Bps, link.overhead_s, ready["median_ms"]),
+        profile=prof.summary(),
+        native_ms=native_stats["median_ms"],
+        native=native_stats,
+        native_matches_ready=outputs_equal(native_out, reference),
+    )
+    for strategy in config.strategies:
+        st = stats_of(samples[strategy])
+        r.outputs_match_ready &= matches[strategy]
+        r.strategies[strategy] = {
+            **st,
+            "ms": st["median_ms"],
+            "groups": len(prof.plans[strategy]),
+            "predicted_ms": prof.plans[strategy].predicted_s * 1e3,
+            "vs_ready": st["median_ms"] / r.ready_ms,
+            "vs_floor": st["median_ms"] / r.floor_ms,
+            "outputs_match_ready": matches[strategy],
+        }
+    if rt.device.type == "cpu":
+        direct = _direct_row(name, inputs, reference, config, dtype, r.ready_ms, r.floor_ms, progress)
+        if direct is not None:
+            r.strategies["optimal+direct"] = direct
+            r.outputs_match_ready &= direct["outputs_match_ready"]
+    if "optimal" in r.strategies:
+        r.verdict = _verdict(r.strategies)
+    return r
+
+
+def _time_rounds(rt: Runtime, name: str, native, inputs: tuple, reference, config: PipelineBenchConfig,
+                 progress: Callable[[str], None]) -> tuple[dict[str, list[float]], dict[str, bool]]:
+    """The timed rounds: each times plain PyTorch, the ready model and every strategy once
+    (a strategy's load after an eviction), so that the machine's drift hits all alike.
+    Returns the samples by label and, per strategy, whether every output was exact."""
+    samples: dict[str, list[float]] = {k: [] for k in ["native", "ready", *config.strategies]}
+    matches = {k: True for k in config.strategies}
+    for round_ in range(config.warmup + config.repeats):
+        progress(f"{name}: round {round_ + 1}/{config.warmup + config.repeats}")
+        for label in samples:
+            strategy = None if label in ("ready", "native") else label
+            if strategy is not None:
+                rt.evict(name)
+            if label == "native":
+                ms, out = _time_ms(functools.partial(native_call, native, inputs, rt.device), rt.device)
+            else:
+                ms, out = _time_ms(lambda: rt.call(name, inputs, strategy=strategy).output, rt.device)
+            if round_ >= config.warmup:
+                samples[label].append(ms)
+            if strategy is not None:
+                matches[strategy] &= outputs_equal(out, reference)
+    return samples, matches
+
+
+def _verdict(strategies: dict[str, dict]) -> dict:
+    """The optimal grouping against the best strategy: within noise when its median exceeds
+    the best one's by no more than the larger interquartile range."""
+    best = min(strategies, key=lambda k: strategies[k]["ms"])
+    opt, top = strategies["optimal"], strategies[best]
+    return {
+        "best": best,
+        "optimal_minus_best_ms": opt["ms"] - top["ms"],
+        "noise_ms": max(opt["iqr_ms"], top["iqr_ms"]),
+        "optimal_within_noise_of_best": opt["ms"] - top["ms"] <= max(opt["iqr_ms"], top["iqr_ms"]),
     }
 
 

@@ -54,6 +54,31 @@ class VariantsBenchConfig:
     host_memory: str | None = None  # a host budget: switches from disk are timed too
 
 
+@dataclass
+class _Tally:
+    """Outputs compared bitwise with plain PyTorch's, and how many were equal."""
+    exact: int = 0
+    total: int = 0
+
+    def check(self, output, reference) -> None:
+        self.exact += outputs_equal(output, reference)
+        self.total += 1
+
+
+@dataclass
+class _DedupRun:
+    """What the runtime with dedup measured: registering, bytes, the switches."""
+    register_s: float
+    shared: dict
+    device_all: int
+    link_Bps: float
+    own: dict[str, int]
+    switches: list[tuple[float, int, float]]
+    from_disk: list[tuple[float, int, int]]
+    host_tier: dict | None
+    after: dict
+
+
 def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
     if config.variants < 2 or config.repeats < 1 or config.batch < 1 or config.size not in SIZES:
         raise ConfigError(f"variants must be at least 2, repeats and batch at least 1, size one of {list(SIZES)}")
@@ -64,7 +89,17 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
     builders = [functools.partial(bert_variant, v, config.tuned_layers, size=config.size)
                 for v in range(config.variants)]
     names = [f"variant{v}" for v in range(config.variants)]
+    reference, ready_s, plain = _plain_pytorch(config, builders, names, inputs, device, progress)
+    tally = _Tally()
+    dedup = _with_dedup(config, builders, names, inputs, device, reference, tally, progress)
+    full, full_bytes = _without_dedup(config, builders, names, inputs, device, reference, tally, progress)
+    return _report(config, device, dedup, full, full_bytes, ready_s, plain, tally)
 
+
+def _plain_pytorch(config: VariantsBenchConfig, builders: list, names: list[str], inputs: tuple,
+                   device: torch.device, progress: Callable[[str], None]) -> tuple[dict, float, dict]:
+    """Each variant in plain PyTorch: its reference output, the ready call's median and
+    plain PyTorch's switch (``_plain_load``, on the second variant)."""
     reference, ready = {}, []
     for v, build in enumerate(builders):
         progress(f"plain PyTorch {v + 1}/{config.variants}")
@@ -77,10 +112,14 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
         if v == 1:
             plain = _plain_load(module, build, inputs, device, config.repeats)
         del module
-    ready_s = statistics.median(ready)
+    return reference, statistics.median(ready), plain
 
+
+def _with_dedup(config: VariantsBenchConfig, builders: list, names: list[str], inputs: tuple, device: torch.device,
+                reference: dict, tally: _Tally, progress: Callable[[str], None]) -> _DedupRun:
+    """The variants registered with dedup: their bytes, then the switches between them
+    (and, under a host budget, the switches whose variant's own bytes come from disk)."""
     progress("timeshare with dedup: registering")
-    exact = total = 0
     from_disk: list[tuple[float, int, int]] = []
     host_tier = None
     with Runtime(device, config.memory, dedup=True, poison_evicted=True, host_memory=config.host_memory) as rt:
@@ -91,8 +130,7 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
         shared = rt.snapshot()["shared"]
         for i, name in enumerate(names):  # first loads profile each variant (untimed), all end resident
             progress(f"timeshare: profiling {i + 1}/{len(names)}")
-            out = rt.infer(name, *inputs)
-            exact, total = exact + outputs_equal(out, reference[name]), total + 1
+            tally.check(rt.infer(name, *inputs), reference[name])
             rt.profile(name, *inputs)
         device_all = rt.stats()["used_bytes"]
         link_Bps = rt.profile(names[0], *inputs).link.bandwidth_Bps
@@ -107,8 +145,8 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
             if not call.record.loaded:
                 raise TimeshareError(f"{b} was evicted but its call did not load it")
             warm = rt.call(b, inputs)  # the same call with B resident: the overhead's baseline
-            exact += outputs_equal(call.output, reference[b]) + outputs_equal(warm.output, reference[b])
-            total += 2
+            tally.check(call.output, reference[b])
+            tally.check(warm.output, reference[b])
             switches.append((call.record.seconds, call.record.moved_bytes or 0, warm.record.seconds))
         for k in range(config.repeats if config.host_memory is not None else 0):
             a, b = names[k % len(names)], names[(k + 1) % len(names)]
@@ -117,13 +155,21 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
             rt.evict(b, host=True)  # B's own bytes leave host memory too: read back from disk
             read = rt.snapshot()["host_tier"]["bytes_read"]
             call = rt.call(b, inputs)
-            exact, total = exact + outputs_equal(call.output, reference[b]), total + 1
+            tally.check(call.output, reference[b])
             from_disk.append((call.record.seconds, call.record.moved_bytes or 0,
                               rt.snapshot()["host_tier"]["bytes_read"] - read))
         if config.host_memory is not None:
             host_tier = rt.snapshot()["host_tier"]
         after = rt.snapshot()["shared"]
+    return _DedupRun(register_s=register_s, shared=shared, device_all=device_all, link_Bps=link_Bps, own=own,
+                     switches=switches, from_disk=from_disk, host_tier=host_tier, after=after)
 
+
+def _without_dedup(config: VariantsBenchConfig, builders: list, names: list[str], inputs: tuple,
+                   device: torch.device, reference: dict, tally: _Tally,
+                   progress: Callable[[str], None]) -> tuple[list[tuple[float, int, float]], int]:
+    """Full loads of the second variant by timeshare without dedup, each paired with the
+    resident call right after; and that model's bytes."""
     progress("timeshare without dedup: full loads")
     full = []
     with Runtime(device, config.memory, poison_evicted=True) as rt:
@@ -135,10 +181,19 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
             rt.evict(names[1])
             call = rt.call(names[1], inputs)
             warm = rt.call(names[1], inputs)
-            exact += outputs_equal(call.output, reference[names[1]]) + outputs_equal(warm.output, reference[names[1]])
-            total += 2
+            tally.check(call.output, reference[names[1]])
+            tally.check(warm.output, reference[names[1]])
             full.append((call.record.seconds, call.record.moved_bytes or 0, warm.record.seconds))
+    return full, full_bytes
 
+
+def _report(config: VariantsBenchConfig, device: torch.device, dedup: _DedupRun,
+            full: list[tuple[float, int, float]], full_bytes: int, ready_s: float, plain: dict,
+            tally: _Tally) -> dict:
+    """The result: bytes, the switch against the full load and plain PyTorch, the floors."""
+    switches, from_disk, host_tier, shared, after = (dedup.switches, dedup.from_disk, dedup.host_tier, dedup.shared,
+                                                     dedup.after)
+    link_Bps, device_all = dedup.link_Bps, dedup.device_all
     switch_s, full_s = statistics.median(s for s, _, _ in switches), statistics.median(s for s, _, _ in full)
     moved = statistics.median(m for _, m, _ in switches)
     # Overheads are paired (each load against the resident call right after it): the
@@ -161,7 +216,7 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
                    "repeats": config.repeats, "memory": config.memory, "host_memory": config.host_memory,
                    "tuned": "pooler and classifier" + (f", last {config.tuned_layers} encoder layers"
                                                       if config.tuned_layers else "")},
-        "register_s": register_s,
+        "register_s": dedup.register_s,
         "bytes": {
             "one_model": full_bytes,
             "separate_copies": logical,
@@ -170,7 +225,7 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
             "device_all_resident": device_all,
             "device_of_one": device_all / full_bytes,
             "shared_sets": shared["sets"], "shared_bytes": shared["shared_bytes"],
-            "own_bytes_per_variant": statistics.median(own.values()),
+            "own_bytes_per_variant": statistics.median(dedup.own.values()),
             "host_after_switches": after["own_bytes"] + after["shared_bytes"],
         },
         "link_GBps": link_Bps / 1e9,
@@ -191,7 +246,7 @@ def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s:
         "switch_overhead_ratio_vs_full_load": full_over / max(switch_over, switch_noise),
         "switch_overhead_within_noise": switch_over <= switch_noise,
         "moved_ratio_vs_full_load": full_bytes / moved if moved else None,
-        "outputs_exact": exact, "outputs": total,
+        "outputs_exact": tally.exact, "outputs": tally.total,
     }
 
 

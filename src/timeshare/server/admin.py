@@ -23,11 +23,22 @@ from timeshare.server.service import Service
 
 def add_admin_plane(app: FastAPI, service: Service) -> None:
     """The admin routes on ``app``, each behind the guard."""
-    cfg = service.config.admin
-    token = cfg.resolved_token()
+    guard = [Depends(_guard(service))]
     # Admin bodies are small JSON objects, read only once the guard let the request
     # through, and parsed on the event loop: larger ones are refused (413).
     limit = int(service.config.server.parse_in_process_bytes)
+    _repository_routes(app, service, guard, limit)
+    _pinning_routes(app, service, guard)
+    _training_routes(app, service, guard, limit)
+    _replica_routes(app, service, guard)
+    _status_route(app, service, guard)
+
+
+def _guard(service: Service):
+    """The dependency every admin route has: the plane enabled, then the bearer token when
+    ``admin.token`` is set, else a loopback client with a local Host and Origin."""
+    cfg = service.config.admin
+    token = cfg.resolved_token()
 
     def admin(request: Request) -> None:
         if not cfg.enabled:
@@ -52,7 +63,11 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
         if origin is not None and not _local_name(_hostname(origin, url=True), cfg.allowed_hosts):
             raise HTTPException(403, f"the admin plane refuses cross-site requests (Origin {origin!r})")
 
-    guard = [Depends(admin)]
+    return admin
+
+
+def _repository_routes(app: FastAPI, service: Service, guard: list, limit: int) -> None:
+    """Triton's model repository extension: index, load, unload."""
 
     @app.post("/v2/repository/index", dependencies=guard, summary="Models in the repository and their state")
     async def repository_index(request: Request):
@@ -76,6 +91,10 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
         await service.unload(model)
         return {}
 
+
+def _pinning_routes(app: FastAPI, service: Service, guard: list) -> None:
+    """Pin a model (loaded now, never evicted) and unpin it."""
+
     @app.post("/admin/models/{model}/pin", dependencies=guard, summary="Pin: load now, never evict")
     async def pin(model: str):
         await service.pin(model, True)
@@ -85,6 +104,10 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
     async def unpin(model: str):
         await service.pin(model, False)
         return {"name": model, "pinned": False}
+
+
+def _training_routes(app: FastAPI, service: Service, guard: list, limit: int) -> None:
+    """Training jobs: list, submit, status, and pause, resume, cancel or migrate."""
 
     @app.get("/admin/training", dependencies=guard, summary="Training jobs")
     def jobs():
@@ -112,6 +135,10 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
     def control(job: str, action: str):
         return service.control_job(job, action)
 
+
+def _replica_routes(app: FastAPI, service: Service, guard: list) -> None:
+    """A cluster's replicas: list them, add one, kill one (a drill)."""
+
     @app.get("/admin/replicas", dependencies=guard, summary="A cluster's replicas and its counters")
     def replicas():
         return service.replicas()
@@ -124,6 +151,10 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
               summary="Kill a replica (a drill: its requests are retried on the others)")
     def kill_replica(replica: str):
         return service.kill_replica(replica)
+
+
+def _status_route(app: FastAPI, service: Service, guard: list) -> None:
+    """``/admin/status``: the runtime's snapshot, readiness and the models' states."""
 
     @app.get("/admin/status", dependencies=guard, summary="Runtime state: memory, residency, counters")
     def status():
