@@ -24,9 +24,11 @@ from timeshare import protocol as P
 from timeshare.errors import DeviceError, PipelineError
 from timeshare.memory.arena import Arena
 from timeshare.runtime.calls import Ran
+from timeshare.runtime.deadline import Deadlines
 from timeshare.runtime.executor import Packed
 from timeshare.runtime.pool import ProcessPool
 from timeshare.runtime.pool_executor import PoolExecutor
+from timeshare.runtime.pool_training import SegmentRunner
 from timeshare.runtime.registration import Tiered, build_tiered, model_spec
 from timeshare.runtime.segments import Segments
 from timeshare.transfer.copy import CpuCopyEngine
@@ -424,6 +426,7 @@ def test_a_worker_that_fails_to_unlock_is_replaced_and_the_others_still_unlock()
     pool._cv = threading.Condition(threading.RLock())
     pool._segments = Segments(claim_within_s=5.0)
     pool.task_timeout_s = pool.startup_timeout_s = 5.0
+    pool.training = SegmentRunner(pool._set, pool._cv, pool._segments, Deadlines(5.0), 5.0, 5.0)  # type: ignore[arg-type]
     pool.unpin_store("m", {1, 2, 3})
     assert [len(h.asked) for h in handles] == [1, 1, 1, 0]  # exactly the workers named
     assert pool._set.replaced == [1, 2]  # type: ignore[attr-defined]

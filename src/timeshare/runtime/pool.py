@@ -12,27 +12,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
-from timeshare.errors import TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
-from timeshare.runtime.segments import SHARE_S, Segment, Segments, Switch
+from timeshare.runtime.pool_training import SegmentRunner
+from timeshare.runtime.segments import Segments, Switch
 from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
 from timeshare.transfer.disk import FillSpec
 from timeshare.tree import shape_key
 from timeshare.worker.handle import SPIN_S, Inputs, WorkerHandle
 
 if TYPE_CHECKING:
-    from timeshare.runtime.dispatch import Dispatcher, Preemptible
     from timeshare.transfer.profiler import ModelProfile
-    from timeshare.worker.trainer import TrainSpec
 
 __all__ = ["FAILURE_KINDS", "ProcessPool", "Switch"]
 
@@ -85,6 +83,9 @@ class ProcessPool:
         self._set = WorkerSet(n, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
                               cv=self._cv, on_lost=self._worker_lost, channel_bytes=channel_bytes,
                               channel_max_bytes=channel_max_bytes)
+        # Training segments on the jobs' homes, and the claim of a worker's pipe from them.
+        self.training = SegmentRunner(self._set, self._cv, self._segments, self.deadlines, task_timeout_s,
+                                      startup_timeout_s)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -152,7 +153,7 @@ class ProcessPool:
         what = f"unlocking the host store of {model}"
         for w in [w for w in list(self.workers) if w.id in workers]:
             try:
-                with self._claim(w, what):
+                with self.training.claim(w, what):
                     if w in self.workers:
                         w.request(P.UnpinStore(self._set.next_seq(), model), self.startup_timeout_s, what)
             except Exception as exc:  # a worker's own error (a failed copy, a broken device) too
@@ -162,7 +163,7 @@ class ProcessPool:
     def _teach_all(self, what: str, knows: Callable[[WorkerHandle], bool],
                    teach: Callable[[WorkerHandle], None]) -> None:
         for w in list(self.workers):
-            with self._claim(w, f"adding {what}"):
+            with self.training.claim(w, f"adding {what}"):
                 if not w.ready:
                     self._set.ready(w)  # boots and learns everything registered, this included
                 elif not knows(w):  # a replacement may have learned it while booting
@@ -173,7 +174,7 @@ class ProcessPool:
         fails to is replaced."""
         for w in list(self.workers):
             try:
-                with self._claim(w, f"removing {what}"):
+                with self.training.claim(w, f"removing {what}"):
                     if w in self.workers and forget(w):  # one still booting will never be taught it
                         w.request(message(), self.startup_timeout_s, f"removing {what}")
             except WorkerError as exc:
@@ -236,7 +237,7 @@ class ProcessPool:
             self._segments.preempt(call.model, requested)  # a time-shared segment stops, as for any task
             switch = self._segments.claim_switch(call.model, requested)
             home = self._kv_home(step, what)
-        with self._claim(home, what):
+        with self.training.claim(home, what):
             return self._task_on(home, call, what, requested, switch, kind)
 
     def _kv_home(self, step: P.KVStep, what: str) -> WorkerHandle:
@@ -269,7 +270,7 @@ class ProcessPool:
                 self._kv_homes.pop(batch, None)
             return
         try:
-            with self._claim(home, f"dropping the caches of {batch}"):
+            with self.training.claim(home, f"dropping the caches of {batch}"):
                 home.request(P.DropCaches(self._set.next_seq(), batch), self.task_timeout_s,
                              f"dropping the caches of {batch}")
         except WorkerError as exc:
@@ -287,7 +288,7 @@ class ProcessPool:
             home = self._kv_homes.get(batch)
         if home is None or home not in self.workers or not home.alive():
             return 0
-        with self._claim(home, f"offloading the caches of {batch}"):
+        with self.training.claim(home, f"offloading the caches of {batch}"):
             return int(home.request(P.OffloadCaches(self._set.next_seq(), batch), self.task_timeout_s,
                                     f"offloading the caches of {batch}").value)
 
@@ -378,148 +379,6 @@ class ProcessPool:
         retired, self._retired = self._retired, []
         for w in retired:
             w.stop()
-
-    # ------------------------------------------------------------------ training
-    def begin_segment(self, job: str, spec: TrainSpec | None, gate: Dispatcher,
-                      job_handle: Preemptible) -> Segment | None:
-        """Start (``spec`` given) or resume a training job in its home worker, in the lane
-        the scheduler gave it if it runs with lanes. None when the scheduler no longer
-        runs the job or the segment may not start yet (``Segments.may_start``): the job
-        parks and retries."""
-        home = self._home(job, spec is not None)
-        self._set.ready(home)
-        lane = gate.lane_bound(job_handle)
-        with self._cv:
-            held = gate.holds_turn(job_handle)
-            if not held or not self._segments.may_start(home, lane, job):
-                other = self._segments.on(home)
-                now = time.perf_counter()
-                if held and lane is not None and other is not None and other.lane is not None:
-                    self._segments.yield_to(home, job)  # a shared home: turns (NOTE [Switch protocol])
-                    if now - other.started_at >= SHARE_S:
-                        self._segments.preempt("", now, job=other.job)
-                self._cv.wait(0.05)
-                return None
-            if home not in self.workers:
-                return None  # replaced meanwhile; _home reports it next time
-            if not home.try_lease():  # a task or a control request has its pipe
-                self._cv.wait(0.05)
-                return None
-            try:
-                seq = self._set.next_seq()
-                data = P.dumps(P.Train(seq, job, spec, lane))
-            except BaseException:
-                home.unlease()  # a spec that cannot be sent must not keep the worker's pipe
-                raise
-            home.post_bytes(data)  # if the process is gone, run_segment reports it
-            return self._segments.start(job, home, seq, lane)
-
-    def run_segment(self, seg: Segment, on_progress) -> P.SegmentStopped:
-        """Follow a segment until it stops. Progress after each iteration is the
-        heartbeat: a worker silent for ``task_timeout_s`` is killed as hung."""
-        what = f"training {seg.job}"
-        kind = (seg.job, "iteration")
-        last: float | None = None  # when the segment's latest Progress arrived
-        failed: Exception | None = None  # raised by ``on_progress``: the controller's, not the step's
-        try:
-            while True:
-                # NOTE [Call deadlines]: the first iteration of a segment may rebuild or
-                # reload the job's state, and after a Preempt the worker cleans up (offload)
-                # before it answers: those waits get the cap.
-                timeout = self.task_timeout_s if last is None or seg.preempted_at is not None \
-                    else self.deadlines.of(kind)
-                reply = seg.worker.receive(timeout, what, seg.seq)
-                if isinstance(reply, P.Progress):
-                    now = time.perf_counter()
-                    if last is not None:
-                        self.deadlines.observe(kind, now - last)
-                    last = now
-                    if failed is None:
-                        try:
-                            on_progress(reply)
-                        except Exception as exc:
-                            # The segment stops at its next preemption point with the job's
-                            # state kept in the worker; the error is raised once it has.
-                            failed = exc
-                            self.preempt(seg.job)
-                    continue
-                if not isinstance(reply, P.SegmentStopped):
-                    raise WorkerError(f"worker {seg.worker.id} answered a training segment with "
-                                      f"{type(reply).__name__}", where=f"worker {seg.worker.id}, {what}")
-                seg.stopped(reply)
-                break
-        except TimeshareError as exc:
-            with self._cv:
-                if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
-                    self._set.replace(seg.worker, exc)
-                else:  # the step raised: the worker dropped the job's state
-                    self._segments.state_dropped(seg.job)
-            raise
-        finally:
-            seg.worker.unlease()  # taken in begin_segment
-            with self._cv:
-                self._segments.end(seg)
-                self._cv.notify_all()
-        if failed is not None:
-            raise failed
-        return reply
-
-    def preempt(self, job: str, for_model: str = "") -> None:
-        """Ask the job's running segment, if any, to stop at its next preemption point;
-        ``for_model``: the inference it makes way for, which the switch is recorded for."""
-        with self._cv:
-            self._segments.preempt(for_model, time.perf_counter(), job=job)
-
-    def job_state(self, job: str, *, full: bool = False) -> dict:
-        """The job's parameters and buffers, or with ``full`` its checkpoint (NOTE
-        [Checkpoints]), from its home worker (between segments)."""
-        home = self._home(job, False)
-        with self._claim(home, f"state of {job}"):
-            return home.request(P.GetJobState(self._set.next_seq(), job, full), self.task_timeout_s,
-                                f"state of {job}").value
-
-    def drop_job(self, job: str) -> None:
-        self.deadlines.forget(job)
-        with self._cv:
-            home = self._segments.forget(job)
-        if home is not None and home.alive():
-            try:
-                with self._claim(home, f"dropping {job}"):
-                    home.request(P.DropJob(self._set.next_seq(), job), self.task_timeout_s, f"dropping {job}")
-            except WorkerError as exc:
-                log.warning("dropping training job %s: %s", job, exc)
-
-    def _home(self, job: str, new: bool) -> WorkerHandle:
-        with self._cv:
-            return self._segments.new_home(job, self.workers) if new else self._segments.home(job, self.workers)
-
-    def _quiesce(self, w: WorkerHandle) -> None:
-        """Wait until ``w`` runs no training segment, preempting it if it does."""
-        deadline = time.monotonic() + self.task_timeout_s + 5
-        with self._cv:
-            while w in self._segments.training_workers():
-                self._segments.preempt("", time.perf_counter(), worker=w)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WorkerTimeoutError(f"worker {w.id} did not stop training within {self.task_timeout_s:g} s",
-                                             where=f"worker {w.id}")
-                self._cv.wait(min(left, 0.5))
-
-    @contextmanager
-    def _claim(self, w: WorkerHandle, what: str):
-        """Hold ``w``'s pipe for a control request: stop its training segment, if any, and
-        lease it before another segment can start (NOTE [One owner per pipe])."""
-        deadline = time.monotonic() + max(self.task_timeout_s, self.startup_timeout_s) + 5
-        while True:
-            self._quiesce(w)
-            if w.try_lease(0.05):
-                break
-            if time.monotonic() > deadline:
-                raise WorkerTimeoutError(f"worker {w.id} stayed busy", where=f"worker {w.id}, {what}")
-        try:
-            yield w
-        finally:
-            w.unlease()
 
     # ------------------------------------------------------------------ health
     def health(self) -> dict:

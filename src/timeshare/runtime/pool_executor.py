@@ -236,11 +236,11 @@ class PoolExecutor:
                               "stays free so that inference never waits for a process to start")
 
     def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
-        self._pool.drop_job(spec.name)  # a finished job of that name
+        self._pool.training.drop_job(spec.name)  # a finished job of that name
         return WorkerTrainingJob(spec, pool=self._pool, lock=lock, gate=gate)
 
     def drop_job(self, name: str) -> None:
-        self._pool.drop_job(name)
+        self._pool.training.drop_job(name)
 
     def switches(self) -> list[dict]:
         return [s.as_dict() for s in self._pool.switches]

@@ -232,16 +232,16 @@ class WorkerTrainingJob(TrainingJob):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         with self._gate.priority(), self._lock:
-            return self._pool.job_state(self.name)
+            return self._pool.training.job_state(self.name)
 
     def checkpoint(self) -> dict:
         """From the worker that holds the job's state (between segments)."""
         self._check_at_rest()
         with self._gate.priority(), self._lock:
-            return self._pool.job_state(self.name, full=True)
+            return self._pool.training.job_state(self.name, full=True)
 
     def interrupt(self, for_model: str = "") -> None:
-        self._pool.preempt(self.name, for_model)
+        self._pool.training.preempt(self.name, for_model)
 
     def _progress(self, p, lane) -> None:
         self.stats.iterations = p.iterations
@@ -256,7 +256,7 @@ class WorkerTrainingJob(TrainingJob):
         # job re-admitted with its measured memory (``Dispatcher._resize``) may hold another
         # lane now: its segment stops, and the next one runs bounded by the new lane.
         if self._gate.must_yield(self) or _lane_changed(lane, self._gate.lane_bound(self)):
-            self._pool.preempt(self.name)
+            self._pool.training.preempt(self.name)
 
     def _run(self) -> JobState:
         spec: TrainSpec | None = self.spec  # sent with the first segment only
@@ -264,11 +264,11 @@ class WorkerTrainingJob(TrainingJob):
             self._park()  # returns once the scheduler runs the job
             if self._cancel.is_set():
                 return JobState.CANCELLED
-            segment = self._pool.begin_segment(self.name, spec, self._gate, self)
+            segment = self._pool.training.begin_segment(self.name, spec, self._gate, self)
             if segment is None:
                 continue  # inference (or another job) got there first
             spec = None
-            stopped = self._pool.run_segment(segment, lambda p, lane=segment.lane: self._progress(p, lane))
+            stopped = self._pool.training.run_segment(segment, lambda p, lane=segment.lane: self._progress(p, lane))
             self.stats.offloads = stopped.stats.offloads
             self.stats.ephemeral_bytes = stopped.stats.ephemeral_bytes
             self.stats.persistent_bytes = stopped.stats.persistent_bytes

@@ -1,0 +1,184 @@
+"""Training segments through the pool of worker processes (``SegmentRunner``, runs in the
+controller): a job's segment started on its home worker and followed until it stops, its
+state read or dropped there, and the claim of a worker's pipe from its segment for any
+other request (NOTE [One owner per pipe]). The records of the running segments, their
+homes and the switches are :mod:`timeshare.runtime.segments`'s; the workers themselves
+:mod:`timeshare.runtime.workers`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from timeshare import protocol as P
+from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
+from timeshare.runtime.deadline import Deadlines
+from timeshare.runtime.segments import SHARE_S, Segment, Segments
+from timeshare.runtime.workers import WorkerSet
+from timeshare.worker.handle import WorkerHandle
+
+if TYPE_CHECKING:
+    from timeshare.runtime.dispatch import Dispatcher, Preemptible
+    from timeshare.worker.trainer import TrainSpec
+
+log = logging.getLogger(__name__)
+
+
+class SegmentRunner:
+    """The training side of a ``ProcessPool``: it shares the pool's workers, its lock (``cv``,
+    which guards the worker list and the segments) and its deadlines."""
+
+    def __init__(self, workers: WorkerSet, cv: threading.Condition, segments: Segments, deadlines: Deadlines,
+                 task_timeout_s: float, startup_timeout_s: float):
+        self._set = workers
+        self._cv = cv
+        self._segments = segments
+        self.deadlines = deadlines
+        self.task_timeout_s = task_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+
+    def begin_segment(self, job: str, spec: TrainSpec | None, gate: Dispatcher,
+                      job_handle: Preemptible) -> Segment | None:
+        """Start (``spec`` given) or resume a training job in its home worker, in the lane
+        the scheduler gave it if it runs with lanes. None when the scheduler no longer
+        runs the job or the segment may not start yet (``Segments.may_start``): the job
+        parks and retries."""
+        home = self._home(job, spec is not None)
+        self._set.ready(home)
+        lane = gate.lane_bound(job_handle)
+        with self._cv:
+            held = gate.holds_turn(job_handle)
+            if not held or not self._segments.may_start(home, lane, job):
+                other = self._segments.on(home)
+                now = time.perf_counter()
+                if held and lane is not None and other is not None and other.lane is not None:
+                    self._segments.yield_to(home, job)  # a shared home: turns (NOTE [Switch protocol])
+                    if now - other.started_at >= SHARE_S:
+                        self._segments.preempt("", now, job=other.job)
+                self._cv.wait(0.05)
+                return None
+            if home not in self._set.workers:
+                return None  # replaced meanwhile; _home reports it next time
+            if not home.try_lease():  # a task or a control request has its pipe
+                self._cv.wait(0.05)
+                return None
+            try:
+                seq = self._set.next_seq()
+                data = P.dumps(P.Train(seq, job, spec, lane))
+            except BaseException:
+                home.unlease()  # a spec that cannot be sent must not keep the worker's pipe
+                raise
+            home.post_bytes(data)  # if the process is gone, run_segment reports it
+            return self._segments.start(job, home, seq, lane)
+
+    def run_segment(self, seg: Segment, on_progress) -> P.SegmentStopped:
+        """Follow a segment until it stops. Progress after each iteration is the
+        heartbeat: a worker silent for ``task_timeout_s`` is killed as hung."""
+        what = f"training {seg.job}"
+        kind = (seg.job, "iteration")
+        last: float | None = None  # when the segment's latest Progress arrived
+        failed: Exception | None = None  # raised by ``on_progress``: the controller's, not the step's
+        try:
+            while True:
+                # NOTE [Call deadlines]: the first iteration of a segment may rebuild or
+                # reload the job's state, and after a Preempt the worker cleans up (offload)
+                # before it answers: those waits get the cap.
+                timeout = self.task_timeout_s if last is None or seg.preempted_at is not None \
+                    else self.deadlines.of(kind)
+                reply = seg.worker.receive(timeout, what, seg.seq)
+                if isinstance(reply, P.Progress):
+                    now = time.perf_counter()
+                    if last is not None:
+                        self.deadlines.observe(kind, now - last)
+                    last = now
+                    if failed is None:
+                        try:
+                            on_progress(reply)
+                        except Exception as exc:
+                            # The segment stops at its next preemption point with the job's
+                            # state kept in the worker; the error is raised once it has.
+                            failed = exc
+                            self.preempt(seg.job)
+                    continue
+                if not isinstance(reply, P.SegmentStopped):
+                    raise WorkerError(f"worker {seg.worker.id} answered a training segment with "
+                                      f"{type(reply).__name__}", where=f"worker {seg.worker.id}, {what}")
+                seg.stopped(reply)
+                break
+        except TimeshareError as exc:
+            with self._cv:
+                if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
+                    self._set.replace(seg.worker, exc)
+                else:  # the step raised: the worker dropped the job's state
+                    self._segments.state_dropped(seg.job)
+            raise
+        finally:
+            seg.worker.unlease()  # taken in begin_segment
+            with self._cv:
+                self._segments.end(seg)
+                self._cv.notify_all()
+        if failed is not None:
+            raise failed
+        return reply
+
+    def preempt(self, job: str, for_model: str = "") -> None:
+        """Ask the job's running segment, if any, to stop at its next preemption point;
+        ``for_model``: the inference it makes way for, which the switch is recorded for."""
+        with self._cv:
+            self._segments.preempt(for_model, time.perf_counter(), job=job)
+
+    def job_state(self, job: str, *, full: bool = False) -> dict:
+        """The job's parameters and buffers, or with ``full`` its checkpoint (NOTE
+        [Checkpoints]), from its home worker (between segments)."""
+        home = self._home(job, False)
+        with self.claim(home, f"state of {job}"):
+            return home.request(P.GetJobState(self._set.next_seq(), job, full), self.task_timeout_s,
+                                f"state of {job}").value
+
+    def drop_job(self, job: str) -> None:
+        self.deadlines.forget(job)
+        with self._cv:
+            home = self._segments.forget(job)
+        if home is not None and home.alive():
+            try:
+                with self.claim(home, f"dropping {job}"):
+                    home.request(P.DropJob(self._set.next_seq(), job), self.task_timeout_s, f"dropping {job}")
+            except WorkerError as exc:
+                log.warning("dropping training job %s: %s", job, exc)
+
+    def _home(self, job: str, new: bool) -> WorkerHandle:
+        with self._cv:
+            workers = self._set.workers
+            return self._segments.new_home(job, workers) if new else self._segments.home(job, workers)
+
+    def _quiesce(self, w: WorkerHandle) -> None:
+        """Wait until ``w`` runs no training segment, preempting it if it does."""
+        deadline = time.monotonic() + self.task_timeout_s + 5
+        with self._cv:
+            while w in self._segments.training_workers():
+                self._segments.preempt("", time.perf_counter(), worker=w)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerTimeoutError(f"worker {w.id} did not stop training within {self.task_timeout_s:g} s",
+                                             where=f"worker {w.id}")
+                self._cv.wait(min(left, 0.5))
+
+    @contextmanager
+    def claim(self, w: WorkerHandle, what: str):
+        """Hold ``w``'s pipe for a control request: stop its training segment, if any, and
+        lease it before another segment can start (NOTE [One owner per pipe])."""
+        deadline = time.monotonic() + max(self.task_timeout_s, self.startup_timeout_s) + 5
+        while True:
+            self._quiesce(w)
+            if w.try_lease(0.05):
+                break
+            if time.monotonic() > deadline:
+                raise WorkerTimeoutError(f"worker {w.id} stayed busy", where=f"worker {w.id}, {what}")
+        try:
+            yield w
+        finally:
+            w.unlease()
