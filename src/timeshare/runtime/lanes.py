@@ -21,7 +21,7 @@ bytes]), on its share of the cores; loads, placement, eviction and records stay 
 the lock, and a running model cannot be evicted (``ModelEntry.running``). Calls of one
 model run one at a time (``ModelEntry.alone``), as Salus runs one iteration per lane;
 an inference that joins a lane a training job runs in makes the job yield at its next
-iteration boundary (``Scheduler._lane_holder``), or an endless job would hold it forever.
+iteration boundary (``scheduler/preemption.py``'s ``lane_holder``), or an endless job would hold it forever.
 
 # NOTE [Turns in lanes]
 A turn (``Runtime.turn``: a language model's prefills and decode steps) holds one lane for
