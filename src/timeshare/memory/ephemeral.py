@@ -42,8 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from timeshare.errors import LaneExceededError
+from timeshare.errors import LaneExceededError, MemoryBudgetError
 from timeshare.memory.lane_pool import CudaLanePool, LanePools, pool_allowance
+from timeshare.units import format_bytes
 
 LANE_HEADROOM = 1.25  # a lane is the profiled peak times this (allocator rounding, small variations)
 _paused = threading.local()  # ``unmetered`` blocks running in this thread
@@ -248,3 +249,16 @@ def plain_on_cpu(lane: LaneBound, device: torch.device) -> bool:
 def lane_bytes(peak: int) -> int:
     """The lane a task with this measured peak asks for."""
     return int(peak * LANE_HEADROOM)
+
+
+def job_lane_sizes(job: str, persistent: int, ephemeral: int, capacity: int) -> tuple[int, int]:
+    """A training job's admission once its iterations have measured it, as Salus resizes
+    lanes at iteration boundaries: its persistent state, and one iteration's peak with
+    headroom where it fits beside it in ``capacity`` (the lanes' bytes). Sizes that can
+    never fit are refused, naming them."""
+    if persistent + ephemeral > capacity:
+        raise MemoryBudgetError(
+            f"training job {job!r} measured {format_bytes(persistent)} of state and "
+            f"{format_bytes(ephemeral)} per iteration: more than the lanes' "
+            f"{format_bytes(capacity)} together; raise lane_memory")
+    return persistent, min(lane_bytes(ephemeral), capacity - persistent)

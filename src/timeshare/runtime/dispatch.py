@@ -17,14 +17,12 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
-from timeshare.errors import ConfigError, MemoryBudgetError
-from timeshare.memory.ephemeral import LaneBound, lane_bytes
+from timeshare.errors import ConfigError
+from timeshare.runtime.job_turns import JobTurns
+from timeshare.runtime.turns import Preemptible, Ticket, Turn
 from timeshare.scheduler.core import Scheduler
-from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress, State, Stopped, Task
-from timeshare.units import format_bytes
+from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, State, Task
 
 log = logging.getLogger(__name__)
 
@@ -33,69 +31,7 @@ log = logging.getLogger(__name__)
 _SAFETY_S = 5.0
 
 
-class Preemptible(Protocol):
-    """What the dispatcher may ask of a training job, and all it may ask: its name,
-    length and progress, whether it was cancelled or paused, and to stop its running
-    segment at the next preemption point (``for_model``: the inference it makes way
-    for, "" for none). The dispatcher is the one owner of the decision to stop it."""
-
-    name: str
-    iterations: int | None
-
-    @property
-    def stats(self) -> _Progressing: ...
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    @property
-    def paused(self) -> bool: ...
-
-    def interrupt(self, for_model: str = "") -> None: ...
-
-
-class _Progressing(Protocol):
-    iterations: int
-    step_seconds: float
-    ephemeral_bytes: int | None  # measured once (Salus's memory classes), None until then
-    persistent_bytes: int | None
-
-
-@dataclass(slots=True)
-class Turn:
-    """What a call learns when it is given the device: how long it waited, and which
-    task used the device before it (None: nothing since start; control calls such as
-    statistics do not count). A call on another model than ``previous`` is a switch."""
-
-    waited_s: float = 0.0
-    previous: tuple[Kind, str] | None = None
-    nested: bool = False  # a call inside a call: the outer one holds the runtime
-    lane: int | None = None  # with lanes (PACK): the lane it runs in and its size
-    lane_bytes: int | None = None
-
-
-class Ticket:
-    """A task waiting for its turn, as another thread sees it (``Dispatcher.priority``'s
-    ``ticket``): it can bring the task's deadline forward while it waits."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._gate: Dispatcher | None = None
-        self._task: int | None = None
-
-    def bind(self, gate: Dispatcher | None, task_id: int | None) -> None:
-        with self._lock:
-            self._gate, self._task = gate, task_id
-
-    def expedite(self, since: float) -> None:
-        """The task is due since ``since``; nothing if it no longer waits."""
-        with self._lock:
-            gate, task = self._gate, self._task
-        if gate is not None and task is not None:
-            gate.expedite(task, since)
-
-
-class Dispatcher:
+class Dispatcher(JobTurns):
     """``lane_memory``: with "pack", the bytes for lanes of ephemeral memory (NOTE [Salus
     lanes]): tasks of different lanes run at the same time, at most ``slots`` (None: as
     many as lanes allow; with workers, one per worker). Other policies run one task at a
@@ -187,7 +123,7 @@ class Dispatcher:
                 turn = self._turn_of(task, self._previous.pop(task.id, None))
                 waiter = None
             else:
-                waiter = self._wakers[task.id] = _Waiter()
+                waiter = self._wakers[task.id] = self._new_waiter()
                 timeout = self._timeout()
         if waiter is not None:
             try:
@@ -275,142 +211,6 @@ class Dispatcher:
         if 0 < free < task.ephemeral:
             task.ephemeral = free
 
-    # ------------------------------------------------------------------ training jobs
-    def job_task(self, job: Preemptible) -> Task:
-        """The job's task, created (queued) on first use."""
-        with self._lock:
-            task = self._job_tasks.get(job)
-            if task is None:
-                now = self.clock()
-                task = Task(next(self._ids), Kind.TRAINING, job.name, now,
-                            float(job.iterations) if job.iterations else float("inf"), 0.0, Priority.BEST_EFFORT)
-                # With lanes, a job's memory is unknown until its iterations measure it:
-                # it asks for what is free now, then is re-admitted (``_resize``).
-                task.ephemeral = self._free_lane_bytes()
-                self._job_tasks[job] = task
-                self._jobs[task.id] = job
-                self.scheduler.submit(task, now)
-            return task
-
-    def lane_bound(self, job: Preemptible) -> LaneBound | None:
-        """With lanes: what the job's next iteration runs with (its lane, the lane's size,
-        the cores); None without lanes."""
-        with self._lock:
-            task = self._job_tasks.get(job)
-            if not self.packs or task is None:
-                return None
-            return LaneBound(job.name, task.lane, self._lane_size(task.lane), self.lane_threads)
-
-    def _resize(self, job: Preemptible) -> None:
-        """With the condition held, at a preemption point: once the job has measured its
-        memory, it is to be re-admitted with it (persistent state, and one iteration's
-        peak with headroom where it fits) in place of the whole budget, as Salus resizes
-        lanes at iteration boundaries. The job stops first; its admission is swapped for
-        the new one once it has (``_swap``), so that its memory is counted until its
-        segment has stopped. Sizes that can never fit are refused here, while the job
-        still holds its admission."""
-        stats = job.stats
-        if not self.packs or stats.ephemeral_bytes is None or job in self._sized:
-            return
-        persistent, capacity = stats.persistent_bytes or 0, self.lane_capacity or 0
-        if persistent + stats.ephemeral_bytes > capacity:
-            raise MemoryBudgetError(
-                f"training job {job.name!r} measured {format_bytes(persistent)} of state and "
-                f"{format_bytes(stats.ephemeral_bytes)} per iteration: more than the lanes' "
-                f"{format_bytes(capacity)} together; raise lane_memory")
-        self._sized.add(job)
-        self._resizing[job] = (persistent, min(lane_bytes(stats.ephemeral_bytes), capacity - persistent))
-
-    def _swap(self, job: Preemptible, task: Task) -> Task:
-        """With the condition held and the job stopped (its task waiting): the resize
-        ``_resize`` decided. The old task leaves its lane and the new one is queued in
-        the same step, keeping its progress."""
-        sizes = self._resizing.pop(job, None)
-        if sizes is None:
-            return task
-        assert task.state is State.WAITING, task.state
-        self.scheduler.withdraw(task.id)
-        new = Task(next(self._ids), Kind.TRAINING, job.name, task.arrival, task.work, task.unit_s, task.priority,
-                   persistent=sizes[0], ephemeral=sizes[1])
-        new.done, new.service = task.done, task.service
-        self._jobs.pop(task.id, None)
-        self._job_tasks[job] = new
-        self._jobs[new.id] = job
-        self.scheduler.submit(new, self.clock())
-        return new
-
-    def must_yield(self, job: Preemptible) -> bool:
-        """At a preemption point: must the job stop now? Reports its progress."""
-        task = self.job_task(job)
-        with self._lock:
-            self._resize(job)
-            if job in self._resizing:  # it stops, and is re-admitted with its sizes once it has
-                return True
-            if task.state is State.RUNNING:
-                stats = job.stats
-                unit = stats.step_seconds / stats.iterations if stats.iterations else None
-                self.scheduler.update(Progress(task.id, self.clock(), float(stats.iterations), unit))
-            self._step()
-            return task.state is not State.RUNNING
-
-    def wait_for_training_turn(self, job: Preemptible) -> None:
-        """Stop the job's segment in the scheduler's books and wait until it runs again
-        (or is cancelled). A paused job is held out of the queue until resumed. The job's
-        thread sleeps on its waker (NOTE [Hand-offs]); ``notify`` wakes it for a pause,
-        a resume or a cancel."""
-        task = self.job_task(job)
-        with self._lock:
-            if task.state in (State.RUNNING, State.STOPPING):
-                self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
-            if task.state is State.WAITING:
-                task = self._swap(job, task)
-        while True:
-            with self._lock:
-                if job.cancelled:
-                    self._wakers.pop(task.id, None)
-                    return
-                if job.paused:
-                    if task.state in (State.RUNNING, State.STOPPING):  # given the device, then paused: hand it back
-                        self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
-                    if task.state is State.WAITING:
-                        self.scheduler.hold(task.id)
-                elif task.state is State.HELD:
-                    self.scheduler.release(task.id, self.clock())
-                self._step()
-                # Given the device, even if already told to stop again: the job runs one
-                # iteration first, so back-to-back calls cannot starve it.
-                if task.state in (State.RUNNING, State.STOPPING) and not job.paused:
-                    self._wakers.pop(task.id, None)
-                    return
-                waiter = self._wakers.get(task.id)
-                if waiter is None:
-                    waiter = self._wakers[task.id] = _Waiter()
-                timeout = self._timeout()
-            waiter.lock.acquire(timeout=timeout)
-
-    def holds_turn(self, job: Preemptible) -> bool:
-        """Whether the scheduler gave the job the device (it may already be told to stop:
-        it still runs one iteration, see ``wait_for_training_turn``)."""
-        with self._lock:
-            task = self._job_tasks.get(job)
-            return task is not None and task.state in (State.RUNNING, State.STOPPING)
-
-    def job_ended(self, job: Preemptible) -> None:
-        with self._lock:
-            task = self._job_tasks.pop(job, None)
-            self._sized.discard(job)
-            self._resizing.pop(job, None)
-            if task is None:
-                return
-            self._jobs.pop(task.id, None)
-            if task.state in (State.RUNNING, State.STOPPING):
-                self.scheduler.update(Finished(task.id, self.clock()))
-            elif task.id in self.scheduler.tasks:
-                if task.state is State.HELD:
-                    self.scheduler.release(task.id, self.clock())
-                self.scheduler.withdraw(task.id)
-            self._step()
-
     @property
     def lane_capacity(self) -> int | None:
         """The bytes for lanes (None without lanes)."""
@@ -418,23 +218,10 @@ class Dispatcher:
         return None if lanes is None else lanes.capacity
 
     def lanes(self) -> dict | None:
-        """The lanes now, for operators (None without lanes): capacity, bytes in lanes,
-        each lane's size, tasks and the one running, and tasks waiting for admission."""
+        """The lanes now, for operators (None without lanes): ``LaneManager.view``."""
         with self._lock:
             lanes = self.scheduler.lanes
-            if lanes is None:
-                return None
-            tasks = self.scheduler.tasks
-            return {
-                "capacity": lanes.capacity,
-                "persistent": lanes.persistent,
-                "in_lanes": lanes.lane_total,
-                "waiting_admission": sum(1 for t in tasks.values()
-                                         if t.state is State.WAITING and not lanes.admitted(t.id)),
-                "lanes": [{"id": lane.id, "size": lane.size, "tasks": len(lane.tasks),
-                           "running": tasks[lane.busy].model if lane.busy in tasks else None}
-                          for lane in lanes.lanes.values()],
-            }
+            return None if lanes is None else lanes.view(self.scheduler.tasks)
 
     def free_lane_bytes(self) -> int:
         """With lanes: what a task of unknown memory asks for (NOTE [Lanes in the runtime])."""
@@ -539,6 +326,9 @@ class Dispatcher:
                     job.interrupt(model)
             finally:
                 self._lock.acquire()
+
+    def _new_waiter(self) -> _Waiter:
+        return _Waiter()
 
     def _timeout(self) -> float:
         """With the lock held: how long a waiter may sleep. Until the scheduler's next

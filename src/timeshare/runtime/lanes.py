@@ -68,9 +68,9 @@ from timeshare.errors import LaneExceededError, TimeshareError
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Call
-from timeshare.runtime.dispatch import Turn
 from timeshare.runtime.residency import ModelEntry
 from timeshare.runtime.table import ModelTable
+from timeshare.runtime.turns import Turn
 from timeshare.tree import shape_key
 
 

@@ -26,7 +26,10 @@ bound when it started, so the lane shrinks once it stops (``idle``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from timeshare.scheduler.task import State, Task
 
 
 @dataclass
@@ -65,6 +68,20 @@ class LaneManager:
 
     def fits_alone(self, persistent: int, ephemeral: int) -> bool:
         return persistent + ephemeral <= self.capacity
+
+    def view(self, tasks: Mapping[int, Task]) -> dict:
+        """The lanes for operators: capacity, bytes held persistent and in lanes, each lane's
+        size, tasks and the one running (among ``tasks``, the scheduler's), and how many
+        tasks wait for admission."""
+        return {
+            "capacity": self.capacity,
+            "persistent": self.persistent,
+            "in_lanes": self.lane_total,
+            "waiting_admission": sum(1 for t in tasks.values() if t.state is State.WAITING and not self.admitted(t.id)),
+            "lanes": [{"id": lane.id, "size": lane.size, "tasks": len(lane.tasks),
+                       "running": tasks[lane.busy].model if lane.busy is not None and lane.busy in tasks else None}
+                      for lane in self.lanes.values()],
+        }
 
     def lane_of(self, task_id: int) -> int | None:
         where = self._where.get(task_id)
