@@ -159,7 +159,7 @@ def test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was():
         free_before, _ = torch.cuda.mem_get_info()
         for _ in range(3):
             rt.evict("b")
-            used, health = rt.stats()["used_bytes"], rt.snapshot()["workers"]
+            used, health = rt.stats()["used_bytes"], rt.snapshot().workers
             pids = rt.worker_pids()
             result: dict = {}
 
@@ -172,7 +172,7 @@ def test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was():
             t = threading.Thread(target=load)
             t.start()
             # Busy: the task is the worker's (it goes nowhere else), and its load lasts seconds.
-            models.wait_until(lambda: any(w["state"] == "busy" for w in rt.snapshot()["workers"]["workers"]),
+            models.wait_until(lambda: any(w.state == "busy" for w in rt.snapshot().workers.workers),
                               60, "the load to start")
             for pid in pids:  # both: no standby is left to take the task over
                 os.kill(pid, signal.SIGKILL)
@@ -182,8 +182,8 @@ def test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was():
             assert isinstance(err, WorkerCrashedError), result
             assert "was killed by signal 9" in str(err) and "running b" in str(err), err
             assert not rt.is_resident("b") and rt.stats()["used_bytes"] == used  # the load's block is free
-            models.wait_until(lambda: rt.snapshot()["workers"]["replacements"] >= health["replacements"] + 2
-                              and rt.snapshot()["workers"]["ready"] == 2, 120, "two replacements ready")
+            models.wait_until(lambda: rt.snapshot().workers.replacements >= health.replacements + 2
+                              and rt.snapshot().workers.ready == 2, 120, "two replacements ready")
             call = rt.call("b", x)  # into the poisoned block, by a replacement
             assert call.record.loaded and same(call.output, ref)
         torch.cuda.synchronize()
@@ -259,13 +259,13 @@ def test_the_pinned_bytes_metric_is_the_registered_bytes_and_unregister_gives_th
         rt.register("m", _linear_1000, None, (x,))
         assert _host_cache_counters() == cache  # the store did not come from the caching allocator
         snap = rt.snapshot()
-        assert snap["host_pinned_bytes"] == snap["host_bytes"] == LINEAR_1000_BYTES  # exact, not 4 MiB
+        assert snap.host_pinned_bytes == snap.host_bytes == LINEAR_1000_BYTES  # exact, not 4 MiB
         ref = rt.infer("m", x)  # the first load repacks the store: the old one is unregistered
-        assert rt.snapshot()["host_pinned_bytes"] == LINEAR_1000_BYTES
+        assert rt.snapshot().host_pinned_bytes == LINEAR_1000_BYTES
         rt.evict("m")
         assert same(rt.infer("m", x), ref)
         rt.unregister("m")
-        assert rt.snapshot()["host_pinned_bytes"] == 0
+        assert rt.snapshot().host_pinned_bytes == 0
 
 
 def test_worker_inputs_come_from_host_memory_pinned_and_outputs_are_the_in_process_ones():
@@ -309,14 +309,14 @@ def test_workers_on_cuda_1_compute_the_in_process_outputs_and_leave_cuda_0_alone
         local.register("c", zoo.builder, weights_path("tiny_cnn"), x)
         expected = local.infer("c", *x)
         snap = local.snapshot()
-        assert snap["host_pinned_bytes"] == snap["host_bytes"] > 0
+        assert snap.host_pinned_bytes == snap.host_bytes > 0
     with timeshare.Runtime(device="cuda:1", memory="256MiB", workers=2, profile_repeats=1,
                            poison_evicted=True) as rt:  # NOTE [Poisoned reloads]
         rt.register("c", zoo.builder, weights_path("tiny_cnn"), x)
         for _ in range(3):
             assert same(rt.infer("c", *x), expected)
             rt.evict("c")
-        assert rt.snapshot()["device"] == "cuda:1"
+        assert rt.snapshot().device == "cuda:1"
     assert torch.cuda.memory_allocated(0) == on_0  # nothing of either runtime landed on cuda:0
 
 
@@ -342,10 +342,10 @@ def test_unregister_and_close_give_device_and_pinned_memory_back(workers):
         rt.evict("b")
         rt.infer("b", *x)  # a pipelined load: the latest load, kept for its timing
         snap = rt.snapshot()
-        assert snap["host_pinned_bytes"] == snap["host_bytes"] > 0 and snap["used_bytes"] > 0
+        assert snap.host_pinned_bytes == snap.host_bytes > 0 and snap.used_bytes > 0
         rt.unregister("b")
         snap = rt.snapshot()
-        assert snap["host_pinned_bytes"] == snap["host_bytes"] == snap["used_bytes"] == 0
+        assert snap.host_pinned_bytes == snap.host_bytes == snap.used_bytes == 0
         torch.cuda.synchronize(dev)
         assert torch.cuda.memory_allocated(dev) == before + arena  # only the arena is left
     finally:

@@ -29,9 +29,9 @@ def test_variants_on_cuda_are_exact_and_give_pinned_memory_back(workers):
                            poison_evicted=True, copy_delay_s=0.002) as rt:
         for v in range(3):
             rt.register(f"v{v}", functools.partial(variant_net, v), example_inputs=(IDS,))
-        shared = rt.snapshot()["shared"]
-        assert shared["sets"] == 1
-        assert rt.snapshot()["host_pinned_bytes"] >= shared["shared_bytes"] + shared["own_bytes"]
+        shared = rt.snapshot().shared
+        assert shared.sets == 1
+        assert rt.snapshot().host_pinned_bytes >= shared.shared_bytes + shared.own_bytes
         ready = {}
         for v in range(3):  # resident outputs: what every later load must give, bit for bit
             rt.infer(f"v{v}", IDS)
@@ -46,7 +46,7 @@ def test_variants_on_cuda_are_exact_and_give_pinned_memory_back(workers):
                 assert call.record.loaded and torch.equal(call.output, ready[v]), (rep, v)
         for v in range(3):
             rt.unregister(f"v{v}")
-        assert rt.snapshot()["host_pinned_bytes"] == 0 and rt.snapshot()["shared"]["sets"] == 0
+        assert rt.snapshot().host_pinned_bytes == 0 and rt.snapshot().shared.sets == 0
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -70,8 +70,8 @@ def test_variants_under_a_host_budget_on_cuda_read_their_own_bytes_back_exactly(
             rt.evict(f"v{v}", host=True)
             call = rt.call(f"v{v}", (IDS,))
             assert call.record.loaded and torch.equal(call.output, ready[v]), v
-            assert rt.snapshot()["host_tier"]["used"] <= budget
-        assert rt.snapshot()["host_tier"]["fills"] >= 5
+            assert rt.snapshot().host_tier.used <= budget
+        assert rt.snapshot().host_tier.fills >= 5
         for v in range(4):
             rt.unregister(f"v{v}")
-        assert rt.snapshot()["host_pinned_bytes"] == 0 and rt.snapshot()["host_tier"]["used"] == 0
+        assert rt.snapshot().host_pinned_bytes == 0 and rt.snapshot().host_tier.used == 0

@@ -39,7 +39,7 @@ def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path):
             seqs = [m.generate(m.encode(p), SamplingParams(max_tokens=40, temperature=0)) for p in PROMPTS]
         for prompt, seq in zip(PROMPTS, seqs):
             assert seq.result(120).tokens == want(prompt, 40)
-        assert m.engine.snapshot()["kv_bytes"] == 0
+        assert m.engine.snapshot().kv_bytes == 0
         m.close()
 
 
@@ -81,7 +81,7 @@ def test_under_a_tight_kv_budget_caches_wait_in_host_memory_and_come_back_unchan
                 between.append((budget.on_device(), sum(m.engine.kv_host_bytes for m in ms)))
         assert [s.result(120).tokens for s in seqs] == alone
         assert all(dev == 0 for dev, _ in between) and any(host > 0 for _, host in between), between
-        assert budget.snapshot()["moves"] >= 2 and all(m.engine.kv_offloads >= 1 for m in ms)
+        assert budget.snapshot().moves >= 2 and all(m.engine.kv_offloads >= 1 for m in ms)
         assert budget.on_device() == 0 and all(m.engine.kv_host_bytes == 0 for m in ms)
         for m in ms:
             m.close()

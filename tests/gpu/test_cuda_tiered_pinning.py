@@ -80,8 +80,8 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
                 call = rt.call(name, (X,))
                 assert call.record.loaded and torch.equal(call.output, ready[name]), (rep, name)
                 snap = rt.snapshot()
-                store = snap["host_tier"]["used"]
-                assert store >= NBYTES and snap["host_pinned_bytes"] == store  # exactly the store in memory
+                store = snap.host_tier.used
+                assert store >= NBYTES and snap.host_pinned_bytes == store  # exactly the store in memory
                 if workers:
                     # Locked by this load, not left locked from before: the drop unlocked it
                     # in the worker (UnpinStore), so the device never reads pages given back.
@@ -102,13 +102,13 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
                     assert s.buffer.is_pinned() and all(t.is_pinned() for t in s.state().values())
                     other = worker.models["b" if name == "a" else "a"].store
                     assert not other.pinned  # dropped: unlocked before its pages went
-        tier = rt.snapshot()["host_tier"]
-        assert tier["drops"] >= 6 and tier["streamed_fills"] >= 6  # really read back from disk
+        tier = rt.snapshot().host_tier
+        assert tier.drops >= 6 and tier.streamed_fills >= 6  # really read back from disk
         if workers:
             assert len(loaders) == 1, loaders
         for name in ("a", "b"):
             rt.unregister(name)
-        assert rt.snapshot()["host_pinned_bytes"] == 0 and rt.snapshot()["host_tier"]["used"] == 0
+        assert rt.snapshot().host_pinned_bytes == 0 and rt.snapshot().host_tier.used == 0
     assert not_pinned(caplog, capfd) == []
 
 
@@ -152,5 +152,5 @@ def test_a_load_read_back_from_disk_computes_while_its_later_groups_copy(tmp_pat
             assert middle is False, rep  # the host queued the first layer while the copies were far behind
             computed, last = start.elapsed_time(done), start.elapsed_time(load.events[-1])
             assert computed < last, (rep, computed, last)
-        assert rt.snapshot()["host_tier"]["streamed_fills"] == 2
+        assert rt.snapshot().host_tier.streamed_fills == 2
     assert [r.getMessage() for r in caplog.records if "not pinned" in r.getMessage()] == []

@@ -146,10 +146,10 @@ def test_a_worker_killed_mid_call_fails_that_call_alone(runtimes):
     expected = local.infer("echo", x)
     pooled.infer("echo", x)  # resident, its channel grown
     deadline = time.monotonic() + 60
-    while pooled.snapshot()["workers"]["ready"] < 2:
+    while pooled.snapshot().workers.ready < 2:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    victim = pooled.snapshot()["workers"]["workers"][0]
+    victim = pooled.snapshot().workers.workers[0]
     result: dict = {}
 
     def target():
@@ -161,10 +161,10 @@ def test_a_worker_killed_mid_call_fails_that_call_alone(runtimes):
     t = threading.Thread(target=target)
     t.start()
     time.sleep(0.5)
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     t.join(30)
     assert not t.is_alive()
     assert isinstance(result.get("error"), WorkerCrashedError), result
-    assert f"worker {victim['id']} was killed by signal 9" in str(result["error"])
+    assert f"worker {victim.id} was killed by signal 9" in str(result["error"])
     for _ in range(3):
         assert _same(pooled.infer("echo", x), expected)  # the standby, then its channel again

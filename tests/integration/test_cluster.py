@@ -156,7 +156,7 @@ def test_a_request_runs_on_the_replicas_cpu_when_its_device_is_busy(local_ray):
         assert cluster.costs["cpu_s"][1] < cluster.costs["ready_s"][0]  # the premise: fast on the CPU beats slow
         pending = cluster.submit("slow", *slow.example_inputs())
         deadline = time.monotonic() + 30
-        while cluster.replica_rows()[0]["outstanding"] == 0:
+        while cluster.replica_rows()[0].outstanding == 0:
             assert time.monotonic() < deadline
             time.sleep(0.001)
         reply = cluster.infer("fast", *fast.example_inputs())
@@ -204,5 +204,5 @@ def test_replica_errors_names_of_ended_jobs_and_deaths_seen_by_a_poll(local_ray)
         while "replica-0" not in cluster.lost:
             assert time.monotonic() < deadline
             cluster.snapshots(timeout_s=2.0)
-        assert [r["alive"] for r in cluster.replica_rows()] == [False, True]
+        assert [r.alive for r in cluster.replica_rows()] == [False, True]
         assert cluster.job_names() == [] and OBSERVE == "observe"

@@ -27,14 +27,14 @@ def test_a_cancel_that_comes_before_its_generation_stops_it_there(tmp_path):
         replica.cancel_generation("b")  # before "b" reaches the replica
         cut = list(replica.generate("llama", [1, 2, 3], SamplingParams(max_tokens=200, temperature=0), "b"))
         assert cut[-1].reason == "cancelled" and cut[-1].completion_tokens < 200
-        assert replica.snapshot()["llms"]["llama"]["running"] == 0
+        assert replica.snapshot().llms["llama"].running == 0
     finally:
         replica.close()
 
 
 class _Owner:
-    def llm_snapshot(self, name):
-        return {}
+    def llm_snapshots(self, name):
+        return []
 
 
 def test_the_relay_counts_tokens_and_keeps_the_replicas_own_error():

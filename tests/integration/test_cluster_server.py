@@ -177,7 +177,7 @@ def test_a_starved_training_job_moves_to_an_idle_replica_and_ends_as_if_never_mo
         try:
             args = model.example_inputs()
             backend.infer("mlp", *args)
-            busy = next(r["replica"] for r in cluster.replica_rows() if r["routed_resident"])
+            busy = next(r.replica for r in cluster.replica_rows() if r.routed_resident)
             actor = next(slot.actor for slot in cluster.slots if slot.name == busy)
             workload = TrainingWorkload.parse("tiny_cnn:8")
             kwargs = {**workload.train_args(), "iterations": 200, "seed": 3}

@@ -51,15 +51,15 @@ def test_variants_share_their_base_and_a_switch_copies_only_what_differs():
     with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True, copy_delay_s=0.002) as rt:
         for v in range(3):
             register(rt, v)
-        shared = rt.snapshot()["shared"]
-        assert shared["sets"] == 1 and shared["shared_bytes"] >= BASE_BYTES
-        assert shared["own_bytes"] + shared["shared_bytes"] < shared["logical_bytes"] / 2
+        shared = rt.snapshot().shared
+        assert shared.sets == 1 and shared.shared_bytes >= BASE_BYTES
+        assert shared.own_bytes + shared.shared_bytes < shared.logical_bytes / 2
         own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
         assert all(n < BASE_BYTES / 2 for n in own.values())
 
         first = loads_of(rt, "v0")  # copies the set too
         assert torch.equal(first.output, want(0))
-        assert first.record.moved_bytes == own["v0"] + shared["shared_bytes"]
+        assert first.record.moved_bytes == own["v0"] + shared.shared_bytes
         for rep in range(2):
             for v in (1, 2, 0):
                 rt.evict(f"v{(v - 1) % 3}")
@@ -69,7 +69,7 @@ def test_variants_share_their_base_and_a_switch_copies_only_what_differs():
                 # second load of a model is pipelined, the first copies it whole).
                 assert call.record.moved_bytes <= own[f"v{v}"], (rep, v, call.record.moved_bytes)
                 assert torch.equal(rt.infer(f"v{v}", IDS), want(v))  # resident
-        assert rt.diagnostics()["shared"]["resident_shared_bytes"] == shared["shared_bytes"]
+        assert rt.diagnostics()["shared"]["resident_shared_bytes"] == shared.shared_bytes
 
 
 def test_a_resident_model_whose_tensors_become_shared_is_laid_out_again_and_stays_exact():
@@ -89,7 +89,7 @@ def test_a_pinned_model_whose_tensors_become_shared_is_resident_again_after_the_
         register(rt, 0, pin=True)
         assert torch.equal(rt.infer("v0", IDS), want(0))
         register(rt, 1)  # v0 is laid out again: it leaves the arena, and comes back
-        assert rt.is_resident("v0") and rt.snapshot()["shared"]["sets"] == 1
+        assert rt.is_resident("v0") and rt.snapshot().shared.sets == 1
         call = rt.call("v0", (IDS,))
         assert not call.record.loaded and torch.equal(call.output, want(0))
         assert torch.equal(rt.infer("v1", IDS), want(1))
@@ -109,8 +109,8 @@ def test_unregistering_gives_every_byte_back():
         rt.unregister("v2")
         assert worker.shared == {} and worker.models == {}
         assert rt.stats()["used_bytes"] == 0
-        shared = rt.snapshot()["shared"]
-        assert (shared["sets"], shared["own_bytes"], shared["shared_bytes"], shared["resident_shared_bytes"]) == \
+        shared = rt.snapshot().shared
+        assert (shared.sets, shared.own_bytes, shared.shared_bytes, shared.resident_shared_bytes) == \
             (0, 0, 0, 0)
         register(rt, 1)  # registering anew starts from nothing
         assert torch.equal(rt.infer("v1", IDS), want(1))
@@ -144,7 +144,7 @@ def test_a_load_copies_the_whole_set_also_what_its_model_does_not_use():
         register(rt, 1)
         rt.register("v2", v2, example_inputs=(IDS,))
         rt.register("other", big, example_inputs=(IDS,))
-        assert rt.snapshot()["shared"]["sets"] == 1
+        assert rt.snapshot().shared.sets == 1
         with torch.no_grad():
             want2 = v2()(IDS)
             for _ in range(2):  # the second time v2's load is pipelined
@@ -171,7 +171,7 @@ def test_a_failed_relayout_changes_nothing(monkeypatch):
         with pytest.raises(OSError, match="no room"):
             register(rt, 1)
         monkeypatch.undo()
-        assert rt.models() == ["v0"] and rt.snapshot()["shared"]["sets"] == 0
+        assert rt.models() == ["v0"] and rt.snapshot().shared.sets == 0
         assert torch.equal(rt.infer("v0", IDS), want(0))
         # The executor lets go of v0's old copy, then refuses the new one: v0 gets its
         # old layout back and still answers.
@@ -186,11 +186,11 @@ def test_a_failed_relayout_changes_nothing(monkeypatch):
         with pytest.raises(OSError, match="worker refused"):
             register(rt, 1)
         monkeypatch.undo()
-        assert rt.models() == ["v0"] and rt.snapshot()["shared"]["sets"] == 0
+        assert rt.models() == ["v0"] and rt.snapshot().shared.sets == 0
         assert rt.in_process_worker().shared == {}
         assert torch.equal(rt.infer("v0", IDS), want(0))
         register(rt, 1)  # and it works once the cause is gone
-        assert rt.snapshot()["shared"]["sets"] == 1
+        assert rt.snapshot().shared.sets == 1
         assert torch.equal(rt.infer("v1", IDS), want(1)) and torch.equal(rt.infer("v0", IDS), want(0))
         rt.unregister("v0")
         rt.unregister("v1")
@@ -223,7 +223,7 @@ def test_equal_digests_with_different_bytes_are_not_shared(monkeypatch):
     with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True) as rt:
         rt.register("a", functools.partial(variant_net, 0, base_seed=1), example_inputs=(IDS,))
         rt.register("b", functools.partial(variant_net, 0, base_seed=2), example_inputs=(IDS,))
-        assert rt.snapshot()["shared"]["sets"] == 0
+        assert rt.snapshot().shared.sets == 0
         with torch.no_grad():
             assert torch.equal(rt.infer("b", IDS), variant_net(0, base_seed=2)(IDS))
             assert torch.equal(rt.infer("a", IDS), variant_net(0, base_seed=1)(IDS))
@@ -233,9 +233,9 @@ def test_other_dtypes_share_nothing_and_the_same_dtype_shares():
     with Runtime("cpu", "64MiB", dedup=True) as rt:
         register(rt, 0)
         register(rt, 1, dtype="bfloat16")
-        assert rt.snapshot()["shared"]["sets"] == 0  # converted bytes differ
+        assert rt.snapshot().shared.sets == 0  # converted bytes differ
         register(rt, 2, dtype="bfloat16")
-        assert rt.snapshot()["shared"]["sets"] == 1
+        assert rt.snapshot().shared.sets == 1
         assert torch.equal(rt.infer("v0", IDS), want(0))
         for v in (1, 2):
             assert torch.equal(rt.infer(f"v{v}", IDS.clone()), want(v, torch.bfloat16))
@@ -256,8 +256,8 @@ def test_with_workers_variants_share_their_base_and_answer_exactly():
     with Runtime("cpu", "64MiB", dedup=True, workers=2, poison_evicted=True) as rt:
         for v in range(3):
             register(rt, v)
-        shared = rt.snapshot()["shared"]
-        assert shared["sets"] == 1
+        shared = rt.snapshot().shared
+        assert shared.sets == 1
         own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
         assert torch.equal(rt.infer("v0", IDS), want(0))
         for v in (1, 2, 0, 1):
@@ -269,8 +269,8 @@ def test_with_workers_variants_share_their_base_and_answer_exactly():
         for pid in rt.worker_pids():
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while rt.snapshot()["workers"]["replacements"] < 2 or rt.snapshot()["workers"]["ready"] < 2:
-            assert time.monotonic() < deadline, rt.snapshot()["workers"]
+        while rt.snapshot().workers.replacements < 2 or rt.snapshot().workers.ready < 2:
+            assert time.monotonic() < deadline, rt.snapshot().workers
             time.sleep(0.05)
         for v in (0, 1, 2):
             rt.evict(f"v{v}")
@@ -279,7 +279,7 @@ def test_with_workers_variants_share_their_base_and_answer_exactly():
         rt.unregister("v1")
         assert torch.equal(rt.infer("v2", IDS), want(2))
         rt.unregister("v2")
-        assert rt.snapshot()["shared"]["sets"] == 0 and rt.stats()["used_bytes"] == 0
+        assert rt.snapshot().shared.sets == 0 and rt.stats()["used_bytes"] == 0
 
 
 OWN_BYTES = sum(p.numel() * 4 for name, p in VariantNet().named_parameters() if name.startswith(("head", "out")))
@@ -294,20 +294,20 @@ def test_under_a_host_budget_the_sets_stay_and_the_variants_stores_come_back_fro
                  poison_evicted=True) as rt:
         for v in range(6):
             register(rt, v)
-            assert rt.snapshot()["host_tier"]["used"] <= budget
-        shared = rt.snapshot()["shared"]
-        tier = rt.snapshot()["host_tier"]
-        assert shared["sets"] == 1 and tier["shared_bytes"] == shared["shared_bytes"] >= BASE_BYTES
-        assert tier["drops"] >= 3  # six own stores do not fit beside the set
+            assert rt.snapshot().host_tier.used <= budget
+        shared = rt.snapshot().shared
+        tier = rt.snapshot().host_tier
+        assert shared.sets == 1 and tier.shared_bytes == shared.shared_bytes >= BASE_BYTES
+        assert tier.drops >= 3  # six own stores do not fit beside the set
         for v in (0, 3, 1, 5, 2, 4, 0):
             assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
             rt.evict(f"v{v}", host=True)
-            assert rt.snapshot()["host_tier"]["used"] <= budget
-        tier = rt.snapshot()["host_tier"]
-        assert tier["fills"] >= 6 and tier["bytes_read"] >= 6 * OWN_BYTES
+            assert rt.snapshot().host_tier.used <= budget
+        tier = rt.snapshot().host_tier
+        assert tier.fills >= 6 and tier.bytes_read >= 6 * OWN_BYTES
         for v in range(6):
             rt.unregister(f"v{v}")
-        assert rt.snapshot()["host_tier"]["used"] == 0 and rt.snapshot()["shared"]["sets"] == 0
+        assert rt.snapshot().host_tier.used == 0 and rt.snapshot().shared.sets == 0
         assert list(tmp_path.iterdir()) == []  # every spill file removed
 
 
@@ -326,9 +326,9 @@ def test_under_a_host_budget_a_load_read_from_disk_copies_the_set_it_misses_besi
             with torch.no_grad():
                 assert torch.equal(rt.infer("other", IDS), other()(IDS))
             assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
-            before = rt.snapshot()["host_tier"]["streamed_fills"]
+            before = rt.snapshot().host_tier.streamed_fills
             assert torch.equal(rt.infer("v0", IDS), want(0))
-            assert rt.snapshot()["host_tier"]["streamed_fills"] == before + 1
+            assert rt.snapshot().host_tier.streamed_fills == before + 1
 
 
 def test_under_a_host_budget_a_dropped_store_is_read_back_to_be_matched():
@@ -340,7 +340,7 @@ def test_under_a_host_budget_a_dropped_store_is_read_back_to_be_matched():
         rt.register("other", other, example_inputs=(IDS,))
         assert rt.diagnostics()["host_tier"]["stores"]["v0"]["filled"] is False  # dropped for "other"
         register(rt, 1)
-        assert rt.snapshot()["shared"]["sets"] == 1
+        assert rt.snapshot().shared.sets == 1
         with torch.no_grad():
             assert torch.equal(rt.infer("other", IDS), other()(IDS))
         for v in (1, 0, 1):
@@ -359,13 +359,13 @@ def test_under_a_host_budget_a_store_that_cannot_come_back_is_not_matched_and_fa
         (spill,) = [p for p in tmp_path.iterdir() if p.name.startswith("v0-")]
         os.truncate(spill, spill.stat().st_size - 100)
         register(rt, 1)
-        assert rt.snapshot()["shared"]["sets"] == 0
+        assert rt.snapshot().shared.sets == 0
         assert torch.equal(rt.infer("v1", IDS), want(1))
         with pytest.raises(WeightsError, match="damaged"):
             rt.infer("v0", IDS)
         assert torch.equal(rt.infer("v1", IDS), want(1))
         register(rt, 2)  # matched against v1's copy now, not v0's lost one
-        assert rt.snapshot()["shared"]["sets"] == 1
+        assert rt.snapshot().shared.sets == 1
         for v in (2, 1):
             assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
 
@@ -379,7 +379,7 @@ def test_under_a_host_budget_a_registration_whose_sets_would_crowd_out_another_m
         register(rt, 0)
         with pytest.raises(MemoryBudgetError, match="model 'other' needs .* beside the .* shared tensors held"):
             register(rt, 1)
-        assert rt.models() == ["other", "v0"] and rt.snapshot()["shared"]["sets"] == 0
+        assert rt.models() == ["other", "v0"] and rt.snapshot().shared.sets == 0
         with torch.no_grad():
             assert torch.equal(rt.infer("other", IDS), other()(IDS))
         assert torch.equal(rt.infer("v0", IDS), want(0))
@@ -392,7 +392,7 @@ def test_under_a_host_budget_a_variant_that_does_not_fit_beside_the_sets_is_refu
         big_head = functools.partial(variant_net, 2, tuned=("head", "out", "base"))
         with pytest.raises(MemoryBudgetError, match="shared tensors held"):
             rt.register("v2", big_head, example_inputs=(IDS,))
-        assert rt.models() == ["v0", "v1"] and rt.snapshot()["shared"]["sets"] == 1
+        assert rt.models() == ["v0", "v1"] and rt.snapshot().shared.sets == 1
         for v in (0, 1):
             assert torch.equal(rt.infer(f"v{v}", IDS), want(v)), v
 
@@ -437,7 +437,7 @@ def test_with_lanes_a_model_laid_out_again_is_laid_out_once_its_running_call_end
         finally:
             SlowVariant.delay = 0.0
         assert torch.equal(done["out"], want(0)) and registered >= done["at"]
-        assert rt.snapshot()["shared"]["sets"] == 1
+        assert rt.snapshot().shared.sets == 1
         assert torch.equal(rt.infer("v1", IDS), want(1)) and torch.equal(rt.infer("s0", IDS), want(0))
 
 

@@ -109,12 +109,12 @@ def test_with_workers_a_resident_model_keeps_its_embedding_on_the_host_in_every_
         rt.evict("e")
         assert torch.equal(rt.infer("e", IDS), want())  # pipelined: the embedding stays on the host
         assert rt.profile("e").direct_layers == 1
-        replaced = rt.snapshot()["workers"]["replacements"]
+        replaced = rt.snapshot().workers.replacements
         for pid in rt.worker_pids():
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while rt.snapshot()["workers"]["replacements"] < replaced + 2 or rt.snapshot()["workers"]["ready"] < 2:
-            assert time.monotonic() < deadline, rt.snapshot()["workers"]
+        while rt.snapshot().workers.replacements < replaced + 2 or rt.snapshot().workers.ready < 2:
+            assert time.monotonic() < deadline, rt.snapshot().workers
             time.sleep(0.05)
         assert rt.is_resident("e")
         for _ in range(3):
@@ -136,7 +136,7 @@ def test_a_shared_embedding_is_read_from_its_sets_host_store_and_its_set_still_a
         for v in range(3):
             rt.register(f"e{v}", functools.partial(embed_variant, v), example_inputs=(IDS,))
         rt.register("other", other, example_inputs=(IDS,))
-        assert rt.snapshot()["shared"]["sets"] == 1
+        assert rt.snapshot().shared.sets == 1
         assert torch.equal(rt.infer("e0", IDS), variant(0))  # the first load copies whole and profiles
         assert rt.profile("e0").direct_layers == 1
         for v in (1, 2):

@@ -61,8 +61,8 @@ def test_every_reply_answers_its_own_request_while_workers_are_killed():
         assert len(rt.worker_pids()) == 2
         # The kills happened: each worker killed was replaced, and some requests failed with them.
         deadline = time.monotonic() + 60
-        while rt.snapshot()["workers"]["replacements"] < len(killed):
-            assert time.monotonic() < deadline, (len(killed), rt.snapshot()["workers"])
+        while rt.snapshot().workers.replacements < len(killed):
+            assert time.monotonic() < deadline, (len(killed), rt.snapshot().workers)
             time.sleep(0.05)
     assert not wrong, f"wrong answers at requests {wrong} ({ok} correct, {failures} failed)"
     assert ok >= 20 and len(killed) >= 10 and failures >= 1, (ok, len(killed), failures)
@@ -101,9 +101,9 @@ def test_a_hung_worker_costs_one_call_deadline_not_the_request_timeout():
         assert time.monotonic() - t0 < 30  # one short deadline, not the 60 s cap
         assert first not in rt.worker_pids()
         assert torch.equal(rt.infer("slow", x, delay_s=0.0), _reference(x))
-        workers = rt.snapshot()["workers"]
-        assert workers["failures"]["hung"] == 1 and workers["last_failure"]["kind"] == "hung"
-        assert "did not answer within 1 s" in workers["last_failure"]["cause"]
+        workers = rt.snapshot().workers
+        assert workers.failures["hung"] == 1 and workers.last_failure.kind == "hung"
+        assert "did not answer within 1 s" in workers.last_failure.cause
 
 
 def test_a_hung_training_worker_is_found_by_its_iteration_deadline():
@@ -130,7 +130,7 @@ def test_a_hung_training_worker_is_found_by_its_iteration_deadline():
                 _kill(pid, signal.SIGCONT)
         assert time.monotonic() - t0 < 30
         assert isinstance(job.error, WorkerTimeoutError) and "training bg" in str(job.error), job.error
-        assert rt.snapshot()["workers"]["failures"]["hung"] == 1
+        assert rt.snapshot().workers.failures["hung"] == 1
 
 
 def test_a_worker_killed_before_its_handshake_is_replaced():
@@ -157,10 +157,10 @@ def test_a_worker_killed_before_its_handshake_is_replaced():
         idle = rt.worker_pids()[1]
         _kill(idle)
         deadline = time.monotonic() + 60
-        while idle in rt.worker_pids() or rt.snapshot()["workers"]["ready"] < 2:
-            assert time.monotonic() < deadline, rt.snapshot()["workers"]
+        while idle in rt.worker_pids() or rt.snapshot().workers.ready < 2:
+            assert time.monotonic() < deadline, rt.snapshot().workers
             time.sleep(0.1)
-        assert rt.snapshot()["workers"]["replacements"] >= 4
+        assert rt.snapshot().workers.replacements >= 4
 
 
 def _bare_worker():

@@ -61,7 +61,7 @@ def test_unregister_and_close_give_every_byte_back_with_workers():
         store = set(shm_mappings(pids[0])) - base[pids[0]]
         assert len(store) == 1
         (name,) = store
-        host = rt.snapshot()["host_bytes"]
+        host = rt.snapshot().host_bytes
         assert host > 0 and shm_mappings(pids[0])[name] >= host  # the segment, page-rounded
         assert exists(name) and all(set(shm_mappings(p)) == base[p] | store for p in pids)  # every worker maps it
         with torch.no_grad():
@@ -70,7 +70,7 @@ def test_unregister_and_close_give_every_byte_back_with_workers():
         assert rt.stats()["used_bytes"] > 0
 
         rt.unregister("m")
-        assert rt.stats()["used_bytes"] == 0 and rt.snapshot()["host_bytes"] == 0
+        assert rt.stats()["used_bytes"] == 0 and rt.snapshot().host_bytes == 0
         assert not exists(name) and set(shm_mappings()) - mine == ours
         assert all(set(shm_mappings(p)) == base[p] for p in pids)  # the workers let go of it too
     finally:
@@ -92,11 +92,11 @@ def test_unregister_and_close_give_every_byte_back_in_process():
         assert set(shm_mappings()) - mine == arena  # the host store is private memory, not shared
         rt.infer("m", X)
         snap = rt.snapshot()
-        assert snap["used_bytes"] > 0 and snap["host_bytes"] > 0
-        assert snap["host_pinned_bytes"] == 0  # nothing is page-locked for the CPU
+        assert snap.used_bytes > 0 and snap.host_bytes > 0
+        assert snap.host_pinned_bytes == 0  # nothing is page-locked for the CPU
         rt.unregister("m")
         snap = rt.snapshot()
-        assert snap["used_bytes"] == 0 and snap["host_bytes"] == 0 and snap["resident"] == {}
+        assert snap.used_bytes == 0 and snap.host_bytes == 0 and snap.resident == {}
     finally:
         rt.close()
     assert not any(exists(n) for n in arena) and set(shm_mappings()) - mine == set()

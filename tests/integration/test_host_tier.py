@@ -44,11 +44,11 @@ def test_a_file_registration_reads_only_the_header_until_a_load_needs_the_weight
         s = stores(rt)["a"]
         assert not s["filled"] and s["backing"] == str(path)
         assert s["resident_bytes"] < s["nbytes"] // 4  # the tracing pass read zero pages only
-        assert rt.snapshot()["host_tier"]["bytes_read"] == 0
+        assert rt.snapshot().host_tier.bytes_read == 0
         assert torch.equal(rt.infer("a", X), reference(1))
         s = stores(rt)["a"]
         assert s["filled"] and s["resident_bytes"] >= s["nbytes"] * 0.9
-        assert rt.snapshot()["host_tier"]["bytes_read"] >= NBYTES * 0.95  # the buffer lives in memory
+        assert rt.snapshot().host_tier.bytes_read >= NBYTES * 0.95  # the buffer lives in memory
         assert rt.evict("a", host=True)  # out of device and host memory, on request
         s = stores(rt)["a"]
         assert not s["filled"] and s["resident_bytes"] == 0
@@ -76,10 +76,10 @@ def test_models_beyond_the_host_budget_are_served_exactly_and_their_pages_given_
                 if not s["filled"]:
                     assert s["resident_bytes"] <= 64 << 10, s  # dropped: the pages went back
             assert sum(held) <= budget + n * (64 << 10)
-        tier = rt.snapshot()["host_tier"]
-        assert tier["drops"] > 0 and tier["fills"] > n // 2 and rt.stats()["evictions"] > 0
-        assert tier["streamed_fills"] > 0  # reloads read from disk while their groups were copied
-        assert tier["spilled_bytes"] > 0 and len(list((tmp_path / "spill").iterdir())) > 0
+        tier = rt.snapshot().host_tier
+        assert tier.drops > 0 and tier.fills > n // 2 and rt.stats()["evictions"] > 0
+        assert tier.streamed_fills > 0  # reloads read from disk while their groups were copied
+        assert tier.spilled_bytes > 0 and len(list((tmp_path / "spill").iterdir())) > 0
 
 
 @pytest.mark.parametrize("damage", ["truncated", "rewritten", "removed"])
@@ -112,7 +112,7 @@ def test_a_model_larger_than_the_host_budget_is_refused_and_leaves_nothing(tmp_p
     with Runtime("cpu", "4MiB", host_memory=NBYTES // 2, workers=0) as rt:
         with pytest.raises(MemoryBudgetError, match="more than the whole host budget"):
             rt.register("big", "tests.models:tier_net", write(tmp_path, 1), (X,))
-        assert rt.models() == [] and rt.snapshot()["host_tier"]["models"] == 0
+        assert rt.models() == [] and rt.snapshot().host_tier.models == 0
 
 
 def test_spill_files_go_with_their_models_and_the_default_folder_with_the_runtime(tmp_path):
@@ -152,7 +152,7 @@ def test_bad_host_options_are_refused_up_front(tmp_path):
         with pytest.raises(ConfigError, match="host_memory"):
             Runtime("cpu", "4MiB", host_memory=bad)
     with Runtime("cpu", "4MiB", host_memory="auto") as rt:
-        assert rt.snapshot()["host_tier"]["budget"] > 0
+        assert rt.snapshot().host_tier.budget > 0
         with pytest.raises(ConfigError, match="example_inputs"):
             rt.register("a", "tests.models:tier_net", write(tmp_path, 1))
         assert rt.models() == []
@@ -175,12 +175,12 @@ def test_a_reload_streamed_from_slow_disk_computes_with_every_group_in_place(tmp
             rt.register(f"m{i}", "tests.models:tier_net", write(tmp_path, i), (X,))
         for i in (0, 1):  # first loads: profiled, so the reloads are pipelined
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
-        before = rt.snapshot()["host_tier"]["streamed_fills"]
+        before = rt.snapshot().host_tier.streamed_fills
         monkeypatch.setattr(backing, "READ_CHUNK", 4096)
         monkeypatch.setattr(backing.os, "preadv", slow)
         for i in (0, 1, 0, 1):
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
-        assert rt.snapshot()["host_tier"]["streamed_fills"] == before + 4  # each reload read from disk
+        assert rt.snapshot().host_tier.streamed_fills == before + 4  # each reload read from disk
 
 
 def test_host_memory_keeps_what_the_device_lets_go_and_drops_second_copies_first(tmp_path):
@@ -194,8 +194,8 @@ def test_host_memory_keeps_what_the_device_lets_go_and_drops_second_copies_first
             rt.register(f"m{i}", "tests.models:tier_net", path, (X,))
         for i in (0, 1, 2, 0):
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
-        tier = rt.snapshot()["host_tier"]
-        assert tier["fills"] == 3 and tier["demotions"] >= 1  # m0's second load came from host memory
+        tier = rt.snapshot().host_tier
+        assert tier.fills == 3 and tier.demotions >= 1  # m0's second load came from host memory
         assert rt.resident() == ["m2", "m0"]
         for i in (1, 2, 0):
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
@@ -215,7 +215,7 @@ def test_a_worker_killed_during_a_load_from_disk_fails_that_call_alone():
             assert isinstance(result.get("error"), WorkerCrashedError), result
             assert not stores(rt)["slow"]["filled"]  # what the dead worker read is not trusted
             assert torch.equal(rt.infer("slow", x, delay_s=0.0), want)  # read again, by a standby
-        assert rt.snapshot()["host_tier"]["streamed_fills"] >= 2
+        assert rt.snapshot().host_tier.streamed_fills >= 2
 
 
 def test_keeping_a_leaving_model_never_drops_the_store_being_loaded(tmp_path):
@@ -258,7 +258,7 @@ def test_models_leaving_host_memory_are_not_kept_at_others_expense(tmp_path):
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
         assert stores(rt)["m1"]["filled"] and not stores(rt)["m0"]["filled"]
         rt.unregister("m0")
-        assert stores(rt)["m1"]["filled"] and rt.snapshot()["host_tier"]["demotions"] == 0
+        assert stores(rt)["m1"]["filled"] and rt.snapshot().host_tier.demotions == 0
         assert torch.equal(rt.infer("m1", X), reference(1))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tests.llm_reference import greedy_tokens
 from timeshare.errors import ConfigError, LaneExceededError, Unavailable, WeightsError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
+from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import ContextLengthError, Delta, Finish, TokenTiming
@@ -168,7 +170,7 @@ def test_under_a_kv_budget_the_least_recent_caches_wait_in_host_memory(tmp_path,
         assert first.result(60).tokens == reference(PROMPTS[0], 80)
         assert other.result(60).tokens == want_qwen
         assert a.engine.turns >= 2 and b.engine.turns >= 2  # they took turns
-        moves = budget.snapshot()["moves"]
+        moves = budget.snapshot().moves
         if kv_memory < 1 << 20:
             assert moves >= 2 and a.engine.kv_offloads >= 1 and b.engine.kv_offloads >= 1
         else:
@@ -248,7 +250,7 @@ def test_sequences_that_join_a_running_batch_get_the_tokens_they_would_alone(lla
             assert got.tokens == reference(prompt, 40)
         alone = sum(len(r.tokens) - 1 for r in results)  # decode steps had each run alone
         assert m.engine.steps - steps0 < alone - 20
-        assert m.engine.snapshot()["kv_bytes"] == 0 and m.engine.snapshot()["running"] == 0
+        assert m.engine.snapshot().kv_bytes == 0 and m.engine.snapshot().running == 0
         m.close()
 
 
@@ -298,11 +300,11 @@ def test_a_cancelled_sequence_is_freed_and_the_others_carry_on(llama, reference)
         assert isinstance(finish, Finish) and finish.reason == "cancelled"
         assert len(long.tokens) < 200
         deadline = time.monotonic() + 10
-        while m.engine.snapshot()["kv_bytes"] and time.monotonic() < deadline:
+        while m.engine.snapshot().kv_bytes and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert m.engine.snapshot() | {"steps": 0, "turns": 0} == {
-            "running": 0, "waiting": 0, "kv_bytes": 0, "kv_host_bytes": 0, "kv_offloads": 0, "steps": 0, "turns": 0,
-            "max_sequences": 8, "max_context": 256}
+        assert replace(m.engine.snapshot(), steps=0, turns=0) == EngineSnapshot(
+            running=0, waiting=0, kv_bytes=0, kv_host_bytes=0, kv_offloads=0, steps=0, turns=0,
+            max_sequences=8, max_context=256)
         m.close()
 
 
@@ -327,7 +329,7 @@ def test_bad_requests_are_refused_and_queued_work_fails_on_close(llama):
         finish = list(seq.events(30))[-1]
         assert isinstance(finish, Finish) and finish.reason == "error" and "closed" in str(finish.error)
         assert seq.tokens == []  # closed before its turn came: never prefilled
-        assert gate.is_set() and m.engine.snapshot()["kv_bytes"] == 0
+        assert gate.is_set() and m.engine.snapshot().kv_bytes == 0
         with pytest.raises(Unavailable, match="closed"):
             m.generate(m.encode("a"), SamplingParams(max_tokens=5))
 
@@ -363,13 +365,13 @@ def test_under_a_host_budget_the_shards_are_read_only_when_needed_and_again_afte
     with Runtime("cpu", "4MiB", host_memory="3MiB", poison_evicted=True) as rt:
         a = lm.load(rt, "llama", llama, profile=False)
         b = lm.load(rt, "qwen", qwen, profile=False)
-        host = rt.snapshot()["host_tier"]
-        assert host["filled"] == 0 and host["bytes_read"] == 0  # registered from the headers alone
+        host = rt.snapshot().host_tier
+        assert host.filled == 0 and host.bytes_read == 0  # registered from the headers alone
         for _ in range(2):
             assert a.generate(a.encode(PROMPTS[0]), GREEDY).result(60).tokens == reference(PROMPTS[0])
             assert b.generate(ids[0].tolist(), GREEDY).result(60).tokens == want_qwen
-        host = rt.snapshot()["host_tier"]
-        assert host["drops"] >= 2 and host["fills"] >= 3 and host["bytes_read"] > 0
+        host = rt.snapshot().host_tier
+        assert host.drops >= 2 and host.fills >= 3 and host.bytes_read > 0
         # A shard rewritten after registration fails that model's generation alone.
         rt.evict("qwen", host=True)
         shard = hfdir.shard_files(qwen)[-1]
@@ -404,5 +406,5 @@ def test_a_fault_choosing_one_sequences_token_fails_that_sequence_alone(llama, r
         finish = list(bad.events(60))[-1]
         assert isinstance(finish, Finish) and finish.reason == "error" and "sampling broke" in str(finish.error)
         assert len(bad.tokens) == 2
-        assert m.engine.snapshot()["running"] == 0 and m.engine.snapshot()["kv_bytes"] == 0
+        assert m.engine.snapshot().running == 0 and m.engine.snapshot().kv_bytes == 0
         m.close()

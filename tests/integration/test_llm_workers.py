@@ -41,7 +41,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def homes(rt: Runtime) -> dict:
-    return rt.snapshot()["workers"]["kv_homes"]
+    return rt.snapshot().workers.kv_homes
 
 
 def test_generation_in_a_worker_equals_transformers_alone_batched_cold_and_preempted(llama, reference):
@@ -65,9 +65,9 @@ def test_generation_in_a_worker_equals_transformers_alone_batched_cold_and_preem
         for prompt, seq, n in zip(PROMPTS, seqs, lengths):
             assert seq.result(60).tokens == reference(prompt, n)
         home = next(h for h in seen if h)
-        first = rt.snapshot()["workers"]["workers"][0]["id"]
+        first = rt.snapshot().workers.workers[0].id
         assert len(home) == 1 and first not in home.values()  # one home, not the first worker
-        assert m.engine.snapshot()["kv_bytes"] == 0
+        assert m.engine.snapshot().kv_bytes == 0
         m.close()
 
 
@@ -80,7 +80,7 @@ def decoding_in_its_home(rt: Runtime, llama):
     while len(seq.tokens) < 3 and time.monotonic() < deadline:
         time.sleep(0.002)
     [home_id] = homes(rt).values()
-    pid = next(w["pid"] for w in rt.snapshot()["workers"]["workers"] if w["id"] == home_id)
+    pid = next(w.pid for w in rt.snapshot().workers.workers if w.id == home_id)
     return m, seq, home_id, pid
 
 
@@ -98,8 +98,8 @@ def test_a_killed_home_fails_the_rows_it_held_and_the_next_generation_starts_ane
             seq.result(60)
         assert 3 <= len(seq.tokens) < 200
         assert again.result(60).tokens == reference(PROMPTS[1], 16)
-        workers = rt.snapshot()["workers"]["workers"]
-        assert home_id not in [w["id"] for w in workers] and len(workers) == 2
+        workers = rt.snapshot().workers.workers
+        assert home_id not in [w.id for w in workers] and len(workers) == 2
         m.close()
 
 
@@ -121,7 +121,7 @@ def test_in_a_worker_caches_wait_in_host_memory_under_offload_kv_and_a_kv_budget
         other = b.generate(b.encode(PROMPTS[1]), greedy(60))
         assert first.result(60).tokens == reference(PROMPTS[0], 60)
         assert other.result(60).tokens == want_qwen
-        assert a.engine.kv_offloads >= 1 and b.engine.kv_offloads >= 1 and budget.snapshot()["moves"] >= 1
+        assert a.engine.kv_offloads >= 1 and b.engine.kv_offloads >= 1 and budget.snapshot().moves >= 1
         assert a.engine.kv_host_bytes == b.engine.kv_host_bytes == 0 and homes(rt) == {}
         a.close()
         b.close()

@@ -303,8 +303,8 @@ def test_listeners_see_every_call_and_eviction(rt):
     assert evictions == ["b", "b"]  # by request, then the failed load's block
     snap = rt.snapshot()
     a_bytes = rt.diagnostics()["models"]["a"]["nbytes"]
-    assert snap["failures"] == 1 and snap["evictions"] == 2 and snap["resident"] == {"a": a_bytes}
-    assert snap["loads"] == {"a": 1, "b": 1} and snap["host_pinned_bytes"] == 0
+    assert snap.failures == 1 and snap.evictions == 2 and snap.resident == {"a": a_bytes}
+    assert snap.loads == {"a": 1, "b": 1} and snap.host_pinned_bytes == 0
 
 
 def test_priority_and_slo_are_checked_at_registration(rt):

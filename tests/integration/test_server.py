@@ -256,8 +256,8 @@ def test_metrics_follow_prometheus_conventions(http, server):
     assert metric(text, "timeshare_requests_total", model="cnn", code="200") >= 1
     assert metric(text, "timeshare_switches_total") >= 1
     snap = server.service.runtime.snapshot()
-    assert metric(text, "timeshare_arena_capacity_bytes") == snap["capacity_bytes"] > 590_000
-    assert metric(text, "timeshare_arena_used_bytes") == snap["used_bytes"] > 0
+    assert metric(text, "timeshare_arena_capacity_bytes") == snap.capacity_bytes > 590_000
+    assert metric(text, "timeshare_arena_used_bytes") == snap.used_bytes > 0
     assert metric(text, "timeshare_device_busy_seconds_total", task="training") > 0
 
 

@@ -33,7 +33,7 @@ def check_exact(rt: Runtime, ledger: LockLedger) -> None:
     filled = {name: s["nbytes"] for name, s in stores(rt).items() if s["filled"]}
     assert locked_by_name(rt, ledger) == filled
     snap = rt.snapshot()
-    assert snap["host_pinned_bytes"] == ledger.locked == snap["host_tier"]["used"]
+    assert snap.host_pinned_bytes == ledger.locked == snap.host_tier.used
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["streamed", "converted"])
@@ -61,17 +61,17 @@ def test_every_store_is_locked_before_its_bytes_come_back_and_unlocked_before_th
             check_exact(rt, ledger)
             assert torch.equal(rt.infer(f"m{i}", x), reference(i, dtype=None if dtype is None else torch.bfloat16))
             check_exact(rt, ledger)
-        tier = rt.snapshot()["host_tier"]
-        assert tier["drops"] >= 3 and tier["demotions"] >= 1
-        assert (tier["streamed_fills"] >= 3) == (dtype is None)
+        tier = rt.snapshot().host_tier
+        assert tier.drops >= 3 and tier.demotions >= 1
+        assert (tier.streamed_fills >= 3) == (dtype is None)
         # Every store came from a file, so each lock found its pages blank: it came before
         # the reads (or the copy from the device) wrote anything; every unlock found them
         # still holding the bytes: it came before they were given back.
-        assert len(ledger.registered) == tier["fills"] + tier["demotions"]
+        assert len(ledger.registered) == tier.fills + tier.demotions
         assert all(ledger.blank_at_lock) and all(ledger.held_at_unlock)
         for i in range(3):
             rt.unregister(f"m{i}")
-        assert ledger.live == {} and rt.snapshot()["host_pinned_bytes"] == 0
+        assert ledger.live == {} and rt.snapshot().host_pinned_bytes == 0
     assert ledger.unregistered == len(ledger.registered)
 
 
@@ -92,7 +92,7 @@ def test_a_spilled_store_is_locked_from_registration_and_again_each_time_it_is_r
             check_exact(rt, ledger)
             assert ledger.blank_at_lock[-1]  # locked before the read from the spill file
         assert ledger.blank_at_lock == [False, True, True, True] and all(ledger.held_at_unlock)
-        assert rt.snapshot()["host_tier"]["streamed_fills"] == 3
+        assert rt.snapshot().host_tier.streamed_fills == 3
     assert ledger.live == {}
 
 
@@ -125,9 +125,9 @@ def test_a_store_that_cannot_be_locked_is_read_back_unlocked(tmp_path, caplog):
         rt.register("a", "tests.models:tier_net", path, (X,))
         for _ in range(3):
             assert torch.equal(rt.infer("a", X), reference(1))
-            assert not worker.store_pinned("a") and rt.snapshot()["host_pinned_bytes"] == 0
+            assert not worker.store_pinned("a") and rt.snapshot().host_pinned_bytes == 0
             rt.evict("a", host=True)
-        assert rt.snapshot()["host_tier"]["fills"] == 3
+        assert rt.snapshot().host_tier.fills == 3
     said = [r.getMessage() for r in caplog.records if "cannot page-lock the host store of a" in r.getMessage()]
     assert len(said) == 1 and "cudaHostRegister failed" in said[0]
 
@@ -143,4 +143,4 @@ def test_workers_on_the_cpu_lock_nothing_and_each_load_says_so(tmp_path):
             t = call.record.timings
             assert isinstance(t.worker, int) and t.store_pinned is False and t.lock_s is None
             assert t.host_pinned_bytes == 0
-        assert rt.snapshot()["host_tier"]["drops"] >= 3 and rt.snapshot()["host_pinned_bytes"] == 0
+        assert rt.snapshot().host_tier.drops >= 3 and rt.snapshot().host_pinned_bytes == 0

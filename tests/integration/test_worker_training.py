@@ -12,6 +12,7 @@ import torch
 import timeshare
 from tests import models
 from timeshare.errors import ConfigError, RemoteError, UnknownModelError, WorkerCrashedError, WorkerTimeoutError
+from timeshare.runtime.executor import WorkerRow
 
 X = torch.randn(2, 8)
 
@@ -35,11 +36,11 @@ def rt():
         yield r
 
 
-def home_of(rt, job) -> dict:
+def home_of(rt, job) -> WorkerRow:
     """The job's home worker as the pool reports it: its id, pid and state."""
-    workers = rt.snapshot()["workers"]
-    home = workers["homes"][job]
-    return next(w for w in workers["workers"] if w["id"] == home)
+    workers = rt.snapshot().workers
+    home = workers.homes[job]
+    return next(w for w in workers.workers if w.id == home)
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -90,7 +91,7 @@ def test_inference_never_runs_on_the_training_worker(rt):
     try:
         models.wait_until(lambda: job.stats.iterations >= 3, what="3 iterations")
         home = home_of(rt, "endless")
-        assert home["id"] != rt.snapshot()["workers"]["workers"][0]["id"]  # the first worker stays free
+        assert home.id != rt.snapshot().workers.workers[0].id  # the first worker stays free
         for _ in range(5):
             rt.infer("inf", X)
         # A request that lands between two of the job's segments finds the device free and
@@ -102,7 +103,7 @@ def test_inference_never_runs_on_the_training_worker(rt):
 
         models.wait_until(preempted, timeout_s=30, what="a preemption by an inference")
         assert job.status == "running"
-        assert home_of(rt, "endless")["id"] == home["id"]  # the job never moved
+        assert home_of(rt, "endless").id == home.id  # the job never moved
     finally:
         job.cancel()
     assert job.wait(30) and job.status == "cancelled"
@@ -136,25 +137,25 @@ def test_killing_the_training_worker_fails_the_job_and_keeps_everything_else(rt)
     shared memory too)."""
     ref = rt.infer("inf", X)
     fds = len(os.listdir("/proc/self/fd"))
-    replaced = rt.snapshot()["workers"]["replacements"]
+    replaced = rt.snapshot().workers.replacements
     for i in range(3):
         job = rt.train(f"k{i}", models.train_net, models.adam, models.endless_batches, models.train_step)
         while job.stats.iterations < 2 and not job.wait(0):
             time.sleep(0.005)
         home = home_of(rt, f"k{i}")
         queued = [rt.submit("inf", X) for _ in range(3)]
-        kill(home["pid"])
+        kill(home.pid)
         with pytest.raises(WorkerCrashedError, match="killed by signal 9") as info:
             job.result(timeout=60)
-        assert f"training k{i}" in info.value.where and f"worker {home['id']}" in info.value.where
+        assert f"training k{i}" in info.value.where and f"worker {home.id}" in info.value.where
         assert job.status == "failed"
         for f in queued:
             assert torch.equal(f.result(timeout=60)["y"], ref["y"])
-        workers = rt.snapshot()["workers"]["workers"]
-        assert home["id"] not in [w["id"] for w in workers] and len(workers) == 2
+        workers = rt.snapshot().workers.workers
+        assert home.id not in [w.id for w in workers] and len(workers) == 2
         with pytest.raises(WorkerCrashedError, match="lost its state"):
             job.state_dict()
-    assert rt.snapshot()["workers"]["replacements"] == replaced + 3
+    assert rt.snapshot().workers.replacements == replaced + 3
     assert torch.equal(rt.infer("inf", X)["y"], ref["y"])
     assert len(os.listdir("/proc/self/fd")) <= fds + 2
 
@@ -166,7 +167,7 @@ def test_a_hung_training_step_is_killed_at_the_deadline():
         with pytest.raises(WorkerTimeoutError, match="did not answer within 2 s"):
             job.result(timeout=60)
         assert rt.infer("inf", X)["y"].shape == (2, 8)
-        assert all(w["state"] != "dead" for w in rt.snapshot()["workers"]["workers"])
+        assert all(w.state != "dead" for w in rt.snapshot().workers.workers)
 
 
 def test_a_finished_job_is_forgotten_with_the_state_its_worker_held(rt):

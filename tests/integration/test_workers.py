@@ -14,6 +14,7 @@ import timeshare
 from tests import models
 from timeshare.errors import ConfigError, RemoteError, WorkerCrashedError, WorkerTimeoutError
 from timeshare.models.zoo import ZOO, weights_path
+from timeshare.runtime.executor import WorkerRow
 from timeshare.transfer.planner import STRATEGIES
 from timeshare.tree import tensors_in
 
@@ -70,20 +71,20 @@ def test_the_models_own_errors_come_back_with_where_they_happened(rt):
     assert "the model itself failed" in str(err.value)
     assert "worker" in err.value.where and "run slow" in err.value.where
     assert "ValueError" in err.value.remote_traceback
-    replacements = rt.snapshot()["workers"]["replacements"]
+    replacements = rt.snapshot().workers.replacements
     assert rt.infer("slow", X, delay_s=0.0).shape == (4, 64)  # the worker is fine
-    assert rt.snapshot()["workers"]["replacements"] == replacements
+    assert rt.snapshot().workers.replacements == replacements
 
 
-def first_worker(rt) -> dict:
+def first_worker(rt) -> WorkerRow:
     """The pool's first worker (the one a call goes to when nothing trains): id, pid, state."""
-    return rt.snapshot()["workers"]["workers"][0]
+    return rt.snapshot().workers.workers[0]
 
 
 def _kill_during(rt, call, delay_s: float):
     """Run ``call`` in a thread and SIGKILL the active worker ``delay_s`` into it."""
     deadline = time.monotonic() + 60
-    while rt.snapshot()["workers"]["ready"] < 2:  # a replacement still starting would not be the active one
+    while rt.snapshot().workers.ready < 2:  # a replacement still starting would not be the active one
         assert time.monotonic() < deadline
         time.sleep(0.02)
     victim = first_worker(rt)
@@ -98,7 +99,7 @@ def _kill_during(rt, call, delay_s: float):
     t = threading.Thread(target=target)
     t.start()
     time.sleep(delay_s)
-    os.kill(victim["pid"], signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     t.join(30)
     assert not t.is_alive()
     return victim, result
@@ -119,12 +120,12 @@ def test_killed_workers_fail_their_task_and_are_replaced(rt, phase):
         victim, result = _kill_during(rt, lambda: rt.infer("slow", X, delay_s=0.01), 0.05)
         err = result.get("error")
         assert isinstance(err, WorkerCrashedError), result
-        assert f"worker {victim['id']} was killed by signal 9" in str(err) and "running slow" in str(err)
-        dead.append(victim["pid"])
+        assert f"worker {victim.id} was killed by signal 9" in str(err) and "running slow" in str(err)
+        dead.append(victim.pid)
         assert same(rt.infer("slow", X, delay_s=0.0), reference)  # a standby took over, nothing lost
     assert not any(alive(pid) for pid in dead)
-    workers = rt.snapshot()["workers"]["workers"]
-    assert len(workers) == 2 and all(w["state"] != "dead" for w in workers)
+    workers = rt.snapshot().workers.workers
+    assert len(workers) == 2 and all(w.state != "dead" for w in workers)
     assert len(os.listdir("/proc/self/fd")) - fds_before <= 2  # pipes and sentinels of dead workers are closed
 
 
@@ -141,7 +142,7 @@ def test_killing_every_worker_mid_load_fails_the_call_and_gives_its_block_back(t
         rt.register("held", "tests.models:held", None, (X,), example_kwargs={"begun": ""})
         reference = rt.infer("held", X)  # the first load: profiled
         rt.evict("held")
-        used, health = rt.stats()["used_bytes"], rt.snapshot()["workers"]
+        used, health = rt.stats()["used_bytes"], rt.snapshot().workers
         pids = rt.worker_pids()
         result: dict = {}
 
@@ -154,7 +155,7 @@ def test_killing_every_worker_mid_load_fails_the_call_and_gives_its_block_back(t
         t = threading.Thread(target=load)
         t.start()
         models.wait_until(begun.exists, 60, "the load's forward to begin")
-        serving = [w["id"] for w in rt.snapshot()["workers"]["workers"] if w["state"] == "busy"]
+        serving = [w.id for w in rt.snapshot().workers.workers if w.state == "busy"]
         for pid in pids:  # both: no standby is left to take the task over
             os.kill(pid, signal.SIGKILL)
         t.join(60)
@@ -164,9 +165,9 @@ def test_killing_every_worker_mid_load_fails_the_call_and_gives_its_block_back(t
         assert len(serving) == 1 and f"worker {serving[0]} was killed by signal 9" in str(err), (serving, err)
         assert "running held" in str(err)
         assert not rt.is_resident("held") and rt.stats()["used_bytes"] == used  # the load's block is free
-        models.wait_until(lambda: rt.snapshot()["workers"]["replacements"] >= health["replacements"] + 2
-                          and rt.snapshot()["workers"]["ready"] == 2, 120, "two replacements ready")
-        assert rt.snapshot()["workers"]["failures"]["crashed"] == health["failures"]["crashed"] + 2
+        models.wait_until(lambda: rt.snapshot().workers.replacements >= health.replacements + 2
+                          and rt.snapshot().workers.ready == 2, 120, "two replacements ready")
+        assert rt.snapshot().workers.failures["crashed"] == health.failures["crashed"] + 2
         assert not set(rt.worker_pids()) & set(pids)
         call = rt.call("held", (X,))  # into the poisoned block, by a replacement
         assert call.record.loaded and same(call.output, reference)
@@ -176,7 +177,7 @@ def test_a_hung_worker_is_killed_at_the_deadline_and_replaced():
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=1.0) as rt:
         rt.register("slow", "tests.models:slow", None, (X,), example_kwargs={"delay_s": 0.0})
         reference = rt.infer("slow", X, delay_s=0.0)
-        hung = first_worker(rt)["pid"]
+        hung = first_worker(rt).pid
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match=r"did not answer within 1 s; it was killed"):
             rt.infer("slow", X, delay_s=1.0)  # 20 layers x 1 s
@@ -231,7 +232,7 @@ def test_a_worker_computes_in_its_controllers_environment_as_it_is_when_the_work
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2) as rt:
         rt.register("env", "tests.models:env_probe", None, (x,))
         assert rt.infer("env", x).item() == 5.0
-        assert rt.snapshot()["workers"]["ready"] == 2
+        assert rt.snapshot().workers.ready == 2
 
 
 def test_a_profile_measured_by_one_worker_serves_every_other():
@@ -239,12 +240,12 @@ def test_a_profile_measured_by_one_worker_serves_every_other():
         rt.register("cnn", ZOO["tiny_cnn"].builder, weights_path("tiny_cnn"), ZOO["tiny_cnn"].example_inputs(2))
         x = ZOO["tiny_cnn"].example_inputs(2)
         ref = rt.infer("cnn", *x)  # the first load profiles, in the active worker
-        assert rt.snapshot()["workers"]["profilings"] == 1
-        first = first_worker(rt)["pid"]
+        assert rt.snapshot().workers.profilings == 1
+        first = first_worker(rt).pid
         rt.evict("cnn")
         os.kill(first, signal.SIGKILL)  # idle: the pool's watcher replaces it
         deadline = time.monotonic() + 60
-        while first in rt.worker_pids() or rt.snapshot()["workers"]["ready"] < 2:
+        while first in rt.worker_pids() or rt.snapshot().workers.ready < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         # Whichever worker serves now is sent the profile with its first task: it loads
@@ -252,9 +253,9 @@ def test_a_profile_measured_by_one_worker_serves_every_other():
         assert torch.equal(rt.infer("cnn", *x), ref)
         rt.evict("cnn")
         assert torch.equal(rt.infer("cnn", *x), ref)
-        workers = rt.snapshot()["workers"]
-        assert workers["profilings"] == 1
-        assert any(w["profiles"] == 1 for w in workers["workers"])
+        workers = rt.snapshot().workers
+        assert workers.profilings == 1
+        assert any(w.profiles == 1 for w in workers.workers)
 
 
 def test_every_spawned_worker_gets_its_own_arena_handle(monkeypatch):
@@ -272,13 +273,13 @@ def test_every_spawned_worker_gets_its_own_arena_handle(monkeypatch):
     monkeypatch.setattr(Arena, "share", counting)
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1) as rt:
         deadline = time.monotonic() + 60
-        while rt.snapshot()["workers"]["ready"] < 2:
+        while rt.snapshot().workers.ready < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert len(made) == 2
         victim = rt.worker_pids()[0]
         os.kill(victim, signal.SIGKILL)
-        while victim in rt.worker_pids() or rt.snapshot()["workers"]["ready"] < 2:
+        while victim in rt.worker_pids() or rt.snapshot().workers.ready < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert len(made) == 3

@@ -106,7 +106,7 @@ class FakeEngine:
 
 
 def test_the_kv_budget_moves_the_least_recent_caches_out_until_the_rest_fit():
-    from timeshare.llm.kv_budget import KVBudget
+    from timeshare.llm.kv_budget import KVBudget, KVBudgetSnapshot
 
     budget = KVBudget(100)
     old, mid, new, holder = (FakeEngine("old", 40, 1.0), FakeEngine("mid", 40, 2.0), FakeEngine("new", 40, 3.0),
@@ -115,13 +115,13 @@ def test_the_kv_budget_moves_the_least_recent_caches_out_until_the_rest_fit():
         budget.join(e)
     budget.make_room(holder, keep=True)  # 170 on the device: the two oldest go, the holder's stay
     assert (old.kv_device_bytes, mid.kv_device_bytes, new.kv_device_bytes, holder.kv_device_bytes) == (0, 0, 40, 50)
-    assert budget.snapshot() == {"capacity": 100, "on_device": 90, "moves": 2, "moved_bytes": 80}
+    assert budget.snapshot() == KVBudgetSnapshot(capacity=100, on_device=90, moves=2, moved_bytes=80)
     holder.kv_device_bytes = 70  # its caches grew in its turn: as it ends, "new" goes first, then it
     budget.make_room(holder, keep=False)
     assert (new.kv_device_bytes, holder.kv_device_bytes) == (0, 70) and budget.on_device() == 70
     holder.kv_device_bytes = 130
     budget.make_room(holder, keep=False)
-    assert holder.kv_device_bytes == 0 and budget.snapshot()["moves"] == 4
+    assert holder.kv_device_bytes == 0 and budget.snapshot().moves == 4
     budget.leave(holder)
     assert budget.on_device() == 0
     with pytest.raises(ConfigError, match="kv_memory"):

@@ -171,13 +171,14 @@ def _one(name: str, device: torch.device, batch: int, config: DiskBenchConfig,
         for _ in range(config.repeats):
             rt.evict(name, host=True)
             drop_cached(path)
-            before = rt.snapshot()["host_tier"]
+            before = rt.snapshot().host_tier
             t0 = time.perf_counter()
             out = rt.infer(name, *inputs)
             cold.append(time.perf_counter() - t0)
-            after = rt.snapshot()["host_tier"]
-            assert after["streamed_fills"] == before["streamed_fills"] + 1, "the cold call did not stream"
-            disk.append(after["read_seconds"] - before["read_seconds"])
+            after = rt.snapshot().host_tier
+            assert before is not None and after is not None, "the runtime was opened with host_memory"
+            assert after.streamed_fills == before.streamed_fills + 1, "the cold call did not stream"
+            disk.append(after.read_seconds - before.read_seconds)
             exact = exact and outputs_equal(out, reference)
         worker = rt.in_process_worker()  # whether its reads bypassed the page cache (in-process only)
         direct = worker.last_fill.direct if worker is not None and worker.last_fill is not None else None

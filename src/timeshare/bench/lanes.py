@@ -295,7 +295,7 @@ def _served(config, device, zoo, inputs, reference, n: int, mode: str, timeline:
             # Whether the model alone on this runtime gives plain PyTorch's bits (lanes use
             # ``lane_threads`` cores; kernels may block by thread count).
             "alone_equals_plain_pytorch": all(outputs_equal(o, reference) for o in own.values()),
-            "lanes_seen": rt.snapshot()["lanes"] is not None,
+            "lanes_seen": rt.snapshot().lanes is not None,
         }
 
 

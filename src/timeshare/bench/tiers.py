@@ -20,6 +20,7 @@ evictions. Beside them:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -40,6 +41,8 @@ from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
 from timeshare.runtime.events import CallRecord
 from timeshare.runtime.facade import Runtime
+from timeshare.runtime.host_tier import HostTierSnapshot
+from timeshare.runtime.observe import RuntimeSnapshot
 
 
 @dataclass
@@ -111,7 +114,7 @@ def run(config: TiersBenchConfig, progress: Callable[[str], None] = lambda s: No
         for n in names:
             rt.register(n, zoo_get(kind[n]).builder, paths[n], inputs[kind[n]])
         register_s = time.perf_counter() - t0
-        host_after_register = rt.snapshot()["host_tier"]["used"]
+        host_after_register = _tier(rt.snapshot()).used
         # Each requested model's first load traces and profiles it (seconds, once per
         # model); done here, untimed, as a deployment warms up, and every model then goes
         # back to disk: the timed requests see the switching, not the profiling.
@@ -129,19 +132,19 @@ def run(config: TiersBenchConfig, progress: Callable[[str], None] = lambda s: No
         for i, n in enumerate(sequence):
             if i % 10 == 0:
                 progress(f"timeshare: request {i + 1}/{len(sequence)}")
-            before = rt.snapshot()["host_tier"]
+            before = _tier(rt.snapshot())
             resident = rt.is_resident(n)
             t0 = time.perf_counter()
             out = rt.infer(n, *inputs[kind[n]])
             seconds = time.perf_counter() - t0
-            after = rt.snapshot()["host_tier"]
-            where = "device" if resident else "disk" if after["fills"] > before["fills"] else "host"
+            after = _tier(rt.snapshot())
+            where = "device" if resident else "disk" if after.fills > before.fills else "host"
             lat[where].append(seconds)
             exact += outputs_equal(out, reference[n])
         snap, stats = rt.snapshot(), rt.stats()
-    host = {k: v - start["host_tier"][k] if k in ("drops", "fills", "streamed_fills", "demotions", "bytes_read",
-                                                  "read_seconds", "spilled_bytes") else v
-            for k, v in snap["host_tier"].items()}
+    first, last = dataclasses.asdict(_tier(start)), dataclasses.asdict(_tier(snap))
+    host = {k: v - first[k] if k in ("drops", "fills", "streamed_fills", "demotions", "bytes_read", "read_seconds",
+                                     "spilled_bytes") else v for k, v in last.items()}
     ours = sum(sum(v) for v in lat.values())
     floor = sum(ready_s[n] for n in sequence)
     return {
@@ -154,11 +157,17 @@ def run(config: TiersBenchConfig, progress: Callable[[str], None] = lambda s: No
         "register_s": register_s, "host_bytes_after_register": host_after_register, "profile_s": profile_s,
         "requests_exact": exact, "requests": len(sequence),
         "latency": {k: _percentiles(v) for k, v in lat.items()},
-        "host_tier": host, "device_loads": sum(snap["loads"].values()) - sum(start["loads"].values()),
+        "host_tier": host, "device_loads": sum(snap.loads.values()) - sum(start.loads.values()),
         "device_evictions": stats["evictions"] - start_evictions,
         "timeshare_total_s": ours, "plain_pytorch": baseline, "floor_total_s": floor,
         "speedup_vs_plain": baseline["total_s"] / ours if ours else None,
     }
+
+
+def _tier(snap: RuntimeSnapshot) -> HostTierSnapshot:
+    """The host tier's part of ``snap``: this benchmark's runtime always has a host budget."""
+    assert snap.host_tier is not None, "the runtime was opened with host_memory"
+    return snap.host_tier
 
 
 def _plain_lru(sequence: list[str], kind: dict, paths: dict, sizes: dict, inputs: dict, device: torch.device,

@@ -39,6 +39,9 @@ from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo.variants import SIZES, bert_variant
 from timeshare.runtime.facade import Runtime
+from timeshare.runtime.host_tier import HostTierSnapshot
+from timeshare.runtime.observe import RuntimeSnapshot
+from timeshare.runtime.sharing import SharingSnapshot
 from timeshare.units import parse_bytes
 
 
@@ -69,14 +72,14 @@ class _Tally:
 class _DedupRun:
     """What the runtime with dedup measured: registering, bytes, the switches."""
     register_s: float
-    shared: dict
+    shared: SharingSnapshot
     device_all: int
     link_Bps: float
     own: dict[str, int]
     switches: list[tuple[float, int, float]]
     from_disk: list[tuple[float, int, int]]
-    host_tier: dict | None
-    after: dict
+    host_tier: HostTierSnapshot | None
+    after: SharingSnapshot
 
 
 def run(config: VariantsBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -127,7 +130,7 @@ def _with_dedup(config: VariantsBenchConfig, builders: list, names: list[str], i
         for name, build in zip(names, builders):
             rt.register(name, build, example_inputs=inputs)
         register_s = time.perf_counter() - t0
-        shared = rt.snapshot()["shared"]
+        shared = _shared(rt.snapshot())
         for i, name in enumerate(names):  # first loads profile each variant (untimed), all end resident
             progress(f"timeshare: profiling {i + 1}/{len(names)}")
             tally.check(rt.infer(name, *inputs), reference[name])
@@ -153,16 +156,28 @@ def _with_dedup(config: VariantsBenchConfig, builders: list, names: list[str], i
             progress(f"timeshare: switch from disk {k + 1}/{config.repeats}")
             rt.infer(a, *inputs)
             rt.evict(b, host=True)  # B's own bytes leave host memory too: read back from disk
-            read = rt.snapshot()["host_tier"]["bytes_read"]
+            read = _tier(rt.snapshot()).bytes_read
             call = rt.call(b, inputs)
             tally.check(call.output, reference[b])
             from_disk.append((call.record.seconds, call.record.moved_bytes or 0,
-                              rt.snapshot()["host_tier"]["bytes_read"] - read))
+                              _tier(rt.snapshot()).bytes_read - read))
         if config.host_memory is not None:
-            host_tier = rt.snapshot()["host_tier"]
-        after = rt.snapshot()["shared"]
+            host_tier = _tier(rt.snapshot())
+        after = _shared(rt.snapshot())
     return _DedupRun(register_s=register_s, shared=shared, device_all=device_all, link_Bps=link_Bps, own=own,
                      switches=switches, from_disk=from_disk, host_tier=host_tier, after=after)
+
+
+def _shared(snap: RuntimeSnapshot) -> SharingSnapshot:
+    """The shared tensors' part of ``snap``: the runtime with dedup has one."""
+    assert snap.shared is not None, "the runtime was opened with dedup"
+    return snap.shared
+
+
+def _tier(snap: RuntimeSnapshot) -> HostTierSnapshot:
+    """The host tier's part of ``snap``, once the runtime has a host budget."""
+    assert snap.host_tier is not None, "the runtime was opened with host_memory"
+    return snap.host_tier
 
 
 def _without_dedup(config: VariantsBenchConfig, builders: list, names: list[str], inputs: tuple,
@@ -200,11 +215,11 @@ def _report(config: VariantsBenchConfig, device: torch.device, dedup: _DedupRun,
     # machine's speed drifts more between runs than a small switch costs.
     switch_over, switch_noise = _paired(switches)
     full_over, full_noise = _paired(full)
-    logical = shared["logical_bytes"]
+    logical = shared.logical_bytes
     disk = None
     if host_tier is not None:
-        disk = {"budget": host_tier["budget"], "used": host_tier["used"], "shared_bytes": host_tier["shared_bytes"],
-                "drops": host_tier["drops"], "fills": host_tier["fills"],
+        disk = {"budget": host_tier.budget, "used": host_tier.used, "shared_bytes": host_tier.shared_bytes,
+                "drops": host_tier.drops, "fills": host_tier.fills,
                 "switch_from_disk": {"first_inference_s": statistics.median(s for s, _, _ in from_disk),
                                      "moved_bytes": statistics.median(m for _, m, _ in from_disk),
                                      "read_bytes": statistics.median(r for _, _, r in from_disk),
@@ -220,13 +235,13 @@ def _report(config: VariantsBenchConfig, device: torch.device, dedup: _DedupRun,
         "bytes": {
             "one_model": full_bytes,
             "separate_copies": logical,
-            "host": shared["own_bytes"] + shared["shared_bytes"],
-            "host_of_one": (shared["own_bytes"] + shared["shared_bytes"]) / full_bytes,
+            "host": shared.own_bytes + shared.shared_bytes,
+            "host_of_one": (shared.own_bytes + shared.shared_bytes) / full_bytes,
             "device_all_resident": device_all,
             "device_of_one": device_all / full_bytes,
-            "shared_sets": shared["sets"], "shared_bytes": shared["shared_bytes"],
+            "shared_sets": shared.sets, "shared_bytes": shared.shared_bytes,
             "own_bytes_per_variant": statistics.median(dedup.own.values()),
-            "host_after_switches": after["own_bytes"] + after["shared_bytes"],
+            "host_after_switches": after.own_bytes + after.shared_bytes,
         },
         "link_GBps": link_Bps / 1e9,
         "ready_s": ready_s,

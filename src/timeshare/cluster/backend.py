@@ -26,16 +26,25 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from timeshare.cluster.cluster import Cluster, ReplicaLostError
 from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, RemoteLanguageModel, relay
 from timeshare.cluster.remote_job import ENDED, RemoteJob
 from timeshare.cluster.replica import ModelDef
-from timeshare.cluster.snapshots import COUNTERS, add_snapshots
+from timeshare.cluster.snapshots import (
+    ClusterSnapshot,
+    ClusterView,
+    ReplicaRow,
+    ReplicaSnapshot,
+    add_snapshots,
+    keep_counters,
+)
 from timeshare.cluster.starvation import JobTrack, jobs_seen
 from timeshare.config import ClusterConfig
 from timeshare.errors import ConfigError, Conflict, TimeshareError, UnknownModelError
+from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish
 from timeshare.runtime.calls import Call
@@ -59,8 +68,8 @@ class ClusterRuntime:
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()  # the views below
         self._moves = threading.Lock()  # a job's control and its migration, one at a time
-        self._latest: dict[str, dict] = {}  # replica -> its last snapshot
-        self._retired: list[dict] = []  # the last snapshots of replicas lost: their counters still count
+        self._latest: dict[str, ReplicaSnapshot] = {}  # replica -> its last snapshot
+        self._retired: list[ReplicaSnapshot] = []  # the last snapshots of replicas lost: their counters still count
         self._views: dict[str, dict] = {}  # training job -> its last view, with its replica
         self._tracks: dict[str, JobTrack] = {}  # training job -> where it is since when, its device time
         self._changed_at: dict[str, float] = {}  # training job -> when it was last moved, forgotten or started
@@ -256,19 +265,17 @@ class ClusterRuntime:
             raise
         return generation
 
-    def llm_snapshot(self, name: str) -> dict:
-        """Language model ``name``'s engines on the replicas, added up (as of the last poll)."""
+    def llm_snapshots(self, name: str) -> list[EngineSnapshot]:
+        """Language model ``name``'s engines on the replicas (as of the last poll)."""
         with self._lock:
-            views = [s["llms"][name] for s in self._latest.values() if name in s.get("llms", {})]
-        keys = ("running", "waiting", "kv_bytes", "kv_host_bytes", "kv_offloads", "steps", "turns")
-        return {k: sum(v[k] for v in views) for k in keys}
+            return [s.llms[name] for s in self._latest.values() if name in s.llms]
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self) -> str:
         return self.cluster.add_replica()
 
     def replicas_alive(self) -> int:
-        return sum(1 for r in self.cluster.replica_rows() if r["alive"])
+        return sum(1 for r in self.cluster.replica_rows() if r.alive)
 
     def kill_replica(self, name: str) -> None:
         self.cluster.kill_replica(name)
@@ -291,13 +298,13 @@ class ClusterRuntime:
         dead = dict(self.cluster.lost)
         jobs = set(self.cluster.job_names())
         for snap in snaps.values():
-            for model, nbytes in snap["evicted"]:
+            for model, nbytes in snap.evicted:
                 self._emit(EvictionRecord(model, nbytes, now))
         with self._lock:
             self._retired += [v for k, v in self._latest.items() if k in dead]
             self._latest = {**{k: v for k, v in self._latest.items() if k not in dead}, **snaps}
             for replica, snap in snaps.items():
-                for name, view in snap["jobs"].items():
+                for name, view in snap.jobs.items():
                     if name not in jobs or self._changed_at.get(name, -1.0) >= asked:
                         continue  # forgotten, a copy being dropped, or changed since this poll asked
                     self._views[name] = {"replica": replica, **view}
@@ -315,12 +322,12 @@ class ClusterRuntime:
         if self.migrate_after_s is not None:
             self._move_starved(rows, now)
 
-    def _move_starved(self, rows: list[dict], now: float) -> None:
+    def _move_starved(self, rows: list[ReplicaRow], now: float) -> None:
         after_s = self.migrate_after_s
         assert after_s is not None
         with self._lock:
             seen, running = jobs_seen(self._views, self._tracks, self.unmovable, now, after_s)
-        replicas = [ReplicaSeen(r["replica"], r["alive"], r["outstanding"], running.count(r["replica"])) for r in rows]
+        replicas = [ReplicaSeen(r.replica, r.alive, r.outstanding, running.count(r.replica)) for r in rows]
         for job, target in plan_migrations(seen, replicas, now, after_s):
             try:
                 self.migrate(job, target)
@@ -328,36 +335,32 @@ class ClusterRuntime:
                 self.unmovable[job] = f"{type(exc).__name__}: {exc}"
                 log.warning("training job %s did not move to %s and stays where it is: %s", job, target, exc)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> ClusterSnapshot:
         """The replicas' snapshots added up (as of the last poll), and the cluster's own
-        counters and replicas under "cluster"."""
+        counters and replicas (``ClusterSnapshot``)."""
         with self._lock:
             latest = dict(self._latest)
-            retired = [s["snapshot"] for s in self._retired]
+            retired = [s.runtime for s in self._retired]
             migrations = list(self.migrations)
-        snaps = [s["snapshot"] for s in latest.values()]
-        merged = add_snapshots(snaps) if snaps else {}
-        if merged and retired:  # counters never go back: the lost replicas' last counts stay in
-            every = add_snapshots(snaps + retired)
-            for key in COUNTERS:
-                merged[key] = every[key]
-        if snaps:  # what one job may take is one replica's budget, not the sum
-            merged["replica_capacity_bytes"] = max(s["capacity_bytes"] for s in snaps)
-        merged["device"] = f"{self.cluster.device} x {len(snaps)} replicas"
+        snaps = [s.runtime for s in latest.values()]
+        device = f"{self.cluster.device} x {len(snaps)} replicas"
+        merged = add_snapshots(snaps)
+        if merged is not None:
+            if retired:  # counters never go back: the lost replicas' last counts stay in
+                merged = keep_counters(merged, add_snapshots(snaps + retired))
+            merged = replace(merged, device=device)
         stats = self.cluster.stats
-        rows = self.cluster.replica_rows()
-        for row in rows:
-            s = latest.get(row["replica"], {}).get("snapshot")
-            if s is not None:
-                row.update(resident=s["resident"], used_bytes=s["used_bytes"], capacity_bytes=s["capacity_bytes"],
-                           loads=sum(s["loads"].values()))
-        merged["cluster"] = {"policy": self.cluster.policy, "replicas": rows,
-                             "replicas_alive": sum(1 for r in rows if r["alive"]), "requests": stats.requests,
-                             "loads": stats.loads, "retried": stats.retried, "failed": stats.failed,
-                             "replicas_lost": stats.replicas_lost, "migrations": stats.migrations,
-                             "cpu_fallbacks": stats.cpu_fallbacks,
-                             "recent_migrations": migrations[-10:]}
-        return merged
+        rows = []
+        for row in self.cluster.replica_rows():
+            s = latest[row.replica].runtime if row.replica in latest else None
+            rows.append(row if s is None else replace(row, resident=s.resident, used_bytes=s.used_bytes,
+                                                      capacity_bytes=s.capacity_bytes, loads=sum(s.loads.values())))
+        view = ClusterView(policy=self.cluster.policy, replicas=rows, replicas_alive=sum(1 for r in rows if r.alive),
+                           requests=stats.requests, loads=stats.loads, retried=stats.retried, failed=stats.failed,
+                           replicas_lost=stats.replicas_lost, migrations=stats.migrations,
+                           cpu_fallbacks=stats.cpu_fallbacks, recent_migrations=migrations[-10:])
+        # What one job may take is one replica's budget, not the sum.
+        return ClusterSnapshot(device, merged, max((s.capacity_bytes for s in snaps), default=None), view)
 
     def close(self) -> None:
         self._stop.set()

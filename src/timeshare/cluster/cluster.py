@@ -57,6 +57,7 @@ from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replica import ModelDef, Reply
 from timeshare.cluster.replicas import ClusterStats, ReplicaLostError, ReplicaSet, ReplicaSlot
 from timeshare.cluster.requests import Requests
+from timeshare.cluster.snapshots import ReplicaRow, ReplicaSnapshot
 from timeshare.errors import ConfigError
 from timeshare.scheduler.routing import Fleet, Router, compile_steps, policy_code
 from timeshare.units import parse_bytes
@@ -249,11 +250,11 @@ class Cluster:
         return self.jobs.job_weights(name, timeout_s)
 
     # ------------------------------------------------------------------ observing
-    def snapshots(self, timeout_s: float = 5.0) -> dict[str, dict]:
+    def snapshots(self, timeout_s: float = 5.0) -> dict[str, ReplicaSnapshot]:
         """Each live replica's snapshot (``ReplicaSet.snapshots``)."""
         return self.replicas.snapshots(timeout_s)
 
-    def replica_rows(self) -> list[dict]:
+    def replica_rows(self) -> list[ReplicaRow]:
         """Each replica slot in use: name, alive, requests outstanding, error, and the
         router's view of what it holds."""
         with self.replicas.lock:
@@ -263,15 +264,14 @@ class Cluster:
                 if not (s.alive or s.error or s.reserved):
                     continue
                 held = [self.models[m].name for m in range(len(self.models)) if int(fleet.slot_of[m, i]) >= 0]
-                rows.append({"replica": s.name, "alive": s.alive, "starting": s.reserved,
-                             "outstanding": s.outstanding, "error": s.error, "routed_resident": held,
-                             "jobs": self.jobs.on(i)})
+                rows.append(ReplicaRow(replica=s.name, alive=s.alive, starting=s.reserved, outstanding=s.outstanding,
+                                       error=s.error, routed_resident=held, jobs=self.jobs.on(i)))
             return rows
 
     def status(self) -> dict:
         """``replica_rows`` with each live replica's own state, resident models and loads
         (asked of it), and the cluster's counters."""
-        out = self.replica_rows()
+        out = [r.to_json() for r in self.replica_rows()]
         actors = {s.name: s.actor for s in self.slots}
         for row in out:
             if row["alive"]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from timeshare.errors import Unavailable
+from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.model import Texts, open_directory
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import (
@@ -124,9 +125,15 @@ class RemoteEngine:
             except Exception:  # a listener's bug must not end the generation
                 log.exception("model %s: a listener failed on %r", self.name, event)
 
-    def snapshot(self) -> dict:
-        return {**self._owner.llm_snapshot(self.name), "max_sequences": self.max_sequences,
-                "max_context": self.max_context}
+    def snapshot(self) -> EngineSnapshot:
+        """The replicas' engines added up (as of the owner's last poll), with this model's limits."""
+        views = self._owner.llm_snapshots(self.name)
+        return EngineSnapshot(running=sum(v.running for v in views), waiting=sum(v.waiting for v in views),
+                              kv_bytes=sum(v.kv_bytes for v in views),
+                              kv_host_bytes=sum(v.kv_host_bytes for v in views),
+                              kv_offloads=sum(v.kv_offloads for v in views), steps=sum(v.steps for v in views),
+                              turns=sum(v.turns for v in views), max_sequences=self.max_sequences,
+                              max_context=self.max_context)
 
     def close(self) -> None:
         self.closed = True  # the replicas' engines close with their replicas

@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from timeshare.cluster.snapshots import ReplicaSnapshot
 from timeshare.errors import ConfigError, ModelTooLargeError
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.models.spec import Builder
@@ -170,7 +171,7 @@ class Replica:
             t0 = time.perf_counter()
             self.rt.infer(model, *args)
             ready.append(time.perf_counter() - t0)
-        nbytes = int(self.rt.snapshot()["resident"][model])
+        nbytes = self.rt.snapshot().resident[model]
         self.rt.evict(model)
         cpu_cold = None
         if self.cpu is not None:  # its cold time on the CPU fallback, after a warm-up there
@@ -284,15 +285,15 @@ class Replica:
     def evict(self, model: str) -> bool:
         return self.rt.evict(model)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> ReplicaSnapshot:
         """For a front end's metrics and status, without waiting for the device: the
         runtime's snapshot, the evictions since the last one, and every job's view."""
         with self._events:
             evicted, self._evicted = self._evicted, []
-        return {"replica": self.name, "snapshot": self.rt.snapshot(), "evicted": evicted,
-                "jobs": {n: self.job(n) for n in self.rt.job_handles()},
-                "cpu_fallback": None if self.cpu is None else self.cpu.snapshot(),
-                "llms": {n: m.engine.snapshot() for n, m in self.llms.items()}}
+        return ReplicaSnapshot(replica=self.name, runtime=self.rt.snapshot(), evicted=evicted,
+                               jobs={n: self.job(n) for n in self.rt.job_handles()},
+                               cpu_fallback=None if self.cpu is None else self.cpu.snapshot(),
+                               llms={n: m.engine.snapshot() for n, m in self.llms.items()})
 
     def evict_all(self) -> None:
         """Nothing resident: a fresh start for the next run over the same replica."""

@@ -16,6 +16,7 @@ from typing import Any
 from timeshare.cluster.actors import OBSERVE, cause, unlink_segments
 from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replica import ModelDef
+from timeshare.cluster.snapshots import ReplicaSnapshot
 from timeshare.errors import ConfigError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ class ReplicaSet:
             except Exception as exc:
                 self.mark_lost(i, f"{self.slots[i].name} died: {cause(exc)}")
 
-    def snapshots(self, timeout_s: float = 5.0) -> dict[str, dict]:
+    def snapshots(self, timeout_s: float = 5.0) -> dict[str, ReplicaSnapshot]:
         """Each live replica's ``Replica.snapshot`` (its runtime's counters, the evictions
         since the last one, its jobs), asked beside whatever it is running; a replica that
         does not answer in ``timeout_s`` is left out this time."""
@@ -244,7 +245,7 @@ class ReplicaSet:
         refs = [self._observing[s.name] for _, s in live]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
         done = set(ready)
-        out = {}
+        out: dict[str, ReplicaSnapshot] = {}
         for i, s in live:
             ref = self._observing[s.name]
             if ref not in done:

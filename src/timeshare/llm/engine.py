@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from timeshare.errors import ConfigError, GenerationError, Unavailable
 from timeshare.llm.caches import CachesLostError, LocalCaches, RemoteCaches
@@ -45,6 +46,23 @@ from timeshare.runtime.dispatch import Ticket
 from timeshare.runtime.facade import ModelTurn, Runtime
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """A language model's engine for metrics and status pages: its generations decoding
+    and waiting, the bytes of their key/value caches and of those in host memory, the
+    times its caches left the device, the steps and turns so far, and its limits."""
+
+    running: int
+    waiting: int
+    kv_bytes: int
+    kv_host_bytes: int
+    kv_offloads: int
+    steps: int
+    turns: int
+    max_sequences: int
+    max_context: int
 
 
 class Engine:
@@ -109,12 +127,11 @@ class Engine:
     def subscribe(self, listener: Callable[[Event], None]) -> None:
         self._listeners.append(listener)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineSnapshot:
         with self._cond:
-            return {"running": len(self._running), "waiting": len(self._waiting), "kv_bytes": self.kv_bytes,
-                    "kv_host_bytes": self.kv_host_bytes, "kv_offloads": self.kv_offloads,
-                    "steps": self.steps, "turns": self.turns, "max_sequences": self.max_sequences,
-                    "max_context": self.max_context}
+            return EngineSnapshot(running=len(self._running), waiting=len(self._waiting), kv_bytes=self.kv_bytes,
+                                  kv_host_bytes=self.kv_host_bytes, kv_offloads=self.kv_offloads, steps=self.steps,
+                                  turns=self.turns, max_sequences=self.max_sequences, max_context=self.max_context)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread

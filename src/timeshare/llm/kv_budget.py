@@ -6,6 +6,7 @@ engines (``engine.py``) in their turns.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from timeshare.errors import ConfigError
@@ -28,6 +29,17 @@ if TYPE_CHECKING:
 # The move is made by the engine that needs the room, in its own turn, while the other
 # engine waits for one (``Engine.move_kv_out``): no engine's batch is touched by two
 # threads at once. ``offload_kv`` still moves a model's caches out at every turn's end.
+@dataclass(frozen=True, slots=True)
+class KVBudgetSnapshot:
+    """The budget (``kv_memory``), the bytes of caches on the device now, and the moves to
+    host memory made to keep them within it, with their bytes."""
+
+    capacity: int
+    on_device: int
+    moves: int
+    moved_bytes: int
+
+
 class KVBudget:
     """How many bytes the key/value caches of a runtime's language models may keep on the
     device between their turns (NOTE [Key/value caches under pressure])."""
@@ -55,10 +67,10 @@ class KVBudget:
         with self._lock:
             return sum(e.kv_device_bytes for e in self._engines)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> KVBudgetSnapshot:
         with self._lock:
-            return {"capacity": self.capacity, "on_device": sum(e.kv_device_bytes for e in self._engines),
-                    "moves": self.moves, "moved_bytes": self.moved_bytes}
+            return KVBudgetSnapshot(capacity=self.capacity, on_device=sum(e.kv_device_bytes for e in self._engines),
+                                    moves=self.moves, moved_bytes=self.moved_bytes)
 
     def make_room(self, holder: Engine, *, keep: bool, incoming: int = 0) -> None:
         """Called by ``holder`` in its turn: move caches out, least recent turn first,

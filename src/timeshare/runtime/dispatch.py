@@ -22,6 +22,7 @@ from timeshare.errors import ConfigError
 from timeshare.runtime.job_turns import JobTurns
 from timeshare.runtime.turns import Preemptible, Ticket, Turn
 from timeshare.scheduler.core import Scheduler
+from timeshare.scheduler.lanes import LanesView
 from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, State, Task
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ class Dispatcher(JobTurns):
         lanes = self.scheduler.lanes
         return None if lanes is None else lanes.capacity
 
-    def lanes(self) -> dict | None:
+    def lanes(self) -> LanesView | None:
         """The lanes now, for operators (None without lanes): ``LaneManager.view``."""
         with self._lock:
             lanes = self.scheduler.lanes

@@ -40,6 +40,47 @@ if TYPE_CHECKING:
 Shared = Mapping[str, tuple[int, bool]] | None  # shared set -> (arena offset, its bytes are there)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerRow:
+    """One worker of the pool as operators see it: its id, its process, its state
+    (starting, idle, busy with a task, training, dead) and the profiles it holds."""
+
+    id: int
+    pid: int | None
+    state: str
+    profiles: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """The latest worker the pool replaced: which, what went wrong (starting, hung,
+    crashed, protocol), the error, and when (seconds since the epoch)."""
+
+    worker: int
+    kind: str
+    cause: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolHealth:
+    """The worker pool as operators see it, read without waiting for any worker: its
+    size, the workers started and ready, the replacements so far by what went wrong and
+    the latest, the replacements in a row that died starting, the profiles measured,
+    each training job's home worker and each language model batch's, and each worker."""
+
+    size: int
+    ready: int
+    replacements: int
+    failures: dict[str, int]
+    last_failure: WorkerFailure | None
+    failing_to_start: int
+    profilings: int
+    homes: dict[str, int]
+    kv_homes: dict[str, int]
+    workers: list[WorkerRow]
+
+
 @dataclass
 class Packed:
     """A registered model's weights made ready for an executor, before it is added."""
@@ -152,7 +193,7 @@ class Executor(Protocol):
     def pids(self) -> list[int]:
         """Operating-system ids of the worker processes (none in-process)."""
 
-    def health(self) -> dict | None:
+    def health(self) -> PoolHealth | None:
         """The workers' state for operators (None in-process)."""
 
     def pinned_host_bytes(self) -> int:

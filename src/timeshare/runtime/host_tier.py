@@ -44,6 +44,27 @@ class Stored:
     streaming: bool = False  # a load is reading it from disk now (NOTE [Disk to device])
 
 
+@dataclass(frozen=True, slots=True)
+class HostTierSnapshot:
+    """The host tier's counters and levels (NOTE [Host tier]): its budget, the bytes of
+    stores in memory and of shared sets outside them, how many stores there are and how
+    many are in memory, the drops, fills (streamed ones too) and demotions so far, and
+    what was read from disk or spilled to it."""
+
+    budget: int
+    used: int
+    shared_bytes: int
+    models: int
+    filled: int
+    drops: int
+    fills: int
+    streamed_fills: int
+    demotions: int
+    bytes_read: int
+    read_seconds: float
+    spilled_bytes: int
+
+
 class HostTier:
     """Host memory as a cache over disk: at most ``budget`` bytes of stores filled."""
 
@@ -185,21 +206,21 @@ class HostTier:
         if self._own_spill_dir:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
-    def snapshot(self) -> dict:
-        return {
-            "budget": self.budget,
-            "used": self.used,
-            "shared_bytes": self.outside(),
-            "models": len(self.models),
-            "filled": sum(1 for s in list(self.models.values()) if s.filled),
-            "drops": self.drops,
-            "fills": self.fills,
-            "streamed_fills": self.streamed_fills,
-            "demotions": self.demotions,
-            "bytes_read": self.bytes_read,
-            "read_seconds": round(self.read_s, 6),
-            "spilled_bytes": self.spill_bytes,
-        }
+    def snapshot(self) -> HostTierSnapshot:
+        return HostTierSnapshot(
+            budget=self.budget,
+            used=self.used,
+            shared_bytes=self.outside(),
+            models=len(self.models),
+            filled=sum(1 for s in list(self.models.values()) if s.filled),
+            drops=self.drops,
+            fills=self.fills,
+            streamed_fills=self.streamed_fills,
+            demotions=self.demotions,
+            bytes_read=self.bytes_read,
+            read_seconds=round(self.read_s, 6),
+            spilled_bytes=self.spill_bytes,
+        )
 
     def models_view(self) -> dict[str, dict]:
         """Each store: its size, whether it is in memory, the memory its pages hold now

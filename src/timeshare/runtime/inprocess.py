@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from timeshare.runtime.dispatch import Dispatcher
 
 
-from timeshare.runtime.executor import Packed, Shared
+from timeshare.runtime.executor import Packed, PoolHealth, Shared
 
 
 class InProcessExecutor:
@@ -155,7 +155,7 @@ class InProcessExecutor:
     def pids(self) -> list[int]:
         return []
 
-    def health(self) -> dict | None:
+    def health(self) -> PoolHealth | None:
         return None
 
     def pinned_host_bytes(self) -> int:

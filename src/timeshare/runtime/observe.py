@@ -1,21 +1,54 @@
-"""What operators and tests read of a runtime: statistics, the metrics snapshot and the
-diagnostics view, as plain dictionaries made from the runtime's parts. Nothing here
-changes them (but reclaiming finished quarantined blocks, which only frees).
+"""What operators and tests read of a runtime: statistics and the diagnostics view as
+plain dictionaries, and the metrics snapshot as a typed record (:class:`RuntimeSnapshot`),
+each made from the runtime's parts. Nothing here changes them (but reclaiming finished
+quarantined blocks, which only frees). Runs in the controller (the caller's process).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from timeshare.memory import Arena
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.executor import Executor
-from timeshare.runtime.host_tier import HostTier
+from timeshare.runtime.executor import Executor, PoolHealth
+from timeshare.runtime.host_tier import HostTier, HostTierSnapshot
 from timeshare.runtime.residency import ModelEntry, Residency
-from timeshare.runtime.sharing import SharedTensors
+from timeshare.runtime.sharing import SharedTensors, SharingSnapshot
 from timeshare.runtime.training import TrainingJob
+from timeshare.scheduler.lanes import LanesView
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSnapshot:
+    """A runtime's counters and memory, for metrics and status pages, read without
+    waiting for the device: a consistent-enough view, not an atomic one. The optional
+    parts are None when the runtime has no such part. A plain record: it crosses Ray
+    from a cluster's replicas, and becomes JSON only at the edges (``to_json``)."""
+
+    device: str
+    capacity_bytes: int  # the arena
+    used_bytes: int  # held by resident models
+    resident: dict[str, int]  # resident model -> its device bytes
+    host_bytes: int  # the models' host copies (with a host budget: those in memory)
+    host_pinned_bytes: int  # of those, page-locked (NOTE [Exact host pinning])
+    loads: dict[str, int]  # model -> its loads so far
+    evictions: int
+    failures: int  # calls that raised
+    preemptions: int  # training jobs told to stop at their next preemption point
+    training_seconds: float
+    training_iterations: int
+    workers: PoolHealth | None  # with workers: the pool
+    lanes: LanesView | None  # with lanes (PACK): their budget, each lane (NOTE [Lanes in the runtime])
+    host_tier: HostTierSnapshot | None  # with a host budget (NOTE [Host tier])
+    shared: SharingSnapshot | None  # with dedup: tensors held once (NOTE [Shared tensors])
+
+    def to_json(self) -> dict:
+        """As JSON's types, under the field names, in their order."""
+        return dataclasses.asdict(self)
 
 
 def stats(device: torch.device, arena: Arena, residency: Residency, models: Mapping[str, ModelEntry]) -> dict:
@@ -35,33 +68,29 @@ def stats(device: torch.device, arena: Arena, residency: Residency, models: Mapp
 
 def snapshot(device: torch.device, arena: Arena, residency: Residency, models: Iterable[ModelEntry],
              jobs: Iterable[TrainingJob], executor: Executor, gate: Dispatcher, failures: int,
-             host: HostTier | None = None, sharing: SharedTensors | None = None) -> dict:
+             host: HostTier | None = None, sharing: SharedTensors | None = None) -> RuntimeSnapshot:
     alloc = arena.allocator
     models, jobs = list(models), list(jobs)
     shared = None if sharing is None else sharing.snapshot()
-    return {
-        "device": str(device),
-        "capacity_bytes": alloc.capacity,
-        "used_bytes": alloc.used,
-        "resident": {m.name: m.nbytes for m in models if m.block is not None},
-        "host_bytes": (sum(m.nbytes for m in models) + (shared["shared_bytes"] if shared else 0)) if host is None
+    return RuntimeSnapshot(
+        device=str(device),
+        capacity_bytes=alloc.capacity,
+        used_bytes=alloc.used,
+        resident={m.name: m.nbytes for m in models if m.block is not None},
+        host_bytes=(sum(m.nbytes for m in models) + (shared.shared_bytes if shared else 0)) if host is None
         else host.used,
-        "host_pinned_bytes": executor.pinned_host_bytes(),
-        "loads": {m.name: m.loads for m in models},
-        "evictions": residency.evictions,
-        "failures": failures,
-        "preemptions": gate.scheduler.preemptions,
-        "training_seconds": sum(j.stats.step_seconds for j in jobs),
-        "training_iterations": sum(j.stats.iterations for j in jobs),
-        # With workers: the pool's size, the workers ready to serve, replacements so far.
-        "workers": executor.health(),
-        # With lanes (PACK): their budget, each lane, admissions waiting (NOTE [Lanes in the runtime]).
-        "lanes": gate.lanes(),
-        # With a host budget: host memory as a cache over disk (NOTE [Host tier]).
-        "host_tier": None if host is None else host.snapshot(),
-        # With dedup: tensors held once across models (NOTE [Shared tensors]).
-        "shared": shared,
-    }
+        host_pinned_bytes=executor.pinned_host_bytes(),
+        loads={m.name: m.loads for m in models},
+        evictions=residency.evictions,
+        failures=failures,
+        preemptions=gate.scheduler.preemptions,
+        training_seconds=sum(j.stats.step_seconds for j in jobs),
+        training_iterations=sum(j.stats.iterations for j in jobs),
+        workers=executor.health(),
+        lanes=gate.lanes(),
+        host_tier=None if host is None else host.snapshot(),
+        shared=shared,
+    )
 
 
 def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Executor,
@@ -75,8 +104,13 @@ def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEn
                    for n, m in models.items()},
         "quarantined": residency.quarantined(),
         "scheduler_tasks": len(gate.scheduler.tasks),
-        "lanes": gate.lanes(),
-        "workers": executor.health(),
-        "host_tier": None if host is None else host.snapshot() | {"stores": host.models_view()},
-        "shared": None if sharing is None else sharing.snapshot() | {"sets": sharing.view()},
+        "lanes": _plain(gate.lanes()),
+        "workers": _plain(executor.health()),
+        "host_tier": None if host is None else dataclasses.asdict(host.snapshot()) | {"stores": host.models_view()},
+        "shared": None if sharing is None else dataclasses.asdict(sharing.snapshot()) | {"sets": sharing.view()},
     }
+
+
+def _plain(record: LanesView | PoolHealth | None) -> dict | None:
+    """A part's record as the dictionary the diagnostics view shows (None stays None)."""
+    return None if record is None else dataclasses.asdict(record)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from timeshare.runtime.dispatch import Dispatcher
 
 
-from timeshare.runtime.executor import Packed, Shared
+from timeshare.runtime.executor import Packed, PoolHealth, Shared, WorkerFailure, WorkerRow
 
 
 class PoolExecutor:
@@ -248,8 +248,8 @@ class PoolExecutor:
     def pids(self) -> list[int]:
         return list(self._pool.pids())
 
-    def health(self) -> dict | None:
-        return self._pool.health()
+    def health(self) -> PoolHealth | None:
+        return pool_health(self._pool.health())
 
     def pinned_host_bytes(self) -> int:
         """Every worker registers each store's segment: the same pages, counted once; a
@@ -277,6 +277,18 @@ class PoolExecutor:
             self._segments.clear()
             self._shared_segments.clear()
             release_host_cache(self.device)
+
+
+def pool_health(h: dict) -> PoolHealth:
+    """``ProcessPool.health`` as the executor's typed view: the one place the pool's
+    dictionary is read, until the pool builds the record itself."""
+    last = h["last_failure"]
+    return PoolHealth(
+        size=h["size"], ready=h["ready"], replacements=h["replacements"], failures=dict(h["failures"]),
+        last_failure=None if last is None else WorkerFailure(last["worker"], last["kind"], last["cause"], last["at"]),
+        failing_to_start=h["failing_to_start"], profilings=h["profilings"], homes=dict(h["homes"]),
+        kv_homes=dict(h["kv_homes"]),
+        workers=[WorkerRow(w["id"], w["pid"], w["state"], w["profiles"]) for w in h["workers"]])
 
 
 def _unlink(segment: SharedMemory) -> None:

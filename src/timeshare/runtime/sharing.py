@@ -119,6 +119,23 @@ class Split:
     claims: dict[str, tuple[str, str]]
 
 
+@dataclass(frozen=True, slots=True)
+class SharingSnapshot:
+    """Tensors held once (NOTE [Shared tensors]): the models and sets, the bytes of the
+    models' own tensors and of the sets, what separate copies would hold (logical), the
+    sets' bytes in the arena, the sets resident with no reader resident, and the bytes
+    saved against separate copies."""
+
+    models: int
+    sets: int
+    own_bytes: int
+    shared_bytes: int
+    logical_bytes: int
+    resident_shared_bytes: int
+    spare_sets: int
+    saved_bytes: int
+
+
 class SharedTensors:
     """The content index and the shared sets (NOTE [Shared tensors])."""
 
@@ -221,21 +238,21 @@ class SharedTensors:
                       "resident_users": sorted(s.resident)}
                 for sid, s in self.sets.items()}
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> SharingSnapshot:
         """Bytes held, against what separate copies would hold."""
         own = sum(m.store.nbytes for m in self.members.values())
         shared = sum(s.nbytes for s in self.sets.values())
         logical = sum(m.logical_bytes for m in self.members.values())
-        return {
-            "models": len(self.members),
-            "sets": len(self.sets),
-            "own_bytes": own,
-            "shared_bytes": shared,
-            "logical_bytes": logical,
-            "resident_shared_bytes": sum(s.nbytes for s in self.sets.values() if s.block is not None),
-            "spare_sets": sum(1 for s in self.sets.values() if s.block is not None and not s.resident),
-            "saved_bytes": max(0, logical - own - shared),
-        }
+        return SharingSnapshot(
+            models=len(self.members),
+            sets=len(self.sets),
+            own_bytes=own,
+            shared_bytes=shared,
+            logical_bytes=logical,
+            resident_shared_bytes=sum(s.nbytes for s in self.sets.values() if s.block is not None),
+            spare_sets=sum(1 for s in self.sets.values() if s.block is not None and not s.resident),
+            saved_bytes=max(0, logical - own - shared),
+        )
 
 
 def prepare(spec: ModelSpec) -> tuple[Member, dict[str, str]]:

@@ -40,6 +40,29 @@ class Lane:
     busy: int | None = None  # the task running in it
 
 
+@dataclass(frozen=True, slots=True)
+class LaneRow:
+    """One lane as operators see it: its size, how many tasks it holds, and the model
+    of the one running in it (None when idle)."""
+
+    id: int
+    size: int
+    tasks: int
+    running: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LanesView:
+    """The lanes as operators see them (``LaneManager.view``): the bytes for lanes, the
+    bytes held persistent and in lanes, how many tasks wait for admission, each lane."""
+
+    capacity: int
+    persistent: int
+    in_lanes: int
+    waiting_admission: int
+    lanes: list[LaneRow]
+
+
 class LaneManager:
     """Admission and lane assignment for one device of ``capacity`` bytes."""
 
@@ -69,19 +92,19 @@ class LaneManager:
     def fits_alone(self, persistent: int, ephemeral: int) -> bool:
         return persistent + ephemeral <= self.capacity
 
-    def view(self, tasks: Mapping[int, Task]) -> dict:
+    def view(self, tasks: Mapping[int, Task]) -> LanesView:
         """The lanes for operators: capacity, bytes held persistent and in lanes, each lane's
         size, tasks and the one running (among ``tasks``, the scheduler's), and how many
         tasks wait for admission."""
-        return {
-            "capacity": self.capacity,
-            "persistent": self.persistent,
-            "in_lanes": self.lane_total,
-            "waiting_admission": sum(1 for t in tasks.values() if t.state is State.WAITING and not self.admitted(t.id)),
-            "lanes": [{"id": lane.id, "size": lane.size, "tasks": len(lane.tasks),
-                       "running": tasks[lane.busy].model if lane.busy is not None and lane.busy in tasks else None}
-                      for lane in self.lanes.values()],
-        }
+        return LanesView(
+            capacity=self.capacity,
+            persistent=self.persistent,
+            in_lanes=self.lane_total,
+            waiting_admission=sum(1 for t in tasks.values() if t.state is State.WAITING and not self.admitted(t.id)),
+            lanes=[LaneRow(lane.id, lane.size, len(lane.tasks),
+                           tasks[lane.busy].model if lane.busy is not None and lane.busy in tasks else None)
+                   for lane in self.lanes.values()],
+        )
 
     def lane_of(self, task_id: int) -> int | None:
         where = self._where.get(task_id)

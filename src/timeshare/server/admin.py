@@ -158,7 +158,7 @@ def _status_route(app: FastAPI, service: Service, guard: list) -> None:
 
     @app.get("/admin/status", dependencies=guard, summary="Runtime state: memory, residency, counters")
     def status():
-        snap = service.snapshot()
+        snap = service.snapshot().to_json()
         snap["not_ready_reason"] = service.not_ready_reason()
         snap["ready"] = snap["not_ready_reason"] is None
         snap["start_error"] = service.start_error

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from timeshare.cluster.snapshots import ClusterSnapshot
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import Listener
+from timeshare.runtime.observe import RuntimeSnapshot
 
 
 class JobStats(Protocol):
@@ -62,7 +64,7 @@ class Backend(Protocol):
 
     def thrashing_factor(self) -> float: ...
 
-    def snapshot(self) -> dict: ...
+    def snapshot(self) -> RuntimeSnapshot | ClusterSnapshot: ...
 
     def subscribe(self, listener: Listener) -> None: ...
 

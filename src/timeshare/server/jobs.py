@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from timeshare.cluster.snapshots import ClusterSnapshot
 from timeshare.config import AdminConfig, TrainingConfig
-from timeshare.errors import BadRequest, Conflict, DuplicateModelError, UnknownModelError
+from timeshare.errors import BadRequest, Conflict, DuplicateModelError, Unavailable, UnknownModelError
 from timeshare.server.admission import check_training
 from timeshare.server.backend import Backend, JobHandle
 
@@ -51,7 +52,10 @@ class TrainingJobs:
                 raise Conflict(f"a training job named {cfg.name!r} is running")
             if not from_config:
                 snap = self._runtime().snapshot()  # on a cluster, a job has one replica's budget
-                check_training(cfg, admin, budget_bytes=snap.get("replica_capacity_bytes", snap["capacity_bytes"]))
+                budget = snap.replica_capacity_bytes if isinstance(snap, ClusterSnapshot) else snap.capacity_bytes
+                if budget is None:
+                    raise Unavailable("no replica of the cluster has reported its memory yet")
+                check_training(cfg, admin, budget_bytes=budget)
                 running = [n for n, j in self._jobs.items() if not j.handle.wait(0)]
                 if len(running) >= admin.max_training_jobs:
                     raise Conflict(f"{len(running)} training jobs are running ({', '.join(running)}), the limit "

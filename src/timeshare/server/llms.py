@@ -6,13 +6,16 @@ generates in this process (``llm/model.py``) or on a cluster's replicas
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from timeshare.config import LLMConfig
 from timeshare.errors import Unavailable, UnknownModelError
 from timeshare.llm import model as lm
+from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Event, Finish
@@ -30,9 +33,25 @@ class Generation(Protocol):
 class EngineView(Protocol):
     def subscribe(self, listener: Callable[[Event], None]) -> None: ...
 
-    def snapshot(self) -> dict: ...
+    def snapshot(self) -> EngineSnapshot: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LLMState:
+    """A configured language model as metrics and the status page see it: READY with its
+    engine's snapshot, LOADING, or UNAVAILABLE with the reason it failed to load."""
+
+    state: str
+    engine: EngineSnapshot | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict:
+        """A ready model's state beside its engine's fields; another's beside its reason."""
+        if self.engine is not None:
+            return {"state": self.state, **dataclasses.asdict(self.engine)}
+        return {"state": self.state, "reason": self.reason}
 
 
 class ServedLLM(Protocol):
@@ -107,15 +126,14 @@ class LanguageModels:
             raise Unavailable(f"model {name!r} is loading")
         raise UnknownModelError(f"no language model named {name!r}; known: {sorted(self.configs)}")
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, LLMState]:
         out = {}
         for name in self.configs:
             model = self.loaded.get(name)
             if model is not None:
-                out[name] = {"state": "READY", **model.engine.snapshot()}
+                out[name] = LLMState("READY", engine=model.engine.snapshot())
             else:
-                out[name] = {"state": "UNAVAILABLE" if name in self.failed else "LOADING",
-                             "reason": self.failed.get(name)}
+                out[name] = LLMState("UNAVAILABLE" if name in self.failed else "LOADING", reason=self.failed.get(name))
         return out
 
     def close(self) -> None:

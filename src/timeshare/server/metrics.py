@@ -12,8 +12,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from timeshare.cluster.snapshots import ClusterView
 from timeshare.llm.sequence import Event, TokenTiming
 from timeshare.runtime.events import CallRecord, EvictionRecord
+from timeshare.runtime.executor import PoolHealth
+from timeshare.runtime.host_tier import HostTierSnapshot
+from timeshare.runtime.observe import RuntimeSnapshot
+from timeshare.runtime.sharing import SharingSnapshot
+from timeshare.scheduler.lanes import LanesView
+from timeshare.server.snapshot import ServiceSnapshot
 
 # 1 ms to 1 min: a resident call on a GPU up to a cold load of a large model on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -130,7 +137,7 @@ class Metrics:
 
 
 class _Levels:
-    """Scrape-time values from ``Service.snapshot()``."""
+    """Scrape-time values from ``Service.snapshot()`` (a ``ServiceSnapshot``)."""
 
     def __init__(self, service):
         self.service = service
@@ -140,26 +147,22 @@ class _Levels:
 
     def collect(self):
         snap = self.service.snapshot()
-        if "capacity_bytes" not in snap:
+        rt = snap.runtime
+        if rt is None:
             return
-        yield from _memory(snap)
-        yield from _activity(snap)
-        lanes = snap.get("lanes")
-        if lanes is not None:  # NOTE [Lanes in the runtime]
-            yield from _lanes(lanes)
-        host = snap.get("host_tier")
-        if host is not None:  # NOTE [Host tier]
-            yield from _host_tier(host)
-        shared = snap.get("shared")
-        if shared is not None:  # NOTE [Shared tensors]
-            yield from _shared(shared)
+        yield from _memory(snap, rt)
+        yield from _activity(snap, rt)
+        if rt.lanes is not None:  # NOTE [Lanes in the runtime]
+            yield from _lanes(rt.lanes)
+        if rt.host_tier is not None:  # NOTE [Host tier]
+            yield from _host_tier(rt.host_tier)
+        if rt.shared is not None:  # NOTE [Shared tensors]
+            yield from _shared(rt.shared)
         yield from _language_models(snap)
-        cluster = snap.get("cluster")
-        if cluster is not None:  # NOTE [A cluster behind the server]
-            yield from _cluster(cluster)
-        workers = snap.get("workers")
-        if workers is not None:
-            yield from _workers(workers)
+        if snap.cluster is not None:  # NOTE [A cluster behind the server]
+            yield from _cluster(snap.cluster.view)
+        if rt.workers is not None:
+            yield from _workers(rt.workers)
 
 
 class _Hops:
@@ -181,135 +184,136 @@ class _Hops:
                         "to_thread, prepare, runtime, split, to_loop, encode)", "hop", sums)
 
 
-def _memory(snap: dict):
+def _memory(snap: ServiceSnapshot, rt: RuntimeSnapshot):
     """Levels of memory: queues, the arena and the host stores."""
     yield _by_label(GaugeMetricFamily, "timeshare_queue_depth", "Requests waiting for a model", "model",
-                    snap["queue_depth"])
+                    snap.queue_depth)
     yield _by_label(GaugeMetricFamily, "timeshare_model_resident_bytes", "Device bytes of each resident model",
-                    "model", snap["resident"])
-    yield GaugeMetricFamily("timeshare_resident_models", "Models in device memory", value=len(snap["resident"]))
+                    "model", rt.resident)
+    yield GaugeMetricFamily("timeshare_resident_models", "Models in device memory", value=len(rt.resident))
     yield GaugeMetricFamily("timeshare_arena_used_bytes", "Device memory held by resident models",
-                            value=snap["used_bytes"])
+                            value=rt.used_bytes)
     yield GaugeMetricFamily("timeshare_arena_capacity_bytes", "The device memory budget for models (the arena)",
-                            value=snap["capacity_bytes"])
+                            value=rt.capacity_bytes)
     yield GaugeMetricFamily("timeshare_host_store_bytes", "Host copies of the registered models' weights",
-                            value=snap["host_bytes"])
+                            value=rt.host_bytes)
     # The bytes registered with CUDA, exactly (NOTE [Exact host pinning]), not a flag per model.
     yield GaugeMetricFamily("timeshare_host_pinned_bytes", "Of those, page-locked (pinned) host memory: the "
-                            "bytes registered with the device, exactly", value=snap["host_pinned_bytes"])
+                            "bytes registered with the device, exactly", value=rt.host_pinned_bytes)
 
 
-def _activity(snap: dict):
+def _activity(snap: ServiceSnapshot, rt: RuntimeSnapshot):
     """What the device did: loads, preemptions, busy seconds, training iterations."""
     yield _by_label(CounterMetricFamily, "timeshare_model_loads", "Loads of each model onto the device", "model",
-                    snap["loads"])
+                    rt.loads)
     yield CounterMetricFamily("timeshare_preemptions", "Training jobs told to stop at their next "
-                              "preemption point for another task", value=snap["preemptions"])
+                              "preemption point for another task", value=rt.preemptions)
     yield _by_label(CounterMetricFamily, "timeshare_device_busy_seconds", "Device time of inference calls and "
                     "of training iterations", "task",
-                    {"inference": snap["inference_seconds"], "training": snap["training_seconds"]})
+                    {"inference": snap.inference_seconds, "training": rt.training_seconds})
     yield _by_label(CounterMetricFamily, "timeshare_training_iterations", "Iterations done by each training job",
-                    "job", snap["jobs"])
+                    "job", snap.jobs)
 
 
-def _lanes(lanes: dict):
+def _lanes(lanes: LanesView):
     """Salus's memory lanes (scheduling: pack; NOTE [Lanes in the runtime])."""
-    yield GaugeMetricFamily("timeshare_lanes", "Memory lanes now (scheduling: pack)", value=len(lanes["lanes"]))
+    yield GaugeMetricFamily("timeshare_lanes", "Memory lanes now (scheduling: pack)", value=len(lanes.lanes))
     yield GaugeMetricFamily("timeshare_lane_capacity_bytes", "The bytes for lanes of ephemeral memory",
-                            value=lanes["capacity"])
+                            value=lanes.capacity)
     yield GaugeMetricFamily("timeshare_lane_bytes", "Bytes the lanes now hold (the sum of their sizes)",
-                            value=lanes["in_lanes"])
+                            value=lanes.in_lanes)
     yield GaugeMetricFamily("timeshare_lanes_busy", "Lanes running a task now",
-                            value=sum(1 for lane in lanes["lanes"] if lane["running"] is not None))
+                            value=sum(1 for lane in lanes.lanes if lane.running is not None))
     yield GaugeMetricFamily("timeshare_lane_admissions_waiting", "Tasks waiting for lane memory",
-                            value=lanes["waiting_admission"])
+                            value=lanes.waiting_admission)
 
 
-def _host_tier(host: dict):
+def _host_tier(host: HostTierSnapshot):
     """Host memory as a cache over disk (NOTE [Host tier])."""
     yield GaugeMetricFamily("timeshare_host_budget_bytes", "The host memory budget for models' host copies",
-                            value=host["budget"])
+                            value=host.budget)
     yield GaugeMetricFamily("timeshare_host_stores_in_memory", "Models whose host copy is in memory (the "
-                            "others are on disk)", value=host["filled"])
+                            "others are on disk)", value=host.filled)
     yield CounterMetricFamily("timeshare_host_drops", "Host copies given back to make room (they are read "
-                              "from disk again when needed)", value=host["drops"])
-    yield CounterMetricFamily("timeshare_host_fills", "Host copies read back from disk", value=host["fills"])
+                              "from disk again when needed)", value=host.drops)
+    yield CounterMetricFamily("timeshare_host_fills", "Host copies read back from disk", value=host.fills)
     yield CounterMetricFamily("timeshare_disk_read_bytes", "Bytes read from weights and spill files",
-                              value=host["bytes_read"])
+                              value=host.bytes_read)
     yield CounterMetricFamily("timeshare_disk_read_seconds", "Seconds spent reading them",
-                              value=host["read_seconds"])
+                              value=host.read_seconds)
 
 
-def _shared(shared: dict):
+def _shared(shared: SharingSnapshot):
     """Tensors held once for several models (NOTE [Shared tensors])."""
     yield GaugeMetricFamily("timeshare_shared_sets", "Sets of tensors held once for several models",
-                            value=shared["sets"])
+                            value=shared.sets)
     yield GaugeMetricFamily("timeshare_shared_bytes", "Host bytes of the shared sets",
-                            value=shared["shared_bytes"])
+                            value=shared.shared_bytes)
     yield GaugeMetricFamily("timeshare_shared_resident_bytes", "Device bytes of the shared sets in the arena",
-                            value=shared["resident_shared_bytes"])
+                            value=shared.resident_shared_bytes)
     yield GaugeMetricFamily("timeshare_dedup_saved_bytes", "Host bytes that separate copies of the models "
-                            "would take beyond what is held", value=shared["saved_bytes"])
+                            "would take beyond what is held", value=shared.saved_bytes)
 
 
-def _language_models(snap: dict):
+def _language_models(snap: ServiceSnapshot):
     """Language models' caches and generations (the OpenAI API)."""
-    llms = {name: s for name, s in snap.get("llms", {}).items() if s["state"] == "READY"}
+    llms = {name: s.engine for name, s in snap.llms.items() if s.engine is not None}  # the READY ones
     if llms:
         yield _by_label(GaugeMetricFamily, "timeshare_llm_kv_cache_bytes", "Bytes of the key/value caches of "
                         "each language model's running generations", "model",
-                        {n: s["kv_bytes"] for n, s in llms.items()})
+                        {n: s.kv_bytes for n, s in llms.items()})
         yield _by_label(GaugeMetricFamily, "timeshare_llm_kv_host_bytes", "Of those, the bytes in host memory "
                         "while another task has the device (offload_kv, kv_memory)", "model",
-                        {n: s["kv_host_bytes"] for n, s in llms.items()})
+                        {n: s.kv_host_bytes for n, s in llms.items()})
         yield _by_label(CounterMetricFamily, "timeshare_llm_kv_offloads", "Times a model's caches left the "
-                        "device for host memory", "model", {n: s["kv_offloads"] for n, s in llms.items()})
-    kv = snap.get("kv_memory")
+                        "device for host memory", "model", {n: s.kv_offloads for n, s in llms.items()})
+    kv = snap.kv_memory
     if kv is not None:  # NOTE [Key/value caches under pressure]
         yield GaugeMetricFamily("timeshare_llm_kv_memory_bytes", "Bytes the language models' key/value caches "
-                                "may keep on the device between their turns (kv_memory)", value=kv["capacity"])
+                                "may keep on the device between their turns (kv_memory)", value=kv.capacity)
         yield GaugeMetricFamily("timeshare_llm_kv_device_bytes", "Bytes of key/value caches on the device now",
-                                value=kv["on_device"])
+                                value=kv.on_device)
         yield CounterMetricFamily("timeshare_llm_kv_pressure_moves", "Times caches moved to host memory to keep "
-                                  "those on the device within kv_memory", value=kv["moves"])
+                                  "those on the device within kv_memory", value=kv.moves)
     if llms:
         yield _by_label(GaugeMetricFamily, "timeshare_llm_running", "Generations decoding together", "model",
-                        {n: s["running"] for n, s in llms.items()})
+                        {n: s.running for n, s in llms.items()})
         yield _by_label(GaugeMetricFamily, "timeshare_llm_waiting", "Generations waiting to start", "model",
-                        {n: s["waiting"] for n, s in llms.items()})
+                        {n: s.waiting for n, s in llms.items()})
 
 
-def _cluster(cluster: dict):
+def _cluster(cluster: ClusterView):
     """The replicas behind the server (NOTE [A cluster behind the server])."""
-    yield GaugeMetricFamily("timeshare_cluster_replicas", "Replicas alive", value=cluster["replicas_alive"])
-    for name, doc in (("retried", "Requests retried on another replica after theirs died"),
-                      ("failed", "Requests failed after their retry (or with no replica left)"),
-                      ("replicas_lost", "Replicas that died or stopped answering"),
-                      ("migrations", "Training jobs moved to another replica"),
-                      ("cpu_fallbacks", "Requests run on a replica's CPU instead of its busy device")):
-        yield CounterMetricFamily(f"timeshare_cluster_{name}", doc, value=cluster[name])
-    rows = [r for r in cluster["replicas"] if r["alive"] and "used_bytes" in r]
+    yield GaugeMetricFamily("timeshare_cluster_replicas", "Replicas alive", value=cluster.replicas_alive)
+    for name, value, doc in (
+            ("retried", cluster.retried, "Requests retried on another replica after theirs died"),
+            ("failed", cluster.failed, "Requests failed after their retry (or with no replica left)"),
+            ("replicas_lost", cluster.replicas_lost, "Replicas that died or stopped answering"),
+            ("migrations", cluster.migrations, "Training jobs moved to another replica"),
+            ("cpu_fallbacks", cluster.cpu_fallbacks, "Requests run on a replica's CPU instead of its busy device")):
+        yield CounterMetricFamily(f"timeshare_cluster_{name}", doc, value=value)
+    rows = [r for r in cluster.replicas if r.alive and r.used_bytes is not None]  # those that reported
     yield _by_label(GaugeMetricFamily, "timeshare_replica_used_bytes", "Device memory held by each "
-                    "replica's resident models", "replica", {r["replica"]: r["used_bytes"] for r in rows})
+                    "replica's resident models", "replica", {r.replica: r.used_bytes for r in rows})
     yield _by_label(GaugeMetricFamily, "timeshare_replica_outstanding", "Requests in flight on each "
-                    "replica", "replica", {r["replica"]: r["outstanding"] for r in rows})
+                    "replica", "replica", {r.replica: r.outstanding for r in rows})
     yield _by_label(CounterMetricFamily, "timeshare_replica_loads", "Loads on each replica", "replica",
-                    {r["replica"]: r["loads"] for r in rows})
+                    {r.replica: r.loads for r in rows})
 
 
-def _workers(workers: dict):
+def _workers(workers: PoolHealth):
     """The worker pool: its size, readiness and failures."""
-    yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers["size"])
+    yield GaugeMetricFamily("timeshare_workers", "Worker processes in the pool", value=workers.size)
     yield GaugeMetricFamily("timeshare_workers_ready", "Workers started and ready to serve",
-                            value=workers["ready"])
+                            value=workers.ready)
     yield CounterMetricFamily("timeshare_worker_replacements", "Workers replaced after a crash or a hang",
-                              value=workers["replacements"])
+                              value=workers.replacements)
     yield _by_label(CounterMetricFamily, "timeshare_worker_failures", "Replaced workers by what went wrong: "
                     "died starting, hung past a call's deadline, crashed, or broke the protocol", "kind",
-                    workers["failures"])
+                    workers.failures)
     yield GaugeMetricFamily("timeshare_workers_failing_to_start", "Replacements in a row that died before "
                             "they were ready (the pool backs off between them)",
-                            value=workers["failing_to_start"])
+                            value=workers.failing_to_start)
 
 
 def _by_label(family, name: str, documentation: str, label: str, values: dict):

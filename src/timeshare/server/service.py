@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from timeshare.cluster.snapshots import ClusterSnapshot
 from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
 from timeshare.llm.kv_budget import KVBudget
@@ -35,6 +36,7 @@ from timeshare.server.llms import LanguageModels, ServedLLM, open_local
 from timeshare.server.metrics import Metrics
 from timeshare.server.parser_pool import ParserPool
 from timeshare.server.runner import QueueRunner, Reply
+from timeshare.server.snapshot import ServiceSnapshot
 from timeshare.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -185,15 +187,15 @@ class Service:
         if not self._started.is_set() or self.runtime is None:
             return "starting: models are loading"
         snap = self.runtime.snapshot()
-        cluster = snap.get("cluster")
-        if cluster is not None and cluster["replicas_alive"] == 0:
+        if isinstance(snap, ClusterSnapshot) and snap.view.replicas_alive == 0:
             return "no replica of the cluster is alive"
-        workers = snap.get("workers")
-        if workers is not None and workers["ready"] == 0:  # every worker is dead or still starting
-            last = workers["last_failure"]
-            why = f"; the last to fail: {last['cause']}" if last else ""
-            return f"no worker can serve: {workers['size']} are starting{why}"
-        resident = snap.get("resident", {})
+        rt = snap.runtime if isinstance(snap, ClusterSnapshot) else snap
+        workers = None if rt is None else rt.workers
+        if workers is not None and workers.ready == 0:  # every worker is dead or still starting
+            last = workers.last_failure
+            why = f"; the last to fail: {last.cause}" if last else ""
+            return f"no worker can serve: {workers.size} are starting{why}"
+        resident = {} if rt is None else rt.resident
         missing = [ep.name for ep in self.endpoints.values()
                    if ep.pinned and not (ep.state is ModelState.READY and ep.name in resident)]
         return f"pinned models not resident yet: {missing}" if missing else None
@@ -406,7 +408,7 @@ class Service:
         return rt
 
     def replicas(self) -> dict:
-        return self.cluster().snapshot()["cluster"]
+        return self.cluster().snapshot().view.to_json()
 
     async def add_replica(self) -> dict:
         """Start one more replica; it takes requests once it has warmed every model up."""
@@ -421,15 +423,11 @@ class Service:
         return {"replica": name, "killed": True}
 
     # ------------------------------------------------------------------ metrics
-    def snapshot(self) -> dict:
-        snap = self.runtime.snapshot() if self.runtime is not None else {}
-        snap["queue_depth"] = self.queue_depths()
-        snap["inference_seconds"] = self._busy_s
-        snap["jobs"] = self.training.iterations()
-        snap["llms"] = self.llms.snapshot()
-        if self.kv_budget is not None:
-            snap["kv_memory"] = self.kv_budget.snapshot()
-        return snap
+    def snapshot(self) -> ServiceSnapshot:
+        return ServiceSnapshot.of(None if self.runtime is None else self.runtime.snapshot(),
+                                  queue_depth=self.queue_depths(), inference_seconds=self._busy_s,
+                                  jobs=self.training.iterations(), llms=self.llms.snapshot(),
+                                  kv_memory=None if self.kv_budget is None else self.kv_budget.snapshot())
 
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
