@@ -173,10 +173,10 @@ def test_an_output_that_views_a_shared_table_on_the_host_is_a_copy():
 
 
 def test_direct_host_access_is_refused_where_it_does_not_run():
+    from timeshare.options import RuntimeOptions
     from timeshare.runtime import assembly
 
     # Refused before the arena or a worker is touched (no device-visible mapping on CUDA yet).
     with pytest.raises(ConfigError, match="CUDA"):
-        assembly.make_executor(torch.device("cuda"), None, 0, profile_repeats=1,  # type: ignore[arg-type]
-                               fixed_group_bytes=1 << 20, load_timeout_s=1.0, copy_delay_s=0.0,
-                               direct_host_access=True)
+        assembly.make_executor(RuntimeOptions(direct_host_access=True), torch.device("cuda"),
+                               None)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ class _Job:
         self.name, self.iterations, self.stats = name, None, _Stats()
         self.cancelled = self.paused = False
 
-    def interrupt(self, for_model: str = "") -> None:
+    def stop(self, switch=None) -> None:
         pass
 
 

@@ -16,7 +16,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 # here (besides itself); None: anything (the command line, benchmarks, the demo).
 BASICS = {"errors", "units", "dtypes", "device", "tree", "seeding"}
 _BELOW_WORKER = BASICS | {"memory", "transfer", "protocol", "models"}
-_CONTROLLER = _BELOW_WORKER | {"scheduler", "worker", "runtime", "config"}
+_CONTROLLER = _BELOW_WORKER | {"scheduler", "options", "worker", "runtime", "config"}
 ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),
     "units": {"errors"},
@@ -28,10 +28,11 @@ ALLOWED: dict[str, set[str] | None] = {
     "transfer": BASICS | {"memory"},
     "protocol": BASICS | {"memory", "transfer"},
     "models": BASICS | {"memory", "transfer"},
-    "config": BASICS | {"memory", "transfer", "models"},
+    "options": BASICS | {"memory", "transfer", "scheduler"},
+    "config": BASICS | {"memory", "transfer", "models", "scheduler", "options"},
     "scheduler": {"errors", "units"},
     "worker": _BELOW_WORKER,
-    "runtime": _BELOW_WORKER | {"scheduler", "worker"},
+    "runtime": _BELOW_WORKER | {"scheduler", "options", "worker"},
     "sim": BASICS | {"memory", "transfer", "models", "scheduler"},
     "llm": _CONTROLLER,
     "cluster": _CONTROLLER | {"llm"},

@@ -306,7 +306,7 @@ class FakePool:
         return None
 
     def run(self, model, offset, resident, args, kwargs, strategy, lane=None, fill=None, shared=None,
-            host_keys=None, kv=None) -> Ran:
+            host_keys=None, kv=None, switch=None) -> Ran:
         if isinstance(self.answer, Exception):
             raise self.answer
         timings = P.CallTimings(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, worker=self.answer.get("worker", 0),
@@ -424,7 +424,7 @@ def test_a_worker_that_fails_to_unlock_is_replaced_and_the_others_still_unlock()
     pool = ProcessPool.__new__(ProcessPool)  # only what unpin_store uses: no processes
     pool._set = FakeWorkerSet(list(handles))  # type: ignore[assignment]
     pool._cv = threading.Condition(threading.RLock())
-    pool._segments = Segments(claim_within_s=5.0)
+    pool._segments = Segments()
     pool.task_timeout_s = pool.startup_timeout_s = 5.0
     pool.training = SegmentRunner(pool._set, pool._cv, pool._segments, Deadlines(5.0), 5.0, 5.0)  # type: ignore[arg-type]
     pool.unpin_store("m", {1, 2, 3})

@@ -47,6 +47,7 @@ from timeshare.errors import ConfigError, Conflict, TimeshareError, UnknownModel
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish
+from timeshare.options import RuntimeOptions
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.scheduler.migration import RUNNABLE, ReplicaSeen, plan_migrations
@@ -81,9 +82,9 @@ class ClusterRuntime:
         self._poller.start()
 
     @classmethod
-    def from_config(cls, cfg: ClusterConfig, runtime_kwargs: dict, models: list[ModelDef],
+    def from_config(cls, cfg: ClusterConfig, runtime: RuntimeOptions, models: list[ModelDef],
                     llms: Sequence[LLMDef] = ()) -> ClusterRuntime:
-        cluster = Cluster(models, replicas=cfg.replicas, runtime=runtime_kwargs, policy=cfg.policy, llms=llms,
+        cluster = Cluster(models, replicas=cfg.replicas, runtime=runtime, policy=cfg.policy, llms=llms,
                           address=cfg.address, num_cpus=cfg.num_cpus, max_replicas=cfg.max_replicas,
                           call_timeout_s=cfg.call_timeout_s, start_timeout_s=cfg.start_timeout_s, seed=cfg.seed,
                           cpu_fallback=cfg.cpu_fallback)

@@ -59,6 +59,7 @@ from timeshare.cluster.replicas import ClusterStats, ReplicaLostError, ReplicaSe
 from timeshare.cluster.requests import Requests
 from timeshare.cluster.snapshots import ReplicaRow, ReplicaSnapshot
 from timeshare.errors import ConfigError
+from timeshare.options import RuntimeOptions
 from timeshare.scheduler.routing import Fleet, Router, compile_steps, policy_code
 from timeshare.units import parse_bytes
 
@@ -80,7 +81,7 @@ class Cluster:
     def __init__(self, models: Sequence[ModelDef], *, replicas: int = 3, memory: int | str = "64MiB",
                  policy: str = "timeshare", address: str | None = None, num_cpus: int | None = None,
                  max_replicas: int | None = None, call_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
-                 seed: int = 0, device: str = "cpu", runtime: dict | None = None,
+                 seed: int = 0, device: str = "cpu", runtime: RuntimeOptions | None = None,
                  cpu_fallback: int | str | None = None, llms: Sequence[LLMDef] = (), failing: Sequence[int] = ()):
         if not models:
             raise ConfigError("a cluster needs at least one model")
@@ -95,7 +96,7 @@ class Cluster:
         self.models = list(models)
         self.index = {m.name: i for i, m in enumerate(self.models)}
         if runtime is not None:  # a server's runtime section: its device and budget are the replicas'
-            device, memory = runtime["device"], runtime["memory"]
+            device, memory = runtime.device, runtime.memory
         self.memory = parse_bytes(memory, what="memory")
         self.device = device
         self.runtime = runtime

@@ -15,6 +15,7 @@ from timeshare.llm.kv_budget import KVBudget
 from timeshare.models.spec import Builder
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
+from timeshare.options import RuntimeOptions
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
 
@@ -81,14 +82,14 @@ class Replica:
     (NOTE [CPU fallback]); None: none."""
 
     def __init__(self, name: str, models: list[ModelDef], *, device: str = "cpu", memory: int | str = "64MiB",
-                 runtime: dict | None = None, cpu_fallback: int | str | None = None, llms: list | None = None,
+                 runtime: RuntimeOptions | None = None, cpu_fallback: int | str | None = None, llms: list | None = None,
                  fail_start: bool = False):
         if fail_start:  # for tests and drills: a replica that cannot start
             raise ConfigError(f"replica {name} was told not to start")
         self.name = name
-        # ``runtime``: all of Runtime's keyword arguments (a server's runtime section);
-        # else the device and its budget.
-        self.rt = Runtime(**runtime) if runtime is not None else Runtime(device=device, memory=memory)
+        # ``runtime``: all of the runtime's options (a server's runtime section); else the
+        # device and its budget.
+        self.rt = Runtime(options=runtime) if runtime is not None else Runtime(device, memory)
         self.models = {m.name: m for m in models}
         self._resumed_at: dict[str, int] = {}  # training job -> the iterations it was resumed at here
         self._evicted: list[tuple[str, int]] = []  # evictions not yet reported (snapshot)

@@ -18,6 +18,7 @@ from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replica import ModelDef
 from timeshare.cluster.snapshots import ReplicaSnapshot
 from timeshare.errors import ConfigError, Unavailable
+from timeshare.options import RuntimeOptions
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ReplicaSet:
     it."""
 
     def __init__(self, ray: Any, actor_class: Any, models: Sequence[ModelDef], *, memory: int, device: str,
-                 runtime: dict | None, cpu_fallback: int | str | None, llms: Sequence[LLMDef],
+                 runtime: RuntimeOptions | None, cpu_fallback: int | str | None, llms: Sequence[LLMDef],
                  call_timeout_s: float, start_timeout_s: float, on_lost: Callable[[int], None]):
         self.ray = ray
         self._actor_class = actor_class

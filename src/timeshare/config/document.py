@@ -13,7 +13,6 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError, model_validator
-from pydantic_core import ErrorDetails
 
 from timeshare.config.cluster import ClusterConfig
 from timeshare.config.fields import Strict
@@ -21,6 +20,7 @@ from timeshare.config.runtime import RuntimeConfig
 from timeshare.config.server import AdminConfig, ServerConfig
 from timeshare.config.workloads import LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import ConfigError
+from timeshare.options import describe
 
 _UNION_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|literal\[.*\]"
                         r"|constrained-\w+)$")
@@ -73,7 +73,7 @@ def parse_config(data: Any, source: str = "config") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+        raise ConfigError(f"{source}: " + "; ".join(describe(e, _UNION_TAG) for e in exc.errors())) from None
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -90,25 +90,6 @@ def load_config(path: str | os.PathLike) -> Config:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{p}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
     return parse_config(data, str(p))
-
-
-def _describe(error: ErrorDetails) -> str:
-    path = ""
-    for part in error["loc"]:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif _UNION_TAG.match(str(part)):
-            continue  # pydantic's label of a union's branch, not one of the user's fields
-        else:
-            path += f".{part}" if path else str(part)
-    msg = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        return f"{path}: unknown field"
-    if error["type"] == "missing":
-        return f"{path}: required field missing"
-    got = error.get("input")
-    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-    return f"{path or 'config'}: {msg}{shown}"
 
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "default.yaml"

@@ -20,6 +20,7 @@ import time
 
 from timeshare.errors import ConfigError
 from timeshare.runtime.job_turns import JobTurns
+from timeshare.runtime.segments import Switch
 from timeshare.runtime.turns import Preemptible, Ticket, Turn
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.lanes import LanesView
@@ -60,7 +61,8 @@ class Dispatcher(JobTurns):
         self._job_tasks: dict[Preemptible, Task] = {}  # a job -> its task
         self._sized: set[Preemptible] = set()  # jobs re-admitted with their measured memory (lanes)
         self._resizing: dict[Preemptible, tuple[int, int]] = {}  # ... once stopped: (persistent, lane) bytes
-        self._outbox: list[tuple[Preemptible, str]] = []  # interrupts decided, not yet sent
+        self._outbox: list[tuple[Preemptible, Switch | None]] = []  # stops decided, not yet sent
+        self._switches: dict[int, Switch] = {}  # an inference's task id -> the switch made for it
         self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
         self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
 
@@ -133,6 +135,7 @@ class Dispatcher(JobTurns):
                 with lock:
                     self._wakers.pop(task.id, None)
                     self._shrinking.pop(task.id, None)
+                    self._switches.pop(task.id, None)
                     if hold.ticket is not None:
                         hold.ticket.bind(None, None)
                     if task.state is State.WAITING:
@@ -193,7 +196,8 @@ class Dispatcher(JobTurns):
         return waiter.turn
 
     def _turn_of(self, task: Task, previous: tuple[Kind, str] | None) -> Turn:
-        return Turn(self.clock() - task.arrival, previous, lane=task.lane, lane_bytes=self._lane_size(task.lane))
+        return Turn(self.clock() - task.arrival, previous, lane=task.lane, lane_bytes=self._lane_size(task.lane),
+                    switch=self._switches.pop(task.id, None))
 
     # NOTE [Asks that shrink]
     # A task that asks for "as much as it can get" (a language model's turn sized by an
@@ -282,6 +286,14 @@ class Dispatcher(JobTurns):
                 else:
                     del self._shrinking[task.id]
         decisions = self.scheduler.schedule(self.clock())
+        made: dict[int, Switch] | None = None  # a job's task id -> the switch its stop makes
+        for d in decisions:  # NOTE [Switch records]: made before the inference's turn is
+            if isinstance(d, Preempt) and d.by is not None and d.by.kind is Kind.INFERENCE:
+                job = self._jobs.get(d.task.id)
+                if job is not None:
+                    switch = self._switches[d.by.id] = Switch(job.name, d.by.model, time.perf_counter())
+                    made = made or {}
+                    made[d.task.id] = switch
         for d in decisions:
             if not isinstance(d, Preempt):
                 for t in (d.task, *d.task.batch):
@@ -299,12 +311,11 @@ class Dispatcher(JobTurns):
                 continue
             job = self._jobs.get(d.task.id)
             if job is not None:
-                # A worker segment: Preempt goes out now (NOTE [Switch protocol]), and the
-                # switch is recorded for the inference it makes way for.
-                by = d.by
-                self._outbox.append((job, by.model if by is not None and by.kind is Kind.INFERENCE else ""))
+                # A worker segment stops now (NOTE [Switch protocol]), with the record of the
+                # switch to the inference it makes way for.
+                self._outbox.append((job, None if made is None else made.get(d.task.id)))
         if self._outbox:
-            self._send_interrupts()
+            self._send_stops()
 
     def _release(self, task_id: int) -> None:
         """Wake a job's thread to look again (no turn: it reads its task's state)."""
@@ -312,19 +323,19 @@ class Dispatcher(JobTurns):
         if waiter is not None:
             waiter.lock.release()
 
-    # NOTE [Interrupts outside the lock]
-    # A Preempt for a job reaches it through ``job.interrupt``, which takes the pool's
-    # lock. The dispatcher never calls it with its own condition held: decisions queue
-    # interrupts in an outbox, and the step sends them after releasing the condition,
-    # then takes it back. So no lock order between dispatcher and pool needs keeping:
-    # the pool may call the dispatcher (``holds_turn``) under its own lock.
-    def _send_interrupts(self) -> None:
+    # NOTE [Stops outside the lock]
+    # A Preempt for a job reaches it through ``job.stop``, which takes the pool's lock.
+    # The dispatcher never calls it with its own condition held: decisions queue stops
+    # in an outbox, and the step sends them after releasing the condition, then takes it
+    # back. The pool never calls the dispatcher: a job asks it whether it holds its turn
+    # and in which lane before it starts a segment, in its own thread.
+    def _send_stops(self) -> None:
         while self._outbox:
             pending, self._outbox = self._outbox, []
             self._lock.release()
             try:
-                for job, model in pending:
-                    job.interrupt(model)
+                for job, switch in pending:
+                    job.stop(switch)
             finally:
                 self._lock.acquire()
 

@@ -24,6 +24,7 @@ from timeshare.models.spec import ModelSpec
 from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.registration import Tiered
+from timeshare.runtime.segments import Switch
 from timeshare.runtime.training import TrainingJob
 from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import LoadHandle
@@ -152,8 +153,10 @@ class Executor(Protocol):
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            kv: KVStep | None = None) -> Ran:
+            kv: KVStep | None = None, switch: Switch | None = None) -> Ran:
         """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
+        ``switch``: the record of the switch that gave the call the device, whose start,
+        load and total times the call fills in (NOTE [Switch records]; workers only).
         ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime]);
         ``fill``: the host store is read from disk during the load (NOTE [Disk to device]);
         ``shared``: its shared sets' offsets and whether they are loaded (NOTE [Shared tensors]);

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -23,10 +25,11 @@ from timeshare.device import resolve_device, synchronize
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
+from timeshare.options import RuntimeOptions
 from timeshare.protocol import KVStep
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
-from timeshare.runtime.dispatch import Dispatcher, Ticket, Turn
+from timeshare.runtime.dispatch import Ticket, Turn
 from timeshare.runtime.events import Listener
 from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
@@ -35,17 +38,18 @@ from timeshare.runtime.registration import build_and_pack, model_spec, parse_dty
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.table import ModelTable
 from timeshare.runtime.training import TrainingJob
+from timeshare.runtime.turns import ModelTurn
 from timeshare.scheduler.eviction import make_eviction_policy
 from timeshare.scheduler.task import Kind, Priority
 from timeshare.scheduler.thrashing import ThrashingDetector
 from timeshare.transfer.planner import STRATEGIES
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
-from timeshare.units import format_bytes, parse_bytes
+from timeshare.units import format_bytes
 from timeshare.worker.profiling import release_host_cache
 from timeshare.worker.worker import Worker
 
-__all__ = ["Call", "Runtime", "parse_dtype"]
+__all__ = ["Call", "ModelTurn", "Runtime", "parse_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -53,127 +57,42 @@ log = logging.getLogger(__name__)
 class Runtime:
     """Time-shares one device among registered models.
 
-    ``device``: "auto", "cpu", "cuda" or "cuda:N". ``memory``: the arena's size in bytes
-    or a string like "4GiB"; "auto" takes half the free device memory on CUDA and an
-    eighth of RAM (at most 2 GiB) on the CPU. ``eviction``: the policy that picks which
-    resident model leaves when a new one needs room, fed with each model's measured
-    load time (NOTE [Measured reload times]); ``thrashing``: while loads take most of the
-    device's time, keep the recently used models resident (``thrashing_factor()`` tells
-    callers how much longer to batch). ``strategy``: how loads are grouped: "optimal"
-    (default), "per_layer", "whole" or "fixed".
-
-    ``scheduling``: who gets the device next (``timeshare.runtime.dispatch``):
-    "priority" (default; calls preempt training at its next iteration boundary),
-    "fifo", "fair", "srtf", "edf" or "pack"; ``time_slice_s``: how long a training job
-    keeps the device before waiting calls get it (FIFO time-slicing; FAIR's default 1 s).
-    "pack" runs calls of different memory lanes at the same time (NOTE [Lanes in the
-    runtime]): ``lane_memory`` bytes for their ephemeral memory ("auto": the arena's
-    size), each lane's forward on ``lane_threads`` CPU cores (default: half of them), at
-    most ``lane_slots`` lanes at once (default: one per worker with workers; in-process on
-    the CPU, the cores over ``lane_threads``, since more threads than cores only take
-    turns; on CUDA, as many as memory allows).
-
-    ``host_memory``: a budget for the models' host copies (NOTE [Host tier]; None, the
-    default: every model's host copy stays in memory). Under it, host memory is a cache
-    over disk with the same eviction policy as the device: a model registered from a
-    safetensors file is read only when a load needs it, others are written once to
-    ``spill_dir`` (default: a temporary folder) when first dropped. "auto": half the RAM.
-    ``direct_io``: read weights and spill files with O_DIRECT where the file system allows,
-    bypassing the page cache (NOTE [Direct reads]; off by default: buffered reads dropped
-    from the cache were the faster on the machines measured).
-    ``direct_host_access``: leading embedding layers may be computed from the host copy
-    instead of copied first, when the profile says it is cheaper (NOTE [Direct host
-    access]; None: on the CPU, where host memory is the device's, in-process and with workers).
-    ``dedup``: tensors of identical content across models (fine-tuned variants of one
-    base) are held once in host memory and once in the arena, and a load copies only
-    those not resident (NOTE [Shared tensors]); needs example inputs at registration.
-
-    ``workers``: worker processes (0: models run in this process). With workers, a
-    worker that does not answer a call within its deadline is killed and replaced
-    (NOTE [Call deadlines]): ``task_deadline_factor`` times the slowest recent call of the
-    same kind, at least ``task_deadline_min_s``, at most ``task_timeout_s`` (also the
-    deadline of a kind of call not seen yet).
+    Its options (``timeshare.options.RuntimeOptions``, where each is documented: device,
+    arena size, workers, scheduling and lanes, eviction, the host tier, deadlines,
+    diagnostics) are given as keyword arguments, as one record (``options``; a server's
+    ``runtime`` section is one), or both, the keywords overriding the record: ``Runtime("cpu",
+    "1GiB", workers=2)``. A refused option raises ConfigError before any memory is taken.
 
     Outputs are returned on the CPU, so the same call works when the model runs in
     another process.
-
-    Diagnostics, for checks of exactness (NOTE [Poisoned reloads]), never for serving:
-    ``poison_evicted`` overwrites an evicted model's block with NaN bytes, so that a load
-    that skipped a group's wait reads poison instead of the old bytes sticky placement
-    left there; ``copy_delay_s`` starts every group's copy that much later.
     """
 
-    def __init__(
-        self,
-        device: str | torch.device = "auto",
-        memory: int | str = "auto",
-        *,
-        eviction: str = "lru",
-        strategy: str = "optimal",
-        profile_repeats: int = 3,
-        fixed_group_bytes: int | str = "2MiB",
-        load_timeout_s: float = 60.0,
-        workers: int = 0,
-        task_timeout_s: float = 300.0,
-        task_deadline_factor: float = 10.0,
-        task_deadline_min_s: float = 5.0,
-        startup_timeout_s: float = 120.0,
-        scheduling: str = "priority",
-        time_slice_s: float | None = None,
-        poison_evicted: bool = False,
-        copy_delay_s: float = 0.0,
-        thrashing: bool = False,
-        lane_memory: int | str = "auto",
-        lane_threads: int | None = None,
-        lane_slots: int | None = None,
-        host_memory: int | str | None = None,
-        spill_dir: str | None = None,
-        direct_host_access: bool | None = None,
-        direct_io: bool = False,
-        dedup: bool = False,
-    ):
-        if direct_io and host_memory is None:
-            raise ConfigError("direct_io applies to reads from disk under a host budget: set host_memory too")
-        assembly.check_options(strategy=strategy, profile_repeats=profile_repeats, load_timeout_s=load_timeout_s,
-                               task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
-                               task_deadline_min_s=task_deadline_min_s, task_deadline_factor=task_deadline_factor,
-                               copy_delay_s=copy_delay_s, workers=workers, lane_threads=lane_threads,
-                               lane_slots=lane_slots)
-        # Who gets the device next (NOTE [Preemption points]); a refused name fails here,
-        # before any memory is taken (the lanes' budget is known once the arena is).
-        Dispatcher(scheduling, time_slice_s=time_slice_s, lane_memory=1 if scheduling == "pack" else None)
-        self.task_timeout_s = task_timeout_s  # a worker silent this long on a task is killed and replaced
-        self.device = resolve_device(device)
-        self.profile_repeats = profile_repeats
-        self.fixed_group_bytes = parse_bytes(fixed_group_bytes, what="fixed_group_bytes")
-        policy = make_eviction_policy(eviction)
-        self._arena = arena = assembly.open_arena(self.device, memory)
+    def __init__(self, device: str | torch.device | None = None, memory: int | str | None = None, *,
+                 options: RuntimeOptions | None = None, **changes: Any):
+        given = {k: v for k, v in (("device", device), ("memory", memory)) if v is not None}
+        self.options = opts = RuntimeOptions.of(options, **given, **changes)
+        self.task_timeout_s = opts.task_deadline_s  # a worker silent this long on a task is killed and replaced
+        self.device = resolve_device(opts.device)
+        self._arena = arena = assembly.open_arena(self.device, opts.memory)
         try:
-            self._gate = assembly.make_dispatcher(scheduling, time_slice_s, self.device, arena, lane_memory=lane_memory,
-                                                  workers=workers, lane_threads=lane_threads, lane_slots=lane_slots)
-            self._exec: Executor = assembly.make_executor(
-                self.device, arena, workers, profile_repeats=profile_repeats,
-                fixed_group_bytes=self.fixed_group_bytes, load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
-                task_timeout_s=task_timeout_s, startup_timeout_s=startup_timeout_s,
-                task_deadline_factor=task_deadline_factor, task_deadline_min_s=task_deadline_min_s,
-                direct_host_access=direct_host_access,
-            )
+            self._gate = assembly.make_dispatcher(opts, self.device, arena)
+            self._exec: Executor = assembly.make_executor(opts, self.device, arena)
         except BaseException:
             arena.close()
             raise
-        self._residency = Residency(arena, policy, poison=poison_evicted,
-                                    detector=ThrashingDetector() if thrashing else None)
+        self._residency = Residency(arena, make_eviction_policy(opts.eviction), poison=opts.poison_evicted,
+                                    detector=ThrashingDetector() if opts.thrashing else None)
         self._jobs = JobTable()
         self._submitter: ThreadPoolExecutor | None = None
         try:
-            host = host_tier.make_host_tier(host_memory, eviction, self._exec, workers=workers, spill_dir=spill_dir,
-                                            direct_io=direct_io)
+            host = host_tier.make_host_tier(opts.host_memory, opts.eviction, self._exec, workers=opts.workers,
+                                            spill_dir=opts.spill_dir, direct_io=opts.direct_io)
         except BaseException:
             self._exec.close()
             arena.close()
             raise
-        self._table = ModelTable(self._residency, self._exec, strategy, host,
-                                 sharing.SharedTensors() if dedup else None)
+        self._table = ModelTable(self._residency, self._exec, opts.strategy, host,
+                                 sharing.SharedTensors() if opts.dedup else None)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
         if self._table.shared is not None:
@@ -187,9 +106,7 @@ class Runtime:
 
     @strategy.setter
     def strategy(self, value: str) -> None:
-        if value not in STRATEGIES:
-            raise ConfigError(f"unknown grouping strategy {value!r}; known: {list(STRATEGIES)}")
-        self._table.strategy = value
+        self._table.strategy = RuntimeOptions.of(self.options, strategy=value).strategy
 
     @property
     def poison_evicted(self) -> bool:
@@ -327,7 +244,7 @@ class Runtime:
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
             if lanes is None:
                 return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
-                                        kv=kv)
+                                        kv=kv, switch=turn.switch)
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
                               self._gate.lane_threads, key)
 
@@ -351,9 +268,12 @@ class Runtime:
         deadline = None if urgent_since is None else 0.0
         with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
                                  arrived_at=urgent_since, ticket=ticket, ephemeral=ask, at_most=True) as held:
-            yield ModelTurn(self, name, m.priority, self._gate, lane=held if lanes is not None else None)
+            if lanes is None:
+                yield ModelTurn(name, m.priority, self._gate, partial(self._call, name))
+            else:
+                yield ModelTurn(name, m.priority, self._gate, partial(self._call_in_lane, name, held), held.lane_bytes)
 
-    def _call_in_lane(self, name: str, args: tuple, kwargs: dict | None, held: Turn, kv: KVStep | None) -> Call:
+    def _call_in_lane(self, name: str, held: Turn, args: tuple, kwargs: dict | None, *, kv: KVStep | None) -> Call:
         """A call of a turn that holds a lane (NOTE [Turns in lanes])."""
         with self._lock:
             m = self._get(name)
@@ -461,7 +381,7 @@ class Runtime:
         with self._turn():
             return observe.stats(self.device, self._arena, self._residency, self._table.entries)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> observe.RuntimeSnapshot:
         """Counters and memory for metrics, read without waiting for the device (a
         scrape must not queue behind a long inference): a consistent-enough view, not
         an atomic one."""
@@ -567,49 +487,3 @@ class Runtime:
         """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
         with self._gate.priority(model, kind), self._lock:
             yield
-
-
-class ModelTurn:
-    """A turn of the device for one model's calls (``Runtime.turn``)."""
-
-    # A turn that had to load its model lasts at least this many times the load: the
-    # switch then costs at most a fifth of the turn, however short ``quantum_s`` is.
-    LOAD_FACTOR = 4.0
-
-    def __init__(self, runtime: Runtime, name: str, priority: Priority, gate: Dispatcher, *,
-                 lane: Turn | None = None):
-        self.name = name
-        self.started = time.monotonic()
-        self.load_s = 0.0  # of this turn's calls that loaded the model
-        self._runtime, self._priority, self._gate, self._lane = runtime, priority, gate, lane
-
-    @property
-    def lane_bytes(self) -> int | None:
-        """With lanes: the size of the turn's lane (NOTE [Turns in lanes])."""
-        return None if self._lane is None else self._lane.lane_bytes
-
-    def call(self, args: tuple = (), kwargs: dict | None = None, *, kv: KVStep | None = None) -> Call:
-        """``Runtime.call`` inside the turn: no wait for the scheduler; with lanes, bounded
-        by the turn's lane. ``kv``: a language model's step on the caches its home worker
-        keeps (NOTE [Generation in worker processes])."""
-        if self._lane is None:
-            call = self._runtime._call(self.name, args, kwargs, kv=kv)
-        else:
-            call = self._runtime._call_in_lane(self.name, args, kwargs, self._lane, kv)
-        if call.record.loaded:
-            self.load_s += call.record.seconds
-        return call
-
-    def contended(self, quantum_s: float) -> bool:
-        """Whether to give the device back now: a task of a more urgent class waits, or
-        one of this class that is due (a deadline: a request waiting for its first token,
-        an inference with an SLO), or any task waits and the turn has lasted ``quantum_s``
-        (and ``LOAD_FACTOR`` times its loads). Asked between steps, when this turn's own
-        prefills are done."""
-        waiting = self._gate.most_urgent_waiting()
-        if waiting is None:
-            return False
-        priority, deadline = waiting
-        if priority < self._priority or (priority == self._priority and deadline is not None):
-            return True
-        return time.monotonic() - self.started >= max(quantum_s, self.LOAD_FACTOR * self.load_s)

@@ -18,6 +18,7 @@ from timeshare.models.spec import ModelSpec
 from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.registration import Tiered
+from timeshare.runtime.segments import Switch
 from timeshare.runtime.training import LocalTrainingJob, TrainingJob
 from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.disk import FillSpec
@@ -102,7 +103,7 @@ class InProcessExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            kv: KVStep | None = None) -> Ran:
+            kv: KVStep | None = None, switch: Switch | None = None) -> Ran:
         if kv is not None:
             raise ConfigError("in-process, a language model's decode batch is the engine's own (no KVStep)")
         if resident and (lane is None or plain_on_cpu(lane, self.device)):

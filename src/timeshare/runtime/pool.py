@@ -20,6 +20,7 @@ from timeshare import protocol as P
 from timeshare.device import BackendFlags
 from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.memory.ephemeral import LaneBound
+from timeshare.options import RuntimeOptions
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.deadline import Deadlines
 from timeshare.runtime.pool_training import SegmentRunner
@@ -27,6 +28,7 @@ from timeshare.runtime.segments import Segments, Switch
 from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
 from timeshare.transfer.disk import FillSpec
 from timeshare.tree import shape_key
+from timeshare.units import parse_bytes
 from timeshare.worker.handle import SPIN_S, Inputs, WorkerHandle
 
 if TYPE_CHECKING:
@@ -38,51 +40,28 @@ log = logging.getLogger(__name__)
 
 
 class ProcessPool:
-    """``n`` worker processes: one active, the others standbys (NOTE [Switch protocol])."""
+    """Worker processes: one active, the others standbys (NOTE [Switch protocol])."""
 
-    def __init__(
-        self,
-        n: int,
-        *,
-        device: str,
-        share_arena: Callable[[], object],
-        arena_capacity: int,
-        profile_repeats: int,
-        fixed_group_bytes: int,
-        load_timeout_s: float,
-        task_timeout_s: float,
-        startup_timeout_s: float,
-        task_deadline_factor: float = 10.0,
-        task_deadline_min_s: float = 5.0,
-        copy_delay_s: float = 0.0,
-        backend_flags: BackendFlags | None = None,
-        direct_host_access: bool | None = None,
-        channel_bytes: int | None = None,
-        channel_max_bytes: int | None = None,
-    ):
-        """``channel_bytes``: each worker's tensor channel's first size (0: none, a call's
-        tensors are pickled); ``channel_max_bytes``: the most it grows to for a call whose
-        tensors need more (NOTE [Tensor channel]); None: the defaults of ``worker/channel.py``
-        (8 MiB, 256 MiB)."""
+    def __init__(self, opts: RuntimeOptions, *, device: str, share_arena: Callable[[], object], arena_capacity: int):
+        """``opts.workers`` workers on ``device``, over the arena that ``share_arena`` shares."""
+        task_timeout_s = opts.task_deadline_s
         self.task_timeout_s = task_timeout_s
-        self.startup_timeout_s = startup_timeout_s
-        self.deadlines = Deadlines(task_timeout_s, factor=task_deadline_factor, min_s=task_deadline_min_s)
+        self.startup_timeout_s = startup_timeout_s = opts.startup_timeout_s
+        self.deadlines = Deadlines(task_timeout_s, factor=opts.task_deadline_factor, min_s=opts.task_deadline_min_s)
         self._profiles: dict[str, dict[str, ModelProfile]] = {}  # model -> shape key -> its profile
         self.profilings = 0  # profiles measured by any worker
         self._retired: list[WorkerHandle] = []  # started for one task (benchmarks), to stop
         self._cv = threading.Condition(threading.RLock())  # guards the worker list and the segments
-        self._segments = Segments(claim_within_s=task_timeout_s)
-        start = partial(P.Start, device=device, arena_capacity=arena_capacity,
-                        profile_repeats=profile_repeats, fixed_group_bytes=fixed_group_bytes,
-                        load_timeout_s=load_timeout_s, copy_delay_s=copy_delay_s,
-                        backend_flags=backend_flags or BackendFlags.capture(),
-                        direct_host_access=direct_host_access)
+        self._segments = Segments()
+        start = partial(P.Start, device=device, arena_capacity=arena_capacity, profile_repeats=opts.profile_repeats,
+                        fixed_group_bytes=parse_bytes(opts.fixed_group_bytes, what="fixed_group_bytes"),
+                        load_timeout_s=opts.load_timeout_s, copy_delay_s=opts.copy_delay_s,
+                        backend_flags=BackendFlags.capture(), direct_host_access=opts.direct_host_access)
         # NOTE [Generation in worker processes]: each language model's decode batch -> its home.
         self._kv_homes: dict[str, WorkerHandle] = {}
         self._kv_lost: dict[str, str] = {}  # batch -> why its caches are gone
-        self._set = WorkerSet(n, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
-                              cv=self._cv, on_lost=self._worker_lost, channel_bytes=channel_bytes,
-                              channel_max_bytes=channel_max_bytes)
+        self._set = WorkerSet(opts.workers, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
+                              cv=self._cv, on_lost=self._worker_lost)
         # Training segments on the jobs' homes, and the claim of a worker's pipe from them.
         self.training = SegmentRunner(self._set, self._cv, self._segments, self.deadlines, task_timeout_s,
                                       startup_timeout_s)
@@ -185,7 +164,9 @@ class ProcessPool:
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None,
             shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None,
-            kv: P.KVStep | None = None):
+            kv: P.KVStep | None = None, switch: Switch | None = None):
+        """Run ``model`` on a standby (a language model's step: on its batch's home);
+        ``switch``: the record of the switch the dispatcher decided for this call."""
         shared = dict(shared) if shared is not None else None
 
         def make(inputs: Inputs, profiles: tuple) -> P.RunModel:
@@ -196,7 +177,7 @@ class ProcessPool:
         # A key/value step's time grows with its tokens: prompts and batches by powers of two.
         shape = shape_key(args, kwargs) if kv is None else f"{kv.kind}-{max(1, len(kv.tokens)).bit_length()}"
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape)
-        call = _Call(model, make, args, kwargs, run=True)
+        call = _Call(model, make, args, kwargs, run=True, switch=switch)
         reply, value = self._task(call, f"running {model}", kind) if kv is None else \
             self._home_task(kv, call, f"running {model}", kind)
         t = reply.timings
@@ -221,9 +202,9 @@ class ProcessPool:
     def _task(self, call: _Call, what: str, kind=None):
         requested = time.perf_counter()
         with self._cv:  # NOTE [Switch protocol]: the stop goes out as the task goes to a standby
-            self._segments.preempt(call.model, requested)
-            switch = self._segments.claim_switch(call.model, requested) if call.run else None
+            own = self._segments.preempt(requested, for_model=call.model if call.run else "")
             w = self._take_standby(what)
+        switch = own or call.switch  # NOTE [Switch records]
         try:
             return self._task_on(w, call, what, requested, switch, kind)
         finally:
@@ -233,10 +214,10 @@ class ProcessPool:
         """A language model's step, on the worker that keeps its batch's caches (NOTE
         [Generation in worker processes]); it waits for that worker's pipe."""
         requested = time.perf_counter()
-        with self._cv:
-            self._segments.preempt(call.model, requested)  # a time-shared segment stops, as for any task
-            switch = self._segments.claim_switch(call.model, requested)
+        with self._cv:  # a time-shared segment stops, as for any task
+            own = self._segments.preempt(requested, for_model=call.model)
             home = self._kv_home(step, what)
+        switch = own or call.switch
         with self.training.claim(home, what):
             return self._task_on(home, call, what, requested, switch, kind)
 
@@ -417,6 +398,7 @@ class _Call:
     args: tuple
     kwargs: dict
     run: bool
+    switch: Switch | None = None  # the dispatcher's record of the switch it makes (NOTE [Switch records])
 
 
 def _state_of(w: WorkerHandle, training: set[WorkerHandle]) -> str:

@@ -23,6 +23,7 @@ from timeshare.models.spec import ModelSpec
 from timeshare.runtime.calls import Ran
 from timeshare.runtime.pool import ProcessPool
 from timeshare.runtime.registration import Tiered, trace_on_host
+from timeshare.runtime.segments import Switch
 from timeshare.runtime.training import TrainingJob, WorkerTrainingJob
 from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import LoadHandle
@@ -188,9 +189,9 @@ class PoolExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            kv: P.KVStep | None = None) -> Ran:
+            kv: P.KVStep | None = None, switch: Switch | None = None) -> Ran:
         ran = self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared,
-                             self._host_keys.get(name, ()) if resident else None, kv)
+                             self._host_keys.get(name, ()) if resident else None, kv, switch)
         if not resident and ran.timings is not None:
             self._host_keys[name] = tuple(ran.timings.host_keys)
             if name in self._droppable:  # NOTE [Locked host tier]

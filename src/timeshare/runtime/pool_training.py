@@ -11,18 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from timeshare import protocol as P
 from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
+from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.deadline import Deadlines
-from timeshare.runtime.segments import SHARE_S, Segment, Segments
+from timeshare.runtime.segments import SHARE_S, Segment, Segments, Switch
 from timeshare.runtime.workers import WorkerSet
 from timeshare.worker.handle import WorkerHandle
 
 if TYPE_CHECKING:
-    from timeshare.runtime.dispatch import Dispatcher, Preemptible
     from timeshare.worker.trainer import TrainSpec
 
 log = logging.getLogger(__name__)
@@ -41,24 +42,20 @@ class SegmentRunner:
         self.task_timeout_s = task_timeout_s
         self.startup_timeout_s = startup_timeout_s
 
-    def begin_segment(self, job: str, spec: TrainSpec | None, gate: Dispatcher,
-                      job_handle: Preemptible) -> Segment | None:
-        """Start (``spec`` given) or resume a training job in its home worker, in the lane
-        the scheduler gave it if it runs with lanes. None when the scheduler no longer
-        runs the job or the segment may not start yet (``Segments.may_start``): the job
-        parks and retries."""
+    def begin_segment(self, job: str, spec: TrainSpec | None, lane: LaneBound | None) -> Segment | None:
+        """Start (``spec`` given) or resume a training job in its home worker, which the
+        scheduler runs now, in ``lane`` if it runs with lanes. None when the segment may
+        not start yet (``Segments.may_start``): the job parks and retries."""
         home = self._home(job, spec is not None)
         self._set.ready(home)
-        lane = gate.lane_bound(job_handle)
         with self._cv:
-            held = gate.holds_turn(job_handle)
-            if not held or not self._segments.may_start(home, lane, job):
+            if not self._segments.may_start(home, lane, job):
                 other = self._segments.on(home)
                 now = time.perf_counter()
-                if held and lane is not None and other is not None and other.lane is not None:
+                if lane is not None and other is not None and other.lane is not None:
                     self._segments.yield_to(home, job)  # a shared home: turns (NOTE [Switch protocol])
                     if now - other.started_at >= SHARE_S:
-                        self._segments.preempt("", now, job=other.job)
+                        self._segments.preempt(now, job=other.job)
                 self._cv.wait(0.05)
                 return None
             if home not in self._set.workers:
@@ -75,40 +72,11 @@ class SegmentRunner:
             home.post_bytes(data)  # if the process is gone, run_segment reports it
             return self._segments.start(job, home, seq, lane)
 
-    def run_segment(self, seg: Segment, on_progress) -> P.SegmentStopped:
-        """Follow a segment until it stops. Progress after each iteration is the
-        heartbeat: a worker silent for ``task_timeout_s`` is killed as hung."""
-        what = f"training {seg.job}"
-        kind = (seg.job, "iteration")
-        last: float | None = None  # when the segment's latest Progress arrived
-        failed: Exception | None = None  # raised by ``on_progress``: the controller's, not the step's
+    def run_segment(self, seg: Segment, on_progress: Callable[[P.Progress], None]) -> P.SegmentStopped:
+        """Follow a segment until it stops (``Segment.follow``); a worker that failed or
+        hung is replaced, a step that raised has dropped the job's state there."""
         try:
-            while True:
-                # NOTE [Call deadlines]: the first iteration of a segment may rebuild or
-                # reload the job's state, and after a Preempt the worker cleans up (offload)
-                # before it answers: those waits get the cap.
-                timeout = self.task_timeout_s if last is None or seg.preempted_at is not None \
-                    else self.deadlines.of(kind)
-                reply = seg.worker.receive(timeout, what, seg.seq)
-                if isinstance(reply, P.Progress):
-                    now = time.perf_counter()
-                    if last is not None:
-                        self.deadlines.observe(kind, now - last)
-                    last = now
-                    if failed is None:
-                        try:
-                            on_progress(reply)
-                        except Exception as exc:
-                            # The segment stops at its next preemption point with the job's
-                            # state kept in the worker; the error is raised once it has.
-                            failed = exc
-                            self.preempt(seg.job)
-                    continue
-                if not isinstance(reply, P.SegmentStopped):
-                    raise WorkerError(f"worker {seg.worker.id} answered a training segment with "
-                                      f"{type(reply).__name__}", where=f"worker {seg.worker.id}, {what}")
-                seg.stopped(reply)
-                break
+            return seg.follow(self.deadlines, self.task_timeout_s, on_progress)
         except TimeshareError as exc:
             with self._cv:
                 if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
@@ -121,15 +89,12 @@ class SegmentRunner:
             with self._cv:
                 self._segments.end(seg)
                 self._cv.notify_all()
-        if failed is not None:
-            raise failed
-        return reply
 
-    def preempt(self, job: str, for_model: str = "") -> None:
-        """Ask the job's running segment, if any, to stop at its next preemption point;
-        ``for_model``: the inference it makes way for, which the switch is recorded for."""
+    def stop(self, job: str, switch: Switch | None = None) -> None:
+        """Stop the job's running segment, if any, at its next preemption point;
+        ``switch``: the record of the inference it makes way for (NOTE [Switch records])."""
         with self._cv:
-            self._segments.preempt(for_model, time.perf_counter(), job=job)
+            self._segments.preempt(time.perf_counter(), job=job, switch=switch)
 
     def job_state(self, job: str, *, full: bool = False) -> dict:
         """The job's parameters and buffers, or with ``full`` its checkpoint (NOTE
@@ -160,7 +125,7 @@ class SegmentRunner:
         deadline = time.monotonic() + self.task_timeout_s + 5
         with self._cv:
             while w in self._segments.training_workers():
-                self._segments.preempt("", time.perf_counter(), worker=w)
+                self._segments.preempt(time.perf_counter(), worker=w)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WorkerTimeoutError(f"worker {w.id} did not stop training within {self.task_timeout_s:g} s",

@@ -1,7 +1,9 @@
-"""Training segments on the pool's workers, as bookkeeping: which worker is each job's
-home, the segment running (one at a time), and the switch records. Used by the
-:class:`~timeshare.runtime.pool.ProcessPool`, which holds the pipes; this module sends
-nothing but the one-way ``PreemptSegment``. Runs in the controller (the caller's process).
+"""Training segments on the pool's workers: which worker is each job's home, the segments
+running, and the switch records. A running segment (``Segment``) is the one owner of its
+switch: it alone sends the stop (``PreemptSegment``, once), reads its worker's progress
+and its stopped reply (``follow``), and fills in the switch record's stop and clean
+times. Used by the :class:`~timeshare.runtime.pool.ProcessPool`, which holds the pipes.
+Runs in the controller (the caller's process).
 
 # NOTE [Switch protocol]
 One worker is active at a time; the others are standbys, fully initialized. A training
@@ -29,12 +31,15 @@ and a new one boots behind it.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from timeshare import protocol as P
 from timeshare.errors import WorkerCrashedError, WorkerError
 from timeshare.memory.ephemeral import LaneBound
+from timeshare.runtime.deadline import Deadlines
 from timeshare.worker.handle import WorkerHandle
 
 KEEP_SWITCHES = 1000  # switch records kept, the latest
@@ -69,7 +74,8 @@ class Switch:
 @dataclass
 class Segment:
     """A training segment on its job's home: from ``Train`` (request ``seq``) to
-    ``SegmentStopped``. The thread that started it holds the worker's lease."""
+    ``SegmentStopped``. The thread that started it holds the worker's lease and follows
+    it; any thread may stop it."""
 
     job: str
     worker: WorkerHandle
@@ -78,27 +84,71 @@ class Segment:
     started_at: float = field(default_factory=time.perf_counter)
     preempted_at: float | None = None
     switch: Switch | None = None
+    _stopping: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def stopped(self, reply: P.SegmentStopped) -> None:
-        """Fill in the switch's stop and clean times, if a switch stopped this segment."""
-        if self.switch is not None and self.preempted_at is not None:
-            self.switch.stop_s = max(0.0, reply.stopped_at - self.preempted_at)
-            self.switch.clean_s = reply.cleaned_at - reply.stopped_at
+    def stop(self, now: float, switch: Switch | None = None) -> Switch | None:
+        """Stop the segment at its next preemption point: the one place a stop is sent,
+        once. ``switch``: the record of the inference it makes way for (NOTE [Switch
+        records]), kept if the segment has none yet; returned when kept."""
+        with self._stopping:
+            if self.preempted_at is None:
+                self.preempted_at = now
+                self.worker.post(P.PreemptSegment(self.seq))  # if already dead, ``follow`` reports it
+            if switch is None or self.switch is not None:
+                return None
+            self.switch = switch
+            return switch
+
+    def follow(self, deadlines: Deadlines, cap_s: float, on_progress: Callable[[P.Progress], None]) \
+            -> P.SegmentStopped:
+        """Read the worker's replies until the segment stops: ``on_progress`` with each
+        ``Progress`` (the heartbeat: a worker silent past its deadline raises
+        WorkerTimeoutError), and the switch's stop and clean times filled in from the
+        ``SegmentStopped``. What ``on_progress`` raises stops the segment (the job's state
+        kept in the worker) and is raised once it has."""
+        what = f"training {self.job}"
+        kind = (self.job, "iteration")
+        last: float | None = None  # when the segment's latest Progress arrived
+        failed: Exception | None = None
+        while True:
+            # NOTE [Call deadlines]: the first iteration of a segment may rebuild or reload
+            # the job's state, and after a stop the worker cleans up (offload) before it
+            # answers: those waits get the cap.
+            timeout = cap_s if last is None or self.preempted_at is not None else deadlines.of(kind)
+            reply = self.worker.receive(timeout, what, self.seq)
+            if isinstance(reply, P.Progress):
+                now = time.perf_counter()
+                if last is not None:
+                    deadlines.observe(kind, now - last)
+                last = now
+                if failed is None:
+                    try:
+                        on_progress(reply)
+                    except Exception as exc:  # the controller's error, not the step's
+                        failed = exc
+                        self.stop(now)
+                continue
+            if not isinstance(reply, P.SegmentStopped):
+                raise WorkerError(f"worker {self.worker.id} answered a training segment with "
+                                  f"{type(reply).__name__}", where=f"worker {self.worker.id}, {what}")
+            if self.switch is not None and self.preempted_at is not None:
+                self.switch.stop_s = max(0.0, reply.stopped_at - self.preempted_at)
+                self.switch.clean_s = reply.cleaned_at - reply.stopped_at
+            if failed is not None:
+                raise failed
+            return reply
 
 
 class Segments:
     """Homes, the running segments and the switch records. Not locked on its own: the
-    pool calls every method with its lock held. ``claim_within_s``: how long a switch
-    record waits for its task (the task deadline's cap)."""
+    pool calls every method with its lock held."""
 
-    def __init__(self, claim_within_s: float):
-        self._claim_within_s = claim_within_s
+    def __init__(self) -> None:
         self._running: dict[str, Segment] = {}  # job -> its segment running (several only in lanes)
         self._next_on: dict[WorkerHandle, tuple[str, float]] = {}  # a shared home -> the job whose turn is next
         self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
         self._lost: dict[str, str] = {}  # job -> why its state is gone
         self.switches: list[Switch] = []  # the latest, oldest first
-        self._unclaimed: dict[str, Switch] = {}  # model -> its switch, until its task takes it (NOTE [Switch records])
 
     # ------------------------------------------------------------------ the running segments
     def running(self, job: str) -> Segment | None:
@@ -138,42 +188,37 @@ class Segments:
         if self._running.get(seg.job) is seg:
             del self._running[seg.job]
 
-    def preempt(self, model: str, now: float, *, job: str | None = None,
-                worker: WorkerHandle | None = None) -> Switch | None:
-        """Send Preempt (once) to the running segment of ``job``, or the one on
-        ``worker``, or else the time-shared one, a task's way to take the device;
-        ``model``: the inference it makes way for, which gets the switch record (NOTE
-        [Switch records]). Segments in lanes stop only when named: tasks run beside them."""
+    def preempt(self, now: float, *, job: str | None = None, worker: WorkerHandle | None = None,
+                switch: Switch | None = None, for_model: str = "") -> Switch | None:
+        """Stop the running segment of ``job``, or the one on ``worker``, or else the
+        time-shared one (a task's way to take the device; segments in lanes stop only when
+        named: tasks run beside them). The switch it makes way for: ``switch``, the
+        dispatcher's record, or a new one for the task of ``for_model``. Returns the
+        record the segment took, now in ``switches``."""
         if job is not None:
             seg = self._running.get(job)
         elif worker is not None:
-            seg = next((s for s in self._running.values() if s.worker is worker), None)
+            seg = self.on(worker)
         else:
             seg = next((s for s in self._running.values() if s.lane is None), None)
         if seg is None:
             return None
-        if seg.preempted_at is None:
-            seg.preempted_at = now
-            seg.worker.post(P.PreemptSegment(seg.seq))  # if already dead, the segment's reader reports it
-        if model and seg.switch is None:
-            seg.switch = self._unclaimed[model] = Switch(seg.job, model, now)
-            self.switches.append(seg.switch)
+        if switch is None and for_model:
+            switch = Switch(seg.job, for_model, now)
+        taken = seg.stop(now, switch)
+        if taken is not None:
+            self.switches.append(taken)
             del self.switches[:-KEEP_SWITCHES]
-            return seg.switch
-        return None
+        return taken
 
     # NOTE [Switch records]
-    # A switch is recorded where the stop is decided: by the scheduler's Preempt for an
-    # inference (through ``preempt(job, for_model)``), or by the inference's own task
-    # finding a segment still running. The segment may have stopped and gone by the time
-    # the inference's task reaches the pool, so the record waits, unclaimed, for the next
-    # task of its model, which fills in its start, load and total times. A record that no
-    # task claims within the task deadline belongs to a request that never came through.
-    def claim_switch(self, model: str, now: float) -> Switch | None:
-        switch = self._unclaimed.pop(model, None)
-        if switch is not None and now - switch.requested_at > self._claim_within_s:
-            return None
-        return switch
+    # A switch is recorded where the stop is decided. For an inference the scheduler
+    # preempts a job for, the dispatcher makes the record and hands it both to the job's
+    # stop and to the inference's turn (``Turn.switch``), which carries it down to the
+    # pool's task: the segment fills in the stop and clean times, the task its start,
+    # load and total times, in whichever order they come. A task that finds a time-shared
+    # segment still running with no record (a stop the scheduler did not decide) makes the
+    # record itself. No record waits anywhere to be claimed.
 
     # ------------------------------------------------------------------ homes
     def new_home(self, job: str, workers: list[WorkerHandle]) -> WorkerHandle:

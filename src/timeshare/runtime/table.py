@@ -19,6 +19,7 @@ from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.runtime.segments import Switch
 from timeshare.runtime.shared_placement import SharedPlacement
 from timeshare.runtime.sharing import Member, SharedTensors
 from timeshare.transfer.disk import FillSpec
@@ -157,10 +158,12 @@ class ModelTable:
         return free() if peak is None else lane_bytes(peak)
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
-            lane: LaneBound | None = None, unlocked: Unlocked | None = None, kv: KVStep | None = None) -> Ran:
+            lane: LaneBound | None = None, unlocked: Unlocked | None = None, kv: KVStep | None = None,
+            switch: Switch | None = None) -> Ran:
         """Forward ``m`` on executor-ready inputs, loading it first if it is not resident.
         ``unlocked``: a resident model's forward runs inside it, without the runtime's
-        lock (NOTE [Lanes in the runtime]); its block stays put meanwhile."""
+        lock (NOTE [Lanes in the runtime]); its block stays put meanwhile. ``switch``: the
+        record of the switch that gave the call the device (NOTE [Switch records])."""
         resident = m.block is not None
         fill = None
         if not resident:
@@ -179,7 +182,8 @@ class ModelTable:
                 finally:
                     m.running -= 1
             else:
-                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared, kv=kv)
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared, kv=kv,
+                                        switch=switch)
         except BaseException as exc:
             if not resident:
                 self.evict(m)  # a failed load leaves nothing behind
@@ -197,7 +201,8 @@ class ModelTable:
 
     def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
              switched_from: str | None, lane: LaneBound | None = None,
-             unlocked: Unlocked | None = None, keep_peak: bool = True, kv: KVStep | None = None) -> Call:
+             unlocked: Unlocked | None = None, keep_peak: bool = True, kv: KVStep | None = None,
+             switch: Switch | None = None) -> Call:
         """One inference on caller inputs: ``run`` with its record, emitted to the listeners
         whether it succeeded or raised, and counted in ``failures`` if it raised. In a
         ``lane``, the call's peak ephemeral bytes are kept per input shape (unless not
@@ -206,7 +211,7 @@ class ModelTable:
         loaded = m.block is None
         try:
             ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
-                           lane=lane, unlocked=unlocked, kv=kv)
+                           lane=lane, unlocked=unlocked, kv=kv, switch=switch)
             if ran.ephemeral_peak is not None and lane is not None and lane.limit is not None and keep_peak:
                 key = shape_key(args, kwargs)
                 m.ephemeral[key] = max(m.ephemeral.get(key, 0), ran.ephemeral_peak)

@@ -22,6 +22,7 @@ import enum
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from timeshare.errors import ConfigError, TimeshareError
 from timeshare.memory.ephemeral import in_lane
 from timeshare.runtime.dispatch import Dispatcher  # noqa: F401 (annotations)
 from timeshare.worker.trainer import TrainingStats, TrainingTask, TrainSpec
+
+if TYPE_CHECKING:
+    from timeshare.runtime.segments import Switch
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +90,15 @@ class TrainingJob:
     def paused(self) -> bool:
         return self._pause.is_set()
 
-    def interrupt(self, for_model: str = "") -> None:
-        """Make a running segment stop at its next preemption point (to run ``for_model``)."""
+    def stop(self, switch: Switch | None = None) -> None:
+        """Make a running segment stop at its next preemption point; ``switch``: the
+        record of the inference it makes way for (NOTE [Switch records]). In this
+        process the job looks at its preemption points itself: nothing to send."""
 
     def pause(self) -> None:
         """Stop at the next preemption point and stay stopped until ``resume()``."""
         self._pause.set()
-        self.interrupt()
+        self.stop()
         self._gate.notify()  # a job waiting for its turn is held out of the queue now
 
     def hold(self) -> None:
@@ -109,7 +115,7 @@ class TrainingJob:
     def cancel(self) -> None:
         """Stop at the next preemption point for good."""
         self._cancel.set()
-        self.interrupt()
+        self.stop()
         self._gate.notify()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -240,8 +246,8 @@ class WorkerTrainingJob(TrainingJob):
         with self._gate.priority(), self._lock:
             return self._pool.training.job_state(self.name, full=True)
 
-    def interrupt(self, for_model: str = "") -> None:
-        self._pool.training.preempt(self.name, for_model)
+    def stop(self, switch: Switch | None = None) -> None:
+        self._pool.training.stop(self.name, switch)
 
     def _progress(self, p, lane) -> None:
         self.stats.iterations = p.iterations
@@ -252,11 +258,11 @@ class WorkerTrainingJob(TrainingJob):
             self.stats.ephemeral_bytes = p.ephemeral_bytes
             self.stats.persistent_bytes = p.persistent_bytes
         # Runs the step (a time slice may be over). A stop the scheduler decided while this
-        # segment was starting found no segment to preempt: pass it on now. With lanes, a
+        # segment was starting found no segment to stop: pass it on now. With lanes, a
         # job re-admitted with its measured memory (``Dispatcher._resize``) may hold another
         # lane now: its segment stops, and the next one runs bounded by the new lane.
         if self._gate.must_yield(self) or _lane_changed(lane, self._gate.lane_bound(self)):
-            self._pool.training.preempt(self.name)
+            self._pool.training.stop(self.name)
 
     def _run(self) -> JobState:
         spec: TrainSpec | None = self.spec  # sent with the first segment only
@@ -264,7 +270,10 @@ class WorkerTrainingJob(TrainingJob):
             self._park()  # returns once the scheduler runs the job
             if self._cancel.is_set():
                 return JobState.CANCELLED
-            segment = self._pool.training.begin_segment(self.name, spec, self._gate, self)
+            if not self._gate.holds_turn(self):
+                continue
+            # Only this thread gives the job's turn back (``_park``): it holds it until then.
+            segment = self._pool.training.begin_segment(self.name, spec, self._gate.lane_bound(self))
             if segment is None:
                 continue  # inference (or another job) got there first
             spec = None

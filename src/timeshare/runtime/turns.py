@@ -1,24 +1,31 @@
 """What a call or a training job holds and sees of the dispatcher (runs in the controller):
 ``Turn``, what a call learns when it is given the device; ``Ticket``, a waiting task as
-another thread sees it; ``Preemptible``, all the dispatcher may ask of a training job."""
+another thread sees it; ``Preemptible``, all the dispatcher may ask of a training job;
+``ModelTurn``, a series of one model's calls in one turn (``Runtime.turn``)."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from timeshare.scheduler.task import Kind
+from timeshare.protocol import KVStep
+from timeshare.scheduler.task import Kind, Priority
 
 if TYPE_CHECKING:
+    from timeshare.runtime.calls import Call
     from timeshare.runtime.dispatch import Dispatcher
+    from timeshare.runtime.segments import Switch
 
 
 class Preemptible(Protocol):
     """What the dispatcher may ask of a training job, and all it may ask: its name,
     length and progress, whether it was cancelled or paused, and to stop its running
-    segment at the next preemption point (``for_model``: the inference it makes way
-    for, "" for none). The dispatcher is the one owner of the decision to stop it."""
+    segment at the next preemption point (``stop``, with the record of the switch to the
+    inference it makes way for, if any). The dispatcher is the one owner of the decision
+    to stop it; the job's running segment, of the stop itself."""
 
     name: str
     iterations: int | None
@@ -32,7 +39,7 @@ class Preemptible(Protocol):
     @property
     def paused(self) -> bool: ...
 
-    def interrupt(self, for_model: str = "") -> None: ...
+    def stop(self, switch: Switch | None = None) -> None: ...
 
 
 class _Progressing(Protocol):
@@ -53,6 +60,7 @@ class Turn:
     nested: bool = False  # a call inside a call: the outer one holds the runtime
     lane: int | None = None  # with lanes (PACK): the lane it runs in and its size
     lane_bytes: int | None = None
+    switch: Switch | None = None  # the switch it was given the device by (NOTE [Switch records])
 
 
 class Ticket:
@@ -74,3 +82,44 @@ class Ticket:
             gate, task = self._gate, self._task
         if gate is not None and task is not None:
             gate.expedite(task, since)
+
+
+class ModelTurn:
+    """A turn of the device for one model's calls (``Runtime.turn``)."""
+
+    # A turn that had to load its model lasts at least this many times the load: the
+    # switch then costs at most a fifth of the turn, however short ``quantum_s`` is.
+    LOAD_FACTOR = 4.0
+
+    def __init__(self, name: str, priority: Priority, gate: Dispatcher, run: Callable[..., Call],
+                 lane_bytes: int | None = None):
+        """``run(args, kwargs, kv=...)``: one call of the turn, the runtime's; ``lane_bytes``:
+        with lanes, the size of the turn's lane (NOTE [Turns in lanes])."""
+        self.name = name
+        self.started = time.monotonic()
+        self.load_s = 0.0  # of this turn's calls that loaded the model
+        self.lane_bytes = lane_bytes
+        self._priority, self._gate, self._run = priority, gate, run
+
+    def call(self, args: tuple = (), kwargs: dict | None = None, *, kv: KVStep | None = None) -> Call:
+        """``Runtime.call`` inside the turn: no wait for the scheduler; with lanes, bounded
+        by the turn's lane. ``kv``: a language model's step on the caches its home worker
+        keeps (NOTE [Generation in worker processes])."""
+        call = self._run(args, kwargs, kv=kv)
+        if call.record.loaded:
+            self.load_s += call.record.seconds
+        return call
+
+    def contended(self, quantum_s: float) -> bool:
+        """Whether to give the device back now: a task of a more urgent class waits, or
+        one of this class that is due (a deadline: a request waiting for its first token,
+        an inference with an SLO), or any task waits and the turn has lasted ``quantum_s``
+        (and ``LOAD_FACTOR`` times its loads). Asked between steps, when this turn's own
+        prefills are done."""
+        waiting = self._gate.most_urgent_waiting()
+        if waiting is None:
+            return False
+        priority, deadline = waiting
+        if priority < self._priority or (priority == self._priority and deadline is not None):
+            return True
+        return time.monotonic() - self.started >= max(quantum_s, self.LOAD_FACTOR * self.load_s)

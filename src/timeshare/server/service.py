@@ -84,14 +84,14 @@ class Service:
         if self._opened:
             return
         if self.runtime is None:
-            kwargs = self.config.runtime.runtime_kwargs(self.config.server.request_timeout_s)
+            options = self.config.runtime.options(self.config.server.request_timeout_s)
             if self.config.cluster is not None:  # replicas on Ray (NOTE [Cluster deployment])
                 from timeshare.cluster.backend import ClusterRuntime
 
-                self.runtime = ClusterRuntime.from_config(self.config.cluster, kwargs, self._model_defs(),
+                self.runtime = ClusterRuntime.from_config(self.config.cluster, options, self._model_defs(),
                                                           self._llm_defs())
             else:
-                self.runtime = Runtime(**kwargs)
+                self.runtime = Runtime(options=options)
         self.runtime.subscribe(self._on_record)
         self._opened = True
 
