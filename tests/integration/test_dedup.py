@@ -16,9 +16,9 @@ import torch
 import timeshare.transfer.copy as copy_mod
 from tests.models import VariantNet, variant_net
 from timeshare.errors import ConfigError, MemoryBudgetError, ModelTooLargeError, PipelineError, WeightsError
+from timeshare.executor.inprocess import InProcessExecutor
 from timeshare.runtime import sharing
 from timeshare.runtime.facade import Runtime
-from timeshare.runtime.inprocess import InProcessExecutor
 
 IDS = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
 BASE_BYTES = sum(p.numel() * 4 for name, p in VariantNet().named_parameters()

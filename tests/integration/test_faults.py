@@ -166,8 +166,8 @@ def test_a_worker_killed_before_its_handshake_is_replaced():
 def _bare_worker():
     """One worker process on a small CPU arena, outside any runtime."""
     from timeshare import protocol as P
+    from timeshare.executor.handle import WorkerHandle, spawn_context
     from timeshare.memory.arena import Arena
-    from timeshare.worker.handle import WorkerHandle, spawn_context
 
     arena = Arena(torch.device("cpu"), 1 << 20)
     start = P.Start(worker=0, parent_pid=os.getpid(), device="cpu", arena=arena.share(), arena_capacity=arena.capacity,

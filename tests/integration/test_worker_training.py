@@ -12,7 +12,7 @@ import torch
 import timeshare
 from tests import models
 from timeshare.errors import ConfigError, RemoteError, UnknownModelError, WorkerCrashedError, WorkerTimeoutError
-from timeshare.runtime.executor import WorkerRow
+from timeshare.executor.interface import WorkerRow
 
 X = torch.randn(2, 8)
 

@@ -13,8 +13,8 @@ import torch
 import timeshare
 from tests import models
 from timeshare.errors import ConfigError, RemoteError, WorkerCrashedError, WorkerTimeoutError
+from timeshare.executor.interface import WorkerRow
 from timeshare.models.zoo import ZOO, weights_path
-from timeshare.runtime.executor import WorkerRow
 from timeshare.transfer.planner import STRATEGIES
 from timeshare.tree import tensors_in
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from timeshare.runtime.deadline import Deadlines
+from timeshare.executor.deadline import Deadlines
 
 
 def test_a_kind_never_seen_gets_the_cap():

@@ -16,7 +16,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 # here (besides itself); None: anything (the command line, benchmarks, the demo).
 BASICS = {"errors", "units", "dtypes", "device", "tree", "seeding"}
 _BELOW_WORKER = BASICS | {"memory", "transfer", "protocol", "models"}
-_CONTROLLER = _BELOW_WORKER | {"scheduler", "options", "worker", "runtime", "config"}
+_CONTROLLER = _BELOW_WORKER | {"scheduler", "options", "worker", "executor", "runtime", "config"}
 ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),
     "units": {"errors"},
@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "config": BASICS | {"memory", "transfer", "models", "scheduler", "options"},
     "scheduler": {"errors", "units"},
     "worker": _BELOW_WORKER,
-    "runtime": _BELOW_WORKER | {"scheduler", "options", "worker"},
+    "executor": _BELOW_WORKER | {"options", "worker"},
+    "runtime": _BELOW_WORKER | {"scheduler", "options", "worker", "executor"},
     "sim": BASICS | {"memory", "transfer", "models", "scheduler"},
     "llm": _CONTROLLER,
     "cluster": _CONTROLLER | {"llm"},

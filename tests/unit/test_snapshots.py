@@ -16,12 +16,11 @@ from timeshare.cluster.snapshots import (
     add_snapshots,
     keep_counters,
 )
+from timeshare.executor.interface import PoolHealth, WorkerFailure, WorkerRow
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudgetSnapshot
-from timeshare.runtime.executor import PoolHealth, WorkerFailure, WorkerRow
 from timeshare.runtime.host_tier import HostTierSnapshot
 from timeshare.runtime.observe import RuntimeSnapshot
-from timeshare.runtime.pool_executor import pool_health
 from timeshare.runtime.sharing import SharingSnapshot
 from timeshare.scheduler.lanes import LaneManager, LaneRow, LanesView
 from timeshare.scheduler.task import Kind, Task
@@ -78,13 +77,17 @@ def test_a_runtime_snapshot_becomes_the_json_it_always_was():
     assert pickle.loads(pickle.dumps(snap)) == snap
 
 
-def test_the_pools_health_reads_as_a_record():
-    health = {"size": 2, "ready": 2, "replacements": 1, "failures": {"crashed": 1}, "failing_to_start": 0,
-              "last_failure": {"worker": 0, "kind": "crashed", "cause": "gone", "at": 2.0}, "profilings": 1,
-              "homes": {"t": 1}, "kv_homes": {}, "workers": [{"id": 1, "pid": 11, "state": "busy", "profiles": 2}]}
-    got = pool_health(health)
-    assert got.last_failure == WorkerFailure(0, "crashed", "gone", 2.0) and got.workers[0].state == "busy"
-    assert dataclasses.asdict(got) == health  # the diagnostics view shows the same dictionary
+def test_the_pools_health_is_a_record_with_the_keys_of_its_json():
+    health = PoolHealth(size=2, ready=2, replacements=1, failures={"crashed": 1},
+                        last_failure=WorkerFailure(0, "crashed", "gone", 2.0), failing_to_start=0, profilings=1,
+                        homes={"t": 1}, kv_homes={}, workers=[WorkerRow(1, 11, "busy", 2)])
+    # The diagnostics view and /admin/status show it as this dictionary.
+    assert dataclasses.asdict(health) == {
+        "size": 2, "ready": 2, "replacements": 1, "failures": {"crashed": 1},
+        "last_failure": {"worker": 0, "kind": "crashed", "cause": "gone", "at": 2.0}, "failing_to_start": 0,
+        "profilings": 1, "homes": {"t": 1}, "kv_homes": {}, "workers": [{"id": 1, "pid": 11, "state": "busy",
+                                                                          "profiles": 2}]}
+    assert pickle.loads(pickle.dumps(health)) == health
 
 
 def test_the_lanes_view_is_a_record():

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from timeshare import protocol as P
-from timeshare.runtime.deadline import Deadlines
+from timeshare.executor.deadline import Deadlines
+from timeshare.executor.segments import Segment, Segments, Switch
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.segments import Segment, Segments, Switch
 from timeshare.scheduler.task import Kind
 
 

@@ -22,15 +22,15 @@ from tests.models import seeded_tier_net
 from tests.unit.test_host_memory import FakeRegistrar
 from timeshare import protocol as P
 from timeshare.errors import DeviceError, PipelineError
+from timeshare.executor.deadline import Deadlines
+from timeshare.executor.interface import Packed, Ran
+from timeshare.executor.packing import Tiered, build_tiered
+from timeshare.executor.pool import ProcessPool
+from timeshare.executor.pool_executor import PoolExecutor
+from timeshare.executor.pool_training import SegmentRunner
+from timeshare.executor.segments import Segments
 from timeshare.memory.arena import Arena
-from timeshare.runtime.calls import Ran
-from timeshare.runtime.deadline import Deadlines
-from timeshare.runtime.executor import Packed
-from timeshare.runtime.pool import ProcessPool
-from timeshare.runtime.pool_executor import PoolExecutor
-from timeshare.runtime.pool_training import SegmentRunner
-from timeshare.runtime.registration import Tiered, build_tiered, model_spec
-from timeshare.runtime.segments import Segments
+from timeshare.runtime.registration import model_spec
 from timeshare.transfer.copy import CpuCopyEngine
 from timeshare.worker.proc import worker_main
 from timeshare.worker.worker import Worker

@@ -1,5 +1,6 @@
-"""The runtime: the public ``Runtime`` (``facade``), and behind it registration,
-residency, the executors, the dispatcher and training jobs."""
+"""The controller's core: the public ``Runtime`` (``facade``), and behind it
+registration, the model table and residency, the dispatcher, training jobs' handles, the
+host tier and shared tensors. Where models run is ``timeshare.executor``'s."""
 
 from timeshare.runtime.calls import Call
 from timeshare.runtime.facade import Runtime

@@ -10,14 +10,14 @@ import os
 import torch
 
 from timeshare.errors import ConfigError, MemoryBudgetError
+from timeshare.executor.inprocess import InProcessExecutor
+from timeshare.executor.interface import Executor
+from timeshare.executor.pool import ProcessPool
+from timeshare.executor.pool_executor import PoolExecutor
 from timeshare.memory import Arena
 from timeshare.memory.ephemeral import cores
 from timeshare.options import RuntimeOptions
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.executor import Executor
-from timeshare.runtime.inprocess import InProcessExecutor
-from timeshare.runtime.pool import ProcessPool
-from timeshare.runtime.pool_executor import PoolExecutor
 from timeshare.transfer.copy import make_copy_engine
 from timeshare.units import format_bytes, parse_bytes
 

@@ -19,8 +19,8 @@ import threading
 import time
 
 from timeshare.errors import ConfigError
+from timeshare.executor.segments import Switch
 from timeshare.runtime.job_turns import JobTurns
-from timeshare.runtime.segments import Switch
 from timeshare.runtime.turns import Preemptible, Ticket, Turn
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.lanes import LanesView

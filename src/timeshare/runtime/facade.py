@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,6 +22,8 @@ import torch
 
 from timeshare.device import resolve_device, synchronize
 from timeshare.errors import ConfigError, TimeshareError
+from timeshare.executor.interface import Executor
+from timeshare.executor.packing import build_and_pack
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
 from timeshare.options import RuntimeOptions
@@ -30,14 +31,12 @@ from timeshare.protocol import KVStep
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Ticket, Turn
-from timeshare.runtime.events import Listener
-from timeshare.runtime.executor import Executor
 from timeshare.runtime.jobs import JobTable, training_spec
 from timeshare.runtime.lanes import lanes_call, turn_call, wait_idle
-from timeshare.runtime.registration import build_and_pack, model_spec, parse_dtype
+from timeshare.runtime.registration import model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.table import ModelTable
-from timeshare.runtime.training import TrainingJob
+from timeshare.runtime.training import TrainingJob, new_job
 from timeshare.runtime.turns import ModelTurn
 from timeshare.scheduler.eviction import make_eviction_policy
 from timeshare.scheduler.task import Kind, Priority
@@ -47,14 +46,13 @@ from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
 from timeshare.units import format_bytes
 from timeshare.worker.profiling import release_host_cache
-from timeshare.worker.worker import Worker
 
 __all__ = ["Call", "ModelTurn", "Runtime", "parse_dtype"]
 
 log = logging.getLogger(__name__)
 
 
-class Runtime:
+class Runtime(observe.Observing):
     """Time-shares one device among registered models.
 
     Its options (``timeshare.options.RuntimeOptions``, where each is documented: device,
@@ -345,7 +343,7 @@ class Runtime:
         with self._turn():
             self._check_open()
             self._jobs.check_free(name)
-            job = self._jobs.add(self._exec.start_job(spec, self._lock, self._gate))
+            job = self._jobs.add(new_job(spec, self._exec.start_job(spec), lock=self._lock, gate=self._gate))
         return job.start()
 
     def jobs(self) -> dict[str, TrainingJob]:
@@ -370,57 +368,6 @@ class Runtime:
         start, load, clean and total seconds of each (NOTE [Switch protocol])."""
         with self._turn():
             return self._exec.switches()
-
-    # ------------------------------------------------------------------ observing
-    def worker_pids(self) -> list[int]:
-        """The operating-system ids of the worker processes now in the pool (empty
-        without workers): for operators and fault-injection tests."""
-        return self._exec.pids()
-
-    def stats(self) -> dict:
-        with self._turn():
-            return observe.stats(self.device, self._arena, self._residency, self._table.entries)
-
-    def snapshot(self) -> observe.RuntimeSnapshot:
-        """Counters and memory for metrics, read without waiting for the device (a
-        scrape must not queue behind a long inference): a consistent-enough view, not
-        an atomic one."""
-        return observe.snapshot(self.device, self._arena, self._residency, self._table.entries.values(),
-                                self._jobs.all().values(), self._exec, self._gate, self._table.failures,
-                                self._table.host, self._table.sharing)
-
-    def diagnostics(self) -> dict:
-        """For operators and white-box tests, without waiting for the device: the arena
-        (its shared-memory segment's name on the CPU, its free ranges), each model's size
-        and placement, the blocks quarantined because a copy may still write them, the
-        tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
-        with self._lock:
-            return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
-                                       self._table.host, self._table.sharing)
-
-    def in_process_worker(self) -> Worker | None:
-        """A test hook: the worker that runs the models in this process (None with
-        workers), for white-box tests of loading and pinning."""
-        return self._exec.in_process_worker()
-
-    def is_resident(self, name: str) -> bool:
-        """Whether ``name`` is in device memory now, read without waiting for the device
-        (for a server's queueing decisions; ``resident()`` waits its turn)."""
-        m = self._table.entries.get(name)
-        return m is not None and m.block is not None
-
-    def thrashing_factor(self) -> float:
-        """How much longer callers should let requests gather into batches: 1.0 unless
-        thrashing control is on and loads dominate the device's recent time (up to 5.0)."""
-        detector = self._residency.detector
-        return 1.0 if detector is None else detector.batch_factor(time.monotonic())
-
-    def subscribe(self, listener: Listener) -> None:
-        """Call ``listener`` with a :class:`~timeshare.runtime.events.CallRecord` after
-        every inference and an :class:`~timeshare.runtime.events.EvictionRecord` after
-        every eviction. It runs while the runtime is held: keep it quick; what it
-        raises is logged, never passed to the caller."""
-        self._table.listeners.append(listener)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from timeshare.errors import ConfigError, MemoryBudgetError, WeightsError
+from timeshare.executor.interface import Executor, Packed
+from timeshare.executor.packing import build_tiered
 from timeshare.models.spec import ModelSpec
-from timeshare.runtime.executor import Executor, Packed
-from timeshare.runtime.registration import build_tiered
 from timeshare.scheduler.eviction import EvictionPolicy, make_eviction_policy
 from timeshare.scheduler.thrashing import NothingToEvict, make_room
 from timeshare.transfer.backing import Backing, HostPages

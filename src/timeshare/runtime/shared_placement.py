@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from timeshare.errors import MemoryBudgetError, ModelTooLargeError, TimeshareError, WeightsError
+from timeshare.executor.interface import Executor, Packed
+from timeshare.executor.packing import tiered_copy
 from timeshare.runtime.events import EvictionRecord
-from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
-from timeshare.runtime.registration import tiered_copy
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.sharing import Member, SharedSet, SharedTensors, Split
 from timeshare.transfer.host_store import HostStore

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError
+from timeshare.executor.packing import build_and_pack, trace_on_host
 from timeshare.memory import Block
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
-from timeshare.runtime.registration import build_and_pack, trace_on_host
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder
 

@@ -11,15 +11,15 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from timeshare.errors import DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
+from timeshare.executor.interface import Executor, Packed, Ran
+from timeshare.executor.segments import Switch
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.protocol import KVStep
-from timeshare.runtime.calls import Call, Ran
+from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
-from timeshare.runtime.executor import Executor, Packed
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
-from timeshare.runtime.segments import Switch
 from timeshare.runtime.shared_placement import SharedPlacement
 from timeshare.runtime.sharing import Member, SharedTensors
 from timeshare.transfer.disk import FillSpec

@@ -22,18 +22,21 @@ import enum
 import logging
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from timeshare import protocol as P
 from timeshare.errors import ConfigError, TimeshareError
-from timeshare.memory.ephemeral import in_lane
+from timeshare.memory.ephemeral import LaneBound, in_lane
 from timeshare.runtime.dispatch import Dispatcher  # noqa: F401 (annotations)
 from timeshare.worker.trainer import TrainingStats, TrainingTask, TrainSpec
 
 if TYPE_CHECKING:
-    from timeshare.runtime.segments import Switch
+    from timeshare.executor.pool_training import SegmentRunner
+    from timeshare.executor.segments import Switch
 
 log = logging.getLogger(__name__)
 
@@ -230,26 +233,26 @@ class WorkerTrainingJob(TrainingJob):
     """Iterations in a worker process that holds the job's state; the controller's
     thread runs segments there and parks between them (NOTE [Switch protocol])."""
 
-    def __init__(self, spec: TrainSpec, *, pool, lock: threading.RLock, gate: Dispatcher):
+    def __init__(self, spec: TrainSpec, *, runner: SegmentRunner, lock: threading.RLock, gate: Dispatcher):
         super().__init__(spec.name, spec.iterations, gate=gate, offload=spec.offload)
         self.spec = spec
-        self._pool = pool
+        self._runner = runner
         self._lock = lock
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         with self._gate.priority(), self._lock:
-            return self._pool.training.job_state(self.name)
+            return self._runner.job_state(self.name)
 
     def checkpoint(self) -> dict:
         """From the worker that holds the job's state (between segments)."""
         self._check_at_rest()
         with self._gate.priority(), self._lock:
-            return self._pool.training.job_state(self.name, full=True)
+            return self._runner.job_state(self.name, full=True)
 
     def stop(self, switch: Switch | None = None) -> None:
-        self._pool.training.stop(self.name, switch)
+        self._runner.stop(self.name, switch)
 
-    def _progress(self, p, lane) -> None:
+    def _progress(self, p: P.Progress, lane: LaneBound | None) -> None:
         self.stats.iterations = p.iterations
         self.stats.step_seconds += p.seconds
         if p.loss is not None:
@@ -262,7 +265,7 @@ class WorkerTrainingJob(TrainingJob):
         # job re-admitted with its measured memory (``Dispatcher._resize``) may hold another
         # lane now: its segment stops, and the next one runs bounded by the new lane.
         if self._gate.must_yield(self) or _lane_changed(lane, self._gate.lane_bound(self)):
-            self._pool.training.stop(self.name)
+            self._runner.stop(self.name)
 
     def _run(self) -> JobState:
         spec: TrainSpec | None = self.spec  # sent with the first segment only
@@ -273,17 +276,26 @@ class WorkerTrainingJob(TrainingJob):
             if not self._gate.holds_turn(self):
                 continue
             # Only this thread gives the job's turn back (``_park``): it holds it until then.
-            segment = self._pool.training.begin_segment(self.name, spec, self._gate.lane_bound(self))
+            segment = self._runner.begin_segment(self.name, spec, self._gate.lane_bound(self))
             if segment is None:
                 continue  # inference (or another job) got there first
             spec = None
-            stopped = self._pool.training.run_segment(segment, lambda p, lane=segment.lane: self._progress(p, lane))
+            stopped = self._runner.run_segment(segment, partial(self._progress, lane=segment.lane))
             self.stats.offloads = stopped.stats.offloads
             self.stats.ephemeral_bytes = stopped.stats.ephemeral_bytes
             self.stats.persistent_bytes = stopped.stats.persistent_bytes
             if stopped.reason == "finished":
                 return JobState.FINISHED
             self.stats.preemptions += 1
+
+
+def new_job(spec: TrainSpec, runs_on: TrainingTask | SegmentRunner, *, lock: threading.RLock,
+            gate: Dispatcher) -> TrainingJob:
+    """A job's handle (not started) around where its executor runs it (``start_job``):
+    a task built in this process, or the pool's segments on a home worker."""
+    if isinstance(runs_on, TrainingTask):
+        return LocalTrainingJob(runs_on, spec.name, lock=lock, gate=gate)
+    return WorkerTrainingJob(spec, runner=runs_on, lock=lock, gate=gate)
 
 
 def _lane_changed(running, now) -> bool:

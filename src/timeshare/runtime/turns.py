@@ -15,9 +15,9 @@ from timeshare.protocol import KVStep
 from timeshare.scheduler.task import Kind, Priority
 
 if TYPE_CHECKING:
+    from timeshare.executor.segments import Switch
     from timeshare.runtime.calls import Call
     from timeshare.runtime.dispatch import Dispatcher
-    from timeshare.runtime.segments import Switch
 
 
 class Preemptible(Protocol):

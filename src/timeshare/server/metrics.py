@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from timeshare.cluster.snapshots import ClusterView
+from timeshare.executor.interface import PoolHealth
 from timeshare.llm.sequence import Event, TokenTiming
 from timeshare.runtime.events import CallRecord, EvictionRecord
-from timeshare.runtime.executor import PoolHealth
 from timeshare.runtime.host_tier import HostTierSnapshot
 from timeshare.runtime.observe import RuntimeSnapshot
 from timeshare.runtime.sharing import SharingSnapshot

@@ -6,12 +6,12 @@ caller's process or inside a worker process.
   ``resident_profiling`` (profiles of a resident model);
 - ``loading``: pipelined loading (``WorkerModel``, ``LoadPlan``, the forward that waits per group);
 - ``profiling``: profiles, the link's costs, tensor owners for tracing;
-- ``trainer``: training iterations (``TrainingTask``);
+- ``trainer``: training iterations (``TrainingTask``) and, in a worker process, a training
+  segment's loop (``run_segment``);
 - ``proc``: the worker process's loop, ``WorkerProcess``, a method per message (runs in the
-  worker), with ``call_tensors`` (a call's tensors in the channel there) and ``segment`` (a
-  training segment's loop);
+  worker), with ``call_tensors`` (a call's tensors in the channel there);
 - ``batch`` and ``generation``: a language model's decode batch, and the batches a worker
   process keeps;
-- ``channel``: the per-worker shared-memory tensor channel (NOTE [Tensor channel]);
-- ``handle``: the controller's end of a worker process (``WorkerHandle``, runs in the controller).
+- ``channel``: the per-worker shared-memory tensor channel (NOTE [Tensor channel]), whose
+  controller's end is ``executor/handle.py``.
 """

@@ -1,7 +1,7 @@
 """A worker process's end of a call's tensors (runs in the worker): its tensor channel,
 mapped again when the controller grows it (NOTE [Tensor channel]), and the pinned staging
 buffer for inputs that came pickled (NOTE [Input staging]). The controller's end is
-``worker/handle.py``; the channel's layout is ``worker/channel.py``.
+``executor/handle.py``; the channel's layout is ``worker/channel.py``.
 """
 
 from __future__ import annotations

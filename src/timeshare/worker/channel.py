@@ -1,7 +1,7 @@
 """A worker's tensor channel (NOTE [Tensor channel]): the shared-memory buffer through which
 a call's tensors go to a worker process and come back, and the encoding of a nested
 structure of tensors as ``TensorRef`` descriptors into it. Runs in both processes: the
-controller's :class:`~timeshare.worker.handle.WorkerHandle` creates and grows a worker's
+controller's :class:`~timeshare.executor.handle.WorkerHandle` creates and grows a worker's
 channel, writes the inputs and copies the outputs out; the worker
 (:mod:`timeshare.worker.proc`) maps it, computes from the inputs where they lie (on CUDA
 it page-locks the channel and uploads from it) and writes its outputs after them.

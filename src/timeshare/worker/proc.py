@@ -1,13 +1,13 @@
 """The worker process's loop: ``worker_main`` runs a :class:`~timeshare.worker.worker.Worker`
 in a process of its own, through a :class:`WorkerProcess` (runs in the worker). The
-controller's end of it is :class:`~timeshare.worker.handle.WorkerHandle`.
+controller's end of it is :class:`~timeshare.executor.handle.WorkerHandle`.
 
 A worker is fully initialized before it is needed: torch imported, device resolved,
 arena mapped, copy engine started, and every registered model's structure built on
 the meta device and bound to its host store. Every wait has a deadline: the worker
 polls its pipe and exits when its parent is gone. Each message type has its method on
 ``WorkerProcess``; a call's tensors go through ``worker/call_tensors.py``, a training
-segment's iterations through ``worker/segment.py``.
+segment's iterations through ``worker/trainer.py``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from timeshare.transfer.host_store import HostStore
 from timeshare.worker import channel as C
 from timeshare.worker.call_tensors import CallTensors
 from timeshare.worker.generation import Batches
-from timeshare.worker.segment import SegmentShutdown, run_segment
-from timeshare.worker.trainer import TrainingTask
+from timeshare.worker.trainer import SegmentShutdown, TrainingTask, run_segment
 from timeshare.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -296,7 +295,7 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ training jobs
     def train(self, msg: P.Train) -> P.SegmentStopped:
-        """A training segment of a job this worker is home to (``worker/segment.py``);
+        """A training segment of a job this worker is home to (``worker/trainer.py``);
         ``spec`` builds the job first, replacing any state kept for it."""
         if msg.spec is not None:
             self.tasks.pop(msg.job, None)

@@ -1,30 +1,29 @@
 """Models run in worker processes that map the arena (the ``Executor`` of
-``runtime/executor.py`` for ``workers>0``): host stores and shared sets in shared memory
-that every worker maps, the :class:`~timeshare.runtime.pool.ProcessPool` doing the rest.
+``executor/interface.py`` for ``workers>0``): host stores and shared sets in shared memory
+that every worker maps, the :class:`~timeshare.executor.pool.ProcessPool` doing the rest.
 Runs in the controller.
 """
 
 from __future__ import annotations
 
 import pickle
-import threading
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from timeshare import protocol as P
 from timeshare.errors import ConfigError
+from timeshare.executor.interface import Packed, PoolHealth, Ran, Shared
+from timeshare.executor.packing import Tiered, trace_on_host
+from timeshare.executor.pool import ProcessPool
+from timeshare.executor.pool_training import SegmentRunner
+from timeshare.executor.segments import Switch
 from timeshare.memory.arena import map_shared_memory, reserve_shared_memory
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
-from timeshare.runtime.calls import Ran
-from timeshare.runtime.pool import ProcessPool
-from timeshare.runtime.registration import Tiered, trace_on_host
-from timeshare.runtime.segments import Switch
-from timeshare.runtime.training import TrainingJob, WorkerTrainingJob
 from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import LoadHandle
 from timeshare.transfer.disk import FillSpec
@@ -34,12 +33,6 @@ from timeshare.tree import map_tensors
 from timeshare.worker.profiling import release_host_cache
 from timeshare.worker.trainer import TrainSpec
 from timeshare.worker.worker import Worker
-
-if TYPE_CHECKING:
-    from timeshare.runtime.dispatch import Dispatcher
-
-
-from timeshare.runtime.executor import Packed, PoolHealth, Shared, WorkerFailure, WorkerRow
 
 
 class PoolExecutor:
@@ -236,9 +229,9 @@ class PoolExecutor:
             raise ConfigError("training with workers needs workers >= 2: one holds the job, another "
                               "stays free so that inference never waits for a process to start")
 
-    def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
+    def start_job(self, spec: TrainSpec) -> SegmentRunner:
         self._pool.training.drop_job(spec.name)  # a finished job of that name
-        return WorkerTrainingJob(spec, pool=self._pool, lock=lock, gate=gate)
+        return self._pool.training
 
     def drop_job(self, name: str) -> None:
         self._pool.training.drop_job(name)
@@ -250,7 +243,7 @@ class PoolExecutor:
         return list(self._pool.pids())
 
     def health(self) -> PoolHealth | None:
-        return pool_health(self._pool.health())
+        return self._pool.health()
 
     def pinned_host_bytes(self) -> int:
         """Every worker registers each store's segment: the same pages, counted once; a
@@ -278,18 +271,6 @@ class PoolExecutor:
             self._segments.clear()
             self._shared_segments.clear()
             release_host_cache(self.device)
-
-
-def pool_health(h: dict) -> PoolHealth:
-    """``ProcessPool.health`` as the executor's typed view: the one place the pool's
-    dictionary is read, until the pool builds the record itself."""
-    last = h["last_failure"]
-    return PoolHealth(
-        size=h["size"], ready=h["ready"], replacements=h["replacements"], failures=dict(h["failures"]),
-        last_failure=None if last is None else WorkerFailure(last["worker"], last["kind"], last["cause"], last["at"]),
-        failing_to_start=h["failing_to_start"], profilings=h["profilings"], homes=dict(h["homes"]),
-        kv_homes=dict(h["kv_homes"]),
-        workers=[WorkerRow(w["id"], w["pid"], w["state"], w["profiles"]) for w in h["workers"]])
 
 
 def _unlink(segment: SharedMemory) -> None:

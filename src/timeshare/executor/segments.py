@@ -2,7 +2,7 @@
 running, and the switch records. A running segment (``Segment``) is the one owner of its
 switch: it alone sends the stop (``PreemptSegment``, once), reads its worker's progress
 and its stopped reply (``follow``), and fills in the switch record's stop and clean
-times. Used by the :class:`~timeshare.runtime.pool.ProcessPool`, which holds the pipes.
+times. Used by the :class:`~timeshare.executor.pool.ProcessPool`, which holds the pipes.
 Runs in the controller (the caller's process).
 
 # NOTE [Switch protocol]
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, field
 
 from timeshare import protocol as P
 from timeshare.errors import WorkerCrashedError, WorkerError
+from timeshare.executor.deadline import Deadlines
+from timeshare.executor.handle import WorkerHandle
 from timeshare.memory.ephemeral import LaneBound
-from timeshare.runtime.deadline import Deadlines
-from timeshare.worker.handle import WorkerHandle
 
 KEEP_SWITCHES = 1000  # switch records kept, the latest
 SHARE_S = 0.2  # with lanes, how long a segment keeps a home another job waits for

@@ -1,7 +1,7 @@
 """Where models execute, behind one interface (``Executor``): this process
-(``runtime/inprocess.py``: one :class:`~timeshare.worker.worker.Worker` and a copy engine
-here) or a pool of worker processes (``runtime/pool_executor.py``: the
-:class:`~timeshare.runtime.pool.ProcessPool`), and what a registered model is made into
+(``executor/inprocess.py``: one :class:`~timeshare.worker.worker.Worker` and a copy engine
+here) or a pool of worker processes (``executor/pool_executor.py``: the
+:class:`~timeshare.executor.pool.ProcessPool`), and what a registered model is made into
 for them (``Packed``). The runtime's facade decides what runs and where it lives in the
 arena; an executor carries it out and never asks the facade anything back. Runs in the
 controller.
@@ -9,7 +9,6 @@ controller.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
@@ -18,27 +17,39 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from timeshare.executor.packing import Tiered
+from timeshare.executor.segments import Switch
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
-from timeshare.protocol import KVStep
-from timeshare.runtime.calls import Ran
-from timeshare.runtime.registration import Tiered
-from timeshare.runtime.segments import Switch
-from timeshare.runtime.training import TrainingJob
+from timeshare.protocol import CallTimings, KVStep
 from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import LoadHandle
 from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
-from timeshare.worker.trainer import TrainSpec
+from timeshare.worker.trainer import TrainingTask, TrainSpec
 from timeshare.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from timeshare.runtime.dispatch import Dispatcher
+    from timeshare.executor.pool_training import SegmentRunner
 
 
 Shared = Mapping[str, tuple[int, bool]] | None  # shared set -> (arena offset, its bytes are there)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What one forward gave: its output on the host, and with workers where its time
+    went (``round_trip_s``, ``worker_s`` and the worker's own parts; None in-process)."""
+
+    output: Any
+    timings: CallTimings | None = None
+    load_s: float | None = None  # the copies of a load, first start to last arrival, when measured
+    ephemeral_peak: int | None = None  # in a lane: the forward's peak ephemeral bytes
+    read_s: float | None = None  # a load from disk: its reads, first to last (NOTE [Disk to device])
+    moved_bytes: int | None = None  # a load: the bytes it copied to the device (shared sets included)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +195,10 @@ class Executor(Protocol):
     def check_trainable(self, spec: TrainSpec) -> None:
         """Raise ConfigError if the training job cannot run here."""
 
-    def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
-        """A training job's handle (not started)."""
+    def start_job(self, spec: TrainSpec) -> TrainingTask | SegmentRunner:
+        """Where a new training job's iterations run: a ``TrainingTask`` built here (in
+        this process), or the pool's ``SegmentRunner`` (its home worker builds it).
+        ``runtime/training.py`` makes the job's handle around it."""
 
     def drop_job(self, name: str) -> None:
         """Forget a finished job's state."""

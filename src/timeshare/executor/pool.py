@@ -1,9 +1,9 @@
 """The controller's pool of worker processes (``ProcessPool``, runs in the controller, the
 caller's process): model registration on every worker, task dispatch with deadlines, the
 profiles any worker measured, and training segments on the jobs' homes, with the switch
-between a segment and a task (NOTE [Switch protocol], :mod:`timeshare.runtime.segments`).
+between a segment and a task (NOTE [Switch protocol], :mod:`timeshare.executor.segments`).
 Which thread may talk to which worker: NOTE [One owner per pipe]. Starting the workers
-and replacing the ones that fail is :mod:`timeshare.runtime.workers`'s.
+and replacing the ones that fail is :mod:`timeshare.executor.workers`'s.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any
 from timeshare import protocol as P
 from timeshare.device import BackendFlags
 from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.executor.deadline import Deadlines
+from timeshare.executor.handle import SPIN_S, Inputs, WorkerHandle
+from timeshare.executor.interface import PoolHealth, Ran, WorkerFailure, WorkerRow
+from timeshare.executor.pool_training import SegmentRunner
+from timeshare.executor.segments import Segments, Switch
+from timeshare.executor.workers import FAILURE_KINDS, WorkerSet
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.options import RuntimeOptions
-from timeshare.runtime.calls import Ran
-from timeshare.runtime.deadline import Deadlines
-from timeshare.runtime.pool_training import SegmentRunner
-from timeshare.runtime.segments import Segments, Switch
-from timeshare.runtime.workers import FAILURE_KINDS, WorkerSet
 from timeshare.transfer.disk import FillSpec
 from timeshare.tree import shape_key
 from timeshare.units import parse_bytes
-from timeshare.worker.handle import SPIN_S, Inputs, WorkerHandle
 
 if TYPE_CHECKING:
     from timeshare.transfer.profiler import ModelProfile
@@ -362,7 +362,7 @@ class ProcessPool:
             w.stop()
 
     # ------------------------------------------------------------------ health
-    def health(self) -> dict:
+    def health(self) -> PoolHealth:
         """The pool's size, how many of its workers have started and learned every model,
         the replacements it made and why, each worker's process, state (starting, idle,
         busy with a task, training, dead), and the profiles it holds, which worker is
@@ -371,13 +371,15 @@ class ProcessPool:
         with self._cv:
             workers = list(self.workers)
             training = self._segments.training_workers()
-            return {"size": len(workers), "ready": sum(1 for w in workers if w.ready and w.alive()),
-                    "replacements": self.replacements, "failures": dict(self.failures),
-                    "last_failure": None if self.last_failure is None else dict(self.last_failure),
-                    "failing_to_start": self._set.failing_to_start, "profilings": self.profilings,
-                    "homes": self._segments.homes(), "kv_homes": {b: w.id for b, w in self._kv_homes.items()},
-                    "workers": [{"id": w.id, "pid": w.os_pid, "state": _state_of(w, training),
-                                 "profiles": len(w.profiles)} for w in workers]}
+            last = self.last_failure
+            return PoolHealth(
+                size=len(workers), ready=sum(1 for w in workers if w.ready and w.alive()),
+                replacements=self.replacements, failures=dict(self.failures),
+                last_failure=None if last is None else WorkerFailure(last["worker"], last["kind"], last["cause"],
+                                                                     last["at"]),
+                failing_to_start=self._set.failing_to_start, profilings=self.profilings,
+                homes=self._segments.homes(), kv_homes={b: w.id for b, w in self._kv_homes.items()},
+                workers=[WorkerRow(w.id, w.os_pid, _state_of(w, training), len(w.profiles)) for w in workers])
 
     def pids(self) -> list[int]:
         return [w.os_pid for w in self.workers]

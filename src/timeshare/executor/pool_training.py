@@ -2,8 +2,8 @@
 controller): a job's segment started on its home worker and followed until it stops, its
 state read or dropped there, and the claim of a worker's pipe from its segment for any
 other request (NOTE [One owner per pipe]). The records of the running segments, their
-homes and the switches are :mod:`timeshare.runtime.segments`'s; the workers themselves
-:mod:`timeshare.runtime.workers`'s.
+homes and the switches are :mod:`timeshare.executor.segments`'s; the workers themselves
+:mod:`timeshare.executor.workers`'s.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from timeshare import protocol as P
 from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
+from timeshare.executor.deadline import Deadlines
+from timeshare.executor.handle import WorkerHandle
+from timeshare.executor.segments import SHARE_S, Segment, Segments, Switch
+from timeshare.executor.workers import WorkerSet
 from timeshare.memory.ephemeral import LaneBound
-from timeshare.runtime.deadline import Deadlines
-from timeshare.runtime.segments import SHARE_S, Segment, Segments, Switch
-from timeshare.runtime.workers import WorkerSet
-from timeshare.worker.handle import WorkerHandle
 
 if TYPE_CHECKING:
     from timeshare.worker.trainer import TrainSpec

@@ -1,25 +1,23 @@
 """Models run in this process: one :class:`~timeshare.worker.worker.Worker` and its copy
-engine (the ``Executor`` of ``runtime/executor.py`` for ``workers=0``). Runs in the controller.
+engine (the ``Executor`` of ``executor/interface.py`` for ``workers=0``). Runs in the controller.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from timeshare.errors import ConfigError
+from timeshare.executor.interface import Packed, PoolHealth, Ran, Shared
+from timeshare.executor.packing import Tiered
+from timeshare.executor.segments import Switch
 from timeshare.memory import Arena
 from timeshare.memory.ephemeral import LaneBound, in_lane, plain_on_cpu, use_cores
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
 from timeshare.protocol import KVStep
-from timeshare.runtime.calls import Ran
-from timeshare.runtime.registration import Tiered
-from timeshare.runtime.segments import Switch
-from timeshare.runtime.training import LocalTrainingJob, TrainingJob
 from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import HostStore, TensorEntry
@@ -27,12 +25,6 @@ from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 from timeshare.tree import map_tensors
 from timeshare.worker.trainer import TrainingTask, TrainSpec
 from timeshare.worker.worker import Worker
-
-if TYPE_CHECKING:
-    from timeshare.runtime.dispatch import Dispatcher
-
-
-from timeshare.runtime.executor import Packed, PoolHealth, Shared
 
 
 class InProcessExecutor:
@@ -144,8 +136,8 @@ class InProcessExecutor:
     def offload_caches(self, batch: str) -> int:
         return 0
 
-    def start_job(self, spec: TrainSpec, lock: threading.RLock, gate: Dispatcher) -> TrainingJob:
-        return LocalTrainingJob(TrainingTask.build(spec, self.device), spec.name, lock=lock, gate=gate)
+    def start_job(self, spec: TrainSpec) -> TrainingTask:
+        return TrainingTask.build(spec, self.device)
 
     def drop_job(self, name: str) -> None:
         return None

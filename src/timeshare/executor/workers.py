@@ -2,7 +2,7 @@
 process): spawning them, finishing their start-up and teaching them every registered
 model, watching their sentinels, and replacing the ones that fail, with a back-off for
 replacements that keep dying before they are ready. It knows nothing of tasks or
-training segments: the :class:`~timeshare.runtime.pool.ProcessPool` runs those on the
+training segments: the :class:`~timeshare.executor.pool.ProcessPool` runs those on the
 workers it holds, and hears of each failed worker (``on_lost``).
 """
 
@@ -20,7 +20,7 @@ from multiprocessing.connection import wait
 
 from timeshare import protocol as P
 from timeshare.errors import WorkerCrashedError, WorkerTimeoutError
-from timeshare.worker.handle import WorkerHandle, spawn_context
+from timeshare.executor.handle import WorkerHandle, spawn_context
 
 log = logging.getLogger(__name__)
 
