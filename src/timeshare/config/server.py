@@ -30,6 +30,11 @@ class ServerConfig(Strict):
     """On Ctrl-C or SIGTERM: how long in-flight requests may take to finish."""
     warmup: bool = True
     """Run every model once at start-up (this profiles it) before the server is ready."""
+    exit_on_error: bool = False
+    """Exit with status 1 once start-up has ended if a model (or language model) that is not
+    ``optional`` failed for good (its builder, its weights, its size), naming each, rather
+    than serve the others; as Triton's ``--exit-on-error``. ``timeshare serve
+    --exit-on-error`` sets it."""
     openapi: bool = False
     """Serve the API's description (/openapi.json, /docs, /redoc). Off by default: it maps
     the admin plane for anyone who can reach the port."""

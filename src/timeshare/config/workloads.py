@@ -51,6 +51,10 @@ class ModelConfig(Strict):
     dtype: Literal["fp32", "fp16", "bf16"] | None = None
     pinned: bool = False
     """Load at start-up and never evict; the server is not ready until it is resident."""
+    optional: bool = False
+    """The server may be ready without it: readiness (``/v2/health/ready``) waits for every
+    other model, and ``server.exit_on_error`` ignores its failure; it still loads and serves
+    when it can."""
     priority: Literal["latency_critical", "best_effort"] = "latency_critical"
     slo_ms: Annotated[float, Field(gt=0)] | None = None
     """A latency objective; the deadline (from the request's arrival) that orders calls of one
@@ -133,6 +137,8 @@ class LLMConfig(Strict):
     dtype: Literal["fp32", "fp16", "bf16"] | None = None
     pinned: bool = False
     """Load at start-up and never evict."""
+    optional: bool = False
+    """The server may be ready without it (see the models' ``optional``)."""
     priority: Literal["latency_critical", "best_effort"] = "latency_critical"
     max_context: Annotated[int, Field(ge=2)] | None = None
     """The longest prompt plus completion, in tokens (default: the model's positions)."""
