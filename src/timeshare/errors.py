@@ -23,6 +23,7 @@ Every error timeshare raises derives from :class:`TimeshareError`::
      └── ServingError             the HTTP server refuses or cannot answer a request
           ├── BadRequest          the request is malformed (400)
           ├── Unavailable         the model cannot take requests now (503, Retry-After)
+          │    └── LoadFailed     it failed to load for good (503, no Retry-After)
           ├── Overloaded          its queue is full or the server is stopping (503)
           ├── Timeout             no answer within the request timeout (504)
           └── Conflict            the operation conflicts with the current state (409)
@@ -167,6 +168,14 @@ class Unavailable(ServingError):
     request, is at fault)."""
 
     retry_after = 1
+
+
+class LoadFailed(Unavailable):
+    """The model failed to load for a cause that waiting does not cure: its builder cannot
+    be imported or raises, its weights are missing, corrupt or do not match the module, it
+    is larger than the whole budget. Answered with 503 but no Retry-After (as Triton and
+    KServe answer a model that is not ready), and the cause; it serves again only once
+    the cause is fixed and the model is loaded again."""
 
 
 class Overloaded(ServingError):

@@ -330,11 +330,12 @@ def test_models_that_cannot_load_are_unavailable_with_the_reason(tmp_path):
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     wrong = tmp_path / "wrong.safetensors"
     save_file({"fc1.weight": torch.zeros(3, 3)}, str(wrong))
+    # Optional: the server is ready without them (issue 34; test_server_readiness.py has the others).
     cfg = tiny_config(runtime={"memory": "64KiB"}, models=[
         {"name": "mlp", "zoo": "tiny_mlp"},
-        {"name": "big", "zoo": "tiny_bert"},  # 557 KB: larger than the whole budget
-        {"name": "corrupt", "zoo": "tiny_mlp", "weights": str(corrupt)},
-        {"name": "wrong", "zoo": "tiny_mlp", "weights": str(wrong)},
+        {"name": "big", "zoo": "tiny_bert", "optional": True},  # 557 KB: larger than the whole budget
+        {"name": "corrupt", "zoo": "tiny_mlp", "weights": str(corrupt), "optional": True},
+        {"name": "wrong", "zoo": "tiny_mlp", "weights": str(wrong), "optional": True},
     ])
     with running_server(cfg) as s, httpx.Client(base_url=s.url) as http:
         index = {m["name"]: m for m in http.post("/v2/repository/index").json()}
@@ -344,6 +345,7 @@ def test_models_that_cannot_load_are_unavailable_with_the_reason(tmp_path):
         assert index["wrong"]["state"] == "UNAVAILABLE" and "WeightsError" in index["wrong"]["reason"]
         r = http.post("/v2/models/big/infer", json=json_request(inputs_of("tiny_bert")))
         assert r.status_code == 503 and "arena holds only" in r.json()["error"]
+        assert "retry-after" not in r.headers  # failed for good: coming back does not help
         assert http.post("/v2/repository/models/big/load").status_code == 409
         assert http.post("/v2/models/mlp/infer", json=json_request(inputs_of("tiny_mlp"))).status_code == 200
         assert s.service.runtime.models() == ["mlp"]  # nothing half-registered stays behind

@@ -6,7 +6,8 @@ jobs) are ``server/admin.py``'s. Runs in the server's process and talks only to
 
 Errors are JSON ``{"error": "..."}`` with a status that says whose fault it is: 4xx
 for the request (malformed, unknown model, too large), 503 with Retry-After for a full
-queue, 504 for a deadline; a 500 means a bug in timeshare.
+queue (without it for a model that failed to load for good), 504 for a deadline; a 500
+means a bug in timeshare.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from timeshare.server.openai import add_openai_api, openai_error
 from timeshare.server.parsing import HEADER_LENGTH, describe_validation
 from timeshare.server.schemas import InferenceRequest
 from timeshare.server.service import Service
-from timeshare.server.status import status_of
+from timeshare.server.status import retry_headers, status_of
 from timeshare.server.tensors import binary_view, datatype_of, to_json_data
 
 log = logging.getLogger(__name__)
@@ -99,9 +100,7 @@ def _errors(app: FastAPI, service: Service) -> None:
     @app.exception_handler(TimeshareError)
     async def timeshare_error(request: Request, exc: TimeshareError):
         status = status_of(exc)
-        # Every 503 says when to come back: a full queue knows; a worker being replaced
-        # or a model waiting for room takes about a second.
-        headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if status == 503 else None
+        headers = retry_headers(exc, status)  # none for a model that failed for good
         code = "model_not_found" if isinstance(exc, UnknownModelError) else None
         return error_response(status, str(exc), headers, request.url.path, code)
 
@@ -165,10 +164,10 @@ def _data_plane(app: FastAPI, service: Service) -> None:
     def live():
         return {"live": True}
 
-    @app.get("/v2/health/ready", summary="Readiness: 200 once started and every pinned model is resident")
+    @app.get("/v2/health/ready", summary="Readiness: 200 once every model that is not optional can serve")
     def ready():
-        ok = service.ready
-        return SafeJSONResponse({"ready": ok}, status_code=200 if ok else 400)
+        state = service.readiness()  # when not ready: why, and each model that cannot serve with its cause
+        return SafeJSONResponse(state.to_json(), status_code=200 if state.ready else 400)
 
     @app.get("/v2/models/{model}", summary="Model metadata")
     @app.get("/v2/models/{model}/versions/{version}", include_in_schema=False)

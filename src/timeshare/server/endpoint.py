@@ -1,6 +1,7 @@
 """One served model as the HTTP side sees it: its inputs and outputs in Open Inference
-Protocol terms, its state, and its queue of waiting requests. Runs in the server's
-event loop; nothing here touches the runtime.
+Protocol terms, its state (with, after a failed load, why: NOTE [Permanent and transient
+failures]), where it comes from (``model_source``) and its queue of waiting requests.
+Runs in the server's event loop; nothing here touches the runtime.
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ import enum
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from timeshare.config import ModelConfig, TensorSpec
 from timeshare.dtypes import TORCH_DTYPES, parse_dtype
-from timeshare.errors import BadRequest
+from timeshare.errors import BadRequest, LoadFailed, Unavailable
+from timeshare.models.spec import Builder
 from timeshare.models.zoo import get as zoo_get
+from timeshare.models.zoo import weights_path
 from timeshare.server.hops import RequestTimes
+from timeshare.server.status import ModelFailure
 from timeshare.server.tensors import datatype_of
 
 
@@ -27,7 +33,7 @@ class ModelState(enum.Enum):
     LOADING = "LOADING"  # registering or warming up; requests queue
     READY = "READY"
     UNLOADING = "UNLOADING"  # queued requests finish, new ones are refused
-    UNAVAILABLE = "UNAVAILABLE"  # not registered (unloaded, or it failed to load: see ``reason``)
+    UNAVAILABLE = "UNAVAILABLE"  # not registered (unloaded, or it failed to load: see ``reason`` and ``failure``)
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,12 @@ class Endpoint:
         self.outputs: list[OutputSpec] = []  # known after the first inference
         self.state = ModelState.UNAVAILABLE
         self.reason = "not loaded yet"
+        # Why its last load failed, permanent or transient (NOTE [Permanent and transient
+        # failures]); None once it loads, and after an unload (the operator's choice).
+        self.failure: ModelFailure | None = None
+        self.retries = 0  # transient failures in a row: the back-off before the next load
+        self.retry: asyncio.Task | None = None  # the next load after a transient failure (``load_later``)
+        self.optional = cfg.optional  # readiness does not wait for it
         self.pinned = cfg.pinned
         self.batchable = cfg.batching  # also cleared when an output has no batch dimension to split
         self.queue: deque[Pending] = deque()
@@ -165,6 +177,32 @@ class Endpoint:
     def busy(self) -> bool:
         return bool(self.in_flight)
 
+    def unavailable(self) -> Unavailable:
+        """What a request gets while the model is not loaded: after a permanent failure
+        ``LoadFailed`` with the cause (503 without Retry-After, NOTE [Permanent and transient
+        failures]), else ``Unavailable`` (503 with Retry-After)."""
+        load = f"POST /v2/repository/models/{self.name}/load"
+        if self.failure is not None and self.failure.permanent:
+            return LoadFailed(f"model {self.name!r} failed to load and cannot serve until the cause is fixed and it "
+                              f"is loaded again ({load}): {self.failure.cause}")
+        return Unavailable(f"model {self.name!r} is not loaded ({self.state.value}: {self.reason}); {load}")
+
+    def load_later(self, load: Callable[[Endpoint], Awaitable[None]]) -> None:
+        """After a transient failure (NOTE [Permanent and transient failures]): ``load(self)``
+        after a back-off, 1 s and twice as long after each failure in a row, at most a
+        minute, under the endpoint's lock, unless it has loaded, been unloaded or failed for
+        good meanwhile. The service cancels it when it stops."""
+        delay = min(60.0, 2.0 ** self.retries)
+        self.retries += 1
+
+        async def again() -> None:
+            await asyncio.sleep(delay)
+            async with self.lock:
+                if self.failure is not None and not self.failure.permanent:
+                    await load(self)
+
+        self.retry = asyncio.create_task(again(), name=f"timeshare-reload-{self.name}")
+
     def retry_after(self, resident: bool) -> int:
         """Seconds until a place in the queue is likely to free up: the queued rows in
         batches of the measured duration, after a load if the model is not resident."""
@@ -182,6 +220,15 @@ class Endpoint:
             "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in self.inputs],
             "outputs": [dataclasses.asdict(o) for o in self.outputs],
         }
+
+
+def model_source(cfg: ModelConfig) -> tuple[Builder, str | Path | None]:
+    """How to build a configured model, and its weights file (None: the module's own
+    values); a zoo model's seeded weights are generated on first use."""
+    if cfg.zoo is not None:
+        return zoo_get(cfg.zoo).builder, cfg.weights or weights_path(cfg.zoo)
+    assert cfg.build is not None, "ModelConfig._source: exactly one of zoo and build"
+    return cfg.build, cfg.weights
 
 
 def _zoo_inputs(cfg: ModelConfig) -> list[TensorSpec]:

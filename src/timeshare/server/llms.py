@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from timeshare.config import LLMConfig
-from timeshare.errors import Unavailable, UnknownModelError
+from timeshare.errors import LoadFailed, Unavailable, UnknownModelError
 from timeshare.llm import model as lm
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Event, Finish
 from timeshare.runtime.facade import Runtime
+from timeshare.server.status import ModelFailure, failure_of
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +90,19 @@ class LanguageModels:
         self.configs = {c.name: c for c in configs}
         self.warmup = warmup
         self.loaded: dict[str, ServedLLM] = {}
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, ModelFailure] = {}  # NOTE [Permanent and transient failures]
         self._listener = listener
 
     async def start(self, open_model: Callable[[LLMConfig], ServedLLM], call: Callable[..., Awaitable]) -> None:
         """Open every model with ``open_model`` (which profiles its prefill) and, with
         ``warmup``, generate a token with it; a model that fails is unavailable, with the
-        reason, and the others serve."""
+        reason (permanent or transient), and the others serve."""
         for cfg in self.configs.values():
             try:
                 model = await call(self._load, open_model, cfg)
             except Exception as exc:
-                self.failed[cfg.name] = f"{type(exc).__name__}: {exc}"
-                log.error("language model %s did not load: %s", cfg.name, exc)
+                self.failed[cfg.name] = failure_of(exc)
+                log.error("language model %s did not load (%s): %s", cfg.name, self.failed[cfg.name].kind.value, exc)
                 continue
             self.loaded[cfg.name] = model
 
@@ -120,8 +121,12 @@ class LanguageModels:
         model = self.loaded.get(name)
         if model is not None:
             return model
-        if name in self.failed:
-            raise Unavailable(f"model {name!r} failed to load: {self.failed[name]}")
+        failure = self.failed.get(name)
+        if failure is not None and failure.permanent:  # no Retry-After: NOTE [Permanent and transient failures]
+            raise LoadFailed(f"model {name!r} failed to load and cannot serve until the cause is fixed and the "
+                             f"server restarted: {failure.cause}")
+        if failure is not None:
+            raise Unavailable(f"model {name!r} failed to load: {failure.cause}")
         if name in self.configs:
             raise Unavailable(f"model {name!r} is loading")
         raise UnknownModelError(f"no language model named {name!r}; known: {sorted(self.configs)}")
@@ -133,8 +138,19 @@ class LanguageModels:
             if model is not None:
                 out[name] = LLMState("READY", engine=model.engine.snapshot())
             else:
-                out[name] = LLMState("UNAVAILABLE" if name in self.failed else "LOADING", reason=self.failed.get(name))
+                failure = self.failed.get(name)
+                out[name] = LLMState("UNAVAILABLE" if failure else "LOADING",
+                                    reason=None if failure is None else failure.describe())
         return out
+
+    def unready(self) -> dict[str, str]:
+        """The language models, not optional, that cannot serve: loading, or why they failed."""
+        return {name: self.failed[name].describe() if name in self.failed else "loading"
+                for name, cfg in self.configs.items() if name not in self.loaded and not cfg.optional}
+
+    def permanent_failures(self) -> dict[str, str]:
+        """The language models, not optional, that failed for good, with the cause."""
+        return {name: f.cause for name, f in self.failed.items() if f.permanent and not self.configs[name].optional}
 
     def close(self) -> None:
         """Stop generating: queued and running sequences end with an error."""

@@ -26,7 +26,9 @@ PARENT_ENV = "TIMESHARE_PARENT_PID"
 PARENT_POLL_S = 1.0
 
 
-def serve(config: Config, *, log_level: str = "info") -> None:
+def serve(config: Config, *, log_level: str = "info") -> int:
+    """Serve until stopped; the exit status: 0, or 1 when ``server.exit_on_error`` stopped
+    the server because a model failed for good (``Service.fatal`` names each)."""
     import uvicorn
     from prometheus_client import start_http_server
 
@@ -41,6 +43,7 @@ def serve(config: Config, *, log_level: str = "info") -> None:
         if s.metrics_port is not None:
             metrics_server, _thread = start_http_server(s.metrics_port, addr=s.host, registry=service.metrics.registry)
         server = uvicorn.Server(uvicorn_config(create_app(service), s, log_level=log_level))
+        service.on_fatal = lambda: setattr(server, "should_exit", True)  # a drained stop, then status 1
         with _exit_cleanly():
             _stop_with_parent()
             server.run()
@@ -51,6 +54,7 @@ def serve(config: Config, *, log_level: str = "info") -> None:
         service.parsers.close()  # idempotent, like the runtime's close
         if service.runtime is not None:
             service.runtime.close()  # idempotent: the lifespan closed it unless start-up failed
+    return 0 if service.fatal is None else 1
 
 
 def uvicorn_config(app, server: ServerConfig, *, log_level: str = "info"):

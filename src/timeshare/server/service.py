@@ -12,31 +12,29 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 import torch
 
-from timeshare.cluster.snapshots import ClusterSnapshot
 from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
 from timeshare.llm.kv_budget import KVBudget
-from timeshare.models.spec import Builder
-from timeshare.models.zoo import get as zoo_get
-from timeshare.models.zoo import weights_path
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
 from timeshare.server.backend import Backend
-from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs
+from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs, model_source
 from timeshare.server.hops import HopTotals, RequestTimes
 from timeshare.server.jobs import TrainingJobs
 from timeshare.server.llms import LanguageModels, ServedLLM, open_local
 from timeshare.server.metrics import Metrics
 from timeshare.server.parser_pool import ParserPool
+from timeshare.server.readiness import Readiness, assess, fatal_failures
 from timeshare.server.runner import QueueRunner, Reply
 from timeshare.server.snapshot import ServiceSnapshot
+from timeshare.server.status import FailureKind, ModelFailure, failure_of
 from timeshare.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -73,6 +71,8 @@ class Service:
         self._started = asyncio.Event()
         self._opened = False
         self.start_error: str | None = None
+        self.fatal: str | None = None  # with server.exit_on_error: the models that failed for good
+        self.on_fatal: Callable[[], None] | None = None  # then called (``serve`` stops the server)
         self._stopping = False
         self._busy_s = 0.0  # device seconds of inference calls
         self.started_at = time.time()
@@ -159,6 +159,12 @@ class Service:
             log.exception("start-up failed")
         finally:
             self._started.set()
+        if self.config.server.exit_on_error:  # models that failed for good stop the server (``serve``)
+            self.fatal = fatal_failures(self.endpoints.values(), self.llms, self.start_error)
+            if self.fatal is not None:
+                log.error("exiting (server.exit_on_error); failed for good: %s", self.fatal)
+                if self.on_fatal is not None:
+                    self.on_fatal()
 
     def _runner_ended(self, ep: Endpoint, task: asyncio.Task) -> None:
         """A runner ends only when the service stops; any other end is a bug, made visible."""
@@ -167,6 +173,7 @@ class Service:
         exc = task.exception()
         log.error("the queue of model %s stopped: %r", ep.name, exc)
         ep.state, ep.reason = ModelState.UNAVAILABLE, f"its queue stopped: {exc!r}"
+        ep.failure = ModelFailure(FailureKind.PERMANENT, ep.reason)  # nothing restarts a queue
         while ep.queue:
             p = ep.queue.popleft()
             if not p.future.done():
@@ -174,31 +181,19 @@ class Service:
 
     @property
     def ready(self) -> bool:
-        """Started, not stopping, a worker ready to serve (with workers), and every pinned
-        model resident."""
-        return self.not_ready_reason() is None
+        """:meth:`readiness` says ready."""
+        return self.readiness().ready
+
+    def readiness(self) -> Readiness:
+        """Started, not stopping, a worker ready to serve (with workers), and every model
+        and language model that is not optional able to serve, a pinned one resident;
+        else why not, naming each model that cannot serve (``server/readiness.py``)."""
+        return assess(start_error=self.start_error, stopping=self._stopping, started=self._started.is_set(),
+                      runtime=self.runtime, endpoints=self.endpoints.values(), llms=self.llms)
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready (None: it is), for ``/admin/status``."""
-        if self.start_error:
-            return f"start-up failed: {self.start_error}"
-        if self._stopping:
-            return "stopping"
-        if not self._started.is_set() or self.runtime is None:
-            return "starting: models are loading"
-        snap = self.runtime.snapshot()
-        if isinstance(snap, ClusterSnapshot) and snap.view.replicas_alive == 0:
-            return "no replica of the cluster is alive"
-        rt = snap.runtime if isinstance(snap, ClusterSnapshot) else snap
-        workers = None if rt is None else rt.workers
-        if workers is not None and workers.ready == 0:  # every worker is dead or still starting
-            last = workers.last_failure
-            why = f"; the last to fail: {last.cause}" if last else ""
-            return f"no worker can serve: {workers.size} are starting{why}"
-        resident = {} if rt is None else rt.resident
-        missing = [ep.name for ep in self.endpoints.values()
-                   if ep.pinned and not (ep.state is ModelState.READY and ep.name in resident)]
-        return f"pinned models not resident yet: {missing}" if missing else None
+        return self.readiness().reason
 
     async def stop(self) -> None:
         """Refuse new requests, let queued ones finish (up to ``drain_timeout_s``), then
@@ -215,8 +210,9 @@ class Service:
                 if not p.future.done():
                     p.future.set_exception(Overloaded("the server is shutting down", 1))
             ep.queue.clear()
-            if ep.runner is not None:
-                ep.runner.cancel()
+            for task in (ep.runner, ep.retry):
+                if task is not None:
+                    task.cancel()
         await self._call(self.parsers.close)  # a body still being parsed gets 503
         await self._call(self.llms.close)  # generations still running end with an error
         if self.runtime is not None:
@@ -246,8 +242,7 @@ class Service:
         if self._stopping:
             raise Overloaded("the server is shutting down", 1)
         if ep.state is not ModelState.READY and ep.state is not ModelState.LOADING:
-            raise Unavailable(f"model {name!r} is not loaded ({ep.state.value}: {ep.reason}); "
-                              f"POST /v2/repository/models/{name}/load")
+            raise ep.unavailable()  # without Retry-After when it failed for good
         if len(ep.queue) >= ep.cfg.max_queue:
             resident = self._rt.is_resident(name)
             self.metrics.rejected(name)
@@ -305,7 +300,10 @@ class Service:
         device memory and its host copy are freed."""
         ep = self.endpoint(name)
         async with ep.lock:
+            if ep.retry is not None:  # unloaded on purpose: no load after a back-off, no failure to report
+                ep.retry.cancel()
             if ep.state is ModelState.UNAVAILABLE:
+                ep.reason, ep.failure = "unloaded", None
                 return
             ep.state, ep.reason = ModelState.UNLOADING, "unloading"
             ep.wake.set()
@@ -359,15 +357,18 @@ class Service:
                 out = await self._call(self._rt.infer, ep.name, *ep.example_inputs())
                 ep.outputs = describe_outputs(flatten_outputs(out), cfg.example_batch)
         except Exception as exc:
-            ep.state, ep.reason = ModelState.UNAVAILABLE, f"{type(exc).__name__}: {exc}"
-            log.error("model %s is unavailable: %s", ep.name, ep.reason)
+            ep.failure = failure_of(exc)  # NOTE [Permanent and transient failures]
+            ep.state, ep.reason = ModelState.UNAVAILABLE, ep.failure.cause
+            log.error("model %s is unavailable (%s): %s", ep.name, ep.failure.kind.value, ep.reason)
+            if not ep.failure.permanent and not self._stopping:
+                ep.load_later(self._load)
             try:  # a half-registered model must not keep memory
                 if ep.name in await self._call(self._rt.models):
                     await self._call(self._rt.unregister, ep.name)
             except Exception:
                 log.exception("cleaning up model %s failed", ep.name)
         else:
-            ep.state, ep.reason = ModelState.READY, ""
+            ep.state, ep.reason, ep.failure, ep.retries = ModelState.READY, "", None, 0
             log.info("model %s ready in %.1f s", ep.name, time.monotonic() - t0)
         ep.wake.set()
 
@@ -432,10 +433,3 @@ class Service:
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-
-def model_source(cfg: ModelConfig) -> tuple[Builder, str | Path | None]:
-    """How to build a configured model, and its weights file (None: the module's own values)."""
-    if cfg.zoo is not None:
-        return zoo_get(cfg.zoo).builder, cfg.weights or weights_path(cfg.zoo)
-    assert cfg.build is not None, "ModelConfig._source: exactly one of zoo and build"
-    return cfg.build, cfg.weights
