@@ -33,7 +33,12 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--device", default=None, help="override runtime.device")
     p.add_argument("--memory", default=None, help="override runtime.memory, e.g. 4GiB")
     p.add_argument("--workers", type=int, default=None, help="override runtime.workers")
-    p.add_argument("--check", action="store_true", help="validate the config, print it and exit")
+    p.add_argument("--check", action="store_true",
+                   help="validate the config and print it, then check every model (builder imported, module built, "
+                   "weights headers matched against it) and exit: 1 if a model that is not optional fails, each named")
+    p.add_argument("--exit-on-error", action="store_true",
+                   help="exit with status 1 once start-up ends if a model that is not optional failed for good "
+                   "(server.exit_on_error)")
     p.add_argument("--print-default-config", action="store_true", help="print the embedded default config and exit")
 
     p = sub.add_parser(
@@ -183,9 +188,11 @@ def _serve(args, console) -> int:
         console.print(DEFAULT_CONFIG.read_text(), markup=False, highlight=False, end="")
         return 0
     config = load_with_overrides(args)
+    if args.exit_on_error:
+        config = config.model_copy(update={"server": config.server.model_copy(update={"exit_on_error": True})})
     if args.check:
         console.print(yaml.safe_dump(config.model_dump(), sort_keys=False), markup=False, highlight=False, end="")
-        return 0
+        return _check(config)
     import logging
 
     logging.getLogger("timeshare").setLevel(logging.INFO)
@@ -199,7 +206,25 @@ def _serve(args, console) -> int:
     console.print(f"timeshare serve: {len(config.models)} models, {len(config.training)} training jobs on "
                   f"{where}; http://{s.host}:{s.http_port}/v2"
                   + (f", metrics on :{s.metrics_port}" if s.metrics_port is not None else ""))
-    serve(config)
+    return serve(config)
+
+
+def _check(config) -> int:
+    """``--check``'s models (``server/check.py``): one line each on stderr, stdout keeping
+    the validated config; status 1 when a model that is not optional failed."""
+    from rich.console import Console
+
+    from timeshare.server.check import check_config
+
+    report = check_config(config)
+    err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
+    for c in report.checks:
+        verdict = "ok" if c.ok else "FAILED (optional)" if c.optional else "FAILED"
+        err.print(f"{verdict}: {c.kind} {c.name!r}: {c.detail if c.ok else c.problem}")
+    if report.failed:
+        err.print(f"{len(report.failed)} of {len(report.checks)} models cannot serve: "
+                  + ", ".join(repr(c.name) for c in report.failed))
+        return 1
     return 0
 
 
