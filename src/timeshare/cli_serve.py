@@ -27,12 +27,15 @@ def add_parsers(sub, bench) -> None:
         "token is set), Prometheus /metrics on both --port and --metrics-port. Ctrl-C or SIGTERM drains "
         "in-flight requests, then stops every worker process. Without --config: the embedded default.")
     p.add_argument("--config", type=Path, default=None, help="timeshare.yaml (default: the embedded default)")
-    p.add_argument("--host", default=None, help="override server.host")
+    p.add_argument("--host", default=None,
+                   help="override server.host (default 127.0.0.1, this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=None, help="override server.http_port")
     p.add_argument("--metrics-port", default=None, help="override server.metrics_port ('none': no metrics port)")
     p.add_argument("--device", default=None, help="override runtime.device")
     p.add_argument("--memory", default=None, help="override runtime.memory, e.g. 4GiB")
     p.add_argument("--workers", type=int, default=None, help="override runtime.workers")
+    p.add_argument("--api-key", default=None, help="override server.api_key: /v1 and /v2 (but health) then need "
+                   "'Authorization: Bearer KEY' (default: $TIMESHARE_API_KEY, else open)")
     p.add_argument("--check", action="store_true",
                    help="validate the config and print it, then check every model (builder imported, module built, "
                    "weights headers matched against it) and exit: 1 if a model that is not optional fails, each named")
@@ -161,7 +164,7 @@ def load_with_overrides(args):
     config = load_config(args.config or DEFAULT_CONFIG)
     doc = config.model_dump()
     server, runtime = doc["server"], doc["runtime"]
-    for key, value in (("host", args.host), ("http_port", args.port)):
+    for key, value in (("host", args.host), ("http_port", args.port), ("api_key", args.api_key)):
         if value is not None:
             server[key] = value
     if args.metrics_port is not None:

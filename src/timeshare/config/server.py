@@ -11,13 +11,23 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from timeshare.config.fields import Strict, bytes_field
+from timeshare.errors import ConfigError
 
 
 class ServerConfig(Strict):
     """The HTTP server: where it listens and what it accepts."""
 
-    host: str = "0.0.0.0"
-    """The data plane's address. The admin plane answers loopback clients only, unless a token is set."""
+    host: str = "127.0.0.1"
+    """The address to listen on: loopback by default, so that a server started without
+    thought is not open to the network; "0.0.0.0" (or "::") opens it. The admin plane
+    answers loopback clients only, unless ``admin.token`` is set."""
+    api_key: str | None = None
+    """When set, the data plane (``/v2`` metadata and inference, ``/v1``) needs
+    "Authorization: Bearer <key>" and answers 401 without it; the health routes and
+    /metrics stay open. ``timeshare serve --api-key`` overrides this field."""
+    api_key_env: str | None = "TIMESHARE_API_KEY"
+    """An environment variable to read the key from when ``api_key`` is not set (the
+    file's key wins), so that the key need not sit in a file."""
     http_port: Annotated[int, Field(ge=0, le=65535)] = 8000
     """Open Inference Protocol, admin and /metrics (0: any free port)."""
     metrics_port: Annotated[int, Field(ge=0, le=65535)] | None = 8002
@@ -64,6 +74,29 @@ class ServerConfig(Strict):
     def _limit(cls, v, info):
         return bytes_field(v, info.field_name)
 
+    @field_validator("api_key")
+    @classmethod
+    def _printable_key(cls, v):
+        if v is not None:
+            check_api_key(v, "api_key")
+        return v
+
+    def resolved_api_key(self) -> str | None:
+        """The data plane's key: ``api_key``, else the variable ``api_key_env`` names, else
+        none (the data plane is open). A key from the environment is checked as one from
+        the file is; a bad one is a :class:`ConfigError` naming the variable."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            value = os.environ.get(self.api_key_env) or None
+            if value is not None:
+                try:
+                    check_api_key(value, f"${self.api_key_env}")
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            return value
+        return None
+
     @field_validator("max_header_bytes", mode="before")
     @classmethod
     def _header_limit(cls, v):
@@ -71,6 +104,18 @@ class ServerConfig(Strict):
         if n < 1024:
             raise ValueError("max_header_bytes must be at least 1 KiB")
         return n
+
+
+def check_api_key(key: str, where: str) -> None:
+    """An API key travels in an HTTP header, so it must be printable ASCII without spaces
+    (what every client can send). ``where`` names the field or the variable it came from;
+    the message never shows the key."""
+    if not key:
+        raise ValueError(f"{where} must not be empty (leave it out for an open data plane)")
+    bad = sum(1 for c in key if not "!" <= c <= "~")
+    if bad:
+        raise ValueError(f"{where} must be printable ASCII without spaces (it is sent in an HTTP header); "
+                         f"{bad} of its {len(key)} characters are not")
 
 
 class AdminConfig(Strict):

@@ -30,6 +30,7 @@ from starlette.routing import Route
 from timeshare import __version__
 from timeshare.errors import BadRequest, TimeshareError, UnknownModelError
 from timeshare.server.admin import add_admin_plane
+from timeshare.server.auth import ApiKey, Unauthorized, key_dependencies
 from timeshare.server.hops import RequestTimes
 from timeshare.server.openai import add_openai_api, openai_error
 from timeshare.server.parsing import HEADER_LENGTH, describe_validation
@@ -63,10 +64,11 @@ def create_app(service: Service, *, start: bool = True) -> FastAPI:
                   redoc_url="/redoc" if described else None,
                   description="Open Inference Protocol (v2) over a GPU time-shared between models and training jobs.")
     app.add_middleware(BodyLimit, limit=int(service.config.server.max_request_bytes))  # an int once validated
+    key = ApiKey.of(service.config.server.resolved_api_key())  # NOTE [The data plane's key]
     _errors(app, service)
-    _data_plane(app, service)
+    _data_plane(app, service, key)
     add_admin_plane(app, service)
-    add_openai_api(app, service)
+    add_openai_api(app, service, key)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
@@ -110,7 +112,8 @@ def _errors(app: FastAPI, service: Service) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None), request.url.path)
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None), request.url.path,
+                              getattr(exc, "code", None))  # Unauthorized's, for /v1
 
     @app.exception_handler(ClientDisconnect)
     async def gone(request: Request, exc: ClientDisconnect):
@@ -154,8 +157,10 @@ class BodyLimit:
 
 
 # ---------------------------------------------------------------------- data plane
-def _data_plane(app: FastAPI, service: Service) -> None:
-    @app.get("/v2", summary="Server metadata")
+def _data_plane(app: FastAPI, service: Service, key: ApiKey | None) -> None:
+    keyed = key_dependencies(key)  # NOTE [The data plane's key]: not the health routes
+
+    @app.get("/v2", dependencies=keyed, summary="Server metadata")
     def server_metadata():
         return {"name": "timeshare", "version": __version__,
                 "extensions": ["model_repository", "binary_tensor_data", "timeshare_training"]}
@@ -169,13 +174,13 @@ def _data_plane(app: FastAPI, service: Service) -> None:
         state = service.readiness()  # when not ready: why, and each model that cannot serve with its cause
         return SafeJSONResponse(state.to_json(), status_code=200 if state.ready else 400)
 
-    @app.get("/v2/models/{model}", summary="Model metadata")
-    @app.get("/v2/models/{model}/versions/{version}", include_in_schema=False)
+    @app.get("/v2/models/{model}", dependencies=keyed, summary="Model metadata")
+    @app.get("/v2/models/{model}/versions/{version}", dependencies=keyed, include_in_schema=False)
     def model_metadata(model: str, version: str = "1"):
         return _versioned(service, model, version).metadata()
 
-    @app.get("/v2/models/{model}/ready", summary="Model readiness")
-    @app.get("/v2/models/{model}/versions/{version}/ready", include_in_schema=False)
+    @app.get("/v2/models/{model}/ready", dependencies=keyed, summary="Model readiness")
+    @app.get("/v2/models/{model}/versions/{version}/ready", dependencies=keyed, include_in_schema=False)
     def model_ready(model: str, version: str = "1"):
         ep = _versioned(service, model, version)
         ok = ep.state.value == "READY"
@@ -189,6 +194,8 @@ def _data_plane(app: FastAPI, service: Service) -> None:
     # first: FastAPI's own (dependency solving, path parameters through pydantic) cost a
     # request about 100 us on a CPU. The FastAPI route after it only documents the path.
     async def infer(request: Request) -> Response:
+        if key is not None and not key.admits(request.headers.get("authorization")):
+            raise Unauthorized()  # before the body is read (NOTE [The data plane's key])
         now = perf_counter_ns()
         times = RequestTimes(request.scope.get(ARRIVED, now), now)  # NOTE [Request hops]
         params = request.path_params
@@ -227,7 +234,7 @@ def _data_plane(app: FastAPI, service: Service) -> None:
     for path in ("/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"):
         app.router.routes.append(Route(path, infer, methods=["POST"]))
 
-    @app.post("/v2/models/{model}/infer", summary="Inference", openapi_extra=infer_body)
+    @app.post("/v2/models/{model}/infer", dependencies=keyed, summary="Inference", openapi_extra=infer_body)
     async def infer_documented(model: str, request: Request):  # never reached: NOTE [The inference route]
         return await infer(request)
 

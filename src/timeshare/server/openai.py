@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from timeshare.errors import ConfigError, Timeout, TimeshareError
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import ContextLengthError, Delta, Finish
+from timeshare.server.auth import ApiKey, key_dependencies
 from timeshare.server.llms import Generation, ServedLLM
 from timeshare.server.status import served_error, status_of
 
@@ -136,19 +137,21 @@ def _parse(cls: type[BaseModel], body: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the routes
-def add_openai_api(app: FastAPI, service) -> None:
+def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
+    """The ``/v1`` routes on ``app``; with ``key``, each needs it (NOTE [The data plane's key])."""
     llms = service.llms
     timeout_s = service.config.server.request_timeout_s
+    keyed = key_dependencies(key)
 
-    @app.get("/v1/models", summary="The language models (OpenAI)")
+    @app.get("/v1/models", dependencies=keyed, summary="The language models (OpenAI)")
     def list_models():
         return {"object": "list", "data": [_model_card(m) for m in llms.loaded.values()]}
 
-    @app.get("/v1/models/{name}", summary="One language model (OpenAI)")
+    @app.get("/v1/models/{name}", dependencies=keyed, summary="One language model (OpenAI)")
     def model_card(name: str):
         return _model_card(llms.get(name))
 
-    @app.post("/v1/completions", summary="Complete prompts (OpenAI)")
+    @app.post("/v1/completions", dependencies=keyed, summary="Complete prompts (OpenAI)")
     async def completions(request: Request):
         try:
             req: CompletionRequest = _parse(CompletionRequest, await _body(request))
@@ -159,7 +162,7 @@ def add_openai_api(app: FastAPI, service) -> None:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
         return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s)
 
-    @app.post("/v1/chat/completions", summary="Answer a chat (OpenAI)")
+    @app.post("/v1/chat/completions", dependencies=keyed, summary="Answer a chat (OpenAI)")
     async def chat_completions(request: Request):
         try:
             req: ChatRequest = _parse(ChatRequest, await _body(request))

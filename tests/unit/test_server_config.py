@@ -1,0 +1,82 @@
+"""The server section's defaults and the data plane's key as the config and the command
+line give it (issue 34, item 4): loopback unless told otherwise, the key from the file,
+the environment or ``--api-key``, checked without ever showing it."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from timeshare import cli
+from timeshare.config import DEFAULT_CONFIG, ServerConfig, load_config, parse_config
+from timeshare.errors import ConfigError
+from timeshare.server.auth import ApiKey
+
+
+def test_the_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
+    assert ServerConfig().host == "127.0.0.1"
+    assert parse_config({}).server.host == "127.0.0.1"
+    assert load_config(DEFAULT_CONFIG).server.host == "127.0.0.1"
+    assert parse_config({"server": {"host": "0.0.0.0"}}).server.host == "0.0.0.0"
+    monkeypatch.delenv("TIMESHARE_API_KEY", raising=False)
+    assert parse_config({}).server.resolved_api_key() is None  # and the data plane is open
+
+
+def test_the_key_comes_from_the_file_else_the_environment(monkeypatch):
+    monkeypatch.setenv("TIMESHARE_API_KEY", "from-env")
+    assert parse_config({}).server.resolved_api_key() == "from-env"
+    assert parse_config({"server": {"api_key": "from-file"}}).server.resolved_api_key() == "from-file"
+    assert parse_config({"server": {"api_key_env": None}}).server.resolved_api_key() is None
+    monkeypatch.setenv("TIMESHARE_API_KEY", "")  # an empty variable is no key, as for the admin token
+    assert parse_config({}).server.resolved_api_key() is None
+
+
+@pytest.mark.parametrize("key, words", [
+    ("", "server.api_key: api_key must not be empty"),
+    ("two words", "server.api_key: api_key must be printable ASCII without spaces (it is sent in an HTTP header); "
+                  "1 of its 9 characters are not"),
+    ("caf\u00e9-\u00e9", "2 of its 6 characters are not"),
+    ("line\nbreak", "1 of its 10 characters are not"),
+])
+def test_a_key_no_client_can_send_is_refused_without_showing_it(key, words):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"server": {"api_key": key}})
+    assert words in str(err.value)
+    assert "Value error" not in str(err.value)
+    if key:
+        assert key not in str(err.value) and repr(key) not in str(err.value)
+
+
+def test_a_bad_key_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("TIMESHARE_API_KEY", "has space")
+    with pytest.raises(ConfigError, match=r"^\$TIMESHARE_API_KEY must be printable ASCII") as err:
+        parse_config({}).server.resolved_api_key()
+    assert "has space" not in str(err.value)
+
+
+def test_the_api_key_flag_overrides_the_file(tmp_path, capsys, monkeypatch):
+    from timeshare.cli_serve import load_with_overrides
+
+    monkeypatch.delenv("TIMESHARE_API_KEY", raising=False)
+    path = tmp_path / "keyed.yaml"
+    path.write_text(yaml.safe_dump({"server": {"api_key": "from-file"}}))
+
+    def server(*flags: str) -> ServerConfig:
+        return load_with_overrides(cli._parser().parse_args(["serve", "--config", str(path), *flags])).server
+
+    assert server().api_key == "from-file" and server().host == "127.0.0.1"
+    flagged = server("--api-key", "from-flag", "--host", "0.0.0.0")
+    assert flagged.api_key == "from-flag" and flagged.resolved_api_key() == "from-flag" and flagged.host == "0.0.0.0"
+    with pytest.raises(ConfigError, match="server.api_key: api_key must be printable ASCII"):
+        server("--api-key", "bad key")
+    assert cli.main(["serve", "--config", str(path), "--api-key", "bad key"]) == 2  # named, before anything starts
+    assert "server.api_key" in capsys.readouterr().err
+
+
+def test_the_key_is_compared_whole():
+    key = ApiKey("k-123")
+    assert key.admits("Bearer k-123")
+    for header in (None, "", "k-123", "Bearer k-12", "Bearer k-1234", "bearer k-123", "Bearer  k-123",
+                   "Bearer k-123 ", "Bearer k-\u00e9\u00e9\u00e9", "Basic k-123"):
+        assert not key.admits(header), header
+    assert ApiKey.of(None) is None and ApiKey.of("x") is not None
