@@ -131,8 +131,10 @@ def test_bad_requests_get_openai_errors(client, server):
     assert "messages" in err.value.param
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="llama", messages=[])
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="llama", prompt="a", n=2)
+    assert err.value.param == "n" and err.value.body["message"] == "n=2 is not supported by this server (only n=1, " \
+                                                                  "or null)"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
@@ -151,6 +153,81 @@ def test_bad_requests_get_openai_errors(client, server):
     # the Open Inference Protocol beside it keeps its own error shape
     oip = httpx.get(f"{server.url}/v2/models/nope", timeout=30)
     assert oip.status_code == 404 and isinstance(oip.json()["error"], str)
+
+
+def test_unsupported_fields_are_refused_as_unsupported_and_their_neutral_values_pass(client):
+    """Issue 34, item 5: a field this server does not implement is refused saying so, with
+    the field as ``param`` (not told that its value "must be <= 0"); a value that asks for
+    nothing is answered as usual."""
+    chat = dict(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0)
+    refused = [
+        (dict(presence_penalty=0.5), "presence_penalty", "presence_penalty=0.5 is not supported by this server"),
+        (dict(frequency_penalty=-1), "frequency_penalty", "frequency_penalty=-1"),
+        (dict(logprobs=True), "logprobs", "logprobs=true is not supported by this server (only logprobs=false"),
+        (dict(logprobs=True, top_logprobs=2), "logprobs", "logprobs=true"),
+        (dict(n=3), "n", "n=3 is not supported by this server (only n=1, or null)"),
+        (dict(tool_choice="auto"), "tool_choice", 'tool_choice="auto" is not supported by this server'),
+        (dict(response_format={"type": "json_object"}), "response_format",
+         "response_format is not supported by this server"),
+        (dict(logit_bias={"1": 5}), "logit_bias", "logit_bias is not supported by this server"),
+        (dict(stream_options={"include_usage": True}), "stream_options", "only allowed when stream is true"),
+    ]
+    for extra, param, words in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**chat, **extra)
+        assert err.value.param == param and words in err.value.message, (extra, err.value.message)
+        assert "must be" not in err.value.message and "less than" not in err.value.message
+    for extra in (dict(echo=True), dict(logprobs=0), dict(best_of=2), dict(suffix="end")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="llama", prompt="a", max_tokens=2, **extra)
+        name = next(iter(extra))
+        assert err.value.param == name and "is not supported by this server" in err.value.message, extra
+    whole = client.chat.completions.create(**chat)
+    neutral = client.chat.completions.create(**chat, n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False,
+                                             tool_choice="none", response_format={"type": "text"}, logit_bias={})
+    assert neutral.choices[0].message.content == whole.choices[0].message.content
+    done = client.completions.create(model="llama", prompt="a", max_tokens=2, temperature=0, echo=False, best_of=1)
+    assert done.usage.completion_tokens == 2
+
+
+def _events(server, path: str, body: dict) -> list:
+    """A streamed answer's server-sent events as the wire has them: JSON objects, then "[DONE]"."""
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line[len("data: "):] for line in response.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]] + ["[DONE]"]
+
+
+def test_streamed_chunks_carry_usage_as_openai_documents(client, server):
+    """With stream_options.include_usage every chunk has "usage": null, and one more chunk,
+    with empty choices, carries the whole request's usage just before [DONE]; without it,
+    no chunk has a "usage" field (OpenAI's documentation of include_usage)."""
+    chat = {"model": "llama", "messages": [{"role": "user", "content": "a gpu"}], "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    whole = client.chat.completions.create(model="llama", messages=chat["messages"], max_tokens=6, temperature=0)
+    completion = {"model": "qwen", "prompt": ["a", "the"], "max_tokens": 5, "temperature": 0, "stream": True}
+    both = client.completions.create(model="qwen", prompt=["a", "the"], max_tokens=5, temperature=0)
+    cases = [("/v1/chat/completions", chat, "chat.completion.chunk", whole.usage),
+             ("/v1/completions", completion, "text_completion", both.usage)]
+    for path, body, kind, usage in cases:
+        asked = _events(server, path, {**body, "stream_options": {"include_usage": True}})
+        *chunks, last, done = asked
+        assert chunks and all(c["usage"] is None and c["choices"] and c["object"] == kind for c in chunks), chunks
+        assert last["choices"] == [] and last["object"] == kind and last["id"] == chunks[0]["id"]
+        assert last["usage"] == {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                                 "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+        for plain in (body, {**body, "stream_options": {"include_usage": False}}, {**body, "stream_options": None}):
+            *chunks, done = _events(server, path, plain)
+            assert chunks and all("usage" not in c and c["choices"] for c in chunks), chunks
+    # the official client reads the same: the last chunk's usage, None before it
+    streamed = list(client.chat.completions.create(model="llama", messages=chat["messages"], max_tokens=6,
+                                                   temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert [c.usage for c in streamed[:-1]] == [None] * (len(streamed) - 1)
+    assert streamed[-1].choices == [] and streamed[-1].usage.total_tokens == whole.usage.total_tokens
+    first = _events(server, "/v1/chat/completions", chat)[0]["choices"][0]
+    assert first == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_sequence(client, server):

@@ -34,10 +34,15 @@ DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that 
 
 
 # ---------------------------------------------------------------------- requests
-# Fields of OpenAI's API that this server does not implement: a request that sets one
-# (not null) is refused, rather than answered as if it had not asked.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
-               "top_logprobs", "best_of")
+# Fields of OpenAI's API that this server does not implement, with the values that ask
+# for nothing (null always does): a request that asks for more is refused, 400 with the
+# field as ``param`` and a message that says it is not supported, rather than answered as
+# if it had not asked, or told that its value is out of some range.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False,),
+    "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+}
 
 
 class _Sampling(BaseModel):
@@ -49,25 +54,20 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     """An extension (as vLLM's): the most likely k tokens only; 0 or -1: all."""
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)  # what a torch generator takes
-    presence_penalty: float | None = Field(None, ge=0, le=0)
-    frequency_penalty: float | None = Field(None, ge=0, le=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logprobs: bool | int | None = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """The request's sampling parameters; a refused value is 400 naming its field."""
-        extra = self.model_extra or {}
-        for name in UNSUPPORTED:
-            value = extra.get(name)
-            if value is None or value == [] or (name == "best_of" and value == 1):
-                continue
-            raise _Invalid(f"{name} is not supported by this server", name)
-        if self.logprobs:
-            raise _Invalid("logprobs are not supported by this server", "logprobs")
+        self._refuse_unsupported()
+        if self.stream_options is not None and not self.stream:  # as OpenAI answers it
+            raise _Invalid("stream_options is only allowed when stream is true", "stream_options")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(max_tokens=max_tokens,
@@ -77,6 +77,19 @@ class _Sampling(BaseModel):
         except ConfigError as exc:  # the message begins with the field's name
             raise _Invalid(str(exc), str(exc).split(" ", 1)[0]) from None
 
+    def _refuse_unsupported(self) -> None:
+        """400 for the first field of ``UNSUPPORTED`` that asks for something."""
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
+            # true is not 1, nor false 0: the type of a neutral value counts, except int for float
+            if value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+                continue
+            shown = isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 40)
+            asked = f"{name}={json.dumps(value)}" if shown else name
+            only = " or ".join(f"{name}={json.dumps(v)}" for v in neutral)
+            raise _Invalid(f"{asked} is not supported by this server (only {only}, or null)", name)
+
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -84,7 +97,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = Field(False, le=False)
+    echo: bool | None = False
 
 
 class _Part(BaseModel):
@@ -133,7 +146,8 @@ def _parse(cls: type[BaseModel], body: Any) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise _Invalid(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+        msg = first["msg"].removeprefix("Value error, ")  # pydantic's prefix of a validator's own message
+        raise _Invalid(f"{param}: {msg}" if param else msg, param) from None
 
 
 # ---------------------------------------------------------------------- the routes
@@ -299,16 +313,21 @@ def _usage(finishes) -> dict:
 
 async def _sse(stream: _Stream, model: str, rid: str, created: int, chat: bool, include_usage: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
+    # As OpenAI documents stream_options.include_usage: when asked, every chunk has
+    # "usage": null and one more chunk, with no choices, carries the usage before [DONE];
+    # when not asked, no chunk has a "usage" field at all.
+    usage: dict[str, Any] = {"usage": None} if include_usage else {}
 
     def chunk(choices: list, **extra) -> str:
-        body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+        body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **usage, **extra}
         return f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
 
     finishes: list[Finish] = []
     try:
         if chat:
             for i in range(len(stream.seqs)):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
         async for index, event in stream.events():
             if isinstance(event, Finish):
                 if event.error is not None:
