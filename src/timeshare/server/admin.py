@@ -75,7 +75,7 @@ def _repository_routes(app: FastAPI, service: Service, guard: list, limit: int) 
         try:
             opts = RepositoryIndexRequest.model_validate(body)
         except ValidationError as exc:
-            raise BadRequest(describe_validation(exc.errors())) from None
+            raise _invalid(exc) from None
         return service.index(ready_only=opts.ready)
 
     @app.post("/v2/repository/models/{model}/load", dependencies=guard, summary="Load a model onto the device")
@@ -123,7 +123,7 @@ def _training_routes(app: FastAPI, service: Service, guard: list, limit: int) ->
         try:
             job = TrainingRequest.model_validate(await _optional_json(request, limit))
         except ValidationError as exc:
-            raise BadRequest(describe_validation(exc.errors())) from None
+            raise _invalid(exc) from None
         return await service.submit_training(job)
 
     @app.get("/admin/training/{job}", dependencies=guard, summary="A training job's status")
@@ -137,7 +137,10 @@ def _training_routes(app: FastAPI, service: Service, guard: list, limit: int) ->
 
 
 def _replica_routes(app: FastAPI, service: Service, guard: list) -> None:
-    """A cluster's replicas: list them, add one, kill one (a drill)."""
+    """A cluster's replicas: list them, add one, kill one (a drill). Without a cluster
+    there are no replicas to name: these paths are 404, saying why."""
+    if service.config.cluster is None:
+        guard = [*guard, Depends(_no_cluster)]
 
     @app.get("/admin/replicas", dependencies=guard, summary="A cluster's replicas and its counters")
     def replicas():
@@ -153,6 +156,11 @@ def _replica_routes(app: FastAPI, service: Service, guard: list) -> None:
         return service.kill_replica(replica)
 
 
+async def _no_cluster() -> None:
+    raise HTTPException(404, "this server runs no cluster (its config has no 'cluster' section), so it has no "
+                             "replicas")
+
+
 def _status_route(app: FastAPI, service: Service, guard: list) -> None:
     """``/admin/status``: the runtime's snapshot, readiness and the models' states."""
 
@@ -164,6 +172,13 @@ def _status_route(app: FastAPI, service: Service, guard: list) -> None:
         snap["start_error"] = service.start_error
         snap["models"] = service.index()
         return snap
+
+
+def _invalid(exc: ValidationError) -> BadRequest:
+    """A request body that failed validation, each error as ``field: message``; the
+    messages of our own validators without pydantic's "Value error, " before them."""
+    errors = [{**e, "msg": e.get("msg", "invalid").removeprefix("Value error, ")} for e in exc.errors()]
+    return BadRequest(describe_validation(errors))
 
 
 def _hostname(value: str, *, url: bool = False) -> str:
