@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     """Every command's parser; each command module adds its own."""
-    from timeshare import cli_bench, cli_serve, cli_switch
+    from timeshare import __version__, cli_bench, cli_ops, cli_serve, cli_switch
     from timeshare.cli_sim import add_bench_parsers, add_sim_parser
 
     parser = argparse.ArgumentParser(prog="timeshare", description="Fine-grained GPU time-sharing for deep learning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does")
+    parser.add_argument("--version", action="version", version=f"timeshare {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
     cli_switch.add_parsers(bench)
@@ -65,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     cli_bench.add_parsers(bench)
     add_sim_parser(sub)
     cli_serve.add_parsers(sub, bench)
+    cli_ops.add_parsers(sub)
     return parser
 
 
@@ -79,7 +81,7 @@ def _stacks_on_sigusr1() -> None:
 
 def _dispatch(args) -> int | None:
     """The command's exit code; None for a command no module runs."""
-    from timeshare import cli_bench, cli_serve, cli_switch
+    from timeshare import cli_bench, cli_ops, cli_serve, cli_switch
     from timeshare.cli_sim import run_bench, run_sim
 
     if args.command == "bench" and args.bench in cli_switch.NAMES:
@@ -90,7 +92,9 @@ def _dispatch(args) -> int | None:
         return run_bench(args, console, _run_bench)
     if args.command == "sim":
         return run_sim(args, console, _write_json)
-    if args.command in ("serve", "demo", "models", "zoo") \
+    if args.command in cli_ops.NAMES:
+        return cli_ops.run(args, console)
+    if args.command in ("serve", "demo") \
             or getattr(args, "bench", None) in ("serve", "chaos", "hostile"):
         return cli_serve.run(args, console, _write_json, _run_bench)
     return None

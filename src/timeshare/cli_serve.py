@@ -1,12 +1,11 @@
 """The serving commands of the CLI: argument parsing and printing only. Runs in the CLI's
 process.
 
-    timeshare serve [--config timeshare.yaml] [--host H] [--port N] [--metrics-port N|none] [--check]
+    timeshare serve [MODEL ...] [--config timeshare.yaml] [--host H] [--port N] [--metrics-port N|none] [--check]
     timeshare demo [--duration 40] [--out demo-output]
     timeshare bench serve [--models ...] [--clients 16] [--requests 2000] [--json PATH]
     timeshare bench chaos [--duration 300] [--fault-every 5] [--workers 2] [--json PATH]
     timeshare bench hostile [--body-mib 63] [--idle 1000] [--json PATH]
-    timeshare models [--config timeshare.yaml] [--generate]
 """
 
 from __future__ import annotations
@@ -26,7 +25,17 @@ def add_parsers(sub, bench) -> None:
         "on --port, Triton's model repository extension and timeshare's admin plane (loopback only unless a "
         "token is set), Prometheus /metrics on both --port and --metrics-port. Ctrl-C or SIGTERM drains "
         "in-flight requests, then stops every worker process. Without --config: the embedded default.")
-    p.add_argument("--config", type=Path, default=None, help="timeshare.yaml (default: the embedded default)")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help="a Hugging Face model directory, a repository id in the local Hugging Face cache "
+                   "(org/model; nothing is downloaded) or, with --build and --input, a safetensors file: served "
+                   "beside the config's models (without --config, alone)")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="the name each MODEL is served as, in order (default: its directory's name or its id)")
+    p.add_argument("--build", default=None, metavar="MODULE:FUNCTION", help="the builder of a weights file MODEL")
+    p.add_argument("--input", action="append", default=None, metavar="NAME:DATATYPE:SHAPE",
+                   help="an input of a weights file MODEL, e.g. x:FP32:-1,3,32,32 (-1: any size)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="timeshare.yaml (default: the embedded default, or nothing when MODELs are given)")
     p.add_argument("--host", default=None,
                    help="override server.host (default 127.0.0.1, this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=None, help="override server.http_port")
@@ -115,20 +124,12 @@ def add_parsers(sub, bench) -> None:
     p.add_argument("--header-timeout", type=float, default=10.0, help="the server's server.header_timeout_s")
     json_option(p)
 
-    p = sub.add_parser("models", aliases=["zoo"], help="list the model zoo, or the models of a config",
-                       description="The zoo's models (built from code, seeded weights), or with --config the "
-                       "models a server would serve and where each comes from.")
-    p.add_argument("--config", type=Path, default=None)
-    p.add_argument("--generate", action="store_true", help="generate and cache every zoo model's weights")
-
 
 def run(args, console, write_json, run_bench) -> int:
     if args.command == "serve":
         return _serve(args, console)
     if args.command == "demo":
         return _demo(args, console)
-    if args.command in ("models", "zoo"):
-        return _models(args, console)
     if args.command == "bench" and args.bench == "serve":
         from timeshare.bench.serve import ServeBenchConfig
         from timeshare.bench.serve import run as bench_run
@@ -161,8 +162,11 @@ def run(args, console, write_json, run_bench) -> int:
 def load_with_overrides(args):
     from timeshare.config import DEFAULT_CONFIG, load_config, parse_config
 
-    config = load_config(args.config or DEFAULT_CONFIG)
-    doc = config.model_dump()
+    given = getattr(args, "models", None) or []
+    source = args.config or (None if given else DEFAULT_CONFIG)
+    doc = {} if source is None else load_config(source).model_dump()
+    doc.setdefault("server", {}), doc.setdefault("runtime", {})
+    _add_models(doc, given, args)
     server, runtime = doc["server"], doc["runtime"]
     for key, value in (("host", args.host), ("http_port", args.port), ("api_key", args.api_key)):
         if value is not None:
@@ -172,7 +176,22 @@ def load_with_overrides(args):
     for key, value in (("device", args.device), ("memory", args.memory), ("workers", args.workers)):
         if value is not None:
             runtime[key] = value
-    return parse_config(doc, str(args.config or DEFAULT_CONFIG) + " with command-line overrides")
+    return parse_config(doc, f"{source or 'the command line'} with command-line overrides")
+
+
+def _add_models(doc: dict, given: list[str], args) -> None:
+    """The MODEL arguments as ``llms`` or ``models`` entries of the config document."""
+    from timeshare.config.sources import section, tensor_spec
+    from timeshare.config.workloads import ModelConfig
+
+    names = args.served_model_name or []
+    if len(names) > len(given):
+        raise ConfigError(f"--served-model-name given {len(names)} times for {len(given)} MODEL arguments")
+    inputs = [tensor_spec(t) for t in args.input or []]
+    for i, arg in enumerate(given):
+        entry = section(arg, name=names[i] if i < len(names) else None, build=args.build, inputs=inputs)
+        key = "models" if isinstance(entry, ModelConfig) else "llms"
+        doc.setdefault(key, []).append(entry.model_dump(exclude_defaults=True))
 
 
 def _int(text: str) -> int:
@@ -206,9 +225,11 @@ def _serve(args, console) -> int:
     where = config.runtime.device if c is None else (
         f"a cluster of {c.replicas} {config.runtime.device} replicas on Ray "
         f"({'a local one' if c.address is None else c.address})")
-    console.print(f"timeshare serve: {len(config.models)} models, {len(config.training)} training jobs on "
+    llms = f", {len(config.llms)} language models ({', '.join(m.name for m in config.llms)}; " \
+        f"http://{s.host}:{s.http_port}/v1)" if config.llms else ""
+    console.print(f"timeshare serve: {len(config.models)} models, {len(config.training)} training jobs{llms} on "
                   f"{where}; http://{s.host}:{s.http_port}/v2"
-                  + (f", metrics on :{s.metrics_port}" if s.metrics_port is not None else ""))
+                  + (f", metrics on :{s.metrics_port}" if s.metrics_port is not None else ""), markup=False)
     return serve(config)
 
 
@@ -395,31 +416,3 @@ def _print_bench_serve(console, result: dict) -> None:
             cells.append("-" if value is None else f"{value:.0f}")
         hops.add_row(h, *cells)
     console.print(hops)
-
-
-def _models(args, console) -> int:
-    from timeshare.models.zoo import ZOO, weights_path
-
-    if args.config is not None:
-        from timeshare.config import load_config
-
-        config = load_config(args.config)
-        table = Table()
-        for col in ("name", "source", "weights", "pinned", "priority", "SLO ms", "max batch"):
-            table.add_column(col)
-        for m in config.models:
-            table.add_row(m.name, f"zoo:{m.zoo}" if m.zoo else m.build,
-                          m.weights or ("seeded" if m.zoo else "module's own"),
-                          "yes" if m.pinned else "", m.priority, _ms(m.slo_ms), str(m.max_batch))
-        console.print(table)
-        return 0
-    table = Table()
-    for col in ["name", "parameters", "inputs", "builder", "description"]:
-        table.add_column(col)
-    for zm in ZOO.values():
-        table.add_row(zm.name, f"{zm.parameters:,}", ", ".join(zm.input_names), zm.builder, zm.description)
-        if args.generate:
-            weights_path(zm.name)
-    console.print(table)
-    return 0
-

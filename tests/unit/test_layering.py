@@ -44,6 +44,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "cli_options": None,
     "cli_salus": None,
     "cli_serve": None,
+    "cli_ops": None,
     "cli_sim": None,
     "cli_switch": None,
     "demo": None,

@@ -155,7 +155,13 @@ class LLMConfig(Strict):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, v):
-        return valid_name(v, "language model name")
+        # As a Hugging Face repository id ("org/model"): requests name it in their body only.
+        parts = v.split("/")
+        if len(parts) > 2:
+            raise ValueError(f"language model name {v!r} may hold one '/' at most (as 'org/model')")
+        for part in parts:
+            valid_name(part, "language model name")
+        return v
 
     @field_validator("path")
     @classmethod

@@ -80,7 +80,7 @@ def build_tiered(spec: ModelSpec, spill_dir: Path) -> Tiered:
     else:
         tensors = current if spec.weights is None else apply_weights(layout, current, read_weights(spec.weights))
         tensors = _converted(spec, layout, tensors)
-        backing = SpillBacking(spill_dir / f"{spec.name}-{uuid.uuid4().hex[:8]}.store")
+        backing = SpillBacking(spill_dir / f"{_file_name(spec.name)}-{uuid.uuid4().hex[:8]}.store")
     scratch = HostStore.laid_out(layout.entries, HostPages(_span(layout.entries)).tensor)
     if tensors is not None:
         for e in scratch.entries:
@@ -104,7 +104,7 @@ def tiered_copy(name: str, module: nn.Module, layout: TensorLayout, store: HostS
     pages = HostPages(store.nbytes)
     copy = HostStore(store.entries, pages.tensor, store.alignment)
     copy.buffer.copy_(store.buffer)
-    backing = SpillBacking(spill_dir / f"{name}-{uuid.uuid4().hex[:8]}.store")
+    backing = SpillBacking(spill_dir / f"{_file_name(name)}-{uuid.uuid4().hex[:8]}.store")
     return Tiered(module, layout, copy, pages, order, backing, filled=True)
 
 
@@ -147,3 +147,8 @@ def _with_dtype(e: TensorEntry, dtype: torch.dtype) -> TensorEntry:
     if not e.dtype.is_floating_point:
         return e
     return TensorEntry(e.key, e.names, e.kind, e.shape, dtype, e.requires_grad, e.offset)
+
+
+def _file_name(model: str) -> str:
+    """A model's name as part of a file name ("org/model" -> "org--model")."""
+    return model.replace("/", "--")

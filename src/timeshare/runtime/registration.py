@@ -25,8 +25,9 @@ def model_spec(name: str, build: Builder, weights, example_inputs, example_kwarg
         raise ConfigError(str(exc)) from None
     if slo_s is not None and not slo_s > 0:
         raise ConfigError(f"slo_s must be positive, got {slo_s!r}")
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ConfigError(f"model name must be a non-empty string without '/', got {name!r}")
+    if not isinstance(name, str) or not all(name.split("/")):
+        raise ConfigError(f"model name must be a non-empty string, '/' only between parts (as 'org/model'), "
+                          f"got {name!r}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     spec = ModelSpec(name, build, weights, example_inputs, dict(example_kwargs or {}), parse_dtype(dtype))

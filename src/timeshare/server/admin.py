@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from timeshare.errors import BadRequest
 from timeshare.server.parsing import describe_validation, load_json
+from timeshare.server.ps import add_ps_route
 from timeshare.server.schemas import RepositoryIndexRequest, TrainingRequest
 from timeshare.server.service import Service
 
@@ -32,6 +33,7 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
     _training_routes(app, service, guard, limit)
     _replica_routes(app, service, guard)
     _status_route(app, service, guard)
+    add_ps_route(app, service, guard)
 
 
 def _guard(service: Service):

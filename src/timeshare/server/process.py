@@ -31,8 +31,10 @@ class ServerProcess:
 
     def __init__(self, config: dict, *, ready_timeout_s: float = 300.0, log_path: Path | None = None):
         self.port = free_port()
-        config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "http_port": self.port,
-                                       "metrics_port": None}}
+        # The demo's and benchmarks' own clients send no API key: a TIMESHARE_API_KEY exported
+        # in the caller's environment must not lock them out (a config's own key still holds).
+        config = {**config, "server": {"api_key_env": None, **config.get("server", {}), "host": "127.0.0.1",
+                                       "http_port": self.port, "metrics_port": None}}
         self._dir = tempfile.TemporaryDirectory(prefix="timeshare-serve-")
         self.config_path = Path(self._dir.name) / "timeshare.yaml"
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -75,6 +75,7 @@ class Service:
         self.on_fatal: Callable[[], None] | None = None  # then called (``serve`` stops the server)
         self._stopping = False
         self._busy_s = 0.0  # device seconds of inference calls
+        self.last_used: dict[str, float] = {}  # model -> when its latest call ended (wall clock; ``timeshare ps``)
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ life
@@ -272,6 +273,7 @@ class Service:
         """Runtime listener (in the calling thread, NOTE in ``runtime/events.py``)."""
         if isinstance(record, CallRecord):
             self._busy_s += record.seconds
+            self.last_used[record.model] = time.time()
         self.metrics.record(record)
 
     # ------------------------------------------------------------------ repository (admin)
