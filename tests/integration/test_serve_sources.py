@@ -127,6 +127,7 @@ def test_serve_a_model_without_a_config_and_see_it_in_ps(places, tmp_path, how):
     assert code == 0
     banner = (tmp_path / "server.log").read_text()
     assert "0 models, 0 training jobs, 1 language models" in banner and name in banner
+    assert f"loading language model 1 of 1: {name}" in banner  # start-up's progress
 
 
 def test_what_cannot_be_served_is_named(places, tmp_path):

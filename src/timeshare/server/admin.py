@@ -80,13 +80,14 @@ def _repository_routes(app: FastAPI, service: Service, guard: list, limit: int) 
             raise _invalid(exc) from None
         return service.index(ready_only=opts.ready)
 
-    @app.post("/v2/repository/models/{model}/load", dependencies=guard, summary="Load a model onto the device")
+    # ``:path``: a language model may be named as a repository id ("org/model").
+    @app.post("/v2/repository/models/{model:path}/load", dependencies=guard, summary="Load a model onto the device")
     async def load(model: str, request: Request):
         await _no_parameters(request, "load", limit)
         await service.load(model)
         return {}
 
-    @app.post("/v2/repository/models/{model}/unload", dependencies=guard,
+    @app.post("/v2/repository/models/{model:path}/unload", dependencies=guard,
               summary="Unload a model: finish its queue, free its device and host memory")
     async def unload(model: str, request: Request):
         await _no_parameters(request, "unload", limit)
@@ -97,12 +98,12 @@ def _repository_routes(app: FastAPI, service: Service, guard: list, limit: int) 
 def _pinning_routes(app: FastAPI, service: Service, guard: list) -> None:
     """Pin a model (loaded now, never evicted) and unpin it."""
 
-    @app.post("/admin/models/{model}/pin", dependencies=guard, summary="Pin: load now, never evict")
+    @app.post("/admin/models/{model:path}/pin", dependencies=guard, summary="Pin: load now, never evict")
     async def pin(model: str):
         await service.pin(model, True)
         return {"name": model, "pinned": True}
 
-    @app.post("/admin/models/{model}/unpin", dependencies=guard, summary="Unpin: evictable again")
+    @app.post("/admin/models/{model:path}/unpin", dependencies=guard, summary="Unpin: evictable again")
     async def unpin(model: str):
         await service.pin(model, False)
         return {"name": model, "pinned": False}

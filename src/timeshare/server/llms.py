@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from timeshare.config import LLMConfig
-from timeshare.errors import LoadFailed, Unavailable, UnknownModelError
+from timeshare.errors import Conflict, LoadFailed, Unavailable, UnknownModelError
 from timeshare.llm import model as lm
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
@@ -91,13 +91,16 @@ class LanguageModels:
         self.warmup = warmup
         self.loaded: dict[str, ServedLLM] = {}
         self.failed: dict[str, ModelFailure] = {}  # NOTE [Permanent and transient failures]
+        self.unloaded: set[str] = set()  # unloaded through the admin plane, until loaded again
+        self.pinned = {c.name for c in configs if c.pinned}  # kept on the device (config or admin plane)
         self._listener = listener
 
     async def start(self, open_model: Callable[[LLMConfig], ServedLLM], call: Callable[..., Awaitable]) -> None:
         """Open every model with ``open_model`` (which profiles its prefill) and, with
         ``warmup``, generate a token with it; a model that fails is unavailable, with the
         reason (permanent or transient), and the others serve."""
-        for cfg in self.configs.values():
+        for i, cfg in enumerate(self.configs.values(), 1):
+            log.info("loading language model %d of %d: %s", i, len(self.configs), cfg.name)  # start-up's progress
             try:
                 model = await call(self._load, open_model, cfg)
             except Exception as exc:
@@ -121,6 +124,8 @@ class LanguageModels:
         model = self.loaded.get(name)
         if model is not None:
             return model
+        if name in self.unloaded:
+            raise LoadFailed(f"model {name!r} was unloaded; load it again (POST /v2/repository/models/{name}/load)")
         failure = self.failed.get(name)
         if failure is not None and failure.permanent:  # no Retry-After: NOTE [Permanent and transient failures]
             raise LoadFailed(f"model {name!r} failed to load and cannot serve until the cause is fixed and the "
@@ -137,6 +142,8 @@ class LanguageModels:
             model = self.loaded.get(name)
             if model is not None:
                 out[name] = LLMState("READY", engine=model.engine.snapshot())
+            elif name in self.unloaded:
+                out[name] = LLMState("UNAVAILABLE", reason="unloaded")
             else:
                 failure = self.failed.get(name)
                 out[name] = LLMState("UNAVAILABLE" if failure else "LOADING",
@@ -146,11 +153,50 @@ class LanguageModels:
     def unready(self) -> dict[str, str]:
         """The language models, not optional, that cannot serve: loading, or why they failed."""
         return {name: self.failed[name].describe() if name in self.failed else "loading"
-                for name, cfg in self.configs.items() if name not in self.loaded and not cfg.optional}
+                for name, cfg in self.configs.items()
+                if name not in self.loaded and name not in self.unloaded and not cfg.optional}
 
     def permanent_failures(self) -> dict[str, str]:
         """The language models, not optional, that failed for good, with the cause."""
         return {name: f.cause for name, f in self.failed.items() if f.permanent and not self.configs[name].optional}
+
+    # ------------------------------------------------------------------ the admin plane
+    async def load(self, name: str, open_model: Callable[[LLMConfig], ServedLLM], call: Callable[..., Awaitable]) \
+            -> None:
+        """Open a configured model that does not serve (unloaded, or failed), as at start-up;
+        a Conflict with the cause if it fails again."""
+        if name in self.loaded:
+            return
+        try:
+            model = await call(self._load, open_model, self.configs[name])
+        except Exception as exc:
+            self.failed[name] = failure_of(exc)
+            raise Conflict(f"language model {name!r} did not load: {exc}") from exc
+        self.failed.pop(name, None)
+        self.unloaded.discard(name)
+        self.loaded[name] = model
+
+    def unload(self, name: str) -> None:
+        """Stop serving ``name``: its generations end with an error, and its weights and
+        caches leave the device and host memory. Readiness no longer waits for it."""
+        model = self.loaded.pop(name, None)
+        self.unloaded.add(name)
+        self.failed.pop(name, None)
+        if model is not None:
+            model.close()  # its engine's generations end with an error; the runtime unregisters it
+
+    def pin(self, name: str, pinned: bool, runtime: Runtime | None) -> None:
+        """Keep ``name`` on the device (loaded now, with a token generated) or let it be
+        evicted again; the model must be serving, in this process's runtime."""
+        model = self.get(name)
+        if runtime is None or not isinstance(runtime, Runtime):
+            raise Conflict("language models are pinned in the server's own runtime, not on a cluster")
+        runtime.pin(name, pinned)
+        if pinned:
+            model.generate(model.encode("pin") or [0], SamplingParams(max_tokens=1, temperature=0)).result(600)
+            self.pinned.add(name)
+        else:
+            self.pinned.discard(name)
 
     def close(self) -> None:
         """Stop generating: queued and running sequences end with an error."""

@@ -49,7 +49,7 @@ def rows(service: Service, now: float | None = None) -> list[ModelRow]:
         llm = snap.llms.get(cfg.name)
         engine = None if llm is None else llm.engine
         out.append(ModelRow(cfg.name, "language model", "LOADING" if llm is None else llm.state,
-                            resident.get(cfg.name), cfg.pinned, ago(cfg.name),
+                            resident.get(cfg.name), cfg.name in service.llms.pinned, ago(cfg.name),
                             0 if engine is None else engine.waiting, 0 if engine is None else engine.running))
     return out
 

@@ -144,7 +144,8 @@ class Service:
                 ep.runner = asyncio.create_task(self.runner.run(ep), name=f"timeshare-queue-{ep.name}")
                 ep.runner.add_done_callback(functools.partial(self._runner_ended, ep))
             # Pinned models last: they are resident when start-up ends, whatever the budget.
-            for ep in sorted(self.endpoints.values(), key=lambda e: e.pinned):
+            for i, ep in enumerate(sorted(self.endpoints.values(), key=lambda e: e.pinned), 1):
+                log.info("loading model %d of %d: %s", i, len(self.endpoints), ep.name)  # start-up's progress
                 async with ep.lock:
                     await self._load(ep)
             if self.config.llms:
@@ -288,6 +289,8 @@ class Service:
 
     async def load(self, name: str) -> None:
         """Register the model if it is not, and bring it onto the device now."""
+        if name in self.llms.configs:  # a language model: opened again as at start-up
+            return await self.llms.load(name, self._open_llm, self._call)
         ep = self.endpoint(name)
         async with ep.lock:
             if ep.state is ModelState.UNAVAILABLE or ep.state is ModelState.LOADING:
@@ -300,6 +303,8 @@ class Service:
     async def unload(self, name: str) -> None:
         """Refuse new requests, finish the queued ones, then unregister the model: its
         device memory and its host copy are freed."""
+        if name in self.llms.configs:
+            return await self._call(self.llms.unload, name)
         ep = self.endpoint(name)
         async with ep.lock:
             if ep.retry is not None:  # unloaded on purpose: no load after a back-off, no failure to report
@@ -328,6 +333,8 @@ class Service:
 
     async def pin(self, name: str, pinned: bool) -> None:
         """A pinned model is loaded now and never evicted; readiness waits for it."""
+        if name in self.llms.configs:
+            return await self._call(self.llms.pin, name, pinned, self.runtime)
         ep = self.endpoint(name)
         if not pinned:
             ep.pinned = False
