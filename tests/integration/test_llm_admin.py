@@ -67,3 +67,26 @@ def test_pin_unload_and_load_a_language_model(server):
 def test_admin_actions_on_an_unknown_language_model_are_404(server):
     assert httpx.post(f"{server.url}/admin/models/acme/nope/pin", timeout=30).status_code == 404
     assert httpx.post(f"{server.url}/v2/repository/models/acme/nope/unload", timeout=30).status_code == 404
+
+
+def test_a_language_model_is_added_at_run_time_from_a_directory(server, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    path = hfdir.write_model_dir(tmp_path / "extra", "llama", seed=9, hidden=64, layers=2)
+    r = httpx.post(f"{server.url}/admin/models", json={"model": str(path), "name": "acme/extra"}, timeout=300)
+    assert r.status_code == 201, r.text
+    assert r.json() == {"name": "acme/extra", "kind": "language model", "path": str(path.resolve())}
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([tok("admin plane", add_special_tokens=False)["input_ids"]])
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids),
+                          pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    assert _text(server, "acme/extra") == tok.decode(want, skip_special_tokens=True)
+    assert _ps(server)["acme/extra"]["state"] == "READY"
+    again = httpx.post(f"{server.url}/admin/models", json={"model": str(path), "name": "acme/extra"}, timeout=60)
+    assert again.status_code == 409 and "served already" in again.text
+    missing = httpx.post(f"{server.url}/admin/models", json={"model": str(tmp_path / "absent")}, timeout=60)
+    assert missing.status_code == 400 and "neither a file, a directory nor a repository" in missing.text
+    bad = httpx.post(f"{server.url}/admin/models", json={"path": str(path)}, timeout=60)
+    assert bad.status_code == 400 and "unknown fields: ['path']" in bad.text

@@ -29,7 +29,7 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
     # through, and parsed on the event loop: larger ones are refused (413).
     limit = int(service.config.server.parse_in_process_bytes)
     _repository_routes(app, service, guard, limit)
-    _pinning_routes(app, service, guard)
+    _pinning_routes(app, service, guard, limit)
     _training_routes(app, service, guard, limit)
     _replica_routes(app, service, guard)
     _status_route(app, service, guard)
@@ -95,8 +95,20 @@ def _repository_routes(app: FastAPI, service: Service, guard: list, limit: int) 
         return {}
 
 
-def _pinning_routes(app: FastAPI, service: Service, guard: list) -> None:
-    """Pin a model (loaded now, never evicted) and unpin it."""
+def _pinning_routes(app: FastAPI, service: Service, guard: list, limit: int) -> None:
+    """Add a language model at run time; pin a model (loaded now, never evicted) and unpin it."""
+
+    @app.post("/admin/models", dependencies=guard, status_code=201,
+              summary='Serve a language model from now on: {"model": a directory or org/model, "name": optional}')
+    async def add_model(request: Request):
+        body = await _optional_json(request, limit)
+        source, name = body.get("model"), body.get("name")
+        unknown = sorted(set(body) - {"model", "name"})
+        if not isinstance(source, str) or not source or (name is not None and not isinstance(name, str)) or unknown:
+            raise BadRequest('the body must be {"model": "a Hugging Face directory or org/model in the local '
+                             'cache", "name": "optional"}' + (f"; unknown fields: {unknown}" if unknown else ""))
+        cfg = await service.add_llm(source, name)
+        return {"name": cfg.name, "kind": "language model", "path": cfg.path}
 
     @app.post("/admin/models/{model:path}/pin", dependencies=guard, summary="Pin: load now, never evict")
     async def pin(model: str):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from timeshare.config import LLMConfig
-from timeshare.errors import Conflict, LoadFailed, Unavailable, UnknownModelError
+from timeshare.config.sources import section
+from timeshare.errors import ConfigError, Conflict, LoadFailed, Unavailable, UnknownModelError
 from timeshare.llm import model as lm
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
@@ -175,6 +176,27 @@ class LanguageModels:
         self.failed.pop(name, None)
         self.unloaded.discard(name)
         self.loaded[name] = model
+
+    async def add(self, source: str, name: str | None, open_model: Callable[[LLMConfig], ServedLLM],
+                  call: Callable[..., Awaitable]) -> LLMConfig:
+        """Serve from now on the language model ``source`` names (a Hugging Face directory,
+        or a repository id in the local Hugging Face cache, as ``timeshare serve MODEL``),
+        as ``name``; a ConfigError says what ``source`` is not, a Conflict why it did not
+        load (and it is not kept)."""
+        cfg = await call(section, source, name=name)
+        if not isinstance(cfg, LLMConfig):
+            raise ConfigError(f"{source}: only language models can be added at run time; a weights file goes "
+                              "in the config")
+        if cfg.name in self.configs:
+            raise Conflict(f"a language model named {cfg.name!r} is served already; give another name")
+        self.configs[cfg.name] = cfg
+        try:
+            await self.load(cfg.name, open_model, call)
+        except BaseException:
+            del self.configs[cfg.name]
+            self.failed.pop(cfg.name, None)
+            raise
+        return cfg
 
     def unload(self, name: str) -> None:
         """Stop serving ``name``: its generations end with an error, and its weights and

@@ -45,7 +45,7 @@ def rows(service: Service, now: float | None = None) -> list[ModelRow]:
     out = [ModelRow(ep.name, "model", ep.state.value, resident.get(ep.name), ep.pinned, ago(ep.name),
                     snap.queue_depth.get(ep.name, 0), 0)
            for ep in service.endpoints.values()]
-    for cfg in service.config.llms:
+    for cfg in list(service.llms.configs.values()):
         llm = snap.llms.get(cfg.name)
         engine = None if llm is None else llm.engine
         out.append(ModelRow(cfg.name, "language model", "LOADING" if llm is None else llm.state,

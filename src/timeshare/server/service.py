@@ -331,6 +331,10 @@ class Service:
             ep.state, ep.reason = ModelState.UNAVAILABLE, "unloaded"
             ep.wake.set()
 
+    async def add_llm(self, source: str, name: str | None = None) -> LLMConfig:
+        """Serve a language model from now on, from a directory or a cached repository id."""
+        return await self.llms.add(source, name, self._open_llm, self._call)
+
     async def pin(self, name: str, pinned: bool) -> None:
         """A pinned model is loaded now and never evicted; readiness waits for it."""
         if name in self.llms.configs:
