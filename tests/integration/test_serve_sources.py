@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from timeshare.config.sources import from_cache, section
-from timeshare.config.workloads import LLMConfig
+from timeshare.config.workloads import LLMConfig, ModelConfig
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 
@@ -135,11 +135,11 @@ def test_what_cannot_be_served_is_named(places, tmp_path):
     with pytest.raises(ConfigError, match="neither a file, a directory nor a repository"):
         section("acme/absent", cache=cache)
     assert from_cache("acme/absent", cache) is None
-    encoder = tmp_path / "bert"
-    encoder.mkdir()
-    (encoder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
-    with pytest.raises(ConfigError, match="BertModel is not served from a directory yet"):
-        section(str(encoder))
+    encoder = hfdir.write_model_dir(tmp_path / "bert", "bert", seed=1)
+    got = section(str(encoder))  # an encoder: the Open Inference Protocol (and /v1/embeddings)
+    assert isinstance(got, ModelConfig) and got.path == str(encoder.resolve()) and got.name == "bert"
+    assert [i.name for i in got.inputs or []] == ["input_ids", "attention_mask"]
+    assert section(str(encoder), name="acme--bert").name == "acme--bert"
     weights = tmp_path / "w.safetensors"
     weights.write_bytes(b"")
     with pytest.raises(ConfigError, match="needs --build"):

@@ -1,8 +1,9 @@
 """What ``timeshare serve MODEL ...`` names, made into config sections: a Hugging Face
 model directory, a repository id found in the local Hugging Face cache (read offline, in
 the cache's own layout: nothing is downloaded), or a safetensors file with a builder.
-A causal language model becomes an ``llms`` entry (the OpenAI-compatible API); a weights
-file with ``--build`` a ``models`` entry (the Open Inference Protocol). Runs in the CLI's
+A causal language model becomes an ``llms`` entry (the OpenAI-compatible API); an encoder
+or a classifier, or a weights file with ``--build``, a ``models`` entry (the Open Inference
+Protocol; an encoder also answers ``/v1/embeddings``). Runs in the CLI's
 process, before the server starts.
 """
 
@@ -116,6 +117,6 @@ def section(arg: str, *, name: str | None = None, build: str | None = None, inpu
     arch = architecture(found.path)
     if arch.endswith(_CAUSAL):
         return LLMConfig(name=served, path=str(found.path))
-    raise ConfigError(f"{arg}: {arch} is not served from a directory yet: only causal language models "
-                      f"(an architecture ending in {' or '.join(_CAUSAL)}); serve it with a YAML `models` "
-                      "entry and a builder")
+    # An encoder or a classifier: the Open Inference Protocol, whose routes name it in the
+    # URL path, so a repository id's '/' becomes '--'.
+    return ModelConfig(name=name or served.replace("/", "--"), path=str(found.path))

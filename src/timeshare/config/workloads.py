@@ -35,13 +35,19 @@ class TensorSpec(Strict):
 
 
 class ModelConfig(Strict):
-    """A model to serve: from the zoo (``zoo``) or from code (``build``)."""
+    """A model to serve: from the zoo (``zoo``), from code (``build``) or from a Hugging Face
+    directory (``path``)."""
 
     name: str
     zoo: str | None = None
     """A zoo model's name (``timeshare models`` lists them); its inputs and seeded weights come with it."""
     build: str | None = None
     """"module:function" returning an nn.Module (needs ``inputs``)."""
+    path: str | None = None
+    """A Hugging Face directory of an encoder or a classifier (its config.json names a
+    transformers class, e.g. BertModel): built from its config, its weights from its
+    safetensors shards; inputs ``input_ids`` and ``attention_mask`` (INT64, [-1, -1])
+    unless given. An encoder also answers ``/v1/embeddings``."""
     weights: str | None = None
     """A safetensors file (default: the zoo's seeded weights; the module's own values for ``build``)."""
     inputs: list[TensorSpec] | None = None
@@ -72,10 +78,24 @@ class ModelConfig(Strict):
     def _valid_name(cls, v):
         return valid_name(v, "model name")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _directory_inputs(cls, data):
+        """A directory's model takes token ids and a mask, bounded by its vocabulary."""
+        if isinstance(data, dict) and data.get("path") is not None and data.get("inputs") is None:
+            vocab = _vocabulary(Path(data["path"]))
+            data = {**data, "inputs": [
+                {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1], "min": 0, "max": vocab - 1},
+                {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1], "min": 1, "max": 1}]}
+        return data
+
     @model_validator(mode="after")
     def _source(self):
-        if (self.zoo is None) == (self.build is None):
-            raise ValueError("give exactly one of 'zoo' (a zoo model) or 'build' ('module:function')")
+        if sum(x is not None for x in (self.zoo, self.build, self.path)) != 1:
+            raise ValueError("give exactly one of 'zoo' (a zoo model), 'build' ('module:function') or 'path' (a "
+                             "Hugging Face directory)")
+        if self.path is not None and self.weights is not None:
+            raise ValueError("a model given by 'path' takes its weights from the directory: no 'weights'")
         if self.zoo is not None:
             from timeshare.models.zoo import ZOO
 
@@ -169,3 +189,16 @@ class LLMConfig(Strict):
         if not (Path(v) / "config.json").is_file():
             raise ValueError(f"{v!r} is not a model directory (no config.json)")
         return v
+
+
+def _vocabulary(directory: Path) -> int:
+    """The vocabulary size a Hugging Face directory's config.json gives."""
+    import json
+
+    try:
+        vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{directory} is not a Hugging Face model directory with a vocab_size ({exc})") from None
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"{directory}/config.json: vocab_size must be a positive integer, got {vocab!r}")
+    return vocab

@@ -19,7 +19,7 @@ from torch import nn
 from timeshare.errors import ConfigError, WeightsError
 from timeshare.seeding import seeded
 
-ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2", "bert")  # "bert": an encoder (``BertModel``)
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
@@ -33,7 +33,7 @@ def write_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0, hid
     """A model directory at ``path`` for a tiny ``arch`` model: seeded weights saved in
     safetensors shards of at most ``max_shard_size``, a tokenizer of about ``vocab``
     tokens, a chat template. Returns the path."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     if arch not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {arch!r}; known: {list(ARCHITECTURES)}")
@@ -43,7 +43,7 @@ def write_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0, hid
     config = _config(arch, len(tokenizer), hidden, layers, heads, max_positions,
                      (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id))
     with seeded(seed):  # the caller's random state left alone (NOTE [One random state per process])
-        model = AutoModelForCausalLM.from_config(config)
+        model = (AutoModel if arch == "bert" else AutoModelForCausalLM).from_config(config)
     model.eval().save_pretrained(path, max_shard_size=max_shard_size)
     return path
 
@@ -52,9 +52,12 @@ def _config(arch: str, vocab: int, hidden: int, layers: int, heads: int, max_pos
             tokens: tuple[int, int, int]):
     """The ``transformers`` config of a tiny ``arch`` model; ``tokens``: its bos, eos and
     pad token ids (the tokenizer's)."""
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import BertConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     bos, eos, pad = tokens
+    if arch == "bert":
+        return BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                          intermediate_size=2 * hidden, max_position_embeddings=max_positions, pad_token_id=pad)
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions,
                           bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
@@ -94,6 +97,21 @@ def build_causal_lm(path: str) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def build_module(path: str) -> nn.Module:
+    """The model of the directory ``path`` as the class its config.json names (an encoder
+    such as ``BertModel``, a classifier such as ``BertForSequenceClassification``), built
+    from its config in eval mode. Top-level, so that worker processes can rebuild it."""
+    import transformers
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise ConfigError(f"{path}: its config names no model class transformers has ({names})")
+    return cls(config).eval()
 
 
 def shard_files(path: str | Path) -> list[Path]:

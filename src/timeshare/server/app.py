@@ -31,6 +31,7 @@ from timeshare import __version__
 from timeshare.errors import BadRequest, TimeshareError, UnknownModelError
 from timeshare.server.admin import add_admin_plane
 from timeshare.server.auth import ApiKey, Unauthorized, key_dependencies
+from timeshare.server.embeddings import add_embeddings
 from timeshare.server.hops import RequestTimes
 from timeshare.server.openai import add_openai_api, openai_error
 from timeshare.server.parsing import HEADER_LENGTH, describe_validation
@@ -69,6 +70,7 @@ def create_app(service: Service, *, start: bool = True) -> FastAPI:
     _data_plane(app, service, key)
     add_admin_plane(app, service)
     add_openai_api(app, service, key)
+    add_embeddings(app, service, key_dependencies(key))
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:

@@ -102,8 +102,9 @@ def _check_model(cfg: ModelConfig, budget: int | None) -> str:
     what = f"{len(layout.entries)} tensors, {format_bytes(nbytes)}"
     if weights is None:
         return f"{what}, the module's own values (no weights file)"
-    _match(layout, [weights])
-    return f"{what}, matching {weights}"
+    files = weights if isinstance(weights, list) else [weights]  # a directory's shards, or one file
+    _match(layout, files)
+    return f"{what}, matching {', '.join(str(f) for f in files)}"
 
 
 def _check_llm(cfg: LLMConfig, budget: int | None) -> str:

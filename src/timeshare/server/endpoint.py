@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import math
 import time
 from collections import deque
@@ -21,6 +22,7 @@ import torch
 from timeshare.config import ModelConfig, TensorSpec
 from timeshare.dtypes import TORCH_DTYPES, parse_dtype
 from timeshare.errors import BadRequest, LoadFailed, Unavailable
+from timeshare.llm import hfdir
 from timeshare.models.spec import Builder
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
@@ -222,12 +224,14 @@ class Endpoint:
         }
 
 
-def model_source(cfg: ModelConfig) -> tuple[Builder, str | Path | None]:
-    """How to build a configured model, and its weights file (None: the module's own
-    values); a zoo model's seeded weights are generated on first use."""
+def model_source(cfg: ModelConfig) -> tuple[Builder, str | Path | list[Path] | None]:
+    """How to build a configured model, and its weights file or shards (None: the module's
+    own values); a zoo model's seeded weights are generated on first use."""
     if cfg.zoo is not None:
         return zoo_get(cfg.zoo).builder, cfg.weights or weights_path(cfg.zoo)
-    assert cfg.build is not None, "ModelConfig._source: exactly one of zoo and build"
+    if cfg.path is not None:  # a Hugging Face directory: its class, its shards
+        return functools.partial(hfdir.build_module, cfg.path), hfdir.shard_files(cfg.path)
+    assert cfg.build is not None, "ModelConfig._source: exactly one of zoo, build and path"
     return cfg.build, cfg.weights
 
 

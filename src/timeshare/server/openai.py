@@ -67,7 +67,7 @@ class _Sampling(BaseModel):
         """The request's sampling parameters; a refused value is 400 naming its field."""
         self._refuse_unsupported()
         if self.stream_options is not None and not self.stream:  # as OpenAI answers it
-            raise _Invalid("stream_options is only allowed when stream is true", "stream_options")
+            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(max_tokens=max_tokens,
@@ -75,7 +75,7 @@ class _Sampling(BaseModel):
                                   top_p=1.0 if self.top_p is None else self.top_p, top_k=max(0, self.top_k or 0),
                                   seed=self.seed, stop=stop)
         except ConfigError as exc:  # the message begins with the field's name
-            raise _Invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+            raise InvalidRequest(str(exc), str(exc).split(" ", 1)[0]) from None
 
     def _refuse_unsupported(self) -> None:
         """400 for the first field of ``UNSUPPORTED`` that asks for something."""
@@ -88,7 +88,7 @@ class _Sampling(BaseModel):
             shown = isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 40)
             asked = f"{name}={json.dumps(value)}" if shown else name
             only = " or ".join(f"{name}={json.dumps(v)}" for v in neutral)
-            raise _Invalid(f"{asked} is not supported by this server (only {only}, or null)", name)
+            raise InvalidRequest(f"{asked} is not supported by this server (only {only}, or null)", name)
 
     @property
     def include_usage(self) -> bool:
@@ -132,7 +132,7 @@ def openai_error(status: int, message: str, *, code: str | None = None, param: s
     return JSONResponse(json.loads(json.dumps(body, ensure_ascii=True)), status_code=status, headers=headers)
 
 
-class _Invalid(Exception):
+class InvalidRequest(Exception):
     """A request that fails validation: its message and the field at fault."""
 
     def __init__(self, message: str, param: str | None, code: str | None = None):
@@ -140,14 +140,14 @@ class _Invalid(Exception):
         self.param, self.code = param, code
 
 
-def _parse(cls: type[BaseModel], body: Any) -> Any:
+def parse_request(cls: type[BaseModel], body: Any) -> Any:
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         msg = first["msg"].removeprefix("Value error, ")  # pydantic's prefix of a validator's own message
-        raise _Invalid(f"{param}: {msg}" if param else msg, param) from None
+        raise InvalidRequest(f"{param}: {msg}" if param else msg, param) from None
 
 
 # ---------------------------------------------------------------------- the routes
@@ -168,36 +168,36 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
     @app.post("/v1/completions", dependencies=keyed, summary="Complete prompts (OpenAI)")
     async def completions(request: Request):
         try:
-            req: CompletionRequest = _parse(CompletionRequest, await _body(request))
+            req: CompletionRequest = parse_request(CompletionRequest, await read_body(request))
             model = llms.get(req.model)
             prompts = _prompts(req.prompt, model)
             params = req.sampling(req.max_tokens or 16)
-        except _Invalid as exc:
+        except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
         return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s)
 
     @app.post("/v1/chat/completions", dependencies=keyed, summary="Answer a chat (OpenAI)")
     async def chat_completions(request: Request):
         try:
-            req: ChatRequest = _parse(ChatRequest, await _body(request))
+            req: ChatRequest = parse_request(ChatRequest, await read_body(request))
             model = llms.get(req.model)
             try:
                 prompt = model.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
             except ConfigError as exc:
-                raise _Invalid(str(exc), "messages") from None
+                raise InvalidRequest(str(exc), "messages") from None
             limit = req.max_completion_tokens or req.max_tokens or max(1, model.max_context - len(prompt))
             params = req.sampling(limit)
-        except _Invalid as exc:
+        except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
         return await _answer(request, model, [prompt], params, req, chat=True, timeout_s=timeout_s)
 
 
-async def _body(request: Request) -> Any:
+async def read_body(request: Request) -> Any:
     raw = await request.body()
     try:
         return json.loads(raw)
     except ValueError as exc:
-        raise _Invalid(f"the body is not JSON ({exc})", None) from None
+        raise InvalidRequest(f"the body is not JSON ({exc})", None) from None
 
 
 def _model_card(model: ServedLLM) -> dict:
@@ -211,7 +211,7 @@ def _prompts(prompt, model: ServedLLM) -> list[list[int]]:
     if isinstance(prompt, str):
         return [model.encode(prompt)]
     if not prompt:
-        raise _Invalid("prompt is empty", "prompt")
+        raise InvalidRequest("prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return [model.encode(p) if isinstance(p, str) else list(p) for p in prompt]
