@@ -130,3 +130,16 @@ def test_a_task_makes_the_record_only_for_a_segment_that_has_none():
     own = segments.preempt(now, for_model="bert")  # a stop no scheduler decided: the task records it
     assert own is not None and (own.job, own.model) == ("other", "bert")
     assert segments.switches == [decided, own] and len(worker.posted) == 2
+
+
+def test_a_job_keeps_the_home_chosen_for_it_while_its_first_segment_waits():
+    """A job whose first segment could not start asks for a home again: it keeps the one
+    it was given, so two jobs never end up sharing a home that had room for each."""
+    segments = Segments()
+    workers = [_Worker(id=i) for i in range(3)]  # the first stays free for inference
+    a = segments.new_home("a", workers)  # type: ignore[arg-type]
+    b = segments.new_home("b", workers)  # type: ignore[arg-type]
+    assert a is not b and workers[0] not in (a, b)
+    for _ in range(3):  # their first segments retry
+        assert segments.new_home("b", workers) is b  # type: ignore[arg-type]
+        assert segments.new_home("a", workers) is a  # type: ignore[arg-type]

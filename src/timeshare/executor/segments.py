@@ -225,10 +225,14 @@ class Segments:
         """Choose the job's home among ``workers``: the least used, never the first."""
         if len(workers) < 2:
             raise WorkerError("training with workers needs at least 2 workers (one stays free for inference)")
+        kept = self._homes.get(job)
+        if kept is not None and kept in workers[1:]:
+            return kept  # chosen when its first segment could not start yet: it stays, or jobs would swap homes
         # Not the first worker: inference goes there while the job runs.
         counts = {id(w): 0 for w in workers}
-        for h in self._homes.values():
-            counts[id(h)] = counts.get(id(h), 0) + 1
+        for other, h in self._homes.items():
+            if other != job:
+                counts[id(h)] = counts.get(id(h), 0) + 1
         home = min(workers[1:], key=lambda w: counts[id(w)])
         self._homes[job] = home
         self._lost.pop(job, None)
