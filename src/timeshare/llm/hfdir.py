@@ -19,7 +19,8 @@ from torch import nn
 from timeshare.errors import ConfigError, WeightsError
 from timeshare.seeding import seeded
 
-ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2", "bert")  # "bert": an encoder (``BertModel``)
+ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")  # decoder-only language models
+ENCODERS = ("bert",)  # ``BertModel``: served through the Open Inference Protocol and /v1/embeddings
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
@@ -35,8 +36,8 @@ def write_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0, hid
     tokens, a chat template. Returns the path."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"unknown architecture {arch!r}; known: {list(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES + ENCODERS:
+        raise ConfigError(f"unknown architecture {arch!r}; known: {list(ARCHITECTURES + ENCODERS)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _write_tokenizer(path, vocab, seed)
