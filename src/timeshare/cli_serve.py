@@ -213,7 +213,11 @@ def _serve(args, console) -> int:
     if args.exit_on_error:
         config = config.model_copy(update={"server": config.server.model_copy(update={"exit_on_error": True})})
     if args.check:
-        console.print(yaml.safe_dump(config.model_dump(), sort_keys=False), markup=False, highlight=False, end="")
+        shown = config.model_dump()
+        for section, key in (("server", "api_key"), ("admin", "token")):  # a secret is not printed
+            if shown[section].get(key) is not None:
+                shown[section][key] = "(set, not shown)"
+        console.print(yaml.safe_dump(shown, sort_keys=False), markup=False, highlight=False, end="")
         return _check(config)
     import logging
 

@@ -20,6 +20,16 @@ def test_serve_check_prints_the_validated_config(tmp_path, capsys):
     assert checked["models"][0]["max_batch"] == 8
 
 
+def test_serve_check_does_not_print_secrets(tmp_path, capsys):
+    path = tmp_path / "secret.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "m", "zoo": "tiny_mlp"}], "admin": {"token": "admin-t0ken"}}))
+    assert cli.main(["serve", "--config", str(path), "--api-key", "k3y-value", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "k3y-value" not in out and "admin-t0ken" not in out
+    checked = yaml.safe_load(out)
+    assert checked["server"]["api_key"] == checked["admin"]["token"] == "(set, not shown)"
+
+
 @pytest.mark.parametrize("text, words", [
     ("runtime:\n  memroy: 4GiB\n", "runtime.memroy: unknown field"),
     ("models:\n  - name: a\n    zoo: resnet\n", "unknown zoo model 'resnet'"),
