@@ -178,18 +178,12 @@ class RuntimeOptions(Strict):
             raise ValueError(f"{info.field_name} must be positive, got {value}")
         return value
 
-    @field_validator("copy_delay_s")
+    @field_validator("copy_delay_s", "task_deadline_factor")
     @classmethod
-    def _not_negative(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError(f"copy_delay_s must not be negative, got {value}")
-        return value
-
-    @field_validator("task_deadline_factor")
-    @classmethod
-    def _factor(cls, value: float) -> float:
-        if value < 1:
-            raise ValueError(f"task_deadline_factor must be at least 1, got {value}")
+    def _at_least(cls, value: float, info) -> float:
+        low, words = (0, "must not be negative") if info.field_name == "copy_delay_s" else (1, "must be at least 1")
+        if value < low:
+            raise ValueError(f"{info.field_name} {words}, got {value}")
         return value
 
     @field_validator("scheduling", mode="before")

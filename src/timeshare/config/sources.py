@@ -44,8 +44,12 @@ def from_cache(repo_id: str, cache: Path | None = None) -> Path | None:
     """The snapshot directory of ``repo_id`` in the local cache (its ``main`` revision),
     None if the cache does not hold it. Offline: huggingface_hub reads the cache's layout
     and never asks the network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise ConfigError(f"{repo_id!r}: reading the Hugging Face cache needs huggingface_hub "
+                          "(pip install 'timeshare[llm]'), or give the model's directory") from None
 
     try:
         return Path(snapshot_download(repo_id, cache_dir=str(cache or hf_cache_dir()), local_files_only=True))
