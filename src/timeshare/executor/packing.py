@@ -73,7 +73,8 @@ def build_tiered(spec: ModelSpec, spill_dir: Path) -> Tiered:
         files = [spec.weights] if isinstance(spec.weights, (str, os.PathLike)) else spec.weights
         index = SafetensorsIndex.read_many(files)  # type: ignore[arg-type]
         sources, kept, tied = match_file(layout, index, current)
-        layout.entries = [_with_dtype(e, spec.dtype) if spec.dtype is not None else e for e in layout.entries]
+        if spec.dtype is not None:
+            _cast(layout, spec.dtype)
         kept = {k: v.to(_entry(layout, k).dtype) for k, v in kept.items()}
         backing = FileBacking(index, sources, kept, tied)
         tensors = None
@@ -120,7 +121,7 @@ def _build(spec: ModelSpec) -> tuple[nn.Module, TensorLayout]:
 def _converted(spec: ModelSpec, layout: TensorLayout, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if spec.dtype is None:
         return tensors
-    layout.entries = [_with_dtype(e, spec.dtype) for e in layout.entries]
+    _cast(layout, spec.dtype)
     return {e.key: tensors[e.key].to(e.dtype) for e in layout.entries}
 
 
@@ -141,6 +142,14 @@ def trace_on_host(module: nn.Module, layout: TensorLayout, store: HostStore, spe
     with torch.no_grad():
         order, _ = trace_execution_order(module, args, kwargs, spans, owners_of(layout))
     return order
+
+
+def _cast(layout: TensorLayout, dtype: torch.dtype) -> None:
+    """The layout's floating tensors in ``dtype``, but for buffers outside the state dict:
+    constants a model computes for itself (a rotary table's inverse frequencies, kept in
+    float32 by transformers, as its ``from_pretrained`` leaves them) keep their dtype, so
+    that a model registered in bfloat16 computes what ``transformers`` computes."""
+    layout.entries = [_with_dtype(e, dtype) if layout.persistent.get(e.key, True) else e for e in layout.entries]
 
 
 def _with_dtype(e: TensorEntry, dtype: torch.dtype) -> TensorEntry:
