@@ -302,7 +302,7 @@ def test_a_cancelled_sequence_is_freed_and_the_others_carry_on(llama, reference)
         deadline = time.monotonic() + 10
         while m.engine.snapshot().kv_bytes and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert replace(m.engine.snapshot(), steps=0, turns=0) == EngineSnapshot(
+        assert replace(m.engine.snapshot(), steps=0, turns=0, eager_steps=0) == EngineSnapshot(
             running=0, waiting=0, kv_bytes=0, kv_host_bytes=0, kv_offloads=0, steps=0, turns=0,
             max_sequences=8, max_context=256)
         m.close()
@@ -385,9 +385,10 @@ def test_under_a_host_budget_the_shards_are_read_only_when_needed_and_again_afte
 
 
 def test_a_fault_choosing_one_sequences_token_fails_that_sequence_alone(llama, reference, monkeypatch):
-    from timeshare.llm import engine
+    # Tokens are chosen on the host for a batch in a worker (in-process, on the device, for the batch at once).
+    from timeshare.llm import caches
 
-    real = engine.next_token
+    real = caches.next_token
     calls: dict[int, int] = {}
 
     def flaky(logits, params, generator):
@@ -396,8 +397,8 @@ def test_a_fault_choosing_one_sequences_token_fails_that_sequence_alone(llama, r
             raise RuntimeError("sampling broke")
         return real(logits, params, generator)
 
-    monkeypatch.setattr(engine, "next_token", flaky)
-    with Runtime("cpu", "64MiB") as rt:
+    monkeypatch.setattr(caches, "next_token", flaky)
+    with Runtime("cpu", "64MiB", workers=1) as rt:
         m = lm.load(rt, "llama", llama)
         with rt.hold_device():  # both queued first, so that they decode in one batch
             bad = m.generate(m.encode(PROMPTS[1]), SamplingParams(max_tokens=30, temperature=0.7, seed=666))

@@ -1,7 +1,7 @@
 """Where a language model's decode batch lives, as the engine sees it: in this process
-(``LocalCaches``, an in-process runtime) or in the model's home worker (``RemoteCaches``,
+(``PagedCaches``, an in-process runtime) or in the model's home worker (``RemoteCaches``,
 ``Runtime(workers=N)``). Both prefill a sequence into the batch, decode a step of every
-row, and drop rows; the engine (``engine.py``) does not know which it has. Runs in the
+row (each returns the next tokens), and drop rows; the engine (``engine.py``) does not know which it has. Runs in the
 controller.
 
 # NOTE [Generation in worker processes]
@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
 
 import torch
 
-from timeshare.errors import BatchLostError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.errors import BatchLostError, GenerationError, WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.llm.sampling import next_token
+from timeshare.llm.sequence import Sequence
 from timeshare.protocol import KVStep
 from timeshare.runtime.facade import ModelTurn, Runtime
-from timeshare.worker.batch import KV, DecodeBatch, decode, prefill
+from timeshare.worker.decoding import DecodeCounts, DecodeRunner, Draw
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
@@ -49,54 +50,75 @@ class CachesLostError(WorkerError):
     """The worker that kept a batch's caches failed: every row in it is lost."""
 
 
-class LocalCaches:
-    """The batch in this process: each step is a runtime call of the model."""
+class PagedCaches:
+    """The batch in this process, on paged caches (``worker/decoding.py``): each step is
+    a runtime call of the model that runs the runner's step (NOTE [Decode graphs]), the
+    next tokens chosen on the device."""
 
-    def __init__(self, new_cache: Callable[[KV], object]):
-        self.batch = DecodeBatch()
-        self._new_cache = new_cache
-        self._device: torch.device | None = None  # while the caches are in host memory: where they go back
+    def __init__(self, runner: DecodeRunner):
+        self.runner = runner
+        self._saved: tuple[torch.Tensor, list[int]] | None = None  # the caches while in host memory
 
     @property
     def out(self) -> bool:
         """Whether the caches are in host memory (NOTE [Key/value caches off the device])."""
-        return self._device is not None
+        return self._saved is not None
 
     def move_out(self) -> int:
         """Move the caches to host memory (page-locked on CUDA); the bytes moved."""
-        kv = self.batch.kv
-        if not kv or self._device is not None:  # none, or out already
+        if self._saved is not None or not len(self.runner):
             return 0
-        self._device = kv[0][0].device
-        return self.batch.to_host()
+        nbytes = self.runner.nbytes
+        self._saved = self.runner.move_out()
+        return nbytes if self._saved is not None else 0
 
     def move_back(self) -> None:
-        """The caches back where the model computes, bit for bit."""
-        if self._device is None:
+        """The caches back in pages of the pool, bit for bit."""
+        if self._saved is None:
             return
-        device, self._device = self._device, None
-        self.batch.to_device(device)
+        saved, self._saved = self._saved, None
+        self.runner.move_in(saved)
 
     @property
     def nbytes(self) -> int:
-        return self.batch.nbytes
+        return 0 if self._saved is not None else self.runner.nbytes
 
-    def prefill(self, turn: ModelTurn, prompt: list[int]) -> torch.Tensor:
-        return prefill(self.batch, lambda a, k: turn.call(a, k).output, prompt, torch.device("cpu"))
+    @property
+    def counts(self) -> DecodeCounts:
+        return self.runner.counts
 
-    def decode(self, turn: ModelTurn, tokens: list[int]) -> torch.Tensor:
-        return decode(self.batch, lambda a, k: turn.call(a, k).output, tokens, self._new_cache)
+    def prefill(self, turn: ModelTurn, seq: Sequence) -> int:
+        step = self.runner.prefill(seq.prompt, draw([seq]))
+        return int(turn.call((), {"paged": step}).output[0])
+
+    def decode(self, turn: ModelTurn, seqs: list[Sequence]) -> list[int | Exception]:
+        step = self.runner.decode([s.tokens[-1] for s in seqs], draw(seqs))
+        return [int(t) for t in turn.call((), {"paged": step}).output.tolist()]
+
+    def capture(self, turn: ModelTurn) -> int:
+        """Capture the decode graphs if they are wanted (the model resident and idle)."""
+        if not self.runner.wants_capture:
+            return 0
+        return int(turn.call((), {"paged": self.runner.capture()}).output)
 
     def keep(self, rows: list[int]) -> None:
-        self.batch.keep(rows)
+        if self._saved is not None and len(rows) != len(self.runner):
+            self.move_back()  # rows leave while the caches are out: back first, then cut
+        self.runner.keep(rows)
 
     def reset(self) -> None:
-        self.batch = DecodeBatch()
-        self._device = None
+        self._saved = None
+        self.runner.clear()
 
     def clear(self) -> None:
         """Every row is gone: so is the batch."""
         self.reset()
+
+
+def draw(seqs: list[Sequence]) -> Draw:
+    """How each sequence chooses its next token (its params, its seed, its token's index)."""
+    return Draw(tuple(s.params.temperature for s in seqs), tuple(s.params.top_k for s in seqs),
+                tuple(s.params.top_p for s in seqs), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs))
 
 
 class RemoteCaches:
@@ -114,6 +136,11 @@ class RemoteCaches:
     def rows(self) -> int:
         return len(self._rows)
 
+    @property
+    def counts(self) -> DecodeCounts:
+        """A worker's batch decodes eagerly; its steps are not counted here."""
+        return DecodeCounts()
+
     def move_out(self) -> int:
         """Ask the home to move the caches to its host memory; the bytes moved. They
         come back there, before the next step."""
@@ -130,10 +157,10 @@ class RemoteCaches:
     def move_back(self) -> None:
         self.out = False  # the home brings them back itself with the next step
 
-    def prefill(self, turn: ModelTurn, prompt: list[int]) -> torch.Tensor:
+    def prefill(self, turn: ModelTurn, seq: Sequence) -> int:
         row = next(self._row_ids)
         try:
-            logits = self._step(turn, "prefill", prompt, row)
+            logits = self._step(turn, "prefill", seq.prompt, row)
         except CachesLostError:
             raise
         except BaseException:
@@ -141,17 +168,31 @@ class RemoteCaches:
                 self._drop_quietly()
             raise
         self._rows.append(row)
-        return logits
+        return next_token(logits, seq.params, seq.generator)
 
-    def decode(self, turn: ModelTurn, tokens: list[int]) -> torch.Tensor:
+    def decode(self, turn: ModelTurn, seqs: list[Sequence]) -> list[int | Exception]:
+        """Each row's next token, chosen here from the logits the home sends (or the
+        error choosing it: that sequence's alone)."""
         try:
-            return self._step(turn, "decode", tokens)
+            logits = self._step(turn, "decode", [s.tokens[-1] for s in seqs])
+            if logits.shape[0] != len(seqs):
+                raise GenerationError(f"a decode step of {len(seqs)} sequences gave {logits.shape[0]} rows")
         except BaseException:
             # The batch is lost: its rows fail. The home drops it when the step failed
             # there; it is told to here as well (a failure before the step reached it).
             self.reset()
             self._drop_quietly()
             raise
+        tokens: list[int | Exception] = []
+        for seq, row in zip(seqs, logits):
+            try:
+                tokens.append(next_token(row, seq.params, seq.generator))
+            except Exception as exc:  # NaN logits under sampling: that sequence fails alone
+                tokens.append(exc)
+        return tokens
+
+    def capture(self, turn: ModelTurn) -> int:
+        return 0  # NOTE [Generation in worker processes]: a worker's batch decodes eagerly
 
     def _drop_quietly(self) -> None:
         try:

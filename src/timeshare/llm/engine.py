@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from timeshare.errors import ConfigError, GenerationError, Unavailable
-from timeshare.llm.caches import CachesLostError, LocalCaches, RemoteCaches
+from timeshare.llm.caches import CachesLostError, PagedCaches, RemoteCaches
 from timeshare.llm.kv_budget import KVBudget
-from timeshare.llm.sampling import SamplingParams, find_stop, held_back, next_token
+from timeshare.llm.sampling import SamplingParams, find_stop, held_back
 from timeshare.llm.sequence import (
     Delta,
     Detokenizer,
@@ -63,6 +63,10 @@ class EngineSnapshot:
     turns: int
     max_sequences: int
     max_context: int
+    graph_captures: int = 0  # NOTE [Decode graphs]: graphs captured, steps replayed and run eagerly,
+    graph_replays: int = 0  # captures dropped because the model was laid out elsewhere
+    eager_steps: int = 0
+    graph_invalidations: int = 0
 
 
 class Engine:
@@ -72,7 +76,7 @@ class Engine:
     the number of token ids; ``caches``: where the decode batch lives (``caches.py``)."""
 
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
-                 vocab: int, max_context: int, max_sequences: int, caches: LocalCaches | RemoteCaches,
+                 vocab: int, max_context: int, max_sequences: int, caches: PagedCaches | RemoteCaches,
                  quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None,
                  lane_bytes: int | None = None):
         if max_sequences < 1:
@@ -128,10 +132,13 @@ class Engine:
         self._listeners.append(listener)
 
     def snapshot(self) -> EngineSnapshot:
+        counts = self._caches.counts
         with self._cond:
             return EngineSnapshot(running=len(self._running), waiting=len(self._waiting), kv_bytes=self.kv_bytes,
                                   kv_host_bytes=self.kv_host_bytes, kv_offloads=self.kv_offloads, steps=self.steps,
-                                  turns=self.turns, max_sequences=self.max_sequences, max_context=self.max_context)
+                                  turns=self.turns, max_sequences=self.max_sequences, max_context=self.max_context,
+                                  graph_captures=counts.captures, graph_replays=counts.replays,
+                                  eager_steps=counts.eager, graph_invalidations=counts.invalidations)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread
@@ -252,8 +259,22 @@ class Engine:
             self._drop_finished()
             with self._cond:
                 idle = not self._running and not self._waiting
-            if idle or turn.contended(self.quantum_s):
+            if idle:
+                self._capture(turn)
                 return
+            if turn.contended(self.quantum_s):
+                return
+
+    def _capture(self, turn: ModelTurn) -> None:
+        """NOTE [Decode graphs]: resident and idle, with no one waiting for the device:
+        capture the decode graphs if they are wanted (never captured, or dropped after a
+        relayout). A failed capture leaves the steps eager."""
+        if turn.contended(0.0):
+            return
+        try:
+            self._caches.capture(turn)
+        except Exception as exc:
+            log.warning("model %s: capturing its decode graphs failed; its steps stay eager: %s", self.name, exc)
 
     def _admit(self, turn: ModelTurn) -> None:
         """Prefill waiting sequences into the batch, one at a time, while there is room.
@@ -270,18 +291,18 @@ class Engine:
                     self._end(seq, "cancelled")
                     continue
                 try:
-                    logits = self._caches.prefill(turn, seq.prompt)  # its row joins the batch
+                    token = self._caches.prefill(turn, seq)  # its row joins the batch
                 except CachesLostError as exc:
                     if not self._running:  # its own batch, fresh: the loss is its own
                         raise
                     # The rows already in the batch are lost with their home; this one
                     # never had caches there: it starts a batch of its own, in a new home.
                     self._fail_rows(exc)
-                    logits = self._caches.prefill(turn, seq.prompt)
+                    token = self._caches.prefill(turn, seq)
                 with self._cond:
                     self._running.append(seq)
                     self.kv_bytes = self._caches.nbytes
-                self._emit(seq, next_token(logits, seq.params, seq.generator))
+                self._emit(seq, token)
                 if seq.done:  # its first token ended it: its row goes now
                     self._drop_finished()
             except Exception as exc:
@@ -295,18 +316,20 @@ class Engine:
         (every one of them was in it); a failure choosing one sequence's token fails
         that sequence alone."""
         try:
-            logits = self._caches.decode(turn, [s.tokens[-1] for s in self._running])
-            if logits.shape[0] != len(self._running):
-                raise GenerationError(f"a decode step of {len(self._running)} sequences gave {logits.shape[0]} rows")
+            tokens = self._caches.decode(turn, self._running)
+            if len(tokens) != len(self._running):
+                raise GenerationError(f"a decode step of {len(self._running)} sequences gave {len(tokens)} tokens")
         except Exception as exc:
             self._fail_rows(exc)
             return
         self.steps += 1
         self.kv_bytes = self._caches.nbytes
-        for seq, row in zip(self._running, logits):
+        for seq, token in zip(self._running, tokens):
             try:
-                self._emit(seq, next_token(row, seq.params, seq.generator))
-            except Exception as exc:  # NaN logits under sampling, a tokenizer's error
+                if isinstance(token, Exception):  # choosing its token failed: NaN logits under sampling
+                    raise token
+                self._emit(seq, token)
+            except Exception as exc:  # or a tokenizer's error
                 self._fail(seq, exc)
 
     def _fail_rows(self, exc: BaseException) -> None:

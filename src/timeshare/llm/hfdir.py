@@ -18,6 +18,7 @@ from torch import nn
 
 from timeshare.errors import ConfigError, WeightsError
 from timeshare.seeding import seeded
+from timeshare.worker.decoding import install_paged_forward
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")  # decoder-only language models
 ENCODERS = ("bert",)  # ``BertModel``: served through the Open Inference Protocol and /v1/embeddings
@@ -97,7 +98,8 @@ def build_causal_lm(path: str) -> nn.Module:
     processes can rebuild it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    # Its calls may run a decoding step on paged caches (NOTE [Decode graphs]).
+    return install_paged_forward(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
 
 
 def build_module(path: str) -> nn.Module:
@@ -113,6 +115,20 @@ def build_module(path: str) -> nn.Module:
     if cls is None:
         raise ConfigError(f"{path}: its config names no model class transformers has ({names})")
     return cls(config).eval()
+
+
+def weights_dtype(shards: list[str]) -> torch.dtype:
+    """The floating dtype most of a model's weights have in its shards (read from their
+    headers): the dtype it computes in when registered as the directory has it."""
+    from collections import Counter
+
+    from timeshare.transfer.safetensors_index import SafetensorsIndex
+
+    counts: Counter[torch.dtype] = Counter()
+    for t in SafetensorsIndex.read_many(shards).tensors.values():
+        if t.dtype.is_floating_point:
+            counts[t.dtype] += t.end - t.start
+    return counts.most_common(1)[0][0] if counts else torch.float32
 
 
 def shard_files(path: str | Path) -> list[Path]:

@@ -15,7 +15,7 @@ import torch
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
-from timeshare.llm.caches import LocalCaches, RemoteCaches
+from timeshare.llm.caches import PagedCaches, RemoteCaches
 from timeshare.llm.engine import Engine
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
@@ -23,7 +23,8 @@ from timeshare.llm.sequence import Delta, Finish, Sequence
 from timeshare.memory.ephemeral import lane_bytes
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
-from timeshare.worker.batch import new_cache
+from timeshare.worker.decoding import DecodeRunner
+from timeshare.worker.paged import KVShape, PagedLayout, PagePool, page_bytes_for
 
 PROFILE_TOKENS = 32  # the prompt length a model's prefill is profiled (and its loads planned) for
 
@@ -79,14 +80,19 @@ class LanguageModel(Texts):
 def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = None, pin: bool = False,
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
-         offload_kv: bool = False, kv_budget: KVBudget | None = None) -> LanguageModel:
+         offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
+         graphs: str = "auto") -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
     the longest prompt plus completion (default: the model's positions);
     ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts];
     ``offload_kv``: NOTE [Key/value caches off the device]; ``kv_budget``: shared by the
-    runtime's language models, NOTE [Key/value caches under pressure].
+    runtime's language models, NOTE [Key/value caches under pressure]; ``pages``: the
+    pool of key/value pages it shares with other models (default: a pool of its own for
+    ``max_sequences`` sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``),
+    NOTE [Paged key/value caches]; ``graphs``: NOTE [Decode graphs] ("auto": captured on
+    CUDA, off elsewhere).
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
     d = open_directory(name, path, max_context)
@@ -108,9 +114,15 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
     # NOTE [Generation in worker processes]: with workers, the batch lives in a worker.
-    in_process = runtime.in_process_worker() is not None
-    caches = LocalCaches(functools.partial(new_cache, config)) if in_process else RemoteCaches(runtime, name)
+    caches: PagedCaches | RemoteCaches
     try:
+        if runtime.in_process_worker() is not None:
+            kv_dtype = parse_dtype(dtype) or hfdir.weights_dtype(shards)  # the dtype it computes in
+            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs))
+            if profile and caches.runner.wants_capture:  # resident and idle: NOTE [Decode graphs]
+                runtime.call(name, (), {"paged": caches.runner.capture()})
+        else:
+            caches = RemoteCaches(runtime, name)
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, caches=caches, quantum_s=quantum_s,
                         offload_kv=offload_kv, kv_budget=kv_budget,
@@ -121,14 +133,24 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     return LanguageModel(runtime, name, path, tokenizer, config, engine)
 
 
+DEFAULT_POOL_BYTES = 2 << 30
+
+
+def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequences: int, max_context: int,
+                 pages: PagePool | None, graphs: str) -> DecodeRunner:
+    """The decode batch of a model of ``config`` on ``pages`` (or on a pool of its own)."""
+    shape = KVShape.of(config, dtype)
+    if pages is None:
+        page_bytes = page_bytes_for(shape)
+        block = page_bytes // shape.position_bytes
+        want = (max_sequences * -(-(max_context + 1) // block) + 1) * page_bytes  # every row at full length
+        pages = PagePool(runtime.device, max(min(want, DEFAULT_POOL_BYTES), 2 * page_bytes), page_bytes)
+    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs)
+
+
 def kv_bytes_per_token(config: Any, dtype: str | None) -> int:
     """The key/value cache bytes one position of one sequence takes, every layer."""
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    parsed = parse_dtype(dtype)
-    element = parsed.itemsize if parsed is not None else 4
-    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+    return KVShape.of(config, dtype).position_bytes
 
 
 def turn_lane_bytes(config: Any, dtype: str | None, max_sequences: int, max_context: int, prefill_peak: int) -> int:

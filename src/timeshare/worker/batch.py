@@ -15,7 +15,6 @@ with no padding at all, exactly as ``transformers``' ``generate`` computes it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,20 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from timeshare.errors import GenerationError
+from timeshare.worker.paged import cache_key
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [batch, heads, length, dim]
 Forward = Callable[[tuple, dict], Any]  # (args, kwargs) -> the model's output
-
-
-@functools.cache
-def cache_key() -> str:
-    """The name under which the installed ``transformers`` passes a model's key/value cache
-    into its forward and back in its output: ``cache`` in newer releases (5.24 warns on the
-    old name, and our tests turn warnings into errors), ``past_key_values`` in older ones
-    (5.17, the GPU image's). Read off the causal-LM output record, which has exactly one."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def new_cache(config, kv: KV | None):

@@ -16,6 +16,7 @@ from timeshare.memory.arena import Arena
 from timeshare.models.binding import bind, bind_some
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder
+from timeshare.worker.decoding import relaid_out
 from timeshare.worker.host_stores import HostStores
 from timeshare.worker.loading import WorkerModel, adopt_order
 
@@ -53,6 +54,7 @@ class Placement(HostStores):
             for sid, entries in _by_set(wm, wm.shared).items():
                 views.update(self.arena.views(at[sid], entries))
             bind(wm.layout, views)
+            relaid_out(wm.module)  # NOTE [Decode graphs]: graphs captured before are stale
             wm.bound_at = offset
             wm.shared_bound = dict(at)
             wm.host_bound = ()
@@ -72,6 +74,7 @@ class Placement(HostStores):
             bind_some(wm.layout, self.arena.views(wm.shared_bound[sid], entries))
         if keys:
             bind_some(wm.layout, {k: self._host_tensor(wm, k) for k in keys})
+        relaid_out(wm.module)
         wm.host_bound = keys
         if keys:
             self._host_bound.add(wm.name)

@@ -1,0 +1,231 @@
+"""Key/value caches in pages at fixed device addresses, and the one adapter through
+which a ``transformers`` model reads and writes them. Tensors only; runs where the
+model computes (the controller, for an in-process runtime).
+
+# NOTE [Paged key/value caches]
+A ``PagePool`` is one allocation of device memory, made once and never moved or freed
+while models decode, cut into pages of ``page_bytes``: every language model that
+decodes on the device takes its pages from it, so one budget (``kv_memory``) bounds
+them all and a captured decode graph (``decoding.py``) may read them at their
+addresses for as long as the pool lives. A model sees each page as ``block`` positions
+of all its layers' keys and values (``PagedLayout``: the block is the page's bytes over
+the bytes one position takes, so models of different shapes share the pages). A
+sequence holds the pages of its positions, in order: position ``p`` is slot
+``p % block`` of the sequence's page ``p // block``, and a row of the *block table*
+lists a sequence's pages. A step writes each new position's key and value into its
+slot and reads back a sequence's positions by gathering its pages through the table;
+a mask hides the slots past the sequence's length. Page 0 is nobody's: the rows that
+pad a batch up to a captured size write there, and the table's unused entries point
+there. Pages are zeroed when a sequence takes them, so that the slots a mask hides
+hold finite numbers (a hidden slot's value is multiplied by a zero weight, and zero
+times NaN is NaN): a page another model or sequence had, or poison, never leaks.
+
+``PagedCache`` is the adapter: a ``transformers`` ``Cache`` whose ``update`` writes the
+new keys and values into their slots and returns what the attention reads. A
+transformers release that changes its cache interface changes this file alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from timeshare.dtypes import parse_dtype
+from timeshare.errors import ConfigError, GenerationError, TimeshareError
+
+DEFAULT_PAGE_BYTES = 1 << 20
+MAX_BLOCK = 64  # positions a page holds at most: a step gathers whole pages, the hidden slots too
+
+
+class KVMemoryError(TimeshareError):
+    """The page pool has no room for a sequence's next positions."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one position of one sequence takes in a model's caches."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, config: Any, dtype: str | torch.dtype | None) -> KVShape:
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        parsed = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+        return cls(int(config.num_hidden_layers), kv_heads, head_dim, parsed or torch.float32)
+
+    @property
+    def position_bytes(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def page_bytes_for(shape: KVShape, positions: int = 32) -> int:
+    """Pages of ``positions`` positions of a model of ``shape`` (in whole KiB, at least 4 KiB)."""
+    return max(4096, -(-shape.position_bytes * positions // 1024) * 1024)
+
+
+class PagePool:
+    """``nbytes`` of device memory in pages of ``page_bytes`` (NOTE [Paged key/value
+    caches]), allocated once; page 0 is the scratch page."""
+
+    def __init__(self, device: torch.device | str, nbytes: int, page_bytes: int = DEFAULT_PAGE_BYTES):
+        if page_bytes < 1024 or page_bytes % 1024:
+            raise ConfigError(f"page_bytes must be a positive multiple of 1 KiB, got {page_bytes}")
+        pages = nbytes // page_bytes
+        if pages < 2:
+            raise ConfigError(f"a key/value page pool needs at least two pages of {page_bytes} bytes, "
+                              f"got {nbytes} bytes")
+        self.device = torch.device(device)
+        self.page_bytes, self.pages = page_bytes, pages
+        self.raw = torch.zeros(pages * page_bytes, dtype=torch.uint8, device=self.device)
+        self._by_page = self.raw.view(pages, page_bytes)
+        self._free = list(range(pages - 1, 0, -1))  # pop() takes the lowest
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    @property
+    def free_pages(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` pages, zeroed (NOTE [Paged key/value caches]); ``KVMemoryError`` if
+        fewer are free (none is taken then)."""
+        if n <= 0:
+            return []
+        with self._lock:
+            if n > len(self._free):
+                raise KVMemoryError(f"the key/value page pool ({self.pages - 1} pages of {self.page_bytes} bytes) "
+                                    f"has {len(self._free)} free, {n} needed: raise kv_memory or lower "
+                                    "max_sequences")
+            pages = [self._free.pop() for _ in range(n)]
+        self._by_page[torch.tensor(pages, device=self.device)] = 0
+        return pages
+
+    def give(self, pages: list[int]) -> None:
+        with self._lock:
+            self._free.extend(pages)
+
+    def read(self, pages: list[int]) -> torch.Tensor:
+        """The bytes of ``pages``, in order (on the device)."""
+        return self._by_page[torch.tensor(pages, device=self.device)]
+
+    def write(self, pages: list[int], data: torch.Tensor) -> None:
+        self._by_page[torch.tensor(pages, device=self.device)] = data.to(self.device, non_blocking=True)
+
+
+class PagedLayout:
+    """A model's view of a pool: each page ``block`` positions of every layer's keys and
+    values, ``[pages, layers, 2, block, kv_heads, head_dim]`` (at most ``MAX_BLOCK``
+    positions: the rest of a larger page is left unused)."""
+
+    def __init__(self, pool: PagePool, shape: KVShape):
+        per_position = shape.position_bytes
+        block = min(pool.page_bytes // per_position, MAX_BLOCK)
+        if block < 1:
+            raise ConfigError(f"a page of {pool.page_bytes} bytes holds no position of a model whose position "
+                              f"takes {per_position} bytes: raise page_bytes")
+        self.pool, self.shape, self.block = pool, shape, block
+        item = shape.dtype.itemsize
+        h, d = shape.kv_heads, shape.head_dim
+        typed = pool.raw.view(shape.dtype)
+        self.kv = typed.as_strided((pool.pages, shape.layers, 2, block, h, d),
+                                   (pool.page_bytes // item, 2 * block * h * d, block * h * d, h * d, d, 1))
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.block)
+
+    def write(self, pages: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A prompt's keys and values (per layer, ``[positions, kv_heads, head_dim]``) into
+        ``pages``, from their first slot."""
+        n = layers[0][0].shape[0]
+        at = torch.arange(n, device=self.pool.device)
+        page = torch.tensor(pages, device=self.pool.device)[at // self.block]
+        slot = at % self.block
+        for index, (k, v) in enumerate(layers):
+            keys, values = self.layer(index)
+            keys[page, slot] = k.to(keys.dtype)
+            values[page, slot] = v.to(values.dtype)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s keys and values, each ``[pages, block, kv_heads, head_dim]``."""
+        return self.kv[:, index, 0], self.kv[:, index, 1]
+
+
+class PagedWrites:
+    """Where a decode step's new positions go (each row's page and slot), the block table
+    its keys and values are gathered through, and how many positions of them it reads
+    (None: every slot of the table's pages, as a graph must)."""
+
+    __slots__ = ("page", "slot", "table", "length")
+
+    def __init__(self, page: torch.Tensor, slot: torch.Tensor, table: torch.Tensor, length: int | None = None):
+        self.page, self.slot, self.table, self.length = page, slot, table, length
+
+
+@functools.cache
+def _cache_class() -> type:
+    from transformers import Cache
+
+    class PagedCache(Cache):
+        """The adapter (NOTE [Paged key/value caches]): ``update`` is all a model calls."""
+
+        def __init__(self, layout: PagedLayout, writes: PagedWrites):
+            try:
+                super().__init__(layers=[])
+            except TypeError:  # a release whose Cache takes no layers
+                super().__init__()
+            self.paged, self.writes = layout, writes
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = self.paged.layer(layer_idx)
+            w = self.writes
+            keys[w.page, w.slot] = key_states[:, :, -1]
+            values[w.page, w.slot] = value_states[:, :, -1]
+            rows = w.table.shape[0]
+            k = keys[w.table].reshape(rows, -1, *keys.shape[2:])[:, :w.length].transpose(1, 2)
+            v = values[w.table].reshape(rows, -1, *values.shape[2:])[:, :w.length].transpose(1, 2)
+            return k, v
+
+        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+            return 0  # positions are given with every step: nothing asks
+
+    return PagedCache
+
+
+def paged_cache(layout: PagedLayout, writes: PagedWrites) -> Any:
+    """A ``transformers`` cache over ``layout``'s pages for one step."""
+    return _cache_class()(layout, writes)
+
+
+def prompt_layers(cache: Any, positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values of one sequence from a model's own ``transformers``
+    cache after its prefill, ``[positions, kv_heads, head_dim]``."""
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    if not layers or layers[0][0].shape[2] != positions:
+        got = layers[0][0].shape[2] if layers else 0
+        raise GenerationError(f"the model's cache holds {got} positions after the prefill, not {positions}")
+    return [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v in layers]
+
+
+@functools.cache
+def cache_key() -> str:
+    """The name under which the installed ``transformers`` passes a model's key/value cache
+    into its forward and back in its output: ``cache`` in newer releases (5.24 warns on the
+    old name, and our tests turn warnings into errors), ``past_key_values`` in older ones
+    (5.17, the GPU image's). Read off the causal-LM output record, which has exactly one."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

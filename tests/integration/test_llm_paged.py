@@ -1,0 +1,155 @@
+"""Paged caches and decode graphs (issue 35) on the CPU, with graphs emulated (NOTE
+[Decode graphs]: a stand-in that keeps the module's tensors as they were at capture, as a
+CUDA graph keeps their addresses): greedy tokens equal ``transformers``' ``generate``
+for Llama, Qwen2, Mistral and GPT-2, warm, cold from poisoned blocks, batched and
+preempted between tokens; a replay after a reload into the same offsets reads the
+reloaded weights; a model laid out elsewhere never replays a stale capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.llm_reference import greedy_tokens
+from timeshare.llm import hfdir
+from timeshare.llm import model as lm
+from timeshare.llm.sampling import SamplingParams
+from timeshare.runtime.facade import Runtime
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["the model switch fast", "a gpu", "load weights layer token fast slow memory host device"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "gpt2"])
+def arch(request, tmp_path_factory):
+    path = hfdir.write_model_dir(tmp_path_factory.mktemp("paged") / request.param, request.param, seed=7,
+                                 hidden=96, layers=3)
+    return path, greedy_tokens(path)
+
+
+def test_replayed_steps_give_the_tokens_of_transformers_warm_cold_and_batched(arch):
+    path, reference = arch
+    # As on CUDA, a load copies every layer (on the CPU, by default, a load may leave the first
+    # layers computing from host memory: a layout of its own, which would invalidate the captures).
+    with Runtime("cpu", "64MiB", poison_evicted=True, copy_delay_s=0.001, direct_host_access=False) as rt:
+        m = lm.load(rt, "m", path, graphs="emulate", max_context=256)
+        captured = m.engine.snapshot().graph_captures
+        assert captured > 0  # at registration: resident and idle
+        for prompt in PROMPTS:  # warm
+            assert m.generate(m.encode(prompt), greedy(20)).result(60).tokens == reference(prompt, 20)
+        warm = m.engine.snapshot()
+        assert warm.graph_replays >= 3 * 19 and warm.eager_steps == 0
+        for prompt in PROMPTS:  # cold: each wake is a pipelined load into a poisoned block
+            rt.evict("m")
+            assert m.generate(m.encode(prompt), greedy(20)).result(60).tokens == reference(prompt, 20)
+        cold = m.engine.snapshot()
+        # Reloaded into the same offsets: the captures are replayed, never taken again.
+        assert cold.graph_captures == captured and cold.graph_invalidations == 0
+        assert cold.graph_replays >= warm.graph_replays + 3 * 19
+        with rt.hold_device():  # queued together: one batch of three
+            seqs = [m.generate(m.encode(p), greedy(24)) for p in PROMPTS]
+        for prompt, seq in zip(PROMPTS, seqs):
+            assert seq.result(60).tokens == reference(prompt, 24)
+        assert m.engine.snapshot().eager_steps == 0 and m.engine.snapshot().kv_bytes == 0
+        m.close()
+
+
+def test_two_models_taking_turns_between_tokens_each_give_their_own_tokens(tmp_path):
+    """Room for one of the two: each wake between their tokens reloads one into the block
+    the other left, and their graphs replay with the caches of their preempted rows."""
+    paths = [hfdir.write_model_dir(tmp_path / a, a, seed=s, hidden=96, layers=3) for a, s in
+             (("llama", 1), ("qwen2", 2))]
+    refs = [greedy_tokens(p) for p in paths]
+    with Runtime("cpu", "3MiB", poison_evicted=True, copy_delay_s=0.001, direct_host_access=False) as rt:
+        models = [lm.load(rt, f"m{i}", p, graphs="emulate", max_context=128, quantum_s=0.0)
+                  for i, p in enumerate(paths)]
+        with rt.hold_device():
+            seqs = [m.generate(m.encode(PROMPTS[i]), greedy(30)) for i, m in enumerate(models)]
+        for i, seq in enumerate(seqs):
+            assert seq.result(60).tokens == refs[i](PROMPTS[i], 30)
+        for m in models:
+            snap = m.engine.snapshot()
+            assert snap.turns >= 3  # preempted between tokens
+            assert snap.graph_replays > 0
+            m.close()
+
+
+def test_a_model_laid_out_elsewhere_never_replays_a_stale_capture(tmp_path):
+    """Evicted, its block taken by another model, it comes back at another offset: the
+    placement epoch moved, so its steps run eagerly (a stale replay would read the other
+    model's bytes) until the graphs are captured again, when it is idle."""
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=4, hidden=96, layers=3)
+    reference = greedy_tokens(path)
+    other = nn.Sequential(nn.Linear(256, 256), nn.ReLU())
+    x = torch.randn(2, 256)
+    with Runtime("cpu", "8MiB", poison_evicted=True, direct_host_access=False) as rt:
+        m = lm.load(rt, "llama", path, graphs="emulate", max_context=128)
+        assert m.generate(m.encode(PROMPTS[0]), greedy(12)).result(60).tokens == reference(PROMPTS[0], 12)
+        at = rt.diagnostics()["models"]["llama"]["offset"]
+        rt.evict("llama")
+        rt.register("other", lambda: other, other.state_dict(), (x,))
+        rt.infer("other", x)  # in the block the language model left
+        before = m.engine.snapshot()
+        assert m.generate(m.encode(PROMPTS[2]), greedy(12)).result(60).tokens == reference(PROMPTS[2], 12)
+        assert rt.diagnostics()["models"]["llama"]["offset"] not in (at, None)
+        after = m.engine.snapshot()
+        assert after.graph_invalidations == before.graph_invalidations + 1
+        assert after.eager_steps > before.eager_steps
+        assert after.graph_captures > before.graph_captures  # captured again once idle
+        assert m.generate(m.encode(PROMPTS[1]), greedy(12)).result(60).tokens == reference(PROMPTS[1], 12)
+        assert m.engine.snapshot().graph_replays > after.graph_replays
+        m.close()
+
+
+def test_sampled_tokens_are_seeded_per_request_whatever_the_batch(tmp_path):
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=4, hidden=96, layers=3)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=20, seed=11)
+    with Runtime("cpu", "64MiB") as rt:
+        m = lm.load(rt, "llama", path, graphs="emulate", max_context=128)
+        alone = m.generate(m.encode(PROMPTS[0]), params).result(60).tokens
+        with rt.hold_device():
+            seqs = [m.generate(m.encode(p), SamplingParams(max_tokens=16, temperature=1.0, seed=i))
+                    for i, p in enumerate(PROMPTS)]
+            mine = m.generate(m.encode(PROMPTS[0]), params)
+        assert mine.result(60).tokens == alone
+        assert len({tuple(s.result(60).tokens) for s in seqs}) == 3
+        other = m.generate(m.encode(PROMPTS[0]), SamplingParams(max_tokens=16, temperature=0.9, seed=12))
+        assert other.result(60).tokens != alone
+        m.close()
+
+
+def test_a_pool_too_small_for_a_prompt_fails_that_sequence_clearly_and_loses_nothing(tmp_path):
+    from timeshare.worker.paged import KVMemoryError, PagePool
+
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=4, hidden=96, layers=3)
+    reference = greedy_tokens(path)
+    with Runtime("cpu", "64MiB") as rt:
+        pool = PagePool("cpu", 3 * 4096, page_bytes=4096)  # two pages besides the scratch one
+        m = lm.load(rt, "llama", path, max_context=256, pages=pool)
+        long = list(range(1, 200))
+        with pytest.raises(KVMemoryError, match="kv_memory"):
+            m.generate(long, greedy(4)).result(60)
+        assert pool.free_pages == 2  # nothing kept by the failed prefill
+        assert m.generate(m.encode(PROMPTS[1]), greedy(4)).result(60).tokens == reference(PROMPTS[1], 4)
+        assert pool.free_pages == 2
+        m.close()
+
+
+def test_pages_are_shared_by_the_models_of_one_pool(tmp_path):
+    paths = [hfdir.write_model_dir(tmp_path / a, a, seed=1, hidden=96, layers=3) for a in ("llama", "gpt2")]
+    refs = [greedy_tokens(p) for p in paths]
+    with Runtime("cpu", "64MiB") as rt:
+        pool = lm.PagePool("cpu", 1 << 20, page_bytes=8192)
+        models = [lm.load(rt, f"m{i}", p, pages=pool, max_context=128) for i, p in enumerate(paths)]
+        seqs = [m.generate(m.encode(PROMPTS[2]), greedy(20)) for m in models]
+        for seq, ref in zip(seqs, refs):
+            assert seq.result(60).tokens == ref(PROMPTS[2], 20)
+        assert pool.free_pages == pool.pages - 1  # every page back
+        for m in models:
+            m.close()

@@ -1,0 +1,100 @@
+"""The page pool, a model's view of it, and choosing tokens on the device (issue 35)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from timeshare.errors import ConfigError
+from timeshare.worker.decoding import Draw, choose, placement_epoch, relaid_out
+from timeshare.worker.paged import KVMemoryError, KVShape, PagedLayout, PagePool
+
+
+def draw(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+         index: int = 0) -> Draw:
+    return Draw((temperature,) * rows, (top_k,) * rows, (top_p,) * rows, tuple(seed + i for i in range(rows)),
+                (index,) * rows)
+
+
+def test_pages_are_zeroed_when_taken_and_page_zero_is_nobodys():
+    pool = PagePool("cpu", 4 * 1024, page_bytes=1024)
+    pages = pool.take(3)
+    assert sorted(pages) == [1, 2, 3] and pool.free_pages == 0
+    pool.raw.fill_(0xFF)  # poison, as another model's bytes
+    with pytest.raises(KVMemoryError, match="kv_memory"):
+        pool.take(1)
+    pool.give(pages[:2])
+    again = pool.take(2)
+    assert torch.count_nonzero(pool.read(again)) == 0
+    assert torch.count_nonzero(pool.read([pages[2]])) == 1024  # a page held is left alone
+    with pytest.raises(KVMemoryError):
+        pool.take(1)
+    assert pool.free_pages == 0
+
+
+def test_a_pool_refuses_sizes_it_cannot_hold():
+    with pytest.raises(ConfigError, match="two pages"):
+        PagePool("cpu", 1024, page_bytes=1024)
+    with pytest.raises(ConfigError, match="multiple of 1 KiB"):
+        PagePool("cpu", 1 << 20, page_bytes=1000)
+    shape = KVShape(layers=2, kv_heads=2, head_dim=512, dtype=torch.float32)  # 16 KiB a position
+    with pytest.raises(ConfigError, match="raise page_bytes"):
+        PagedLayout(PagePool("cpu", 8 << 10, page_bytes=4096), shape)
+
+
+def test_a_models_view_puts_each_position_of_each_layer_in_its_own_slot():
+    shape = KVShape(layers=3, kv_heads=2, head_dim=4, dtype=torch.float16)  # 96 bytes a position
+    pool = PagePool("cpu", 4 * 1024, page_bytes=1024)
+    layout = PagedLayout(pool, shape)
+    assert layout.block == 1024 // 96 and layout.pages_for(layout.block + 1) == 2
+    seen = set()
+    for layer in range(3):
+        keys, values = layout.layer(layer)
+        for t in (keys, values):
+            for page in range(1, 4):
+                for slot in range(layout.block):
+                    ptr = t[page, slot].data_ptr()
+                    assert ptr not in seen
+                    seen.add(ptr)
+                    base = pool.raw.data_ptr() + page * 1024
+                    assert base <= ptr < base + 1024  # inside its page
+
+
+def test_greedy_rows_take_the_argmax_and_top_k_one_is_greedy():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(choose(logits, draw(5, temperature=0.0)), logits.argmax(-1))
+    assert torch.equal(choose(logits, draw(5, temperature=1.5, top_k=1)), logits.argmax(-1))
+    mixed = Draw((0.0, 1.0, 0.0, 1.0, 0.0), (0,) * 5, (1.0,) * 5, (1, 2, 3, 4, 5), (0,) * 5)
+    got = choose(logits, mixed)
+    assert torch.equal(got[[0, 2, 4]], logits.argmax(-1)[[0, 2, 4]])
+
+
+def test_a_draw_is_a_function_of_seed_and_index_and_follows_the_probabilities():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log()[None].repeat(4000, 1)
+    d = Draw((1.0,) * 4000, (0,) * 4000, (1.0,) * 4000, tuple(range(4000)), (3,) * 4000)
+    first = choose(logits, d)
+    assert torch.equal(first, choose(logits, d))  # the same seeds and indices: the same tokens
+    freq = torch.bincount(first, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+    later = choose(logits, Draw(d.temperature, d.top_k, d.top_p, d.seed, (4,) * 4000))
+    assert 0.5 < (later != first).float().mean() < 0.9  # another index: fresh noise
+    # One row alone gets what it got in the batch.
+    assert int(choose(logits[:1], Draw((1.0,), (0,), (1.0,), (17,), (3,)))) == int(first[17])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_it_and_top_k_the_k_most_likely():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    logits = probs.log()[None].repeat(2000, 1)
+    seeds = tuple(range(2000))
+    top_p = choose(logits, Draw((1.0,) * 2000, (0,) * 2000, (0.5,) * 2000, seeds, (0,) * 2000))
+    assert set(top_p.tolist()) == {1, 3}  # 0.4, then 0.3 (0.4 before it is short of 0.5)
+    top_k = choose(logits, Draw((1.0,) * 2000, (3,) * 2000, (1.0,) * 2000, seeds, (0,) * 2000))
+    assert set(top_k.tolist()) == {1, 2, 3}
+
+
+def test_a_relayout_moves_the_placement_epoch_on():
+    module = torch.nn.Linear(2, 2)
+    before = placement_epoch(module)
+    relaid_out(module)
+    assert placement_epoch(module) == before + 1
