@@ -84,6 +84,10 @@ STEPS: dict[str, Step] = {
         Step("llm-1b", ("llm", "--size", "1b", "--dtype", "bf16", "--parts", "wake", "decode",
                         "--concurrent", "1,8,32", "--workdir", LLM_DIR), 300, estimate_s=90,
              what="0.9B model: cold wake against the floor, decode at 1/8/32 sequences"),
+        # Issue 35: paged caches and decode graphs on the device, the language-model GPU tests.
+        Step("tests-llm", ("-m", "pytest", "tests/gpu/test_cuda_llm_graphs.py", "tests/gpu/test_cuda_llm.py", "-m",
+                           "cuda", "-p", "no:cacheprovider", "-q", "--timeout", "150", "-rfE"), 240, bench=False,
+             estimate_s=60, what="decode graphs on paged caches: tokens of transformers, replays, invalidation"),
         Step("tests", ("-m", "pytest", "tests/gpu", "-m", "cuda", "-p", "no:cacheprovider", "-q",
                        "--timeout", "150", "-rfE"), 360, bench=False, estimate_s=150,
              what="the GPU test tier"),
@@ -101,9 +105,9 @@ STEPS: dict[str, Step] = {
                             "resnet152:64", "--memory", "4GiB", "--baselines", "stop_and_start",
                             "--baseline-repeats", "1", "--repeats", "5"), 180, estimate_s=50,
              what="one stop-and-start against a switch"),
-        Step("llm-8b", ("llm", "--size", "8b", "--dtype", "bf16", "--parts", "wake", "--repeats", "2",
-                        "--workdir", LLM_DIR), 300, estimate_s=75,
-             what="an 8B-shaped model's cold wake against the floor"),
+        Step("llm-8b", ("llm", "--size", "8b", "--dtype", "bf16", "--parts", "wake", "decode", "--concurrent", "1,8",
+                        "--repeats", "2", "--workdir", LLM_DIR), 300, estimate_s=120,
+             what="an 8B-shaped model's cold wake against the floor, decode at 1/8 sequences"),
         Step("llm-fleet", ("llm", "--size", "small", "--dtype", "bf16", "--parts", "fleet", "--fleet-rate", "8",
                            "--fleet-requests", "120", "--workdir", LLM_DIR), 240, estimate_s=60,
              what="a fleet of small models in room for two behind the OpenAI API"),
@@ -131,6 +135,7 @@ STEPS: dict[str, Step] = {
 LEASE_CALL_S = 450
 GROUPS: dict[str, tuple[str, ...]] = {
     "lease1": ("overhead", "ready", "lanes", "llm-1b", "tests"),
+    "issue35": ("tests-llm", "llm-1b", "llm-8b"),
     "lease2": ("pipeline-bf16", "switch-sas", "llm-8b", "llm-fleet", "link", "pipeline-fp32", "variants", "disk"),
 }
 

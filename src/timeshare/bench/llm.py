@@ -139,11 +139,10 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
     prompt = models.prompt(path, config.prompt_tokens)
     weights = described["parameters"] * torch.empty((), dtype=parse_dtype(config.dtype)).element_size()
     memory = _arena(device, weights)
-    # NOTE [Conversions the weights do not need]: lm.load's dtype converts every floating
-    # tensor of the module, the rotary embedding's float32 inv_freq buffers with the weights,
-    # where transformers keeps them in float32; in bf16 the greedy tokens then part from
-    # transformers' after some tens of positions (8b on the H200: at the 9th token). Weights
-    # already in the run's dtype are registered as the directory has them.
+    # NOTE [Conversions the weights do not need]: weights already in the run's dtype are
+    # registered as the directory has them. (lm.load's dtype once converted the rotary
+    # embedding's float32 inv_freq with the weights, and the bf16 greedy tokens parted from
+    # transformers' after some tens of positions; computed constants now keep their dtype.)
     convert = described["dtype"] == "mixed" or parse_dtype(config.dtype) != parse_dtype(described["dtype"])
     out: dict = {"memory": {"weights_bytes": weights, "arena": memory}, "converted_to": config.dtype if convert
                  else None}
@@ -158,7 +157,7 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
                 out["wake"] = _wake(config, rt, model, prompt)
             if "decode" in config.parts:
                 progress(f"decode: tokens per second at {', '.join(map(str, config.concurrent))} sequences")
-                out["decode"] = _decode(config, device, model, path, prompt)
+                out["decode"] = _decode(config, device, model, path, prompt, weights)
         finally:
             model.close()
     if "wake" in config.parts:  # after the runtime let its memory go, as a server without one would have it
@@ -221,24 +220,31 @@ def _wake(config: LLMBenchConfig, rt: Runtime, model: Any, prompt: list[int]) ->
     rt.subscribe(lambda r: seen.append(r) if isinstance(r, CallRecord) else None)
     link_Bps = rt.profile("m").link.bandwidth_Bps
     want = model.generate(prompt, greedy).result(600).tokens
-    warm, cold, moved, exact = [], [], [], 0
+    warm, cold, moved, exact, replayed = [], [], [], 0, 0
     for _ in range(config.repeats):
         seq = model.generate(prompt, one)
         seq.result(600)
         warm.append(_ttft(seq))
         rt.evict("m")
         before = len(seen)
+        counts = model.engine.snapshot()
         seq = model.generate(prompt, greedy)
-        exact += seq.result(600).tokens == want
+        got = seq.result(600).tokens
+        exact += got == want
         cold.append(_ttft(seq))
         moved += [r.moved_bytes for r in seen[before:] if r.loaded and r.moved_bytes]
+        # NOTE [Decode graphs]: every decode step after the wake, the first included, replayed.
+        after = model.engine.snapshot()
+        replayed += (after.eager_steps == counts.eager_steps
+                     and after.graph_replays - counts.graph_replays >= len(got) - 1)
     nbytes = max(moved) if moved else 0
     copy_s = nbytes / link_Bps
     w, c = _median(warm), _median(cold)
     return {"bytes": nbytes, "link_GBps": link_Bps / 1e9, "copy_s": copy_s, "warm_ttft_s": w, "cold_ttft_s": c,
             "warm_samples_s": warm, "cold_samples_s": cold, "floor_s": max(copy_s, w),
             "cold_over_warm_plus_copy": c / (w + copy_s), "cold_over_floor": c / max(copy_s, w),
-            "cold_tokens_exact": exact, "cold_runs": config.repeats}
+            "cold_tokens_exact": exact, "cold_runs": config.repeats, "cold_decode_replayed_runs": replayed,
+            "graph_captures": model.engine.snapshot().graph_captures}
 
 
 def _load_then_generate(config: LLMBenchConfig, device: torch.device, path: Path, prompt: list[int]) -> float:
@@ -261,7 +267,8 @@ def _load_then_generate(config: LLMBenchConfig, device: torch.device, path: Path
 
 
 # ---------------------------------------------------------------------- decode
-def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path, prompt: list[int]) -> dict:
+def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path, prompt: list[int],
+            weights: int) -> dict:
     """At each count of sequences, ours and plain ``transformers`` alternate, repeat after
     repeat, so that the machine's drift falls on both alike. A rate counts the tokens after
     each sequence's first over the time they took: ours from the last first token (the
@@ -281,13 +288,20 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
     plain: dict[int, list[float]] = {c: [] for c in counts}
     agree: dict[int, list[int]] = {c: [] for c in counts}
     exact = dict.fromkeys(counts, 0)
+    replays = dict.fromkeys(counts, 0)
+    eager = dict.fromkeys(counts, 0)
+    memory_Bps = device_bandwidth(device)
     for _ in range(config.repeats):
         for c in counts:
+            before = model.engine.snapshot()
             seqs = [model.generate(prompt, params) for _ in range(c)]
             got = [s.result(600).tokens for s in seqs]
             exact[c] += sum(g == w for g, w in zip(got, want[c]))
             agree[c] += [_prefix(g, w) for g, w in zip(got, want[c])]
             ours[c].append(_batch_rate(seqs))
+            after = model.engine.snapshot()
+            replays[c] += after.graph_replays - before.graph_replays
+            eager[c] += after.eager_steps - before.eager_steps
             plain[c].append(_plain_rate(module, device, prompt, c, n))
     del module
     # NOTE [Near ties]: in bf16 with a large vocabulary (8b: 128256 tokens, random weights)
@@ -296,8 +310,14 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
     # other way: transformers' own batch of c parts from its single sequence there. Each
     # row's plain_self_prefix_mean is that control (8b: ours 32/17/16 tokens at 1/8/32
     # sequences, transformers' own 32/17/17).
+    # The floor: each step reads every weight and each row's keys and values once, at the
+    # device's memory bandwidth (measured here, a copy within the device).
+    kv = lm.kv_bytes_per_token(model.config, config.dtype) * (len(prompt) + n // 2)
+    floor = {c: c * memory_Bps / (weights + c * kv) for c in counts}
     rows = [{"sequences": c, "ours_tokens_per_s": _median(ours[c]), "plain_tokens_per_s": _median(plain[c]),
              "ours_over_plain": _median(ours[c]) / _median(plain[c]),
+             "floor_tokens_per_s": floor[c], "ours_over_floor": _median(ours[c]) / floor[c],
+             "graph_replays": replays[c], "eager_steps": eager[c],
              "tokens_exact": exact[c],
              "sequences_compared": len(agree[c]), "agreeing_prefix_mean": statistics.fmean(agree[c]),
              "plain_self_prefix_mean": statistics.fmean(_prefix(w, want[1][0]) for w in want[c]),
@@ -306,7 +326,25 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
     # The first row also under the names of the runs of one count, which readers of earlier
     # results take (bench/campaign_tables.py).
     first = {k: rows[0][k] for k in ("ours_tokens_per_s", "plain_tokens_per_s", "ours_over_plain")}
-    return {"tokens": n, "rows": rows, **first}
+    return {"tokens": n, "memory_GBps": memory_Bps / 1e9, "weights_bytes": weights, "rows": rows, **first}
+
+
+def device_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second a copy within ``device`` reads and writes (the best of five)."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / best
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -379,8 +417,11 @@ def _plot_wake(ax, r: dict) -> None:
 
 def _plot_decode(ax, r: dict) -> None:
     x = range(len(r["rows"]))
-    ax.bar([i - 0.2 for i in x], [row["ours_tokens_per_s"] for row in r["rows"]], 0.4, label="timeshare")
-    ax.bar([i + 0.2 for i in x], [row["plain_tokens_per_s"] for row in r["rows"]], 0.4, label="transformers")
+    ax.bar([i - 0.27 for i in x], [row["ours_tokens_per_s"] for row in r["rows"]], 0.27, label="timeshare")
+    ax.bar([i for i in x], [row["plain_tokens_per_s"] for row in r["rows"]], 0.27, label="transformers")
+    ax.bar([i + 0.27 for i in x], [row.get("floor_tokens_per_s", float("nan")) for row in r["rows"]], 0.27,
+           label="memory-bandwidth floor", color="#2ca02c")
+    ax.set_yscale("log")
     ax.set_xticks(list(x), [str(row["sequences"]) for row in r["rows"]])
     ax.set_xlabel("sequences together")
     ax.set_ylabel("tokens per second")
