@@ -5,6 +5,7 @@ its tokenizer and chat template, and the engine that generates from it."""
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
 from timeshare.worker.decoding import DecodeRunner
 from timeshare.worker.paged import KVShape, PagedLayout, PagePool, page_bytes_for
+
+log = logging.getLogger(__name__)
 
 PROFILE_TOKENS = 32  # the prompt length a model's prefill is profiled (and its loads planned) for
 
@@ -81,7 +84,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
          offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
-         graphs: str = "auto") -> LanguageModel:
+         graphs: str = "auto", compile: str | None = "auto") -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
@@ -92,7 +95,8 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     pool of key/value pages it shares with other models (default: a pool of its own for
     ``max_sequences`` sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``),
     NOTE [Paged key/value caches]; ``graphs``: NOTE [Decode graphs] ("auto": captured on
-    CUDA, off elsewhere).
+    CUDA, off elsewhere); ``compile``: a ``torch.compile`` backend for the decode step, or
+    None (NOTE [Compiled decode steps]; "auto": inductor on CUDA, None elsewhere).
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
     d = open_directory(name, path, max_context)
@@ -118,9 +122,13 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     try:
         if runtime.in_process_worker() is not None:
             kv_dtype = parse_dtype(dtype) or hfdir.weights_dtype(shards)  # the dtype it computes in
-            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs))
+            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs,
+                                              compile))
             if profile and caches.runner.wants_capture:  # resident and idle: NOTE [Decode graphs]
-                runtime.call(name, (), {"paged": caches.runner.capture()})
+                try:
+                    runtime.call(name, (), {"paged": caches.runner.capture()})
+                except Exception as exc:  # it decodes, eagerly
+                    log.warning("model %s: capturing its decode graphs failed; its steps run eagerly: %s", name, exc)
         else:
             caches = RemoteCaches(runtime, name)
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
@@ -137,7 +145,7 @@ DEFAULT_POOL_BYTES = 2 << 30
 
 
 def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequences: int, max_context: int,
-                 pages: PagePool | None, graphs: str) -> DecodeRunner:
+                 pages: PagePool | None, graphs: str, compile: str | None = "auto") -> DecodeRunner:
     """The decode batch of a model of ``config`` on ``pages`` (or on a pool of its own)."""
     shape = KVShape.of(config, dtype)
     if pages is None:
@@ -145,7 +153,8 @@ def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequence
         block = page_bytes // shape.position_bytes
         want = (max_sequences * -(-(max_context + 1) // block) + 1) * page_bytes  # every row at full length
         pages = PagePool(runtime.device, max(min(want, DEFAULT_POOL_BYTES), 2 * page_bytes), page_bytes)
-    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs)
+    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs,
+                        compile=compile)
 
 
 def kv_bytes_per_token(config: Any, dtype: str | None) -> int:

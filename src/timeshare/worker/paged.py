@@ -175,7 +175,8 @@ class PagedWrites:
 
 
 @functools.cache
-def _cache_class() -> type:
+def paged_cache_class() -> type:
+    """The adapter's class (made once: transformers is imported on first use)."""
     from transformers import Cache
 
     class PagedCache(Cache):
@@ -207,7 +208,7 @@ def _cache_class() -> type:
 
 def paged_cache(layout: PagedLayout, writes: PagedWrites) -> Any:
     """A ``transformers`` cache over ``layout``'s pages for one step."""
-    return _cache_class()(layout, writes)
+    return paged_cache_class()(layout, writes)
 
 
 def prompt_layers(cache: Any, positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
