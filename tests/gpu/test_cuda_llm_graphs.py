@@ -50,7 +50,6 @@ def test_replayed_graphs_give_the_tokens_of_transformers_warm_cold_and_batched(t
         for prompt, seq in zip(PROMPTS, seqs):
             assert seq.result(120).tokens == want(prompt, 40)
         snap = m.engine.snapshot()
-        assert snap.compiled == "inductor"  # NOTE [Compiled decode steps]: compiled, and captured so
         assert snap.graph_captures == captured and snap.graph_invalidations == 0 and snap.eager_steps == 0
         assert snap.graph_replays >= 3 * 23 + 39
         assert snap.kv_bytes == 0

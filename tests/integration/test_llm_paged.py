@@ -153,28 +153,3 @@ def test_pages_are_shared_by_the_models_of_one_pool(tmp_path):
         assert pool.free_pages == pool.pages - 1  # every page back
         for m in models:
             m.close()
-
-
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_a_compiled_step_traces_whole_and_gives_the_same_tokens(tmp_path, name):
-    """NOTE [Compiled decode steps], traced by dynamo without code generation ("eager"):
-    one graph for every bucket (no row or page bucket of one), no graph break, and the
-    tokens of transformers warm, cold and batched."""
-    import torch._dynamo.utils as dynamo_utils
-
-    path = hfdir.write_model_dir(tmp_path / name, name, seed=6, hidden=96, layers=3)
-    reference = greedy_tokens(path)
-    dynamo_utils.counters.clear()
-    with Runtime("cpu", "64MiB", poison_evicted=True, direct_host_access=False) as rt:
-        m = lm.load(rt, "m", path, graphs="emulate", compile="eager", max_context=128)
-        assert m.generate(m.encode(PROMPTS[0]), greedy(16)).result(120).tokens == reference(PROMPTS[0], 16)
-        rt.evict("m")
-        with rt.hold_device():
-            seqs = [m.generate(m.encode(p), greedy(16)) for p in PROMPTS]
-        for prompt, seq in zip(PROMPTS, seqs):
-            assert seq.result(120).tokens == reference(prompt, 16)
-        snap = m.engine.snapshot()
-        assert snap.eager_steps == 0 and snap.graph_replays > 0
-        m.close()
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
-    assert not dynamo_utils.counters["graph_break"]

@@ -326,8 +326,7 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
     # The first row also under the names of the runs of one count, which readers of earlier
     # results take (bench/campaign_tables.py).
     first = {k: rows[0][k] for k in ("ours_tokens_per_s", "plain_tokens_per_s", "ours_over_plain")}
-    return {"tokens": n, "memory_GBps": memory_Bps / 1e9, "weights_bytes": weights,
-            "compiled": model.engine.snapshot().compiled, "rows": rows, **first}
+    return {"tokens": n, "memory_GBps": memory_Bps / 1e9, "weights_bytes": weights, "rows": rows, **first}
 
 
 def device_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:

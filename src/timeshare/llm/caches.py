@@ -87,10 +87,6 @@ class PagedCaches:
     def counts(self) -> DecodeCounts:
         return self.runner.counts
 
-    @property
-    def compiled(self) -> str | None:
-        return self.runner.compiled
-
     def prefill(self, turn: ModelTurn, seq: Sequence) -> int:
         step = self.runner.prefill(seq.prompt, draw([seq]))
         return int(turn.call((), {"paged": step}).output[0])
@@ -144,8 +140,6 @@ class RemoteCaches:
     def counts(self) -> DecodeCounts:
         """A worker's batch decodes eagerly; its steps are not counted here."""
         return DecodeCounts()
-
-    compiled: str | None = None
 
     def move_out(self) -> int:
         """Ask the home to move the caches to its host memory; the bytes moved. They

@@ -67,7 +67,6 @@ class EngineSnapshot:
     graph_replays: int = 0  # captures dropped because the model was laid out elsewhere
     eager_steps: int = 0
     graph_invalidations: int = 0
-    compiled: str | None = None  # NOTE [Compiled decode steps]: the backend its decode step is compiled with
 
 
 class Engine:
@@ -139,8 +138,7 @@ class Engine:
                                   kv_host_bytes=self.kv_host_bytes, kv_offloads=self.kv_offloads, steps=self.steps,
                                   turns=self.turns, max_sequences=self.max_sequences, max_context=self.max_context,
                                   graph_captures=counts.captures, graph_replays=counts.replays,
-                                  eager_steps=counts.eager, graph_invalidations=counts.invalidations,
-                                  compiled=self._caches.compiled)
+                                  eager_steps=counts.eager, graph_invalidations=counts.invalidations)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread

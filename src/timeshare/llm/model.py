@@ -84,7 +84,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
          offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
-         graphs: str = "auto", compile: str | None = "auto") -> LanguageModel:
+         graphs: str = "auto") -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
@@ -95,8 +95,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     pool of key/value pages it shares with other models (default: a pool of its own for
     ``max_sequences`` sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``),
     NOTE [Paged key/value caches]; ``graphs``: NOTE [Decode graphs] ("auto": captured on
-    CUDA, off elsewhere); ``compile``: a ``torch.compile`` backend for the decode step, or
-    None (NOTE [Compiled decode steps]; "auto": inductor on CUDA, None elsewhere).
+    CUDA, off elsewhere).
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
     d = open_directory(name, path, max_context)
@@ -122,8 +121,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     try:
         if runtime.in_process_worker() is not None:
             kv_dtype = parse_dtype(dtype) or hfdir.weights_dtype(shards)  # the dtype it computes in
-            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs,
-                                              compile))
+            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs))
             if profile and caches.runner.wants_capture:  # resident and idle: NOTE [Decode graphs]
                 try:
                     runtime.call(name, (), {"paged": caches.runner.capture()})
@@ -145,7 +143,7 @@ DEFAULT_POOL_BYTES = 2 << 30
 
 
 def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequences: int, max_context: int,
-                 pages: PagePool | None, graphs: str, compile: str | None = "auto") -> DecodeRunner:
+                 pages: PagePool | None, graphs: str) -> DecodeRunner:
     """The decode batch of a model of ``config`` on ``pages`` (or on a pool of its own)."""
     shape = KVShape.of(config, dtype)
     if pages is None:
@@ -153,8 +151,7 @@ def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequence
         block = page_bytes // shape.position_bytes
         want = (max_sequences * -(-(max_context + 1) // block) + 1) * page_bytes  # every row at full length
         pages = PagePool(runtime.device, max(min(want, DEFAULT_POOL_BYTES), 2 * page_bytes), page_bytes)
-    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs,
-                        compile=compile)
+    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs)
 
 
 def kv_bytes_per_token(config: Any, dtype: str | None) -> int:

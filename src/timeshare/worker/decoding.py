@@ -28,7 +28,6 @@ capture (``functional_call``), so that the CPU tests see what a stale graph woul
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +37,7 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError, GenerationError
-from timeshare.worker.paged import PagedLayout, PagedWrites, cache_key, paged_cache_class, prompt_layers
-
-log = logging.getLogger(__name__)
+from timeshare.worker.paged import PagedLayout, PagedWrites, cache_key, paged_cache, prompt_layers
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 GRAPH_MODES = ("auto", "cuda", "emulate", "off")
@@ -167,33 +164,13 @@ class _StandIn:
         torch.func.functional_call(module, self.tensors, (), {"paged": self._run})
 
 
-# NOTE [Compiled decode steps]
-# A graph replays the kernels of a step: a transformers model's decode step in eager
-# PyTorch is some 40 small kernels a layer (norms, rotary embeddings, activations, each a
-# few element-wise kernels), and at one sequence a replay's time is mostly those kernels
-# one after the other, not the weights' bytes. On CUDA the step is compiled
-# (``torch.compile``, inductor, shapes dynamic: one compilation serves the batch and
-# context buckets) before its graphs are captured, fusing those kernels; the compiled code
-# is cached on disk by inductor per architecture and shape, so same-shaped models and a
-# restart reuse it. ``compile=None`` keeps the eager step; the CPU tests trace it with
-# ``"eager"`` (dynamo without code generation) to check what compiling changes.
-def compiled_step(fn: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
-    import torch._dynamo
-
-    # Each model and bucket shape may compile once: more than dynamo's default per function.
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 256))
-    return torch.compile(fn, backend=backend, dynamic=True)
-
-
 class DecodeRunner:
     """The rows of one model's decode batch on ``layout``'s pages (NOTE [Decode graphs]).
     ``graphs``: "cuda" (captured graphs), "emulate" (stand-ins), "off", or "auto"
     (cuda on a CUDA device, else off)."""
 
     def __init__(self, layout: PagedLayout, *, max_sequences: int, max_context: int, graphs: str = "auto",
-                 graph_context: int = DEFAULT_GRAPH_CONTEXT, compile: str | None = "auto"):
+                 graph_context: int = DEFAULT_GRAPH_CONTEXT):
         if graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
         device = layout.pool.device
@@ -205,13 +182,9 @@ class DecodeRunner:
         self.max_context = max_context
         self.rows: list[_Row] = []
         self.counts = DecodeCounts()
-        backend = ("inductor" if device.type == "cuda" else None) if compile == "auto" else compile
-        width = self._width = max(2, layout.pages_for(max_context + 1))
-        # Compiled, no bucket has one row or one page: a size of 1 would be compiled apart
-        # (NOTE [Compiled decode steps]); a second row or page costs next to nothing.
-        least = 2 if backend is not None else 1
-        self._batches = tuple(b for b in BATCH_BUCKETS if least <= b < max_sequences) + (
-            max(least, _bucket(max_sequences, BATCH_BUCKETS) or max_sequences),)
+        width = self._width = layout.pages_for(max_context + 1)
+        self._batches = tuple(b for b in BATCH_BUCKETS if b < max_sequences) + (
+            (_bucket(max_sequences, BATCH_BUCKETS) or max_sequences),)
         top = self._batches[-1]
         # One buffer of inputs: each row's token, position and block table (NOTE [Decode graphs]).
         self._host = torch.zeros(top, 2 + width, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -220,15 +193,10 @@ class DecodeRunner:
         self._arange = torch.arange(width * layout.block, device=device)
         self._logits: torch.Tensor | None = None
         graph_pages = min(width, layout.pages_for(min(max_context, graph_context) + 1))
-        self._contexts = tuple(sorted({min(max(least, 1 << i), width) for i in range(_pow2(graph_pages).bit_length())}))
+        self._contexts = tuple(sorted({min(1 << i, width) for i in range(_pow2(graph_pages).bit_length())}))
         self._graphs: dict[tuple[int, int], Any] = {}
         self._epoch: int | None = None  # the placement epoch the graphs were captured under
         self._pool = torch.cuda.graph_pool_handle() if graphs == "cuda" else None
-        self._cache_key, self._cache_class = cache_key(), paged_cache_class()
-        self.compiled = backend
-        self._logits_of: Callable[..., torch.Tensor] = self._decode_logits
-        if backend is not None:
-            self._logits_of = compiled_step(self._decode_logits, backend)
 
     # ------------------------------------------------------------------ state
     @property
@@ -332,7 +300,7 @@ class DecodeRunner:
                     row.pages += self.layout.pool.take(1)
                     self._dirty = True
             batch = _bucket(rows, self._batches) or rows
-            pages = max(self._contexts[0], min(_pow2(max(len(r.pages) for r in self.rows)), self._width))
+            pages = min(_pow2(max(len(r.pages) for r in self.rows)), self._width)
             self._load_inputs(tokens, batch)
             self._run(module, rows, batch, pages)
             assert self._logits is not None
@@ -354,29 +322,16 @@ class DecodeRunner:
             self._inputs.zero_()  # every row at the scratch page
             self._dirty = True
             try:
-                self._capture_all(module)
-            except Exception as exc:
+                for batch in reversed(self._batches):
+                    for pages in reversed(self._contexts):
+                        self._graphs[batch, pages] = self._capture_one(module, batch, pages)
+                        self.counts.captures += 1
+            except BaseException:
                 self._graphs.clear()
-                if self.compiled is None:
-                    self.mode = "off"  # not tried again: the steps run eagerly
-                    raise
-                # The compiled step failed: capture the step as transformers runs it.
-                log.warning("compiling the decode step failed; its graphs are captured uncompiled: %s", exc)
-                self.compiled, self._logits_of = None, self._decode_logits
-                try:
-                    self._capture_all(module)
-                except BaseException:
-                    self._graphs.clear()
-                    self.mode = "off"
-                    raise
+                self.mode = "off"  # not tried again: the steps run eagerly
+                raise
             return len(self._graphs)
         return step
-
-    def _capture_all(self, module: nn.Module) -> None:
-        for batch in reversed(self._batches):
-            for pages in reversed(self._contexts):
-                self._graphs[batch, pages] = self._capture_one(module, batch, pages)
-                self.counts.captures += 1
 
     # ------------------------------------------------------------------ internals
     def _load_inputs(self, tokens: list[int], batch: int) -> None:
@@ -400,8 +355,7 @@ class DecodeRunner:
             self.counts.invalidations += 1
             graph = None
         if graph is None:
-            # Eagerly: the exact length, unless compiled (the graphs' shapes: no new compilation).
-            self._step(module, rows, pages, None if self.compiled else max(r.length for r in self.rows) + 1)
+            self._step(module, rows, pages, max(r.length for r in self.rows) + 1)
             self.counts.eager += 1
         elif isinstance(graph, _StandIn):
             graph.replay(module)
@@ -414,28 +368,27 @@ class DecodeRunner:
         """One decode step of the first ``batch`` rows of the inputs, attending to
         ``pages`` pages each (what a graph captures), or run eagerly to the first
         ``length`` positions only (the longest row's): without hidden slots, a row
-        alone is computed as ``transformers`` computes it. Compiled, when it is, as one
-        function of the inputs (NOTE [Compiled decode steps])."""
-        logits = self._logits_of(module, self._inputs, batch, pages, length)
-        if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
-            self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
-        self._logits[:batch].copy_(logits)
-
-    def _decode_logits(self, module: nn.Module, buffer: torch.Tensor, batch: int, pages: int,
-                       length: int | None) -> torch.Tensor:
-        inputs = buffer[:batch]
+        alone is computed as ``transformers`` computes it."""
+        inputs = self._inputs[:batch]
         positions = inputs[:, 1]
         table = inputs[:, 2:2 + pages]
         block = self.layout.block
         writes = PagedWrites(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, table, length)
         dtype = self.layout.shape.dtype
         hidden = self._arange[:length or pages * block][None, :] > positions[:, None]
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=inputs.device).masked_fill(
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=self.device).masked_fill(
             hidden, torch.finfo(dtype).min)[:, None, None, :]
-        out = type(module).forward(module, input_ids=inputs[:, :1], attention_mask=mask,
-                                   position_ids=positions[:, None], use_cache=True, logits_to_keep=1,
-                                   **{self._cache_key: self._cache_class(self.layout, writes)})
-        return out.logits[:, -1]
+        logits = self._forward(module, inputs[:, :1], mask, positions[:, None], writes)[:, -1]
+        if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
+            self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
+        self._logits[:batch].copy_(logits)
+
+    def _forward(self, module: nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 writes: PagedWrites) -> torch.Tensor:
+        out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                   use_cache=True, logits_to_keep=1,
+                                   **{cache_key(): paged_cache(self.layout, writes)})
+        return out.logits
 
     def _capture_one(self, module: nn.Module, batch: int, pages: int) -> Any:
         if self.mode == "emulate":

@@ -175,8 +175,7 @@ class PagedWrites:
 
 
 @functools.cache
-def paged_cache_class() -> type:
-    """The adapter's class (made once: transformers is imported on first use)."""
+def _cache_class() -> type:
     from transformers import Cache
 
     class PagedCache(Cache):
@@ -208,7 +207,7 @@ def paged_cache_class() -> type:
 
 def paged_cache(layout: PagedLayout, writes: PagedWrites) -> Any:
     """A ``transformers`` cache over ``layout``'s pages for one step."""
-    return paged_cache_class()(layout, writes)
+    return _cache_class()(layout, writes)
 
 
 def prompt_layers(cache: Any, positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
