@@ -7,6 +7,8 @@ reloaded weights; a model laid out elsewhere never replays a stale capture."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -130,7 +132,7 @@ def test_a_pool_too_small_for_a_prompt_fails_that_sequence_clearly_and_loses_not
     path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=4, hidden=96, layers=3)
     reference = greedy_tokens(path)
     with Runtime("cpu", "64MiB") as rt:
-        pool = PagePool("cpu", 3 * 4096, page_bytes=4096)  # two pages besides the scratch one
+        pool = PagePool("cpu", 2 * 4096, page_bytes=4096)  # two pages besides the scratch one
         m = lm.load(rt, "llama", path, max_context=256, pages=pool)
         long = list(range(1, 200))
         with pytest.raises(KVMemoryError, match="kv_memory"):
@@ -150,6 +152,41 @@ def test_pages_are_shared_by_the_models_of_one_pool(tmp_path):
         seqs = [m.generate(m.encode(PROMPTS[2]), greedy(20)) for m in models]
         for seq, ref in zip(seqs, refs):
             assert seq.result(60).tokens == ref(PROMPTS[2], 20)
+        assert pool.free_pages == pool.pages - 1  # every page back
+        for m in models:
+            m.close()
+
+
+def test_a_pool_shared_under_a_budget_moves_the_other_models_caches_out_when_full(tmp_path):
+    """NOTE [Key/value caches under pressure] with one pool of ``kv_memory`` bytes (as the
+    server makes it): room for the pages of one generation at a time; when a step finds
+    no page, the other model's caches wait in host memory, and both finish exactly."""
+    from timeshare.llm.kv_budget import KVBudget
+    from timeshare.worker.paged import KVShape, PagedLayout, PagePool
+
+    paths = [hfdir.write_model_dir(tmp_path / a, a, seed=s, hidden=96, layers=2) for a, s in
+             (("llama", 1), ("qwen2", 2))]
+    refs = [greedy_tokens(p) for p in paths]
+    page = 8192
+    need = []
+    for p in paths:
+        config = transformers.AutoConfig.from_pretrained(p)
+        tokens = len(transformers.AutoTokenizer.from_pretrained(p)(PROMPTS[2], add_special_tokens=False).input_ids)
+        layout = PagedLayout(PagePool("cpu", 2 * page, page), KVShape.of(config, torch.float32))
+        need.append(layout.pages_for(tokens + 80))
+    capacity = max(need) * page  # never both at once
+    pool, budget = PagePool("cpu", capacity, page), KVBudget(capacity)
+    with Runtime("cpu", "64MiB") as rt:
+        models = [lm.load(rt, f"m{i}", p, quantum_s=0.0, kv_budget=budget, pages=pool, max_context=256)
+                  for i, p in enumerate(paths)]
+        first = models[0].generate(models[0].encode(PROMPTS[2]), greedy(80))
+        deadline = time.monotonic() + 30
+        while len(first.tokens) < 40 and time.monotonic() < deadline:  # it holds most of its pages
+            time.sleep(0.002)
+        second = models[1].generate(models[1].encode(PROMPTS[2]), greedy(80))
+        assert first.result(60).tokens == refs[0](PROMPTS[2], 80)
+        assert second.result(60).tokens == refs[1](PROMPTS[2], 80)
+        assert budget.snapshot().moves >= 1 and models[0].engine.kv_offloads >= 1
         assert pool.free_pages == pool.pages - 1  # every page back
         for m in models:
             m.close()

@@ -147,6 +147,9 @@ def test_the_docs_table_names_every_part():
 
 def test_worker_processes_import_no_language_model_code():
     """NOTE [Generation in worker processes]: a worker keeps decode batches
-    (``worker/batch.py``), and imports nothing of ``llm`` (which imports the runtime)."""
+    (``worker/batch.py``; paged ones in ``worker/decoding.py`` over ``worker/paged.py``),
+    and imports nothing of ``llm`` (which imports the runtime)."""
     assert "llm" not in _graph()["worker"]
-    assert _imported(SRC / "worker" / "batch.py") <= {"errors"}
+    assert _imported(SRC / "worker" / "batch.py") <= {"errors", "worker"}
+    for name in ("paged.py", "decoding.py"):
+        assert _imported(SRC / "worker" / name) <= {"errors", "dtypes", "worker"}

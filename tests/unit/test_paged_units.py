@@ -17,7 +17,8 @@ def draw(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 
 
 def test_pages_are_zeroed_when_taken_and_page_zero_is_nobodys():
-    pool = PagePool("cpu", 4 * 1024, page_bytes=1024)
+    pool = PagePool("cpu", 3 * 1024, page_bytes=1024)
+    assert pool.nbytes == 3 * 1024 and pool.raw.numel() == 4 * 1024  # and the scratch page
     pages = pool.take(3)
     assert sorted(pages) == [1, 2, 3] and pool.free_pages == 0
     pool.raw.fill_(0xFF)  # poison, as another model's bytes
@@ -33,13 +34,13 @@ def test_pages_are_zeroed_when_taken_and_page_zero_is_nobodys():
 
 
 def test_a_pool_refuses_sizes_it_cannot_hold():
-    with pytest.raises(ConfigError, match="two pages"):
-        PagePool("cpu", 1024, page_bytes=1024)
+    with pytest.raises(ConfigError, match="one page"):
+        PagePool("cpu", 1000, page_bytes=1024)
     with pytest.raises(ConfigError, match="multiple of 1 KiB"):
         PagePool("cpu", 1 << 20, page_bytes=1000)
     shape = KVShape(layers=2, kv_heads=2, head_dim=512, dtype=torch.float32)  # 16 KiB a position
     with pytest.raises(ConfigError, match="raise page_bytes"):
-        PagedLayout(PagePool("cpu", 8 << 10, page_bytes=4096), shape)
+        PagedLayout(PagePool("cpu", 4096, page_bytes=4096), shape)
 
 
 def test_a_models_view_puts_each_position_of_each_layer_in_its_own_slot():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -41,6 +42,7 @@ from timeshare.llm.sequence import Sequence
 from timeshare.protocol import KVStep
 from timeshare.runtime.facade import ModelTurn, Runtime
 from timeshare.worker.decoding import DecodeCounts, DecodeRunner, Draw
+from timeshare.worker.paged import KVMemoryError
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
@@ -58,6 +60,9 @@ class PagedCaches:
     def __init__(self, runner: DecodeRunner):
         self.runner = runner
         self._saved: tuple[torch.Tensor, list[int]] | None = None  # the caches while in host memory
+        # NOTE [Key/value caches under pressure]: with a pool shared under a budget, what
+        # frees pages (other models' caches to host memory) when a step finds none.
+        self.on_full: Callable[[int], int] | None = None
 
     @property
     def out(self) -> bool:
@@ -76,8 +81,14 @@ class PagedCaches:
         """The caches back in pages of the pool, bit for bit."""
         if self._saved is None:
             return
-        saved, self._saved = self._saved, None
-        self.runner.move_in(saved)
+        try:
+            self.runner.move_in(self._saved)
+        except KVMemoryError:  # the pool is full: the others' caches make room (NOTE [Paged key/value caches])
+            if self.on_full is None:
+                raise
+            self.on_full(sum(self._saved[1]) * self.runner.layout.pool.page_bytes)
+            self.runner.move_in(self._saved)
+        self._saved = None
 
     @property
     def nbytes(self) -> int:
@@ -89,11 +100,23 @@ class PagedCaches:
 
     def prefill(self, turn: ModelTurn, seq: Sequence) -> int:
         step = self.runner.prefill(seq.prompt, draw([seq]))
-        return int(turn.call((), {"paged": step}).output[0])
+        need = self.runner.layout.pages_for(len(seq.prompt))
+        return int(self._call(turn, step, need).output[0])
 
     def decode(self, turn: ModelTurn, seqs: list[Sequence]) -> list[int | Exception]:
         step = self.runner.decode([s.tokens[-1] for s in seqs], draw(seqs))
-        return [int(t) for t in turn.call((), {"paged": step}).output.tolist()]
+        return [int(t) for t in self._call(turn, step, len(seqs)).output.tolist()]
+
+    def _call(self, turn: ModelTurn, step: Callable, pages: int):
+        """The step; if the pool has no page for it, once more after ``on_full`` made room
+        for ``pages`` pages (a step that found no page changed nothing)."""
+        try:
+            return turn.call((), {"paged": step})
+        except KVMemoryError:
+            if self.on_full is None:
+                raise
+        self.on_full(pages * self.runner.layout.pool.page_bytes)
+        return turn.call((), {"paged": step})
 
     def capture(self, turn: ModelTurn) -> int:
         """Capture the decode graphs if they are wanted (the model resident and idle)."""

@@ -110,6 +110,8 @@ class Engine:
         self.turns = 0
         if kv_budget is not None:
             kv_budget.join(self)
+            if isinstance(caches, PagedCaches):  # a shared pool found full: the others' caches make room
+                caches.on_full = lambda nbytes: kv_budget.free(self, nbytes)
         self._thread = threading.Thread(target=self._loop, name=f"timeshare-llm-{name}", daemon=True)
         self._thread.start()
 

@@ -82,12 +82,25 @@ class KVBudget:
         if over <= 0:
             return
         others = sorted((e for e in engines if e is not holder), key=lambda e: e.last_turn)
-        for victim in others if keep else [*others, holder]:
-            if over <= 0:
+        self._move_out(holder, others if keep else [*others, holder], over)
+
+    def free(self, holder: Engine, nbytes: int) -> int:
+        """Called by ``holder`` in its turn when the pool its pages come from has none
+        left (NOTE [Paged key/value caches]): move the others' caches out, least recent
+        turn first, until ``nbytes`` are free; the bytes moved."""
+        with self._lock:
+            others = sorted((e for e in self._engines if e is not holder), key=lambda e: e.last_turn)
+        return self._move_out(holder, others, nbytes)
+
+    def _move_out(self, holder: Engine, victims: list[Engine], want: int) -> int:
+        moved_in_all = 0
+        for victim in victims:
+            if moved_in_all >= want:
                 break
             moved = victim.move_kv_out() if victim is not holder else holder.give_up_kv()
             if moved:
-                over -= moved
+                moved_in_all += moved
                 with self._lock:
                     self.moves += 1
                     self.moved_bytes += moved
+        return moved_in_all

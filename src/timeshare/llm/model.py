@@ -149,8 +149,8 @@ def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequence
     if pages is None:
         page_bytes = page_bytes_for(shape)
         block = page_bytes // shape.position_bytes
-        want = (max_sequences * -(-(max_context + 1) // block) + 1) * page_bytes  # every row at full length
-        pages = PagePool(runtime.device, max(min(want, DEFAULT_POOL_BYTES), 2 * page_bytes), page_bytes)
+        want = max_sequences * -(-(max_context + 1) // block) * page_bytes  # every row at full length
+        pages = PagePool(runtime.device, max(min(want, DEFAULT_POOL_BYTES), page_bytes), page_bytes)
     return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs)
 
 

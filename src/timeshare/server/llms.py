@@ -22,6 +22,7 @@ from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Event, Finish
 from timeshare.runtime.facade import Runtime
 from timeshare.server.status import ModelFailure, failure_of
+from timeshare.worker.paged import PagePool
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,14 @@ class ServedLLM(Protocol):
     def close(self) -> None: ...
 
 
-def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = None) -> ServedLLM:
-    """``cfg``'s model generating in this process, on ``runtime``; ``kv_budget``: shared by
-    the runtime's language models (NOTE [Key/value caches under pressure])."""
+def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = None,
+               pages: PagePool | None = None) -> ServedLLM:
+    """``cfg``'s model generating in this process, on ``runtime``; ``kv_budget`` and
+    ``pages``: shared by the runtime's language models (NOTE [Key/value caches under
+    pressure], NOTE [Paged key/value caches])."""
     return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
                    max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
-                   offload_kv=cfg.offload_kv, kv_budget=kv_budget)
+                   offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages)
 
 
 class LanguageModels:

@@ -36,6 +36,7 @@ from timeshare.server.runner import QueueRunner, Reply
 from timeshare.server.snapshot import ServiceSnapshot
 from timeshare.server.status import FailureKind, ModelFailure, failure_of
 from timeshare.units import parse_bytes
+from timeshare.worker.paged import PagePool
 
 if TYPE_CHECKING:
     from timeshare.cluster.backend import ClusterRuntime
@@ -57,6 +58,7 @@ class Service:
         self.kv_budget = None if kv_memory is None or config.cluster is not None else \
             KVBudget(parse_bytes(kv_memory, what="kv_memory"))
         self.runtime: Backend | None = runtime
+        self.kv_pages: PagePool | None = None  # NOTE [Paged key/value caches]: shared, sized by kv_memory
         self.parsers = ParserPool.from_config(config.server)  # large request bodies (NOTE in parser_pool.py)
         # A model's batches run one at a time on one runtime; in front of a cluster, as many
         # at once as it has replicas (NOTE [Request batching]).
@@ -101,7 +103,17 @@ class Service:
         if self.config.cluster is not None:
             return self.cluster().language_model(cfg.name)
         assert isinstance(self._rt, Runtime), "without a cluster the runtime is in this process"
-        return open_local(self._rt, cfg, self.kv_budget)
+        return open_local(self._rt, cfg, self.kv_budget, self._kv_pages(self._rt))
+
+    def _kv_pages(self, rt: Runtime) -> PagePool | None:
+        """With ``kv_memory`` and the models generating in this process: one pool of that
+        many bytes for every language model's key/value pages (NOTE [Paged key/value
+        caches]), made with the first model."""
+        if self.kv_budget is None or rt.in_process_worker() is None:
+            return None
+        if self.kv_pages is None:
+            self.kv_pages = PagePool(rt.device, self.kv_budget.capacity)
+        return self.kv_pages
 
     def _llm_defs(self) -> list:
         """The config's language models as every replica of a cluster loads them."""

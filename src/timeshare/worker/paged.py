@@ -73,15 +73,15 @@ def page_bytes_for(shape: KVShape, positions: int = 32) -> int:
 
 
 class PagePool:
-    """``nbytes`` of device memory in pages of ``page_bytes`` (NOTE [Paged key/value
-    caches]), allocated once; page 0 is the scratch page."""
+    """``nbytes`` of device memory for caches in pages of ``page_bytes`` (NOTE [Paged
+    key/value caches]), and the scratch page (page 0) beside them, allocated once."""
 
     def __init__(self, device: torch.device | str, nbytes: int, page_bytes: int = DEFAULT_PAGE_BYTES):
         if page_bytes < 1024 or page_bytes % 1024:
             raise ConfigError(f"page_bytes must be a positive multiple of 1 KiB, got {page_bytes}")
-        pages = nbytes // page_bytes
+        pages = nbytes // page_bytes + 1
         if pages < 2:
-            raise ConfigError(f"a key/value page pool needs at least two pages of {page_bytes} bytes, "
+            raise ConfigError(f"a key/value page pool needs at least one page of {page_bytes} bytes, "
                               f"got {nbytes} bytes")
         self.device = torch.device(device)
         self.page_bytes, self.pages = page_bytes, pages
@@ -92,7 +92,8 @@ class PagePool:
 
     @property
     def nbytes(self) -> int:
-        return self.pages * self.page_bytes
+        """The bytes for caches (the scratch page aside)."""
+        return (self.pages - 1) * self.page_bytes
 
     @property
     def free_pages(self) -> int:
