@@ -190,3 +190,24 @@ def test_a_pool_shared_under_a_budget_moves_the_other_models_caches_out_when_ful
         assert pool.free_pages == pool.pages - 1  # every page back
         for m in models:
             m.close()
+
+
+def test_nan_weights_fail_the_sequence_with_a_clear_error_and_keep_nothing(tmp_path):
+    """A corrupt weights file whose numbers are NaN: no token is made up from NaN logits."""
+    from safetensors.torch import load_file, save_file
+
+    from timeshare.errors import GenerationError
+
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=4, hidden=96, layers=2)
+    shard = next(f for f in hfdir.shard_files(path) if "model.norm.weight" in load_file(f))
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with Runtime("cpu", "64MiB") as rt:
+        pool = lm.PagePool("cpu", 256 << 10, page_bytes=8192)
+        m = lm.load(rt, "llama", path, max_context=128, pages=pool)
+        for params in (greedy(4), SamplingParams(max_tokens=4, temperature=0.7, seed=1)):
+            with pytest.raises(GenerationError, match="NaN"):
+                m.generate(m.encode(PROMPTS[0]), params).result(60)
+        assert pool.free_pages == pool.pages - 1 and m.engine.snapshot().kv_bytes == 0
+        m.close()

@@ -99,3 +99,11 @@ def test_a_relayout_moves_the_placement_epoch_on():
     before = placement_epoch(module)
     relaid_out(module)
     assert placement_epoch(module) == before + 1
+
+
+def test_a_row_whose_logits_hold_nan_gets_no_token():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(2))
+    logits[1, 7] = float("nan")
+    for d in (draw(3, temperature=0.0), draw(3, temperature=0.8, top_p=0.9)):
+        got = choose(logits, d)
+        assert int(got[1]) == -1 and int(got[0]) >= 0 and int(got[2]) >= 0

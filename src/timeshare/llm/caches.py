@@ -52,6 +52,9 @@ class CachesLostError(WorkerError):
     """The worker that kept a batch's caches failed: every row in it is lost."""
 
 
+NAN_LOGITS = "the model's logits for this sequence hold NaN (corrupt weights?): no token is chosen from them"
+
+
 class PagedCaches:
     """The batch in this process, on paged caches (``worker/decoding.py``): each step is
     a runtime call of the model that runs the runner's step (NOTE [Decode graphs]), the
@@ -101,11 +104,17 @@ class PagedCaches:
     def prefill(self, turn: ModelTurn, seq: Sequence) -> int:
         step = self.runner.prefill(seq.prompt, draw([seq]))
         need = self.runner.layout.pages_for(len(seq.prompt))
-        return int(self._call(turn, step, need).output[0])
+        token = int(self._call(turn, step, need).output[0])
+        if token < 0:  # its row joined: it leaves again, its pages back in the pool
+            self.runner.keep(list(range(len(self.runner) - 1)))
+            raise GenerationError(NAN_LOGITS)
+        return token
 
     def decode(self, turn: ModelTurn, seqs: list[Sequence]) -> list[int | Exception]:
+        """Each row's next token, or the error of a row whose logits were NaN (its alone)."""
         step = self.runner.decode([s.tokens[-1] for s in seqs], draw(seqs))
-        return [int(t) for t in self._call(turn, step, len(seqs)).output.tolist()]
+        return [GenerationError(NAN_LOGITS) if t < 0 else int(t)
+                for t in self._call(turn, step, len(seqs)).output.tolist()]
 
     def _call(self, turn: ModelTurn, step: Callable, pages: int):
         """The step; if the pool has no page for it, once more after ``on_full`` made room

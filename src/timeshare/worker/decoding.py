@@ -98,10 +98,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def choose(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
     """Each row's next token from ``logits`` ([rows, vocab]) on their device (NOTE [Decode
     graphs]): the argmax for greedy rows, else a Gumbel-max draw over the logits divided
-    by the temperature, cut to the top-k and to the smallest set reaching top-p."""
+    by the temperature, cut to the top-k and to the smallest set reaching top-p; -1 for a
+    row whose logits hold a NaN (a token would be a wrong answer)."""
     best = logits.argmax(dim=-1)
+    broken = logits.isnan().any(dim=-1)  # no token for a row whose logits are NaN: -1, an error for its sequence
     if draw.greedy:
-        return best
+        return torch.where(broken, -1, best)
     device, rows, vocab = logits.device, logits.shape[0], logits.shape[1]
     temperature = torch.tensor(draw.temperature, device=device, dtype=torch.float32)
     scores = logits.float() / temperature.clamp_min(1e-6)[:, None]
@@ -122,7 +124,7 @@ def choose(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
     gumbel = -torch.log(-torch.log(uniform))
     sampled = (scores.double() + gumbel).argmax(dim=-1)
     greedy = torch.tensor([t == 0.0 for t in draw.temperature], device=device)
-    return torch.where(greedy, best, sampled).view(rows)
+    return torch.where(broken, -1, torch.where(greedy, best, sampled)).view(rows)
 
 
 @dataclass

@@ -85,8 +85,11 @@ class PagePool:
                               f"got {nbytes} bytes")
         self.device = torch.device(device)
         self.page_bytes, self.pages = page_bytes, pages
-        self.raw = torch.zeros(pages * page_bytes, dtype=torch.uint8, device=self.device)
+        # Not zeroed as a whole: a page is zeroed when taken (on the CPU the pages a pool
+        # never uses are never touched), the scratch page now.
+        self.raw = torch.empty(pages * page_bytes, dtype=torch.uint8, device=self.device)
         self._by_page = self.raw.view(pages, page_bytes)
+        self._by_page[0].zero_()
         self._free = list(range(pages - 1, 0, -1))  # pop() takes the lowest
         self._lock = threading.Lock()
 
