@@ -25,7 +25,7 @@ from timeshare.memory.ephemeral import lane_bytes
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
 from timeshare.worker.decoding import DecodeRunner
-from timeshare.worker.paged import KVShape, PagedLayout, PagePool, page_bytes_for
+from timeshare.worker.paged import MAX_BLOCK, KVShape, PagedLayout, PagePool, page_bytes_for
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +142,32 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
 DEFAULT_POOL_BYTES = 2 << 30
 
 
+def pool_bytes(shape: KVShape, max_sequences: int, max_context: int) -> tuple[int, int]:
+    """Pages of 32 positions and the bytes of ``max_sequences`` rows at ``max_context``
+    positions in them (at most ``DEFAULT_POOL_BYTES``)."""
+    page_bytes = page_bytes_for(shape)
+    block = min(page_bytes // shape.position_bytes, MAX_BLOCK)
+    want = max_sequences * -(-(max_context + 1) // block) * page_bytes  # every row at full length
+    return page_bytes, max(min(want, DEFAULT_POOL_BYTES), page_bytes)
+
+
+def pool_need(path: str | Path, dtype: str | None, max_sequences: int, max_context: int | None) -> tuple[int, int]:
+    """``pool_bytes`` of the model directory ``path`` (its config read, nothing else)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
+    shape = KVShape.of(config, parse_dtype(dtype) or torch.float32)
+    return pool_bytes(shape, max_sequences, max_context or int(positions))
+
+
 def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequences: int, max_context: int,
                  pages: PagePool | None, graphs: str) -> DecodeRunner:
     """The decode batch of a model of ``config`` on ``pages`` (or on a pool of its own)."""
     shape = KVShape.of(config, dtype)
     if pages is None:
-        page_bytes = page_bytes_for(shape)
-        block = page_bytes // shape.position_bytes
-        want = max_sequences * -(-(max_context + 1) // block) * page_bytes  # every row at full length
-        pages = PagePool(runtime.device, max(min(want, DEFAULT_POOL_BYTES), page_bytes), page_bytes)
+        page_bytes, nbytes = pool_bytes(shape, max_sequences, max_context)
+        pages = PagePool(runtime.device, nbytes, page_bytes)
     return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs)
 
 

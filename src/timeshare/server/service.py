@@ -21,6 +21,7 @@ import torch
 
 from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
+from timeshare.llm import model as lm
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
@@ -106,13 +107,17 @@ class Service:
         return open_local(self._rt, cfg, self.kv_budget, self._kv_pages(self._rt))
 
     def _kv_pages(self, rt: Runtime) -> PagePool | None:
-        """With ``kv_memory`` and the models generating in this process: one pool of that
-        many bytes for every language model's key/value pages (NOTE [Paged key/value
-        caches]), made with the first model."""
+        """With ``kv_memory`` and the models generating in this process: one pool for
+        every language model's key/value pages (NOTE [Paged key/value caches]), made with
+        the first model: ``kv_memory`` bytes, or what the largest model's ``max_sequences``
+        rows take at ``max_context`` if more (a turn may always fill its batch: the others'
+        caches make room), in pages of 32 positions of the largest model."""
         if self.kv_budget is None or rt.in_process_worker() is None:
             return None
         if self.kv_pages is None:
-            self.kv_pages = PagePool(rt.device, self.kv_budget.capacity)
+            needs = [lm.pool_need(c.path, c.dtype, c.max_sequences, c.max_context) for c in self.config.llms]
+            page_bytes = max(page for page, _ in needs)
+            self.kv_pages = PagePool(rt.device, max(self.kv_budget.capacity, *(n for _, n in needs)), page_bytes)
         return self.kv_pages
 
     def _llm_defs(self) -> list:
