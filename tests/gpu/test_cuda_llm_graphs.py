@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import timeshare
+from tests.llm_reference import greedy_tokens
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
 from timeshare.llm.sampling import SamplingParams
@@ -20,16 +21,7 @@ PROMPTS = ["the model switch fast", "a gpu share time", "load weights layer toke
 
 
 def reference(path):
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path).to("cuda").eval()
-
-    def want(prompt: str, n: int) -> list[int]:
-        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]], device="cuda")
-        out = ref.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
-                           pad_token_id=tok.pad_token_id)
-        return out[0, ids.shape[1]:].tolist()
-
-    return want
+    return greedy_tokens(path, "cuda")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
