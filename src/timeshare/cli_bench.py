@@ -137,6 +137,8 @@ def _add_llm(bench) -> None:
     p.add_argument("--workers", type=int, default=0,
                    help="wake and decode on a runtime with this many worker processes (the caches in one of them)")
     p.add_argument("--workdir", default=None, help="write (and reuse) the model directories here")
+    p.add_argument("--compile", default="auto", choices=["auto", "inductor", "off"],
+                   help="the decode step its CUDA graphs capture: compiled (auto: inductor on CUDA) or eager")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     json_option(p)
@@ -175,7 +177,7 @@ def run(args, console, run_bench) -> int:
                              fleet_models=args.fleet_models, fleet_requests=args.fleet_requests,
                              fleet_rate_per_s=args.fleet_rate, fleet_max_tokens=args.fleet_max_tokens,
                              zipf=args.zipf, device=args.device, seed=args.seed, workdir=args.workdir,
-                             parts=tuple(args.parts), workers=args.workers)
+                             parts=tuple(args.parts), workers=args.workers, compile=args.compile)
         return run_bench(run_llm, llm, _shower(console, _print_llm, plot_llm, args.plot), args.json)
     if args.bench == "variants":
         from timeshare.bench.variants import VariantsBenchConfig
@@ -240,6 +242,10 @@ def _print_llm(console, r: dict) -> None:
                       f"TTFT warm {w['warm_ttft_s'] * 1e3:.1f} ms, cold {w['cold_ttft_s'] * 1e3:.1f} ms "
                       f"({w['cold_over_warm_plus_copy']:.2f}x warm + copy, {w['cold_over_floor']:.2f}x the floor), "
                       f"{base}; cold tokens exact {w['cold_tokens_exact']}/{w['cold_runs']}")
+    if "graphs" in r:
+        g = r["graphs"]
+        console.print(f"decode graphs: {g['captures']} captured ({g['compiled']} of a compiled step) in "
+                      f"{g['capture_s']:.1f} s")
     if "decode" in r:
         t = Table(title=f"decode: {r['decode']['tokens']} tokens per sequence, model resident")
         for col in ("sequences", "timeshare tokens/s", "transformers tokens/s", "ratio", "tokens exact",

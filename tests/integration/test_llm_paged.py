@@ -211,3 +211,80 @@ def test_nan_weights_fail_the_sequence_with_a_clear_error_and_keep_nothing(tmp_p
                 m.generate(m.encode(PROMPTS[0]), params).result(60)
         assert pool.free_pages == pool.pages - 1 and m.engine.snapshot().kv_bytes == 0
         m.close()
+
+
+# NOTE [Compiled decode steps]: on CUDA the step the graphs capture is compiled by inductor;
+# here dynamo traces it and AOTAutograd functionalizes it (``aot_eager``), as inductor would
+# be given it, and PyTorch's kernels run it.
+class Traced:
+    """A ``torch.compile`` backend that keeps each graph dynamo traced, then runs it as
+    ``aot_eager`` does."""
+
+    def __init__(self):
+        self.graphs: list = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def writes(self) -> list[str]:
+        """The in-place operations in the traced graphs (a write into the pool would be one)."""
+        return [str(n.target) for gm in self.graphs for n in gm.graph.nodes
+                if n.op in ("call_function", "call_method")
+                and ("setitem" in str(n.target) or (str(n.target).endswith("_") and not str(n.target).endswith("__")))]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_a_compiled_step_is_traced_once_writes_nothing_and_gives_the_tokens_of_transformers(tmp_path, architecture):
+    path = hfdir.write_model_dir(tmp_path / architecture, architecture, seed=5, hidden=64, layers=2)
+    reference = greedy_tokens(path)
+    backend = Traced()
+    with Runtime("cpu", "64MiB", poison_evicted=True, copy_delay_s=0.001, direct_host_access=False) as rt:
+        m = lm.load(rt, "m", path, graphs="emulate", max_context=128, compile=backend)
+        snap = m.engine.snapshot()
+        assert snap.graphs_compiled == snap.graph_captures > 0
+        # One trace for every bucket of batch and context: shapes are dynamic, none is 1.
+        assert len(backend.graphs) == 1
+        # The pool is read, never written, inside: the step writes its keys and values after.
+        assert backend.writes() == []
+        assert m.generate(m.encode(PROMPTS[0]), greedy(16)).result(60).tokens == reference(PROMPTS[0], 16)
+        rt.evict("m")  # cold: a pipelined load into a poisoned block, the stand-ins replayed
+        assert m.generate(m.encode(PROMPTS[2]), greedy(16)).result(60).tokens == reference(PROMPTS[2], 16)
+        with rt.hold_device():  # one batch of three: a bucket of four rows
+            seqs = [m.generate(m.encode(p), greedy(20)) for p in PROMPTS]
+        for prompt, seq in zip(PROMPTS, seqs):
+            assert seq.result(60).tokens == reference(prompt, 20)
+        snap = m.engine.snapshot()
+        assert snap.eager_steps == 0 and snap.graph_replays >= 2 * 15 + 19
+        assert len(backend.graphs) == 1
+        m.close()
+
+
+def test_same_shaped_models_share_one_compiled_step_and_each_reads_its_own_weights(tmp_path):
+    paths = [hfdir.write_model_dir(tmp_path / f"m{seed}", "llama", seed=seed, hidden=64, layers=2) for seed in (1, 2)]
+    backend = Traced()
+    with Runtime("cpu", "64MiB", direct_host_access=False) as rt:
+        models = [lm.load(rt, f"m{i}", p, graphs="emulate", max_context=128, compile=backend)
+                  for i, p in enumerate(paths)]
+        assert len(backend.graphs) == 1  # the second model's captures took the first one's trace
+        assert all(m.engine.snapshot().graphs_compiled > 0 for m in models)
+        for m, p in zip(models, paths):
+            assert m.generate(m.encode(PROMPTS[1]), greedy(12)).result(60).tokens == greedy_tokens(p)(PROMPTS[1], 12)
+            m.close()
+
+
+def test_a_step_that_fails_to_compile_is_captured_uncompiled(tmp_path, caplog):
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=5, hidden=64, layers=2)
+    reference = greedy_tokens(path)
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generator here")
+
+    with Runtime("cpu", "64MiB", direct_host_access=False) as rt:
+        m = lm.load(rt, "m", path, graphs="emulate", max_context=128, compile=broken)
+        snap = m.engine.snapshot()
+        assert snap.graph_captures > 0 and snap.graphs_compiled == 0
+        assert "captured uncompiled" in caplog.text and "no code generator here" in caplog.text
+        assert m.generate(m.encode(PROMPTS[1]), greedy(12)).result(60).tokens == reference(PROMPTS[1], 12)
+        assert m.engine.snapshot().graph_replays >= 11
+        m.close()

@@ -68,6 +68,7 @@ class LLMBenchConfig:
     seed: int = 0
     workdir: str | None = None  # where the model directories are written (default: a temporary one)
     workers: int = 0  # wake and decode: worker processes (NOTE [Generation in worker processes])
+    compile: str = "auto"  # the decode step the graphs capture (NOTE [Compiled decode steps])
     parts: tuple[str, ...] = field(default_factory=lambda: ("wake", "decode", "fleet"))
 
     def __post_init__(self):
@@ -84,6 +85,8 @@ class LLMBenchConfig:
             raise ConfigError(f"unknown parts {sorted(unknown)}; known: wake, decode, fleet")
         if "fleet" in self.parts and (self.fleet_models < 3 or self.fleet_requests < 1 or self.fleet_rate_per_s <= 0):
             raise ConfigError("the fleet needs at least 3 models, 1 request and a positive rate")
+        if self.compile not in ("auto", "inductor", "off"):
+            raise ConfigError(f"compile must be auto, inductor or off, got {self.compile!r}")
         if self.workers < 0 or self.workers == 1:
             raise ConfigError("workers must be 0 (in-process) or at least 2 (a home and a standby)")
         size = SIZES[self.size]
@@ -150,7 +153,10 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
         progress(f"registering the model ({format_bytes(weights)})")
         with _without_initialisation():
             model = lm.load(rt, "m", path, dtype=config.dtype if convert else None,
-                            max_sequences=max(8, *config.concurrent))
+                            max_sequences=max(8, *config.concurrent), compile=config.compile)
+        snap = model.engine.snapshot()
+        out["graphs"] = {"captures": snap.graph_captures, "compiled": snap.graphs_compiled,
+                         "capture_s": snap.capture_s}
         try:
             if "wake" in config.parts:
                 progress("wake: warm and cold time to first token")

@@ -67,6 +67,8 @@ class EngineSnapshot:
     graph_replays: int = 0  # captures dropped because the model was laid out elsewhere
     eager_steps: int = 0
     graph_invalidations: int = 0
+    graphs_compiled: int = 0  # NOTE [Compiled decode steps]: captures of a compiled step, and the
+    capture_s: float = 0.0  # seconds capturing took, compiling included
 
 
 class Engine:
@@ -140,7 +142,8 @@ class Engine:
                                   kv_host_bytes=self.kv_host_bytes, kv_offloads=self.kv_offloads, steps=self.steps,
                                   turns=self.turns, max_sequences=self.max_sequences, max_context=self.max_context,
                                   graph_captures=counts.captures, graph_replays=counts.replays,
-                                  eager_steps=counts.eager, graph_invalidations=counts.invalidations)
+                                  eager_steps=counts.eager, graph_invalidations=counts.invalidations,
+                                  graphs_compiled=counts.compiled, capture_s=counts.capture_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread

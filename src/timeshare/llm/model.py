@@ -84,7 +84,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
          offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
-         graphs: str = "auto") -> LanguageModel:
+         graphs: str = "auto", compile: str | Callable[..., Any] = "auto") -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
@@ -95,7 +95,8 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     pool of key/value pages it shares with other models (default: a pool of its own for
     ``max_sequences`` sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``),
     NOTE [Paged key/value caches]; ``graphs``: NOTE [Decode graphs] ("auto": captured on
-    CUDA, off elsewhere).
+    CUDA, off elsewhere); ``compile``: NOTE [Compiled decode steps] ("auto": inductor
+    where graphs are captured on CUDA, "off" to capture transformers' eager step).
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
     d = open_directory(name, path, max_context)
@@ -121,7 +122,8 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     try:
         if runtime.in_process_worker() is not None:
             kv_dtype = parse_dtype(dtype) or hfdir.weights_dtype(shards)  # the dtype it computes in
-            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs))
+            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs,
+                                               compile))
             if profile and caches.runner.wants_capture:  # resident and idle: NOTE [Decode graphs]
                 try:
                     runtime.call(name, (), {"paged": caches.runner.capture()})
@@ -162,13 +164,14 @@ def pool_need(path: str | Path, dtype: str | None, max_sequences: int, max_conte
 
 
 def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequences: int, max_context: int,
-                 pages: PagePool | None, graphs: str) -> DecodeRunner:
+                 pages: PagePool | None, graphs: str, compile: str | Callable[..., Any] = "auto") -> DecodeRunner:
     """The decode batch of a model of ``config`` on ``pages`` (or on a pool of its own)."""
     shape = KVShape.of(config, dtype)
     if pages is None:
         page_bytes, nbytes = pool_bytes(shape, max_sequences, max_context)
         pages = PagePool(runtime.device, nbytes, page_bytes)
-    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context, graphs=graphs)
+    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context,
+                        graphs=graphs, compile=compile)
 
 
 def kv_bytes_per_token(config: Any, dtype: str | None) -> int:

@@ -28,6 +28,11 @@ capture (``functional_call``), so that the CPU tests see what a stale graph woul
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,9 +42,12 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError, GenerationError
-from timeshare.worker.paged import PagedLayout, PagedWrites, cache_key, paged_cache, prompt_layers
+from timeshare.worker.paged import PagedLayout, PagedStep, cache_key, paged_cache_class, prompt_layers
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+COMPILE_MODES = ("auto", "inductor", "aot_eager", "eager", "off")  # or a torch.compile backend (a callable)
 GRAPH_MODES = ("auto", "cuda", "emulate", "off")
 DEFAULT_GRAPH_CONTEXT = 4096  # positions up to which decode graphs are captured (longer rows run eagerly)
 
@@ -129,10 +137,13 @@ def choose(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
 
 @dataclass
 class DecodeCounts:
-    """Steps so far: graphs captured, steps replayed and run eagerly, captures dropped
-    because the model was laid out elsewhere."""
+    """Steps so far: graphs captured (and of those, of a compiled step: NOTE [Compiled
+    decode steps]), the seconds capturing took (compiling too), steps replayed and run
+    eagerly, captures dropped because the model was laid out elsewhere."""
 
     captures: int = 0
+    compiled: int = 0
+    capture_s: float = 0.0
     replays: int = 0
     eager: int = 0
     invalidations: int = 0
@@ -166,39 +177,112 @@ class _StandIn:
         torch.func.functional_call(module, self.tensors, (), {"paged": self._run})
 
 
+# NOTE [Compiled decode steps]
+# A graph replays the kernels of a step, and a transformers model's step in eager PyTorch
+# is some 40 small kernels a layer (norms, rotary embeddings and activations, each a few
+# element-wise kernels): at one sequence a replay's time is mostly those, one after the
+# other, not the weights' bytes (H200: 500 kernels, 1.35 ms, for a 100M model). So on
+# CUDA the model's forward for a step (``decode_logits``) is compiled (``torch.compile``,
+# inductor) before its graphs are captured, to fuse them. What is compiled reads the
+# pool and writes nothing but its outputs (NOTE [Paged key/value caches]): the step's
+# new keys and values go into the pages after it, still inside the captured graph. A
+# compiled function that writes into a view of an input may copy the whole input (a
+# first version wrote each layer's slots inside: 14 tokens/s on an H200, and copying
+# the pool is the likely cause). Shapes are dynamic and no bucket has one row or one
+# page (a size of 1 would be compiled apart; a second row or page costs next to
+# nothing), so one trace serves every bucket of a model. There is one compiled function
+# for every runner, and the weights are its graph's inputs: a model shaped as one traced
+# before takes that trace (dynamo's guards check that it may), and inductor's cache on
+# disk spares a restart the code generation. Eager steps (CPU, or a graph dropped after
+# a relayout) are never compiled: they stay exact. A compilation that fails leaves the
+# graphs captured uncompiled. The CPU tests compile with ``aot_eager`` (dynamo's trace,
+# functionalized as inductor would get it, run by PyTorch's kernels).
+@functools.cache
+def compiled_step(backend: str | Callable[..., Any]) -> Callable[..., Any]:
+    """``decode_logits`` compiled by ``backend``: one for every runner, so that a model of a
+    shape traced before takes the code traced for it (dynamo's guards check that it is)."""
+    import torch._dynamo
+
+    # Each model may compile its own graph (its weights are other tensors): more than
+    # dynamo's default number per function.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
+    casts: Callable[[], Any] = contextlib.nullcontext
+    if backend == "inductor":
+        with warnings.catch_warnings():  # torch 2.11's inductor imports a module that warns at import
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor import config as inductor
+
+        # Round where eager PyTorch rounds (a bf16 product of a float32 norm, say), so that
+        # the compiled step's tokens part from transformers' as rarely as they can.
+        casts = functools.partial(inductor.patch, emulate_precision_casts=True)
+    from torch.fx.experimental import _config as shapes
+
+    compiled = torch.compile(decode_logits, backend=backend, dynamic=True)
+
+    def run(*args: Any) -> Any:
+        # Sizes equal by chance at the first trace (the largest batch and the widest table)
+        # are not taken for one size, which would trace again at the next bucket; a module's
+        # float constants (an embedding's norm_type) are constants, not inputs, which would
+        # restart the trace once they turn out to be.
+        with warnings.catch_warnings():
+            # Inductor's advice to allow TF32 matmuls in float32: we keep eager's precision.
+            warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores", category=UserWarning)
+            with shapes.patch(use_duck_shape=False), config.patch(specialize_float=True), casts():  # type: ignore[attr-defined]
+                return compiled(*args)
+    return run
+
+
 class DecodeRunner:
     """The rows of one model's decode batch on ``layout``'s pages (NOTE [Decode graphs]).
     ``graphs``: "cuda" (captured graphs), "emulate" (stand-ins), "off", or "auto"
     (cuda on a CUDA device, else off)."""
 
     def __init__(self, layout: PagedLayout, *, max_sequences: int, max_context: int, graphs: str = "auto",
-                 graph_context: int = DEFAULT_GRAPH_CONTEXT):
+                 graph_context: int = DEFAULT_GRAPH_CONTEXT, compile: str | Callable[..., Any] = "auto"):
         if graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
+        if isinstance(compile, str) and compile not in COMPILE_MODES:
+            raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         device = layout.pool.device
         if graphs == "auto":
             graphs = "cuda" if device.type == "cuda" else "off"
         if graphs == "cuda" and device.type != "cuda":
             raise ConfigError("CUDA graphs need a CUDA device")
+        if compile == "auto":
+            compile = "inductor" if graphs == "cuda" else "off"
+        # NOTE [Compiled decode steps]: only what graphs capture is compiled.
+        self.compiled: str | Callable[..., Any] | None = None if compile == "off" or graphs == "off" else compile
         self.layout, self.device, self.mode = layout, device, graphs
         self.max_context = max_context
         self.rows: list[_Row] = []
         self.counts = DecodeCounts()
-        width = self._width = layout.pages_for(max_context + 1)
-        self._batches = tuple(b for b in BATCH_BUCKETS if b < max_sequences) + (
-            (_bucket(max_sequences, BATCH_BUCKETS) or max_sequences),)
+        # Compiled, no bucket has one row or one page (NOTE [Compiled decode steps]).
+        least = 1 if self.compiled is None else 2
+        width = self._width = max(least, layout.pages_for(max_context + 1))
+        self._batches = tuple(b for b in BATCH_BUCKETS if least <= b < max_sequences) + (
+            max(least, _bucket(max_sequences, BATCH_BUCKETS) or max_sequences),)
         top = self._batches[-1]
-        # One buffer of inputs: each row's token, position and block table (NOTE [Decode graphs]).
-        self._host = torch.zeros(top, 2 + width, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._inputs = torch.zeros(top, 2 + width, dtype=torch.int64, device=device)
+        # One buffer of inputs: each row's token, position and block table (NOTE [Decode graphs]),
+        # a row more than the largest bucket: every bucket's inputs are then a part of it, as
+        # a compiled step was first traced with (else it is traced again for the whole).
+        self._host = torch.zeros(top + 1, 2 + width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._inputs = torch.zeros(top + 1, 2 + width, dtype=torch.int64, device=device)
         self._dirty = True  # the host table no longer says the rows' pages
         self._arange = torch.arange(width * layout.block, device=device)
         self._logits: torch.Tensor | None = None
         graph_pages = min(width, layout.pages_for(min(max_context, graph_context) + 1))
-        self._contexts = tuple(sorted({min(1 << i, width) for i in range(_pow2(graph_pages).bit_length())}))
+        self._contexts = tuple(sorted({min(max(least, 1 << i), width)
+                                       for i in range(_pow2(graph_pages).bit_length())}))
         self._graphs: dict[tuple[int, int], Any] = {}
         self._epoch: int | None = None  # the placement epoch the graphs were captured under
         self._pool = torch.cuda.graph_pool_handle() if graphs == "cuda" else None
+        self._cache_key, self._cache_class = cache_key(), paged_cache_class()
+        self._logits_of: Callable[..., tuple[torch.Tensor, torch.Tensor]] = decode_logits
+        if self.compiled is not None:
+            self._logits_of = compiled_step(self.compiled)
 
     # ------------------------------------------------------------------ state
     @property
@@ -302,7 +386,7 @@ class DecodeRunner:
                     row.pages += self.layout.pool.take(1)
                     self._dirty = True
             batch = _bucket(rows, self._batches) or rows
-            pages = min(_pow2(max(len(r.pages) for r in self.rows)), self._width)
+            pages = max(self._contexts[0], min(_pow2(max(len(r.pages) for r in self.rows)), self._width))
             self._load_inputs(tokens, batch)
             self._run(module, rows, batch, pages)
             assert self._logits is not None
@@ -324,16 +408,39 @@ class DecodeRunner:
             self._inputs.zero_()  # every row at the scratch page
             self._dirty = True
             try:
-                for batch in reversed(self._batches):
-                    for pages in reversed(self._contexts):
-                        self._graphs[batch, pages] = self._capture_one(module, batch, pages)
-                        self.counts.captures += 1
+                self._capture_all(module)
+            except Exception as exc:
+                self._graphs.clear()
+                if self.compiled is None:
+                    self.mode = "off"  # not tried again: the steps run eagerly
+                    raise
+                # NOTE [Compiled decode steps]: the step as transformers runs it, captured.
+                log.warning("compiling the decode step (%s) failed; its graphs are captured uncompiled: %s: %s",
+                            self.compiled, type(exc).__name__, exc)
+                self.compiled, self._logits_of = None, decode_logits
+                try:
+                    self._capture_all(module)
+                except BaseException:
+                    self._graphs.clear()
+                    self.mode = "off"
+                    raise
             except BaseException:
                 self._graphs.clear()
-                self.mode = "off"  # not tried again: the steps run eagerly
+                self.mode = "off"
                 raise
             return len(self._graphs)
         return step
+
+    def _capture_all(self, module: nn.Module) -> None:
+        start = time.perf_counter()
+        try:
+            for batch in reversed(self._batches):
+                for pages in reversed(self._contexts):
+                    self._graphs[batch, pages] = self._capture_one(module, batch, pages)
+                    self.counts.captures += 1
+                    self.counts.compiled += self.compiled is not None
+        finally:
+            self.counts.capture_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ internals
     def _load_inputs(self, tokens: list[int], batch: int) -> None:
@@ -368,29 +475,26 @@ class DecodeRunner:
 
     def _step(self, module: nn.Module, batch: int, pages: int, length: int | None = None) -> None:
         """One decode step of the first ``batch`` rows of the inputs, attending to
-        ``pages`` pages each (what a graph captures), or run eagerly to the first
-        ``length`` positions only (the longest row's): without hidden slots, a row
-        alone is computed as ``transformers`` computes it."""
+        ``pages`` pages each (what a graph captures, compiled if the runner compiles), or
+        run eagerly to the first ``length`` positions only (the longest row's): without
+        hidden slots, a row alone is computed as ``transformers`` computes it."""
         inputs = self._inputs[:batch]
         positions = inputs[:, 1]
         table = inputs[:, 2:2 + pages]
         block = self.layout.block
-        writes = PagedWrites(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, table, length)
+        span = self._arange[:length or pages * block][None, :]
         dtype = self.layout.shape.dtype
-        hidden = self._arange[:length or pages * block][None, :] > positions[:, None]
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=self.device).masked_fill(
-            hidden, torch.finfo(dtype).min)[:, None, None, :]
-        logits = self._forward(module, inputs[:, :1], mask, positions[:, None], writes)[:, -1]
+        mask = torch.zeros(span.shape[1:], dtype=dtype, device=self.device)[None, :].masked_fill(
+            span > positions[:, None], torch.finfo(dtype).min)[:, None, None, :]
+        forward = decode_logits if length is not None else self._logits_of
+        logits, new = forward(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1], mask,
+                              positions[:, None], table, span == positions[:, None], length)
+        # The pool is written here, after the forward (NOTE [Paged key/value caches]).
+        self.layout.put(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, new)
         if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
             self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
         self._logits[:batch].copy_(logits)
 
-    def _forward(self, module: nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 writes: PagedWrites) -> torch.Tensor:
-        out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
-                                   use_cache=True, logits_to_keep=1,
-                                   **{cache_key(): paged_cache(self.layout, writes)})
-        return out.logits
 
     def _capture_one(self, module: nn.Module, batch: int, pages: int) -> Any:
         if self.mode == "emulate":
@@ -405,3 +509,16 @@ class DecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step(module, batch, pages)
         return graph
+
+
+def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: str, ids: torch.Tensor,
+                  mask: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, at: torch.Tensor,
+                  length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's forward for one decode step on ``layout``'s pages through the cache
+    ``adapter`` (passed as ``key``): what is compiled (NOTE [Compiled decode steps]). It
+    reads the pool and writes nothing but its outputs: the last position's logits and
+    every layer's new keys and values."""
+    cache = adapter(layout, PagedStep(table, at, length))
+    out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
+                               use_cache=True, logits_to_keep=1, **{key: cache})
+    return out.logits[:, -1], cache.written()

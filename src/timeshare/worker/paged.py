@@ -12,16 +12,20 @@ of all its layers' keys and values (``PagedLayout``: the block is the page's byt
 the bytes one position takes, so models of different shapes share the pages). A
 sequence holds the pages of its positions, in order: position ``p`` is slot
 ``p % block`` of the sequence's page ``p // block``, and a row of the *block table*
-lists a sequence's pages. A step writes each new position's key and value into its
-slot and reads back a sequence's positions by gathering its pages through the table;
-a mask hides the slots past the sequence's length. Page 0 is nobody's: the rows that
-pad a batch up to a captured size write there, and the table's unused entries point
-there. Pages are zeroed when a sequence takes them, so that the slots a mask hides
-hold finite numbers (a hidden slot's value is multiplied by a zero weight, and zero
-times NaN is NaN): a page another model or sequence had, or poison, never leaks.
+lists a sequence's pages. A step reads a sequence's positions by gathering its pages
+through the table, and a mask hides the slots past the sequence's length. The pool is
+only read while the model computes: each layer attends to its gathered positions with
+the new key and value put in their place in that copy, and the new keys and values of
+every layer go into their slots in one write after the forward (``PagedLayout.put``),
+so that a compiled forward (``decoding.py``) never mutates the pool (a compiler would
+copy the whole pool for that). Page 0 is nobody's: the rows that pad a batch up to a
+captured size write there, and the table's unused entries point there. Pages are
+zeroed when a sequence takes them, so that the slots a mask hides hold finite numbers
+(a hidden slot's value is multiplied by a zero weight, and zero times NaN is NaN): a
+page another model or sequence had, or poison, never leaks.
 
-``PagedCache`` is the adapter: a ``transformers`` ``Cache`` whose ``update`` writes the
-new keys and values into their slots and returns what the attention reads. A
+``PagedCache`` is the adapter: a ``transformers`` ``Cache`` whose ``update`` keeps the
+new keys and values for the write and returns what the attention reads. A
 transformers release that changes its cache interface changes this file alone.
 """
 
@@ -162,20 +166,26 @@ class PagedLayout:
             keys[page, slot] = k.to(keys.dtype)
             values[page, slot] = v.to(values.dtype)
 
+    def put(self, page: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
+        """A decode step's new keys and values, ``[rows, layers, 2, kv_heads, head_dim]``,
+        into each row's ``page`` and ``slot``: one write for every layer."""
+        self.kv[page, :, :, slot] = new.to(self.kv.dtype)
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s keys and values, each ``[pages, block, kv_heads, head_dim]``."""
         return self.kv[:, index, 0], self.kv[:, index, 1]
 
 
-class PagedWrites:
-    """Where a decode step's new positions go (each row's page and slot), the block table
-    its keys and values are gathered through, and how many positions of them it reads
-    (None: every slot of the table's pages, as a graph must)."""
+class PagedStep:
+    """What a decode step's attention reads: the block table its keys and values are
+    gathered through, how many positions of them (None: every slot of the table's pages,
+    as a graph must) and, over those, where each row's new position is (``at``, ``[rows,
+    positions]``: the new key and value go there)."""
 
-    __slots__ = ("page", "slot", "table", "length")
+    __slots__ = ("table", "at", "length")
 
-    def __init__(self, page: torch.Tensor, slot: torch.Tensor, table: torch.Tensor, length: int | None = None):
-        self.page, self.slot, self.table, self.length = page, slot, table, length
+    def __init__(self, table: torch.Tensor, at: torch.Tensor, length: int | None = None):
+        self.table, self.at, self.length = table, at, length
 
 
 @functools.cache
@@ -185,23 +195,37 @@ def _cache_class() -> type:
     class PagedCache(Cache):
         """The adapter (NOTE [Paged key/value caches]): ``update`` is all a model calls."""
 
-        def __init__(self, layout: PagedLayout, writes: PagedWrites):
+        def __init__(self, layout: PagedLayout, step: PagedStep):
             try:
                 super().__init__(layers=[])
             except TypeError:  # a release whose Cache takes no layers
                 super().__init__()
-            self.paged, self.writes = layout, writes
+            self.paged, self.step = layout, step
+            self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.shape.layers
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            # Read only (NOTE [Paged key/value caches]): the new position joins the gathered
+            # copy, and goes into the pool with every layer's after the forward (``new``).
             keys, values = self.paged.layer(layer_idx)
-            w = self.writes
-            keys[w.page, w.slot] = key_states[:, :, -1]
-            values[w.page, w.slot] = value_states[:, :, -1]
+            w = self.step
             rows = w.table.shape[0]
-            k = keys[w.table].reshape(rows, -1, *keys.shape[2:])[:, :w.length].transpose(1, 2)
-            v = values[w.table].reshape(rows, -1, *values.shape[2:])[:, :w.length].transpose(1, 2)
-            return k, v
+            at = w.at[:, :, None, None]
+            new_k, new_v = key_states[:, :, -1], value_states[:, :, -1]
+            self.new[layer_idx] = (new_k, new_v)
+            k = keys[w.table].reshape(rows, -1, *keys.shape[2:])[:, :w.length]
+            v = values[w.table].reshape(rows, -1, *values.shape[2:])[:, :w.length]
+            k = torch.where(at, new_k[:, None].to(k.dtype), k)
+            v = torch.where(at, new_v[:, None].to(v.dtype), v)
+            return k.transpose(1, 2), v.transpose(1, 2)
+
+        def written(self) -> torch.Tensor:
+            """Every layer's new keys and values of the step, ``[rows, layers, 2, kv_heads,
+            head_dim]``, for ``PagedLayout.put``."""
+            missing = [i for i, kv in enumerate(self.new) if kv is None]
+            if missing:
+                raise GenerationError(f"the model's step wrote no keys and values for layers {missing}")
+            return torch.stack([torch.stack(kv, 1) for kv in self.new if kv is not None], 1)
 
         def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
             return 0  # positions are given with every step: nothing asks
@@ -209,9 +233,10 @@ def _cache_class() -> type:
     return PagedCache
 
 
-def paged_cache(layout: PagedLayout, writes: PagedWrites) -> Any:
-    """A ``transformers`` cache over ``layout``'s pages for one step."""
-    return _cache_class()(layout, writes)
+def paged_cache_class() -> type:
+    """The adapter's class (``PagedCache(layout, step)``): what a model calls is its
+    ``update``, and ``written()`` is the step's new keys and values after its forward."""
+    return _cache_class()
 
 
 def prompt_layers(cache: Any, positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
