@@ -80,3 +80,22 @@ def test_the_key_is_compared_whole():
                    "Bearer k-123 ", "Bearer k-\u00e9\u00e9\u00e9", "Basic k-123"):
         assert not key.admits(header), header
     assert ApiKey.of(None) is None and ApiKey.of("x") is not None
+
+
+def test_decode_graphs_and_compile_reach_the_language_models_load(tmp_path, monkeypatch):
+    """vLLM's enforce_eager as ``decode_graphs: false``; ``compile: false`` captures the eager
+    step (NOTE [Compiled decode steps]); both on by default."""
+    from timeshare.llm import model as lm
+    from timeshare.server import llms
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 32}')
+    seen: list[dict] = []
+    monkeypatch.setattr(lm, "load", lambda *a, **k: seen.append(k))
+    base = {"name": "m", "path": str(tmp_path)}
+    for entry, want in (({}, ("auto", "auto")), ({"decode_graphs": False}, ("off", "auto")),
+                        ({"compile": False}, ("auto", "off"))):
+        cfg = parse_config({"llms": [{**base, **entry}]}).llms[0]
+        llms.open_local(None, cfg)  # type: ignore[arg-type]
+        assert (seen[-1]["graphs"], seen[-1]["compile"]) == want
+    with pytest.raises(ConfigError, match="compile"):
+        parse_config({"llms": [{**base, "compile": "max-autotune"}]})

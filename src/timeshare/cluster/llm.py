@@ -67,13 +67,15 @@ class LLMDef:
     # The replica's runtime-wide budget for caches between turns (the same in every
     # LLMDef of a cluster; NOTE [Key/value caches under pressure]); None: no budget.
     kv_memory: int | None = None
+    graphs: str = "auto"  # NOTE [Decode graphs]
+    compile: str = "auto"  # NOTE [Compiled decode steps]
 
     def load(self, rt: Runtime, kv_budget=None):
         from timeshare.llm import model as lm
 
         return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
                        max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
-                       offload_kv=self.offload_kv, kv_budget=kv_budget)
+                       offload_kv=self.offload_kv, kv_budget=kv_budget, graphs=self.graphs, compile=self.compile)
 
 
 class RemoteGeneration:

@@ -171,6 +171,13 @@ class LLMConfig(Strict):
     quantum_ms: Annotated[float, Field(gt=0)] = 50.0
     """How long the model keeps the device while others of its priority wait (a more
     urgent request takes it at the next token)."""
+    decode_graphs: bool = True
+    """On CUDA, in-process: decode steps replay CUDA graphs captured when the model is
+    resident and idle (false: every step eager, as vLLM's ``enforce_eager``)."""
+    compile: bool = True
+    """On CUDA, the step the decode graphs capture is compiled by inductor first (at
+    registration: seconds to minutes, once per model shape, kept in inductor's cache on
+    disk); false: transformers' eager step is captured."""
 
     @field_validator("name")
     @classmethod
