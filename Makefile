@@ -69,9 +69,11 @@ demo: $(STAMP)
 	@$(BIN)/timeshare demo
 
 # The suite in TEST_WORKERS pytest-xdist workers; tests/conftest.py says how tests are grouped.
-# One intra-op thread per process: two test processes and their workers share two cores, and
-# kernels on two threads each would spin against each other.
-TEST_WORKERS ?= 2
+# One intra-op thread per process: the test processes and their workers share two cores, and
+# kernels on two threads each would spin against each other. Three workers on two cores: many
+# tests wait (servers and workers starting, deadlines, polls), and on the 2-core VM the suite
+# took 457 and 503 s with three against 620 and 622 s with two (2026-11-27).
+TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests

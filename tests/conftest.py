@@ -61,7 +61,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"FAILED: shared-memory segments left behind: {leaked}", red=True)
 
 
-# How `make test` spreads the suite over pytest-xdist's workers (-n 2 --dist loadgroup
+# How `make test` spreads the suite over pytest-xdist's workers (-n 3 --dist loadgroup
 # --no-loadscope-reorder): Ray's tests together on one worker (two local Ray clusters at once
 # would fight over two cores), each module with a module- or session-scoped fixture of its own
 # on one worker (built once, not once per worker), every other test on its own; the longest

@@ -41,6 +41,8 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
     assert wake["cold_tokens_exact"] == wake["cold_runs"] == 2
     assert wake["bytes"] > 0 and wake["cold_ttft_s"] > 0 and math.isfinite(wake["cold_over_warm_plus_copy"])
     assert wake["load_then_generate_s"] > 0 and wake["baseline_skipped"] is None
+    # On the CPU no decode graph is captured, so nothing is compiled (NOTE [Compiled decode steps]).
+    assert r["graphs"]["captures"] == r["graphs"]["compiled"] == 0 and r["config"]["compile"] == "auto"
     rows = r["decode"]["rows"]
     assert [row["sequences"] for row in rows] == [1, 2]
     assert r["decode"]["ours_tokens_per_s"] == rows[0]["ours_tokens_per_s"]  # as runs of one count said it
