@@ -244,8 +244,10 @@ def _print_llm(console, r: dict) -> None:
                       f"{base}; cold tokens exact {w['cold_tokens_exact']}/{w['cold_runs']}")
     if "graphs" in r:
         g = r["graphs"]
+        extra = g.get("registration_reserved_bytes")
         console.print(f"decode graphs: {g['captures']} captured ({g['compiled']} of a compiled step) in "
-                      f"{g['capture_s']:.1f} s")
+                      f"{g['capture_s']:.1f} s" + ("" if extra is None else
+                                                   f"; registration reserved {fb(extra)} beside the arena"))
     if "decode" in r:
         t = Table(title=f"decode: {r['decode']['tokens']} tokens per sequence, model resident")
         for col in ("sequences", "timeshare tokens/s", "transformers tokens/s", "ratio", "tokens exact",

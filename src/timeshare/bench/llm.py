@@ -151,12 +151,17 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
                  else None}
     with Runtime(device, memory, poison_evicted=True, workers=config.workers) as rt:
         progress(f"registering the model ({format_bytes(weights)})")
+        before = _reserved(device)
         with _without_initialisation():
             model = lm.load(rt, "m", path, dtype=config.dtype if convert else None,
                             max_sequences=max(8, *config.concurrent), compile=config.compile)
         snap = model.engine.snapshot()
+        # What registration took beside the arena (allocated before it): the page pool, the
+        # graphs' memory and the allocator's cache (None off CUDA).
+        after = _reserved(device)
         out["graphs"] = {"captures": snap.graph_captures, "compiled": snap.graphs_compiled,
-                         "capture_s": snap.capture_s}
+                         "capture_s": snap.capture_s,
+                         "registration_reserved_bytes": None if after is None or before is None else after - before}
         try:
             if "wake" in config.parts:
                 progress("wake: warm and cold time to first token")
@@ -207,6 +212,11 @@ def _without_initialisation() -> Iterator[None]:
         from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
     with no_init_weights():
         yield
+
+
+def _reserved(device: torch.device) -> int | None:
+    """The bytes PyTorch's CUDA allocator holds on ``device`` (None off CUDA)."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else None
 
 
 def _ttft(seq) -> float:
