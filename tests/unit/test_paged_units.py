@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from timeshare.errors import ConfigError
+from timeshare.llm.model import compile_cache
 from timeshare.worker.decoding import Draw, choose, placement_epoch, relaid_out
 from timeshare.worker.paged import KVMemoryError, KVShape, PagedLayout, PagePool
 
@@ -59,6 +60,32 @@ def test_a_models_view_puts_each_position_of_each_layer_in_its_own_slot():
                     seen.add(ptr)
                     base = pool.raw.data_ptr() + page * 1024
                     assert base <= ptr < base + 1024  # inside its page
+
+
+def test_a_steps_new_keys_and_values_go_into_each_rows_slot_of_every_layer_and_nowhere_else():
+    shape = KVShape(layers=3, kv_heads=2, head_dim=4, dtype=torch.float32)  # 192 bytes a position
+    pool = PagePool("cpu", 8 * 1024, page_bytes=1024)
+    layout = PagedLayout(pool, shape)
+    pages = pool.take(3)
+    before = pool.raw.clone()
+    new = torch.randn(2, 3, 2, 2, 4)  # [rows, layers, keys and values, kv_heads, head_dim]
+    page, slot = torch.tensor([pages[0], pages[2]]), torch.tensor([1, layout.block - 1])
+    layout.put(page, slot, new)
+    for row in range(2):
+        for layer in range(3):
+            keys, values = layout.layer(layer)
+            assert torch.equal(keys[page[row], slot[row]], new[row, layer, 0])
+            assert torch.equal(values[page[row], slot[row]], new[row, layer, 1])
+    changed = (pool.raw != before).nonzero().flatten()
+    assert changed.numel() > 0 and changed.numel() <= 2 * 3 * 2 * 2 * 4 * 4  # those slots' bytes alone
+
+
+def test_compiled_code_is_kept_in_timeshares_cache_unless_told_otherwise(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIMESHARE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compile_cache() == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache() == str(tmp_path / "mine")
 
 
 def test_greedy_rows_take_the_argmax_and_top_k_one_is_greedy():

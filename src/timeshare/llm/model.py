@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish, Sequence
 from timeshare.memory.ephemeral import lane_bytes
+from timeshare.models.zoo.registry import cache_dir
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
 from timeshare.worker.decoding import DecodeRunner
@@ -163,10 +165,20 @@ def pool_need(path: str | Path, dtype: str | None, max_sequences: int, max_conte
     return pool_bytes(shape, max_sequences, max_context or int(positions))
 
 
+def compile_cache() -> str:
+    """Where inductor keeps compiled decode steps (NOTE [Compiled decode steps]):
+    ``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``inductor`` in timeshare's cache
+    (``$TIMESHARE_CACHE``, ``~/.cache/timeshare``), which outlives a reboot as inductor's
+    default under /tmp may not."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequences: int, max_context: int,
                  pages: PagePool | None, graphs: str, compile: str | Callable[..., Any] = "auto") -> DecodeRunner:
     """The decode batch of a model of ``config`` on ``pages`` (or on a pool of its own)."""
     shape = KVShape.of(config, dtype)
+    if compile != "off":
+        compile_cache()
     if pages is None:
         page_bytes, nbytes = pool_bytes(shape, max_sequences, max_context)
         pages = PagePool(runtime.device, nbytes, page_bytes)

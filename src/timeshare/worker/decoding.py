@@ -178,25 +178,26 @@ class _StandIn:
 
 
 # NOTE [Compiled decode steps]
-# A graph replays the kernels of a step, and a transformers model's step in eager PyTorch
-# is some 40 small kernels a layer (norms, rotary embeddings and activations, each a few
-# element-wise kernels): at one sequence a replay's time is mostly those, one after the
-# other, not the weights' bytes (H200: 500 kernels, 1.35 ms, for a 100M model). So on
-# CUDA the model's forward for a step (``decode_logits``) is compiled (``torch.compile``,
-# inductor) before its graphs are captured, to fuse them. What is compiled reads the
-# pool and writes nothing but its outputs (NOTE [Paged key/value caches]): the step's
-# new keys and values go into the pages after it, still inside the captured graph. A
-# compiled function that writes into a view of an input may copy the whole input (a
-# first version wrote each layer's slots inside: 14 tokens/s on an H200, and copying
-# the pool is the likely cause). Shapes are dynamic and no bucket has one row or one
-# page (a size of 1 would be compiled apart; a second row or page costs next to
-# nothing), so one trace serves every bucket of a model. There is one compiled function
-# for every runner, and the weights are its graph's inputs: a model shaped as one traced
-# before takes that trace (dynamo's guards check that it may), and inductor's cache on
-# disk spares a restart the code generation. Eager steps (CPU, or a graph dropped after
-# a relayout) are never compiled: they stay exact. A compilation that fails leaves the
-# graphs captured uncompiled. The CPU tests compile with ``aot_eager`` (dynamo's trace,
-# functionalized as inductor would get it, run by PyTorch's kernels).
+# A graph replays the kernels of a step, and a transformers model's step in eager
+# PyTorch is some 40 small kernels a layer (norms, rotary embeddings and activations,
+# each a few element-wise kernels): at one sequence a replay's time is mostly those, one
+# after the other, not the weights' bytes (H200: 500 kernels, 1.35 ms, for a 100M
+# model). So on CUDA the model's forward for a step (``decode_logits``) is compiled
+# (``torch.compile``, inductor) before its graphs are captured, to fuse them. What is
+# compiled reads the pool and writes nothing but its outputs (NOTE [Paged key/value
+# caches]): the step's new keys and values go into the pages after it, still inside the
+# captured graph. A compiled function that writes into a view of an input may copy the
+# whole input (a first version wrote each layer's slots inside: 14 tokens/s on an H200,
+# and copying the pool is the likely cause). Shapes are dynamic and no bucket has one
+# row or one page (a size of 1 would be compiled apart; a second row or page costs next
+# to nothing), so one trace serves every bucket of a model. There is one compiled
+# function for every runner, and the weights are its graph's inputs: a model shaped as
+# one traced before takes that trace (dynamo's guards check that it may), and inductor's
+# cache on disk (timeshare's cache: ``llm.model.compile_cache``) spares a restart the code
+# generation. Eager steps (CPU, or a graph dropped after a relayout) are never compiled:
+# they stay exact. A compilation that fails leaves the graphs captured uncompiled. The
+# CPU tests compile with ``aot_eager`` (dynamo's trace, functionalized as inductor would
+# get it, run by PyTorch's kernels).
 @functools.cache
 def compiled_step(backend: str | Callable[..., Any]) -> Callable[..., Any]:
     """``decode_logits`` compiled by ``backend``: one for every runner, so that a model of a
@@ -494,7 +495,6 @@ class DecodeRunner:
         if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
             self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
         self._logits[:batch].copy_(logits)
-
 
     def _capture_one(self, module: nn.Module, batch: int, pages: int) -> Any:
         if self.mode == "emulate":
