@@ -179,6 +179,11 @@ class LLMConfig(Strict):
     registration: seconds to minutes, once per model shape, kept in inductor's cache on
     disk); false: transformers' eager step is captured."""
 
+    @property
+    def decode_modes(self) -> tuple[str, str]:
+        """``graphs`` and ``compile`` as ``llm.model.load`` takes them."""
+        return "auto" if self.decode_graphs else "off", "auto" if self.compile else "off"
+
     @field_validator("name")
     @classmethod
     def _valid_name(cls, v):

@@ -87,7 +87,7 @@ def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = No
     return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
                    max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
                    offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages,
-                   graphs="auto" if cfg.decode_graphs else "off", compile="auto" if cfg.compile else "off")
+                   graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1])
 
 
 class LanguageModels:

@@ -128,8 +128,7 @@ class Service:
         kv_memory = None if kv is None else parse_bytes(kv, what="kv_memory")
         return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
                        max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv,
-                       kv_memory=kv_memory, graphs="auto" if c.decode_graphs else "off",
-                       compile="auto" if c.compile else "off")
+                       kv_memory=kv_memory, graphs=c.decode_modes[0], compile=c.decode_modes[1])
                 for c in self.config.llms]
 
     def _model_defs(self) -> list:

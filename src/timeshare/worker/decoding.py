@@ -408,27 +408,23 @@ class DecodeRunner:
             self._epoch = placement_epoch(module)
             self._inputs.zero_()  # every row at the scratch page
             self._dirty = True
-            try:
-                self._capture_all(module)
-            except Exception as exc:
-                self._graphs.clear()
-                if self.compiled is None:
-                    self.mode = "off"  # not tried again: the steps run eagerly
-                    raise
-                # NOTE [Compiled decode steps]: the step as transformers runs it, captured.
-                log.warning("compiling the decode step (%s) failed; its graphs are captured uncompiled: %s: %s",
-                            self.compiled, type(exc).__name__, exc)
-                self.compiled, self._logits_of = None, decode_logits
+            while True:
                 try:
                     self._capture_all(module)
+                    break
+                except Exception as exc:
+                    self._graphs.clear()
+                    if self.compiled is None:
+                        self.mode = "off"  # not tried again: the steps run eagerly
+                        raise
+                    # NOTE [Compiled decode steps]: the step as transformers runs it, captured.
+                    log.warning("compiling the decode step (%s) failed; its graphs are captured uncompiled: %s: %s",
+                                self.compiled, type(exc).__name__, exc)
+                    self.compiled, self._logits_of = None, decode_logits
                 except BaseException:
                     self._graphs.clear()
                     self.mode = "off"
                     raise
-            except BaseException:
-                self._graphs.clear()
-                self.mode = "off"
-                raise
             return len(self._graphs)
         return step
 

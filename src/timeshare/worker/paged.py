@@ -189,7 +189,10 @@ class PagedStep:
 
 
 @functools.cache
-def _cache_class() -> type:
+def paged_cache_class() -> type:
+    """The adapter's class (``PagedCache(layout, step)``): what a model calls is its
+    ``update``, and ``written()`` is the step's new keys and values after its forward.
+    Made once, on first use (``transformers`` is imported then)."""
     from transformers import Cache
 
     class PagedCache(Cache):
@@ -231,12 +234,6 @@ def _cache_class() -> type:
             return 0  # positions are given with every step: nothing asks
 
     return PagedCache
-
-
-def paged_cache_class() -> type:
-    """The adapter's class (``PagedCache(layout, step)``): what a model calls is its
-    ``update``, and ``written()`` is the step's new keys and values after its forward."""
-    return _cache_class()
 
 
 def prompt_layers(cache: Any, positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
