@@ -146,7 +146,7 @@ def test_a_request_runs_on_the_replicas_cpu_when_its_device_is_busy(local_ray):
     from timeshare.cluster.replica import ModelDef
     from timeshare.models.zoo import weights_path
 
-    slow = ModelDef("slow", "small_resnet", str(weights_path("small_resnet")), batch=48)
+    slow = ModelDef("slow", "small_resnet", str(weights_path("small_resnet")), batch=256)
     fast = ModelDef("fast", "tiny_mlp", str(weights_path("tiny_mlp")))
     refs = references([slow, fast])
     with Cluster([slow, fast], replicas=1, memory="8MiB", cpu_fallback="8MiB") as cluster:
