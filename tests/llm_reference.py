@@ -25,3 +25,16 @@ def greedy_tokens(path: str | Path, device: str = "cpu") -> Callable[[str, int],
         return out[0, ids.shape[1]:].tolist()
 
     return generate
+
+
+def with_pools(weights: str, paths: list[str | Path], *, max_sequences: int = 8, max_context: int | None = None,
+               dtype: str | None = None) -> int:
+    """A runtime's ``memory``: ``weights`` of room for models, and the regions of the arena
+    that the page pools of their own of the language models in ``paths`` take (NOTE
+    [Regions of the arena]), so that a test's premise ("room for one of the two") is of
+    the weights alone."""
+    from timeshare.llm import model as lm
+    from timeshare.units import parse_bytes
+
+    return parse_bytes(weights, what="memory") + sum(lm.own_pool_bytes(p, dtype, max_sequences, max_context)
+                                                     for p in paths)

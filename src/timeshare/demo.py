@@ -133,6 +133,10 @@ def _chat_model(cfg: DemoConfig, doc: dict) -> dict | None:
     path = hfdir.write_model_dir(cfg.out / "chat-model", "llama", seed=cfg.seed, hidden=hidden, layers=layers,
                                  heads=heads)
     doc.setdefault("llms", []).append({"name": CHAT_NAME, "path": str(path), "max_sequences": 4})
+    if memory != "auto":  # its pages of key/value caches are a region of the arena too (NOTE [Regions of the arena])
+        from timeshare.llm.model import own_pool_bytes
+
+        doc["runtime"]["memory"] = parse_bytes(memory) + own_pool_bytes(path, None, 4)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     reference = {}

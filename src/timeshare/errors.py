@@ -84,9 +84,9 @@ class MemoryBudgetError(TimeshareError):
 class ModelTooLargeError(MemoryBudgetError):
     """A model needs more bytes than the whole arena holds."""
 
-    def __init__(self, model: str, needed: int, capacity: int):
+    def __init__(self, model: str, needed: int, capacity: int, what: str | None = None):
         super().__init__(
-            f"model {model!r} needs {needed:,} bytes of device memory but the whole "
+            f"{what or f'model {model!r}'} needs {needed:,} bytes of device memory but the whole "
             f"arena holds only {capacity:,} bytes; raise Runtime(memory=...)"
         )
         self.model = model

@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.llm_reference import with_pools
 from tests.serving import running_server
 from timeshare.llm import hfdir
 
@@ -17,13 +18,12 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("admin-llm")
+    paths = [hfdir.write_model_dir(root / "l", "llama", seed=3, hidden=128, layers=4),
+             hfdir.write_model_dir(root / "q", "qwen2", seed=4, hidden=128, layers=4)]
     cfg = {
-        "runtime": {"device": "cpu", "memory": "8MiB"},
+        "runtime": {"device": "cpu", "memory": with_pools("8MiB", paths)},
         "server": {"metrics_port": None, "request_timeout_s": 60},
-        "llms": [{"name": "acme/llama", "path": str(hfdir.write_model_dir(root / "l", "llama", seed=3, hidden=128,
-                                                                          layers=4))},
-                 {"name": "qwen", "path": str(hfdir.write_model_dir(root / "q", "qwen2", seed=4, hidden=128,
-                                                                    layers=4))}],
+        "llms": [{"name": "acme/llama", "path": str(paths[0])}, {"name": "qwen", "path": str(paths[1])}],
     }
     with running_server(cfg) as s:
         yield s

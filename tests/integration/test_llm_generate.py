@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.llm_reference import greedy_tokens
+from tests.llm_reference import greedy_tokens, with_pools
 from timeshare.errors import ConfigError, LaneExceededError, Unavailable, WeightsError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
@@ -96,8 +96,8 @@ def test_a_latency_critical_model_takes_the_device_between_two_tokens(llama, ref
     x = torch.randn(2, 1024)
     with torch.no_grad():
         want_other = other(x)
-    # Room for one of the two: the language model is evicted while it generates.
-    with Runtime("cpu", "6MiB", poison_evicted=True, copy_delay_s=0.001) as rt:
+    # Room for one of the two (and the language model's pages): it is evicted while it generates.
+    with Runtime("cpu", with_pools("6MiB", [llama]), poison_evicted=True, copy_delay_s=0.001) as rt:
         seen = records(rt)
         m = lm.load(rt, "llama", llama, priority="best_effort", offload_kv=offload)
         rt.register("other", lambda: other, other.state_dict(), (x,))
@@ -362,7 +362,7 @@ def test_under_a_host_budget_the_shards_are_read_only_when_needed_and_again_afte
     want_qwen = ref_qwen.generate(ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids),
                                   pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
     # Host memory for one model's store, device memory for one model: every switch reads the shards.
-    with Runtime("cpu", "4MiB", host_memory="3MiB", poison_evicted=True) as rt:
+    with Runtime("cpu", with_pools("4MiB", [llama, qwen]), host_memory="3MiB", poison_evicted=True) as rt:
         a = lm.load(rt, "llama", llama, profile=False)
         b = lm.load(rt, "qwen", qwen, profile=False)
         host = rt.snapshot().host_tier

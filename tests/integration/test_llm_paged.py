@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.llm_reference import greedy_tokens
+from tests.llm_reference import greedy_tokens, with_pools
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
 from timeshare.llm.sampling import SamplingParams
@@ -68,7 +68,8 @@ def test_two_models_taking_turns_between_tokens_each_give_their_own_tokens(tmp_p
     paths = [hfdir.write_model_dir(tmp_path / a, a, seed=s, hidden=96, layers=3) for a, s in
              (("llama", 1), ("qwen2", 2))]
     refs = [greedy_tokens(p) for p in paths]
-    with Runtime("cpu", "3MiB", poison_evicted=True, copy_delay_s=0.001, direct_host_access=False) as rt:
+    memory = with_pools("3MiB", paths, max_context=128)  # and their pages
+    with Runtime("cpu", memory, poison_evicted=True, copy_delay_s=0.001, direct_host_access=False) as rt:
         models = [lm.load(rt, f"m{i}", p, graphs="emulate", max_context=128, quantum_s=0.0)
                   for i, p in enumerate(paths)]
         with rt.hold_device():
@@ -124,6 +125,39 @@ def test_sampled_tokens_are_seeded_per_request_whatever_the_batch(tmp_path):
         other = m.generate(m.encode(PROMPTS[0]), SamplingParams(max_tokens=16, temperature=0.9, seed=12))
         assert other.result(60).tokens != alone
         m.close()
+
+
+def test_a_models_own_pool_is_a_region_of_the_arena_given_back_when_it_closes(tmp_path):
+    """NOTE [Regions of the arena]: the pages are planned with the weights, in the arena:
+    the keys and values a generation writes land in the arena's own bytes (its shared
+    memory segment, read here through a mapping of its own), and closing the model gives
+    the region back. A pool that does not fit fails the load clearly and leaves nothing."""
+    from timeshare.errors import MemoryBudgetError
+    from timeshare.memory.arena import map_shared_memory
+
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=4, hidden=96, layers=3)
+    reference = greedy_tokens(path)
+    pool = lm.own_pool_bytes(path, None, 8, 128)
+    with Runtime("cpu", with_pools("4MiB", [path], max_context=128)) as rt:
+        m = lm.load(rt, "llama", path, max_context=128, graphs="emulate")
+        assert rt.snapshot().reserved == {"kv-pages:llama": pool}
+        diag = rt.diagnostics()
+        at = diag["regions"]["kv-pages:llama"]["offset"]
+        arena = map_shared_memory(diag["arena"]["name"], diag["arena"]["capacity_bytes"])
+        pages = arena[at + lm.pool_need(path, None, 8, 128)[0]:at + pool]  # the scratch page aside
+        assert not pages.any()  # no sequence yet: untouched
+        assert m.generate(m.encode(PROMPTS[0]), greedy(12)).result(60).tokens == reference(PROMPTS[0], 12)
+        assert pages.any()  # its keys and values were written there
+        m.close()
+        assert rt.snapshot().reserved == {} and rt.models() == []
+    # A pinned model leaves room for the weights but not the pages: the load fails, naming
+    # them, and takes nothing.
+    with Runtime("cpu", pool + (512 << 10)) as rt:
+        rt.register("mlp", lambda: nn.Linear(512, 512), None, (torch.randn(1, 512),), pin=True)
+        rt.infer("mlp", torch.randn(1, 512))
+        with pytest.raises(MemoryBudgetError, match=r"key/value pages \(kv-pages:llama\).*pinned"):
+            lm.load(rt, "llama", path, max_context=128, profile=False)
+        assert rt.models() == ["mlp"] and rt.snapshot().reserved == {}
 
 
 def test_a_pool_too_small_for_a_prompt_fails_that_sequence_clearly_and_loses_nothing(tmp_path):

@@ -14,6 +14,7 @@ import torch
 
 from tests.serving import running_server
 from timeshare.llm import hfdir
+from timeshare.llm import model as lm
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -28,9 +29,11 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(dirs):
+    # About 2.8 MB each: room for one language model at a time, so requests switch them,
+    # and for the pool of pages they share (the larger of their own pools' sizes).
+    pool = max(lm.own_pool_bytes(dirs["llama"], None, 4), lm.own_pool_bytes(dirs["qwen"], None, 8, 128))
     cfg = {
-        # About 2.8 MB each: room for one language model at a time, so requests switch them.
-        "runtime": {"device": "cpu", "memory": "4MiB", "kv_memory": "16KiB"},
+        "runtime": {"device": "cpu", "memory": (4 << 20) + pool, "kv_memory": "16KiB"},
         "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
         "models": [{"name": "mlp", "zoo": "tiny_mlp"}],
         "llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 4},
@@ -265,12 +268,12 @@ def test_a_client_that_leaves_a_whole_answer_frees_its_sequence_too(server):
     assert cancelled() == before + 1
 
 
-def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server):
+def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server, dirs):
     client.completions.create(model="qwen", prompt="a", max_tokens=5, temperature=0)
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     values = {}
     for line in text.splitlines():
-        if line.startswith("timeshare_llm") and " " in line:
+        if line.startswith(("timeshare_llm", "timeshare_arena_reserved")) and " " in line:
             key, value = line.rsplit(" ", 1)
             values[key] = float(value)
     assert values['timeshare_llm_time_to_first_token_seconds_count{model="qwen"}'] >= 1
@@ -278,6 +281,11 @@ def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server)
     assert values['timeshare_llm_tokens_total{kind="completion",model="qwen"}'] >= 5
     assert values['timeshare_llm_kv_cache_bytes{model="qwen"}'] == 0
     assert values["timeshare_llm_kv_memory_bytes"] == 16 << 10 and values["timeshare_llm_kv_device_bytes"] == 0
+    # One pool of pages for both models, a region of the arena (NOTE [Regions of the arena]).
+    pool = max(lm.own_pool_bytes(dirs["llama"], None, 4), lm.own_pool_bytes(dirs["qwen"], None, 8, 128))
+    assert [k for k in values if k.startswith("timeshare_arena_reserved")] == [
+        'timeshare_arena_reserved_bytes{owner="kv-pages"}']
+    assert values['timeshare_arena_reserved_bytes{owner="kv-pages"}'] == pool
     # the Open Inference Protocol model shares the runtime
     r = httpx.post(f"{server.url}/v2/models/mlp/infer", timeout=30, json={
         "inputs": [{"name": "x", "shape": [1, 32], "datatype": "FP32", "data": [0.0] * 32}]})

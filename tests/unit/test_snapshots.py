@@ -28,8 +28,8 @@ from timeshare.server.llms import LLMState
 from timeshare.server.snapshot import ServiceSnapshot
 
 # The keys of the dictionaries these records replaced, in their order: the JSON contract.
-RUNTIME_KEYS = ["device", "capacity_bytes", "used_bytes", "resident", "host_bytes", "host_pinned_bytes", "loads",
-                "evictions", "failures", "preemptions", "training_seconds", "training_iterations", "workers",
+RUNTIME_KEYS = ["device", "capacity_bytes", "used_bytes", "resident", "reserved", "host_bytes", "host_pinned_bytes",
+                "loads", "evictions", "failures", "preemptions", "training_seconds", "training_iterations", "workers",
                 "lanes", "host_tier", "shared"]
 SERVICE_KEYS = ["queue_depth", "inference_seconds", "jobs", "llms"]
 CLUSTER_KEYS = ["policy", "replicas", "replicas_alive", "requests", "loads", "retried", "failed", "replicas_lost",
@@ -46,7 +46,8 @@ def _pool(worker_id: int, failed: bool = False) -> PoolHealth:
 
 def _runtime(used: int = 10, *, loads: int = 1, workers: PoolHealth | None = None) -> RuntimeSnapshot:
     return RuntimeSnapshot(
-        device="cpu", capacity_bytes=100, used_bytes=used, resident={"a": used}, host_bytes=50, host_pinned_bytes=0,
+        device="cpu", capacity_bytes=100, used_bytes=used, resident={"a": used}, reserved={}, host_bytes=50,
+        host_pinned_bytes=0,
         loads={"a": loads}, evictions=loads, failures=0, preemptions=0, training_seconds=0.5, training_iterations=4,
         workers=workers, lanes=LanesView(64, 8, 16, 0, [LaneRow(0, 16, 1, "a")]),
         host_tier=HostTierSnapshot(200, 50, 0, 1, 1, 0, 1, 0, 0, 50, 0.25, 0),

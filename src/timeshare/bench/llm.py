@@ -141,20 +141,22 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
     """The wake and decode parts, on one runtime that registers the model once."""
     prompt = models.prompt(path, config.prompt_tokens)
     weights = described["parameters"] * torch.empty((), dtype=parse_dtype(config.dtype)).element_size()
-    memory = _arena(device, weights)
+    sequences = max(8, *config.concurrent)
+    pool = lm.own_pool_bytes(path, config.dtype, sequences)  # its key/value pages, in the arena too
+    memory = _arena(device, weights, pool)
     # NOTE [Conversions the weights do not need]: weights already in the run's dtype are
     # registered as the directory has them. (lm.load's dtype once converted the rotary
     # embedding's float32 inv_freq with the weights, and the bf16 greedy tokens parted from
     # transformers' after some tens of positions; computed constants now keep their dtype.)
     convert = described["dtype"] == "mixed" or parse_dtype(config.dtype) != parse_dtype(described["dtype"])
-    out: dict = {"memory": {"weights_bytes": weights, "arena": memory}, "converted_to": config.dtype if convert
-                 else None}
+    out: dict = {"memory": {"weights_bytes": weights, "kv_pool_bytes": pool, "arena": memory},
+                 "converted_to": config.dtype if convert else None}
     with Runtime(device, memory, poison_evicted=True, workers=config.workers) as rt:
         progress(f"registering the model ({format_bytes(weights)})")
         before = _reserved(device)
         with _without_initialisation():
             model = lm.load(rt, "m", path, dtype=config.dtype if convert else None,
-                            max_sequences=max(8, *config.concurrent), compile=config.compile)
+                            max_sequences=sequences, compile=config.compile)
         snap = model.engine.snapshot()
         # What registration took beside the arena (allocated before it): the page pool, the
         # graphs' memory and the allocator's cache (None off CUDA).
@@ -182,17 +184,17 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
     return out
 
 
-def _arena(device: torch.device, weights: int) -> int | str:
+def _arena(device: torch.device, weights: int, pool: int) -> int | str:
     """The runtime's memory: "auto" (half the free device memory on CUDA, at most 2 GiB on
-    the CPU) where it holds the weights with a quarter to spare for the prefill, else
-    exactly that, refused when the device has not got it."""
-    need = weights * 5 // 4
+    the CPU) where it holds the weights with a quarter to spare for the prefill and the
+    key/value ``pool``, else exactly that, refused when the device has not got it."""
+    need = weights * 5 // 4 + pool
     if device.type != "cuda":
         return "auto" if need <= 2 << 30 else need
     free = torch.cuda.mem_get_info(device)[0]
     if need > free * 0.9:
-        raise ConfigError(f"the model's weights and a quarter more ({format_bytes(need)}) do not fit in nine "
-                          f"tenths of {device}'s free memory ({format_bytes(free)})")
+        raise ConfigError(f"the model's weights and a quarter more, and its key/value pages ({format_bytes(need)}), "
+                          f"do not fit in nine tenths of {device}'s free memory ({format_bytes(free)})")
     return "auto" if free // 2 >= need else need
 
 

@@ -25,6 +25,7 @@ import torch
 from timeshare.bench.llm_models import TEXTS
 from timeshare.errors import TimeshareError
 from timeshare.llm import hfdir
+from timeshare.llm import model as lm
 
 if TYPE_CHECKING:
     from timeshare.bench.llm import LLMBenchConfig
@@ -36,7 +37,9 @@ def run_fleet(config: LLMBenchConfig, device: torch.device, dirs: list[Path], pr
     names = [f"m{i}" for i in range(len(dirs))]
     sizes = sorted((sum(f.stat().st_size for f in hfdir.shard_files(d)) for d in dirs), reverse=True)
     scale = {"fp32": 1.0}.get(config.dtype, 0.5)
-    budget = int((sizes[0] + sizes[1]) * scale * 1.05)  # room for the two largest
+    # Room for the two largest, and every model's key/value pages (regions of the arena).
+    pools = sum(lm.own_pool_bytes(d, None if config.dtype == "fp32" else config.dtype, 8) for d in dirs)
+    budget = int((sizes[0] + sizes[1]) * scale * 1.05) + pools
     trace = _trace(config, names)
     out: dict = {"models": len(dirs), "budget_bytes": budget, "requests": len(trace),
                  "rate_per_s": config.fleet_rate_per_s, "max_tokens": config.fleet_max_tokens,

@@ -27,7 +27,7 @@ from timeshare.models.zoo.registry import cache_dir
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
 from timeshare.worker.decoding import DecodeRunner
-from timeshare.worker.paged import MAX_BLOCK, KVShape, PagedLayout, PagePool, page_bytes_for
+from timeshare.worker.paged import MAX_BLOCK, KVShape, PagedLayout, PagePool, page_bytes_for, pool_footprint
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,14 @@ class Texts:
 
 
 class LanguageModel(Texts):
-    """Model ``name`` of ``runtime``, from the directory ``path`` (see ``load``)."""
+    """Model ``name`` of ``runtime``, from the directory ``path`` (see ``load``);
+    ``region``: the region of the arena its own page pool takes, if it has one."""
 
-    def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine):
+    def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine,
+                 region: str | None = None):
         self.runtime, self.name, self.path = runtime, name, path
         self.tokenizer, self.config, self.engine = tokenizer, config, engine
+        self.region = region
         self.created = int(path.stat().st_mtime)
 
     @property
@@ -76,8 +79,11 @@ class LanguageModel(Texts):
         return self.engine.submit(prompt, params, on_event)
 
     def close(self) -> None:
-        """Stop generating (queued and running sequences fail) and unregister the model."""
+        """Stop generating (queued and running sequences fail), give its page pool's
+        region back and unregister the model."""
         self.engine.close()
+        if self.region is not None:
+            self.runtime.unreserve(self.region)
         if self.name in self.runtime.models():
             self.runtime.unregister(self.name)
 
@@ -95,10 +101,11 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     ``offload_kv``: NOTE [Key/value caches off the device]; ``kv_budget``: shared by the
     runtime's language models, NOTE [Key/value caches under pressure]; ``pages``: the
     pool of key/value pages it shares with other models (default: a pool of its own for
-    ``max_sequences`` sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``),
-    NOTE [Paged key/value caches]; ``graphs``: NOTE [Decode graphs] ("auto": captured on
-    CUDA, off elsewhere); ``compile``: NOTE [Compiled decode steps] ("auto": inductor
-    where graphs are captured on CUDA, "off" to capture transformers' eager step).
+    ``max_sequences`` sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``,
+    in a region of the runtime's arena: NOTE [Regions of the arena]), NOTE [Paged key/value
+    caches]; ``graphs``: NOTE [Decode graphs] ("auto": captured on CUDA, off elsewhere);
+    ``compile``: NOTE [Compiled decode steps] ("auto": inductor where graphs are captured
+    on CUDA, "off" to capture transformers' eager step).
     With ``profile``, the model is loaded once now and its prefill profiled, so that
     every load after is pipelined (without it, the first generation's load profiles)."""
     d = open_directory(name, path, max_context)
@@ -121,11 +128,15 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
 
     # NOTE [Generation in worker processes]: with workers, the batch lives in a worker.
     caches: PagedCaches | RemoteCaches
+    region = None
     try:
         if runtime.in_process_worker() is not None:
-            kv_dtype = parse_dtype(dtype) or hfdir.weights_dtype(shards)  # the dtype it computes in
-            caches = PagedCaches(paged_runner(runtime, config, kv_dtype, max_sequences, int(context), pages, graphs,
-                                               compile))
+            shape = KVShape.of(config, parse_dtype(dtype) or hfdir.weights_dtype(shards))  # the dtype it computes in
+            if pages is None:  # a pool of its own, in the arena
+                region = pool_region(name)
+                page_bytes, nbytes = pool_bytes(shape, max_sequences, int(context))
+                pages = arena_pool(runtime, region, nbytes, page_bytes)
+            caches = PagedCaches(paged_runner(shape, max_sequences, int(context), pages, graphs, compile))
             if profile and caches.runner.wants_capture:  # resident and idle: NOTE [Decode graphs]
                 try:
                     runtime.call(name, (), {"paged": caches.runner.capture()})
@@ -138,9 +149,11 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
                         offload_kv=offload_kv, kv_budget=kv_budget,
                         lane_bytes=turn_lane_bytes(config, dtype, max_sequences, int(context), prefill_peak))
     except BaseException:
+        if region is not None:
+            runtime.unreserve(region)
         runtime.unregister(name)
         raise
-    return LanguageModel(runtime, name, path, tokenizer, config, engine)
+    return LanguageModel(runtime, name, path, tokenizer, config, engine, region)
 
 
 DEFAULT_POOL_BYTES = 2 << 30
@@ -165,6 +178,13 @@ def pool_need(path: str | Path, dtype: str | None, max_sequences: int, max_conte
     return pool_bytes(shape, max_sequences, max_context or int(positions))
 
 
+def own_pool_bytes(path: str | Path, dtype: str | None, max_sequences: int, max_context: int | None = None) -> int:
+    """The bytes of the arena the page pool of its own that ``load`` makes for the model
+    directory ``path`` takes (NOTE [Regions of the arena]): for sizing ``memory``."""
+    page_bytes, nbytes = pool_need(path, dtype, max_sequences, max_context)
+    return pool_footprint(nbytes, page_bytes)
+
+
 def compile_cache() -> str:
     """Where inductor keeps compiled decode steps (NOTE [Compiled decode steps]):
     ``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``inductor`` in timeshare's cache
@@ -173,17 +193,26 @@ def compile_cache() -> str:
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
-def paged_runner(runtime: Runtime, config: Any, dtype: torch.dtype, max_sequences: int, max_context: int,
-                 pages: PagePool | None, graphs: str, compile: str | Callable[..., Any] = "auto") -> DecodeRunner:
-    """The decode batch of a model of ``config`` on ``pages`` (or on a pool of its own)."""
-    shape = KVShape.of(config, dtype)
+def paged_runner(shape: KVShape, max_sequences: int, max_context: int, pages: PagePool, graphs: str,
+                 compile: str | Callable[..., Any] = "auto") -> DecodeRunner:
+    """The decode batch of a model whose positions take ``shape``, on ``pages``."""
     if compile != "off":
         compile_cache()
-    if pages is None:
-        page_bytes, nbytes = pool_bytes(shape, max_sequences, max_context)
-        pages = PagePool(runtime.device, nbytes, page_bytes)
     return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context,
                         graphs=graphs, compile=compile)
+
+
+def pool_region(model: str) -> str:
+    """The owner of the region of the arena that holds ``model``'s own page pool."""
+    return f"kv-pages:{model}"
+
+
+def arena_pool(runtime: Runtime, owner: str, nbytes: int, page_bytes: int) -> PagePool:
+    """A pool of ``nbytes`` in pages of ``page_bytes`` in a region of ``runtime``'s arena
+    that ``owner`` holds until ``runtime.unreserve(owner)`` (NOTE [Regions of the arena]):
+    planned with the models' weights, at addresses that never move while it lives."""
+    memory = runtime.reserve(owner, pool_footprint(nbytes, page_bytes), what=f"key/value pages ({owner})")
+    return PagePool(runtime.device, nbytes, page_bytes, memory=memory)
 
 
 def kv_bytes_per_token(config: Any, dtype: str | None) -> int:

@@ -188,6 +188,23 @@ class Runtime(observe.Observing):
                 self._table.host.drop(name)
             return evicted
 
+    def reserve(self, owner: str, nbytes: int, what: str | None = None) -> torch.Tensor:
+        """``nbytes`` of the arena for ``owner``, as a uint8 tensor at a fixed device
+        address until ``unreserve(owner)`` or ``close()`` (NOTE [Regions of the arena]):
+        unpinned idle models are evicted to make room, as for a load, and no model's
+        placement takes or evicts it. ``MemoryBudgetError`` (``ModelTooLargeError`` when
+        larger than the arena) if it does not fit, ``what`` naming it."""
+        self._check_open()
+        if nbytes <= 0:
+            raise ConfigError(f"a region of the arena needs a positive size, got {nbytes}")
+        with self._turn():
+            return self._arena.region(self._table.reserve_region(owner, nbytes, what or f"region {owner!r}"))[:nbytes]
+
+    def unreserve(self, owner: str) -> None:
+        """Give ``owner``'s region back; nothing may read or write its tensor after."""
+        with self._turn():
+            self._table.release_region(owner)
+
     def resident(self) -> list[str]:
         """Names of the models in device memory, the first to evict first under the policy."""
         with self._turn():

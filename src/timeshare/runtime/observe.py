@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from timeshare.executor.interface import Executor, PoolHealth
-from timeshare.memory import Arena
+from timeshare.memory import Arena, Block
 from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import Listener
 from timeshare.runtime.host_tier import HostTier, HostTierSnapshot
@@ -42,8 +42,9 @@ class RuntimeSnapshot:
 
     device: str
     capacity_bytes: int  # the arena
-    used_bytes: int  # held by resident models
+    used_bytes: int  # held by resident models and reserved regions
     resident: dict[str, int]  # resident model -> its device bytes
+    reserved: dict[str, int]  # a region's owner -> its bytes (NOTE [Regions of the arena])
     host_bytes: int  # the models' host copies (with a host budget: those in memory)
     host_pinned_bytes: int  # of those, page-locked (NOTE [Exact host pinning])
     loads: dict[str, int]  # model -> its loads so far
@@ -79,7 +80,8 @@ def stats(device: torch.device, arena: Arena, residency: Residency, models: Mapp
 
 def snapshot(device: torch.device, arena: Arena, residency: Residency, models: Iterable[ModelEntry],
              jobs: Iterable[TrainingJob], executor: Executor, gate: Dispatcher, failures: int,
-             host: HostTier | None = None, sharing: SharedTensors | None = None) -> RuntimeSnapshot:
+             host: HostTier | None = None, sharing: SharedTensors | None = None,
+             regions: Mapping[str, Block] | None = None) -> RuntimeSnapshot:
     alloc = arena.allocator
     models, jobs = list(models), list(jobs)
     shared = None if sharing is None else sharing.snapshot()
@@ -88,6 +90,7 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
         capacity_bytes=alloc.capacity,
         used_bytes=alloc.used,
         resident={m.name: m.nbytes for m in models if m.block is not None},
+        reserved={owner: block.size for owner, block in dict(regions or {}).items()},
         host_bytes=(sum(m.nbytes for m in models) + (shared.shared_bytes if shared else 0)) if host is None
         else host.used,
         host_pinned_bytes=executor.pinned_host_bytes(),
@@ -105,7 +108,8 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
 
 
 def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Executor,
-                gate: Dispatcher, host: HostTier | None = None, sharing: SharedTensors | None = None) -> dict:
+                gate: Dispatcher, host: HostTier | None = None, sharing: SharedTensors | None = None,
+                regions: Mapping[str, Block] | None = None) -> dict:
     alloc = arena.allocator
     return {
         "arena": {"name": arena.shm_name, "capacity_bytes": alloc.capacity, "free_ranges": alloc.free_ranges()},
@@ -113,6 +117,7 @@ def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEn
                        "last_offset": m.last_offset, "loads": m.loads, "pinned": m.pinned,
                        "ephemeral_bytes": dict(m.ephemeral)}
                    for n, m in models.items()},
+        "regions": {owner: {"offset": b.offset, "nbytes": b.size} for owner, b in dict(regions or {}).items()},
         "quarantined": residency.quarantined(),
         "scheduler_tasks": len(gate.scheduler.tasks),
         "lanes": _plain(gate.lanes()),
@@ -158,7 +163,7 @@ class Observing:
         an atomic one."""
         table = self._table
         return snapshot(self.device, self._arena, self._residency, table.entries.values(), self._jobs.all().values(),
-                        self._exec, self._gate, table.failures, table.host, table.sharing)
+                        self._exec, self._gate, table.failures, table.host, table.sharing, table.regions)
 
     def diagnostics(self) -> dict:
         """For operators and white-box tests, without waiting for the device: the arena
@@ -167,7 +172,7 @@ class Observing:
         tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
         with self._lock:
             return diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
-                               self._table.host, self._table.sharing)
+                               self._table.host, self._table.sharing, self._table.regions)
 
     def in_process_worker(self) -> Worker | None:
         """A test hook: the worker that runs the models in this process (None with

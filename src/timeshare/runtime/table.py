@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from timeshare.errors import DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
+from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
 from timeshare.executor.interface import Executor, Packed, Ran
 from timeshare.executor.segments import Switch
 from timeshare.memory import Block
@@ -50,6 +50,7 @@ class ModelTable:
         self.strategy = strategy  # the runtime's grouping, when a call names none
         self.listeners: list[Listener] = []
         self.failures = 0  # calls that raised
+        self.regions: dict[str, Block] = {}  # NOTE [Regions of the arena], by owner
 
     def get(self, name: str) -> ModelEntry:
         try:
@@ -149,6 +150,43 @@ class ModelTable:
         del self.entries[m.name]
         if self.shared is not None:
             self.shared.remove(m.name)  # the sets no model uses any more go
+
+    # NOTE [Regions of the arena]
+    # Device memory that lives apart from any model's weights but as long as a part of the
+    # runtime needs it (a language model's key/value pages: worker/paged.py) is a region of
+    # the arena, not an allocation of its own beside it: the arena stays the one owner of
+    # the device memory timeshare holds, ``memory`` bounds weights and pages together, and
+    # a region never moves while held, so a captured graph may read its addresses. A region
+    # is placed as a model is (idle unpinned models evicted for it, an error naming it if
+    # pinned or running ones leave no room), at the arena's top end when that is free, away
+    # from the low offsets models return to (NOTE [Sticky placement]); no placement takes or
+    # evicts it until its owner gives it back.
+    def reserve_region(self, owner: str, nbytes: int, what: str) -> Block:
+        """NOTE [Regions of the arena]: ``nbytes`` of the arena for ``owner`` (``what`` in
+        errors), at its top end if that is free, evicting unpinned idle models as a load
+        does; no placement takes or evicts it until ``release_region``."""
+        if owner in self.regions:
+            raise ConfigError(f"{owner!r} already holds memory in the arena")
+        alloc = self.residency.arena.allocator
+        if alloc.rounded(nbytes) > alloc.capacity:  # never fits: permanent, as a model too large
+            raise ModelTooLargeError(owner, nbytes, alloc.capacity, what)
+        top = (alloc.capacity - alloc.rounded(nbytes)) // alloc.alignment * alloc.alignment
+
+        def allocate() -> Block | None:
+            return alloc.allocate_at(top, nbytes, owner) or alloc.allocate(nbytes, owner)
+
+        block, evicted = self.residency.reserve(owner, nbytes, allocate, self.entries, self.executor.release,
+                                                what=what)
+        for victim in evicted:
+            self.emit(EvictionRecord(victim.name, victim.nbytes, time.monotonic()))
+        self.regions[owner] = block
+        return block
+
+    def release_region(self, owner: str) -> None:
+        """Give ``owner``'s region back (poisoned first under the diagnostic)."""
+        block = self.regions.pop(owner, None)
+        if block is not None:
+            self.residency.free(block)
 
     def lane_ask(self, m: ModelEntry, key: str, free: Callable[[], int]) -> int:
         """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its

@@ -191,10 +191,12 @@ def _memory(snap: ServiceSnapshot, rt: RuntimeSnapshot):
     yield _by_label(GaugeMetricFamily, "timeshare_model_resident_bytes", "Device bytes of each resident model",
                     "model", rt.resident)
     yield GaugeMetricFamily("timeshare_resident_models", "Models in device memory", value=len(rt.resident))
-    yield GaugeMetricFamily("timeshare_arena_used_bytes", "Device memory held by resident models",
-                            value=rt.used_bytes)
-    yield GaugeMetricFamily("timeshare_arena_capacity_bytes", "The device memory budget for models (the arena)",
-                            value=rt.capacity_bytes)
+    yield GaugeMetricFamily("timeshare_arena_used_bytes", "Device memory of the arena held by resident models and "
+                            "reserved regions", value=rt.used_bytes)
+    yield _by_label(GaugeMetricFamily, "timeshare_arena_reserved_bytes", "Regions of the arena reserved apart from "
+                    "models (key/value pages), by owner", "owner", rt.reserved)
+    yield GaugeMetricFamily("timeshare_arena_capacity_bytes", "The device memory budget (the arena): models' "
+                            "weights and reserved regions", value=rt.capacity_bytes)
     yield GaugeMetricFamily("timeshare_host_store_bytes", "Host copies of the registered models' weights",
                             value=rt.host_bytes)
     # The bytes registered with CUDA, exactly (NOTE [Exact host pinning]), not a flag per model.

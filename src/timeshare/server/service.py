@@ -111,13 +111,15 @@ class Service:
         every language model's key/value pages (NOTE [Paged key/value caches]), made with
         the first model: ``kv_memory`` bytes, or what the largest model's ``max_sequences``
         rows take at ``max_context`` if more (a turn may always fill its batch: the others'
-        caches make room), in pages of 32 positions of the largest model."""
+        caches make room), in pages of 32 positions of the largest model, in a region of
+        the runtime's arena (NOTE [Regions of the arena])."""
         if self.kv_budget is None or rt.in_process_worker() is None:
             return None
         if self.kv_pages is None:
             needs = [lm.pool_need(c.path, c.dtype, c.max_sequences, c.max_context) for c in self.config.llms]
             page_bytes = max(page for page, _ in needs)
-            self.kv_pages = PagePool(rt.device, max(self.kv_budget.capacity, *(n for _, n in needs)), page_bytes)
+            self.kv_pages = lm.arena_pool(rt, "kv-pages", max(self.kv_budget.capacity, *(n for _, n in needs)),
+                                          page_bytes)
         return self.kv_pages
 
     def _llm_defs(self) -> list:

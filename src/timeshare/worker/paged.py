@@ -3,11 +3,11 @@ which a ``transformers`` model reads and writes them. Tensors only; runs where t
 model computes (the controller, for an in-process runtime).
 
 # NOTE [Paged key/value caches]
-A ``PagePool`` is one allocation of device memory, made once and never moved or freed
-while models decode, cut into pages of ``page_bytes``: every language model that
-decodes on the device takes its pages from it, so one budget (``kv_memory``) bounds
-them all and a captured decode graph (``decoding.py``) may read them at their
-addresses for as long as the pool lives. A model sees each page as ``block`` positions
+A ``PagePool`` is device memory that never moves or goes while models decode (a region
+of the runtime's arena, NOTE [Regions of the arena]), cut into pages of ``page_bytes``:
+every language model that decodes on the device takes its pages from it, so one budget
+(``kv_memory``) bounds them all and a captured decode graph (``decoding.py``) may read
+them at their addresses for as long as the pool lives. A model sees each page as ``block`` positions
 of all its layers' keys and values (``PagedLayout``: the block is the page's bytes over
 the bytes one position takes, so models of different shapes share the pages). A
 sequence holds the pages of its positions, in order: position ``p`` is slot
@@ -76,22 +76,38 @@ def page_bytes_for(shape: KVShape, positions: int = 32) -> int:
     return max(4096, -(-shape.position_bytes * positions // 1024) * 1024)
 
 
+def pool_footprint(nbytes: int, page_bytes: int) -> int:
+    """The bytes a ``PagePool`` of ``nbytes`` in pages of ``page_bytes`` takes: its whole
+    pages and the scratch page; a ``ConfigError`` for sizes it refuses."""
+    if page_bytes < 1024 or page_bytes % 1024:
+        raise ConfigError(f"page_bytes must be a positive multiple of 1 KiB, got {page_bytes}")
+    if nbytes < page_bytes:
+        raise ConfigError(f"a key/value page pool needs at least one page of {page_bytes} bytes, got {nbytes} bytes")
+    return (nbytes // page_bytes + 1) * page_bytes
+
+
 class PagePool:
     """``nbytes`` of device memory for caches in pages of ``page_bytes`` (NOTE [Paged
-    key/value caches]), and the scratch page (page 0) beside them, allocated once."""
+    key/value caches]), and the scratch page (page 0) beside them: the uint8 tensor
+    ``memory`` (a region of the runtime's arena, ``pool_footprint`` bytes at least), or
+    else one allocation of its own."""
 
-    def __init__(self, device: torch.device | str, nbytes: int, page_bytes: int = DEFAULT_PAGE_BYTES):
-        if page_bytes < 1024 or page_bytes % 1024:
-            raise ConfigError(f"page_bytes must be a positive multiple of 1 KiB, got {page_bytes}")
-        pages = nbytes // page_bytes + 1
-        if pages < 2:
-            raise ConfigError(f"a key/value page pool needs at least one page of {page_bytes} bytes, "
-                              f"got {nbytes} bytes")
+    def __init__(self, device: torch.device | str, nbytes: int, page_bytes: int = DEFAULT_PAGE_BYTES, *,
+                 memory: torch.Tensor | None = None):
+        footprint = pool_footprint(nbytes, page_bytes)
+        pages = footprint // page_bytes
         self.device = torch.device(device)
         self.page_bytes, self.pages = page_bytes, pages
         # Not zeroed as a whole: a page is zeroed when taken (on the CPU the pages a pool
         # never uses are never touched), the scratch page now.
-        self.raw = torch.empty(pages * page_bytes, dtype=torch.uint8, device=self.device)
+        if memory is None:
+            self.raw = torch.empty(footprint, dtype=torch.uint8, device=self.device)
+        elif memory.dtype != torch.uint8 or memory.dim() != 1 or memory.numel() < footprint \
+                or memory.device != self.device:
+            raise ConfigError(f"a key/value page pool of {footprint} bytes on {self.device} needs as many uint8 "
+                              f"bytes there, got {memory.dtype} {tuple(memory.shape)} on {memory.device}")
+        else:
+            self.raw = memory[:footprint]
         self._by_page = self.raw.view(pages, page_bytes)
         self._by_page[0].zero_()
         self._free = list(range(pages - 1, 0, -1))  # pop() takes the lowest
