@@ -79,13 +79,14 @@ class LanguageModel(Texts):
         return self.engine.submit(prompt, params, on_event)
 
     def close(self) -> None:
-        """Stop generating (queued and running sequences fail), give its page pool's
-        region back and unregister the model."""
+        """Stop generating (queued and running sequences fail), unregister the model and
+        give its page pool's region back (after unregistering, which waits for a step
+        still running: a step writes into the region)."""
         self.engine.close()
-        if self.region is not None:
-            self.runtime.unreserve(self.region)
         if self.name in self.runtime.models():
             self.runtime.unregister(self.name)
+        if self.region is not None:
+            self.runtime.unreserve(self.region)
 
 
 def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = None, pin: bool = False,
