@@ -229,13 +229,21 @@ def paged_cache_class() -> type:
             keys, values = self.paged.layer(layer_idx)
             w = self.step
             rows = w.table.shape[0]
-            at = w.at[:, :, None, None]
             new_k, new_v = key_states[:, :, -1], value_states[:, :, -1]
             self.new[layer_idx] = (new_k, new_v)
-            k = keys[w.table].reshape(rows, -1, *keys.shape[2:])[:, :w.length]
-            v = values[w.table].reshape(rows, -1, *values.shape[2:])[:, :w.length]
-            k = torch.where(at, new_k[:, None].to(k.dtype), k)
-            v = torch.where(at, new_v[:, None].to(v.dtype), v)
+            if w.length is None:  # every slot of the table's pages, as a graph (maybe compiled) reads them
+                k = keys[w.table].reshape(rows, -1, *keys.shape[2:])
+                v = values[w.table].reshape(rows, -1, *values.shape[2:])
+                at = w.at[:, :, None, None]
+                k = torch.where(at, new_k[:, None].to(k.dtype), k)
+                v = torch.where(at, new_v[:, None].to(v.dtype), v)
+            else:  # an eager step, never compiled: only the pages its positions are in, and
+                # the new position written into that copy in place (not a second copy of it)
+                table = w.table[:, :-(-w.length // keys.shape[1])]
+                k = keys[table].reshape(rows, -1, *keys.shape[2:])[:, :w.length]
+                v = values[table].reshape(rows, -1, *values.shape[2:])[:, :w.length]
+                k[w.at] = new_k.to(k.dtype)
+                v[w.at] = new_v.to(v.dtype)
             return k.transpose(1, 2), v.transpose(1, 2)
 
         def written(self) -> torch.Tensor:
