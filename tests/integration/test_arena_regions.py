@@ -21,11 +21,27 @@ def linear(seed: int) -> nn.Module:
 
 
 def test_a_region_is_held_apart_from_the_models_until_given_back():
+    held_apart("cpu")
+
+
+def test_a_region_that_does_not_fit_is_refused_clearly_and_takes_nothing():
+    refused("cpu")
+
+
+def reference(m: nn.Module, x: torch.Tensor, device: str) -> torch.Tensor:
+    """``m``'s output for ``x`` computed on ``device`` (its kernels, as the runtime's), on the CPU."""
+    with torch.no_grad():
+        return m.to(device)(x.to(device)).cpu()
+
+
+def held_apart(device: str) -> None:
+    """The first test on ``device`` (also run by the GPU tier, ``tests/gpu/test_cuda_regions.py``)."""
     x = torch.randn(3, 256)
     mods = {f"m{i}": linear(i) for i in range(3)}
-    with torch.no_grad():
-        want = {n: m(x) for n, m in mods.items()}
-    with timeshare.Runtime("cpu", 3 * LINEAR + 4096, poison_evicted=True, profile_repeats=1) as rt:
+    want = {n: reference(m, x, device) for n, m in mods.items()}
+    for m in mods.values():
+        m.cpu()
+    with timeshare.Runtime(device, 3 * LINEAR + 4096, poison_evicted=True, profile_repeats=1) as rt:
         evicted: list[str] = []
         rt.subscribe(lambda r: evicted.append(r.model) if isinstance(r, EvictionRecord) else None)
         for name, m in mods.items():
@@ -43,7 +59,8 @@ def test_a_region_is_held_apart_from_the_models_until_given_back():
         assert snap.reserved == {"pages": LINEAR} and snap.used_bytes == used
         placed = rt.diagnostics()["regions"]["pages"]
         # Models come and go around it (each eviction poisoned); it keeps its bytes and place.
-        pattern = torch.arange(region.numel(), dtype=torch.int64).remainder(251).to(torch.uint8)
+        pattern = torch.arange(region.numel(), dtype=torch.int64).remainder(251).to(torch.uint8).to(region.device)
+        assert region.device.type == device
         region.copy_(pattern)
         for _ in range(2):
             for name in ("m0", "m1", "m2"):
@@ -58,12 +75,13 @@ def test_a_region_is_held_apart_from_the_models_until_given_back():
         assert set(rt.resident()) == {"m0", "m1", "m2"}
 
 
-def test_a_region_that_does_not_fit_is_refused_clearly_and_takes_nothing():
+def refused(device: str) -> None:
+    """The second test on ``device``."""
     x = torch.randn(3, 256)
     m = linear(0)
-    with torch.no_grad():
-        want = m(x)
-    with timeshare.Runtime("cpu", 2 * LINEAR, profile_repeats=1) as rt:
+    want = reference(m, x, device)
+    m.cpu()
+    with timeshare.Runtime(device, 2 * LINEAR, profile_repeats=1) as rt:
         rt.register("m", lambda: m, m.state_dict(), (x,), pin=True)
         rt.infer("m", x)
         used = rt.snapshot().used_bytes
