@@ -89,8 +89,9 @@ def refused(device: str) -> None:
             rt.reserve("pages", 2 * LINEAR, what="the pages")
         with pytest.raises(ModelTooLargeError, match=r"the pages needs .* but the whole arena holds"):
             rt.reserve("pages", 3 * LINEAR, what="the pages")
-        with pytest.raises(ConfigError, match="positive size"):
-            rt.reserve("pages", 0)
+        for bad in (0, -1, "1MiB", 1.5, True):
+            with pytest.raises(ConfigError, match="positive whole number of bytes"):
+                rt.reserve("pages", bad)
         snap = rt.snapshot()
         assert snap.reserved == {} and snap.used_bytes == used and rt.resident() == ["m"]
         assert torch.equal(rt.infer("m", x), want)

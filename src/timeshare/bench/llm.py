@@ -158,8 +158,9 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
             model = lm.load(rt, "m", path, dtype=config.dtype if convert else None,
                             max_sequences=sequences, compile=config.compile)
         snap = model.engine.snapshot()
-        # What registration took beside the arena (allocated before it): the page pool, the
-        # graphs' memory and the allocator's cache (None off CUDA).
+        # What registration took beside the arena (allocated before it; the page pool is a
+        # region of the arena): the graphs' memory, the compiled step's and the allocator's
+        # cache (None off CUDA).
         after = _reserved(device)
         out["graphs"] = {"captures": snap.graph_captures, "compiled": snap.graphs_compiled,
                          "capture_s": snap.capture_s,

@@ -195,13 +195,14 @@ class Runtime(observe.Observing):
         placement takes or evicts it. ``MemoryBudgetError`` (``ModelTooLargeError`` when
         larger than the arena) if it does not fit, ``what`` naming it."""
         self._check_open()
-        if nbytes <= 0:
-            raise ConfigError(f"a region of the arena needs a positive size, got {nbytes}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ConfigError(f"a region of the arena needs a positive whole number of bytes, got {nbytes!r}")
         with self._turn():
             return self._arena.region(self._table.reserve_region(owner, nbytes, what or f"region {owner!r}"))[:nbytes]
 
     def unreserve(self, owner: str) -> None:
-        """Give ``owner``'s region back; nothing may read or write its tensor after."""
+        """Give ``owner``'s region back (nothing if it holds none); nothing may read or
+        write its tensor after."""
         with self._turn():
             self._table.release_region(owner)
 
