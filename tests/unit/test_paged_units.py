@@ -8,7 +8,7 @@ import torch
 from timeshare.errors import ConfigError
 from timeshare.llm.model import compile_cache
 from timeshare.worker.decoding import Draw, choose, placement_epoch, relaid_out
-from timeshare.worker.paged import KVMemoryError, KVShape, PagedLayout, PagePool
+from timeshare.worker.paged import KVMemoryError, KVShape, PagedLayout, PagedStep, PagePool, to_device
 
 
 def draw(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -78,6 +78,18 @@ def test_a_steps_new_keys_and_values_go_into_each_rows_slot_of_every_layer_and_n
             assert torch.equal(values[page[row], slot[row]], new[row, layer, 1])
     changed = (pool.raw != before).nonzero().flatten()
     assert changed.numel() > 0 and changed.numel() <= 2 * 3 * 2 * 2 * 4 * 4  # those slots' bytes alone
+
+
+def test_lists_go_to_the_device_as_given_and_an_eager_step_needs_each_rows_position():
+    # NOTE [No waiting on the device]: the CUDA path (page-locked, asynchronous) is in the GPU tier.
+    ints = to_device([3, -1, 2**40], torch.device("cpu"))
+    assert ints.dtype == torch.int64 and ints.tolist() == [3, -1, 2**40]
+    floats = to_device([0.5, 1.0], torch.device("cpu"), torch.float32)
+    assert floats.dtype == torch.float32 and floats.tolist() == [0.5, 1.0]
+    table, at = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 8, dtype=torch.bool)
+    assert PagedStep(table, at).length is None  # a graph's step reads every slot
+    with pytest.raises(ConfigError, match="position"):
+        PagedStep(table, at, 5)
 
 
 def test_compiled_code_is_kept_in_timeshares_cache_unless_told_otherwise(monkeypatch, tmp_path):

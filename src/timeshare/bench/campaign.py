@@ -88,7 +88,7 @@ STEPS: dict[str, Step] = {
              what="0.9B model: cold wake against the floor, decode at 1/8/32 sequences"),
         # Issue 35: paged caches and decode graphs on the device, the language-model GPU tests.
         Step("tests-llm", ("-m", "pytest", "tests/gpu/test_cuda_llm_graphs.py", "tests/gpu/test_cuda_llm.py",
-                           "tests/gpu/test_cuda_regions.py", "-m",
+                           "tests/gpu/test_cuda_regions.py", "tests/gpu/test_cuda_no_waits.py", "-m",
                            "cuda", "-p", "no:cacheprovider", "-q", "--timeout", "200", "-rfE"), 360, bench=False,
              estimate_s=100, what="decode graphs (of compiled steps) on paged caches: tokens of transformers, "
              "replays, invalidation"),

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from timeshare.errors import ConfigError, GenerationError
-from timeshare.worker.paged import PagedLayout, PagedStep, cache_key, paged_cache_class, prompt_layers
+from timeshare.worker.paged import PagedLayout, PagedStep, cache_key, paged_cache_class, prompt_layers, to_device
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,11 @@ def choose(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
     if draw.greedy:
         return torch.where(broken, -1, best)
     device, rows, vocab = logits.device, logits.shape[0], logits.shape[1]
-    temperature = torch.tensor(draw.temperature, device=device, dtype=torch.float32)
+    # Two copies in, queued without waiting (NOTE [No waiting on the device]).
+    top_k, seed, index = to_device([*(k if 0 < k < vocab else vocab for k in draw.top_k), *draw.seed, *draw.index],
+                                   device).view(3, rows)
+    temperature, top_p = to_device([*draw.temperature, *draw.top_p], device, torch.float32).view(2, rows)
     scores = logits.float() / temperature.clamp_min(1e-6)[:, None]
-    top_k = torch.tensor([k if 0 < k < vocab else vocab for k in draw.top_k], device=device)
-    top_p = torch.tensor(draw.top_p, device=device, dtype=torch.float32)
     if any(0 < k < vocab for k in draw.top_k) or any(p < 1.0 for p in draw.top_p):
         ordered, order = torch.sort(scores, dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
@@ -124,15 +125,12 @@ def choose(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
         before = torch.cumsum(probs, dim=-1) - probs  # the first token is always kept
         cut = (rank >= top_k[:, None]) | (before >= top_p[:, None])
         scores = scores.scatter(1, order, ordered.masked_fill(cut, float("-inf")))
-    seed = torch.tensor(draw.seed, device=device, dtype=torch.int64)
-    index = torch.tensor(draw.index, device=device, dtype=torch.int64)
     key = _mix(_mix(seed) ^ _mix(index * 0x9E3779B1 + 1))
     bits = _mix(key[:, None] ^ _mix(torch.arange(vocab, device=device, dtype=torch.int64)[None, :] + 0x632BE5AB))
     uniform = (bits.double() + 0.5) / 4294967296.0
     gumbel = -torch.log(-torch.log(uniform))
     sampled = (scores.double() + gumbel).argmax(dim=-1)
-    greedy = torch.tensor([t == 0.0 for t in draw.temperature], device=device)
-    return torch.where(broken, -1, torch.where(greedy, best, sampled)).view(rows)
+    return torch.where(broken, -1, torch.where(temperature == 0.0, best, sampled)).view(rows)
 
 
 @dataclass
@@ -355,10 +353,11 @@ class DecodeRunner:
                 made.append(_Row(pages, n))
             try:
                 # The model's own cache for the prompt, as transformers' generate computes
-                # it (its causal kernels, no mask), then copied into the row's pages.
-                ids = torch.tensor([prompt], device=self.device)
-                out = type(module).forward(module, input_ids=ids, attention_mask=torch.ones_like(ids),
-                                           use_cache=True, logits_to_keep=1)
+                # it (its causal kernels: generate's mask of ones is dropped for them, after
+                # a check that waits for the device, which no mask spares), then copied into
+                # the row's pages.
+                ids = to_device(prompt, self.device)[None]
+                out = type(module).forward(module, input_ids=ids, use_cache=True, logits_to_keep=1)
                 self.layout.write(pages, prompt_layers(out[cache_key()], n))
                 token = choose(out.logits[:, -1], draw)
             except BaseException:
@@ -514,7 +513,7 @@ def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: st
     ``adapter`` (passed as ``key``): what is compiled (NOTE [Compiled decode steps]). It
     reads the pool and writes nothing but its outputs: the last position's logits and
     every layer's new keys and values."""
-    cache = adapter(layout, PagedStep(table, at, length))
+    cache = adapter(layout, PagedStep(table, at, length, positions[:, 0]))
     out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
                                use_cache=True, logits_to_keep=1, **{key: cache})
     return out.logits[:, -1], cache.written()

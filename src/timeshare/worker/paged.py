@@ -27,6 +27,16 @@ page another model or sequence had, or poison, never leaks.
 ``PagedCache`` is the adapter: a ``transformers`` ``Cache`` whose ``update`` keeps the
 new keys and values for the write and returns what the attention reads. A
 transformers release that changes its cache interface changes this file alone.
+
+# NOTE [No waiting on the device]
+A step's host work (taking pages, the block tables, the tokens in) never waits for the
+device: the host runs ahead and queues the next kernels while the device computes, and
+the one wait of a step is the read of its tokens. ``torch.tensor(values, device=cuda)``
+copies from pageable memory and waits for the stream to drain first, so lists of page
+numbers, tokens and sampling parameters go to the device through page-locked memory and
+an asynchronous copy (``to_device``); a boolean mask as an index waits too (its count is
+read back), so rows and positions are indexed by integers. The GPU tier runs the steps
+under ``torch.cuda.set_sync_debug_mode("error")``, which fails on any such wait.
 """
 
 from __future__ import annotations
@@ -43,6 +53,16 @@ from timeshare.errors import ConfigError, GenerationError, TimeshareError
 
 DEFAULT_PAGE_BYTES = 1 << 20
 MAX_BLOCK = 64  # positions a page holds at most: a step gathers whole pages, the hidden slots too
+
+
+def to_device(values: list[int] | list[float], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, queued without waiting for it (NOTE [No
+    waiting on the device]): on CUDA copied from page-locked memory, asynchronously
+    (the caching host allocator keeps that memory until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class KVMemoryError(TimeshareError):
@@ -134,7 +154,7 @@ class PagePool:
                                     f"has {len(self._free)} free, {n} needed: raise kv_memory or lower "
                                     "max_sequences")
             pages = [self._free.pop() for _ in range(n)]
-        self._by_page[torch.tensor(pages, device=self.device)] = 0
+        self._by_page[to_device(pages, self.device)] = 0
         return pages
 
     def give(self, pages: list[int]) -> None:
@@ -143,10 +163,10 @@ class PagePool:
 
     def read(self, pages: list[int]) -> torch.Tensor:
         """The bytes of ``pages``, in order (on the device)."""
-        return self._by_page[torch.tensor(pages, device=self.device)]
+        return self._by_page[to_device(pages, self.device)]
 
     def write(self, pages: list[int], data: torch.Tensor) -> None:
-        self._by_page[torch.tensor(pages, device=self.device)] = data.to(self.device, non_blocking=True)
+        self._by_page[to_device(pages, self.device)] = data.to(self.device, non_blocking=True)
 
 
 class PagedLayout:
@@ -175,7 +195,7 @@ class PagedLayout:
         ``pages``, from their first slot."""
         n = layers[0][0].shape[0]
         at = torch.arange(n, device=self.pool.device)
-        page = torch.tensor(pages, device=self.pool.device)[at // self.block]
+        page = to_device(pages, self.pool.device)[at // self.block]
         slot = at % self.block
         for index, (k, v) in enumerate(layers):
             keys, values = self.layer(index)
@@ -195,13 +215,19 @@ class PagedLayout:
 class PagedStep:
     """What a decode step's attention reads: the block table its keys and values are
     gathered through, how many positions of them (None: every slot of the table's pages,
-    as a graph must) and, over those, where each row's new position is (``at``, ``[rows,
-    positions]``: the new key and value go there)."""
+    as a graph must) and, over those, where each row's new position is: ``at`` (``[rows,
+    positions]``, true there) for a graph, which replaces the gathered copy's slot with
+    ``torch.where``; ``positions`` (``[rows]``) for an eager step, which writes the slot
+    (by integers: a boolean index would wait for the device, NOTE [No waiting on the
+    device])."""
 
-    __slots__ = ("table", "at", "length")
+    __slots__ = ("table", "at", "length", "positions")
 
-    def __init__(self, table: torch.Tensor, at: torch.Tensor, length: int | None = None):
-        self.table, self.at, self.length = table, at, length
+    def __init__(self, table: torch.Tensor, at: torch.Tensor, length: int | None = None,
+                 positions: torch.Tensor | None = None):
+        if length is not None and positions is None:
+            raise ConfigError("an eager decode step (its length given) needs each row's position")
+        self.table, self.at, self.length, self.positions = table, at, length, positions
 
 
 @functools.cache
@@ -242,8 +268,9 @@ def paged_cache_class() -> type:
                 table = w.table[:, :-(-w.length // keys.shape[1])]
                 k = keys[table].reshape(rows, -1, *keys.shape[2:])[:, :w.length]
                 v = values[table].reshape(rows, -1, *values.shape[2:])[:, :w.length]
-                k[w.at] = new_k.to(k.dtype)
-                v[w.at] = new_v.to(v.dtype)
+                row = torch.arange(rows, device=k.device)
+                k[row, w.positions] = new_k.to(k.dtype)
+                v[row, w.positions] = new_v.to(v.dtype)
             return k.transpose(1, 2), v.transpose(1, 2)
 
         def written(self) -> torch.Tensor:
