@@ -6,6 +6,10 @@ order); ``queued``, ``drained`` and ``retire`` keep the queues and the devices u
 date; the rest keep the least-loaded heap and each device's recency list. Runs in the
 process that routes: a cluster's front end, or the simulator. Argument order: see
 ``Fleet.arrays``; ``choose``'s policies are the codes of ``routing.POLICIES``.
+Compiled once per machine, not once per process: numba caches the machine code beside
+this file (``cache=True``; 10 s of compiling on a 2-core machine, paid by every front
+end, server and simulator process before). No step calls itself: a recursive function
+loaded from numba's cache crashed the process (numba 0.68).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ REPLICA_SHARE = 0.3  # of a device, what one replica of a model is planned to ta
 RATE_TAU_S = 10.0  # the time constant of each model's request rate, an exponentially decayed count
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _sift_down(i, free_at, heap, heap_pos):
     n = len(heap)
     while True:
@@ -37,7 +41,7 @@ def _sift_down(i, free_at, heap, heap_pos):
             return
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _sift_up(i, free_at, heap, heap_pos):
     while i > 0:
         parent = (i - 1) // 2
@@ -50,7 +54,7 @@ def _sift_up(i, free_at, heap, heap_pos):
             return
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def set_free_at(d, t, free_at, heap, heap_pos):
     """Device ``d``'s queue drains at ``t`` now; the heap is kept in order."""
     old = free_at[d]
@@ -61,7 +65,7 @@ def set_free_at(d, t, free_at, heap, heap_pos):
         _sift_up(heap_pos[d], free_at, heap, heap_pos)
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def queued(d, m, until, st):
     """A request of model ``m`` queued on device ``d`` ends at ``until``, the device's
     queue drains then, and ``m`` is busy there until then."""
@@ -72,7 +76,7 @@ def queued(d, m, until, st):
         slot_busy[d, s] = until
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def drained(d, now, st):
     """Device ``d`` has nothing outstanding at ``now``."""
     free_at, slot_busy, heap, heap_pos = st[7], st[11], st[14], st[15]
@@ -82,7 +86,7 @@ def drained(d, now, st):
             slot_busy[d, k] = now
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _random_device(m, x, size, capacity):
     """A device large enough for model ``m``, uniformly at random from ``x`` in [0, 1):
     drawn, and drawn again from a sequence ``x`` seeds while it is too small (a device of
@@ -100,7 +104,7 @@ def _random_device(m, x, size, capacity):
     return -1
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _fits_somewhere(m, size, capacity):
     for d in range(len(capacity)):
         if capacity[d] >= size[m]:
@@ -108,7 +112,21 @@ def _fits_somewhere(m, size, capacity):
     return False
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
+def _least_loaded(m, size, capacity, heap, free_at):
+    """The device whose queue drains first among those large enough for ``m`` (the
+    heap's top when it is one)."""
+    d = heap[0]
+    if capacity[d] >= size[m]:
+        return d
+    best, best_t = -1, np.inf
+    for d in range(len(capacity)):
+        if capacity[d] >= size[m] and free_at[d] < best_t:
+            best, best_t = d, free_at[d]
+    return best
+
+
+@numba.njit(nogil=True, cache=True)
 def choose(policy, m, now, u, params, st):
     """The device for a request of model ``m`` at ``now`` (NOTE [Fleet routing]); ``u``:
     four uniform numbers in [0, 1); ``params``: (max_models, max_ongoing, replicate_margin);
@@ -116,20 +134,12 @@ def choose(policy, m, now, u, params, st):
     max_ongoing, margin = params[1], params[2]
     (size, compute_s, cold_s, load_s, capacity, used, nmodels, free_at, slot_of, slot_model, links, slot_busy,
      holders, nholders, heap, heap_pos, rate, rate_at, ends, free, holder_pos) = st
-    ndev = len(capacity)
     if not _fits_somewhere(m, size, capacity):
         return -1
     if policy == 0:  # random
         return _random_device(m, u[0], size, capacity)
     if policy == 1:  # least-loaded
-        d = heap[0]
-        if capacity[d] >= size[m]:
-            return d
-        best, best_t = -1, np.inf
-        for d in range(ndev):
-            if capacity[d] >= size[m] and free_at[d] < best_t:
-                best, best_t = d, free_at[d]
-        return best
+        return _least_loaded(m, size, capacity, heap, free_at)
     n = nholders[m]
     if policy == 2:  # Ray Serve's multiplexing
         if n > 0:
@@ -167,11 +177,11 @@ def choose(policy, m, now, u, params, st):
         if t < best_t:
             best, best_t = d, t
     if best < 0:
-        best = choose(1, m, now, u, params, st)
+        best = _least_loaded(m, size, capacity, heap, free_at)
     return best
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _unlink(d, s, links, ends):
     before, after = links[d, s, 0], links[d, s, 1]
     if before >= 0:
@@ -186,7 +196,7 @@ def _unlink(d, s, links, ends):
     links[d, s, 1] = -1
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _append(d, s, links, ends):
     """Slot ``s`` becomes device ``d``'s most recently routed."""
     last = ends[d, 1]
@@ -199,7 +209,7 @@ def _append(d, s, links, ends):
     ends[d, 1] = s
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _evict(d, s, st):
     size, used, nmodels, slot_of, slot_model, links, holders, nholders, ends, free, holder_pos = (
         st[0], st[5], st[6], st[8], st[9], st[10], st[12], st[13], st[18], st[19], st[20])
@@ -220,7 +230,7 @@ def _evict(d, s, st):
     return victim
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def retire(d, st):
     """Device ``d`` holds nothing and is never chosen (capacity 0)."""
     slot_model, capacity, free_at, heap, heap_pos = st[9], st[4], st[7], st[14], st[15]
@@ -231,7 +241,7 @@ def retire(d, st):
     set_free_at(d, np.inf, free_at, heap, heap_pos)  # last in the heap: least-loaded never finds it
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def place(m, d, now, params, st):
     """Make model ``m`` resident on device ``d`` for a request routed at ``now``. Returns
     (whether it was resident already, seconds and count of the reloads owed to models

@@ -93,7 +93,7 @@ def workload(config: ClusterSimConfig) -> Workload:
     return Workload(size, compute, cold, size / V100_PCIE3_BYTES_PER_S, arrivals, models)
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _replay(policy, seed, arrivals, models, latency, params, st):
     compute_s, cold_s, capacity, free_at = st[1], st[2], st[4], st[7]
     np.random.seed(seed)
