@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 
 import pytest
@@ -176,6 +177,11 @@ def test_replica_errors_names_of_ended_jobs_and_deaths_seen_by_a_poll(local_ray)
 
     models = model_defs(1)
     with Cluster(models, replicas=2, memory="3MiB") as cluster:
+        # The replicas serve at the priority of the process that started them, not at Ray's
+        # nice 15 for its workers.
+        pids = [local_ray.get(s.actor.ping.remote(), timeout=60)["pid"] for s in cluster.slots if s.alive]
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert len(pids) == 2 and all(os.getpriority(os.PRIO_PROCESS, pid) == ours for pid in pids)
         # The replica's own error arrives as raised there, not wrapped in Ray's traceback.
         with pytest.raises(RuntimeError, match="conv2d") as raised:
             cluster.infer(models[0].name, torch.zeros(7))  # no conv takes a vector
