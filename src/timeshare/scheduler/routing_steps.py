@@ -8,7 +8,8 @@ process that routes: a cluster's front end, or the simulator. Argument order: se
 ``Fleet.arrays``; ``choose``'s policies are the codes of ``routing.POLICIES``.
 Compiled once per machine, not once per process: numba caches the machine code beside
 this file (``cache=True``; 10 s of compiling on a 2-core machine, paid by every front
-end, server and simulator process before). No step calls itself: a recursive function
+end, server and simulator process before); numba checks this file alone, so a compiled
+caller elsewhere must not be cached (``sim/fleet.py``'s loop is not). No step calls itself: a recursive function
 loaded from numba's cache crashed the process (numba 0.68).
 """
 

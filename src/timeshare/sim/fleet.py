@@ -93,7 +93,10 @@ def workload(config: ClusterSimConfig) -> Workload:
     return Workload(size, compute, cold, size / V100_PCIE3_BYTES_PER_S, arrivals, models)
 
 
-@numba.njit(nogil=True, cache=True)
+# Not cached on disk as routing's steps are: numba's cache of a function is keyed on its
+# own file, and a cached loop would keep running a changed ``routing_steps.py``'s old
+# code. Compiled per process (2.6 s on the 2-core VM, the steps loaded from their cache).
+@numba.njit(nogil=True)
 def _replay(policy, seed, arrivals, models, latency, params, st):
     compute_s, cold_s, capacity, free_at = st[1], st[2], st[4], st[7]
     np.random.seed(seed)
