@@ -91,7 +91,7 @@ STEPS: dict[str, Step] = {
                            "tests/gpu/test_cuda_regions.py", "tests/gpu/test_cuda_no_waits.py", "-m",
                            "cuda", "-p", "no:cacheprovider", "-q", "--timeout", "200", "-rfE"), 360, bench=False,
              estimate_s=100, what="decode graphs (of compiled steps) on paged caches: tokens of transformers, "
-             "replays, invalidation"),
+             "replays, invalidation, no waits on the device"),
         Step("tests", ("-m", "pytest", "tests/gpu", "-m", "cuda", "-p", "no:cacheprovider", "-q",
                        "--timeout", "150", "-rfE"), 360, bench=False, estimate_s=150,
              what="the GPU test tier"),
