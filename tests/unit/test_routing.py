@@ -46,6 +46,14 @@ def test_least_loaded_is_the_device_whose_queue_drains_first_through_any_updates
         assert route(f, 1, 0, 0.0) == int(np.argmin(f.free_at)), step
 
 
+def test_least_loaded_passes_over_a_device_too_small_for_the_model():
+    # Device 0 drains first (idle) but cannot hold model 0: of the others, the one that drains first.
+    f = Fleet.create([300 * MB, 100 * MB], [0.01] * 2, [0.02] * 2, [0.03] * 2, [250 * MB, 400 * MB, 400 * MB])
+    put(f, 1, 1, 0.0, 5.0)
+    put(f, 1, 2, 0.0, 1.0)
+    assert route(f, 1, 0, 0.0) == 2
+
+
 def test_ray_prefers_a_holder_until_it_has_max_ongoing_requests_then_the_replica_with_fewest_models():
     f = fleet(max_models=2, max_ongoing=3)
     put(f, 0, 1, 0.0, 0.02)  # model 0 on device 1, two requests' work queued (compute 10 ms)
