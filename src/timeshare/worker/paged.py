@@ -60,9 +60,9 @@ def to_device(values: list[int] | list[float], device: torch.device, dtype: torc
     waiting on the device]): on CUDA copied from page-locked memory, asynchronously
     (the caching host allocator keeps that memory until the copy is done)."""
     host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host if device.type == "cpu" else host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)  # the tensor itself on the CPU
 
 
 class KVMemoryError(TimeshareError):
@@ -221,13 +221,15 @@ class PagedStep:
     (by integers: a boolean index would wait for the device, NOTE [No waiting on the
     device])."""
 
-    __slots__ = ("table", "at", "length", "positions")
+    __slots__ = ("table", "at", "length", "positions", "rows")
 
     def __init__(self, table: torch.Tensor, at: torch.Tensor, length: int | None = None,
                  positions: torch.Tensor | None = None):
         if length is not None and positions is None:
             raise ConfigError("an eager decode step (its length given) needs each row's position")
         self.table, self.at, self.length, self.positions = table, at, length, positions
+        # An eager step's row indices, made once for every layer's write.
+        self.rows = None if length is None else torch.arange(table.shape[0], device=table.device)
 
 
 def _gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -263,7 +265,6 @@ def paged_cache_class() -> type:
             # copy, and goes into the pool with every layer's after the forward (``new``).
             keys, values = self.paged.layer(layer_idx)
             w = self.step
-            rows = w.table.shape[0]
             new_k, new_v = key_states[:, :, -1], value_states[:, :, -1]
             self.new[layer_idx] = (new_k, new_v)
             if w.length is None:  # every slot of the table's pages, as a graph (maybe compiled) reads them
@@ -275,9 +276,8 @@ def paged_cache_class() -> type:
                 # the new position written into that copy in place (not a second copy of it)
                 table = w.table[:, :-(-w.length // keys.shape[1])]
                 k, v = _gather(keys, table)[:, :w.length], _gather(values, table)[:, :w.length]
-                row = torch.arange(rows, device=k.device)
-                k[row, w.positions] = new_k.to(k.dtype)
-                v[row, w.positions] = new_v.to(v.dtype)
+                k[w.rows, w.positions] = new_k.to(k.dtype)
+                v[w.rows, w.positions] = new_v.to(v.dtype)
             return k.transpose(1, 2), v.transpose(1, 2)
 
         def written(self) -> torch.Tensor:
