@@ -99,35 +99,39 @@ def _env(cache: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("how", ["directory", "cache"])
-def test_serve_a_model_without_a_config_and_see_it_in_ps(places, tmp_path, how):
+def test_serve_models_without_a_config_and_see_them_in_ps(places, tmp_path):
+    """A model directory and a repository in the Hugging Face cache, served by one server."""
     model, cache = places
-    arg, name = (str(model), "my-llama") if how == "directory" else ("acme/tiny-llama", "acme/tiny-llama")
-    served = _Served([arg], _env(cache), tmp_path / "server.log")
+    names = ["my-llama", "acme/tiny-llama"]  # the directory's name, the repository's id
+    served = _Served([str(model), "acme/tiny-llama"], _env(cache), tmp_path / "server.log")
     try:
+        want = _greedy(model, "serve what you have", 12)
         with openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            assert [m.id for m in client.models.list().data] == [name]
-            prompt = "serve what you have"
-            out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
-            assert out.choices[0].text == _greedy(model, prompt, 12)
+            assert sorted(m.id for m in client.models.list().data) == sorted(names)
+            for name in names:
+                out = client.completions.create(model=name, prompt="serve what you have", max_tokens=12,
+                                                temperature=0)
+                assert out.choices[0].text == want, name
         ps = subprocess.run([sys.executable, "-m", "timeshare", "ps", "--url", served.url, "--json"],
                             capture_output=True, text=True, timeout=60)
         assert ps.returncode == 0, ps.stderr
         rows = {r["name"]: r for r in json.loads(ps.stdout)}
-        row = rows[name]
-        assert row["kind"] == "language model" and row["state"] == "READY"
         weights = sum(t.numel() * t.element_size() for t in hfdir.read_weights(model).values())
-        assert row["device_bytes"] is not None and row["device_bytes"] >= weights  # resident, all of it
-        assert row["last_used_s"] is not None and row["last_used_s"] < 600
+        for name in names:
+            row = rows[name]
+            assert row["kind"] == "language model" and row["state"] == "READY"
+            assert row["device_bytes"] is not None and row["device_bytes"] >= weights  # resident, all of it
+            assert row["last_used_s"] is not None and row["last_used_s"] < 600
         table = subprocess.run([sys.executable, "-m", "timeshare", "ps", "--url", served.url],
                                capture_output=True, text=True, timeout=60)
-        assert table.returncode == 0 and name in table.stdout and "READY" in table.stdout
+        assert table.returncode == 0 and all(n in table.stdout for n in names) and "READY" in table.stdout
     finally:
         code = served.stop()
     assert code == 0
     banner = (tmp_path / "server.log").read_text()
-    assert "0 models, 0 training jobs, 1 language models" in banner and name in banner
-    assert f"loading language model 1 of 1: {name}" in banner  # start-up's progress
+    assert "0 models, 0 training jobs, 2 language models" in banner and all(n in banner for n in names)
+    for i, name in enumerate(names, 1):
+        assert f"loading language model {i} of 2: {name}" in banner  # start-up's progress
 
 
 def test_what_cannot_be_served_is_named(places, tmp_path):
