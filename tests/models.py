@@ -467,3 +467,15 @@ def variant_net(variant: int, base_seed: int = 0, tuned: tuple[str, ...] = ("hea
             for p in getattr(net, name).parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return net
+
+
+def wide_relu() -> nn.Module:
+    """A 512-wide linear layer and a ReLU (1 MiB of float32 weights) drawn from a seed (a
+    generator of its own): a model that takes a block of the arena, in-process or in a
+    worker process."""
+    net = nn.Sequential(nn.Linear(512, 512), nn.ReLU())
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return net

@@ -13,8 +13,7 @@ Every error timeshare raises derives from :class:`TimeshareError`::
      │    ├── ModelTooLargeError  the model alone is larger than the whole budget
      │    └── LaneExceededError   a task's ephemeral memory outgrew its lane
      ├── PipelineError            a pipelined load failed or did not finish in time
- ├── GenerationError          a language model's step did not grow its cache as it must
- │    └── BatchLostError      a decode batch is gone from its home worker
+     ├── GenerationError          a language model's step could not give its tokens
      ├── WorkerError              a worker process failed a task (recoverable: a new
      │    │                       worker takes its place)
      │    ├── WorkerCrashedError  the worker process died
@@ -119,12 +118,10 @@ class PipelineError(TimeshareError):
 
 
 class GenerationError(TimeshareError):
-    """A language model's step did not grow its key/value cache as a step must."""
+    """A language model's step could not give its tokens: NaN logits, a step that wrote
+    no keys and values for a layer, a step its pages or limits do not allow."""
 
 
-class BatchLostError(GenerationError):
-    """A decode batch is gone from its home worker (dropped, or never there): the rows
-    in it are lost, and the next sequence starts a fresh batch (``llm/caches.py``)."""
 
 class WorkerError(TimeshareError):
     """A worker process failed a task. The runtime replaces the worker; the error says

@@ -24,7 +24,7 @@ is pickled in place, and logged once.
     RunModel(seq, model, ...)       Result(seq, output, ...) or Failure(seq, error)
       args as TensorRefs, channel:    output as TensorRefs in the channel (refs, out_nbytes)
       a grown channel to map first
-      with kv: a language model's step on the caches its home keeps
+      with step: a language model's step (decode/step.py), answered with its StepOutcome
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
       args as TensorRefs, channel
     Train(seq, job, spec, lane)     Progress(seq, ...) after every iteration, then
@@ -33,8 +33,6 @@ is pickled in place, and logged once.
                                     preemption point; ignored if it already ended)
     GetJobState(seq, job, full)     Result(seq, state dict, or with full the job's checkpoint)
     DropJob(seq, job)               Ack(seq)
-    DropCaches(seq, batch)          Ack(seq)  (a language model's caches in its home)
-    OffloadCaches(seq, batch)       Result(seq, bytes moved to the home's host memory)
     Shutdown()                      (exits)
 
 A worker answers one request at a time, except that a Train segment reads the pipe
@@ -49,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timeshare import errors
+from timeshare.decode.step import Step
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import TensorEntry
@@ -154,24 +153,6 @@ class UnpinStore:
 
 
 @dataclass(frozen=True)
-class KVStep:
-    """A language model's step in its home worker, which keeps the decode batch's caches
-    (NOTE [Generation in worker processes]). ``rows``: the id of each row the controller
-    holds, in order; the home keeps exactly those before the step (a row it lacks loses
-    the batch), so that a step the home never saw cannot leave the two mapping rows to
-    sequences differently. ``new``: a prefill's row id, appended if it succeeds.
-    ``fresh``: the controller's batch is empty, so anything kept under ``batch`` is stale;
-    ``tokens``: the prompt (prefill) or each row's last token (decode)."""
-
-    batch: str
-    kind: str  # "prefill" or "decode"
-    tokens: tuple[int, ...]
-    rows: tuple[int, ...] = ()
-    new: int | None = None
-    fresh: bool = False
-
-
-@dataclass(frozen=True)
 class RunModel:
     seq: int
     model: str
@@ -187,7 +168,7 @@ class RunModel:
     # NOTE [Direct host access]: a resident model's keys that its load left on the host store
     # (the load may have run in another worker); None: this worker's own binding stands.
     host_keys: tuple[str, ...] | None = None
-    kv: KVStep | None = None  # NOTE [Generation in worker processes]: args and kwargs are empty
+    step: Step | None = None  # NOTE [One step, two places]: a language model's step; args and kwargs are empty
     # NOTE [Tensor channel]: how many TensorRefs args and kwargs hold (0: none to decode), and
     # the channel to map before decoding them when the controller has just grown it.
     refs: int = 0
@@ -264,18 +245,6 @@ class DropJob:
 
 
 @dataclass(frozen=True)
-class DropCaches:
-    seq: int
-    batch: str  # a language model's decode batch (KVStep.batch)
-
-
-@dataclass(frozen=True)
-class OffloadCaches:
-    seq: int
-    batch: str  # its caches go to host memory until its next step
-
-
-@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -307,7 +276,6 @@ class CallTimings:
     moved_bytes: int | None = None  # a load: the bytes copied to the device
     host_keys: tuple[str, ...] = ()  # NOTE [Direct host access]: the keys the model reads from the host
     ephemeral_peak: int | None = None  # in a lane: the forward's peak ephemeral bytes
-    kv_bytes: int | None = None  # a key/value step: the bytes its batch's caches hold
     # NOTE [Tensor channel]: the bytes the inputs and the outputs took there, and how the
     # outputs came back; inputs that came pickled and went through the staging buffer.
     input_channel_bytes: int = 0

@@ -7,6 +7,7 @@ import torch
 import timeshare
 from tests import models
 from timeshare.device import BackendFlags
+from timeshare.executor.testing import in_process_worker
 from timeshare.models.zoo import ZOO, names, weights_path
 from timeshare.transfer.planner import STRATEGIES
 from timeshare.tree import tensors_in
@@ -42,7 +43,7 @@ def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
         rt.register(name, zoo.builder, weights_path(name), x)
         rt.infer(name, *x)
         ready = rt.infer(name, *x)
-        assert rt.in_process_worker().models[name].store.pinned
+        assert in_process_worker(rt).models[name].store.pinned
         for strategy in STRATEGIES:
             for _ in range(3):
                 rt.evict(name)

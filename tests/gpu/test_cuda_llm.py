@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = ["the model switch fast", "a gpu share time", "load weights layer token fast slow memory host"]
 
 
-def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path, workers):
     path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path).to("cuda").eval()
@@ -29,7 +30,7 @@ def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path):
         return out[0, ids.shape[1]:].tolist()
 
     with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1, poison_evicted=True,
-                           copy_delay_s=0.002) as rt:
+                           copy_delay_s=0.002, workers=workers) as rt:
         m = lm.load(rt, "llama", path)
         greedy = SamplingParams(max_tokens=24, temperature=0)
         for prompt in PROMPTS:
@@ -43,16 +44,16 @@ def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path):
         m.close()
 
 
-def test_caches_moved_to_pinned_host_memory_while_preempted_come_back_unchanged(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_caches_moved_to_pinned_host_memory_while_preempted_come_back_unchanged(tmp_path, workers):
     """NOTE [Key/value caches off the device] on CUDA: a generation preempted by another
     model (its caches in page-locked host memory meanwhile) gives the tokens of one never
-    preempted."""
+    preempted; with workers, the controller moves the pages its home wrote."""
     path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)
-    other = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU())
-    x = torch.randn(2, 1024)
-    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1) as rt:
+    x = torch.randn(2, 512)
+    with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1, workers=workers) as rt:
         m = lm.load(rt, "llama", path, priority="best_effort", offload_kv=True, quantum_s=0.001)
-        rt.register("other", lambda: other, other.state_dict(), (x,))
+        rt.register("other", "tests.models:wide_relu", None, (x,))
         prompt = m.encode(PROMPTS[2])
         alone = m.generate(prompt, SamplingParams(max_tokens=48, temperature=0)).result(120).tokens
         seq = m.generate(prompt, SamplingParams(max_tokens=48, temperature=0))

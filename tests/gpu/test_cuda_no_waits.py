@@ -1,6 +1,6 @@
 """A language model's steps queue their work on the device without waiting for it (NOTE
-[No waiting on the device] in ``worker/paged.py``): a prefill, eager and replayed decode
-steps that take new pages, sampled choices and the pool's page moves all run under
+[No waiting on the device] in ``decode/pages.py``): a prefill, eager and replayed decode
+steps that take new pages, sampled choices and the pages' zeroing all run under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises at any wait for the device;
 the one wait, the read of the tokens, is outside. The tokens are transformers' own.
 Marked ``cuda``; skipped on machines without a GPU."""
@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from tests.llm_reference import greedy_tokens
+from timeshare.decode.pages import PagedLayout, pool_footprint
+from timeshare.decode.runner import DecodeRunner
+from timeshare.decode.sampler import choose
+from timeshare.decode.step import DecoderSpec, Draw, KVShape, Step, StepKind
 from timeshare.llm import hfdir
-from timeshare.worker.decoding import DecodeRunner, Draw, choose
-from timeshare.worker.paged import KVShape, PagedLayout, PagePool
 
 pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
@@ -46,30 +48,45 @@ def test_prefill_and_decode_steps_queue_without_waiting_and_give_the_tokens_of_t
     model = transformers.AutoModelForCausalLM.from_pretrained(path).cuda().eval()
     shape = KVShape.of(model.config, torch.float32)
     # Pages of 4 positions: the decode steps take a new page every fourth token.
-    pool = PagePool("cuda", 64 * 4 * shape.position_bytes, page_bytes=4 * shape.position_bytes)
-    runner = DecodeRunner(PagedLayout(pool, shape), max_sequences=4, max_context=64, graphs="cuda", compile="off")
+    page_bytes = 4 * shape.position_bytes
+    nbytes = pool_footprint(64 * page_bytes, page_bytes)
+    memory = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    spec = DecoderSpec(0, nbytes, page_bytes, shape, max_sequences=4, max_context=64, graphs="cuda")
+    runner = DecodeRunner(spec, memory)
     assert runner.layout.block == 4
     greedy = Draw((0.0,), (0,), (1.0,), (0,), (0,))
     prompt = tok(PROMPT, add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
+    pages = list(range(1, -(-len(prompt) // 4) + 1))
+    torch.cuda.synchronize()
+
+    def step(kind: StepKind, tokens: tuple[int, ...], start: int, zero: tuple[int, ...] = ()) -> Step:
+        return Step(kind, spec, (tokens,), (start,), (tuple(pages),), greedy, zero)
+
+    def decode(tokens: list[int]) -> int:
+        position = len(prompt) + len(tokens) - 1
+        zero = ()
+        if position >= 4 * len(pages):  # a new page, zeroed by the step itself
+            pages.append(len(pages) + 1)
+            zero = (pages[-1],)
+        s = step(StepKind.DECODE, (tokens[-1],), position, zero)
         with no_waits():
-            first = runner.prefill(prompt, greedy)(model)
-        tokens = [int(first)]
-        for _ in range(7):  # eager: no graphs yet
-            with no_waits():
-                next_token = runner.decode([tokens[-1]], greedy)(model)
-            tokens.append(int(next_token))
-        assert runner.counts.eager == 7 and runner.counts.replays == 0
-        assert runner.capture()(model) > 0  # a capture may wait; it is never on a request's path
-        for _ in range(8):
-            with no_waits():
-                next_token = runner.decode([tokens[-1]], greedy)(model)
-            tokens.append(int(next_token))
-        assert runner.counts.replays == 8
+            chosen = runner.launch(model, s)
+        return int(chosen[0])  # the read of its token: the step's one wait, after its kernels
+
+    with no_waits():
+        first = runner.launch(model, step(StepKind.PREFILL, tuple(prompt), 0))
+    tokens = [int(first[0])]
+    for _ in range(7):  # eager: no graphs yet
+        tokens.append(decode(tokens))
+    assert runner.counts.eager == 7 and runner.counts.replays == 0
+    assert runner.run(model, Step(StepKind.CAPTURE, spec)).counts.captures > 0  # a capture may wait
+    for _ in range(8):
+        tokens.append(decode(tokens))
+    assert runner.counts.replays == 8
     assert tokens == want
 
 
-def test_sampling_and_moving_pages_queue_without_waiting():
+def test_sampling_and_zeroing_pages_queue_without_waiting():
     logits = torch.randn(3, 1000, device="cuda")
     sampled = Draw((0.8, 0.0, 1.2), (30, 0, 0), (0.9, 1.0, 0.5), (5, 6, 7), (3, 4, 5))
     with no_waits():
@@ -77,10 +94,8 @@ def test_sampling_and_moving_pages_queue_without_waiting():
     assert chosen.tolist() == choose(logits, sampled).tolist()  # a function of seed and index
     assert chosen[1].item() == logits[1].argmax().item()  # greedy
     assert chosen[0].item() in logits[0].topk(30).indices.tolist()
-    pool = PagePool("cuda", 8 * 1024, page_bytes=1024)
-    data = torch.arange(2 * 1024, dtype=torch.int64).remainder(251).to(torch.uint8).view(2, 1024).pin_memory()
+    memory = torch.full((8 * 1024,), 0xFF, dtype=torch.uint8, device="cuda")
+    layout = PagedLayout(memory, 1024, KVShape(1, 1, 4, torch.float32))
     with no_waits():
-        pages = pool.take(2)
-        pool.write(pages, data)
-        back = pool.read(pages)
-    assert torch.equal(back.cpu(), data)
+        layout.zero([2, 5])
+    assert not memory.view(8, 1024)[[2, 5]].any() and memory.view(8, 1024)[3].all()

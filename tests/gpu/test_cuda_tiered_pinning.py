@@ -17,6 +17,7 @@ from torch import nn
 
 import timeshare
 from timeshare.device import BackendFlags
+from timeshare.executor.testing import in_process_worker
 
 pytestmark = pytest.mark.cuda
 
@@ -96,7 +97,7 @@ def test_stores_read_back_from_disk_are_page_locked_exactly_while_they_hold_byte
                     assert t.host_pinned_bytes == store
                     loaders.add(t.worker)
                 else:
-                    worker = rt.in_process_worker()
+                    worker = in_process_worker(rt)
                     assert worker is not None
                     s = worker.models[name].store
                     assert s.buffer.is_pinned() and all(t.is_pinned() for t in s.state().values())
@@ -122,7 +123,7 @@ def test_a_load_read_back_from_disk_computes_while_its_later_groups_copy(tmp_pat
     seen: list[tuple[torch.cuda.Event, object, bool | None]] = []
     with timeshare.Runtime(device="cuda", memory="256MiB", host_memory=int(1.5 * NBYTES), spill_dir=str(tmp_path),
                            profile_repeats=1, poison_evicted=True, copy_delay_s=DELAY_S) as rt:
-        worker = rt.in_process_worker()
+        worker = in_process_worker(rt)
         assert worker is not None
 
         def on_layer0() -> None:

@@ -52,12 +52,14 @@ def held_apart(device: str) -> None:
         assert rt.snapshot().resident == {n: LINEAR for n in mods}
         used = rt.snapshot().used_bytes
         # Room for one model's bytes: the least recently used idle model leaves for it.
-        region = rt.reserve("pages", LINEAR)
-        assert region.dtype == torch.uint8 and region.numel() == LINEAR
+        held = rt.reserve("pages", LINEAR)
+        region = held.memory
+        assert region.dtype == torch.uint8 and region.numel() == LINEAR == held.nbytes and held.owner == "pages"
         assert evicted == ["m0"] and set(rt.resident()) == {"m1", "m2"}
         snap = rt.snapshot()
         assert snap.reserved == {"pages": LINEAR} and snap.used_bytes == used
         placed = rt.diagnostics()["regions"]["pages"]
+        assert placed["offset"] == held.offset
         # Models come and go around it (each eviction poisoned); it keeps its bytes and place.
         pattern = torch.arange(region.numel(), dtype=torch.int64).remainder(251).to(torch.uint8).to(region.device)
         assert region.device.type == device
@@ -95,7 +97,7 @@ def refused(device: str) -> None:
         snap = rt.snapshot()
         assert snap.reserved == {} and snap.used_bytes == used and rt.resident() == ["m"]
         assert torch.equal(rt.infer("m", x), want)
-        assert rt.reserve("pages", 1000).numel() == 1000
+        assert rt.reserve("pages", 1000).memory.numel() == 1000
         with pytest.raises(ConfigError, match="already holds memory"):
             rt.reserve("pages", 1024)
         assert rt.snapshot().reserved == {"pages": 1024}  # what it takes: whole 512-byte units

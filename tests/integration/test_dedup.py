@@ -17,6 +17,7 @@ import timeshare.transfer.copy as copy_mod
 from tests.models import VariantNet, variant_net
 from timeshare.errors import ConfigError, MemoryBudgetError, ModelTooLargeError, PipelineError, WeightsError
 from timeshare.executor.inprocess import InProcessExecutor
+from timeshare.executor.testing import in_process_worker
 from timeshare.runtime import sharing
 from timeshare.runtime.facade import Runtime
 
@@ -100,7 +101,7 @@ def test_unregistering_gives_every_byte_back():
         for v in range(3):
             register(rt, v)
             rt.infer(f"v{v}", IDS)
-        worker = rt.in_process_worker()
+        worker = in_process_worker(rt)
         assert len(worker.shared) == 1
         rt.unregister("v0")
         rt.unregister("v1")
@@ -187,14 +188,14 @@ def test_a_failed_relayout_changes_nothing(monkeypatch):
             register(rt, 1)
         monkeypatch.undo()
         assert rt.models() == ["v0"] and rt.snapshot().shared.sets == 0
-        assert rt.in_process_worker().shared == {}
+        assert in_process_worker(rt).shared == {}
         assert torch.equal(rt.infer("v0", IDS), want(0))
         register(rt, 1)  # and it works once the cause is gone
         assert rt.snapshot().shared.sets == 1
         assert torch.equal(rt.infer("v1", IDS), want(1)) and torch.equal(rt.infer("v0", IDS), want(0))
         rt.unregister("v0")
         rt.unregister("v1")
-        assert rt.in_process_worker().shared == {}
+        assert in_process_worker(rt).shared == {}
 
 
 def test_a_failed_load_leaves_no_set_behind(monkeypatch):

@@ -15,6 +15,7 @@ import torch
 from tests.integration.test_host_tier import NBYTES, X, reference, seeded_tier_net
 from tests.models import EmbedNet, embed_rows_variant, embed_variant, seeded_embed_net
 from timeshare.errors import ConfigError
+from timeshare.executor.testing import in_process_worker
 from timeshare.models.weights import save_weights
 from timeshare.runtime.facade import Runtime
 
@@ -33,7 +34,7 @@ def weights(tmp_path):
 
 
 def in_host_store(rt: Runtime, name: str, tensor: torch.Tensor) -> bool:
-    store = rt.in_process_worker().models[name].store.buffer
+    store = in_process_worker(rt).models[name].store.buffer
     start = store.data_ptr()
     return start <= tensor.data_ptr() < start + store.numel()
 
@@ -51,7 +52,7 @@ def test_leading_embeddings_are_computed_from_host_memory_with_exact_outputs(wei
         for _ in range(3):
             rt.evict("e")
             assert torch.equal(rt.infer("e", IDS), want())  # a pipelined reload
-            module = rt.in_process_worker().models["e"].module
+            module = in_process_worker(rt).models["e"].module
             assert in_host_store(rt, "e", module.embed.weight) == direct
             assert not in_host_store(rt, "e", module.fc1.weight)
             assert torch.equal(rt.infer("e", IDS), want())  # resident
@@ -67,7 +68,7 @@ def test_the_host_tier_keeps_the_store_a_resident_model_computes_from(tmp_path, 
         assert torch.equal(rt.infer("e", IDS), want())  # the first load copies all and profiles
         rt.evict("e")
         assert torch.equal(rt.infer("e", IDS), want())  # then loads leave the embedding on the host
-        assert rt.in_process_worker().reads_host("e")
+        assert in_process_worker(rt).reads_host("e")
         for i in (0, 1, 0, 1):  # LRU would drop the embedding net's copy first: it is kept
             assert torch.equal(rt.infer(f"n{i}", X), reference(i))
         tier = rt.diagnostics()["host_tier"]
@@ -95,7 +96,7 @@ def test_embeddings_computed_from_a_store_still_being_read_from_disk_wait_for_th
         for _ in range(2):
             rt.evict("e", host=True)
             assert torch.equal(rt.infer("e", IDS), want())
-            assert rt.in_process_worker().reads_host("e")
+            assert in_process_worker(rt).reads_host("e")
 
 
 def test_with_workers_a_resident_model_keeps_its_embedding_on_the_host_in_every_worker(weights):
@@ -146,7 +147,7 @@ def test_a_shared_embedding_is_read_from_its_sets_host_store_and_its_set_still_a
             assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
             assert torch.equal(rt.infer("e0", IDS), variant(0))
             if not workers:
-                worker = rt.in_process_worker()
+                worker = in_process_worker(rt)
                 table = next(iter(worker.shared.values())).buffer
                 weight = worker.models["e0"].module.embed.weight
                 assert table.data_ptr() <= weight.data_ptr() < table.data_ptr() + table.numel()

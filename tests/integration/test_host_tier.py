@@ -13,6 +13,7 @@ import torch
 
 from tests.models import TierNet, seeded_tier_net
 from timeshare.errors import ConfigError, MemoryBudgetError, WeightsError
+from timeshare.executor.testing import in_process_worker
 from timeshare.models.weights import save_weights
 from timeshare.runtime.facade import Runtime
 
@@ -237,11 +238,11 @@ def test_a_failed_first_load_keeps_the_store_its_owner_laid_out(tmp_path):
     # not retrace and repack the store into a buffer the host tier does not manage.
     with Runtime("cpu", "4MiB", host_memory=4 * NBYTES) as rt:
         rt.register("a", "tests.models:tier_net", write(tmp_path, 1), (X,))
-        store = rt.in_process_worker().models["a"].store
+        store = in_process_worker(rt).models["a"].store
         with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
             rt.infer("a", torch.randn(4, 31))
         assert torch.equal(rt.infer("a", X), reference(1))
-        assert rt.in_process_worker().models["a"].store is store
+        assert in_process_worker(rt).models["a"].store is store
         rt.evict("a", host=True)
         assert stores(rt)["a"]["resident_bytes"] == 0  # the tier's store is the one the worker reads
         assert torch.equal(rt.infer("a", X), reference(1))
@@ -276,5 +277,5 @@ def test_direct_io_reads_bypass_the_page_cache_and_give_the_same_outputs(tmp_pat
         for _ in range(2):
             rt.evict("m", host=True)
             assert torch.equal(rt.infer("m", X), reference(0))  # streamed from the file
-            fill = rt.in_process_worker().last_fill
+            fill = in_process_worker(rt).last_fill
             assert fill is not None and fill.direct

@@ -161,12 +161,12 @@ def test_a_models_own_pool_is_a_region_of_the_arena_given_back_when_it_closes(tm
 
 
 def test_a_pool_too_small_for_a_prompt_fails_that_sequence_clearly_and_loses_nothing(tmp_path):
-    from timeshare.worker.paged import KVMemoryError, PagePool
+    from timeshare.llm.pages import KVMemoryError
 
     path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=4, hidden=96, layers=3)
     reference = greedy_tokens(path)
     with Runtime("cpu", "64MiB") as rt:
-        pool = PagePool("cpu", 2 * 4096, page_bytes=4096)  # two pages besides the scratch one
+        pool = lm.arena_pool(rt, "tiny", 2 * 4096, page_bytes=4096)  # two pages besides the scratch one
         m = lm.load(rt, "llama", path, max_context=256, pages=pool)
         long = list(range(1, 200))
         with pytest.raises(KVMemoryError, match="kv_memory"):
@@ -181,7 +181,7 @@ def test_pages_are_shared_by_the_models_of_one_pool(tmp_path):
     paths = [hfdir.write_model_dir(tmp_path / a, a, seed=1, hidden=96, layers=3) for a in ("llama", "gpt2")]
     refs = [greedy_tokens(p) for p in paths]
     with Runtime("cpu", "64MiB") as rt:
-        pool = lm.PagePool("cpu", 1 << 20, page_bytes=8192)
+        pool = lm.arena_pool(rt, "kv-pages", 1 << 20, page_bytes=8192)
         models = [lm.load(rt, f"m{i}", p, pages=pool, max_context=128) for i, p in enumerate(paths)]
         seqs = [m.generate(m.encode(PROMPTS[2]), greedy(20)) for m in models]
         for seq, ref in zip(seqs, refs):
@@ -195,8 +195,9 @@ def test_a_pool_shared_under_a_budget_moves_the_other_models_caches_out_when_ful
     """NOTE [Key/value caches under pressure] with one pool of ``kv_memory`` bytes (as the
     server makes it): room for the pages of one generation at a time; when a step finds
     no page, the other model's caches wait in host memory, and both finish exactly."""
+    from timeshare.decode.pages import block_of
+    from timeshare.decode.step import KVShape
     from timeshare.llm.kv_budget import KVBudget
-    from timeshare.worker.paged import KVShape, PagedLayout, PagePool
 
     paths = [hfdir.write_model_dir(tmp_path / a, a, seed=s, hidden=96, layers=2) for a, s in
              (("llama", 1), ("qwen2", 2))]
@@ -206,11 +207,11 @@ def test_a_pool_shared_under_a_budget_moves_the_other_models_caches_out_when_ful
     for p in paths:
         config = transformers.AutoConfig.from_pretrained(p)
         tokens = len(transformers.AutoTokenizer.from_pretrained(p)(PROMPTS[2], add_special_tokens=False).input_ids)
-        layout = PagedLayout(PagePool("cpu", 2 * page, page), KVShape.of(config, torch.float32))
-        need.append(layout.pages_for(tokens + 80))
+        need.append(-(-(tokens + 80) // block_of(page, KVShape.of(config, torch.float32))))
     capacity = max(need) * page  # never both at once
-    pool, budget = PagePool("cpu", capacity, page), KVBudget(capacity)
+    budget = KVBudget(capacity)
     with Runtime("cpu", "64MiB") as rt:
+        pool = lm.arena_pool(rt, "kv-pages", capacity, page)
         models = [lm.load(rt, f"m{i}", p, quantum_s=0.0, kv_budget=budget, pages=pool, max_context=256)
                   for i, p in enumerate(paths)]
         first = models[0].generate(models[0].encode(PROMPTS[2]), greedy(80))
@@ -238,7 +239,7 @@ def test_nan_weights_fail_the_sequence_with_a_clear_error_and_keep_nothing(tmp_p
     tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
     save_file(tensors, shard, metadata={"format": "pt"})
     with Runtime("cpu", "64MiB") as rt:
-        pool = lm.PagePool("cpu", 256 << 10, page_bytes=8192)
+        pool = lm.arena_pool(rt, "kv-pages", 256 << 10, page_bytes=8192)
         m = lm.load(rt, "llama", path, max_context=128, pages=pool)
         for params in (greedy(4), SamplingParams(max_tokens=4, temperature=0.7, seed=1)):
             with pytest.raises(GenerationError, match="NaN"):

@@ -13,6 +13,7 @@ from torch import nn
 import timeshare
 from tests import models
 from timeshare.errors import MemoryBudgetError, PipelineError
+from timeshare.executor.testing import in_process_worker
 from timeshare.models.zoo import ZOO, weights_path
 from timeshare.transfer import copy as copy_mod
 from timeshare.transfer.planner import STRATEGIES
@@ -100,7 +101,7 @@ def test_modules_wait_for_their_own_layer_not_the_tail():
         rt.register("cnn", zoo.builder, weights_path("tiny_cnn"), zoo.example_inputs(2))
         prof = rt.profile("cnn")
         assert prof.tail_bytes == 0
-        plan = rt.in_process_worker().load_plan("cnn", prof.shape_key, "per_layer")
+        plan = in_process_worker(rt).load_plan("cnn", prof.shape_key, "per_layer")
         assert sorted(plan.wait_of.values()) == list(range(len(prof.layer_bytes)))
         assert len(plan.ranges) == len(prof.layer_bytes)
 

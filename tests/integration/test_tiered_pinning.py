@@ -17,11 +17,12 @@ from tests.integration.test_host_tier import NBYTES, X, reference, stores, write
 from tests.models import seeded_tier_net
 from tests.unit.test_tiered_pinning import LockLedger, RefusingRegistrar
 from timeshare.errors import WeightsError
+from timeshare.executor.testing import in_process_worker
 from timeshare.runtime.facade import Runtime
 
 
 def locked_by_name(rt: Runtime, ledger: LockLedger) -> dict[str, int]:
-    worker = rt.in_process_worker()
+    worker = in_process_worker(rt)
     assert worker is not None
     ptrs = {wm.store.buffer.data_ptr(): name for name, wm in worker.models.items()}
     return {ptrs[ptr]: n for ptr, n in ledger.live.items()}
@@ -46,7 +47,7 @@ def test_every_store_is_locked_before_its_bytes_come_back_and_unlocked_before_th
     nbytes = NBYTES if dtype is None else NBYTES // 2
     ledger = LockLedger()
     with Runtime("cpu", 2 * nbytes + (64 << 10), host_memory=int(2.2 * nbytes), poison_evicted=True) as rt:
-        worker = rt.in_process_worker()
+        worker = in_process_worker(rt)
         assert worker is not None
         worker.host_registrar = ledger  # before any registration: what CUDA would lock
         for i, path in enumerate(paths):
@@ -78,7 +79,7 @@ def test_every_store_is_locked_before_its_bytes_come_back_and_unlocked_before_th
 def test_a_spilled_store_is_locked_from_registration_and_again_each_time_it_is_read_back(tmp_path):
     ledger = LockLedger()
     with Runtime("cpu", "4MiB", host_memory=int(1.5 * NBYTES), spill_dir=str(tmp_path)) as rt:
-        worker = rt.in_process_worker()
+        worker = in_process_worker(rt)
         assert worker is not None
         worker.host_registrar = ledger
         rt.register("s", functools.partial(seeded_tier_net, 5), None, (X,))
@@ -100,7 +101,7 @@ def test_a_failed_read_back_leaves_nothing_locked(tmp_path):
     path = write(tmp_path, 1)
     ledger = LockLedger()
     with Runtime("cpu", "4MiB", host_memory=4 * NBYTES) as rt:
-        worker = rt.in_process_worker()
+        worker = in_process_worker(rt)
         assert worker is not None
         worker.host_registrar = ledger
         rt.register("a", "tests.models:tier_net", path, (X,))
@@ -119,7 +120,7 @@ def test_a_store_that_cannot_be_locked_is_read_back_unlocked(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="timeshare")
     path = write(tmp_path, 1)
     with Runtime("cpu", "4MiB", host_memory=int(1.5 * NBYTES)) as rt:
-        worker = rt.in_process_worker()
+        worker = in_process_worker(rt)
         assert worker is not None
         worker.host_registrar = RefusingRegistrar()
         rt.register("a", "tests.models:tier_net", path, (X,))

@@ -15,7 +15,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 # A part is a subpackage or a top-level module. Each may import only the parts listed
 # here (besides itself); None: anything (the command line, benchmarks, the demo).
 BASICS = {"errors", "units", "dtypes", "device", "tree", "seeding"}
-_BELOW_WORKER = BASICS | {"memory", "transfer", "protocol", "models"}
+_BELOW_WORKER = BASICS | {"memory", "transfer", "protocol", "models", "decode"}
 _CONTROLLER = _BELOW_WORKER | {"scheduler", "options", "worker", "executor", "runtime", "config"}
 ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),
@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "seeding": {"errors"},
     "memory": BASICS,
     "transfer": BASICS | {"memory"},
-    "protocol": BASICS | {"memory", "transfer"},
+    "protocol": BASICS | {"memory", "transfer", "decode"},
+    "decode": BASICS | {"models"},
     "models": BASICS | {"memory", "transfer"},
     "options": BASICS | {"memory", "transfer", "scheduler"},
     "config": BASICS | {"memory", "transfer", "models", "scheduler", "options"},
@@ -145,11 +146,25 @@ def test_the_docs_table_names_every_part():
     assert missing == []
 
 
-def test_worker_processes_import_no_language_model_code():
-    """NOTE [Generation in worker processes]: a worker keeps decode batches
-    (``worker/batch.py``; paged ones in ``worker/decoding.py`` over ``worker/paged.py``),
-    and imports nothing of ``llm`` (which imports the runtime)."""
-    assert "llm" not in _graph()["worker"]
-    assert _imported(SRC / "worker" / "batch.py") <= {"errors", "worker"}
-    for name in ("paged.py", "decoding.py"):
-        assert _imported(SRC / "worker" / name) <= {"errors", "dtypes", "worker"}
+def test_the_device_side_of_a_step_imports_nothing_of_the_runtime_or_the_engine():
+    """NOTE [One step, two places]: what runs where the weights are (``decode/``) is
+    imported by worker processes and by the controller alike: it imports neither the
+    runtime nor ``llm`` (which imports the runtime), and nothing about language models
+    is under ``worker/`` but the step's handling (``Worker.run(..., step=...)``)."""
+    graph = _graph()
+    assert "llm" not in graph["worker"] and "llm" not in graph["decode"] and "runtime" not in graph["decode"]
+    assert not {"batch.py", "generation.py", "paged.py", "decoding.py"} & {p.name for p in (SRC / "worker").iterdir()}
+
+
+def test_no_production_code_branches_on_the_test_hook():
+    """``in_process_worker()`` is a test hook (``executor/testing.py``): no module under
+    ``src/`` outside the executor package calls it."""
+    calls = []
+    for m in sorted(SRC.rglob("*.py")):
+        if m.relative_to(SRC).parts[0] == "executor":
+            continue
+        for node in ast.walk(ast.parse(m.read_text(), str(m))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "in_process_worker":
+                calls.append(str(m.relative_to(SRC)))
+    assert calls == []

@@ -1,14 +1,18 @@
-"""The page pool, a model's view of it, and choosing tokens on the device (issue 35)."""
+"""Pages (issue 35, 45): the controller's pool of pages with prefix caching, a model's view
+of the pages on the device, and choosing tokens on the device (the one sampler)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from timeshare.decode.cache import DecodeView
+from timeshare.decode.pages import PagedLayout, pool_footprint, to_device
+from timeshare.decode.runner import compile_cache, placement_epoch, relaid_out
+from timeshare.decode.sampler import choose
+from timeshare.decode.step import Draw, KVShape
 from timeshare.errors import ConfigError
-from timeshare.llm.model import compile_cache
-from timeshare.worker.decoding import Draw, choose, placement_epoch, relaid_out
-from timeshare.worker.paged import KVMemoryError, KVShape, PagedLayout, PagedStep, PagePool, to_device
+from timeshare.llm.pages import KVMemoryError, PagePool, page_keys
 
 
 def draw(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -17,37 +21,86 @@ def draw(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
                 (index,) * rows)
 
 
-def test_pages_are_zeroed_when_taken_and_page_zero_is_nobodys():
-    pool = PagePool("cpu", 3 * 1024, page_bytes=1024)
-    assert pool.nbytes == 3 * 1024 and pool.raw.numel() == 4 * 1024  # and the scratch page
+def pool_of(pages: int, page_bytes: int = 1024) -> PagePool:
+    """A pool of ``pages`` pages besides the scratch page, in memory of its own."""
+    return PagePool(torch.zeros(pool_footprint(pages * page_bytes, page_bytes), dtype=torch.uint8), 0, page_bytes)
+
+
+def test_pages_are_taken_and_given_back_and_page_zero_is_nobodys():
+    pool = pool_of(3)
+    assert pool.nbytes == 4 * 1024 and pool.pages == 4  # and the scratch page
     pages = pool.take(3)
     assert sorted(pages) == [1, 2, 3] and pool.free_pages == 0
-    pool.raw.fill_(0xFF)  # poison, as another model's bytes
     with pytest.raises(KVMemoryError, match="kv_memory"):
         pool.take(1)
     pool.give(pages[:2])
-    again = pool.take(2)
-    assert torch.count_nonzero(pool.read(again)) == 0
-    assert torch.count_nonzero(pool.read([pages[2]])) == 1024  # a page held is left alone
+    assert sorted(pool.take(2)) == sorted(pages[:2])
     with pytest.raises(KVMemoryError):
         pool.take(1)
     assert pool.free_pages == 0
+    with pytest.raises(ConfigError, match="more often"):
+        pool.give([pages[2], pages[2]])
 
 
 def test_a_pool_refuses_sizes_it_cannot_hold():
     with pytest.raises(ConfigError, match="one page"):
-        PagePool("cpu", 1000, page_bytes=1024)
+        pool_footprint(1000, 1024)
     with pytest.raises(ConfigError, match="multiple of 1 KiB"):
-        PagePool("cpu", 1 << 20, page_bytes=1000)
+        pool_footprint(1 << 20, 1000)
     shape = KVShape(layers=2, kv_heads=2, head_dim=512, dtype=torch.float32)  # 16 KiB a position
     with pytest.raises(ConfigError, match="raise page_bytes"):
-        PagedLayout(PagePool("cpu", 4096, page_bytes=4096), shape)
+        PagedLayout(torch.zeros(8192, dtype=torch.uint8), 4096, shape)
+
+
+def test_page_keys_name_a_page_by_its_tokens_everything_before_them_and_the_model():
+    tokens = list(range(100))
+    keys = page_keys(b"m", tokens, 32)
+    assert len(keys) == 3 and len(set(keys)) == 3  # three full pages, the last 4 tokens none
+    assert page_keys(b"m", tokens[:64] + [7] * 36, 32)[:2] == keys[:2]  # the same first pages
+    changed = page_keys(b"m", [1] + tokens[1:], 32)
+    assert all(a != b for a, b in zip(changed, keys))  # a token changed: every page after it differs
+    assert all(a != b for a, b in zip(page_keys(b"other", tokens, 32), keys))  # another model's
+    assert page_keys(b"m", tokens, 32, keys[:1]) == keys  # extended from the first page's key
+
+
+def test_a_published_prefix_is_shared_kept_after_its_holders_and_reclaimed_last():
+    pool = pool_of(4)
+    a = pool.take(2)
+    keys = page_keys(b"m", list(range(64)), 32)
+    for page, key in zip(a, keys):
+        pool.publish(page, key, b"m")
+    assert pool.share(keys) == a  # a second holder of both
+    assert pool.snapshot().hits == 2
+    pool.give(a)
+    pool.give(a)  # no holder left: both cached, free to reclaim
+    snap = pool.snapshot()
+    assert (snap.free, snap.cached) == (4, 2)
+    assert sorted(pool.take(2)) == [p for p in range(1, 5) if p not in a]  # never-published pages first
+    assert pool.share(keys) == a  # still cached
+    pool.give(a)
+    assert pool.share([keys[1]]) == [a[1]]  # found by key alone
+    pool.give([a[1]])
+    pool.take(1)  # the least recently used cached page is reclaimed: a[0], then a[1]
+    assert pool.share(keys) == [] and pool.share(keys[1:]) == [a[1]]
+    assert pool.snapshot().misses == 2 + 0
+
+
+def test_a_closed_models_pages_are_forgotten():
+    pool = pool_of(3)
+    pages = pool.take(2)
+    mine, theirs = page_keys(b"m", list(range(32)), 32)[0], page_keys(b"n", list(range(32)), 32)[0]
+    pool.publish(pages[0], mine, b"m")
+    pool.publish(pages[1], theirs, b"n")
+    pool.give(pages)
+    assert pool.forget(b"m") == 1
+    assert pool.share([mine]) == [] and pool.share([theirs]) == [pages[1]]
+    assert pool.snapshot().cached == 0  # the other's page is held again; mine is plain free
 
 
 def test_a_models_view_puts_each_position_of_each_layer_in_its_own_slot():
     shape = KVShape(layers=3, kv_heads=2, head_dim=4, dtype=torch.float16)  # 96 bytes a position
-    pool = PagePool("cpu", 4 * 1024, page_bytes=1024)
-    layout = PagedLayout(pool, shape)
+    memory = torch.zeros(5 * 1024, dtype=torch.uint8)
+    layout = PagedLayout(memory, 1024, shape)
     assert layout.block == 1024 // 96 and layout.pages_for(layout.block + 1) == 2
     seen = set()
     for layer in range(3):
@@ -58,26 +111,40 @@ def test_a_models_view_puts_each_position_of_each_layer_in_its_own_slot():
                     ptr = t[page, slot].data_ptr()
                     assert ptr not in seen
                     seen.add(ptr)
-                    base = pool.raw.data_ptr() + page * 1024
+                    base = memory.data_ptr() + page * 1024
                     assert base <= ptr < base + 1024  # inside its page
 
 
 def test_a_steps_new_keys_and_values_go_into_each_rows_slot_of_every_layer_and_nowhere_else():
     shape = KVShape(layers=3, kv_heads=2, head_dim=4, dtype=torch.float32)  # 192 bytes a position
-    pool = PagePool("cpu", 8 * 1024, page_bytes=1024)
-    layout = PagedLayout(pool, shape)
-    pages = pool.take(3)
-    before = pool.raw.clone()
+    memory = torch.zeros(9 * 1024, dtype=torch.uint8)
+    layout = PagedLayout(memory, 1024, shape)
+    before = memory.clone()
     new = torch.randn(2, 3, 2, 2, 4)  # [rows, layers, keys and values, kv_heads, head_dim]
-    page, slot = torch.tensor([pages[0], pages[2]]), torch.tensor([1, layout.block - 1])
+    page, slot = torch.tensor([1, 3]), torch.tensor([1, layout.block - 1])
     layout.put(page, slot, new)
     for row in range(2):
         for layer in range(3):
             keys, values = layout.layer(layer)
             assert torch.equal(keys[page[row], slot[row]], new[row, layer, 0])
             assert torch.equal(values[page[row], slot[row]], new[row, layer, 1])
-    changed = (pool.raw != before).nonzero().flatten()
+    changed = (memory != before).nonzero().flatten()
     assert changed.numel() > 0 and changed.numel() <= 2 * 3 * 2 * 2 * 4 * 4  # those slots' bytes alone
+
+
+def test_a_prompts_keys_and_values_go_to_its_positions_pages_from_its_start_and_zeroed_pages_are_zero():
+    shape = KVShape(layers=2, kv_heads=1, head_dim=8, dtype=torch.float32)  # 128 bytes a position
+    memory = torch.full((6 * 1024,), 0xFF, dtype=torch.uint8)  # poison, as another model's bytes
+    layout = PagedLayout(memory, 1024, shape)  # 8 positions a page
+    layout.zero([4, 2])
+    assert not memory.view(6, 1024)[[2, 4]].any() and memory.view(6, 1024)[3].all()
+    table = torch.tensor([5, 2, 4])  # positions 0-7 in page 5, 8-15 in page 2, 16-23 in page 4
+    layers = [(torch.randn(7, 1, 8), torch.randn(7, 1, 8)) for _ in range(2)]
+    layout.write(table, 6, layers)  # positions 6 to 12
+    for i, (k, v) in enumerate(layers):
+        keys, values = layout.layer(i)
+        assert torch.equal(keys[5, 6:8], k[:2]) and torch.equal(keys[2, :5], k[2:])
+        assert torch.equal(values[5, 6:8], v[:2]) and torch.equal(values[2, :5], v[2:])
 
 
 def test_lists_go_to_the_device_as_given_and_an_eager_step_needs_each_rows_position():
@@ -87,9 +154,9 @@ def test_lists_go_to_the_device_as_given_and_an_eager_step_needs_each_rows_posit
     floats = to_device([0.5, 1.0], torch.device("cpu"), torch.float32)
     assert floats.dtype == torch.float32 and floats.tolist() == [0.5, 1.0]
     table, at = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 8, dtype=torch.bool)
-    assert PagedStep(table, at).length is None  # a graph's step reads every slot
+    assert DecodeView(table, at).length is None  # a graph's step reads every slot
     with pytest.raises(ConfigError, match="position"):
-        PagedStep(table, at, 5)
+        DecodeView(table, at, 5)
 
 
 def test_compiled_code_is_kept_in_timeshares_cache_unless_told_otherwise(monkeypatch, tmp_path):

@@ -40,7 +40,7 @@ ROW_KEYS = ["replica", "alive", "starting", "outstanding", "error", "routed_resi
 def _pool(worker_id: int, failed: bool = False) -> PoolHealth:
     last = WorkerFailure(worker_id, "crashed", "killed by signal 9", 1.5) if failed else None
     return PoolHealth(size=2, ready=1, replacements=int(failed), failures={"crashed": int(failed), "hung": 0},
-                      last_failure=last, failing_to_start=0, profilings=3, homes={"job": worker_id}, kv_homes={},
+                      last_failure=last, failing_to_start=0, profilings=3, homes={"job": worker_id}, step_homes={},
                       workers=[WorkerRow(worker_id, 100 + worker_id, "idle", 1)])
 
 
@@ -67,7 +67,7 @@ def test_a_runtime_snapshot_becomes_the_json_it_always_was():
     assert got["lanes"] == {"capacity": 64, "persistent": 8, "in_lanes": 16, "waiting_admission": 0,
                             "lanes": [{"id": 0, "size": 16, "tasks": 1, "running": "a"}]}
     assert list(got["workers"]) == ["size", "ready", "replacements", "failures", "last_failure", "failing_to_start",
-                                    "profilings", "homes", "kv_homes", "workers"]
+                                    "profilings", "homes", "step_homes", "workers"]
     assert got["workers"]["last_failure"] == {"worker": 1, "kind": "crashed", "cause": "killed by signal 9",
                                               "at": 1.5}
     assert got["workers"]["workers"] == [{"id": 1, "pid": 101, "state": "idle", "profiles": 1}]
@@ -81,12 +81,12 @@ def test_a_runtime_snapshot_becomes_the_json_it_always_was():
 def test_the_pools_health_is_a_record_with_the_keys_of_its_json():
     health = PoolHealth(size=2, ready=2, replacements=1, failures={"crashed": 1},
                         last_failure=WorkerFailure(0, "crashed", "gone", 2.0), failing_to_start=0, profilings=1,
-                        homes={"t": 1}, kv_homes={}, workers=[WorkerRow(1, 11, "busy", 2)])
+                        homes={"t": 1}, step_homes={}, workers=[WorkerRow(1, 11, "busy", 2)])
     # The diagnostics view and /admin/status show it as this dictionary.
     assert dataclasses.asdict(health) == {
         "size": 2, "ready": 2, "replacements": 1, "failures": {"crashed": 1},
         "last_failure": {"worker": 0, "kind": "crashed", "cause": "gone", "at": 2.0}, "failing_to_start": 0,
-        "profilings": 1, "homes": {"t": 1}, "kv_homes": {}, "workers": [{"id": 1, "pid": 11, "state": "busy",
+        "profilings": 1, "homes": {"t": 1}, "step_homes": {}, "workers": [{"id": 1, "pid": 11, "state": "busy",
                                                                           "profiles": 2}]}
     assert pickle.loads(pickle.dumps(health)) == health
 

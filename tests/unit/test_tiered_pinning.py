@@ -21,6 +21,7 @@ from torch import nn
 from tests.models import seeded_tier_net
 from tests.unit.test_host_memory import FakeRegistrar
 from timeshare import protocol as P
+from timeshare.decode.step import DecoderSpec, Draw, KVShape, Step, StepKind
 from timeshare.errors import DeviceError, PipelineError
 from timeshare.executor.deadline import Deadlines
 from timeshare.executor.interface import Packed, Ran
@@ -221,8 +222,8 @@ IDS = torch.tensor([[1, 2, 3]])
 
 
 def test_a_worker_process_unlocks_a_store_whose_step_failed_after_the_load(tmp_path, monkeypatch):
-    """``worker_main`` on a thread, with the recording registrar as its device's: a key/value
-    step loads (and locks) the store, then fails in the batch's bookkeeping; only a Result
+    """``worker_main`` on a thread, with the recording registrar as its device's: a language
+    model's step loads (and locks) the store, then fails in its own bookkeeping; only a Result
     reports a lock, so the store must be unlocked. A Result reports what is locked."""
     ledger = LockLedger()
     monkeypatch.setattr("timeshare.device.host_registrar", lambda device: ledger)
@@ -249,9 +250,12 @@ def test_a_worker_process_unlocks_a_store_whose_step_failed_after_the_load(tmp_p
         assert isinstance(reply(), P.Hello)
         assert isinstance(ask(replace(pool.added[0], seq=1)), P.Ack)
         nbytes = pool.added[0].store_nbytes
-        step = P.KVStep("b", "prefill", (1, 2, 3), new=0, fresh=True)
-        failed = ask(P.RunModel(2, "lm", 0, False, (), {}, "optimal", kv=step))
-        assert isinstance(failed, P.Failure) and failed.error.type_name == "builtins.KeyError", failed
+        # A page pool past the arena's end: the step fails after its load, in its own bookkeeping.
+        spec = DecoderSpec(1 << 40, 8192, 4096, KVShape(1, 1, 4, torch.float32), 1, 8)
+        step = Step(StepKind.PREFILL, spec, ((1, 2, 3),), (0,), ((1,),), Draw((0.0,), (0,), (1.0,), (0,), (0,)))
+        failed = ask(P.RunModel(2, "lm", 0, False, (), {}, "optimal", step=step))
+        assert isinstance(failed, P.Failure) and failed.error.type_name == "timeshare.errors.ConfigError", failed
+        assert "not inside the arena" in failed.error.message
         assert ledger.registered == [nbytes] and ledger.live == {}  # locked by the load, unlocked by its failure
         ran = ask(P.RunModel(3, "lm", 0, False, (IDS,), {}, "optimal"))
         assert isinstance(ran, P.Result), ran

@@ -67,7 +67,7 @@ class LLMBenchConfig:
     device: str = "auto"
     seed: int = 0
     workdir: str | None = None  # where the model directories are written (default: a temporary one)
-    workers: int = 0  # wake and decode: worker processes (NOTE [Generation in worker processes])
+    workers: int = 0  # wake and decode: worker processes (NOTE [One step, two places])
     compile: str = "auto"  # the decode step the graphs capture (NOTE [Compiled decode steps])
     parts: tuple[str, ...] = field(default_factory=lambda: ("wake", "decode", "fleet"))
 

@@ -72,7 +72,7 @@ class Reloader:
     def _generate(self, name: str, prompt: str, max_tokens: int, emit) -> tuple[int, int]:
         from transformers import DynamicCache
 
-        from timeshare.worker.batch import cache_key
+        from timeshare.decode.cache import cache_key
 
         tok = self.tokenizers[name]
         with torch.no_grad():

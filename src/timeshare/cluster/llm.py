@@ -69,13 +69,15 @@ class LLMDef:
     kv_memory: int | None = None
     graphs: str = "auto"  # NOTE [Decode graphs]
     compile: str = "auto"  # NOTE [Compiled decode steps]
+    prefix_caching: bool = True  # NOTE [Prefix caching]
 
     def load(self, rt: Runtime, kv_budget=None):
         from timeshare.llm import model as lm
 
         return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
                        max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
-                       offload_kv=self.offload_kv, kv_budget=kv_budget, graphs=self.graphs, compile=self.compile)
+                       offload_kv=self.offload_kv, kv_budget=kv_budget, graphs=self.graphs, compile=self.compile,
+                       prefix_caching=self.prefix_caching)
 
 
 class RemoteGeneration:

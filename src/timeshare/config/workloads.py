@@ -172,12 +172,17 @@ class LLMConfig(Strict):
     """How long the model keeps the device while others of its priority wait (a more
     urgent request takes it at the next token)."""
     decode_graphs: bool = True
-    """On CUDA, in-process: decode steps replay CUDA graphs captured when the model is
-    resident and idle (false: every step eager, as vLLM's ``enforce_eager``)."""
+    """On CUDA: decode steps replay CUDA graphs captured when the model is resident and
+    idle, in-process and in the worker its steps run in (false: every step eager, as
+    vLLM's ``enforce_eager``)."""
     compile: bool = True
     """On CUDA, the step the decode graphs capture is compiled by inductor first (at
     registration: seconds to minutes, once per model shape, kept in inductor's cache on
     disk); false: transformers' eager step is captured."""
+    prefix_caching: bool = True
+    """Share the key/value pages of prompt prefixes computed before (a system prompt, a
+    conversation resent each turn) between requests, and keep them after their requests
+    end while the pages are not needed, as vLLM's automatic prefix caching."""
 
     @property
     def decode_modes(self) -> tuple[str, str]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from timeshare.decode.step import Step
 from timeshare.errors import ConfigError
 from timeshare.executor.interface import Packed, PoolHealth, Ran, Shared
 from timeshare.executor.packing import Tiered
@@ -17,7 +18,6 @@ from timeshare.memory import Arena
 from timeshare.memory.ephemeral import LaneBound, in_lane, plain_on_cpu, use_cores
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
-from timeshare.protocol import KVStep
 from timeshare.transfer.copy import CopyEngine, LoadHandle
 from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import HostStore, TensorEntry
@@ -95,9 +95,7 @@ class InProcessExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            kv: KVStep | None = None, switch: Switch | None = None) -> Ran:
-        if kv is not None:
-            raise ConfigError("in-process, a language model's decode batch is the engine's own (no KVStep)")
+            step: Step | None = None, switch: Switch | None = None) -> Ran:
         if resident and (lane is None or plain_on_cpu(lane, self.device)):
             # The resident call's path: nothing to meter or report. An unmetered lane on
             # the CPU is its cores alone (a few microseconds of Python per call saved, in
@@ -105,9 +103,9 @@ class InProcessExecutor:
             if lane is not None:
                 use_cores(lane.threads)
             return Ran(self._worker.to_host(self._worker.run(name, offset, True, args, kwargs, strategy, None,
-                                                             shared)))
+                                                             shared, step=step)))
         with in_lane(lane, self.device) as meter:  # NOTE [Counting ephemeral bytes]: this thread only
-            out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill, shared)
+            out = self._worker.run(name, offset, resident, args, kwargs, strategy, fill, shared, step=step)
         # A resident run may overlap another model's load (lanes): only a load reads the latest load.
         stream = self._worker.last_fill if fill is not None else None
         return Ran(self._worker.to_host(out), load_s=None if resident else self._worker.load_seconds(),
@@ -129,12 +127,6 @@ class InProcessExecutor:
 
     def check_trainable(self, spec: TrainSpec) -> None:
         return None
-
-    def drop_caches(self, batch: str) -> None:
-        return None
-
-    def offload_caches(self, batch: str) -> int:
-        return 0
 
     def start_job(self, spec: TrainSpec) -> TrainingTask:
         return TrainingTask.build(spec, self.device)

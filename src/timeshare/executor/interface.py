@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from timeshare.decode.step import Step
 from timeshare.executor.packing import Tiered
 from timeshare.executor.segments import Switch
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
-from timeshare.protocol import CallTimings, KVStep
+from timeshare.protocol import CallTimings
 from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import LoadHandle
 from timeshare.transfer.disk import FillSpec
@@ -79,7 +80,8 @@ class PoolHealth:
     """The worker pool as operators see it, read without waiting for any worker: its
     size, the workers started and ready, the replacements so far by what went wrong and
     the latest, the replacements in a row that died starting, the profiles measured,
-    each training job's home worker and each language model batch's, and each worker."""
+    each training job's home worker and each language model's (where its steps run), and
+    each worker."""
 
     size: int
     ready: int
@@ -89,7 +91,7 @@ class PoolHealth:
     failing_to_start: int
     profilings: int
     homes: dict[str, int]
-    kv_homes: dict[str, int]
+    step_homes: dict[str, int]
     workers: list[WorkerRow]
 
 
@@ -164,21 +166,16 @@ class Executor(Protocol):
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            kv: KVStep | None = None, switch: Switch | None = None) -> Ran:
+            step: Step | None = None, switch: Switch | None = None) -> Ran:
         """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
         ``switch``: the record of the switch that gave the call the device, whose start,
         load and total times the call fills in (NOTE [Switch records]; workers only).
         ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime]);
         ``fill``: the host store is read from disk during the load (NOTE [Disk to device]);
         ``shared``: its shared sets' offsets and whether they are loaded (NOTE [Shared tensors]);
-        ``kv``: a language model's step on the caches its home worker keeps (NOTE
-        [Generation in worker processes]; workers only)."""
-
-    def drop_caches(self, batch: str) -> None:
-        """Free a language model's decode batch kept in a worker (none in-process)."""
-
-    def offload_caches(self, batch: str) -> int:
-        """Move a worker's decode batch to host memory until its next step; bytes moved."""
+        ``step``: a language model's step instead of a forward (``args`` and ``kwargs``
+        empty), run where the model runs; its ``Ran.output`` is the ``StepOutcome`` (NOTE
+        [One step, two places])."""
 
     def profile(self, name: str, offset: int, args: tuple, kwargs: dict, shared: Shared = None) -> ModelProfile:
         """Profile the resident model ``name`` for these inputs."""

@@ -17,8 +17,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from timeshare import protocol as P
+from timeshare.decode.step import Step
 from timeshare.device import BackendFlags
-from timeshare.errors import WorkerCrashedError, WorkerError, WorkerTimeoutError
+from timeshare.errors import WorkerError, WorkerTimeoutError
 from timeshare.executor.deadline import Deadlines
 from timeshare.executor.handle import SPIN_S, Inputs, WorkerHandle
 from timeshare.executor.interface import PoolHealth, Ran, WorkerFailure, WorkerRow
@@ -57,9 +58,8 @@ class ProcessPool:
                         fixed_group_bytes=parse_bytes(opts.fixed_group_bytes, what="fixed_group_bytes"),
                         load_timeout_s=opts.load_timeout_s, copy_delay_s=opts.copy_delay_s,
                         backend_flags=BackendFlags.capture(), direct_host_access=opts.direct_host_access)
-        # NOTE [Generation in worker processes]: each language model's decode batch -> its home.
-        self._kv_homes: dict[str, WorkerHandle] = {}
-        self._kv_lost: dict[str, str] = {}  # batch -> why its caches are gone
+        # NOTE [One step, two places]: each language model -> the worker its steps run in.
+        self._step_homes: dict[str, WorkerHandle] = {}
         self._set = WorkerSet(opts.workers, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
                               cv=self._cv, on_lost=self._worker_lost)
         # Training segments on the jobs' homes, and the claim of a worker's pipe from them.
@@ -101,6 +101,8 @@ class ProcessPool:
 
     def remove(self, model: str) -> None:
         self._profiles.pop(model, None)
+        with self._cv:
+            self._step_homes.pop(model, None)
         self.deadlines.forget(model)
         if not self._set.unregister(model):
             return
@@ -164,22 +166,23 @@ class ProcessPool:
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None,
             shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None,
-            kv: P.KVStep | None = None, switch: Switch | None = None):
-        """Run ``model`` on a standby (a language model's step: on its batch's home);
-        ``switch``: the record of the switch the dispatcher decided for this call."""
+            step: Step | None = None, switch: Switch | None = None):
+        """Run ``model`` on a standby (a language model's step: on its home, NOTE [One step,
+        two places]); ``switch``: the record of the switch the dispatcher decided for this call."""
         shared = dict(shared) if shared is not None else None
 
         def make(inputs: Inputs, profiles: tuple) -> P.RunModel:
             return P.RunModel(self._set.next_seq(), model, offset, resident, inputs.args, inputs.kwargs, strategy,
-                              profiles, lane=lane, fill=fill, shared=shared, host_keys=host_keys, kv=kv,
+                              profiles, lane=lane, fill=fill, shared=shared, host_keys=host_keys, step=step,
                               refs=inputs.refs, channel=inputs.channel)
 
-        # A key/value step's time grows with its tokens: prompts and batches by powers of two.
-        shape = shape_key(args, kwargs) if kv is None else f"{kv.kind}-{max(1, len(kv.tokens)).bit_length()}"
+        # A step's time grows with its tokens: prompts and batches by powers of two.
+        shape = shape_key(args, kwargs) if step is None else \
+            f"{step.kind.value}-{max(1, sum(len(t) for t in step.tokens)).bit_length()}"
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape)
         call = _Call(model, make, args, kwargs, run=True, switch=switch)
-        reply, value = self._task(call, f"running {model}", kind) if kv is None else \
-            self._home_task(kv, call, f"running {model}", kind)
+        reply, value = self._task(call, f"running {model}", kind) if step is None else \
+            self._home_task(call, f"running {model}", kind)
         t = reply.timings
         if t is None:
             return Ran(value)
@@ -210,77 +213,40 @@ class ProcessPool:
         finally:
             w.unlease()
 
-    def _home_task(self, step: P.KVStep, call: _Call, what: str, kind):
-        """A language model's step, on the worker that keeps its batch's caches (NOTE
-        [Generation in worker processes]); it waits for that worker's pipe."""
+    def _home_task(self, call: _Call, what: str, kind):
+        """A language model's step, on the worker its steps run in (its decode graphs are
+        there: NOTE [Decode graphs]); it waits for that worker's pipe."""
         requested = time.perf_counter()
         with self._cv:  # a time-shared segment stops, as for any task
             own = self._segments.preempt(requested, for_model=call.model)
-            home = self._kv_home(step, what)
+            home = self._step_home(call.model)
         switch = own or call.switch
         with self.training.claim(home, what):
             return self._task_on(home, call, what, requested, switch, kind)
 
-    def _kv_home(self, step: P.KVStep, what: str) -> WorkerHandle:
-        """With the cv held: the batch's home; a new one for a batch that starts afresh,
-        the least used, not the first worker while there are others (inference goes
-        there). A batch whose home failed has lost its caches."""
-        home = self._kv_homes.get(step.batch)
+    def _step_home(self, model: str) -> WorkerHandle:
+        """With the cv held: where ``model``'s steps run; a new one the first time and after
+        its home failed (its pages are in the arena: nothing is lost with it), the least
+        used, not the first worker while there are others (inference goes there)."""
+        home = self._step_homes.get(model)
         if home is not None and home in self.workers:
             return home
-        if not step.fresh:
-            why = self._kv_lost.get(step.batch, "its home worker is gone")
-            raise WorkerCrashedError(f"the key/value caches of {step.batch!r} are lost: {why}", where=what)
         workers = self.workers[1:] or self.workers
         used = {id(w): 0 for w in workers}
-        for w in list(self._kv_homes.values()) + self._segments.home_workers():
+        for w in list(self._step_homes.values()) + self._segments.home_workers():
             if id(w) in used:
                 used[id(w)] += 1
         home = min(workers, key=lambda w: used[id(w)])
-        self._kv_homes[step.batch] = home
-        self._kv_lost.pop(step.batch, None)
+        self._step_homes[model] = home
         return home
 
-    def drop_caches(self, batch: str) -> None:
-        """Free a language model's decode batch in its home (all its rows have ended)."""
-        with self._cv:
-            home = self._kv_homes.get(batch)
-            self._kv_lost.pop(batch, None)
-        if home is None or home not in self.workers or not home.alive():
-            with self._cv:
-                self._kv_homes.pop(batch, None)
-            return
-        try:
-            with self.training.claim(home, f"dropping the caches of {batch}"):
-                home.request(P.DropCaches(self._set.next_seq(), batch), self.task_timeout_s,
-                             f"dropping the caches of {batch}")
-        except WorkerError as exc:
-            # Kept as its home: the batch's next start goes there and drops what is left.
-            log.warning("dropping the caches of %s: %s", batch, exc)
-            return
-        with self._cv:
-            if self._kv_homes.get(batch) is home:
-                del self._kv_homes[batch]
-
-    def offload_caches(self, batch: str) -> int:
-        """Move a language model's decode batch to its home's host memory until its next
-        step; the bytes moved (0: no home, or nothing there)."""
-        with self._cv:
-            home = self._kv_homes.get(batch)
-        if home is None or home not in self.workers or not home.alive():
-            return 0
-        with self.training.claim(home, f"offloading the caches of {batch}"):
-            return int(home.request(P.OffloadCaches(self._set.next_seq(), batch), self.task_timeout_s,
-                                    f"offloading the caches of {batch}").value)
-
     def _worker_lost(self, w: WorkerHandle) -> None:
-        """``w`` failed (with the cv held): the jobs and decode batches it was home to lose
-        their state."""
+        """``w`` failed (with the cv held): the jobs it was home to lose their state; the
+        language models whose steps ran there get a new home at their next step."""
         self._segments.worker_lost(w)
-        for batch, home in list(self._kv_homes.items()):
+        for model, home in list(self._step_homes.items()):
             if home is w:
-                del self._kv_homes[batch]
-                self._kv_lost[batch] = f"worker {w.id} held them and failed"
+                del self._step_homes[model]
 
     def _take_standby(self, what: str) -> WorkerHandle:
         """The first worker that no segment runs on, leased to this thread (under the cv).
@@ -378,7 +344,7 @@ class ProcessPool:
                 last_failure=None if last is None else WorkerFailure(last["worker"], last["kind"], last["cause"],
                                                                      last["at"]),
                 failing_to_start=self._set.failing_to_start, profilings=self.profilings,
-                homes=self._segments.homes(), kv_homes={b: w.id for b, w in self._kv_homes.items()},
+                homes=self._segments.homes(), step_homes={m: w.id for m, w in self._step_homes.items()},
                 workers=[WorkerRow(w.id, w.os_pid, _state_of(w, training), len(w.profiles)) for w in workers])
 
     def pids(self) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from timeshare import protocol as P
+from timeshare.decode.step import Step
 from timeshare.errors import ConfigError
 from timeshare.executor.interface import Packed, PoolHealth, Ran, Shared
 from timeshare.executor.packing import Tiered, trace_on_host
@@ -182,9 +183,9 @@ class PoolExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            kv: P.KVStep | None = None, switch: Switch | None = None) -> Ran:
+            step: Step | None = None, switch: Switch | None = None) -> Ran:
         ran = self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared,
-                             self._host_keys.get(name, ()) if resident else None, kv, switch)
+                             self._host_keys.get(name, ()) if resident else None, step, switch)
         if not resident and ran.timings is not None:
             self._host_keys[name] = tuple(ran.timings.host_keys)
             if name in self._droppable:  # NOTE [Locked host tier]
@@ -216,12 +217,6 @@ class PoolExecutor:
         # uploads them once, from its page-locked mapping of it (NOTE [Tensor channel]).
         # Moving them here would cost a device-to-host copy here and another upload there.
         return map_tensors(obj, lambda t: t.cpu())
-
-    def drop_caches(self, batch: str) -> None:
-        self._pool.drop_caches(batch)
-
-    def offload_caches(self, batch: str) -> int:
-        return self._pool.offload_caches(batch)
 
     def check_trainable(self, spec: TrainSpec) -> None:
         spec.check_shippable()

@@ -1,8 +1,11 @@
 """Generation for one language model: requests queue as sequences, are prefilled one by
-one, and decode together one token per step (continuous batching, NOTE [Decode batch] in
-``batch.py``), every step a call of the runtime, so that the model's weights come and
-go like any model's (a step of a model not resident loads it, pipelined). Runs in the
-controller: one thread per model, the caller's threads only queue and read.
+one, and decode together one token per step (continuous batching: sequences join and
+leave between steps), every step an operation of the runtime (``ModelTurn.step``, NOTE
+[One step, two places] in ``decode/step.py``), so that the model's weights come and go
+like any model's (a step of a model not resident loads it, pipelined). The engine keeps
+the sequences, their rows' pages (``batch.py``) and their text; the step runs where the
+weights are. Runs in the controller: one thread per model, the caller's threads only
+queue and read.
 
 NOTE [Decode bursts]: the engine takes the device with ``Runtime.turn`` and runs steps
 until its work is done or the turn is contended: a task of a more urgent class waits (a
@@ -17,6 +20,16 @@ single steps, are the scheduler's unit: models that took turns step by step woul
 switch, and reload, at every token. Prefills first keeps the time to first token
 short when many models are busy: a new request waits for one step of another model,
 its load and its prefill, not for the others' turns.
+
+NOTE [Preemption under memory pressure]: a prompt whose pages the pool cannot give now
+waits while the model's own rows run (their pages come back as they end); alone, it asks
+the budget to move other models' caches out (NOTE [Key/value caches under pressure]) and
+fails only if even then it cannot fit. A decode step whose rows need a new page and find
+none (cached free pages are reclaimed first: NOTE [Prefix caching]) asks the same, then
+preempts the row admitted last: its pages go back, its sequence returns to the head of
+the queue with the tokens it has, and its next admission prefills its prompt and those
+tokens (most of them cached) and goes on from the next token, which its seed and index
+decide as before. A row alone that finds no page fails, saying so.
 """
 
 from __future__ import annotations
@@ -28,9 +41,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from timeshare.errors import ConfigError, GenerationError, Unavailable
-from timeshare.llm.caches import CachesLostError, PagedCaches, RemoteCaches
+from timeshare.decode.step import DecodeCounts, Step, StepKind, StepOutcome
+from timeshare.errors import ConfigError, GenerationError, Unavailable, WorkerCrashedError
+from timeshare.llm.batch import Batch, Row
 from timeshare.llm.kv_budget import KVBudget
+from timeshare.llm.pages import KVMemoryError
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back
 from timeshare.llm.sequence import (
     Delta,
@@ -46,6 +61,8 @@ from timeshare.runtime.dispatch import Ticket
 from timeshare.runtime.facade import ModelTurn, Runtime
 
 log = logging.getLogger(__name__)
+
+NAN_LOGITS = "the model's logits for this sequence hold NaN (corrupt weights?): no token is chosen from them"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +86,20 @@ class EngineSnapshot:
     graph_invalidations: int = 0
     graphs_compiled: int = 0  # NOTE [Compiled decode steps]: captures of a compiled step, and the
     capture_s: float = 0.0  # seconds capturing took, compiling included
+    prefix_hits: int = 0  # NOTE [Prefix caching]: full pages of prompts found cached, and not
+    prefix_misses: int = 0
+    cached_pages: int = 0  # free pages of its pool holding a published prefix (every model of the pool)
+    preemptions: int = 0  # NOTE [Preemption under memory pressure]
 
 
 class Engine:
     """Continuous batching for the model ``name`` of ``runtime`` (NOTE [Decode bursts]).
 
     ``decode``: token ids to text; ``eos``: the tokens that end a sequence; ``vocab``:
-    the number of token ids; ``caches``: where the decode batch lives (``caches.py``)."""
+    the number of token ids; ``batch``: its rows on its page pool (``batch.py``)."""
 
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
-                 vocab: int, max_context: int, max_sequences: int, caches: PagedCaches | RemoteCaches,
+                 vocab: int, max_context: int, max_sequences: int, batch: Batch,
                  quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None,
                  lane_bytes: int | None = None):
         if max_sequences < 1:
@@ -90,7 +111,10 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in the order of the batch's rows
-        self._caches = caches
+        self._batch = batch
+        self.counts = DecodeCounts()  # what its steps did (NOTE [Decode graphs])
+        self.wants_capture = batch.spec.graphs != "off"  # as the latest step said
+        self.preemptions = 0
         self._ids = 0
         self._closed = False
         self._listeners: list[Callable[[Event], None]] = []
@@ -112,8 +136,6 @@ class Engine:
         self.turns = 0
         if kv_budget is not None:
             kv_budget.join(self)
-            if isinstance(caches, PagedCaches):  # a shared pool found full: the others' caches make room
-                caches.on_full = lambda nbytes: kv_budget.free(self, nbytes)
         self._thread = threading.Thread(target=self._loop, name=f"timeshare-llm-{name}", daemon=True)
         self._thread.start()
 
@@ -132,18 +154,33 @@ class Engine:
         self._ticket.expedite(seq.arrived)  # a turn queued only to decode is now due
         return seq
 
+    def capture_now(self) -> None:
+        """Capture the decode graphs now if they are wanted (NOTE [Decode graphs]): at load,
+        the model resident and idle; a failure leaves the steps eager."""
+        if not self.wants_capture:
+            return
+        try:
+            with self._rt.turn(self.name) as turn:
+                self._run(turn, Step(StepKind.CAPTURE, self._batch.spec))
+        except Exception as exc:
+            self.wants_capture = False
+            log.warning("model %s: capturing its decode graphs failed; its steps run eagerly: %s", self.name, exc)
+
     def subscribe(self, listener: Callable[[Event], None]) -> None:
         self._listeners.append(listener)
 
     def snapshot(self) -> EngineSnapshot:
-        counts = self._caches.counts
+        counts = self.counts
+        pool = self._batch.pool.snapshot()
         with self._cond:
             return EngineSnapshot(running=len(self._running), waiting=len(self._waiting), kv_bytes=self.kv_bytes,
                                   kv_host_bytes=self.kv_host_bytes, kv_offloads=self.kv_offloads, steps=self.steps,
                                   turns=self.turns, max_sequences=self.max_sequences, max_context=self.max_context,
                                   graph_captures=counts.captures, graph_replays=counts.replays,
                                   eager_steps=counts.eager, graph_invalidations=counts.invalidations,
-                                  graphs_compiled=counts.compiled, capture_s=counts.capture_s)
+                                  graphs_compiled=counts.compiled, capture_s=counts.capture_s,
+                                  prefix_hits=self._batch.hits, prefix_misses=self._batch.misses,
+                                  cached_pages=pool.cached, preemptions=self.preemptions)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread
@@ -203,7 +240,7 @@ class Engine:
     @property
     def kv_device_bytes(self) -> int:
         """The bytes of its caches on the device now (none while they are in host memory)."""
-        return 0 if self._caches.out else self._caches.nbytes
+        return self._batch.nbytes
 
     def move_kv_out(self) -> int:
         """NOTE [Key/value caches under pressure]: move the caches to host memory if the
@@ -226,15 +263,28 @@ class Engine:
         turn. Done before the turn is given back, so the copy is the engine's own time
         (or, under pressure, the time of the engine that needs the room). With the
         condition held; the bytes moved."""
-        moved = self._caches.move_out()
+        moved = self._batch.move_out()
         if moved:
-            self.kv_host_bytes = moved
+            self.kv_host_bytes = self._batch.host_bytes
             self.kv_offloads += 1
+            self.kv_bytes = self._batch.nbytes
         return moved
 
     def _kv_back(self) -> None:
-        self._caches.move_back()
+        """The caches back in pages of the pool; if it has too few free, the others'
+        caches make room first (NOTE [Key/value caches under pressure])."""
+        need = self._batch.host_bytes
+        if not need:
+            return
+        try:
+            self._batch.move_in()
+        except KVMemoryError:
+            if self._budget is None:
+                raise
+            self._budget.free(self, need)
+            self._batch.move_in()
         self.kv_host_bytes = 0
+        self.kv_bytes = self._batch.nbytes
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
@@ -244,16 +294,9 @@ class Engine:
             self._admitting = None
             self.kv_bytes = 0
             self.kv_host_bytes = 0
-        self._drop_caches()
+        self._batch.clear()
         for seq in left:
             self._fail(seq, exc)
-
-    def _drop_caches(self) -> None:
-        """Every row is gone: so is the batch (in a worker, freed there too)."""
-        try:
-            self._caches.clear()
-        except Exception as exc:  # the caches' worker is gone: nothing is left to free
-            log.warning("model %s: dropping its caches: %s", self.name, exc)
 
     def _turn(self, turn: ModelTurn) -> None:
         while not self._closed:
@@ -270,21 +313,38 @@ class Engine:
             if turn.contended(self.quantum_s):
                 return
 
+    def _run(self, turn: ModelTurn, step: Step) -> StepOutcome:
+        """``step`` in the turn (NOTE [One step, two places]); what it did is counted.
+        NOTE [A step outlives its worker]: the rows' pages are in the arena, not in the
+        worker that runs the steps, and a step only writes the positions it computes, so
+        a step whose worker died (crashed, killed) runs once more, on a new home, and
+        loses nothing; a second death fails it."""
+        try:
+            outcome = turn.step(step)
+        except WorkerCrashedError as exc:
+            log.warning("model %s: the worker running its %s step died (%s); the step runs again on another",
+                        self.name, step.kind.value, exc)
+            outcome = turn.step(step)
+        self.counts.add(outcome.counts)
+        self.wants_capture = outcome.wants_capture
+        return outcome
+
     def _capture(self, turn: ModelTurn) -> None:
         """NOTE [Decode graphs]: resident and idle, with no one waiting for the device:
-        capture the decode graphs if they are wanted (never captured, or dropped after a
-        relayout). A failed capture leaves the steps eager."""
-        if turn.contended(0.0):
+        capture the decode graphs if they are wanted (never captured where the steps run,
+        or dropped after a relayout). A failed capture leaves the steps eager."""
+        if not self.wants_capture or turn.contended(0.0):
             return
         try:
-            self._caches.capture(turn)
+            self._run(turn, Step(StepKind.CAPTURE, self._batch.spec))
         except Exception as exc:
+            self.wants_capture = False
             log.warning("model %s: capturing its decode graphs failed; its steps stay eager: %s", self.name, exc)
 
     def _admit(self, turn: ModelTurn) -> None:
-        """Prefill waiting sequences into the batch, one at a time, while there is room.
-        A sequence that fails here (its prefill, its first token) fails alone, unless the
-        batch's caches were lost with their worker (then every row fails)."""
+        """Prefill waiting sequences into the batch, one at a time, while there is room
+        (NOTE [Preemption under memory pressure]). A sequence that fails here (its
+        prefill, its first token) fails alone."""
         self._drop_finished()
         while len(self._running) < self.max_sequences and not self._closed:
             with self._cond:
@@ -295,53 +355,105 @@ class Engine:
                 if seq.cancelled:
                     self._end(seq, "cancelled")
                     continue
+                made = self._prefill_row(seq)
+                if made is None:  # no room until a running row ends: it waits, first in the queue
+                    with self._cond:
+                        self._waiting.appendleft(seq)
+                    return
+                row, step = made
                 try:
-                    token = self._caches.prefill(turn, seq)  # its row joins the batch
-                except CachesLostError as exc:
-                    if not self._running:  # its own batch, fresh: the loss is its own
-                        raise
-                    # The rows already in the batch are lost with their home; this one
-                    # never had caches there: it starts a batch of its own, in a new home.
-                    self._fail_rows(exc)
-                    token = self._caches.prefill(turn, seq)
+                    token = self._run(turn, step).tokens[0]
+                    if token < 0:
+                        raise GenerationError(NAN_LOGITS)
+                except BaseException:
+                    self._batch.abandon(row)
+                    raise
+                self._batch.joined(row)
                 with self._cond:
                     self._running.append(seq)
-                    self.kv_bytes = self._caches.nbytes
+                    self.kv_bytes = self._batch.nbytes
                 self._emit(seq, token)
                 if seq.done:  # its first token ended it: its row goes now
                     self._drop_finished()
             except Exception as exc:
                 self._fail(seq, exc)
-                self._drop_finished()  # its row, if it had joined
             finally:
                 self._admitting = None
 
-    def _step(self, turn: ModelTurn) -> None:
-        """One decode step of every running sequence. A failed forward fails the batch
-        (every one of them was in it); a failure choosing one sequence's token fails
-        that sequence alone."""
+    def _prefill_row(self, seq: Sequence) -> tuple[Row, Step] | None:
+        """The row and prefill step of ``seq``; None: the pool has no room now but will
+        when running rows end. ``KVMemoryError``: it cannot get the room."""
+        batch = self._batch
+        need = batch.pages_for(len(seq.prompt) + len(seq.tokens))
+        if need > batch.pool.pages - 1:
+            raise KVMemoryError(f"model {self.name!r}: a prompt of {len(seq.prompt) + len(seq.tokens)} tokens needs "
+                                f"{need} pages of its key/value page pool, which has {batch.pool.pages - 1}: raise "
+                                "kv_memory")
         try:
-            tokens = self._caches.decode(turn, self._running)
-            if len(tokens) != len(self._running):
-                raise GenerationError(f"a decode step of {len(self._running)} sequences gave {len(tokens)} tokens")
+            return batch.prefill(seq)
+        except KVMemoryError:
+            if self._running:
+                return None
+            if self._budget is None:
+                raise
+        self._budget.free(self, need * batch.pool.page_bytes)  # the others' caches make room
+        return batch.prefill(seq)
+
+    def _step(self, turn: ModelTurn) -> None:
+        """One decode step of every running sequence. A failed step fails the batch (every
+        one of them was in it); NaN logits fail their sequence alone."""
+        if not self._room():
+            return
+        try:
+            outcome = self._run(turn, self._batch.decode())
+            if len(outcome.tokens) != len(self._running):
+                raise GenerationError(f"a decode step of {len(self._running)} sequences gave "
+                                      f"{len(outcome.tokens)} tokens")
         except Exception as exc:
             self._fail_rows(exc)
             return
+        self._batch.stepped()
         self.steps += 1
-        self.kv_bytes = self._caches.nbytes
-        for seq, token in zip(self._running, tokens):
+        self.kv_bytes = self._batch.nbytes
+        for seq, token in zip(self._running, outcome.tokens):
             try:
-                if isinstance(token, Exception):  # choosing its token failed: NaN logits under sampling
-                    raise token
+                if token < 0:
+                    raise GenerationError(NAN_LOGITS)
                 self._emit(seq, token)
             except Exception as exc:  # or a tokenizer's error
                 self._fail(seq, exc)
+
+    def _room(self) -> bool:
+        """A page for every row's next position (NOTE [Preemption under memory pressure]):
+        the others' caches make room, then the rows admitted last are preempted; False if
+        no row is left to step."""
+        short = self._batch.short()
+        if short and self._budget is not None:
+            self._budget.free(self, len(short) * self._batch.pool.page_bytes)
+            short = self._batch.short()
+        while short:
+            if len(self._running) == 1:
+                [seq] = self._running
+                self._fail_rows(KVMemoryError(
+                    f"model {self.name!r}: its key/value page pool has no page left for the sequence's position "
+                    f"{self._batch.rows[0].length}: raise kv_memory or lower max_sequences"))
+                return False
+            victim = len(self._running) - 1
+            with self._cond:
+                seq = self._running.pop(victim)
+                self._waiting.appendleft(seq)
+            self._batch.keep(list(range(victim)))
+            self.preemptions += 1
+            log.info("model %s: no page for every row; sequence %d waits for room (%d tokens so far)", self.name,
+                     seq.id, len(seq.tokens))
+            short = self._batch.short()
+        return bool(self._running)
 
     def _fail_rows(self, exc: BaseException) -> None:
         """The batch is lost: every running sequence fails with ``exc``."""
         with self._cond:
             failed, self._running, self.kv_bytes = self._running, [], 0
-        self._drop_caches()
+        self._batch.clear()
         for seq in failed:
             self._fail(seq, exc)
 
@@ -351,13 +463,10 @@ class Engine:
                 self._end(seq, "cancelled")
         rows = [i for i, s in enumerate(self._running) if not s.done]
         if len(rows) != len(self._running):
-            try:
-                with self._cond:
-                    self._running = [self._running[i] for i in rows]
-                self._caches.keep(rows)
-                self.kv_bytes = self._caches.nbytes
-            except Exception as exc:  # the batch's cache is lost with it (the queued sequences are not)
-                self._fail_rows(exc)
+            with self._cond:
+                self._running = [self._running[i] for i in rows]
+            self._batch.keep(rows)
+            self.kv_bytes = self._batch.nbytes
 
     # ------------------------------------------------------------------ one token
     def _emit(self, seq: Sequence, token: int) -> None:

@@ -18,7 +18,6 @@ from torch import nn
 
 from timeshare.errors import ConfigError, WeightsError
 from timeshare.seeding import seeded
-from timeshare.worker.decoding import install_paged_forward
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")  # decoder-only language models
 ENCODERS = ("bert",)  # ``BertModel``: served through the Open Inference Protocol and /v1/embeddings
@@ -98,8 +97,7 @@ def build_causal_lm(path: str) -> nn.Module:
     processes can rebuild it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # Its calls may run a decoding step on paged caches (NOTE [Decode graphs]).
-    return install_paged_forward(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
 def build_module(path: str) -> nn.Module:

@@ -5,6 +5,7 @@ its tokenizer and chat template, and the engine that generates from it."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -14,20 +15,21 @@ from typing import Any
 
 import torch
 
+from timeshare.decode.pages import MAX_BLOCK, page_bytes_for, pool_footprint
+from timeshare.decode.runner import compile_cache, resolve_modes
+from timeshare.decode.step import DecoderSpec, KVShape
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
-from timeshare.llm.caches import PagedCaches, RemoteCaches
+from timeshare.llm.batch import Batch
 from timeshare.llm.engine import Engine
 from timeshare.llm.kv_budget import KVBudget
+from timeshare.llm.pages import PagePool
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish, Sequence
 from timeshare.memory.ephemeral import lane_bytes
-from timeshare.models.zoo.registry import cache_dir
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
-from timeshare.worker.decoding import DecodeRunner
-from timeshare.worker.paged import MAX_BLOCK, KVShape, PagedLayout, PagePool, page_bytes_for, pool_footprint
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +65,12 @@ class LanguageModel(Texts):
     """Model ``name`` of ``runtime``, from the directory ``path`` (see ``load``);
     ``region``: the region of the arena its own page pool takes, if it has one."""
 
-    def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine,
+    def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine, batch: Batch,
                  region: str | None = None):
         self.runtime, self.name, self.path = runtime, name, path
         self.tokenizer, self.config, self.engine = tokenizer, config, engine
+        self.pages = batch.pool
+        self._tag = batch.tag
         self.region = region
         self.created = int(path.stat().st_mtime)
 
@@ -79,38 +83,47 @@ class LanguageModel(Texts):
         return self.engine.submit(prompt, params, on_event)
 
     def close(self) -> None:
-        """Stop generating (queued and running sequences fail), unregister the model and
-        give its page pool's region back (after unregistering, which waits for a step
-        still running: a step writes into the region)."""
+        """Stop generating (queued and running sequences fail), forget its cached prefixes
+        (NOTE [Prefix caching]), unregister the model and give its page pool's region back
+        (after unregistering, which waits for a step still running: a step writes into
+        the region)."""
         self.engine.close()
+        self.pages.forget(self._tag)
         if self.name in self.runtime.models():
             self.runtime.unregister(self.name)
         if self.region is not None:
             self.runtime.unreserve(self.region)
 
 
+_loads = itertools.count(1)
+
+
 def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = None, pin: bool = False,
          priority: Priority | str = Priority.LATENCY_CRITICAL, max_context: int | None = None,
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
          offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
-         graphs: str = "auto", compile: str | Callable[..., Any] = "auto") -> LanguageModel:
+         graphs: str = "auto", compile: str | Callable[..., Any] = "auto",
+         prefix_caching: bool = True) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
-    host store, its tokenizer and chat template loaded; generation ready. ``max_context``:
-    the longest prompt plus completion (default: the model's positions);
-    ``max_sequences``: sequences decoded together; ``quantum_s``: NOTE [Decode bursts];
-    ``offload_kv``: NOTE [Key/value caches off the device]; ``kv_budget``: shared by the
-    runtime's language models, NOTE [Key/value caches under pressure]; ``pages``: the
-    pool of key/value pages it shares with other models (default: a pool of its own for
-    ``max_sequences`` sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``,
-    in a region of the runtime's arena: NOTE [Regions of the arena]), NOTE [Paged key/value
-    caches]; ``graphs``: NOTE [Decode graphs] ("auto": captured on CUDA, off elsewhere);
+    host store, its tokenizer and chat template loaded; generation ready, in-process or
+    with workers alike (NOTE [One step, two places]). ``max_context``: the longest prompt
+    plus completion (default: the model's positions); ``max_sequences``: sequences decoded
+    together; ``quantum_s``: NOTE [Decode bursts]; ``offload_kv``: NOTE [Key/value caches
+    off the device]; ``kv_budget``: shared by the runtime's language models, NOTE
+    [Key/value caches under pressure]; ``pages``: the pool of key/value pages it shares
+    with other models (``arena_pool``; default: a pool of its own for ``max_sequences``
+    sequences of ``max_context`` positions, at most ``DEFAULT_POOL_BYTES``, in a region
+    of the runtime's arena: NOTE [Regions of the arena]), NOTE [Paged key/value caches];
+    ``graphs``: NOTE [Decode graphs] ("auto": captured on CUDA, off elsewhere);
     ``compile``: NOTE [Compiled decode steps] ("auto": inductor where graphs are captured
-    on CUDA, "off" to capture transformers' eager step).
-    With ``profile``, the model is loaded once now and its prefill profiled, so that
-    every load after is pipelined (without it, the first generation's load profiles)."""
+    on CUDA, "off" to capture transformers' eager step); ``prefix_caching``: NOTE [Prefix
+    caching]. With ``profile``, the model is loaded once now and its prefill profiled,
+    so that every load after is pipelined (without it, the first generation's load
+    profiles), and its decode graphs are captured."""
     d = open_directory(name, path, max_context)
     path, config, tokenizer, context, vocab, eos = d.path, d.config, d.tokenizer, d.max_context, d.vocab, d.eos
+    graph_mode, compiled = resolve_modes(graphs, compile, runtime.device)
     example = torch.arange(min(PROFILE_TOKENS, context - 1), dtype=torch.long)[None] % vocab
     # The shards themselves: read now, or under a host budget only when a load needs them.
     shards = [str(f) for f in hfdir.shard_files(path)]
@@ -127,26 +140,22 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
-    # NOTE [Generation in worker processes]: with workers, the batch lives in a worker.
-    caches: PagedCaches | RemoteCaches
     region = None
     try:
-        if runtime.in_process_worker() is not None:
-            shape = KVShape.of(config, parse_dtype(dtype) or hfdir.weights_dtype(shards))  # the dtype it computes in
-            if pages is None:  # a pool of its own, in the arena
-                region = pool_region(name)
-                page_bytes, nbytes = pool_bytes(shape, max_sequences, int(context))
-                pages = arena_pool(runtime, region, nbytes, page_bytes)
-            caches = PagedCaches(paged_runner(shape, max_sequences, int(context), pages, graphs, compile))
-            if profile and caches.runner.wants_capture:  # resident and idle: NOTE [Decode graphs]
-                try:
-                    runtime.call(name, (), {"paged": caches.runner.capture()})
-                except Exception as exc:  # it decodes, eagerly
-                    log.warning("model %s: capturing its decode graphs failed; its steps run eagerly: %s", name, exc)
-        else:
-            caches = RemoteCaches(runtime, name)
+        shape = KVShape.of(config, parse_dtype(dtype) or hfdir.weights_dtype(shards))  # the dtype it computes in
+        if pages is None:  # a pool of its own, in the arena
+            region = pool_region(name)
+            page_bytes, nbytes = pool_bytes(shape, max_sequences, int(context))
+            pages = arena_pool(runtime, region, nbytes, page_bytes)
+        if compiled is not None:
+            compile_cache()
+        spec = DecoderSpec(pages.offset, pages.nbytes, pages.page_bytes, shape, max_sequences, int(context),
+                           graph_mode, compiled)
+        # NOTE [Prefix caching]: this load's pages are keyed apart from any other's.
+        tag = f"{name}#{os.getpid()}#{next(_loads)}#{id(pages)}".encode()
+        batch = Batch(pages, spec, tag, caching=prefix_caching)
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
-                        max_sequences=max_sequences, caches=caches, quantum_s=quantum_s,
+                        max_sequences=max_sequences, batch=batch, quantum_s=quantum_s,
                         offload_kv=offload_kv, kv_budget=kv_budget,
                         lane_bytes=turn_lane_bytes(config, dtype, max_sequences, int(context), prefill_peak))
     except BaseException:
@@ -154,7 +163,9 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
             runtime.unreserve(region)
         runtime.unregister(name)
         raise
-    return LanguageModel(runtime, name, path, tokenizer, config, engine, region)
+    if profile:  # resident and idle: NOTE [Decode graphs]
+        engine.capture_now()
+    return LanguageModel(runtime, name, path, tokenizer, config, engine, batch, region)
 
 
 DEFAULT_POOL_BYTES = 2 << 30
@@ -186,23 +197,6 @@ def own_pool_bytes(path: str | Path, dtype: str | None, max_sequences: int, max_
     return pool_footprint(nbytes, page_bytes)
 
 
-def compile_cache() -> str:
-    """Where inductor keeps compiled decode steps (NOTE [Compiled decode steps]):
-    ``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``inductor`` in timeshare's cache
-    (``$TIMESHARE_CACHE``, ``~/.cache/timeshare``), which outlives a reboot as inductor's
-    default under /tmp may not."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-
-
-def paged_runner(shape: KVShape, max_sequences: int, max_context: int, pages: PagePool, graphs: str,
-                 compile: str | Callable[..., Any] = "auto") -> DecodeRunner:
-    """The decode batch of a model whose positions take ``shape``, on ``pages``."""
-    if compile != "off":
-        compile_cache()
-    return DecodeRunner(PagedLayout(pages, shape), max_sequences=max_sequences, max_context=max_context,
-                        graphs=graphs, compile=compile)
-
-
 def pool_region(model: str) -> str:
     """The owner of the region of the arena that holds ``model``'s own page pool."""
     return f"kv-pages:{model}"
@@ -212,8 +206,8 @@ def arena_pool(runtime: Runtime, owner: str, nbytes: int, page_bytes: int) -> Pa
     """A pool of ``nbytes`` in pages of ``page_bytes`` in a region of ``runtime``'s arena
     that ``owner`` holds until ``runtime.unreserve(owner)`` (NOTE [Regions of the arena]):
     planned with the models' weights, at addresses that never move while it lives."""
-    memory = runtime.reserve(owner, pool_footprint(nbytes, page_bytes), what=f"key/value pages ({owner})")
-    return PagePool(runtime.device, nbytes, page_bytes, memory=memory)
+    region = runtime.reserve(owner, pool_footprint(nbytes, page_bytes), what=f"key/value pages ({owner})")
+    return PagePool(region.memory, region.offset, page_bytes, owner)
 
 
 def kv_bytes_per_token(config: Any, dtype: str | None) -> int:

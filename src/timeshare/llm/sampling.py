@@ -1,12 +1,11 @@
-"""Choosing the next token and knowing when to stop: the per-request parameters of the
-OpenAI API (temperature, top_p, top_k, seed, max_tokens, stop strings), checked once and
-applied to one sequence's logits at a time. Pure; runs in the controller."""
+"""How a request chooses its tokens and when it stops: the per-request parameters of the
+OpenAI API (temperature, top_p, top_k, seed, max_tokens, stop strings), checked once; the
+tokens are chosen where the model runs (NOTE [One sampler] in ``decode/sampler.py``), the
+stop strings found here. Pure; runs in the controller."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from timeshare.errors import ConfigError
 
@@ -18,9 +17,10 @@ class SamplingParams:
     """How one request chooses its tokens. ``temperature`` 0 is greedy decoding (the
     most likely token, as ``transformers``' ``generate`` without sampling); otherwise
     the logits are divided by it, cut to the ``top_k`` most likely (0: all) and to the
-    smallest set whose probability reaches ``top_p``, and sampled with a generator
-    seeded by ``seed`` (None: from the operating system), so that a seeded request gives
-    the same text whatever else runs beside it."""
+    smallest set whose probability reaches ``top_p``, and sampled with noise drawn from
+    ``seed`` (None: a random one) and each token's index (NOTE [One sampler]), so that a
+    seeded request gives the same text whatever else runs beside it, in-process or in a
+    worker."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -44,36 +44,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def generator(self) -> torch.Generator | None:
-        """A generator of its own for a sampled request (None for greedy)."""
-        if self.greedy:
-            return None
-        g = torch.Generator()
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The token chosen from one sequence's logits over the vocabulary (1-d)."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scores = logits.detach().float().cpu() / params.temperature
-    if params.top_k and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        # Keep each token whose predecessors' mass is still short of top_p: the first always.
-        before = torch.cumsum(probs, dim=-1) - probs
-        cut = order[before >= params.top_p]
-        scores[cut] = float("-inf")
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

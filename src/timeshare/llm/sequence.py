@@ -144,8 +144,7 @@ class Sequence:
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self.generator = params.generator()  # sampling on the host (a worker's batch)
-        # Sampling on the device: the noise of token i is a hash of (seed, i) (NOTE [Decode graphs]).
+        # The noise of token i is a hash of (seed, i) (NOTE [One sampler]).
         self.seed = params.seed % (1 << 62) if params.seed is not None else secrets.randbits(31)
         self._events: queue.Queue[Delta | Finish] = queue.Queue()
         self._on_event = on_event

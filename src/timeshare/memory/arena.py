@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import torch
@@ -22,6 +23,17 @@ from timeshare.errors import MemoryBudgetError
 from timeshare.memory.allocator import DEFAULT_ALIGNMENT, Allocator, Block
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A region of the arena held by ``owner`` (NOTE [Regions of the arena]): ``nbytes`` at
+    ``offset``, and those bytes as a uint8 tensor (a view of the arena's buffer)."""
+
+    owner: str
+    offset: int
+    nbytes: int
+    memory: torch.Tensor
 
 
 class Arena:

@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
+from timeshare.decode.step import Step
 from timeshare.device import resolve_device, synchronize
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.executor.interface import Executor
 from timeshare.executor.packing import build_and_pack
+from timeshare.memory.arena import Region
 from timeshare.models.binding import unbind
 from timeshare.models.spec import Builder
 from timeshare.options import RuntimeOptions
-from timeshare.protocol import KVStep
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Ticket, Turn
@@ -188,9 +189,9 @@ class Runtime(observe.Observing):
                 self._table.host.drop(name)
             return evicted
 
-    def reserve(self, owner: str, nbytes: int, what: str | None = None) -> torch.Tensor:
-        """``nbytes`` of the arena for ``owner``, as a uint8 tensor at a fixed device
-        address until ``unreserve(owner)`` or ``close()`` (NOTE [Regions of the arena]):
+    def reserve(self, owner: str, nbytes: int, what: str | None = None) -> Region:
+        """``nbytes`` of the arena for ``owner``, at a fixed offset and device address until
+        ``unreserve(owner)`` or ``close()`` (NOTE [Regions of the arena]):
         unpinned idle models are evicted to make room, as for a load, and no model's
         placement takes or evicts it. ``MemoryBudgetError`` (``ModelTooLargeError`` when
         larger than the arena) if it does not fit, ``what`` naming it."""
@@ -198,7 +199,8 @@ class Runtime(observe.Observing):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigError(f"a region of the arena needs a positive whole number of bytes, got {nbytes!r}")
         with self._turn():
-            return self._arena.region(self._table.reserve_region(owner, nbytes, what or f"region {owner!r}"))[:nbytes]
+            block = self._table.reserve_region(owner, nbytes, what or f"region {owner!r}")
+            return Region(owner, block.offset, nbytes, self._arena.region(block)[:nbytes])
 
     def unreserve(self, owner: str) -> None:
         """Give ``owner``'s region back (nothing if it holds none); nothing may read or
@@ -242,8 +244,9 @@ class Runtime(observe.Observing):
         return self._call(name, args, kwargs, strategy=strategy, arrived_at=arrived_at)
 
     def _call(self, name: str, args: tuple, kwargs: dict | None, *, strategy: str | None = None,
-              arrived_at: float | None = None, kv: KVStep | None = None) -> Call:
-        """``call``; ``kv``: a language model's step in its home worker (``ModelTurn.call``)."""
+              arrived_at: float | None = None, step: Step | None = None) -> Call:
+        """``call``; ``step``: a language model's step instead of a forward (``ModelTurn.step``,
+        NOTE [One step, two places]): its args and kwargs are empty."""
         args = args if type(args) is tuple else tuple(args)
         kwargs = {} if not kwargs else dict(kwargs)
         m = self._get(name)
@@ -260,7 +263,7 @@ class Runtime(observe.Observing):
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
             if lanes is None:
                 return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
-                                        kv=kv, switch=turn.switch)
+                                        step=step, switch=turn.switch)
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
                               self._gate.lane_threads, key)
 
@@ -289,23 +292,12 @@ class Runtime(observe.Observing):
             else:
                 yield ModelTurn(name, m.priority, self._gate, partial(self._call_in_lane, name, held), held.lane_bytes)
 
-    def _call_in_lane(self, name: str, held: Turn, args: tuple, kwargs: dict | None, *, kv: KVStep | None) -> Call:
+    def _call_in_lane(self, name: str, held: Turn, args: tuple, kwargs: dict | None, *, step: Step | None) -> Call:
         """A call of a turn that holds a lane (NOTE [Turns in lanes])."""
         with self._lock:
             m = self._get(name)
             return turn_call(self._table, m, tuple(args), dict(kwargs or {}), held, self._lock, self._idle,
-                             self._gate.lane_threads, kv)
-
-    def drop_caches(self, batch: str) -> None:
-        """Free a language model's decode batch kept in a worker process, all its rows
-        having ended (NOTE [Generation in worker processes]); nothing in-process."""
-        self._exec.drop_caches(batch)
-
-    def offload_caches(self, batch: str) -> int:
-        """Move a language model's decode batch kept in a worker process to that worker's
-        host memory until its next step (NOTE [Key/value caches off the device]); the
-        bytes moved (0 in-process: the engine moves its own)."""
-        return self._exec.offload_caches(batch)
+                             self._gate.lane_threads, step)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued

@@ -64,9 +64,9 @@ import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from timeshare.decode.step import Step
 from timeshare.errors import LaneExceededError, TimeshareError
 from timeshare.memory.ephemeral import LaneBound
-from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Call
 from timeshare.runtime.residency import ModelEntry
 from timeshare.runtime.table import ModelTable
@@ -136,14 +136,14 @@ confirmed = Confirmations()
 
 
 def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn: Turn, lock: threading.RLock,
-              idle: threading.Condition, threads: int, kv: KVStep | None = None) -> Call:
+              idle: threading.Condition, threads: int, step: Step | None = None) -> Call:
     """A call inside a turn that holds a lane (a language model's step, NOTE [Turns in
     lanes]), with ``lock`` held: bounded by the turn's lane whatever its shape; a resident
     model's forward runs without the lock."""
     try:
         lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
         return table.call(m, args, kwargs, None, waited_s=0.0, switched_from=None, lane=lane,
-                          unlocked=unlocked(lock), keep_peak=False, kv=kv)
+                          unlocked=unlocked(lock), keep_peak=False, step=step)
     finally:
         idle.notify_all()
 

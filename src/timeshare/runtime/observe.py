@@ -26,7 +26,6 @@ from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.sharing import SharedTensors, SharingSnapshot
 from timeshare.runtime.training import TrainingJob
 from timeshare.scheduler.lanes import LanesView
-from timeshare.worker.worker import Worker
 
 if TYPE_CHECKING:
     from timeshare.runtime.jobs import JobTable
@@ -174,10 +173,11 @@ class Observing:
             return diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
                                self._table.host, self._table.sharing, self._table.regions)
 
-    def in_process_worker(self) -> Worker | None:
-        """A test hook: the worker that runs the models in this process (None with
-        workers), for white-box tests of loading and pinning."""
-        return self._exec.in_process_worker()
+    @property
+    def executor(self) -> Executor:
+        """Where the models execute (``executor/``), for tests and benchmarks: the test
+        hooks are ``timeshare.executor.testing``'s; production code asks the runtime."""
+        return self._exec
 
     def is_resident(self, name: str) -> bool:
         """Whether ``name`` is in device memory now, read without waiting for the device

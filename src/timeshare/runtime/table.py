@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from timeshare.decode.step import Step
 from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
 from timeshare.executor.interface import Executor, Packed, Ran
 from timeshare.executor.segments import Switch
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
-from timeshare.protocol import KVStep
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
 from timeshare.runtime.host_tier import HostTier, Stored
@@ -153,7 +153,7 @@ class ModelTable:
 
     # NOTE [Regions of the arena]
     # Device memory that lives apart from any model's weights but as long as a part of the
-    # runtime needs it (a language model's key/value pages: worker/paged.py) is a region of
+    # runtime needs it (a language model's key/value pages: llm/pages.py) is a region of
     # the arena, not an allocation of its own beside it: the arena stays the one owner of
     # the device memory timeshare holds, ``memory`` bounds weights and pages together, and
     # a region never moves while held, so a captured graph may read its addresses. A region
@@ -196,7 +196,7 @@ class ModelTable:
         return free() if peak is None else lane_bytes(peak)
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
-            lane: LaneBound | None = None, unlocked: Unlocked | None = None, kv: KVStep | None = None,
+            lane: LaneBound | None = None, unlocked: Unlocked | None = None, step: Step | None = None,
             switch: Switch | None = None) -> Ran:
         """Forward ``m`` on executor-ready inputs, loading it first if it is not resident.
         ``unlocked``: a resident model's forward runs inside it, without the runtime's
@@ -216,11 +216,11 @@ class ModelTable:
                 try:
                     with unlocked(), m.alone:
                         ran = self.executor.run(m.name, offset, True, args, kwargs, strategy, lane, shared=shared,
-                                                kv=kv)
+                                                step=step)
                 finally:
                     m.running -= 1
             else:
-                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared, kv=kv,
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared, step=step,
                                         switch=switch)
         except BaseException as exc:
             if not resident:
@@ -239,7 +239,7 @@ class ModelTable:
 
     def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
              switched_from: str | None, lane: LaneBound | None = None,
-             unlocked: Unlocked | None = None, keep_peak: bool = True, kv: KVStep | None = None,
+             unlocked: Unlocked | None = None, keep_peak: bool = True, step: Step | None = None,
              switch: Switch | None = None) -> Call:
         """One inference on caller inputs: ``run`` with its record, emitted to the listeners
         whether it succeeded or raised, and counted in ``failures`` if it raised. In a
@@ -249,7 +249,7 @@ class ModelTable:
         loaded = m.block is None
         try:
             ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
-                           lane=lane, unlocked=unlocked, kv=kv, switch=switch)
+                           lane=lane, unlocked=unlocked, step=step, switch=switch)
             if ran.ephemeral_peak is not None and lane is not None and lane.limit is not None and keep_peak:
                 key = shape_key(args, kwargs)
                 m.ephemeral[key] = max(m.ephemeral.get(key, 0), ran.ephemeral_peak)

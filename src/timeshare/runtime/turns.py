@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from timeshare.protocol import KVStep
+from timeshare.decode.step import Step, StepOutcome
 from timeshare.scheduler.task import Kind, Priority
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class ModelTurn:
 
     def __init__(self, name: str, priority: Priority, gate: Dispatcher, run: Callable[..., Call],
                  lane_bytes: int | None = None):
-        """``run(args, kwargs, kv=...)``: one call of the turn, the runtime's; ``lane_bytes``:
+        """``run(args, kwargs, step=...)``: one call of the turn, the runtime's; ``lane_bytes``:
         with lanes, the size of the turn's lane (NOTE [Turns in lanes])."""
         self.name = name
         self.started = time.monotonic()
@@ -101,11 +101,17 @@ class ModelTurn:
         self.lane_bytes = lane_bytes
         self._priority, self._gate, self._run = priority, gate, run
 
-    def call(self, args: tuple = (), kwargs: dict | None = None, *, kv: KVStep | None = None) -> Call:
+    def call(self, args: tuple = (), kwargs: dict | None = None) -> Call:
         """``Runtime.call`` inside the turn: no wait for the scheduler; with lanes, bounded
-        by the turn's lane. ``kv``: a language model's step on the caches its home worker
-        keeps (NOTE [Generation in worker processes])."""
-        call = self._run(args, kwargs, kv=kv)
+        by the turn's lane."""
+        return self._counted(self._run(args, kwargs, step=None))
+
+    def step(self, step: Step) -> StepOutcome:
+        """A language model's step inside the turn (NOTE [One step, two places]): run
+        where the model runs as a call is, loading it first if need be; its outcome."""
+        return self._counted(self._run((), None, step=step)).output
+
+    def _counted(self, call: Call) -> Call:
         if call.record.loaded:
             self.load_s += call.record.seconds
         return call

@@ -18,11 +18,11 @@ from timeshare.errors import ConfigError, Conflict, LoadFailed, Unavailable, Unk
 from timeshare.llm import model as lm
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
+from timeshare.llm.pages import PagePool
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Event, Finish
 from timeshare.runtime.facade import Runtime
 from timeshare.server.status import ModelFailure, failure_of
-from timeshare.worker.paged import PagePool
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = No
     return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
                    max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
                    offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages,
-                   graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1])
+                   graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1], prefix_caching=cfg.prefix_caching)
 
 
 class LanguageModels:

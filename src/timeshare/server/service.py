@@ -23,6 +23,7 @@ from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
 from timeshare.llm import model as lm
 from timeshare.llm.kv_budget import KVBudget
+from timeshare.llm.pages import PagePool
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
 from timeshare.server.backend import Backend
@@ -37,7 +38,6 @@ from timeshare.server.runner import QueueRunner, Reply
 from timeshare.server.snapshot import ServiceSnapshot
 from timeshare.server.status import FailureKind, ModelFailure, failure_of
 from timeshare.units import parse_bytes
-from timeshare.worker.paged import PagePool
 
 if TYPE_CHECKING:
     from timeshare.cluster.backend import ClusterRuntime
@@ -107,13 +107,13 @@ class Service:
         return open_local(self._rt, cfg, self.kv_budget, self._kv_pages(self._rt))
 
     def _kv_pages(self, rt: Runtime) -> PagePool | None:
-        """With ``kv_memory`` and the models generating in this process: one pool for
+        """With ``kv_memory`` and the models generating in this server's runtime: one pool for
         every language model's key/value pages (NOTE [Paged key/value caches]), made with
         the first model: ``kv_memory`` bytes, or what the largest model's ``max_sequences``
         rows take at ``max_context`` if more (a turn may always fill its batch: the others'
         caches make room), in pages of 32 positions of the largest model, in a region of
         the runtime's arena (NOTE [Regions of the arena])."""
-        if self.kv_budget is None or rt.in_process_worker() is None:
+        if self.kv_budget is None:
             return None
         if self.kv_pages is None:
             needs = [lm.pool_need(c.path, c.dtype, c.max_sequences, c.max_context) for c in self.config.llms]
@@ -130,7 +130,8 @@ class Service:
         kv_memory = None if kv is None else parse_bytes(kv, what="kv_memory")
         return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
                        max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv,
-                       kv_memory=kv_memory, graphs=c.decode_modes[0], compile=c.decode_modes[1])
+                       kv_memory=kv_memory, graphs=c.decode_modes[0], compile=c.decode_modes[1],
+                       prefix_caching=c.prefix_caching)
                 for c in self.config.llms]
 
     def _model_defs(self) -> list:

@@ -260,11 +260,12 @@ def load_plan_of(wm: WorkerModel, key: str, strategy: str, disk_Bps: float | Non
 # every module call down nn.Module's slow path, a few microseconds each, which on a
 # launch-bound GPU forward is the largest cost of a load), and at the latest when the
 # forward ends: a resident model runs exactly the code of a plain module.
-def forward_while_loading(module: nn.Module, handle: LoadHandle, wait_of: dict[int, int], args: tuple,
-                          kwargs: dict, aliases_arena: Callable[[object], bool]) -> tuple[object, bool]:
-    """Forward ``module`` while ``handle``'s groups arrive, each module waiting for the
-    group ``wait_of`` gives it. Returns the output and whether every group was waited
-    for (an output that aliases the arena, a weight, waits for all of them)."""
+def forward_while_loading(module: nn.Module, handle: LoadHandle, wait_of: dict[int, int], body: Callable[[], object],
+                          aliases_arena: Callable[[object], bool]) -> tuple[object, bool]:
+    """Run ``body`` (a forward of ``module``, or a language model's step) while ``handle``'s
+    groups arrive, each module waiting for the group ``wait_of`` gives it. Returns the
+    output and whether every group was waited for (an output that aliases the arena, a
+    weight, waits for all of them)."""
     last = handle.n_groups - 1
     upto = [-1]
 
@@ -279,7 +280,7 @@ def forward_while_loading(module: nn.Module, handle: LoadHandle, wait_of: dict[i
     registration = register_module_forward_pre_hook(hook)
     try:
         with torch.no_grad():
-            out = module(*args, **kwargs)
+            out = body()
     finally:
         registration.remove()  # idempotent
     if upto[0] < handle.n_groups - 1 and aliases_arena(out):

@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import torch
 
+from timeshare.decode.runner import relaid_out
 from timeshare.errors import TimeshareError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import bind, bind_some
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder
-from timeshare.worker.decoding import relaid_out
 from timeshare.worker.host_stores import HostStores
 from timeshare.worker.loading import WorkerModel, adopt_order
 

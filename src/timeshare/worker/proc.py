@@ -34,7 +34,6 @@ from timeshare.transfer.copy import make_copy_engine
 from timeshare.transfer.host_store import HostStore
 from timeshare.worker import channel as C
 from timeshare.worker.call_tensors import CallTensors
-from timeshare.worker.generation import Batches
 from timeshare.worker.trainer import SegmentShutdown, TrainingTask, run_segment
 from timeshare.worker.worker import Worker
 
@@ -59,7 +58,7 @@ def worker_main(start: P.Start, conn: Connection) -> None:
 
 class WorkerProcess:
     """One worker process: its device, arena, copy engine and ``Worker``, the training jobs
-    and decode batches it is home to, and a method per message the controller sends."""
+    it is home to, and a method per message the controller sends."""
 
     def __init__(self, start: P.Start, conn: Connection):
         self.start = start
@@ -86,12 +85,10 @@ class WorkerProcess:
         self.unpickled = 0.0  # seconds the last message took to unpickle
         self.in_task = False  # inside the task's own code (a forward, a training step): its errors are the task's
         self.tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
-        self.batches = Batches(device)  # language models' decode batches this worker is home to
         self.handlers: dict[type, Callable[[Any], Any]] = {
             P.AddModel: self.add_model, P.AddShared: self.add_shared, P.RemoveShared: self.remove_shared,
             P.RemoveModel: self.remove_model, P.UnpinStore: self.unpin_store, P.RunModel: self.run_model,
             P.Profile: self.profile, P.Train: self.train, P.GetJobState: self.job_state, P.DropJob: self.drop_job,
-            P.DropCaches: self.drop_caches, P.OffloadCaches: self.offload_caches,
             P.PreemptSegment: self.preempt_segment,
         }
 
@@ -144,12 +141,12 @@ class WorkerProcess:
             return P.Failure(seq, P.ErrorInfo.capture(exc, self.failed_at(msg), in_task=self.in_task))
 
     def failed_at(self, msg: Any) -> str:
-        """Where ``msg``'s handling failed ("worker 2, run m (decode of batch b)"); a job
+        """Where ``msg``'s handling failed ("worker 2, run m (decode step of 3 rows)"); a job
         that failed in an iteration is dropped: its state is undefined now."""
-        subject = getattr(msg, "model", None) or getattr(msg, "job", "") or getattr(msg, "batch", "")
+        subject = getattr(msg, "model", None) or getattr(msg, "job", "")
         what = f"{self.where}, {_VERBS.get(type(msg), type(msg).__name__.lower())} {subject}".rstrip()
-        if isinstance(msg, P.RunModel) and msg.kv is not None:  # NOTE [Generation in worker processes]
-            what += f" ({msg.kv.kind} of batch {msg.kv.batch})"
+        if isinstance(msg, P.RunModel) and msg.step is not None:  # NOTE [One step, two places]
+            what += f" ({msg.step.kind.value} step of {msg.step.rows} rows)"
         if isinstance(msg, P.Train) and msg.job in self.tasks:
             what += f" (iteration {self.tasks.pop(msg.job).stats.iterations + 1})"  # its state is undefined now
         elif isinstance(msg, P.Train):
@@ -234,31 +231,21 @@ class WorkerProcess:
         args, kwargs, in_end = self.tensors.inputs_of(msg)
         t_up = time.perf_counter()
         self.in_task = True
-        kv_bytes = None
         with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
-            if msg.kv is None:
-                out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
-                                 msg.shared, msg.host_keys)
-            else:  # NOTE [Generation in worker processes]: a step on the caches kept here
-                out, kv_bytes = self.batches.step(
-                    msg.kv, wm.module,
-                    lambda a, k: worker.run(msg.model, msg.offset, msg.resident, a, k, msg.strategy, msg.fill,
-                                            msg.shared, msg.host_keys))
+            out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
+                             msg.shared, msg.host_keys, step=msg.step)
         self.in_task = False
         t_run = time.perf_counter()
-        try:
-            worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
-            out, refs, out_nbytes, left = self.tensors.outputs(out, in_end, worker.to_host)
-            t_host = time.perf_counter()
-            if self.cuda:
-                # Nothing of this task is still queued when we answer: no copy from the host
-                # store, the channel or the input staging buffer (NOTE [Input staging]) is in
-                # flight, and every output is in the channel.
-                torch.cuda.synchronize(device)
-        except BaseException:
-            if msg.kv is not None and msg.kv.kind == "decode":
-                self.batches.drop(msg.kv.batch)  # the controller fails the batch's rows: nothing here keeps them
-            raise
+        worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
+        out, refs, out_nbytes, left = self.tensors.outputs(out, in_end, worker.to_host)
+        t_host = time.perf_counter()
+        if self.cuda:
+            # Nothing of this task is still queued when we answer: no copy from the host
+            # store, the channel or the input staging buffer (NOTE [Input staging]) is in
+            # flight, every output is in the channel, and a step's keys and values are in
+            # their pages, which the controller may read next (NOTE [Key/value caches off
+            # the device]).
+            torch.cuda.synchronize(device)
         t_sync = time.perf_counter()
         learned = tuple(wm.profiles.values())[known:] if len(wm.profiles) > known else ()
         staging, channel = self.tensors.staging, self.tensors.channel
@@ -273,7 +260,7 @@ class WorkerProcess:
             None if msg.resident else worker.load_seconds(),
             worker.last_fill.read_s if msg.fill is not None and worker.last_fill else None,
             None if msg.resident else worker.moved_bytes, wm.host_bound,
-            None if meter is None else meter.peak, kv_bytes,
+            None if meter is None else meter.peak,
             in_end, out_nbytes, refs, len(left), staging.staged_nbytes, staging.pinned_nbytes,
             channel.nbytes if channel is not None and channel.pinned else 0,
             channel is not None and channel.page_locked)
@@ -312,14 +299,6 @@ class WorkerProcess:
 
     def preempt_segment(self, msg: P.PreemptSegment) -> None:
         return None  # its segment already ended
-
-    # ------------------------------------------------------------------ decode batches
-    def drop_caches(self, msg: P.DropCaches) -> P.Ack:
-        self.batches.drop(msg.batch)
-        return P.Ack(msg.seq)
-
-    def offload_caches(self, msg: P.OffloadCaches) -> P.Result:
-        return P.Result(msg.seq, self.batches.offload(msg.batch))
 
 
 _VERBS = {P.RunModel: "run", P.GetJobState: "job state", P.AddModel: "adding", P.RemoveModel: "removing",

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from timeshare.decode.runner import Decoders
+from timeshare.decode.step import Step, StepKind, StepOutcome
 from timeshare.device import HostRegistrar, host_registrar
 from timeshare.errors import PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
@@ -81,6 +83,8 @@ class Worker(ResidentProfiling):
         # ``_bind`` and ``_bind_direct``), so that ``to_host`` looks at those alone, not at
         # every registered model on every call.
         self._host_bound: set[str] = set()
+        # NOTE [One step, two places]: language models' steps run here, on pages in the arena.
+        self.decoders = Decoders(lambda: self.arena.buffer)
 
     # ------------------------------------------------------------------ model set
     def add(self, name: str, module: nn.Module, layout: TensorLayout, store: HostStore,
@@ -120,6 +124,7 @@ class Worker(ResidentProfiling):
         """Forget ``name``; its host store is unpinned (NOTE [Exact host pinning])."""
         wm = self.models.pop(name)
         self._host_bound.discard(name)
+        self.decoders.drop(name)
         unbind(wm.layout)
         self._drop_store(wm.store)
 
@@ -131,8 +136,9 @@ class Worker(ResidentProfiling):
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             fill: FillSpec | None = None, shared: Mapping[str, tuple[int, bool]] | None = None,
-            host_keys: tuple[str, ...] | None = None):
-        """Forward ``name`` on device inputs. Its bytes are at ``offset`` if ``resident``;
+            host_keys: tuple[str, ...] | None = None, step: Step | None = None):
+        """Forward ``name`` on device inputs, or run a language model's ``step`` instead
+        (NOTE [One step, two places]: its outcome). Its bytes are at ``offset`` if ``resident``;
         otherwise they are loaded there first (pipelined once the model is profiled).
         ``fill``: the host store is on disk; its reads run beside the load (NOTE [Disk
         to device]). ``shared``: each of its shared sets' arena offset and whether its
@@ -146,7 +152,7 @@ class Worker(ResidentProfiling):
             # The resident call's path: bound where it is, nothing shared, nothing in flight.
             self.lock_s = None
             with torch.no_grad():
-                out = wm.module(*args, **kwargs)
+                out = wm.module(*args, **kwargs) if step is None else self.decoders.run(name, wm.module, step)
             self._mark_used(wm)
             return out
         at = self._shared_offsets(wm, shared)
@@ -172,13 +178,13 @@ class Worker(ResidentProfiling):
                 if host_keys is not None:
                     self._bind_direct(wm, host_keys)
                 with torch.no_grad():
-                    out = wm.module(*args, **kwargs)
+                    out = wm.module(*args, **kwargs) if step is None else self.decoders.run(name, wm.module, step)
             elif fill is not None:
-                out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill, missing, at)
+                out = self._load_from_disk(wm, offset, args, kwargs, strategy, fill, missing, at, step)
             elif wm.order is None or not wm.profiles:
-                out = self._first_load(wm, offset, args, kwargs, missing, at)
+                out = self._first_load(wm, offset, args, kwargs, missing, at, step)
             else:
-                out = self._pipelined_load(wm, offset, args, kwargs, strategy, missing=missing, at=at)
+                out = self._pipelined_load(wm, offset, args, kwargs, strategy, missing=missing, at=at, step=step)
             if missing:
                 # The sets are "there" for the next model once this call returns: their
                 # copies must be over, or their failure this load's (NOTE [Shared tensors]).
@@ -206,7 +212,8 @@ class Worker(ResidentProfiling):
         return {sid: off for sid, (off, _) in given.items()}
 
     def _load_from_disk(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
-                        fill: FillSpec, missing: tuple[str, ...] = (), at: Mapping[str, int] | None = None):
+                        fill: FillSpec, missing: tuple[str, ...] = (), at: Mapping[str, int] | None = None,
+                        step: Step | None = None):
         """A load whose source is read from disk meanwhile; the store is whole at the end.
         ``missing`` and ``at``: the model's shared sets, as for ``run`` (their stores stay
         in memory: only the model's own store is read from disk)."""
@@ -215,10 +222,10 @@ class Worker(ResidentProfiling):
         try:
             if wm.order is None or not wm.profiles:
                 stream.wait_all()
-                out = self._first_load(wm, offset, args, kwargs, missing, at)
+                out = self._first_load(wm, offset, args, kwargs, missing, at, step)
             else:
                 out = self._pipelined_load(wm, offset, args, kwargs, strategy, ready=stream.wait_until,
-                                           disk_Bps=self.disk_Bps, missing=missing, at=at)
+                                           disk_Bps=self.disk_Bps, missing=missing, at=at, step=step)
             stream.wait_all()
             if stream.read_s > 0:  # measured on every load from disk; the next plans for it
                 self.disk_Bps = stream.bytes_read / stream.read_s
@@ -271,6 +278,8 @@ class Worker(ResidentProfiling):
         that is a view of the arena is cloned once, any other host tensor is returned
         as it is. A worker process then copies it into its tensor channel, or pickles
         what does not fit there (NOTE [Tensor channel])."""
+        if type(out) is StepOutcome:  # a step's: token ids, nothing on the device
+            return out
         if type(out) is torch.Tensor and not self._host_bound:  # one tensor, no store to alias
             t = out.detach() if out.requires_grad else out
             if not t.is_cpu:
@@ -302,9 +311,12 @@ class Worker(ResidentProfiling):
 
     # ------------------------------------------------------------------ loading
     def _first_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, missing: tuple[str, ...] = (),
-                    at: Mapping[str, int] | None = None):
+                    at: Mapping[str, int] | None = None, step: Step | None = None):
         """Load whole; trace the execution order if unknown (repacking the store in that
-        order); profile for these inputs."""
+        order); profile for these inputs (a ``step``: for a plain forward like it, then
+        the step itself runs once, the model resident)."""
+        if step is not None:
+            args, kwargs = map_tensors(step.example(), lambda t: t.to(self.device))
         try:
             at = at or {}
             self._copy_whole(wm, offset, "first load", missing, at)
@@ -317,10 +329,13 @@ class Worker(ResidentProfiling):
                 self._adopt_order(wm, order, repack=True)
                 self._copy_whole(wm, offset, "first load, execution order")
                 self._bind(wm, offset, at)
-            if out is None:
+            if out is None and step is None:
                 with torch.no_grad():
                     out = wm.module(*args, **kwargs)
             self._profile_resident(wm, args, kwargs)
+            if step is not None:
+                with torch.no_grad():
+                    out = self.decoders.run(wm.name, wm.module, step)
             return out
         except BaseException:
             wm.pending = None
@@ -330,10 +345,13 @@ class Worker(ResidentProfiling):
 
     def _pipelined_load(self, wm: WorkerModel, offset: int, args: tuple, kwargs: dict, strategy: str,
                         ready: Ready | None = None, disk_Bps: float | None = None, missing: tuple[str, ...] = (),
-                        at: Mapping[str, int] | None = None):
+                        at: Mapping[str, int] | None = None, step: Step | None = None):
         """Queue every group, then forward while they arrive (NOTE [Pipelined forward]);
         ``ready`` and ``disk_Bps``: the source is read from disk meanwhile (NOTE [Disk to
-        device]); ``missing``: shared sets this load copies too (NOTE [Shared tensors])."""
+        device]); ``missing``: shared sets this load copies too (NOTE [Shared tensors]).
+        A ``step`` runs instead of the forward: a prefill computes while the groups
+        arrive, as a forward does; any other step waits for the whole load first (NOTE
+        [Decode graphs]: a replay meets no layer's wait)."""
         plan = load_plan_of(wm, shape_key(args, kwargs), strategy, disk_Bps, self.fixed_group_bytes, missing)
         at = at or {}
         self._bind(wm, offset, at)
@@ -350,7 +368,18 @@ class Worker(ResidentProfiling):
         wm.pending = self.last_load = handle
         self._shared_loads.update(dict.fromkeys(plan.sources, handle))
         self.moved_bytes = sum(b - a for a, b in plan.ranges) + sum(b - a for g in plan.pieces for _, a, b in g)
-        out, arrived = forward_while_loading(wm.module, handle, plan.wait_of, args, kwargs, self.aliases_arena)
+        out: object
+        if step is not None and step.kind is not StepKind.PREFILL:
+            handle.wait_all()
+            with torch.no_grad():
+                out, arrived = self.decoders.run(wm.name, wm.module, step), True
+        elif step is not None:
+            out, arrived = forward_while_loading(wm.module, handle, plan.wait_of,
+                                                 lambda: self.decoders.run(wm.name, wm.module, step),
+                                                 self.aliases_arena)
+        else:
+            out, arrived = forward_while_loading(wm.module, handle, plan.wait_of, lambda: wm.module(*args, **kwargs),
+                                                 self.aliases_arena)
         if arrived:
             wm.pending = None  # everything arrived and was waited for
         return out

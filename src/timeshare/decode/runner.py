@@ -1,0 +1,475 @@
+"""A language model's steps on its paged caches (NOTE [Paged key/value caches] in
+``pages.py``), where its weights are: prefills, decode steps run eagerly or replayed
+from captured CUDA graphs, and the next tokens chosen on the device by the one sampler
+(``sampler.py``). Tensors only; runs in the process that computes (the controller for an
+in-process runtime, the model's home worker with workers), inside the runtime's step of
+the model (``Worker.run(..., step=...)``, NOTE [One step, two places] in ``step.py``).
+
+# NOTE [Decode graphs]
+A decode step of ``b`` rows whose longest row needs ``n`` pages runs as the graph of
+the bucket ``(B, N)``: ``B`` the least of 1, 2, 4, 8, 16, 32 at least ``b``, ``N`` the
+least power of two at least ``n``. A graph reads every input from one device buffer
+(each row's last token, its position and its block table; the rows past ``b`` point at
+the scratch page) and writes the logits into another, so a replay is one copy of the
+inputs in, the replay, and the choice of the next tokens. The graphs are captured when
+the model is resident and idle: after registration (``lm.load``) or, once invalidated or
+never captured in this process (a new home worker), at the end of a turn with nothing
+left to do (the engine asks when a step's outcome says ``wants_capture``); never on the
+wake path. Eviction leaves the module's tensors where they were (NOTE [Sticky
+placement]) and a reload into the same offsets binds nothing, so a graph captured before
+an eviction reads the reloaded weights: no recapture. A model bound anywhere else bumps
+its *placement epoch* (the worker's ``_bind``); a graph captured under another epoch is
+never replayed: steps run eagerly until the graphs are captured again. A decode step
+whose model is still arriving (a load) waits for the whole load first, since a replay
+calls no module and so meets no layer's wait. Constants the graph reads (the rotary
+tables) are the module's buffers: the runtime stores and restores them with the weights.
+Off CUDA the same steps run eagerly; the ``emulate`` mode stands in for a graph with the
+module's tensors as they were at capture (``functional_call``), so that the CPU tests
+see what a stale graph would read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from timeshare.decode.cache import DecodeView, ExtendView, cache_key, paged_cache_class, prompt_layers
+from timeshare.decode.pages import PagedLayout, to_device
+from timeshare.decode.sampler import choose
+from timeshare.decode.step import DecodeCounts, DecoderSpec, Step, StepKind, StepOutcome
+from timeshare.errors import ConfigError, GenerationError
+from timeshare.models.zoo.registry import cache_dir
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+COMPILE_MODES = ("auto", "inductor", "aot_eager", "eager", "off")  # or a torch.compile backend (a callable)
+GRAPH_MODES = ("auto", "cuda", "emulate", "off")
+DEFAULT_GRAPH_CONTEXT = 4096  # positions up to which decode graphs are captured (longer rows run eagerly)
+
+_epochs: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def relaid_out(module: nn.Module) -> None:
+    """The module's tensors were bound somewhere new: its placement epoch moves on."""
+    _epochs[module] = _epochs.get(module, 0) + 1
+
+
+def placement_epoch(module: nn.Module) -> int:
+    return _epochs.get(module, 0)
+
+
+def resolve_modes(graphs: str, compile: str | Callable[..., Any], device: torch.device
+                  ) -> tuple[str, str | Callable[..., Any] | None]:
+    """``graphs`` and ``compile`` as a ``DecoderSpec`` takes them on ``device``: "auto"
+    graphs are "cuda" on a CUDA device, else "off"; "auto" compilation is inductor where
+    graphs are captured on CUDA; only what graphs capture is compiled (NOTE [Compiled
+    decode steps]); None: not compiled."""
+    if graphs not in GRAPH_MODES:
+        raise ConfigError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
+    if isinstance(compile, str) and compile not in COMPILE_MODES:
+        raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+    if graphs == "auto":
+        graphs = "cuda" if device.type == "cuda" else "off"
+    if graphs == "cuda" and device.type != "cuda":
+        raise ConfigError("CUDA graphs need a CUDA device")
+    if compile == "auto":
+        compile = "inductor" if graphs == "cuda" else "off"
+    return graphs, None if compile == "off" or graphs == "off" else compile
+
+
+def compile_cache() -> str:
+    """Where inductor keeps compiled decode steps (NOTE [Compiled decode steps]):
+    ``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``inductor`` in timeshare's cache
+    (``$TIMESHARE_CACHE``, ``~/.cache/timeshare``), which outlives a reboot as inductor's
+    default under /tmp may not."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Bound(nn.Module):
+    """Runs ``run(model)`` as a module call, so that ``functional_call`` can swap the
+    model's tensors for a stand-in's replay."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, run: Callable[[nn.Module], None]) -> None:
+        run(self.model)
+
+
+class _StandIn:
+    """A captured step on the CPU (``emulate``): the module's tensors as they were at
+    capture, as a CUDA graph keeps their addresses."""
+
+    def __init__(self, module: nn.Module, run: Callable[[nn.Module], None]):
+        self.tensors: dict[str, torch.Tensor] = {f"model.{k}": v for k, v in
+                                                 module.named_parameters(remove_duplicate=False)}
+        self.tensors.update((f"model.{k}", v) for k, v in module.named_buffers(remove_duplicate=False))
+        self._run = run
+
+    def replay(self, module: nn.Module) -> None:
+        torch.func.functional_call(_Bound(module), self.tensors, (self._run,))
+
+
+# NOTE [Compiled decode steps]
+# A graph replays the kernels of a step, and a transformers model's step in eager
+# PyTorch is some 40 small kernels a layer (norms, rotary embeddings and activations,
+# each a few element-wise kernels): at one sequence a replay's time is mostly those, one
+# after the other, not the weights' bytes (H200: 500 kernels, 1.35 ms, for a 100M
+# model). So on CUDA the model's forward for a step (``decode_logits``) is compiled
+# (``torch.compile``, inductor) before its graphs are captured, to fuse them. What is
+# compiled reads the pool and writes nothing but its outputs (NOTE [Paged key/value
+# caches]): the step's new keys and values go into the pages after it, still inside the
+# captured graph. A compiled function that writes into a view of an input may copy the
+# whole input (a first version wrote each layer's slots inside: 14 tokens/s on an H200,
+# and copying the pool is the likely cause). Shapes are dynamic and no bucket has one
+# row or one page (a size of 1 would be compiled apart; a second row or page costs next
+# to nothing), so one trace serves every bucket of a model. There is one compiled
+# function for every runner, and the weights are its graph's inputs: a model shaped as
+# one traced before takes that trace (dynamo's guards check that it may), and inductor's
+# cache on disk (timeshare's cache: ``compile_cache``) spares a restart the code
+# generation. Eager steps (CPU, or a graph dropped after a relayout) are never compiled:
+# they stay exact. A compilation that fails leaves the graphs captured uncompiled. The
+# CPU tests compile with ``aot_eager`` (dynamo's trace, functionalized as inductor would
+# get it, run by PyTorch's kernels).
+@functools.cache
+def compiled_step(backend: str | Callable[..., Any]) -> Callable[..., Any]:
+    """``decode_logits`` compiled by ``backend``: one for every runner, so that a model of a
+    shape traced before takes the code traced for it (dynamo's guards check that it is)."""
+    import torch._dynamo
+
+    # Each model may compile its own graph (its weights are other tensors): more than
+    # dynamo's default number per function.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
+    casts: Callable[[], Any] = contextlib.nullcontext
+    if backend == "inductor":
+        with warnings.catch_warnings():  # torch 2.11's inductor imports a module that warns at import
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor import config as inductor
+
+        # Round where eager PyTorch rounds (a bf16 product of a float32 norm, say), so that
+        # the compiled step's tokens part from transformers' as rarely as they can.
+        casts = functools.partial(inductor.patch, emulate_precision_casts=True)
+    from torch.fx.experimental import _config as shapes
+
+    compiled = torch.compile(decode_logits, backend=backend, dynamic=True)
+
+    def run(*args: Any) -> Any:
+        # Sizes equal by chance at the first trace (the largest batch and the widest table)
+        # are not taken for one size, which would trace again at the next bucket; a module's
+        # float constants (an embedding's norm_type) are constants, not inputs, which would
+        # restart the trace once they turn out to be.
+        with warnings.catch_warnings():
+            # Inductor's advice to allow TF32 matmuls in float32: we keep eager's precision.
+            warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores", category=UserWarning)
+            with shapes.patch(use_duck_shape=False), config.patch(specialize_float=True), casts():  # type: ignore[attr-defined]
+                return compiled(*args)
+    return run
+
+
+class DecodeRunner:
+    """One model's steps on its pages (``spec``: NOTE [Decode graphs]), in ``memory`` (the
+    pool's bytes, the arena's region at ``spec.offset``)."""
+
+    def __init__(self, spec: DecoderSpec, memory: torch.Tensor, *, graph_context: int = DEFAULT_GRAPH_CONTEXT):
+        if spec.graphs not in ("cuda", "emulate", "off"):
+            raise ConfigError(f"a decoder's graphs are cuda, emulate or off, got {spec.graphs!r}")
+        self.spec = spec
+        self.layout = layout = PagedLayout(memory, spec.page_bytes, spec.shape)
+        device = self.device = layout.device
+        layout.zero([0])  # the scratch page: finite, whatever the region held (NOTE [Paged key/value caches])
+        if spec.graphs == "cuda" and device.type != "cuda":
+            raise ConfigError("CUDA graphs need a CUDA device")
+        self.mode = spec.graphs
+        self.compiled = spec.compile
+        if self.compiled is not None:
+            compile_cache()
+        self.max_context = spec.max_context
+        self.counts = DecodeCounts()
+        # Compiled, no bucket has one row or one page (NOTE [Compiled decode steps]).
+        least = 1 if self.compiled is None else 2
+        width = self._width = max(least, layout.pages_for(spec.max_context + 1))
+        self._batches = tuple(b for b in BATCH_BUCKETS if least <= b < spec.max_sequences) + (
+            max(least, _bucket(spec.max_sequences, BATCH_BUCKETS) or spec.max_sequences),)
+        top = self._batches[-1]
+        # One buffer of inputs: each row's token, position and block table (NOTE [Decode graphs]),
+        # a row more than the largest bucket: every bucket's inputs are then a part of it, as
+        # a compiled step was first traced with (else it is traced again for the whole).
+        self._host = torch.zeros(top + 1, 2 + width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._inputs = torch.zeros(top + 1, 2 + width, dtype=torch.int64, device=device)
+        self._tables: list[tuple[int, ...] | None] = [None] * (top + 1)  # each input row's table as written
+        self._arange = torch.arange(width * layout.block, device=device)
+        self._logits: torch.Tensor | None = None
+        graph_pages = min(width, layout.pages_for(min(spec.max_context, graph_context) + 1))
+        self._contexts = tuple(sorted({min(max(least, 1 << i), width)
+                                       for i in range(_pow2(graph_pages).bit_length())}))
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._epoch: int | None = None  # the placement epoch the graphs were captured under
+        self._pool = torch.cuda.graph_pool_handle() if self.mode == "cuda" else None
+        self._cache_key, self._cache_class = cache_key(), paged_cache_class()
+        self._logits_of: Callable[..., tuple[torch.Tensor, torch.Tensor]] = decode_logits
+        if self.compiled is not None:
+            self._logits_of = compiled_step(self.compiled)
+
+    @property
+    def wants_capture(self) -> bool:
+        """Whether its graphs are to be captured (never yet, or dropped since)."""
+        return self.mode != "off" and not self._graphs
+
+    def run(self, module: nn.Module, step: Step) -> StepOutcome:
+        """Run ``step`` on ``module`` (loaded and bound by the caller); its outcome. The
+        read of its tokens is the step's one wait for the device (NOTE [No waiting on the
+        device])."""
+        before = replace(self.counts)
+        chosen = self.launch(module, step)
+        tokens = () if chosen is None else tuple(chosen.tolist())
+        c = self.counts
+        done = DecodeCounts(c.captures - before.captures, c.compiled - before.compiled, c.capture_s - before.capture_s,
+                            c.replays - before.replays, c.eager - before.eager,
+                            c.invalidations - before.invalidations)
+        return StepOutcome(tokens, done, self.wants_capture)
+
+    def launch(self, module: nn.Module, step: Step) -> torch.Tensor | None:
+        """Queue ``step``'s work on the device: each row's next token, on the device (None
+        for a capture), not waited for."""
+        with torch.no_grad():
+            self.layout.zero(step.zero)
+            if step.kind is StepKind.PREFILL:
+                return self._prefill(module, step)
+            if step.kind is StepKind.DECODE:
+                return self._decode(module, step)
+            if step.kind is StepKind.CAPTURE:
+                self._capture(module)
+                return None
+        raise ConfigError(f"unknown step {step.kind!r}")
+
+    # ------------------------------------------------------------------ prefills
+    def _prefill(self, module: nn.Module, step: Step) -> torch.Tensor:
+        """Each row's prompt from its first uncached position into its pages (eagerly: a
+        cold model's weights may still be arriving), then the rows' first tokens."""
+        if step.draw is None or len(step.tables) != step.rows or len(step.starts) != step.rows:
+            raise GenerationError(f"a prefill of {step.rows} rows needs a table, a start and a draw for each")
+        logits = [self._prefill_row(module, tokens, start, table)
+                  for tokens, start, table in zip(step.tokens, step.starts, step.tables)]
+        return choose(torch.cat(logits), step.draw)
+
+    def _prefill_row(self, module: nn.Module, tokens: tuple[int, ...], start: int,
+                     table: tuple[int, ...]) -> torch.Tensor:
+        n = len(tokens)
+        if not n or len(table) < self.layout.pages_for(start + n):
+            raise GenerationError(f"a prefill of {n} tokens from position {start} needs their pages, got {len(table)}")
+        ids = to_device(tokens, self.device)[None]
+        pages = to_device(table, self.device)
+        if start == 0:
+            # The model's own cache for the prompt, as transformers' generate computes it
+            # (its causal kernels: generate's mask of ones is dropped for them, after a
+            # check that waits for the device, which no mask spares), then copied into the
+            # row's pages.
+            out = module(input_ids=ids, use_cache=True, logits_to_keep=1)
+            self.layout.write(pages, 0, prompt_layers(out[self._cache_key], n))
+            return out.logits[:, -1]
+        # NOTE [Prefix caching]: the first ``start`` positions are cached pages; the rest
+        # attend to them through the adapter, each to the positions up to its own.
+        span = torch.arange(start + n, device=self.device)
+        dtype = self.layout.shape.dtype
+        hidden = span[None, :] > span[start:, None]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=self.device).masked_fill(
+            hidden, torch.finfo(dtype).min)[None, None]
+        cache = self._cache_class(self.layout, ExtendView(pages, start))
+        out = module(input_ids=ids, attention_mask=mask, position_ids=span[start:][None], use_cache=True,
+                     logits_to_keep=1, **{self._cache_key: cache})
+        self.layout.write(pages, start, cache.extended())
+        return out.logits[:, -1]
+
+    # ------------------------------------------------------------------ decode steps
+    def _decode(self, module: nn.Module, step: Step) -> torch.Tensor:
+        """One token of every row: replayed from a graph, or eagerly."""
+        rows = step.rows
+        if step.draw is None or not rows or len(step.tables) != rows or len(step.starts) != rows:
+            raise GenerationError(f"a decode step of {rows} rows needs a table, a position and a draw for each")
+        if rows > self._batches[-1]:
+            raise GenerationError(f"a decode step of {rows} rows, more than the {self.spec.max_sequences} "
+                                  "sequences this model decodes together")
+        widest = max(len(t) for t in step.tables)
+        if widest > self._width or max(step.starts) >= self.max_context:
+            raise GenerationError(f"a decode step past the model's context of {self.max_context} positions")
+        batch = _bucket(rows, self._batches) or rows
+        pages = max(self._contexts[0], min(_pow2(widest), self._width))
+        self._load_inputs(step, batch)
+        self._run(module, rows, batch, pages, max(step.starts) + 1)
+        assert self._logits is not None
+        return choose(self._logits[:rows], step.draw)
+
+    def _load_inputs(self, step: Step, batch: int) -> None:
+        """The step's tokens, positions and tables into the input buffer: a row's table
+        is written only when it changed (a new page, another row there)."""
+        host, tables = self._host, self._tables
+        rows = step.rows
+        for i, table in enumerate(step.tables):
+            if tables[i] != table:
+                host[i, 2:] = 0
+                host[i, 2:2 + len(table)] = torch.tensor(table)
+                tables[i] = table
+        for i in range(rows, len(tables)):  # the rows past the step's point at the scratch page
+            if tables[i] != ():
+                host[i] = 0
+                tables[i] = ()
+        host[:rows, 0] = torch.tensor([t[0] for t in step.tokens])
+        host[:rows, 1] = torch.tensor(step.starts)
+        self._inputs[:batch].copy_(host[:batch], non_blocking=True)
+
+    def _run(self, module: nn.Module, rows: int, batch: int, pages: int, length: int) -> None:
+        graph = self._graphs.get((batch, pages))
+        if graph is not None and self._epoch != placement_epoch(module):
+            # NOTE [Decode graphs]: laid out elsewhere since the capture; never replay it.
+            self._graphs.clear()
+            self.counts.invalidations += 1
+            graph = None
+        if graph is None:
+            self._step(module, rows, pages, length)
+            self.counts.eager += 1
+        elif isinstance(graph, _StandIn):
+            graph.replay(module)
+            self.counts.replays += 1
+        else:
+            graph.replay()
+            self.counts.replays += 1
+
+    def _step(self, module: nn.Module, batch: int, pages: int, length: int | None = None) -> None:
+        """One decode step of the first ``batch`` rows of the inputs, attending to
+        ``pages`` pages each (what a graph captures, compiled if the runner compiles), or
+        run eagerly to the first ``length`` positions only (the longest row's): without
+        hidden slots, a row alone is computed as ``transformers`` computes it."""
+        inputs = self._inputs[:batch]
+        positions = inputs[:, 1]
+        table = inputs[:, 2:2 + pages]
+        block = self.layout.block
+        span = self._arange[:length or pages * block][None, :]
+        dtype = self.layout.shape.dtype
+        mask = torch.zeros(span.shape[1:], dtype=dtype, device=self.device)[None, :].masked_fill(
+            span > positions[:, None], torch.finfo(dtype).min)[:, None, None, :]
+        forward = decode_logits if length is not None else self._logits_of
+        logits, new = forward(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1], mask,
+                              positions[:, None], table, span == positions[:, None], length)
+        # The pool is written here, after the forward (NOTE [Paged key/value caches]).
+        self.layout.put(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, new)
+        if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
+            self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
+        self._logits[:batch].copy_(logits)
+
+    # ------------------------------------------------------------------ graphs
+    def _capture(self, module: nn.Module) -> None:
+        """Capture the graphs of every bucket (the model resident and idle). A failed
+        compiled capture is taken again uncompiled; a failed capture leaves the steps eager."""
+        if self.mode == "off" or (self._graphs and self._epoch == placement_epoch(module)):
+            return
+        self._graphs.clear()
+        self._epoch = placement_epoch(module)
+        self._inputs.zero_()  # every row at the scratch page
+        self._host.zero_()
+        self._tables = [()] * len(self._tables)
+        while True:
+            try:
+                self._capture_all(module)
+                return
+            except Exception as exc:
+                self._graphs.clear()
+                if self.compiled is None:
+                    self.mode = "off"  # not tried again: the steps run eagerly
+                    raise
+                # NOTE [Compiled decode steps]: the step as transformers runs it, captured.
+                log.warning("compiling the decode step (%s) failed; its graphs are captured uncompiled: %s: %s",
+                            self.compiled, type(exc).__name__, exc)
+                self.compiled, self._logits_of = None, decode_logits
+            except BaseException:
+                self._graphs.clear()
+                self.mode = "off"
+                raise
+
+    def _capture_all(self, module: nn.Module) -> None:
+        start = time.perf_counter()
+        try:
+            for batch in reversed(self._batches):
+                for pages in reversed(self._contexts):
+                    self._graphs[batch, pages] = self._capture_one(module, batch, pages)
+                    self.counts.captures += 1
+                    self.counts.compiled += self.compiled is not None
+        finally:
+            self.counts.capture_s += time.perf_counter() - start
+
+    def _capture_one(self, module: nn.Module, batch: int, pages: int) -> Any:
+        if self.mode == "emulate":
+            self._step(module, batch, pages)
+            return _StandIn(module, lambda m: self._step(m, batch, pages))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up: lazily made handles and workspaces, off the graph
+            self._step(module, batch, pages)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._step(module, batch, pages)
+        return graph
+
+
+def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: str, ids: torch.Tensor,
+                  mask: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, at: torch.Tensor,
+                  length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's forward for one decode step on ``layout``'s pages through the cache
+    ``adapter`` (passed as ``key``): what is compiled (NOTE [Compiled decode steps]). It
+    reads the pool and writes nothing but its outputs: the last position's logits and
+    every layer's new keys and values."""
+    cache = adapter(layout, DecodeView(table, at, length, positions[:, 0]))
+    out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
+                               use_cache=True, logits_to_keep=1, **{key: cache})
+    return out.logits[:, -1], cache.written()
+
+
+class Decoders:
+    """The runners of the models this process computes, by model, over the arena's bytes
+    (``arena()``, read when a runner is made: every pool is a region of the arena, NOTE
+    [Regions of the arena]; nothing here keeps the arena mapped once its runners go)."""
+
+    def __init__(self, arena: Callable[[], torch.Tensor]):
+        self._arena = arena
+        self._runners: dict[str, DecodeRunner] = {}
+
+    def run(self, model: str, module: nn.Module, step: Step) -> StepOutcome:
+        """``step`` of ``model`` (its module loaded and bound), on the runner of its spec: a
+        model given another spec (registered again, another pool) gets a new runner."""
+        runner = self._runners.get(model)
+        if runner is None or runner.spec != step.spec:
+            spec, arena = step.spec, self._arena()
+            if spec.offset < 0 or spec.offset + spec.nbytes > arena.numel():
+                raise ConfigError(f"model {model!r}: its page pool ({spec.nbytes} bytes at {spec.offset}) is not "
+                                  "inside the arena")
+            memory = arena[spec.offset:spec.offset + spec.nbytes]
+            runner = self._runners[model] = DecodeRunner(spec, memory)
+        return runner.run(module, step)
+
+    def drop(self, model: str) -> None:
+        """Forget ``model``'s runner and its graphs (the model left)."""
+        self._runners.pop(model, None)

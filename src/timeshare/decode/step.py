@@ -1,0 +1,153 @@
+"""A language model's step as it crosses from the engine (``llm/engine.py``, in the
+controller) to where the model's weights are (``decode/runner.py``: the controller for an
+in-process runtime, the model's home worker process with workers): small typed records,
+pickled by value in ``RunModel.step`` (``protocol.py``). Imported by both sides.
+
+# NOTE [One step, two places]
+A step is an operation of the runtime, as a model call is: ``ModelTurn.step`` takes the
+device turn, the pipelined reload of evicted weights, the binding, lanes, deadlines and
+a record exactly as ``ModelTurn.call``, and the executor runs it where the model runs
+(``Worker.run(..., step=...)``). What crosses is this ``Step``: the rows' new tokens,
+their first positions, their block tables, the pages to zero and each row's sampling
+state; what comes back is a ``StepOutcome``: one token id per row and what the step did
+(replayed, eager, captured). The controller keeps the sequences, the block tables and
+the text; the pages (an arena region, NOTE [Regions of the arena]), the captured graphs
+and the sampler live with the weights. Caches and logits never cross. One implementation
+runs in both places, so the same request gives the same tokens in-process and with
+workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from timeshare.dtypes import parse_dtype
+
+
+class StepKind(str, Enum):
+    PREFILL = "prefill"  # one row's prompt (the part no cached page holds) into its pages, its first token
+    DECODE = "decode"  # one token of every row
+    CAPTURE = "capture"  # capture the decode graphs (no row): the model resident and idle
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """What one position of one sequence takes in a model's caches."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, config: Any, dtype: str | torch.dtype | None) -> KVShape:
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        parsed = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+        return cls(int(config.num_hidden_layers), kv_heads, head_dim, parsed or torch.float32)
+
+    @property
+    def position_bytes(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    """How one model decodes, fixed for its life: its page pool (the region of the arena of
+    ``nbytes`` from ``offset``, whole pages of ``page_bytes``, page 0 the scratch page), the shape of a
+    position, its batch and context limits, and its graphs ("cuda", "emulate" or "off",
+    NOTE [Decode graphs]) and the compiler of the step they capture (a backend's name, a
+    callable backend, or None: NOTE [Compiled decode steps])."""
+
+    offset: int
+    nbytes: int
+    page_bytes: int
+    shape: KVShape
+    max_sequences: int
+    max_context: int
+    graphs: str = "off"
+    compile: str | Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """How each row chooses its next token: per row temperature (0: greedy), top-k (0:
+    all), top-p, seed and the token's index in its sequence (NOTE [One sampler])."""
+
+    temperature: tuple[float, ...]
+    top_k: tuple[int, ...]
+    top_p: tuple[float, ...]
+    seed: tuple[int, ...]
+    index: tuple[int, ...]
+
+    @property
+    def greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperature)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a model's rows (NOTE [One step, two places]). ``tokens``: each row's new
+    tokens (a prefill's prompt from its first uncached position; a decode step's last
+    token); ``starts``: the position of each row's first new token (a prefill's cached
+    positions); ``tables``: each row's pages, covering every position up to its last new
+    one; ``zero``: pages newly taken for this step, zeroed before it (NOTE [Paged
+    key/value caches])."""
+
+    kind: StepKind
+    spec: DecoderSpec
+    tokens: tuple[tuple[int, ...], ...] = ()
+    starts: tuple[int, ...] = ()
+    tables: tuple[tuple[int, ...], ...] = ()
+    draw: Draw | None = None
+    zero: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+    def example(self) -> tuple[tuple, dict]:
+        """Inputs of a plain forward of the model like this step's: what a first load
+        traces and profiles with before it runs the step."""
+        first = self.tokens[0] if self.tokens else (0,)
+        return (torch.tensor([list(first)], dtype=torch.long),), {"use_cache": False}
+
+
+@dataclass(slots=True)
+class DecodeCounts:
+    """Steps so far (or of one step): graphs captured (and of those, of a compiled step:
+    NOTE [Compiled decode steps]), the seconds capturing took (compiling too), steps
+    replayed and run eagerly, captures dropped because the model was laid out elsewhere."""
+
+    captures: int = 0
+    compiled: int = 0
+    capture_s: float = 0.0
+    replays: int = 0
+    eager: int = 0
+    invalidations: int = 0
+
+    def add(self, other: DecodeCounts) -> None:
+        self.captures += other.captures
+        self.compiled += other.compiled
+        self.capture_s += other.capture_s
+        self.replays += other.replays
+        self.eager += other.eager
+        self.invalidations += other.invalidations
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What a step gave: each row's next token (-1: its logits held NaN, no token is made
+    up from them), what the step did (``DecodeCounts`` of this step alone) and whether
+    the model's graphs are to be captured (NOTE [Decode graphs]: never yet in the process
+    that runs its steps, or dropped since)."""
+
+    tokens: tuple[int, ...]
+    counts: DecodeCounts
+    wants_capture: bool = False

@@ -1,0 +1,188 @@
+"""A language model's running rows as the controller keeps them: each row's sequence, its
+pages and how many of its positions they hold, and the steps (``decode/step.py``) made
+from them. Runs in the controller, in the model's engine thread (``engine.py``); what a
+step computes runs where the weights are (NOTE [One step, two places]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from timeshare.decode.pages import block_of
+from timeshare.decode.step import DecoderSpec, Draw, Step, StepKind
+from timeshare.llm.pages import KVMemoryError, PagePool, page_keys
+from timeshare.llm.sequence import Sequence
+
+
+class Row:
+    """One sequence in the batch: its pages (its block table), the positions they hold,
+    and the keys of its full pages (NOTE [Prefix caching])."""
+
+    __slots__ = ("seq", "pages", "length", "keys", "saved", "cached")
+
+    def __init__(self, seq: Sequence, pages: list[int], keys: list[bytes], cached: int = 0):
+        self.seq, self.pages, self.keys = seq, pages, keys
+        self.length = 0
+        self.cached = cached  # the positions its prefill found cached
+        self.saved: torch.Tensor | None = None  # its pages' bytes while in host memory
+
+    def context(self) -> list[int]:
+        """The tokens at its positions: the prompt, then what it generated."""
+        return self.seq.prompt + self.seq.tokens
+
+
+def draw(seqs: Seq[Sequence]) -> Draw:
+    """How each sequence chooses its next token: its params, its seed, its token's index."""
+    return Draw(tuple(s.params.temperature for s in seqs), tuple(s.params.top_k for s in seqs),
+                tuple(s.params.top_p for s in seqs), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs))
+
+
+class Batch:
+    """The rows of one model on ``pool`` (``spec``: how it decodes there), prefix caching
+    with ``tag`` unless ``caching`` is off (NOTE [Prefix caching])."""
+
+    def __init__(self, pool: PagePool, spec: DecoderSpec, tag: bytes, caching: bool = True):
+        self.pool, self.spec, self.tag, self.caching = pool, spec, tag, caching
+        self.block = block_of(pool.page_bytes, spec.shape)
+        self.rows: list[Row] = []
+        self.hits = 0  # full pages of prompts found cached, and not (NOTE [Prefix caching])
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the pages its rows hold on the device (none of those in host memory)."""
+        return sum(len(r.pages) for r in self.rows) * self.pool.page_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(r.saved.numel() for r in self.rows if r.saved is not None)
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.block)
+
+    # ------------------------------------------------------------------ prefills
+    def prefill(self, seq: Sequence) -> tuple[Row, Step]:
+        """The step that prefills ``seq`` (its prompt, and what it generated before a
+        preemption) into a new row: the pages of its cached prefix shared, the others
+        taken (``KVMemoryError``: too few, nothing taken). The row joins with ``joined``
+        once the step succeeded, else its pages go back with ``abandon``."""
+        context = seq.prompt + seq.tokens
+        keys = page_keys(self.tag, context, self.block) if self.caching else []
+        # The last token is always computed: its logits give the first token.
+        shareable = keys[:(len(context) - 1) // self.block]
+        shared = self.pool.share(shareable) if self.caching else []
+        try:
+            new = self.pool.take(self.pages_for(len(context)) - len(shared))
+        except KVMemoryError:
+            self.pool.give(shared)
+            raise
+        self.hits += len(shared)
+        self.misses += len(shareable) - len(shared)
+        start = len(shared) * self.block
+        row = Row(seq, shared + new, keys, start)
+        # Only a page the prefill leaves partly written is zeroed (NOTE [Paged key/value caches]).
+        zero = tuple(new[-1:]) if len(context) % self.block else ()
+        return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
+                         draw([seq]), zero)
+
+    def joined(self, row: Row) -> None:
+        """``row``'s prefill succeeded: it joins the batch, its full pages published."""
+        row.length = len(row.seq.prompt) + len(row.seq.tokens)
+        self.rows.append(row)
+        self._publish(row, 0)
+
+    def abandon(self, row: Row) -> None:
+        """``row``'s prefill failed: its pages go back."""
+        self.pool.give(row.pages)
+
+    # ------------------------------------------------------------------ decode steps
+    def short(self) -> list[int]:
+        """The rows (indices) whose next position needs a page, taking one for each while
+        the pool has one; those left without one, in order (empty: the step can run)."""
+        left = []
+        for i, row in enumerate(self.rows):
+            if row.length >= len(row.pages) * self.block:
+                try:
+                    row.pages += self.pool.take(1)
+                except KVMemoryError:
+                    left.append(i)
+        return left
+
+    def decode(self) -> Step:
+        """One token of every row (each has the page of its next position: ``short``)."""
+        rows = self.rows
+        fresh = tuple(r.pages[-1] for r in rows if r.length % self.block == 0)
+        return Step(StepKind.DECODE, self.spec, tuple((r.seq.tokens[-1],) for r in rows),
+                    tuple(r.length for r in rows), tuple(tuple(r.pages) for r in rows),
+                    draw([r.seq for r in rows]), fresh)
+
+    def stepped(self) -> None:
+        """The decode step succeeded: each row holds one more position; a page it filled is
+        published (NOTE [Prefix caching])."""
+        for row in self.rows:
+            row.length += 1
+            if self.caching and row.length % self.block == 0:
+                self._publish(row, row.length // self.block - 1)
+
+    def _publish(self, row: Row, first: int) -> None:
+        """Publish ``row``'s full pages from page ``first`` on."""
+        if not self.caching:
+            return
+        full = row.length // self.block
+        if len(row.keys) < full:
+            row.keys = page_keys(self.tag, row.context()[:full * self.block], self.block, row.keys)
+        for i in range(first, full):
+            self.pool.publish(row.pages[i], row.keys[i], self.tag)
+
+    # ------------------------------------------------------------------ rows leaving
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (indices, in order); the others' pages go back."""
+        kept = set(rows)
+        for i, row in enumerate(self.rows):
+            if i not in kept:
+                self._release(row)
+        self.rows = [self.rows[i] for i in rows]
+
+    def clear(self) -> None:
+        self.keep([])
+
+    def _release(self, row: Row) -> None:
+        if row.saved is None:
+            self.pool.give(row.pages)
+        row.pages, row.saved = [], None
+
+    # ------------------------------------------------------------------ host memory
+    # NOTE [Key/value caches off the device]
+    @property
+    def out(self) -> bool:
+        return any(r.saved is not None for r in self.rows)
+
+    def move_out(self) -> int:
+        """Every row's pages to host memory (page-locked on CUDA), their pages given back;
+        the bytes moved."""
+        moved = 0
+        for row in self.rows:
+            if row.saved is None and row.pages:
+                row.saved = self.pool.read(row.pages)
+                self.pool.give(row.pages)
+                moved += row.saved.numel()
+                row.pages = []
+        return moved
+
+    def move_in(self) -> None:
+        """The rows' caches back, bit for bit, in pages taken now (``KVMemoryError``: too
+        few free; nothing taken then)."""
+        out = [r for r in self.rows if r.saved is not None]
+        if not out:
+            return
+        counts = [r.saved.shape[0] for r in out if r.saved is not None]
+        pages = self.pool.take(sum(counts))
+        self.pool.write(pages, torch.cat([r.saved for r in out if r.saved is not None]))
+        at = 0
+        for row, n in zip(out, counts):
+            row.pages, row.saved, at = pages[at:at + n], None, at + n
