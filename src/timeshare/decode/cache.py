@@ -24,15 +24,20 @@ class DecodeView:
     writes the slot (by integers: a boolean index would wait for the device, NOTE [No
     waiting on the device])."""
 
-    __slots__ = ("table", "at", "length", "positions", "rows")
+    __slots__ = ("table", "at", "length", "positions", "pages", "span", "slots")
 
     def __init__(self, table: torch.Tensor, at: torch.Tensor, length: int | None = None,
-                 positions: torch.Tensor | None = None):
+                 positions: torch.Tensor | None = None, block: int = 1):
         if length is not None and positions is None:
             raise ConfigError("an eager decode step (its length given) needs each row's position")
         self.table, self.at, self.length, self.positions = table, at, length, positions
-        # An eager step's row indices, made once for every layer's write.
-        self.rows = None if length is None else torch.arange(table.shape[0], device=table.device)
+        if length is not None and positions is not None:
+            # An eager step's gather and write, made once for every layer: the pages its
+            # positions are in, end to end, and each row's new position among them.
+            pages = -(-length // block)
+            self.pages = table[:, :pages].reshape(-1)
+            self.span = pages * block
+            self.slots = positions + torch.arange(table.shape[0], device=table.device) * self.span
 
 
 class ExtendView:
@@ -96,10 +101,13 @@ def paged_cache_class() -> type:
                 v = torch.where(at, new_v[:, None].to(v.dtype), v)
             else:  # an eager step, never compiled: only the pages its positions are in, and
                 # the new position written into that copy in place (not a second copy of it)
-                table = w.table[:, :-(-w.length // keys.shape[1])]
-                k, v = gather(keys, table)[:, :w.length], gather(values, table)[:, :w.length]
-                k[w.rows, w.positions] = new_k.to(k.dtype)
-                v[w.rows, w.positions] = new_v.to(v.dtype)
+                k, v = keys.index_select(0, w.pages), values.index_select(0, w.pages)
+                shape = (-1, *k.shape[2:])
+                k.view(shape).index_copy_(0, w.slots, new_k.to(k.dtype))
+                v.view(shape).index_copy_(0, w.slots, new_v.to(v.dtype))
+                rows = new_k.shape[0]
+                k = k.view(rows, w.span, *k.shape[2:])[:, :w.length]
+                v = v.view(rows, w.span, *v.shape[2:])[:, :w.length]
             return k.transpose(1, 2), v.transpose(1, 2)
 
         def _all(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

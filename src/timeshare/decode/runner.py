@@ -254,8 +254,9 @@ class DecodeRunner:
 
     def launch(self, module: nn.Module, step: Step) -> torch.Tensor | None:
         """Queue ``step``'s work on the device: each row's next token, on the device (None
-        for a capture), not waited for."""
-        with torch.no_grad():
+        for a capture), not waited for. In inference mode: no tensor of a step is ever
+        differentiated, and its kernels skip autograd's bookkeeping."""
+        with torch.inference_mode():
             self.layout.zero(step.zero)
             if step.kind is StepKind.PREFILL:
                 return self._prefill(module, step)
@@ -319,7 +320,7 @@ class DecodeRunner:
         batch = _bucket(rows, self._batches) or rows
         pages = max(self._contexts[0], min(_pow2(widest), self._width))
         self._load_inputs(step, batch)
-        self._run(module, rows, batch, pages, max(step.starts) + 1)
+        self._run(module, rows, batch, pages, max(step.starts) + 1, min(step.starts) == max(step.starts))
         assert self._logits is not None
         return choose(self._logits[:rows], step.draw)
 
@@ -341,7 +342,7 @@ class DecodeRunner:
         host[:rows, 1] = torch.tensor(step.starts)
         self._inputs[:batch].copy_(host[:batch], non_blocking=True)
 
-    def _run(self, module: nn.Module, rows: int, batch: int, pages: int, length: int) -> None:
+    def _run(self, module: nn.Module, rows: int, batch: int, pages: int, length: int, level: bool) -> None:
         graph = self._graphs.get((batch, pages))
         if graph is not None and self._epoch != placement_epoch(module):
             # NOTE [Decode graphs]: laid out elsewhere since the capture; never replay it.
@@ -349,7 +350,7 @@ class DecodeRunner:
             self.counts.invalidations += 1
             graph = None
         if graph is None:
-            self._step(module, rows, pages, length)
+            self._step(module, rows, pages, length, level)
             self.counts.eager += 1
         elif isinstance(graph, _StandIn):
             graph.replay(module)
@@ -358,24 +359,35 @@ class DecodeRunner:
             graph.replay()
             self.counts.replays += 1
 
-    def _step(self, module: nn.Module, batch: int, pages: int, length: int | None = None) -> None:
+    def _step(self, module: nn.Module, batch: int, pages: int, length: int | None = None,
+              level: bool = False) -> None:
         """One decode step of the first ``batch`` rows of the inputs, attending to
         ``pages`` pages each (what a graph captures, compiled if the runner compiles), or
         run eagerly to the first ``length`` positions only (the longest row's): without
-        hidden slots, a row alone is computed as ``transformers`` computes it."""
+        hidden slots, a row alone is computed as ``transformers`` computes it, and rows
+        all at one position (``level``) need no mask, as ``transformers`` passes none."""
         inputs = self._inputs[:batch]
         positions = inputs[:, 1]
         table = inputs[:, 2:2 + pages]
         block = self.layout.block
         span = self._arange[:length or pages * block][None, :]
         dtype = self.layout.shape.dtype
-        mask = torch.zeros(span.shape[1:], dtype=dtype, device=self.device)[None, :].masked_fill(
-            span > positions[:, None], torch.finfo(dtype).min)[:, None, None, :]
+        mask = None
+        if length is None or not level:
+            mask = torch.zeros(span.shape[1:], dtype=dtype, device=self.device)[None, :].masked_fill(
+                span > positions[:, None], torch.finfo(dtype).min)[:, None, None, :]
         forward = decode_logits if length is not None else self._logits_of
+        at = span == positions[:, None] if length is None else span
         logits, new = forward(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1], mask,
-                              positions[:, None], table, span == positions[:, None], length)
-        # The pool is written here, after the forward (NOTE [Paged key/value caches]).
-        self.layout.put(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, new)
+                              positions[:, None], table, at, length)
+        # The pool is written here, after the forward (NOTE [Paged key/value caches]): on the
+        # CPU a row at a time from the host's copy of the inputs (an indexed write into
+        # the pool's strided view costs more than the step's gathers), else in one write.
+        if self.device.type == "cpu":
+            for row, (position, *pages) in enumerate(self._host[:new.shape[0], 1:].tolist()):
+                self.layout.kv[pages[position // block], :, :, position % block].copy_(new[row])
+        else:
+            self.layout.put(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, new)
         if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
             self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
         self._logits[:batch].copy_(logits)
@@ -436,13 +448,13 @@ class DecodeRunner:
 
 
 def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: str, ids: torch.Tensor,
-                  mask: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, at: torch.Tensor,
+                  mask: torch.Tensor | None, positions: torch.Tensor, table: torch.Tensor, at: torch.Tensor,
                   length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's forward for one decode step on ``layout``'s pages through the cache
     ``adapter`` (passed as ``key``): what is compiled (NOTE [Compiled decode steps]). It
     reads the pool and writes nothing but its outputs: the last position's logits and
     every layer's new keys and values."""
-    cache = adapter(layout, DecodeView(table, at, length, positions[:, 0]))
+    cache = adapter(layout, DecodeView(table, at, length, positions[:, 0], layout.block))
     out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
                                use_cache=True, logits_to_keep=1, **{key: cache})
     return out.logits[:, -1], cache.written()
