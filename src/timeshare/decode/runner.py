@@ -384,7 +384,8 @@ class DecodeRunner:
         # CPU a row at a time from the host's copy of the inputs (an indexed write into
         # the pool's strided view costs more than the step's gathers), else in one write.
         if self.device.type == "cpu":
-            for row, (position, *pages) in enumerate(self._host[:new.shape[0], 1:].tolist()):
+            rows: list[list[int]] = self._host[:new.shape[0], 1:].tolist()
+            for row, (position, *pages) in enumerate(rows):
                 self.layout.kv[pages[position // block], :, :, position % block].copy_(new[row])
         else:
             self.layout.put(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, new)
