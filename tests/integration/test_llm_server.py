@@ -1,11 +1,19 @@
 """The OpenAI-compatible API (issue 18), through the official ``openai`` client against a
 running server: two language models in room for one beside an Open Inference Protocol
 model, greedy text identical to ``transformers``' ``generate``, streaming, usage,
-errors in OpenAI's shape, a client that leaves mid-stream, metrics."""
+errors in OpenAI's shape, a client that leaves mid-stream, metrics; a seeded request's
+text the same in-process and with workers, alone and in a batch (issue 45)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import httpx
@@ -281,6 +289,18 @@ def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server,
     assert values['timeshare_llm_tokens_total{kind="completion",model="qwen"}'] >= 5
     assert values['timeshare_llm_kv_cache_bytes{model="qwen"}'] == 0
     assert values["timeshare_llm_kv_memory_bytes"] == 16 << 10 and values["timeshare_llm_kv_device_bytes"] == 0
+    # NOTE [Prefix caching]: a prompt of three full pages, twice: the second finds them.
+    long = "the model switch fast load weights layer token " * 12
+    before = values.get('timeshare_llm_prefix_cache_hits_total{model="qwen"}', 0)
+    for _ in range(2):
+        client.completions.create(model="qwen", prompt=long, max_tokens=2, temperature=0)
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("timeshare_llm", "timeshare_arena_reserved")) and " " in line}
+    assert values['timeshare_llm_prefix_cache_hits_total{model="qwen"}'] >= before + 2
+    assert values['timeshare_llm_prefix_cache_misses_total{model="qwen"}'] >= 2
+    assert values['timeshare_llm_prefix_cache_pages{model="qwen"}'] >= 2
+    assert values['timeshare_llm_preemptions_total{model="qwen"}'] == 0
     # One pool of pages for both models, a region of the arena (NOTE [Regions of the arena]).
     pool = max(lm.own_pool_bytes(dirs["llama"], None, 4), lm.own_pool_bytes(dirs["qwen"], None, 8, 128))
     assert [k for k in values if k.startswith("timeshare_arena_reserved")] == [
@@ -310,20 +330,67 @@ def test_the_llms_section_is_checked(dirs, tmp_path):
             parse_config(cfg)
 
 
-def test_a_server_with_workers_generates_in_them_and_streams_the_same_text(dirs):
-    """NOTE [Generation in worker processes], through the server: the caches in a
-    worker, the text that of ``transformers``."""
-    cfg = {"runtime": {"device": "cpu", "memory": "8MiB", "workers": 2},
-           "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
-           "llms": [{"name": "llama", "path": str(dirs["llama"]), "max_sequences": 2}]}
+@contextlib.contextmanager
+def serve(path, workers: int):
+    """``timeshare serve DIR --workers N`` as a user starts it, in a process of its own,
+    ready; its URL."""
+    from timeshare.server.client import Client
+    from timeshare.server.process import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TIMESHARE_PARENT_PID": str(os.getpid())}
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "timeshare", "serve", str(path), "--device", "cpu",
+                             "--workers", str(workers), "--port", str(port), "--metrics-port", "none"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        with Client(url, timeout_s=5) as c:
+            while not c.ready():
+                log.seek(0)
+                assert proc.poll() is None and time.monotonic() < deadline, log.read().decode()[-3000:]
+                time.sleep(0.25)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        log.close()
+
+
+def test_a_seeded_request_gives_the_same_text_in_process_and_with_workers_alone_and_in_a_batch(dirs):
+    """NOTE [One sampler], as a user tries it: ``timeshare serve DIR`` with ``--workers 0``
+    and ``--workers 2``, a sampled completion (temperature 1) for each of three seeds,
+    alone and among eight requests at once; the greedy text is transformers' in both."""
     path = dirs["llama"]
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompt = "load weights layer token"
     want = decode(path, reference(path, tok(prompt, add_special_tokens=False)["input_ids"], 16))
-    with running_server(cfg) as s:
-        with openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-            out = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0)
-            assert out.choices[0].text == want
-            streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
-                model="llama", prompt=prompt, max_tokens=16, temperature=0, stream=True) if chunk.choices)
-            assert streamed == want
+    seeds = (1, 2, 3)
+    got: dict[tuple[int, str], str] = {}
+    for workers in (0, 2):
+        with serve(path, workers) as url:
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+                def complete(seed: int | None, text: str = prompt) -> str:
+                    out = c.completions.create(model="llama", prompt=text, max_tokens=24, temperature=1.0,
+                                               seed=seed) if seed is not None else \
+                        c.completions.create(model="llama", prompt=text, max_tokens=16, temperature=0)
+                    return out.choices[0].text
+
+                assert complete(None) == want
+                streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+                    model="llama", prompt=prompt, max_tokens=16, temperature=0, stream=True) if chunk.choices)
+                assert streamed == want
+                for seed in seeds:
+                    got[workers, f"alone {seed}"] = complete(seed)
+                # Eight at once: the three seeded ones among five others of other prompts.
+                with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                    mine = [pool.submit(complete, seed) for seed in seeds]
+                    others = [pool.submit(complete, 100 + i, f"a gpu {i}") for i in range(5)]
+                    for seed, f in zip(seeds, mine):
+                        got[workers, f"batch {seed}"] = f.result(60)
+                    assert all(f.result(60) for f in others)
+    for seed in seeds:
+        assert got[0, f"alone {seed}"] == got[0, f"batch {seed}"] == got[2, f"alone {seed}"] == \
+            got[2, f"batch {seed}"]
+    assert len({got[0, f"alone {seed}"] for seed in seeds}) == 3  # the seeds matter

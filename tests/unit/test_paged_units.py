@@ -69,20 +69,27 @@ def test_a_published_prefix_is_shared_kept_after_its_holders_and_reclaimed_last(
     keys = page_keys(b"m", list(range(64)), 32)
     for page, key in zip(a, keys):
         pool.publish(page, key, b"m")
-    assert pool.share(keys) == a  # a second holder of both
+    assert pool.share(keys) == (a, [])  # a second holder of both
     assert pool.snapshot().hits == 2
     pool.give(a)
     pool.give(a)  # no holder left: both cached, free to reclaim
     snap = pool.snapshot()
     assert (snap.free, snap.cached) == (4, 2)
     assert sorted(pool.take(2)) == [p for p in range(1, 5) if p not in a]  # never-published pages first
-    assert pool.share(keys) == a  # still cached
+    # Both cached pages are free, but sharing them leaves none for a third page: refused whole.
+    with pytest.raises(KVMemoryError):
+        pool.share(keys, more=1)
+    assert pool.snapshot() == snap.__class__(4, 2, 2, 2, 0)  # nothing held, nothing counted
+    assert pool.share(keys) == (a, [])  # still cached
     pool.give(a)
-    assert pool.share([keys[1]]) == [a[1]]  # found by key alone
+    assert pool.share([keys[1]]) == ([a[1]], [])  # found by key alone
     pool.give([a[1]])
-    pool.take(1)  # the least recently used cached page is reclaimed: a[0], then a[1]
-    assert pool.share(keys) == [] and pool.share(keys[1:]) == [a[1]]
-    assert pool.snapshot().misses == 2 + 0
+    assert pool.take(1) == [a[0]]  # the least recently used cached page is reclaimed first
+    assert pool.share(keys[1:]) == ([a[1]], [])  # the other is still published
+    with pytest.raises(KVMemoryError):  # the first's is gone, and no page is left to compute it
+        pool.share(keys[:1])
+    snap = pool.snapshot()
+    assert (snap.free, snap.cached, snap.hits, snap.misses) == (0, 0, 6, 0)
 
 
 def test_a_closed_models_pages_are_forgotten():
@@ -93,8 +100,9 @@ def test_a_closed_models_pages_are_forgotten():
     pool.publish(pages[1], theirs, b"n")
     pool.give(pages)
     assert pool.forget(b"m") == 1
-    assert pool.share([mine]) == [] and pool.share([theirs]) == [pages[1]]
+    assert pool.share([theirs]) == ([pages[1]], [])
     assert pool.snapshot().cached == 0  # the other's page is held again; mine is plain free
+    assert pool.share([mine])[0] == []
 
 
 def test_a_models_view_puts_each_position_of_each_layer_in_its_own_slot():

@@ -69,18 +69,13 @@ class Batch:
     def prefill(self, seq: Sequence) -> tuple[Row, Step]:
         """The step that prefills ``seq`` (its prompt, and what it generated before a
         preemption) into a new row: the pages of its cached prefix shared, the others
-        taken (``KVMemoryError``: too few, nothing taken). The row joins with ``joined``
+        taken, at once (``KVMemoryError``: too few, nothing taken). The row joins with ``joined``
         once the step succeeded, else its pages go back with ``abandon``."""
         context = seq.prompt + seq.tokens
         keys = page_keys(self.tag, context, self.block) if self.caching else []
         # The last token is always computed: its logits give the first token.
         shareable = keys[:(len(context) - 1) // self.block]
-        shared = self.pool.share(shareable) if self.caching else []
-        try:
-            new = self.pool.take(self.pages_for(len(context)) - len(shared))
-        except KVMemoryError:
-            self.pool.give(shared)
-            raise
+        shared, new = self.pool.share(shareable, self.pages_for(len(context)) - len(shareable))
         self.hits += len(shared)
         self.misses += len(shareable) - len(shared)
         start = len(shared) * self.block

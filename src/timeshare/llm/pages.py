@@ -121,31 +121,45 @@ class PagePool:
                 raise KVMemoryError(f"the key/value page pool ({self.pages - 1} pages of {self.page_bytes} bytes) "
                                     f"has {len(self._free) + len(self._cached)} free, {n} needed: raise kv_memory "
                                     "or lower max_sequences")
-            pages = [self._free.pop() for _ in range(min(n, len(self._free)))]
-            while len(pages) < n:
-                page, _ = self._cached.popitem(last=False)
-                self._unpublish(page)
-                pages.append(page)
-            for p in pages:
-                self._refs[p] = 1
-            return pages
+            return self._take(n)
 
-    def share(self, keys: Sequence[bytes]) -> list[int]:
-        """The pages of the longest run of ``keys`` (from the first) that are published,
-        each now held once more (read only); counted as hits, the rest as misses."""
-        found: list[int] = []
+    def _take(self, n: int) -> list[int]:
+        """``take`` with the lock held, the room checked."""
+        pages = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        while len(pages) < n:
+            page, _ = self._cached.popitem(last=False)
+            self._unpublish(page)
+            pages.append(page)
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, keys: Sequence[bytes], more: int = 0) -> tuple[list[int], list[int]]:
+        """At once: the pages of the longest run of ``keys`` (from the first) that are
+        published, each now held once more (read only), and ``more`` pages besides for
+        the positions after them (as ``take``); the found pages are counted as hits, the
+        rest of ``keys`` as misses. ``KVMemoryError`` if the pool cannot give them all:
+        nothing is held or counted then."""
         with self._lock:
+            found: list[int] = []
             for key in keys:
                 page = self._by_key.get(key)
                 if page is None:
                     break
+                found.append(page)
+            cached = sum(1 for p in found if self._refs[p] == 0)  # free now, held once shared
+            more += len(keys) - len(found)
+            if more > len(self._free) + len(self._cached) - cached:
+                raise KVMemoryError(f"the key/value page pool ({self.pages - 1} pages of {self.page_bytes} bytes) "
+                                    f"has {len(self._free) + len(self._cached) - cached} free, {more} needed: "
+                                    "raise kv_memory or lower max_sequences")
+            for page in found:
                 if self._refs[page] == 0:
                     del self._cached[page]
                 self._refs[page] += 1
-                found.append(page)
             self.hits += len(found)
             self.misses += len(keys) - len(found)
-        return found
+            return found, self._take(more)
 
     def publish(self, page: int, key: bytes, tag: bytes) -> None:
         """``page`` (held) holds the positions ``key`` names, of the model ``tag``: later

@@ -282,6 +282,18 @@ def _language_models(snap: ServiceSnapshot):
                         {n: s.running for n, s in llms.items()})
         yield _by_label(GaugeMetricFamily, "timeshare_llm_waiting", "Generations waiting to start", "model",
                         {n: s.waiting for n, s in llms.items()})
+        # NOTE [Prefix caching]: in pages of the model's pool (a page holds a fixed number of positions).
+        yield _by_label(CounterMetricFamily, "timeshare_llm_prefix_cache_hits", "Full pages of prompts found "
+                        "in the prefix cache (their keys and values not computed again)", "model",
+                        {n: s.prefix_hits for n, s in llms.items()})
+        yield _by_label(CounterMetricFamily, "timeshare_llm_prefix_cache_misses", "Full pages of prompts not "
+                        "found in the prefix cache", "model", {n: s.prefix_misses for n, s in llms.items()})
+        yield _by_label(GaugeMetricFamily, "timeshare_llm_prefix_cache_pages", "Free pages of the model's pool "
+                        "that keep a prefix for later requests (reclaimed first when pages run short)", "model",
+                        {n: s.cached_pages for n, s in llms.items()})
+        yield _by_label(CounterMetricFamily, "timeshare_llm_preemptions", "Generations put back in the queue "
+                        "because the pool had no page for every running one", "model",
+                        {n: s.preemptions for n, s in llms.items()})
 
 
 def _cluster(cluster: ClusterView):
