@@ -109,13 +109,16 @@ def add_parsers(bench) -> None:
 
 
 def _add_llm(bench) -> None:
-    p = bench.add_parser("llm", help="language models: cold vs warm time to first token, decode, a fleet",
-                         description="Model directories written from code (seeded weights). wake: time to first "
-                         "token with the model resident and not (loaded pipelined while its prefill runs), against "
-                         "from_pretrained then the prefill, and the floor. decode: tokens per second at each count of "
-                         "sequences against transformers' generate of a batch as large, and whether the greedy tokens "
-                         "agree. fleet: N models in room for two, a Zipf-popular stream of "
-                         "streamed completions through the OpenAI API, against a reload-on-switch server.")
+    p = bench.add_parser("llm", help="language models: cold vs warm time to first token, decode, prefix caching, "
+                         "a fleet", description="Model directories written from code (seeded weights). In each "
+                         "mode (in-process, and with worker processes): wake: time to first token with the model "
+                         "resident and not (loaded pipelined while its prefill runs), against from_pretrained then "
+                         "the prefill, and the floor; decode: tokens per second at each count of sequences against "
+                         "transformers' generate of a batch as large, and whether the greedy tokens agree; prefix: "
+                         "time to first token of a request whose long system prompt is cached against the same "
+                         "request computed whole, and decode at a 0%% hit rate with and without prefix caching. "
+                         "fleet: N models in room for two, a Zipf-popular stream of streamed completions through "
+                         "the OpenAI API, against a reload-on-switch server.")
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "gpt2"])
     p.add_argument("--size", default="small", choices=["tiny", "small", "1b", "8b"],
                    help="small: 64M to 113M parameters; 1b: about 0.9B (for a GPU); 8b: Llama-3-8B's shape, 8.0B "
@@ -133,9 +136,13 @@ def _add_llm(bench) -> None:
     p.add_argument("--fleet-rate", type=float, default=0.5, help="requests per second (Poisson)")
     p.add_argument("--fleet-max-tokens", type=int, default=16)
     p.add_argument("--zipf", type=float, default=1.0)
-    p.add_argument("--parts", nargs="+", default=["wake", "decode", "fleet"], choices=["wake", "decode", "fleet"])
-    p.add_argument("--workers", type=int, default=0,
-                   help="wake and decode on a runtime with this many worker processes (the caches in one of them)")
+    p.add_argument("--parts", nargs="+", default=["wake", "decode", "prefix", "fleet"],
+                   choices=["wake", "decode", "prefix", "fleet"])
+    p.add_argument("--modes", default="in-process,workers",
+                   help="the deployment modes wake, decode and prefix run in, comma-separated: in-process, workers")
+    p.add_argument("--workers", type=int, default=2, help="the worker processes of the workers mode")
+    p.add_argument("--system-tokens", type=int, default=1500, help="prefix: the system prompt's tokens")
+    p.add_argument("--turn-tokens", type=int, default=16, help="prefix: each request's own turn after it")
     p.add_argument("--workdir", default=None, help="write (and reuse) the model directories here")
     p.add_argument("--compile", default="auto", choices=["auto", "inductor", "off"],
                    help="the decode step its CUDA graphs capture: compiled (auto: inductor on CUDA) or eager")
@@ -177,7 +184,9 @@ def run(args, console, run_bench) -> int:
                              fleet_models=args.fleet_models, fleet_requests=args.fleet_requests,
                              fleet_rate_per_s=args.fleet_rate, fleet_max_tokens=args.fleet_max_tokens,
                              zipf=args.zipf, device=args.device, seed=args.seed, workdir=args.workdir,
-                             parts=tuple(args.parts), workers=args.workers, compile=args.compile)
+                             parts=tuple(args.parts), workers=args.workers, compile=args.compile,
+                             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+                             system_tokens=args.system_tokens, turn_tokens=args.turn_tokens)
         return run_bench(run_llm, llm, _shower(console, _print_llm, plot_llm, args.plot), args.json)
     if args.bench == "variants":
         from timeshare.bench.variants import VariantsBenchConfig
@@ -233,31 +242,47 @@ def _print_llm(console, r: dict) -> None:
     console.print(f"bench llm: {cfg['arch']} ({cfg['size']}, {cfg['dtype']}) on {r['environment']['device']}; "
                   f"{m['parameters']:,} parameters, {fb(m['bytes'])} on disk; "
                   f"prompt {cfg['prompt_tokens']} tokens")
-    if "wake" in r:
-        w = r["wake"]
-        base = (f"load-then-generate skipped ({w['baseline_skipped']})" if w["load_then_generate_s"] is None else
-                f"load-then-generate {w['load_then_generate_s'] * 1e3:.1f} ms "
-                f"({w['speedup_vs_load_then_generate']:.1f}x slower)")
-        console.print(f"wake: {fb(w['bytes'])} at {w['link_GBps']:.2f} GB/s (copy {w['copy_s'] * 1e3:.1f} ms); "
-                      f"TTFT warm {w['warm_ttft_s'] * 1e3:.1f} ms, cold {w['cold_ttft_s'] * 1e3:.1f} ms "
-                      f"({w['cold_over_warm_plus_copy']:.2f}x warm + copy, {w['cold_over_floor']:.2f}x the floor), "
-                      f"{base}; cold tokens exact {w['cold_tokens_exact']}/{w['cold_runs']}")
-    if "graphs" in r:
-        g = r["graphs"]
+    for mode, x in r.get("modes", {}).items():
+        if "wake" in x:
+            w = x["wake"]
+            base = (f"load-then-generate skipped ({w['baseline_skipped']})" if w["load_then_generate_s"] is None
+                    else f"load-then-generate {w['load_then_generate_s'] * 1e3:.1f} ms "
+                    f"({w['speedup_vs_load_then_generate']:.1f}x slower)")
+            console.print(f"{mode}: wake: {fb(w['bytes'])} at {w['link_GBps']:.2f} GB/s (copy "
+                          f"{w['copy_s'] * 1e3:.1f} ms); TTFT warm {w['warm_ttft_s'] * 1e3:.1f} ms, cold "
+                          f"{w['cold_ttft_s'] * 1e3:.1f} ms ({w['cold_over_warm_plus_copy']:.2f}x warm + copy, "
+                          f"{w['cold_over_floor']:.2f}x the floor), {base}; cold tokens exact "
+                          f"{w['cold_tokens_exact']}/{w['cold_runs']}")
+        g = x["graphs"]
         extra = g.get("registration_reserved_bytes")
-        console.print(f"decode graphs: {g['captures']} captured ({g['compiled']} of a compiled step) in "
+        console.print(f"{mode}: decode graphs: {g['captures']} captured ({g['compiled']} of a compiled step) in "
                       f"{g['capture_s']:.1f} s" + ("" if extra is None else
                                                    f"; registration reserved {fb(extra)} beside the arena"))
-    if "decode" in r:
-        t = Table(title=f"decode: {r['decode']['tokens']} tokens per sequence, model resident")
-        for col in ("sequences", "timeshare tokens/s", "transformers tokens/s", "ratio", "tokens exact",
-                    "same first tokens (transformers' own)"):
-            t.add_column(col, justify="right")
-        for row in r["decode"]["rows"]:
-            t.add_row(str(row["sequences"]), f"{row['ours_tokens_per_s']:.1f}", f"{row['plain_tokens_per_s']:.1f}",
-                      f"{row['ours_over_plain']:.2f}x", f"{row['tokens_exact']}/{row['sequences_compared']}",
-                      f"{row['agreeing_prefix_mean']:.1f} ({row['plain_self_prefix_mean']:.1f})")
-        console.print(t)
+        if "decode" in x:
+            t = Table(title=f"{mode}: decode, {x['decode']['tokens']} tokens per sequence, model resident")
+            for col in ("sequences", "timeshare tokens/s", "transformers tokens/s", "ratio", "paired ratio",
+                        "tokens exact", "same first tokens (transformers' own)"):
+                t.add_column(col, justify="right")
+            for row in x["decode"]["rows"]:
+                t.add_row(str(row["sequences"]), f"{row['ours_tokens_per_s']:.1f}",
+                          f"{row['plain_tokens_per_s']:.1f}", f"{row['ours_over_plain']:.2f}x",
+                          f"{row['ours_over_plain_paired']:.2f}x",
+                          f"{row['tokens_exact']}/{row['sequences_compared']}",
+                          f"{row['agreeing_prefix_mean']:.1f} ({row['plain_self_prefix_mean']:.1f})")
+            console.print(t)
+        if "prefix" in x:
+            p = x["prefix"]
+            console.print(f"{mode}: prefix: {p['system_tokens']}-token system prompt, TTFT cached "
+                          f"{p['ttft_cached_s'] * 1e3:.1f} ms against {p['ttft_uncached_s'] * 1e3:.1f} ms computed "
+                          f"({p['cached_over_uncached']:.3f}x), same tokens {p['tokens_equal']}/"
+                          f"{p['requests_compared']}, {p['hits']} pages found; decode at a 0% hit rate "
+                          f"{p['miss_decode_cached_tokens_per_s']:.1f} tokens/s against "
+                          f"{p['miss_decode_plain_tokens_per_s']:.1f} without prefix caching "
+                          f"({p['miss_decode_cached_over_plain']:.3f}x, paired)")
+    for row in r.get("decode_modes", []):
+        console.print(f"decode at {row['sequences']}: workers {row['workers_tokens_per_s']:.1f} tokens/s, in-process "
+                      f"{row['in_process_tokens_per_s']:.1f} ({row['workers_over_in_process']:.2f}x; "
+                      f"{row['workers_over_in_process_normalized']:.2f}x each against its own transformers)")
     if "fleet" in r:
         f = r["fleet"]
         t = Table(title=f"fleet: {f['models']} models in {fb(f['budget_bytes'])}, {f['requests']} requests at "

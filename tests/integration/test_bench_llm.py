@@ -1,6 +1,8 @@
-"""``timeshare bench llm`` end to end on tiny models: every part runs, the cold greedy tokens
-equal the warm ones, the decode part's greedy tokens equal those of ``transformers`` at
-each count of sequences, and in the fleet both servers (timeshare's and the
+"""``timeshare bench llm`` end to end on tiny models: every part runs in both modes
+(in-process and with workers), the cold greedy tokens equal the warm ones, the decode
+part's greedy tokens equal those of ``transformers`` at each count of sequences, a
+request whose system prompt is cached gives the tokens of the same request computed whole
+(finding the system prompt's pages), and in the fleet both servers (timeshare's and the
 reload-on-switch baseline) answer every request with the same greedy text. The 8b size is
 checked from its config on the meta device, and its writer and path on a small shape given
 in full (8B parameters are a GPU machine's to write). Speed is the bench's to report, not
@@ -33,24 +35,32 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
     plot = tmp_path / "llm.png"
     code = main(["bench", "llm", "--size", "tiny", "--repeats", "2", "--prompt-tokens", "12", "--new-tokens", "6",
                  "--concurrent", "1,2", "--fleet-models", "3", "--fleet-requests", "6", "--fleet-rate", "6",
-                 "--fleet-max-tokens", "4", "--device", "cpu", "--workdir", str(tmp_path / "models"),
-                 "--json", str(out), "--plot", str(plot)])
+                 "--fleet-max-tokens", "4", "--system-tokens", "100", "--turn-tokens", "8", "--device", "cpu",
+                 "--workdir", str(tmp_path / "models"), "--json", str(out), "--plot", str(plot)])
     assert code == 0
     r = json.loads(out.read_text())
-    wake = r["wake"]
-    assert wake["cold_tokens_exact"] == wake["cold_runs"] == 2
-    assert wake["bytes"] > 0 and wake["cold_ttft_s"] > 0 and math.isfinite(wake["cold_over_warm_plus_copy"])
-    assert wake["load_then_generate_s"] > 0 and wake["baseline_skipped"] is None
-    # On the CPU no decode graph is captured, so nothing is compiled (NOTE [Compiled decode steps]).
-    assert r["graphs"]["captures"] == r["graphs"]["compiled"] == 0 and r["config"]["compile"] == "auto"
-    assert r["graphs"]["registration_reserved_bytes"] is None  # the CUDA allocator's, measured on CUDA only
-    rows = r["decode"]["rows"]
-    assert [row["sequences"] for row in rows] == [1, 2]
-    assert r["decode"]["ours_tokens_per_s"] == rows[0]["ours_tokens_per_s"]  # as runs of one count said it
-    for row in rows:  # every sequence of every repeat: transformers' greedy tokens at the same batch
-        assert row["tokens_exact"] == row["sequences_compared"] == 2 * row["sequences"]
-        assert row["agreeing_prefix_mean"] == row["plain_self_prefix_mean"] == 6
-        assert row["ours_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0
+    assert list(r["modes"]) == ["in-process", "workers"] and r["modes"]["workers"]["workers"] == 2
+    for mode in r["modes"].values():
+        wake = mode["wake"]
+        assert wake["cold_tokens_exact"] == wake["cold_runs"] == 2
+        assert wake["bytes"] > 0 and wake["cold_ttft_s"] > 0 and math.isfinite(wake["cold_over_warm_plus_copy"])
+        assert wake["load_then_generate_s"] > 0 and wake["baseline_skipped"] is None
+        # On the CPU no decode graph is captured, so nothing is compiled (NOTE [Compiled decode steps]).
+        assert mode["graphs"]["captures"] == mode["graphs"]["compiled"] == 0 and r["config"]["compile"] == "auto"
+        assert mode["graphs"]["registration_reserved_bytes"] is None  # the CUDA allocator's, measured on CUDA only
+        rows = mode["decode"]["rows"]
+        assert [row["sequences"] for row in rows] == [1, 2]
+        assert mode["decode"]["ours_tokens_per_s"] == rows[0]["ours_tokens_per_s"]  # as runs of one count said it
+        for row in rows:  # every sequence of every repeat: transformers' greedy tokens at the same batch
+            assert row["tokens_exact"] == row["sequences_compared"] == 2 * row["sequences"]
+            assert row["agreeing_prefix_mean"] == row["plain_self_prefix_mean"] == 6
+            assert row["ours_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0 and row["ours_over_plain_paired"] > 0
+        prefix = mode["prefix"]
+        assert prefix["tokens_equal"] == prefix["requests_compared"] == 2
+        assert prefix["hits"] == 2 * (100 // 32) and prefix["misses"] == 0  # the system prompt's full pages
+        assert prefix["ttft_cached_s"] > 0 and prefix["miss_decode_cached_tokens_per_s"] > 0
+    assert [row["sequences"] for row in r["decode_modes"]] == [1, 2]
+    assert all(row["workers_over_in_process"] > 0 for row in r["decode_modes"])
     fleet = r["fleet"]
     for server in ("timeshare", "reload_on_switch"):
         assert fleet[server]["ok"] == 6 and fleet[server]["failed"] == 0, fleet[server]["errors"]
@@ -61,13 +71,14 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
                                          for m in r["models"])
 
 
-@pytest.mark.parametrize("args, words", [(["--workers", "1"], "workers must be 0"),
+@pytest.mark.parametrize("args, words", [(["--workers", "1"], "workers must be at least 2"),
+                                         (["--modes", "in-process,gpu"], "modes must be one or both"),
                                          (["--fleet-models", "2"], "at least 3 models"),
                                          (["--new-tokens", "1"], "new_tokens at least 2"),
                                          (["--concurrent", "1,0"], "each at least 1"),
                                          (["--concurrent", "1,x"], "comma-separated whole numbers"),
                                          (["--size", "8b"], "written in bf16"),
-                                         (["--size", "8b", "--dtype", "bf16"], "wake and decode parts only"),
+                                         (["--size", "8b", "--dtype", "bf16"], "wake, decode and prefix parts only"),
                                          (["--size", "8b", "--dtype", "bf16", "--arch", "gpt2", "--parts", "wake"],
                                           "Llama-shaped")])
 def test_bench_llm_refuses_a_bad_option_before_it_builds_anything(tmp_path, capsys, args, words):
@@ -131,14 +142,16 @@ def test_the_8b_path_on_a_small_shape_given_in_full(tmp_path, monkeypatch):
     monkeypatch.setitem(models.SIZES, "8b", dataclasses.replace(models.SIZES["8b"], shapes=(WIDE_IN_FULL,)))
     out = tmp_path / "8b.json"
     args = ["bench", "llm", "--size", "8b", "--dtype", "bf16", "--parts", "wake", "decode", "--concurrent", "1,2",
-            "--repeats", "1", "--prompt-tokens", "64", "--new-tokens", "32", "--device", "cpu",
+            "--repeats", "1", "--prompt-tokens", "64", "--new-tokens", "32", "--device", "cpu", "--modes", "in-process",
             "--workdir", str(tmp_path / "models"), "--json", str(out)]
     assert main(args) == 0
     r = json.loads(out.read_text())
     m = r["models"][0]
     assert m["parameters"] == sum(t.numel() for t in models.meta_tensors(
         models.shape_config("llama", WIDE_IN_FULL, 512)).values()) and m["bytes"] == 2 * m["parameters"]
-    assert m["dtype"] == "bfloat16" and r["converted_to"] is None
+    assert list(r["modes"]) == ["in-process"] and "decode_modes" not in r
+    r = r["modes"]["in-process"]
+    assert r["converted_to"] is None
     wake = r["wake"]
     assert wake["load_then_generate_s"] is None and "minutes" in wake["baseline_skipped"]
     assert wake["cold_tokens_exact"] == wake["cold_runs"] == 1 and wake["bytes"] > 0

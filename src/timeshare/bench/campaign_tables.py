@@ -45,8 +45,15 @@ def _ms(seconds: float | None) -> float | None:
 # ---------------------------------------------------------------------- readers
 def llm_rows(step: str, r: dict) -> list[dict]:
     """``bench llm``: the wake (time to first token, model resident vs copied in) and the
-    decode (tokens/s against transformers), whichever parts the run had."""
-    wake, decode = r.get("wake"), r.get("decode")
+    decode (tokens/s against transformers), whichever parts the run had: a row for each
+    mode it ran in (``in-process``, ``workers``), or one for a run from before the modes."""
+    if "modes" in r:
+        return [row for mode, x in r["modes"].items() for row in _llm_rows(f"{step} ({mode})", r, x)]
+    return _llm_rows(step, r, r)
+
+
+def _llm_rows(step: str, r: dict, parts: dict) -> list[dict]:
+    wake, decode = parts.get("wake"), parts.get("decode")
     if wake is None and decode is None:
         return []
     cfg = r.get("config") or {}

@@ -1,8 +1,10 @@
-"""``timeshare bench llm``: language models woken with pipelined loading (issue 18). Runs
-in the CLI's process; the fleet's two servers are child processes.
+"""``timeshare bench llm``: language models woken with pipelined loading (issue 18), in each
+deployment mode side by side (issue 45): in-process and with worker processes (NOTE [One
+step, two places]). Runs in the CLI's process; the fleet's two servers are child processes.
 
-Three parts, each on model directories written from code (seeded weights,
-``bench/llm_models.py``):
+Four parts, each on model directories written from code (seeded weights,
+``bench/llm_models.py``); wake, decode and prefix run once per mode (``modes``) and are
+reported under ``modes``, with decode's rates compared between the modes:
 - **wake**: one model, time to first token (TTFT) of a ``prompt_tokens`` prompt when the
   model is resident (warm) and when it is not (cold: evicted, its blocks poisoned, loaded
   pipelined while its prefill runs), against a load-then-generate baseline
@@ -14,15 +16,21 @@ Three parts, each on model directories written from code (seeded weights,
   second with the model resident against plain ``transformers`` (the same weights,
   resident, ``generate`` of a batch as large), and whether the greedy tokens are those of
   ``transformers``.
+- **prefix** (NOTE [Prefix caching]): a ``system_tokens`` system prompt followed by short
+  user turns: time to first token with the system prompt's pages cached against the same
+  request on a registration of the model without prefix caching (the tokens compared), and
+  decode tokens/s at a 0% hit rate (every prompt new) with and without prefix caching.
 - **fleet** (``bench/llm_fleet.py``): many models in room for two behind the OpenAI API,
   against a reload-on-switch server.
 
-Wake and decode share one runtime and one registration of the model.
+In each mode, wake, decode and prefix share one runtime and one registration of the model
+(two with prefix: the second without prefix caching).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import tempfile
 import time
@@ -47,6 +55,8 @@ from timeshare.runtime.facade import Runtime
 from timeshare.units import format_bytes
 
 SIZES = models.SIZES
+MODES = ("in-process", "workers")
+PARTS = ("wake", "decode", "prefix", "fleet")
 
 
 @dataclass
@@ -67,9 +77,12 @@ class LLMBenchConfig:
     device: str = "auto"
     seed: int = 0
     workdir: str | None = None  # where the model directories are written (default: a temporary one)
-    workers: int = 0  # wake and decode: worker processes (NOTE [One step, two places])
+    modes: tuple[str, ...] = MODES  # wake, decode and prefix in each (NOTE [One step, two places])
+    workers: int = 2  # the worker processes of the "workers" mode
     compile: str = "auto"  # the decode step the graphs capture (NOTE [Compiled decode steps])
-    parts: tuple[str, ...] = field(default_factory=lambda: ("wake", "decode", "fleet"))
+    system_tokens: int = 1500  # prefix: the system prompt every request shares
+    turn_tokens: int = 16  # prefix: each request's own turn after it
+    parts: tuple[str, ...] = field(default_factory=lambda: PARTS)
 
     def __post_init__(self):
         if self.size not in SIZES or self.arch not in hfdir.ARCHITECTURES:
@@ -80,15 +93,20 @@ class LLMBenchConfig:
                               f"got {list(self.concurrent)}")
         if min(self.prompt_tokens, self.new_tokens, self.repeats) < 1 or self.new_tokens < 2:
             raise ConfigError("prompt_tokens, concurrent and repeats must be at least 1, new_tokens at least 2")
-        unknown = set(self.parts) - {"wake", "decode", "fleet"}
+        unknown = set(self.parts) - set(PARTS)
         if unknown:
-            raise ConfigError(f"unknown parts {sorted(unknown)}; known: wake, decode, fleet")
+            raise ConfigError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
+        self.modes = tuple(self.modes)
+        if not self.modes or set(self.modes) - set(MODES) or len(set(self.modes)) != len(self.modes):
+            raise ConfigError(f"modes must be one or both of {', '.join(MODES)}, got {list(self.modes)}")
+        if min(self.system_tokens, self.turn_tokens) < 1:
+            raise ConfigError("system_tokens and turn_tokens must be at least 1")
         if "fleet" in self.parts and (self.fleet_models < 3 or self.fleet_requests < 1 or self.fleet_rate_per_s <= 0):
             raise ConfigError("the fleet needs at least 3 models, 1 request and a positive rate")
         if self.compile not in ("auto", "inductor", "off"):
             raise ConfigError(f"compile must be auto, inductor or off, got {self.compile!r}")
-        if self.workers < 0 or self.workers == 1:
-            raise ConfigError("workers must be 0 (in-process) or at least 2 (a home and a standby)")
+        if "workers" in self.modes and self.workers < 2:
+            raise ConfigError("workers must be at least 2 (a home and a standby) for the workers mode")
         size = SIZES[self.size]
         if size.drawn and self.arch not in models.DRAWN_ARCHITECTURES:
             raise ConfigError(f"size {self.size} is Llama-shaped: arch one of {list(models.DRAWN_ARCHITECTURES)}, "
@@ -97,8 +115,17 @@ class LLMBenchConfig:
             raise ConfigError(f"size {self.size} is written in bf16: --dtype bf16 or fp16, not fp32 "
                               "(twice its bytes on the device and in host memory)")
         if "fleet" in self.parts and not size.fleet:
-            raise ConfigError(f"size {self.size} runs the wake and decode parts only (the fleet writes "
+            raise ConfigError(f"size {self.size} runs the wake, decode and prefix parts only (the fleet writes "
                               f"{self.fleet_models} models)")
+
+    @property
+    def context(self) -> int:
+        """The positions the model is loaded for: a decode's prompt and tokens, or the
+        prefix part's system prompt, turn and tokens."""
+        need = self.prompt_tokens + self.new_tokens
+        if "prefix" in self.parts:
+            need = max(need, self.system_tokens + self.turn_tokens + self.new_tokens)
+        return need + 1
 
     @property
     def baseline_skipped(self) -> str | None:
@@ -125,63 +152,98 @@ def run(config: LLMBenchConfig, progress: Callable[[str], None] = lambda s: None
         root = Path(config.workdir or tmp)
         count = config.fleet_models if "fleet" in config.parts else 1
         progress(f"writing (or reusing) {count} model directories under {root}")
-        positions = max(512, 2 * (config.prompt_tokens + config.new_tokens))
+        positions = max(512, 2 * (config.prompt_tokens + config.new_tokens), config.context)
         dirs = [models.write(root, config.arch, config.size, i, seed=config.seed + i, max_positions=positions,
                              device=device) for i in range(count)]
         result: dict = {"config": asdict(config), "environment": describe(device),
                         "models": [models.describe(d) for d in dirs]}
-        if {"wake", "decode"} & set(config.parts):
-            result.update(_resident(config, device, dirs[0], result["models"][0], progress))
+        if {"wake", "decode", "prefix"} & set(config.parts):
+            result["modes"] = {mode: _resident(config, device, dirs[0], result["models"][0], progress,
+                                               config.workers if mode == "workers" else 0)
+                               for mode in config.modes}
+            if "wake" in config.parts:  # once, after the runtimes let their memory go
+                skipped = config.baseline_skipped
+                if skipped is None:
+                    progress("wake: load then generate")
+                baseline = None if skipped else _load_then_generate(config, device, dirs[0], models.prompt(
+                    dirs[0], config.prompt_tokens))
+                for r in result["modes"].values():
+                    r["wake"].update({"load_then_generate_s": baseline, "baseline_skipped": skipped,
+                                      "speedup_vs_load_then_generate": None if baseline is None
+                                      else baseline / r["wake"]["cold_ttft_s"]})
+            if "decode" in config.parts and len(config.modes) == 2:
+                result["decode_modes"] = compare_modes(result["modes"])
         if "fleet" in config.parts:
             result["fleet"] = run_fleet(config, device, dirs, progress)
     return result
 
 
-def _resident(config: LLMBenchConfig, device: torch.device, path: Path, described: dict, progress) -> dict:
-    """The wake and decode parts, on one runtime that registers the model once."""
+def compare_modes(modes: dict) -> list[dict]:
+    """Decode in the two modes, count by count: each mode's tokens/s, workers over
+    in-process, and the same normalized by each mode's own transformers' rate (the two
+    modes ran one after the other: a drift of the machine between them falls out)."""
+    rows = []
+    for a, b in zip(modes["in-process"]["decode"]["rows"], modes["workers"]["decode"]["rows"]):
+        rows.append({"sequences": a["sequences"], "in_process_tokens_per_s": a["ours_tokens_per_s"],
+                     "workers_tokens_per_s": b["ours_tokens_per_s"],
+                     "workers_over_in_process": b["ours_tokens_per_s"] / a["ours_tokens_per_s"],
+                     "workers_over_in_process_normalized": b["ours_over_plain"] / a["ours_over_plain"]})
+    return rows
+
+
+def _resident(config: LLMBenchConfig, device: torch.device, path: Path, described: dict, progress,
+              workers: int) -> dict:
+    """The wake, decode and prefix parts in one mode (``workers`` worker processes, or 0:
+    in-process), on one runtime that registers the model once (twice with prefix)."""
+    mode = "workers" if workers else "in-process"
     prompt = models.prompt(path, config.prompt_tokens)
     weights = described["parameters"] * torch.empty((), dtype=parse_dtype(config.dtype)).element_size()
     sequences = max(8, *config.concurrent)
-    pool = lm.own_pool_bytes(path, config.dtype, sequences)  # its key/value pages, in the arena too
-    memory = _arena(device, weights, pool)
+    context = config.context
+    pool = lm.own_pool_bytes(path, config.dtype, sequences, context)  # its key/value pages, in the arena too
+    copies = 2 if "prefix" in config.parts else 1  # the prefix part's second registration, without caching
+    memory = _arena(device, copies * weights, copies * pool)
     # NOTE [Conversions the weights do not need]: weights already in the run's dtype are
     # registered as the directory has them. (lm.load's dtype once converted the rotary
     # embedding's float32 inv_freq with the weights, and the bf16 greedy tokens parted from
     # transformers' after some tens of positions; computed constants now keep their dtype.)
     convert = described["dtype"] == "mixed" or parse_dtype(config.dtype) != parse_dtype(described["dtype"])
-    out: dict = {"memory": {"weights_bytes": weights, "kv_pool_bytes": pool, "arena": memory},
+    out: dict = {"workers": workers,
+                 "memory": {"weights_bytes": weights, "kv_pool_bytes": pool, "copies": copies, "arena": memory},
                  "converted_to": config.dtype if convert else None}
-    with Runtime(device, memory, poison_evicted=True, workers=config.workers) as rt:
-        progress(f"registering the model ({format_bytes(weights)})")
+    with Runtime(device, memory, poison_evicted=True, workers=workers) as rt:
+        progress(f"{mode}: registering the model ({format_bytes(weights)})")
         before = _reserved(device)
+        load = functools.partial(lm.load, rt, path=path, dtype=config.dtype if convert else None,
+                                 max_sequences=sequences, max_context=context, compile=config.compile)
         with _without_initialisation():
-            model = lm.load(rt, "m", path, dtype=config.dtype if convert else None,
-                            max_sequences=sequences, compile=config.compile)
+            model = load(name="m")
         snap = model.engine.snapshot()
         # What registration took beside the arena (allocated before it; the page pool is a
         # region of the arena): the graphs' memory, the compiled step's and the allocator's
-        # cache (None off CUDA).
+        # cache (None off CUDA; in the controller's process: a worker's own is not seen).
         after = _reserved(device)
         out["graphs"] = {"captures": snap.graph_captures, "compiled": snap.graphs_compiled,
                          "capture_s": snap.capture_s,
                          "registration_reserved_bytes": None if after is None or before is None else after - before}
+        plain = None
         try:
+            if "prefix" in config.parts:
+                with _without_initialisation():
+                    plain = load(name="m-plain", prefix_caching=False)
             if "wake" in config.parts:
-                progress("wake: warm and cold time to first token")
-                out["wake"] = _wake(config, rt, model, prompt)
+                progress(f"{mode}: wake: warm and cold time to first token")
+                out["wake"] = _wake(config, rt, model, path)
             if "decode" in config.parts:
-                progress(f"decode: tokens per second at {', '.join(map(str, config.concurrent))} sequences")
+                progress(f"{mode}: decode: tokens per second at {', '.join(map(str, config.concurrent))} sequences")
                 out["decode"] = _decode(config, device, model, path, prompt, weights)
+            if plain is not None:
+                progress(f"{mode}: prefix: a {config.system_tokens}-token system prompt, cached and not")
+                out["prefix"] = _prefix_part(config, model, plain, path)
         finally:
             model.close()
-    if "wake" in config.parts:  # after the runtime let its memory go, as a server without one would have it
-        skipped = config.baseline_skipped
-        if skipped is None:
-            progress("wake: load then generate")
-        baseline = None if skipped else _load_then_generate(config, device, path, prompt)
-        out["wake"].update({"load_then_generate_s": baseline, "baseline_skipped": skipped,
-                            "speedup_vs_load_then_generate": None if baseline is None
-                            else baseline / out["wake"]["cold_ttft_s"]})
+            if plain is not None:
+                plain.close()
     return out
 
 
@@ -232,30 +294,35 @@ def _median(xs: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------- wake
-def _wake(config: LLMBenchConfig, rt: Runtime, model: Any, prompt: list[int]) -> dict:
+def _wake(config: LLMBenchConfig, rt: Runtime, model: Any, path: Path) -> dict:
+    """Warm and cold time to first token of a prompt none of whose pages is cached (a new
+    one for every request: NOTE [Prefix caching] would otherwise spare the cold prefill
+    its first pages); a cold request's greedy tokens are compared with those of the same
+    prompt asked again, warm (which then finds its pages cached)."""
     one = SamplingParams(max_tokens=1, temperature=0)
     greedy = SamplingParams(max_tokens=config.new_tokens, temperature=0)
     seen: list[CallRecord] = []
     rt.subscribe(lambda r: seen.append(r) if isinstance(r, CallRecord) else None)
     link_Bps = rt.profile("m").link.bandwidth_Bps
-    want = model.generate(prompt, greedy).result(600).tokens
+    model.generate(models.prompt(path, config.prompt_tokens, variant=-1), greedy).result(600)
     warm, cold, moved, exact, replayed = [], [], [], 0, 0
-    for _ in range(config.repeats):
-        seq = model.generate(prompt, one)
+    for i in range(config.repeats):
+        seq = model.generate(models.prompt(path, config.prompt_tokens, variant=2 * i + 1), one)
         seq.result(600)
         warm.append(_ttft(seq))
         rt.evict("m")
         before = len(seen)
         counts = model.engine.snapshot()
+        prompt = models.prompt(path, config.prompt_tokens, variant=2 * i + 2)
         seq = model.generate(prompt, greedy)
         got = seq.result(600).tokens
-        exact += got == want
         cold.append(_ttft(seq))
         moved += [r.moved_bytes for r in seen[before:] if r.loaded and r.moved_bytes]
         # NOTE [Decode graphs]: every decode step after the wake, the first included, replayed.
         after = model.engine.snapshot()
         replayed += (after.eager_steps == counts.eager_steps
                      and after.graph_replays - counts.graph_replays >= len(got) - 1)
+        exact += got == model.generate(prompt, greedy).result(600).tokens
     nbytes = max(moved) if moved else 0
     copy_s = nbytes / link_Bps
     w, c = _median(warm), _median(cold)
@@ -335,6 +402,9 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
     floor = {c: c * memory_Bps / (weights + c * kv) for c in counts}
     rows = [{"sequences": c, "ours_tokens_per_s": _median(ours[c]), "plain_tokens_per_s": _median(plain[c]),
              "ours_over_plain": _median(ours[c]) / _median(plain[c]),
+             # Each repeat ran ours then transformers' at once: the median of those pairs'
+             # ratios, which a drift of the machine over the run moves less.
+             "ours_over_plain_paired": _median([a / b for a, b in zip(ours[c], plain[c])]),
              "floor_tokens_per_s": floor[c], "ours_over_floor": _median(ours[c]) / floor[c],
              "graph_replays": replays[c], "eager_steps": eager[c],
              "tokens_exact": exact[c],
@@ -346,6 +416,54 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
     # results take (bench/campaign_tables.py).
     first = {k: rows[0][k] for k in ("ours_tokens_per_s", "plain_tokens_per_s", "ours_over_plain")}
     return {"tokens": n, "memory_GBps": memory_Bps / 1e9, "weights_bytes": weights, "rows": rows, **first}
+
+
+def _prefix_part(config: LLMBenchConfig, model: Any, plain: Any, path: Path) -> dict:
+    """NOTE [Prefix caching]: requests made of one system prompt and a turn of their own,
+    to the model and to its registration without prefix caching, alternating (each
+    request's time to first token, and whether the two give the same greedy tokens); then
+    decode tokens/s at a 0% hit rate (every prompt new) with and without prefix caching,
+    alternating, at the largest count of ``concurrent``."""
+    system = models.prompt(path, config.system_tokens, variant=-2)
+    params = SamplingParams(max_tokens=min(8, config.new_tokens), temperature=0)
+    turn = functools.partial(models.prompt, path, config.turn_tokens)
+    for m in (model, plain):  # warm, and the system prompt's pages published (in the cached model)
+        m.generate(system + turn(variant=0), params).result(600)
+    before = model.engine.snapshot()
+    cached: list[float] = []
+    uncached: list[float] = []
+    equal = 0
+    for i in range(config.repeats):
+        prompt = system + turn(variant=1 + i)
+        order = (model, plain) if i % 2 == 0 else (plain, model)
+        got = {}
+        for m in order:
+            seq = m.generate(prompt, params)
+            got[m.name] = seq.result(600).tokens
+            (cached if m is model else uncached).append(_ttft(seq))
+        equal += got[model.name] == got[plain.name]
+    after = model.engine.snapshot()
+    c = max(config.concurrent)
+    decode = SamplingParams(max_tokens=config.new_tokens, temperature=0)
+    rates: dict[str, list[float]] = {"cached": [], "plain": []}
+    for i in range(config.repeats):
+        order = (model, plain) if i % 2 == 0 else (plain, model)
+        for m in order:  # prompts no request asked before: every page a miss
+            seqs = [m.generate(models.prompt(path, config.prompt_tokens, variant=10_000 + 100 * i + j
+                                             + (50 if m is plain else 0)), decode) for j in range(c)]
+            for seq in seqs:
+                seq.result(600)
+            rates["cached" if m is model else "plain"].append(_batch_rate(seqs))
+    pairs = [a / b for a, b in zip(rates["cached"], rates["plain"])]
+    t_cached, t_plain = _median(cached), _median(uncached)
+    return {"system_tokens": config.system_tokens, "turn_tokens": config.turn_tokens,
+            "ttft_cached_s": t_cached, "ttft_uncached_s": t_plain, "cached_over_uncached": t_cached / t_plain,
+            "ttft_cached_samples_s": cached, "ttft_uncached_samples_s": uncached,
+            "tokens_equal": equal, "requests_compared": config.repeats,
+            "hits": after.prefix_hits - before.prefix_hits, "misses": after.prefix_misses - before.prefix_misses,
+            "miss_decode_sequences": c, "miss_decode_cached_tokens_per_s": _median(rates["cached"]),
+            "miss_decode_plain_tokens_per_s": _median(rates["plain"]),
+            "miss_decode_cached_over_plain": _median(pairs), "miss_decode_samples": rates}
 
 
 def device_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -414,38 +532,67 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [p for p in ("wake", "decode", "fleet") if p in result]
-    fig, axes = plt.subplots(1, len(parts), figsize=(5 * len(parts), 4), squeeze=False)
-    for ax, part in zip(axes[0], parts):
-        {"wake": _plot_wake, "decode": _plot_decode, "fleet": _plot_fleet}[part](ax, result[part])
+    modes = result.get("modes", {})
+    plotters: tuple[tuple[str, Callable[[Any, dict], None]], ...] = (
+        ("wake", _plot_wake), ("decode", _plot_decode), ("prefix", _plot_prefix),
+        ("fleet", lambda ax, r: _plot_fleet(ax, r["fleet"])))
+    panels = [(part, plotter) for part, plotter in plotters
+              if (part == "fleet" and "fleet" in result) or any(part in r for r in modes.values())]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (part, plotter) in zip(axes[0], panels):
+        plotter(ax, result if part == "fleet" else modes)
     fig.suptitle(f"bench llm on {result['environment']['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _plot_wake(ax, r: dict) -> None:
-    bars = [("warm", r["warm_ttft_s"], "#999"), ("cold (timeshare)", r["cold_ttft_s"], "#1f77b4"),
-            ("floor", r["floor_s"], "#2ca02c")]
-    if r["load_then_generate_s"] is not None:
-        bars.append(("load then\ngenerate", r["load_then_generate_s"], "#d62728"))
-    ax.bar([b[0] for b in bars], [b[1] * 1e3 for b in bars], color=[b[2] for b in bars])
+def _plot_wake(ax, modes: dict) -> None:
+    labels, values, colors = [], [], []
+    for mode, r in modes.items():
+        w = r["wake"]
+        for what, key, color in (("warm", "warm_ttft_s", "#999"), ("cold", "cold_ttft_s", "#1f77b4"),
+                                 ("floor", "floor_s", "#2ca02c")):
+            labels.append(f"{what}\n{mode}")
+            values.append(w[key] * 1e3)
+            colors.append(color)
+    first = next(iter(modes.values()))["wake"]
+    if first["load_then_generate_s"] is not None:
+        labels.append("load then\ngenerate")
+        values.append(first["load_then_generate_s"] * 1e3)
+        colors.append("#d62728")
+    ax.bar(labels, values, color=colors)
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("time to first token (ms)")
-    ax.set_title(f"wake: {r['bytes'] / 2**20:.0f} MiB model")
+    ax.set_title(f"wake: {first['bytes'] / 2**20:.0f} MiB model")
 
 
-def _plot_decode(ax, r: dict) -> None:
-    x = range(len(r["rows"]))
-    ax.bar([i - 0.27 for i in x], [row["ours_tokens_per_s"] for row in r["rows"]], 0.27, label="timeshare")
-    ax.bar([i for i in x], [row["plain_tokens_per_s"] for row in r["rows"]], 0.27, label="transformers")
-    ax.bar([i + 0.27 for i in x], [row.get("floor_tokens_per_s", float("nan")) for row in r["rows"]], 0.27,
-           label="memory-bandwidth floor", color="#2ca02c")
+def _plot_decode(ax, modes: dict) -> None:
+    first = next(iter(modes.values()))["decode"]["rows"]
+    x = range(len(first))
+    bars = [(mode, [row["ours_tokens_per_s"] for row in r["decode"]["rows"]]) for mode, r in modes.items()]
+    bars.append(("transformers", [row["plain_tokens_per_s"] for row in first]))
+    bars.append(("memory-bandwidth floor", [row.get("floor_tokens_per_s", float("nan")) for row in first]))
+    width = 0.8 / len(bars)
+    for k, (label, values) in enumerate(bars):
+        ax.bar([i + (k - (len(bars) - 1) / 2) * width for i in x], values, width, label=label)
     ax.set_yscale("log")
-    ax.set_xticks(list(x), [str(row["sequences"]) for row in r["rows"]])
+    ax.set_xticks(list(x), [str(row["sequences"]) for row in first])
     ax.set_xlabel("sequences together")
     ax.set_ylabel("tokens per second")
     ax.set_title("decode, model resident")
-    ax.legend()
+    ax.legend(fontsize=7)
+
+
+def _plot_prefix(ax, modes: dict) -> None:
+    x = range(len(modes))
+    rows = [r["prefix"] for r in modes.values()]
+    ax.bar([i - 0.2 for i in x], [p["ttft_uncached_s"] * 1e3 for p in rows], 0.4, label="system prompt computed")
+    ax.bar([i + 0.2 for i in x], [p["ttft_cached_s"] * 1e3 for p in rows], 0.4, label="system prompt cached")
+    ax.set_xticks(list(x), list(modes))
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"prefix: {rows[0]['system_tokens']}-token system prompt")
+    ax.legend(fontsize=7)
 
 
 def _plot_fleet(ax, r: dict) -> None:

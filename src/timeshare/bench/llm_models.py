@@ -82,10 +82,11 @@ SIZES = {
 
 def write(root: Path, arch: str, size: str, i: int, *, seed: int, max_positions: int,
           device: torch.device) -> Path:
-    """The ``i``-th model directory of ``size`` under ``root``: reused when whole, else written."""
+    """The ``i``-th model directory of ``size`` under ``root`` for ``max_positions``
+    positions: reused when whole, else written."""
     shapes = SIZES[size].shapes
     shape = shapes[i % len(shapes)]
-    path = root / f"{arch}-{size}-{i}"
+    path = root / f"{arch}-{size}-{i}-{max_positions}"
     if (path / "config.json").exists():
         return path
     partial = path.with_name(path.name + ".partial")
@@ -213,13 +214,17 @@ def describe(path: Path) -> dict:
             "dtype": floats.pop() if len(floats) == 1 else "mixed"}
 
 
-def prompt(path: Path, tokens: int) -> list[int]:
-    """``tokens`` token ids of the directory's tokenizer, from seeded sentences."""
+def prompt(path: Path, tokens: int, variant: int = 0) -> list[int]:
+    """``tokens`` token ids of the directory's tokenizer, from seeded sentences; another
+    ``variant`` is another prompt, of words drawn one by one (two variants begin with the
+    same eight words with a chance of one in 25 to the 8th)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     ids: list[int] = []
-    rng = random.Random(tokens)
+    rng = random.Random(tokens if variant == 0 else f"{tokens}-{variant}")
+    words = sorted({w for t in TEXTS for w in t.split()})
     while len(ids) < tokens:
-        ids += tok(" " + rng.choice(TEXTS), add_special_tokens=False)["input_ids"]
+        text = rng.choice(TEXTS) if variant == 0 else " ".join(rng.choice(words) for _ in range(6))
+        ids += tok(" " + text, add_special_tokens=False)["input_ids"]
     return ids[:tokens]
