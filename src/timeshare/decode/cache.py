@@ -99,15 +99,14 @@ def paged_cache_class() -> type:
                 at = w.at[:, :, None, None]
                 k = torch.where(at, new_k[:, None].to(k.dtype), k)
                 v = torch.where(at, new_v[:, None].to(v.dtype), v)
-            else:  # an eager step, never compiled: only the pages its positions are in, and
-                # the new position written into that copy in place (not a second copy of it)
-                k, v = keys.index_select(0, w.pages), values.index_select(0, w.pages)
-                shape = (-1, *k.shape[2:])
-                k.view(shape).index_copy_(0, w.slots, new_k.to(k.dtype))
-                v.view(shape).index_copy_(0, w.slots, new_v.to(v.dtype))
+            else:  # an eager step, never compiled: only the pages its positions are in, keys and
+                # values in one copy, and the new position written into it in place
+                both = self.paged.layer_of(layer_idx).index_select(0, w.pages)  # [pages, block, 2, heads, dim]
                 rows = new_k.shape[0]
-                k = k.view(rows, w.span, *k.shape[2:])[:, :w.length]
-                v = v.view(rows, w.span, *v.shape[2:])[:, :w.length]
+                both = both.view(rows * w.span, *both.shape[2:])
+                both.index_copy_(0, w.slots, torch.stack([new_k, new_v], 1).to(both.dtype))
+                both = both.view(rows, w.span, *both.shape[1:])[:, :w.length]
+                k, v = both[:, :, 0], both[:, :, 1]
             return k.transpose(1, 2), v.transpose(1, 2)
 
         def _all(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

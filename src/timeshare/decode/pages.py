@@ -87,8 +87,10 @@ def block_of(page_bytes: int, shape: KVShape) -> int:
 class PagedLayout:
     """A model's view of a pool's ``memory`` (uint8, whole pages of ``page_bytes``, page 0
     the scratch page): each page ``block`` positions of every layer's keys and values,
-    ``[pages, layers, 2, block, kv_heads, head_dim]`` (at most ``MAX_BLOCK`` positions:
-    the rest of a larger page is left unused)."""
+    ``[pages, layers, block, 2, kv_heads, head_dim]`` (at most ``MAX_BLOCK`` positions:
+    the rest of a larger page is left unused). A position's key and value are side by
+    side, so that one layer's pages gathered end to end hold its keys and its values as
+    two views of one copy (``layer_of``)."""
 
     def __init__(self, memory: torch.Tensor, page_bytes: int, shape: KVShape):
         if memory.dtype != torch.uint8 or memory.dim() != 1 or memory.numel() < 2 * page_bytes:
@@ -102,8 +104,8 @@ class PagedLayout:
         item = shape.dtype.itemsize
         h, d, block = shape.kv_heads, shape.head_dim, self.block
         typed = self.memory.view(shape.dtype)
-        self.kv = typed.as_strided((self.pages, shape.layers, 2, block, h, d),
-                                   (page_bytes // item, 2 * block * h * d, block * h * d, h * d, d, 1))
+        self.kv = typed.as_strided((self.pages, shape.layers, block, 2, h, d),
+                                   (page_bytes // item, 2 * block * h * d, 2 * h * d, h * d, d, 1))
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.block)
@@ -128,8 +130,12 @@ class PagedLayout:
     def put(self, page: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
         """A decode step's new keys and values, ``[rows, layers, 2, kv_heads, head_dim]``,
         into each row's ``page`` and ``slot``: one write for every layer."""
-        self.kv[page, :, :, slot] = new.to(self.kv.dtype)
+        self.kv[page, :, slot] = new.to(self.kv.dtype)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s keys and values, each ``[pages, block, kv_heads, head_dim]``."""
-        return self.kv[:, index, 0], self.kv[:, index, 1]
+        return self.kv[:, index, :, 0], self.kv[:, index, :, 1]
+
+    def layer_of(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s keys and values together, ``[pages, block, 2, kv_heads, head_dim]``."""
+        return self.kv[:, index]

@@ -387,7 +387,7 @@ class DecodeRunner:
             written: list[list[int]] = self._host[:new.shape[0], 1:].tolist()
             for row, inputs_of_row in enumerate(written):
                 position, table_of_row = inputs_of_row[0], inputs_of_row[1:]
-                self.layout.kv[table_of_row[position // block], :, :, position % block].copy_(new[row])
+                self.layout.kv[table_of_row[position // block], :, position % block].copy_(new[row])
         else:
             self.layout.put(table.gather(1, (positions // block)[:, None])[:, 0], positions % block, new)
         if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
