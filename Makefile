@@ -45,9 +45,10 @@ lock: $(STAMP)
 # LATEST_PINS="transformers==5.17.0" tries a given release instead (the GPU image's, say).
 LATEST_VENV := .venv-latest
 LATEST_PINS ?=
-LATEST_TESTS := tests/unit/test_llm_sampling.py tests/unit/test_generation_rows.py tests/unit/test_server_units.py \
+LATEST_TESTS := tests/unit/test_llm_sampling.py tests/unit/test_paged_units.py tests/unit/test_server_units.py \
 	tests/unit/test_server_limits.py tests/unit/test_status_codes.py tests/integration/test_llm_generate.py \
 	tests/integration/test_llm_hfdir.py tests/integration/test_llm_server.py tests/integration/test_llm_workers.py \
+	tests/integration/test_llm_prefix.py \
 	tests/integration/test_bench_llm.py tests/integration/test_server.py tests/integration/test_server_fuzz.py \
 	tests/integration/test_server_hostile.py tests/integration/test_server_process.py tests/integration/test_cli_serve.py
 
