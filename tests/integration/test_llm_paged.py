@@ -7,6 +7,7 @@ reloaded weights; a model laid out elsewhere never replays a stale capture."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -28,19 +29,35 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0)
 
 
+MODES = pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "gpt2"])
 def arch(request, tmp_path_factory):
     path = hfdir.write_model_dir(tmp_path_factory.mktemp("paged") / request.param, request.param, seed=7,
                                  hidden=96, layers=3)
-    return path, greedy_tokens(path)
+    return request.param, path, greedy_tokens(path)
 
 
-def test_replayed_steps_give_the_tokens_of_transformers_warm_cold_and_batched(arch):
-    path, reference = arch
-    # As on CUDA, a load copies every layer (on the CPU, by default, a load may leave the first
-    # layers computing from host memory: a layout of its own, which would invalidate the captures).
-    with Runtime("cpu", "64MiB", poison_evicted=True, copy_delay_s=0.001, direct_host_access=False) as rt:
-        m = lm.load(rt, "m", path, graphs="emulate", max_context=256)
+# As on CUDA, a load copies every layer (on the CPU, by default, a load may leave the first
+# layers computing from host memory: a layout of its own, which would invalidate the captures).
+POISONED = {"poison_evicted": True, "copy_delay_s": 0.001, "direct_host_access": False}
+
+
+@pytest.fixture(scope="module")
+def workers_runtime():
+    """One runtime with two workers for the four architectures' runs (each closes its model)."""
+    with Runtime("cpu", "64MiB", workers=2, **POISONED) as rt:
+        yield rt
+
+
+@MODES
+def test_replayed_steps_give_the_tokens_of_transformers_warm_cold_and_batched(arch, workers, request):
+    name, path, reference = arch
+    runtime = contextlib.nullcontext(request.getfixturevalue("workers_runtime")) if workers else \
+        Runtime("cpu", "64MiB", **POISONED)
+    with runtime as rt:
+        m = lm.load(rt, name, path, graphs="emulate", max_context=256)
         captured = m.engine.snapshot().graph_captures
         assert captured > 0  # at registration: resident and idle
         for prompt in PROMPTS:  # warm
@@ -48,7 +65,7 @@ def test_replayed_steps_give_the_tokens_of_transformers_warm_cold_and_batched(ar
         warm = m.engine.snapshot()
         assert warm.graph_replays >= 3 * 19 and warm.eager_steps == 0
         for prompt in PROMPTS:  # cold: each wake is a pipelined load into a poisoned block
-            rt.evict("m")
+            rt.evict(name)
             assert m.generate(m.encode(prompt), greedy(20)).result(60).tokens == reference(prompt, 20)
         cold = m.engine.snapshot()
         # Reloaded into the same offsets: the captures are replayed, never taken again.
@@ -62,14 +79,15 @@ def test_replayed_steps_give_the_tokens_of_transformers_warm_cold_and_batched(ar
         m.close()
 
 
-def test_two_models_taking_turns_between_tokens_each_give_their_own_tokens(tmp_path):
+@MODES
+def test_two_models_taking_turns_between_tokens_each_give_their_own_tokens(tmp_path, workers):
     """Room for one of the two: each wake between their tokens reloads one into the block
     the other left, and their graphs replay with the caches of their preempted rows."""
     paths = [hfdir.write_model_dir(tmp_path / a, a, seed=s, hidden=96, layers=3) for a, s in
              (("llama", 1), ("qwen2", 2))]
     refs = [greedy_tokens(p) for p in paths]
     memory = with_pools("3MiB", paths, max_context=128)  # and their pages
-    with Runtime("cpu", memory, poison_evicted=True, copy_delay_s=0.001, direct_host_access=False) as rt:
+    with Runtime("cpu", memory, workers=workers, **POISONED) as rt:
         models = [lm.load(rt, f"m{i}", p, graphs="emulate", max_context=128, quantum_s=0.0)
                   for i, p in enumerate(paths)]
         with rt.hold_device():

@@ -433,7 +433,6 @@ class Engine:
             short = self._batch.short()
         while short:
             if len(self._running) == 1:
-                [seq] = self._running
                 self._fail_rows(KVMemoryError(
                     f"model {self.name!r}: its key/value page pool has no page left for the sequence's position "
                     f"{self._batch.rows[0].length}: raise kv_memory or lower max_sequences"))
