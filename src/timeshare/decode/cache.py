@@ -24,10 +24,10 @@ class DecodeView:
     writes the slot (by integers: a boolean index would wait for the device, NOTE [No
     waiting on the device])."""
 
-    __slots__ = ("table", "at", "length", "positions", "pages", "span", "slots")
+    __slots__ = ("table", "at", "length", "positions", "pages", "span", "slots", "_buffer")
 
     def __init__(self, table: torch.Tensor, at: torch.Tensor, length: int | None = None,
-                 positions: torch.Tensor | None = None, block: int = 1):
+                 positions: torch.Tensor | None = None, block: int = 1, buffer: torch.Tensor | None = None):
         if length is not None and positions is None:
             raise ConfigError("an eager decode step (its length given) needs each row's position")
         self.table, self.at, self.length, self.positions = table, at, length, positions
@@ -38,6 +38,16 @@ class DecodeView:
             self.pages = table[:, :pages].reshape(-1)
             self.span = pages * block
             self.slots = positions + torch.arange(table.shape[0], device=table.device) * self.span
+        self._buffer = buffer
+
+    def scratch(self, pages: torch.Tensor) -> torch.Tensor:
+        """Where an eager step gathers a layer's pages: a part of ``buffer`` (one for every
+        layer, which each overwrites in turn), so that no step allocates its copies."""
+        shape = (self.pages.numel(), *pages.shape[1:])
+        count = self.pages.numel() * pages[0].numel()
+        if self._buffer is None or self._buffer.numel() < count or self._buffer.dtype != pages.dtype:
+            return torch.empty(shape, dtype=pages.dtype, device=pages.device)
+        return self._buffer[:count].view(shape)
 
 
 class ExtendView:
@@ -52,10 +62,10 @@ class ExtendView:
 
 
 def gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The positions of each row's pages, ``[rows, pages * block, kv_heads, head_dim]``,
-    from one layer's keys or values ``[pages, block, kv_heads, head_dim]``: one
-    ``index_select`` of whole pages (a page's slots are contiguous), 2.5 times faster
-    on the CPU than indexing by the table (which copies element by element)."""
+    """The positions of each row's pages, ``[rows, pages * block, ...]``, from one layer's
+    pages ``[pages, block, ...]`` (its keys and values side by side): one ``index_select``
+    of whole pages (a page's slots are contiguous), 2.5 times faster on the CPU than
+    indexing by the table (which copies element by element)."""
     rows = table.shape[0]
     return pages.index_select(0, table.reshape(-1)).reshape(rows, -1, *pages.shape[2:])
 
@@ -77,39 +87,38 @@ def paged_cache_class() -> type:
             except TypeError:  # a release whose Cache takes no layers
                 super().__init__()
             self.paged, self.view = layout, view
-            self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.shape.layers
+            # Each layer's new keys and values side by side, [rows or positions, 2, heads, dim].
+            self.new: list[torch.Tensor | None] = [None] * layout.shape.layers
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             # Read only (NOTE [Paged key/value caches]): the new positions join the gathered
-            # copy, and go into the pool with every layer's after the forward.
-            keys, values = self.paged.layer(layer_idx)
+            # copy (a layer's keys and values gathered together: their pages hold them side
+            # by side), and go into the pool with every layer's after the forward.
+            pages = self.paged.layer_of(layer_idx)  # [pages, block, 2, heads, dim]
             w = self.view
             if isinstance(w, ExtendView):
-                new_k, new_v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [n, heads, dim]
-                self.new[layer_idx] = (new_k, new_v)
-                table = w.table[:-(-w.past // keys.shape[1])][None]
-                k = torch.cat([gather(keys, table)[0, :w.past], new_k.to(keys.dtype)])[None]
-                v = torch.cat([gather(values, table)[0, :w.past], new_v.to(values.dtype)])[None]
-                return k.transpose(1, 2), v.transpose(1, 2)
-            new_k, new_v = key_states[:, :, -1], value_states[:, :, -1]
-            self.new[layer_idx] = (new_k, new_v)
-            if w.length is None:  # every slot of the table's pages, as a graph (maybe compiled) reads them
-                k, v = gather(keys, w.table), gather(values, w.table)
-                at = w.at[:, :, None, None]
-                k = torch.where(at, new_k[:, None].to(k.dtype), k)
-                v = torch.where(at, new_v[:, None].to(v.dtype), v)
-            else:  # an eager step, never compiled: only the pages its positions are in, keys and
-                # values in one copy, and the new position written into it in place
-                both = self.paged.layer_of(layer_idx).index_select(0, w.pages)  # [pages, block, 2, heads, dim]
-                rows = new_k.shape[0]
+                new = torch.stack([key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)], 1).to(
+                    pages.dtype)  # [positions, 2, heads, dim]
+                self.new[layer_idx] = new
+                table = w.table[:-(-w.past // pages.shape[1])][None]
+                both = torch.cat([gather(pages, table)[0, :w.past], new])[None]
+            elif w.length is None:  # every slot of the table's pages, as a graph (maybe compiled) reads them
+                new = torch.stack([key_states[:, :, -1], value_states[:, :, -1]], 1).to(pages.dtype)
+                self.new[layer_idx] = new
+                both = torch.where(w.at[:, :, None, None, None], new[:, None], gather(pages, w.table))
+            else:  # an eager step, never compiled: only the pages its positions are in, and the
+                # new position written into that copy in place (not a second copy of it)
+                new = torch.stack([key_states[:, :, -1], value_states[:, :, -1]], 1).to(pages.dtype)
+                self.new[layer_idx] = new
+                both = torch.index_select(pages, 0, w.pages, out=w.scratch(pages))
+                rows = new.shape[0]
                 both = both.view(rows * w.span, *both.shape[2:])
-                both.index_copy_(0, w.slots, torch.stack([new_k, new_v], 1).to(both.dtype))
+                both.index_copy_(0, w.slots, new)
                 both = both.view(rows, w.span, *both.shape[1:])[:, :w.length]
-                k, v = both[:, :, 0], both[:, :, 1]
-            return k.transpose(1, 2), v.transpose(1, 2)
+            return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
-        def _all(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        def _all(self) -> list[torch.Tensor]:
             missing = [i for i, kv in enumerate(self.new) if kv is None]
             if missing:
                 raise GenerationError(f"the model's step wrote no keys and values for layers {missing}")
@@ -118,12 +127,12 @@ def paged_cache_class() -> type:
         def written(self) -> torch.Tensor:
             """A decode step's new keys and values of every layer, ``[rows, layers, 2,
             kv_heads, head_dim]``, for ``PagedLayout.put``."""
-            return torch.stack([torch.stack(kv, 1) for kv in self._all()], 1)
+            return torch.stack(self._all(), 1)
 
         def extended(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
             """A prefill's new keys and values, per layer ``[positions, kv_heads,
             head_dim]``, for ``PagedLayout.write``."""
-            return self._all()
+            return [(kv[:, 0], kv[:, 1]) for kv in self._all()]
 
         def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
             return 0  # positions are given with every step: nothing asks

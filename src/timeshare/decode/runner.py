@@ -223,6 +223,7 @@ class DecodeRunner:
         self._tables: list[tuple[int, ...] | None] = [None] * (top + 1)  # each input row's table as written
         self._arange = torch.arange(width * layout.block, device=device)
         self._logits: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None  # an eager step's gathers (``_scratch``)
         graph_pages = min(width, layout.pages_for(min(spec.max_context, graph_context) + 1))
         self._contexts = tuple(sorted({min(max(least, 1 << i), width)
                                        for i in range(_pow2(graph_pages).bit_length())}))
@@ -376,10 +377,13 @@ class DecodeRunner:
         if length is None or not level:
             mask = torch.zeros(span.shape[1:], dtype=dtype, device=self.device)[None, :].masked_fill(
                 span > positions[:, None], torch.finfo(dtype).min)[:, None, None, :]
-        forward = decode_logits if length is not None else self._logits_of
         at = span == positions[:, None] if length is None else span
-        logits, new = forward(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1], mask,
-                              positions[:, None], table, at, length)
+        if length is None:
+            logits, new = self._logits_of(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1],
+                                          mask, positions[:, None], table, at, None)
+        else:
+            logits, new = decode_logits(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1], mask,
+                                        positions[:, None], table, at, length, self._scratch(batch, length))
         # The pool is written here, after the forward (NOTE [Paged key/value caches]): on the
         # CPU a row at a time from the host's copy of the inputs (an indexed write into
         # the pool's strided view costs more than the step's gathers), else in one write.
@@ -393,6 +397,15 @@ class DecodeRunner:
         if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
             self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
         self._logits[:batch].copy_(logits)
+
+    def _scratch(self, rows: int, length: int) -> torch.Tensor:
+        """The buffer an eager step gathers each layer's pages into (NOTE [Paged key/value
+        caches]), grown to the step's rows and pages: a step allocates no copy of its own."""
+        need = rows * self.layout.pages_for(length) * self.layout.kv[0, 0].numel()
+        if self._gathered is None or self._gathered.numel() < need:
+            self._gathered = torch.empty(max(need, 2 * (0 if self._gathered is None else self._gathered.numel())),
+                                         dtype=self.layout.shape.dtype, device=self.device)
+        return self._gathered
 
     # ------------------------------------------------------------------ graphs
     def _capture(self, module: nn.Module) -> None:
@@ -451,12 +464,12 @@ class DecodeRunner:
 
 def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: str, ids: torch.Tensor,
                   mask: torch.Tensor | None, positions: torch.Tensor, table: torch.Tensor, at: torch.Tensor,
-                  length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  length: int | None, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's forward for one decode step on ``layout``'s pages through the cache
     ``adapter`` (passed as ``key``): what is compiled (NOTE [Compiled decode steps]). It
     reads the pool and writes nothing but its outputs: the last position's logits and
     every layer's new keys and values."""
-    cache = adapter(layout, DecodeView(table, at, length, positions[:, 0], layout.block))
+    cache = adapter(layout, DecodeView(table, at, length, positions[:, 0], layout.block, scratch))
     out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
                                use_cache=True, logits_to_keep=1, **{key: cache})
     return out.logits[:, -1], cache.written()
