@@ -54,7 +54,8 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
         for row in rows:  # every sequence of every repeat: transformers' greedy tokens at the same batch
             assert row["tokens_exact"] == row["sequences_compared"] == 2 * row["sequences"]
             assert row["agreeing_prefix_mean"] == row["plain_self_prefix_mean"] == 6
-            assert row["ours_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0 and row["ours_over_plain_paired"] > 0
+            assert row["ours_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0
+            assert math.isfinite(row["ours_over_plain_paired"])  # a tiny model's rates are noise, maybe < 0
         prefix = mode["prefix"]
         assert prefix["tokens_equal"] == prefix["requests_compared"] == 2
         assert prefix["hits"] == 2 * (100 // 32) and prefix["misses"] == 0  # the system prompt's full pages

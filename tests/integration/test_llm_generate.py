@@ -55,8 +55,10 @@ def records(rt) -> list[CallRecord]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
 def test_greedy_tokens_are_those_of_transformers_for_each_architecture(tmp_path, arch):
+    """Eager steps on the CPU: by the lean step for the Llama family, once it matched
+    transformers' forward (NOTE [Lean decode steps]), by transformers' forward for GPT-2."""
     path = hfdir.write_model_dir(tmp_path / arch, arch, seed=2, hidden=96, layers=3)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
@@ -67,8 +69,30 @@ def test_greedy_tokens_are_those_of_transformers_for_each_architecture(tmp_path,
         m = lm.load(rt, arch, path)
         got = m.generate(ids[0].tolist(), SamplingParams(max_tokens=16, temperature=0)).result(60)
         assert got.tokens == want
+        snap = m.engine.snapshot()
+        assert snap.eager_steps == 15 and snap.lean_steps == (0 if arch == "gpt2" else 14)  # the first: both
         m.close()
         assert rt.models() == []
+
+
+def test_a_lean_step_that_differs_from_transformers_is_never_used(llama, reference, monkeypatch, caplog):
+    """NOTE [Lean decode steps]: the first eager step runs both; a lean step whose logits
+    differ in the last bit is dropped, and every token is transformers' own."""
+    from timeshare.decode.lean import LeanStep
+
+    real = LeanStep.logits
+
+    def off_by_a_bit(self, *args, **kwargs):
+        return torch.nextafter(real(self, *args, **kwargs), torch.tensor(float("inf")))
+
+    monkeypatch.setattr(LeanStep, "logits", off_by_a_bit)
+    with Runtime("cpu", "64MiB") as rt:
+        m = lm.load(rt, "llama", llama)
+        assert m.generate(m.encode(PROMPTS[0]), GREEDY).result(60).tokens == reference(PROMPTS[0])
+        snap = m.engine.snapshot()
+        assert snap.eager_steps == GREEDY.max_tokens - 1 and snap.lean_steps == 0
+        assert "differs from transformers' forward" in caplog.text
+        m.close()
 
 
 def test_greedy_warm_and_after_a_pipelined_load_from_poisoned_blocks(llama, reference):
@@ -304,7 +328,8 @@ def test_a_cancelled_sequence_is_freed_and_the_others_carry_on(llama, reference)
             time.sleep(0.01)
         # Their full pages stay cached (NOTE [Prefix caching]), free for any allocation.
         assert m.engine.snapshot().cached_pages > 0
-        assert replace(m.engine.snapshot(), steps=0, turns=0, eager_steps=0, cached_pages=0) == EngineSnapshot(
+        counted = {"steps": 0, "turns": 0, "eager_steps": 0, "lean_steps": 0, "cached_pages": 0}
+        assert replace(m.engine.snapshot(), **counted) == EngineSnapshot(
             running=0, waiting=0, kv_bytes=0, kv_host_bytes=0, kv_offloads=0, steps=0, turns=0,
             max_sequences=8, max_context=256)
         m.close()

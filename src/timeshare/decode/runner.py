@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from timeshare.decode.cache import DecodeView, ExtendView, cache_key, paged_cache_class, prompt_layers
+from timeshare.decode.lean import LeanStep
 from timeshare.decode.pages import PagedLayout, to_device
 from timeshare.decode.sampler import choose
 from timeshare.decode.step import DecodeCounts, DecoderSpec, Step, StepKind, StepOutcome
@@ -224,6 +225,9 @@ class DecodeRunner:
         self._arange = torch.arange(width * layout.block, device=device)
         self._logits: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None  # an eager step's gathers (``_scratch``)
+        # NOTE [Lean decode steps]: the lean step, once the first eager step found it equal.
+        self._lean: LeanStep | None = None
+        self._lean_checked = False
         graph_pages = min(width, layout.pages_for(min(spec.max_context, graph_context) + 1))
         self._contexts = tuple(sorted({min(max(least, 1 << i), width)
                                        for i in range(_pow2(graph_pages).bit_length())}))
@@ -250,7 +254,7 @@ class DecodeRunner:
         c = self.counts
         done = DecodeCounts(c.captures - before.captures, c.compiled - before.compiled, c.capture_s - before.capture_s,
                             c.replays - before.replays, c.eager - before.eager,
-                            c.invalidations - before.invalidations)
+                            c.invalidations - before.invalidations, c.lean - before.lean)
         return StepOutcome(tokens, done, self.wants_capture)
 
     def launch(self, module: nn.Module, step: Step) -> torch.Tensor | None:
@@ -382,8 +386,8 @@ class DecodeRunner:
             logits, new = self._logits_of(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1],
                                           mask, positions[:, None], table, at, None)
         else:
-            logits, new = decode_logits(module, self.layout, self._cache_class, self._cache_key, inputs[:, :1], mask,
-                                        positions[:, None], table, at, length, self._scratch(batch, length))
+            logits, new = self._eager(module, inputs[:, :1], mask, positions[:, None], table, at, length,
+                                      self._scratch(batch, length))
         # The pool is written here, after the forward (NOTE [Paged key/value caches]): on the
         # CPU a row at a time from the host's copy of the inputs (an indexed write into
         # the pool's strided view costs more than the step's gathers), else in one write.
@@ -397,6 +401,35 @@ class DecodeRunner:
         if self._logits is None or self._logits.shape[1] != logits.shape[1] or self._logits.dtype != logits.dtype:
             self._logits = torch.empty(self._batches[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
         self._logits[:batch].copy_(logits)
+
+    def _eager(self, module: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+               table: torch.Tensor, at: torch.Tensor, length: int, scratch: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An eager step's logits and new keys and values: by the lean step once it has
+        matched ``transformers``' forward bit for bit on this runner's first eager step
+        (NOTE [Lean decode steps]), else by ``transformers``' forward."""
+        def hf() -> tuple[torch.Tensor, torch.Tensor]:
+            return decode_logits(module, self.layout, self._cache_class, self._cache_key, ids, mask, positions,
+                                 table, at, length, scratch)
+
+        if not self._lean_checked:  # this runner's first eager step: both, compared
+            self._lean_checked = True
+            want = hf()
+            lean = LeanStep.of(module)
+            if lean is not None:
+                got = lean_logits(lean, module, self.layout, self._cache_class, ids, mask, positions, table, at,
+                                  length, scratch)
+                if torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]):
+                    self._lean = lean
+                else:
+                    log.warning("the lean decode step of %s differs from transformers' forward; its steps run "
+                                "through transformers' forward", type(module).__name__)
+            return want
+        if self._lean is None:
+            return hf()
+        self.counts.lean += 1
+        return lean_logits(self._lean, module, self.layout, self._cache_class, ids, mask, positions, table, at,
+                           length, scratch)
 
     def _scratch(self, rows: int, length: int) -> torch.Tensor:
         """The buffer an eager step gathers each layer's pages into (NOTE [Paged key/value
@@ -473,6 +506,14 @@ def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: st
     out = type(module).forward(module, input_ids=ids, attention_mask=mask, position_ids=positions,
                                use_cache=True, logits_to_keep=1, **{key: cache})
     return out.logits[:, -1], cache.written()
+
+
+def lean_logits(lean: LeanStep, module: nn.Module, layout: PagedLayout, adapter: type, ids: torch.Tensor,
+                mask: torch.Tensor | None, positions: torch.Tensor, table: torch.Tensor, at: torch.Tensor,
+                length: int, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_logits`` of an eager step by ``lean`` (NOTE [Lean decode steps])."""
+    cache = adapter(layout, DecodeView(table, at, length, positions[:, 0], layout.block, scratch))
+    return lean.logits(module, ids, positions, mask, cache), cache.written()
 
 
 class Decoders:

@@ -123,7 +123,8 @@ class Step:
 class DecodeCounts:
     """Steps so far (or of one step): graphs captured (and of those, of a compiled step:
     NOTE [Compiled decode steps]), the seconds capturing took (compiling too), steps
-    replayed and run eagerly, captures dropped because the model was laid out elsewhere."""
+    replayed and run eagerly (and of those, by the lean step: NOTE [Lean decode steps]),
+    captures dropped because the model was laid out elsewhere."""
 
     captures: int = 0
     compiled: int = 0
@@ -131,6 +132,7 @@ class DecodeCounts:
     replays: int = 0
     eager: int = 0
     invalidations: int = 0
+    lean: int = 0
 
     def add(self, other: DecodeCounts) -> None:
         self.captures += other.captures
@@ -139,6 +141,7 @@ class DecodeCounts:
         self.replays += other.replays
         self.eager += other.eager
         self.invalidations += other.invalidations
+        self.lean += other.lean
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,7 @@ class EngineSnapshot:
     prefix_misses: int = 0
     cached_pages: int = 0  # free pages of its pool holding a published prefix (every model of the pool)
     preemptions: int = 0  # NOTE [Preemption under memory pressure]
+    lean_steps: int = 0  # of the eager steps, those run by the lean step (NOTE [Lean decode steps])
 
 
 class Engine:
@@ -180,7 +181,7 @@ class Engine:
                                   eager_steps=counts.eager, graph_invalidations=counts.invalidations,
                                   graphs_compiled=counts.compiled, capture_s=counts.capture_s,
                                   prefix_hits=self._batch.hits, prefix_misses=self._batch.misses,
-                                  cached_pages=pool.cached, preemptions=self.preemptions)
+                                  cached_pages=pool.cached, preemptions=self.preemptions, lean_steps=counts.lean)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread
