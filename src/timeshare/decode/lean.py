@@ -16,9 +16,10 @@ kernels on the same tensors in the same order, about 5% faster for a 64M model o
 cores. Being the same is checked, not assumed: a runner's first eager step runs both,
 and uses the lean step from then on only if its logits and its new keys and values equal
 ``transformers``' bit for bit (else it warns and keeps ``transformers``' forward). Only
-eager steps use it: a captured graph replays kernels, where Python costs nothing, and a
-compiled step is traced from ``transformers``' forward. Any other architecture decodes
-through ``transformers``' forward.
+eager steps on the CPU use it: on CUDA a captured graph replays kernels, where Python
+costs nothing, a compiled step is traced from ``transformers``' forward, the eager steps
+between a relayout and the next capture are few, and the comparison would wait for the
+device. Any other architecture decodes through ``transformers``' forward.
 """
 
 from __future__ import annotations
