@@ -74,6 +74,7 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
 
 @pytest.mark.parametrize("args, words", [(["--workers", "1"], "workers must be at least 2"),
                                          (["--modes", "in-process,gpu"], "modes must be one or both"),
+                                         (["--system-tokens", "0"], "system_tokens and turn_tokens"),
                                          (["--fleet-models", "2"], "at least 3 models"),
                                          (["--new-tokens", "1"], "new_tokens at least 2"),
                                          (["--concurrent", "1,0"], "each at least 1"),

@@ -85,10 +85,11 @@ def test_under_pressure_cached_pages_are_reclaimed_before_any_sequence_is_preemp
         m.close()
 
 
-def test_rows_that_find_no_page_preempt_the_newest_which_recomputes_and_goes_on_exactly(paths):
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_rows_that_find_no_page_preempt_the_newest_which_recomputes_and_goes_on_exactly(paths, workers):
     path = paths["llama"]
     reference = greedy_tokens(path)
-    with Runtime("cpu", "64MiB") as rt:
+    with Runtime("cpu", "64MiB", workers=workers) as rt:
         pool = lm.arena_pool(rt, "kv", 40 * 4096, 4096)  # room for one of the two at full length
         m = lm.load(rt, "m", path, max_context=256, pages=pool)
         _fill(m, reference)

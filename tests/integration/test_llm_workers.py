@@ -51,6 +51,9 @@ def test_generation_in_a_worker_equals_transformers_alone_batched_cold_and_preem
         m = lm.load(rt, "llama", llama)
         rt.register("other", "tests.models:sleepy_linear", None, (x,))
         assert m.generate(m.encode(PROMPTS[0]), greedy(24)).result(60).tokens == reference(PROMPTS[0], 24)
+        # The worker's eager steps by the lean step, as in-process (NOTE [Lean decode steps]).
+        snap = m.engine.snapshot()
+        assert snap.eager_steps == 23 and snap.lean_steps == 22
         [home] = homes(rt).values()
         assert home != rt.snapshot().workers.workers[0].id  # not the first worker: inference goes there
         rt.evict("llama")  # the next one loads, pipelined, into a poisoned block, in the home

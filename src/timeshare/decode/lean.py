@@ -67,20 +67,21 @@ class LeanStep:
         it calls (None: decode through ``transformers``' forward)."""
         if type(model).__name__ not in FAMILIES:
             return None
-        try:
-            inner = model.model
-            for layer in inner.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                for part in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                             mlp.down_proj):
-                    if type(part) is not nn.Linear:
-                        return None
-                attn.head_dim, attn.scaling, attn.layer_idx, mlp.act_fn  # noqa: B018
-                layer.input_layernorm, layer.post_attention_layernorm  # noqa: B018
-            inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head  # noqa: B018
-            return cls(model)
-        except (AttributeError, KeyError, IndexError):
+        inner: Any = getattr(model, "model", None)
+        if not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "rotary_emb", "norm")) \
+                or not hasattr(model, "lm_head") or not len(inner.layers):
             return None
+        for layer in inner.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if not (hasattr(layer, "input_layernorm") and hasattr(layer, "post_attention_layernorm")
+                    and all(hasattr(attn, a) for a in ("head_dim", "scaling", "layer_idx"))
+                    and hasattr(mlp, "act_fn")):
+                return None
+            if any(type(getattr(part, name, None)) is not nn.Linear for part, names in
+                   ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj")))
+                   for name in names):
+                return None
+        return cls(model)
 
     def logits(self, model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                cache: Any) -> torch.Tensor:

@@ -251,11 +251,7 @@ class DecodeRunner:
         before = replace(self.counts)
         chosen = self.launch(module, step)
         tokens = () if chosen is None else tuple(chosen.tolist())
-        c = self.counts
-        done = DecodeCounts(c.captures - before.captures, c.compiled - before.compiled, c.capture_s - before.capture_s,
-                            c.replays - before.replays, c.eager - before.eager,
-                            c.invalidations - before.invalidations, c.lean - before.lean)
-        return StepOutcome(tokens, done, self.wants_capture)
+        return StepOutcome(tokens, self.counts.since(before), self.wants_capture)
 
     def launch(self, module: nn.Module, step: Step) -> torch.Tensor | None:
         """Queue ``step``'s work on the device: each row's next token, on the device (None

@@ -20,7 +20,7 @@ workers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
@@ -135,13 +135,12 @@ class DecodeCounts:
     lean: int = 0
 
     def add(self, other: DecodeCounts) -> None:
-        self.captures += other.captures
-        self.compiled += other.compiled
-        self.capture_s += other.capture_s
-        self.replays += other.replays
-        self.eager += other.eager
-        self.invalidations += other.invalidations
-        self.lean += other.lean
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def since(self, before: DecodeCounts) -> DecodeCounts:
+        """What was counted since ``before`` (a copy of these counts taken then)."""
+        return DecodeCounts(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
 
 
 @dataclass(frozen=True, slots=True)

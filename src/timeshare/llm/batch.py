@@ -20,12 +20,11 @@ class Row:
     """One sequence in the batch: its pages (its block table), the positions they hold,
     and the keys of its full pages (NOTE [Prefix caching])."""
 
-    __slots__ = ("seq", "pages", "length", "keys", "saved", "cached")
+    __slots__ = ("seq", "pages", "length", "keys", "saved")
 
-    def __init__(self, seq: Sequence, pages: list[int], keys: list[bytes], cached: int = 0):
+    def __init__(self, seq: Sequence, pages: list[int], keys: list[bytes]):
         self.seq, self.pages, self.keys = seq, pages, keys
         self.length = 0
-        self.cached = cached  # the positions its prefill found cached
         self.saved: torch.Tensor | None = None  # its pages' bytes while in host memory
 
     def context(self) -> list[int]:
@@ -79,7 +78,7 @@ class Batch:
         self.hits += len(shared)
         self.misses += len(shareable) - len(shared)
         start = len(shared) * self.block
-        row = Row(seq, shared + new, keys, start)
+        row = Row(seq, shared + new, keys)
         # Only a page the prefill leaves partly written is zeroed (NOTE [Paged key/value caches]).
         zero = tuple(new[-1:]) if len(context) % self.block else ()
         return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
@@ -153,10 +152,6 @@ class Batch:
 
     # ------------------------------------------------------------------ host memory
     # NOTE [Key/value caches off the device]
-    @property
-    def out(self) -> bool:
-        return any(r.saved is not None for r in self.rows)
-
     def move_out(self) -> int:
         """Every row's pages to host memory (page-locked on CUDA), their pages given back;
         the bytes moved."""
@@ -172,12 +167,11 @@ class Batch:
     def move_in(self) -> None:
         """The rows' caches back, bit for bit, in pages taken now (``KVMemoryError``: too
         few free; nothing taken then)."""
-        out = [r for r in self.rows if r.saved is not None]
+        out = [(r, r.saved) for r in self.rows if r.saved is not None]
         if not out:
             return
-        counts = [r.saved.shape[0] for r in out if r.saved is not None]
-        pages = self.pool.take(sum(counts))
-        self.pool.write(pages, torch.cat([r.saved for r in out if r.saved is not None]))
+        pages = self.pool.take(sum(saved.shape[0] for _, saved in out))
+        self.pool.write(pages, torch.cat([saved for _, saved in out]))
         at = 0
-        for row, n in zip(out, counts):
-            row.pages, row.saved, at = pages[at:at + n], None, at + n
+        for row, saved in out:
+            row.pages, row.saved, at = pages[at:at + saved.shape[0]], None, at + saved.shape[0]

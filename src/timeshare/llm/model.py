@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from timeshare.decode.pages import MAX_BLOCK, page_bytes_for, pool_footprint
-from timeshare.decode.runner import compile_cache, resolve_modes
+from timeshare.decode.runner import resolve_modes
 from timeshare.decode.step import DecoderSpec, KVShape
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
@@ -147,8 +147,6 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
             region = pool_region(name)
             page_bytes, nbytes = pool_bytes(shape, max_sequences, int(context))
             pages = arena_pool(runtime, region, nbytes, page_bytes)
-        if compiled is not None:
-            compile_cache()
         spec = DecoderSpec(pages.offset, pages.nbytes, pages.page_bytes, shape, max_sequences, int(context),
                            graph_mode, compiled)
         # NOTE [Prefix caching]: this load's pages are keyed apart from any other's.
