@@ -221,3 +221,28 @@ def test_a_row_whose_logits_hold_nan_gets_no_token():
     for d in (draw(3, temperature=0.0), draw(3, temperature=0.8, top_p=0.9)):
         got = choose(logits, d)
         assert int(got[1]) == -1 and int(got[0]) >= 0 and int(got[2]) >= 0
+
+
+def test_a_lean_steps_projection_is_onednns_where_it_runs_and_agrees_within_rounding():
+    """NOTE [Lean decode steps]: on a CPU build with oneDNN the lean step's projections are
+    oneDNN's matmul, within rounding of ``F.linear``'s; ``agrees`` takes rounding and
+    refuses an error a step could make (a bias left out, a shape, NaN where there was none)."""
+    import torch.nn.functional as F
+
+    from timeshare.decode.lean import agrees, linear_of
+
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64) * 0.05, torch.randn(96) * 0.01, torch.randn(8, 1, 64)
+    linear = linear_of(weight)
+    if torch.backends.mkldnn.is_available():
+        assert linear is not F.linear
+    want = F.linear(x, weight, bias)
+    got = linear(x, weight, bias)
+    assert agrees(got, want)
+    assert not agrees(linear(x, weight, None), want)  # the bias left out
+    assert not agrees(got + 1e-3 * want.abs().max(), want)
+    assert not agrees(got[:4], want) and not agrees(got.double(), want)
+    broken = got.clone()
+    broken[0, 0, 0] = float("nan")
+    assert not agrees(broken, want) and agrees(broken, broken.clone())
+    assert linear_of(weight.to(torch.float64))(x.double(), weight.double(), None).dtype == torch.float64
