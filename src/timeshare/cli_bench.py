@@ -148,6 +148,14 @@ def _add_llm(bench) -> None:
                    help="the decode step its CUDA graphs capture: compiled (auto: inductor on CUDA) or eager")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer", default=None, choices=["vllm"],
+                   help="instead of the parts: the same model directory served by timeshare (each of --modes) and "
+                   "by this peer, alternated, through their OpenAI APIs (first token, decode tokens/s at 1 and 8 "
+                   "requests, start-up, memory, greedy text)")
+    p.add_argument("--peer-python", default=None,
+                   help="--peer: the Python that has the peer installed (default: $TIMESHARE_VLLM_PYTHON, then "
+                   ".venv-vllm/bin/python, which `make vllm-venv` builds)")
+    p.add_argument("--peer-runs", type=int, default=3, help="--peer: alternated runs of every server")
     json_option(p)
     plot_option(p, "write the three parts as a PNG")
 
@@ -173,6 +181,13 @@ def run(args, console, run_bench) -> int:
                                      policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
                                      drill=not args.no_drill, seed=args.seed)
         return run_bench(run_cluster, cluster, _shower(console, _print_cluster, plot_cluster, args.plot), args.json)
+    if args.bench == "llm" and args.peer is not None:
+        from timeshare.bench import llm_peer
+
+        peer = llm_peer.PeerBenchConfig(peer=args.peer, python=args.peer_python, runs=args.peer_runs,
+                                        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+                                        workers=args.workers, workdir=args.workdir, seed=args.seed)
+        return run_bench(llm_peer.run, peer, _shower(console, _print_peer, llm_peer.plot, args.plot), args.json)
     if args.bench == "llm":
         from timeshare.bench.llm import LLMBenchConfig, parse_counts
         from timeshare.bench.llm import plot as plot_llm
@@ -232,6 +247,40 @@ def _print_cluster(console, r: dict) -> None:
     if d:
         console.print(f"drill: killed {d['killed']}, retried {d['retried']}, added {d['added']} "
                       f"(served {d['added_served']}), lost {d['lost']}")
+
+
+def _print_peer(console, r: dict) -> None:
+    from timeshare.units import format_bytes as fb
+
+    cfg, summary = r["config"], r["summary"]
+    servers = [cfg["peer"], *cfg["modes"]]
+    table = Table(title=f"bench llm --peer {cfg['peer']}: {r['model']}, medians of {cfg['runs']} alternated runs "
+                        "(range)")
+    table.add_column("")
+    for name in servers:
+        table.add_column(name if name == cfg["peer"] else f"timeshare {name}", justify="right")
+    shown = (("ready (s)", "ready_s", 1.0, "{:.1f}"), ("first token, short (ms)", "ttft_short_s", 1e3, "{:.1f}"),
+             ("first token, new long prompt (ms)", "ttft_long_new_s", 1e3, "{:.0f}"),
+             ("first token, cached prefix (ms)", "ttft_prefix_s", 1e3, "{:.1f}"),
+             ("decode tokens/s, 1 request", "decode_1_tokens_per_s", 1.0, "{:.0f}"),
+             ("decode tokens/s, 8 requests", "decode_8_tokens_per_s", 1.0, "{:.0f}"),
+             ("total tokens/s, 8 requests", "total_8_tokens_per_s", 1.0, "{:.0f}"))
+    for label, metric, scale, fmt in shown:
+        cells = []
+        for name in servers:
+            m = summary[name][metric]
+            cell = f"{fmt.format(m['median'] * scale)} ({fmt.format(m['min'] * scale)}-{fmt.format(m['max'] * scale)})"
+            if name != cfg["peer"]:
+                cell += f" {summary[name]['better_than_peer'][metric]:.2f}x"
+            cells.append(cell)
+        table.add_row(label, *cells)
+    table.add_row("memory", *(fb(int(summary[n]["memory_bytes"]["median"])) for n in servers))
+    last = r["runs"][-1]
+    table.add_row("greedy = transformers'", *(f"{last[n]['greedy_equal_transformers']}/{last[n]['greedy_compared']}"
+                                             for n in servers))
+    console.print(table)
+    console.print("ratios: above 1.00x is timeshare better (tokens/s ours over theirs; times and memory theirs "
+                  "over ours)")
 
 
 def _print_llm(console, r: dict) -> None:

@@ -1,0 +1,471 @@
+"""``timeshare bench llm --peer vllm``: one model directory served by ``timeshare serve``
+(in-process and with workers) and by vLLM, the servers started one at a time and
+alternated run after run, the same requests sent to each through its OpenAI API: time to
+ready, time to first token (a short prompt, a new long prompt, the same long prefix
+with a new last word), decode tokens/s of one request and of 8 at once, the memory of
+the server's processes, and whether the greedy text is ``transformers``'. Runs in the
+CLI's process; the servers are child processes, vLLM in a Python of its own (``make
+vllm-venv``), never imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from timeshare.bench.environment import describe
+from timeshare.errors import ConfigError, TimeshareError
+from timeshare.llm import hfdir
+
+PEERS = ("vllm",)
+MODES = ("in-process", "workers")
+MODEL = "m"  # the name both servers serve the model under
+WORDS = ("the model switch fast load weights layer token a gpu share time memory host device cache group "
+         "stream copy wake sleep serve request answer slow").split()
+VLLM_PYTHON_ENV = "TIMESHARE_VLLM_PYTHON"
+# What one request of each kind measures, and how it is summed up across runs.
+METRICS = ("ready_s", "ttft_short_s", "ttft_long_new_s", "ttft_prefix_s", "decode_1_tokens_per_s",
+           "decode_8_tokens_per_s", "total_8_tokens_per_s", "memory_bytes")
+LOWER_IS_BETTER = {"ready_s", "ttft_short_s", "ttft_long_new_s", "ttft_prefix_s", "memory_bytes"}
+
+
+@dataclass
+class PeerBenchConfig:
+    peer: str = "vllm"
+    python: str | None = None  # the peer's Python (default: $TIMESHARE_VLLM_PYTHON, then .venv-vllm/bin/python)
+    runs: int = 3
+    new_tokens: int = 64
+    prompt_words: int = 48  # the decode requests' prompts
+    long_words: int = 1500  # the long prompt's words (a token each)
+    concurrent: int = 8
+    modes: tuple[str, ...] = MODES
+    workers: int = 2
+    hidden: int = 256  # the model: Llama-shaped, written from code (seeded)
+    layers: int = 4
+    heads: int = 4
+    max_context: int = 4096
+    kv_space_gib: int = 2  # vLLM's VLLM_CPU_KVCACHE_SPACE
+    ready_timeout_s: float = 600.0
+    seed: int = 0
+    workdir: str | None = None
+
+    def __post_init__(self):
+        if self.peer not in PEERS:
+            raise ConfigError(f"peer must be one of {list(PEERS)}, got {self.peer!r}")
+        self.modes = tuple(self.modes)
+        if not self.modes or set(self.modes) - set(MODES):
+            raise ConfigError(f"modes must be one or both of {', '.join(MODES)}, got {list(self.modes)}")
+        if min(self.runs, self.prompt_words, self.concurrent) < 1 or self.new_tokens < 2:
+            raise ConfigError("runs, prompt_words and concurrent must be at least 1, new_tokens at least 2")
+        if self.long_words + self.new_tokens + 8 > self.max_context:
+            raise ConfigError(f"a long prompt of {self.long_words} words and {self.new_tokens} tokens does not fit "
+                              f"a context of {self.max_context}")
+
+    def peer_python(self) -> Path:
+        """The Python that has the peer installed; a clear error where there is none."""
+        given = self.python or os.environ.get(VLLM_PYTHON_ENV)
+        path = Path(given) if given else Path(".venv-vllm/bin/python")
+        if not path.exists():
+            raise ConfigError(f"no Python with vLLM at {path}: build one with `make vllm-venv`, or pass "
+                              f"--peer-python or set {VLLM_PYTHON_ENV}")
+        return path
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The texts every server gets, the same in every run: ``short``, ``decode`` (one per
+    concurrent request; the first is also the single request's), ``long`` and ``prefix``
+    (``long`` with another last word)."""
+
+    short: str
+    decode: tuple[str, ...]
+    long: str
+    prefix: str
+
+    @classmethod
+    def make(cls, config: PeerBenchConfig) -> Prompts:
+        rng = random.Random(config.seed)
+
+        def words(n: int) -> str:
+            return " ".join(rng.choice(WORDS) for _ in range(n))
+
+        decode = tuple(words(config.prompt_words) for _ in range(config.concurrent))
+        long = words(config.long_words)
+        last = long.rsplit(" ", 1)[1]
+        other = next(w for w in WORDS if w != last)
+        return cls(words(4), decode, long, long.rsplit(" ", 1)[0] + " " + other)
+
+
+# ---------------------------------------------------------------------- servers
+class Server:
+    """One server in a child process: ``start`` (waits until it answers HTTP, with a
+    deadline; the bench then waits for its first completion: ``first_answer``), ``url``,
+    ``pids`` (its processes, for their memory), ``stop``."""
+
+    name = ""
+    url = ""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class TimeshareServer(Server):
+    def __init__(self, path: Path, mode: str, config: PeerBenchConfig):
+        from timeshare.server.process import ServerProcess
+
+        self.name = f"timeshare {mode}"
+        workers = config.workers if mode == "workers" else 0
+        doc = {"runtime": {"device": "cpu", "workers": workers},
+               "llms": [{"name": MODEL, "path": str(path), "max_context": config.max_context,
+                         "max_sequences": max(8, config.concurrent)}]}
+        self._server = ServerProcess(doc, ready_timeout_s=config.ready_timeout_s)
+        self.url = self._server.url
+
+    def start(self) -> None:
+        self._server.start()
+
+    def pids(self) -> list[int]:
+        return [self._server.pid, *_descendants(self._server.pid)]
+
+    def stop(self) -> None:
+        self._server.close()
+
+
+class VLLMServer(Server):
+    """vLLM's OpenAI server as its CPU build is started (``vllm serve`` fails there: the
+    package is named vllm-cpu), float32 like the model directory, its key/value cache
+    ``kv_space_gib``."""
+
+    def __init__(self, path: Path, config: PeerBenchConfig):
+        from timeshare.server.process import free_port
+
+        self.name = "vllm"
+        self.python, self.path, self.config = config.peer_python(), path, config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="timeshare-vllm-")
+        self.log_path = Path(self._dir.name) / "vllm.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        import httpx
+
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_space_gib), "PYTHONUNBUFFERED": "1"}
+        command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.path),
+                   "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len",
+                   str(self.config.max_context), "--host", "127.0.0.1", "--port", str(self.port)]
+        started = time.monotonic()
+        with open(self.log_path, "wb") as log:  # its own session: stopped with all its processes
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        deadline = started + self.config.ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise TimeshareError(f"vLLM exited with code {self.proc.returncode} before it was ready; its log:\n"
+                                     f"{self._tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeshareError(f"vLLM was not ready within {self.config.ready_timeout_s:.0f} s; its log:\n"
+                                     f"{self._tail()}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+
+    def pids(self) -> list[int]:
+        assert self.proc is not None
+        return [self.proc.pid, *_descendants(self.proc.pid)]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self._dir.cleanup()
+
+    def _tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                out.append(child)
+                todo.append(child)
+    return out
+
+
+def memory_bytes(pids: list[int]) -> int:
+    """The proportional set size of ``pids`` together: each shared page (a model's weights
+    mapped by several processes) counted once in all."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+# ---------------------------------------------------------------------- requests
+@dataclass
+class Streamed:
+    """One streamed completion: when it was sent, when each text chunk came, its text and
+    its completion tokens (from the final usage chunk)."""
+
+    sent: float
+    chunks: list[float]
+    text: str
+    tokens: int
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunks[0] - self.sent if self.chunks else float("nan")
+
+
+async def _complete(client: Any, prompt: str, max_tokens: int) -> Streamed:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent = time.monotonic()
+    chunks: list[float] = []
+    text: list[str] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return Streamed(sent, [], "", 0, f"HTTP {response.status_code}: {response.text[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return Streamed(sent, chunks, "".join(text), tokens, str(chunk["error"]))
+            for choice in chunk.get("choices") or []:
+                if choice.get("text"):
+                    chunks.append(time.monotonic())
+                    text.append(choice["text"])
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+    return Streamed(sent, chunks, "".join(text), tokens)
+
+
+def first_answer(url: str, prompt: str, timeout_s: float) -> None:
+    """Wait until ``url`` completes ``prompt`` (a server may answer HTTP while its model
+    still loads: 503 until then); an error past ``timeout_s``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    while True:
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            if r.status_code == 200:
+                return
+            if r.status_code != 503:
+                raise TimeshareError(f"{url}: the first completion failed: HTTP {r.status_code}: {r.text[:300]}")
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeshareError(f"{url}: no completion within {timeout_s:.0f} s of its start")
+        time.sleep(0.1)
+
+
+def _decode_rate(streams: list[Streamed]) -> float:
+    """Tokens after each stream's first over the time from the last first token to the
+    last token: every stream decodes in that window."""
+    start = max(s.chunks[0] for s in streams)
+    end = max(s.chunks[-1] for s in streams)
+    tokens = sum(s.tokens - 1 for s in streams)
+    return tokens / (end - start) if end > start else float("nan")
+
+
+async def _measure_async(url: str, prompts: Prompts, config: PeerBenchConfig) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+        async def one(prompt: str, max_tokens: int) -> Streamed:
+            s = await _complete(client, prompt, max_tokens)
+            if s.error is not None or not s.chunks:
+                raise TimeshareError(f"{url}: a completion failed: {s.error or 'no text came back'}")
+            return s
+
+        await one(prompts.short, 4)  # warm: the first request of a fresh server
+        shorts = [await one(prompts.short + f" {w}", 1) for w in WORDS[:3]]
+        single = await one(prompts.decode[0], config.new_tokens)
+        started = time.monotonic()
+        many = await asyncio.gather(*(one(p, config.new_tokens) for p in prompts.decode))
+        finished = max(s.chunks[-1] for s in many)
+        long = await one(prompts.long, 1)
+        prefix = await one(prompts.prefix, 1)
+    return {"ttft_short_s": statistics.median(s.ttft_s for s in shorts),
+            "decode_1_tokens_per_s": _decode_rate([single]), "decode_1_tokens": single.tokens,
+            "decode_8_tokens_per_s": _decode_rate(many),
+            "total_8_tokens_per_s": sum(s.tokens for s in many) / (finished - started),
+            "decode_8_tokens": [s.tokens for s in many],
+            "ttft_long_new_s": long.ttft_s, "ttft_prefix_s": prefix.ttft_s,
+            "texts": [single.text, *(s.text for s in many)]}
+
+
+# ---------------------------------------------------------------------- the run
+def run(config: PeerBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
+    config.peer_python()  # fail before anything starts
+    prompts = Prompts.make(config)
+    with tempfile.TemporaryDirectory(prefix="timeshare-peer-") as tmp:
+        root = Path(config.workdir) if config.workdir else Path(tmp)
+        path = root / f"llama-{config.hidden}-{config.layers}-{config.max_context}"
+        if not (path / "config.json").exists():
+            progress(f"writing the model directory {path}")
+            hfdir.write_model_dir(path, "llama", seed=config.seed, hidden=config.hidden, layers=config.layers,
+                                  heads=config.heads, max_positions=config.max_context)
+        progress("transformers' greedy text of the decode prompts")
+        want = _reference(path, prompts, config.new_tokens)
+        servers = [config.peer, *config.modes]
+        runs: list[dict] = []
+        for r in range(config.runs):
+            row: dict = {}
+            peer_texts: list[str] = []
+            for name in servers:  # alternated, one at a time
+                server: Server = VLLMServer(path, config) if name == config.peer else \
+                    TimeshareServer(path, name, config)
+                progress(f"run {r + 1}/{config.runs}: starting {server.name}")
+                started = time.monotonic()
+                try:
+                    server.start()
+                    first_answer(server.url, prompts.short, config.ready_timeout_s)
+                    ready_s = time.monotonic() - started  # from the start to its first completion
+                    progress(f"run {r + 1}/{config.runs}: {server.name} ready in {ready_s:.1f} s; requests")
+                    measured = asyncio.run(_measure_async(server.url, prompts, config))
+                    measured["memory_bytes"] = memory_bytes(server.pids())
+                finally:
+                    server.stop()
+                measured["ready_s"] = ready_s
+                texts = measured.pop("texts")
+                measured["greedy_equal_transformers"] = sum(t == w for t, w in zip(texts, want))
+                measured["greedy_compared"] = len(want)
+                if name == config.peer:
+                    peer_texts = texts
+                else:
+                    measured["greedy_equal_peer"] = sum(t == p for t, p in zip(texts, peer_texts))
+                row[name] = measured
+            runs.append(row)
+    return {"config": asdict(config), "environment": describe(_cpu()), "model": str(path.name),
+            "runs": runs, "summary": summarize(runs, servers, config.peer)}
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _reference(path: Path, prompts: Prompts, new_tokens: int) -> list[str]:
+    """``transformers``' greedy text after the decode prompts (the single request's, then
+    each concurrent one's), each alone, up to its first end-of-sequence token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out: list[str] = []
+    for prompt in (prompts.decode[0], *prompts.decode):
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        with torch.inference_mode():
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        end = next((i for i, t in enumerate(got) if t in eos), len(got))
+        out.append(str(tok.decode(got[:end])))
+    return out
+
+
+def summarize(runs: list[dict], servers: list[str], peer: str) -> dict:
+    """Each server's median and range of every metric over the runs, and each of ours
+    against the peer's median (for times and memory, the peer's over ours: above 1 is
+    ours better throughout)."""
+    out: dict = {}
+    for name in servers:
+        out[name] = {}
+        for metric in METRICS:
+            values = [r[name][metric] for r in runs]
+            out[name][metric] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    for name in servers:
+        if name == peer:
+            continue
+        ratios = {}
+        for metric in METRICS:
+            ours, theirs = out[name][metric]["median"], out[peer][metric]["median"]
+            ratios[metric] = theirs / ours if metric in LOWER_IS_BETTER else ours / theirs
+        out[name]["better_than_peer"] = ratios
+    return out
+
+
+# ---------------------------------------------------------------------- plot
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary, peer = result["summary"], result["config"]["peer"]
+    servers = [peer, *result["config"]["modes"]]
+    panels = (("decode tokens/s", ("decode_1_tokens_per_s", "decode_8_tokens_per_s"), ("1 request", "8 at once")),
+              ("first token (ms)", ("ttft_short_s", "ttft_long_new_s", "ttft_prefix_s"),
+               ("short", "new long", "cached prefix")))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (title, metrics, labels) in zip(axes, panels):
+        width = 0.8 / len(servers)
+        for i, name in enumerate(servers):
+            scale = 1e3 if "ttft" in metrics[0] else 1.0
+            med = [summary[name][m]["median"] * scale for m in metrics]
+            low = [med[j] - summary[name][m]["min"] * scale for j, m in enumerate(metrics)]
+            high = [summary[name][m]["max"] * scale - med[j] for j, m in enumerate(metrics)]
+            ax.bar([j + i * width for j in range(len(metrics))], med, width, yerr=[low, high], capsize=3,
+                   label=name if name == peer else f"timeshare {name}")
+        ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(metrics))], labels)
+        ax.set_title(title)
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"bench llm --peer {peer}: medians of {result['config']['runs']} alternated runs (bars: range)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
