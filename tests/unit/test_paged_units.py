@@ -246,3 +246,43 @@ def test_a_lean_steps_projection_is_onednns_where_it_runs_and_agrees_within_roun
     broken[0, 0, 0] = float("nan")
     assert not agrees(broken, want) and agrees(broken, broken.clone())
     assert linear_of(weight.to(torch.float64))(x.double(), weight.double(), None).dtype == torch.float64
+
+
+def test_a_burst_takes_the_pages_of_its_last_position_zeroes_those_it_reaches_and_publishes_only_tokens():
+    """NOTE [Multi-step decode]: a burst of steps takes each row's pages up to its last
+    position, zeroes the pages it first writes (not the partly written one), and after it
+    publishes the pages a row filled with its own tokens: a row that ended inside the
+    burst publishes no page holding positions past its last token."""
+    from timeshare.decode.step import DecoderSpec, StepKind
+    from timeshare.llm.batch import Batch, Row
+    from timeshare.llm.sampling import SamplingParams
+    from timeshare.llm.sequence import Detokenizer, Sequence
+
+    shape = KVShape(1, 1, 32, torch.float32)  # 256 bytes a position
+    pool = pool_of(8, page_bytes=4 * shape.position_bytes)  # 4 positions a page
+    spec = DecoderSpec(0, pool.nbytes, pool.page_bytes, shape, 4, 64)
+    batch = Batch(pool, spec, b"m")
+    rows = []
+    for n in (6, 5):  # contexts of 6 and 5 tokens, the last one chosen, not yet in the cache
+        seq = Sequence(n, list(range(10 * n, 11 * n - 1)), SamplingParams(max_tokens=8), Detokenizer(str))
+        row = Row(seq, pool.take(2), [])
+        batch.joined(row)  # its prompt's full page published
+        seq.tokens.append(99)
+        rows.append(row)
+    assert batch.short(4) == []  # positions up to 5+3 and 4+3: three pages and two
+    assert [len(r.pages) for r in rows] == [3, 2]
+    step = batch.decode(4)
+    assert step.kind is StepKind.DECODE and step.count == 4 and step.starts == (5, 4)
+    # Row 0 first writes page 2 (positions 8..); row 1 first writes page 1 (positions 4..7).
+    assert step.zero == (rows[0].pages[2], rows[1].pages[1])
+    # Row 0 takes all four tokens; row 1 ends with its second.
+    rows[0].seq.tokens += [1, 2, 3, 4]
+    rows[1].seq.tokens += [5, 6]
+    batch.stepped(4)
+    assert [r.length for r in rows] == [9, 8]
+    published = [pool.share([k])[0] for k in page_keys(b"m", rows[0].context(), 4)[:2]]
+    assert published == [[rows[0].pages[0]], [rows[0].pages[1]]]  # its prompt's page, and the one the burst filled
+    # Row 1 holds positions 0..7, but only 0..6 are its tokens': its page 1 is not published.
+    keys = page_keys(b"m", rows[1].context() + [0], 4)
+    assert pool.share(keys[:1])[0] == [rows[1].pages[0]]
+    assert pool.share(keys[1:2])[0] == []  # not found: a request with those tokens computes them

@@ -70,6 +70,7 @@ class LLMDef:
     graphs: str = "auto"  # NOTE [Decode graphs]
     compile: str = "auto"  # NOTE [Compiled decode steps]
     prefix_caching: bool = True  # NOTE [Prefix caching]
+    multi_step_s: float = 0.02  # NOTE [Multi-step decode]
 
     def load(self, rt: Runtime, kv_budget=None):
         from timeshare.llm import model as lm
@@ -77,7 +78,7 @@ class LLMDef:
         return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
                        max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
                        offload_kv=self.offload_kv, kv_budget=kv_budget, graphs=self.graphs, compile=self.compile,
-                       prefix_caching=self.prefix_caching)
+                       prefix_caching=self.prefix_caching, multi_step_s=self.multi_step_s)
 
 
 class RemoteGeneration:

@@ -179,6 +179,11 @@ class LLMConfig(Strict):
     """On CUDA, the step the decode graphs capture is compiled by inductor first (at
     registration: seconds to minutes, once per model shape, kept in inductor's cache on
     disk); false: transformers' eager step is captured."""
+    multi_step_ms: Annotated[float, Field(ge=0, le=1000)] = 20.0
+    """While no request waits to be admitted, one runtime call runs as many decode steps
+    as take this long (at most 16; NOTE [Multi-step decode]): a small model's fixed cost
+    per step is paid once a burst, and tokens reach streams a burst at a time. 0: one step
+    a call."""
     prefix_caching: bool = True
     """Share the key/value pages of prompt prefixes computed before (a system prompt, a
     conversation resent each turn) between requests, and keep them after their requests

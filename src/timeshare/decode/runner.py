@@ -308,22 +308,48 @@ class DecodeRunner:
 
     # ------------------------------------------------------------------ decode steps
     def _decode(self, module: nn.Module, step: Step) -> torch.Tensor:
-        """One token of every row: replayed from a graph, or eagerly."""
-        rows = step.rows
+        """``step.count`` tokens of every row (NOTE [Multi-step decode]), each step
+        replayed from a graph or run eagerly: the tokens of step 0 of every row, then of
+        step 1, and so on."""
+        rows, count = step.rows, step.count
         if step.draw is None or not rows or len(step.tables) != rows or len(step.starts) != rows:
             raise GenerationError(f"a decode step of {rows} rows needs a table, a position and a draw for each")
         if rows > self._batches[-1]:
             raise GenerationError(f"a decode step of {rows} rows, more than the {self.spec.max_sequences} "
                                   "sequences this model decodes together")
         widest = max(len(t) for t in step.tables)
-        if widest > self._width or max(step.starts) >= self.max_context:
+        last = max(step.starts) + count - 1
+        if widest > self._width or last >= self.max_context:
             raise GenerationError(f"a decode step past the model's context of {self.max_context} positions")
+        if count < 1 or any(len(t) * self.layout.block <= start + count - 1
+                            for t, start in zip(step.tables, step.starts)):
+            raise GenerationError(f"a burst of {count} decode steps needs each row's pages to its last position")
         batch = _bucket(rows, self._batches) or rows
         pages = max(self._contexts[0], min(_pow2(widest), self._width))
         self._load_inputs(step, batch)
-        self._run(module, rows, batch, pages, max(step.starts) + 1, min(step.starts) == max(step.starts))
-        assert self._logits is not None
-        return choose(self._logits[:rows], step.draw)
+        level = min(step.starts) == max(step.starts)
+        chosen: list[torch.Tensor] = []
+        for j in range(count):
+            if j:
+                self._advance(chosen[-1], rows, batch)
+            self._run(module, rows, batch, pages, max(step.starts) + j + 1, level)
+            assert self._logits is not None
+            draw = step.draw if not j else replace(step.draw, index=tuple(i + j for i in step.draw.index))
+            chosen.append(choose(self._logits[:rows], draw))
+        return chosen[0] if count == 1 else torch.cat(chosen)
+
+    def _advance(self, chosen: torch.Tensor, rows: int, batch: int) -> None:
+        """The inputs of a burst's next step: each row's token the one just chosen (a row
+        whose logits held NaN feeds token 0: its later tokens are never used), its position
+        one on, on the device without a wait, and in the host's copy (the CPU's pool
+        writes read positions there)."""
+        self._host[:rows, 1] += 1
+        if self.device.type == "cpu":
+            self._host[:rows, 0] = chosen.clamp_min(0)
+            self._inputs[:batch].copy_(self._host[:batch])
+        else:
+            self._inputs[:rows, 0] = chosen.clamp_min(0)
+            self._inputs[:rows, 1] += 1
 
     def _load_inputs(self, step: Step, batch: int) -> None:
         """The step's tokens, positions and tables into the input buffer: a row's table

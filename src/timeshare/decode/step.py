@@ -98,7 +98,9 @@ class Step:
     token); ``starts``: the position of each row's first new token (a prefill's cached
     positions); ``tables``: each row's pages, covering every position up to its last new
     one; ``zero``: pages newly taken for this step, zeroed before it (NOTE [Paged
-    key/value caches])."""
+    key/value caches]); ``count``: a decode step's burst of steps, each feeding the
+    tokens the one before chose (NOTE [Multi-step decode]), its tables covering the
+    last one's positions."""
 
     kind: StepKind
     spec: DecoderSpec
@@ -107,6 +109,7 @@ class Step:
     tables: tuple[tuple[int, ...], ...] = ()
     draw: Draw | None = None
     zero: tuple[int, ...] = ()
+    count: int = 1
 
     @property
     def rows(self) -> int:
@@ -146,7 +149,8 @@ class DecodeCounts:
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
     """What a step gave: each row's next token (-1: its logits held NaN, no token is made
-    up from them), what the step did (``DecodeCounts`` of this step alone) and whether
+    up from them; a burst of ``count`` steps: step 0's of every row, then step 1's, ...),
+    what the step did (``DecodeCounts`` of this step alone) and whether
     the model's graphs are to be captured (NOTE [Decode graphs]: never yet in the process
     that runs its steps, or dropped since)."""
 

@@ -95,39 +95,47 @@ class Batch:
         self.pool.give(row.pages)
 
     # ------------------------------------------------------------------ decode steps
-    def short(self) -> list[int]:
-        """The rows (indices) whose next position needs a page, taking one for each while
-        the pool has one; those left without one, in order (empty: the step can run)."""
+    def short(self, count: int = 1) -> list[int]:
+        """The rows (indices) whose next ``count`` positions need pages, taking them for
+        each while the pool has them; those left short, in order (empty: the step can run)."""
         left = []
         for i, row in enumerate(self.rows):
-            if row.length >= len(row.pages) * self.block:
+            need = self.pages_for(row.length + count) - len(row.pages)
+            if need > 0:
                 try:
-                    row.pages += self.pool.take(1)
+                    row.pages += self.pool.take(need)
                 except KVMemoryError:
                     left.append(i)
         return left
 
-    def decode(self) -> Step:
-        """One token of every row (each has the page of its next position: ``short``)."""
-        rows = self.rows
-        fresh = tuple(r.pages[-1] for r in rows if r.length % self.block == 0)
+    def decode(self, count: int = 1) -> Step:
+        """``count`` tokens of every row (NOTE [Multi-step decode]; each has the pages of
+        its next ``count`` positions: ``short``). The pages a row first writes in this step
+        are zeroed before it."""
+        rows, block = self.rows, self.block
+        fresh = tuple(p for r in rows for p in r.pages[-(-r.length // block):self.pages_for(r.length + count)])
         return Step(StepKind.DECODE, self.spec, tuple((r.seq.tokens[-1],) for r in rows),
                     tuple(r.length for r in rows), tuple(tuple(r.pages) for r in rows),
-                    draw([r.seq for r in rows]), fresh)
+                    draw([r.seq for r in rows]), fresh, count)
 
-    def stepped(self) -> None:
-        """The decode step succeeded: each row holds one more position; a page it filled is
-        published (NOTE [Prefix caching])."""
+    def stepped(self, count: int = 1) -> None:
+        """A decode step of ``count`` tokens succeeded and its tokens were taken: each row
+        holds ``count`` more positions, and a page it filled with its sequence's tokens is
+        published (NOTE [Prefix caching]). A row that ended inside a burst wrote positions
+        past its last token: only those of its tokens count."""
         for row in self.rows:
-            row.length += 1
-            if self.caching and row.length % self.block == 0:
-                self._publish(row, row.length // self.block - 1)
+            before = row.length // self.block
+            row.length += count
+            if self.caching:
+                valid = min(row.length, len(row.seq.prompt) + len(row.seq.tokens) - 1)
+                self._publish(row, before, valid // self.block)
 
-    def _publish(self, row: Row, first: int) -> None:
-        """Publish ``row``'s full pages from page ``first`` on."""
+    def _publish(self, row: Row, first: int, full: int | None = None) -> None:
+        """Publish ``row``'s full pages from page ``first`` on (up to page ``full``, default
+        every page its positions fill)."""
         if not self.caching:
             return
-        full = row.length // self.block
+        full = row.length // self.block if full is None else full
         if len(row.keys) < full:
             row.keys = page_keys(self.tag, row.context()[:full * self.block], self.block, row.keys)
         for i in range(first, full):

@@ -21,6 +21,23 @@ switch, and reload, at every token. Prefills first keeps the time to first token
 short when many models are busy: a new request waits for one step of another model,
 its load and its prefill, not for the others' turns.
 
+NOTE [Multi-step decode]: a decode step is one runtime call (the turn's bookkeeping, with
+workers a message each way) and the engine's work on its tokens, a fixed cost that a small
+model's step on the CPU does not hide (a 9 MiB model steps 8 rows in about 5 ms). So when
+no request waits to be admitted, one call runs a burst of steps (``Step.count``), each
+feeding the tokens the one before chose, as vLLM's multi-step scheduling did: as many as
+fit ``multi_step_s`` (``multi_step_ms`` of an ``llms`` entry, default 20 ms; 0: one step
+a call) at the latest step's time, at most ``MAX_MULTI_STEP``, no more than any row has
+positions left, nor than the longest row has tokens left. A model whose steps take longer
+than that runs one step a call, as before. The rows' pages for the whole burst are taken
+first (too few: one step, with the preemption below); each row's token of step ``j`` is
+drawn with its index plus ``j``, so a seeded row gets the tokens it gets step by step.
+A row that ends inside a burst (its end-of-sequence token, its length, a stop string) had
+the burst's later steps computed for nothing: those tokens are dropped, and only the
+positions of its own tokens are ever published (NOTE [Prefix caching]). What it costs:
+tokens reach a stream a burst at a time, and a request that arrives during a burst waits
+for its end (at most ``multi_step_s``) before its prefill.
+
 NOTE [Preemption under memory pressure]: a prompt whose pages the pool cannot give now
 waits while the model's own rows run (their pages come back as they end); alone, it asks
 the budget to move other models' caches out (NOTE [Key/value caches under pressure]) and
@@ -62,6 +79,7 @@ from timeshare.runtime.facade import ModelTurn, Runtime
 
 log = logging.getLogger(__name__)
 
+MAX_MULTI_STEP = 16  # NOTE [Multi-step decode]: the most steps in one runtime call
 NAN_LOGITS = "the model's logits for this sequence hold NaN (corrupt weights?): no token is chosen from them"
 
 
@@ -91,6 +109,7 @@ class EngineSnapshot:
     cached_pages: int = 0  # free pages of its pool holding a published prefix (every model of the pool)
     preemptions: int = 0  # NOTE [Preemption under memory pressure]
     lean_steps: int = 0  # of the eager steps, those run by the lean step (NOTE [Lean decode steps])
+    decode_calls: int = 0  # the runtime calls its decode steps took (NOTE [Multi-step decode])
 
 
 class Engine:
@@ -102,7 +121,7 @@ class Engine:
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
                  vocab: int, max_context: int, max_sequences: int, batch: Batch,
                  quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None,
-                 lane_bytes: int | None = None):
+                 lane_bytes: int | None = None, multi_step_s: float = 0.02):
         if max_sequences < 1:
             raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
         if max_context < 2:
@@ -116,6 +135,8 @@ class Engine:
         self.counts = DecodeCounts()  # what its steps did (NOTE [Decode graphs])
         self.wants_capture = batch.spec.graphs != "off"  # as the latest step said
         self.preemptions = 0
+        self.multi_step_s = multi_step_s  # NOTE [Multi-step decode]
+        self._step_s: float | None = None  # the latest decode step's time (a burst's over its steps)
         self._ids = 0
         self._closed = False
         self._listeners: list[Callable[[Event], None]] = []
@@ -134,6 +155,7 @@ class Engine:
         self._in_turn = False  # holds the device: its batch is its thread's alone
         self.last_turn = 0.0  # when its latest turn began (monotonic)
         self.steps = 0
+        self.decode_calls = 0
         self.turns = 0
         if kv_budget is not None:
             kv_budget.join(self)
@@ -181,7 +203,8 @@ class Engine:
                                   eager_steps=counts.eager, graph_invalidations=counts.invalidations,
                                   graphs_compiled=counts.compiled, capture_s=counts.capture_s,
                                   prefix_hits=self._batch.hits, prefix_misses=self._batch.misses,
-                                  cached_pages=pool.cached, preemptions=self.preemptions, lean_steps=counts.lean)
+                                  cached_pages=pool.cached, preemptions=self.preemptions, lean_steps=counts.lean,
+                                  decode_calls=self.decode_calls)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread
@@ -401,28 +424,56 @@ class Engine:
         return batch.prefill(seq)
 
     def _step(self, turn: ModelTurn) -> None:
-        """One decode step of every running sequence. A failed step fails the batch (every
-        one of them was in it); NaN logits fail their sequence alone."""
-        if not self._room():
+        """One decode step of every running sequence, or a burst of them (NOTE [Multi-step
+        decode]). A failed step fails the batch (every one of them was in it); NaN logits
+        fail their sequence alone."""
+        count = self._burst()
+        if count > 1 and self._batch.short(count):
+            count = 1  # too few pages for the burst: one step, preempting if it must
+        if count == 1 and not self._room():
             return
+        rows = len(self._running)
         try:
-            outcome = self._run(turn, self._batch.decode())
-            if len(outcome.tokens) != len(self._running):
-                raise GenerationError(f"a decode step of {len(self._running)} sequences gave "
+            started = time.perf_counter()
+            outcome = self._run(turn, self._batch.decode(count))
+            if len(outcome.tokens) != count * rows:
+                raise GenerationError(f"a decode step of {rows} sequences and {count} tokens each gave "
                                       f"{len(outcome.tokens)} tokens")
+            self._step_s = (time.perf_counter() - started) / count
         except Exception as exc:
             self._fail_rows(exc)
             return
-        self._batch.stepped()
-        self.steps += 1
+        self.steps += count
+        self.decode_calls += 1
+        for j in range(count):
+            for seq, token in zip(self._running, outcome.tokens[j * rows:(j + 1) * rows]):
+                if seq.done:  # it ended earlier in the burst: its later tokens are not its
+                    continue
+                try:
+                    if token < 0:
+                        raise GenerationError(NAN_LOGITS)
+                    self._emit(seq, token)
+                except Exception as exc:  # or a tokenizer's error
+                    self._fail(seq, exc)
+        self._batch.stepped(count)
         self.kv_bytes = self._batch.nbytes
-        for seq, token in zip(self._running, outcome.tokens):
-            try:
-                if token < 0:
-                    raise GenerationError(NAN_LOGITS)
-                self._emit(seq, token)
-            except Exception as exc:  # or a tokenizer's error
-                self._fail(seq, exc)
+
+    def _burst(self) -> int:
+        """How many decode steps the next runtime call runs (NOTE [Multi-step decode]):
+        one while a request waits to be admitted or before a step was timed; else as many
+        as fit ``multi_step_s`` at the latest step's time, no more than any row has
+        positions left or the longest has tokens left to make."""
+        if self.multi_step_s <= 0 or self._step_s is None:
+            return 1
+        with self._cond:
+            if self._waiting:
+                return 1
+        count = min(MAX_MULTI_STEP, int(self.multi_step_s / max(self._step_s, 1e-6)))
+        if count <= 1:
+            return 1
+        room = min(self.max_context - row.length for row in self._batch.rows)
+        left = max(seq.params.max_tokens - len(seq.tokens) for seq in self._running)
+        return max(1, min(count, room, left))
 
     def _room(self) -> bool:
         """A page for every row's next position (NOTE [Preemption under memory pressure]):

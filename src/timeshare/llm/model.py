@@ -103,7 +103,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
          offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
          graphs: str = "auto", compile: str | Callable[..., Any] = "auto",
-         prefix_caching: bool = True) -> LanguageModel:
+         prefix_caching: bool = True, multi_step_s: float = 0.02) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready, in-process or
@@ -118,9 +118,10 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     ``graphs``: NOTE [Decode graphs] ("auto": captured on CUDA, off elsewhere);
     ``compile``: NOTE [Compiled decode steps] ("auto": inductor where graphs are captured
     on CUDA, "off" to capture transformers' eager step); ``prefix_caching``: NOTE [Prefix
-    caching]. With ``profile``, the model is loaded once now and its prefill profiled,
-    so that every load after is pipelined (without it, the first generation's load
-    profiles), and its decode graphs are captured."""
+    caching]; ``multi_step_s``: NOTE [Multi-step decode]. With ``profile``, the model is
+    loaded once now and its prefill profiled, so that every load after is pipelined
+    (without it, the first generation's load profiles), and its decode graphs are
+    captured."""
     d = open_directory(name, path, max_context)
     path, config, tokenizer, context, vocab, eos = d.path, d.config, d.tokenizer, d.max_context, d.vocab, d.eos
     graph_mode, compiled = resolve_modes(graphs, compile, runtime.device)
@@ -154,7 +155,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
         batch = Batch(pages, spec, tag, caching=prefix_caching)
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, batch=batch, quantum_s=quantum_s,
-                        offload_kv=offload_kv, kv_budget=kv_budget,
+                        offload_kv=offload_kv, kv_budget=kv_budget, multi_step_s=multi_step_s,
                         lane_bytes=turn_lane_bytes(config, dtype, max_sequences, int(context), prefill_peak))
     except BaseException:
         if region is not None:

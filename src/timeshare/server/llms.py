@@ -87,7 +87,8 @@ def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = No
     return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
                    max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
                    offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages,
-                   graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1], prefix_caching=cfg.prefix_caching)
+                   graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1], prefix_caching=cfg.prefix_caching,
+                   multi_step_s=cfg.multi_step_ms / 1000)
 
 
 class LanguageModels:

@@ -131,7 +131,7 @@ class Service:
         return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
                        max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv,
                        kv_memory=kv_memory, graphs=c.decode_modes[0], compile=c.decode_modes[1],
-                       prefix_caching=c.prefix_caching)
+                       prefix_caching=c.prefix_caching, multi_step_s=c.multi_step_ms / 1000)
                 for c in self.config.llms]
 
     def _model_defs(self) -> list:
