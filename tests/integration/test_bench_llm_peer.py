@@ -91,7 +91,7 @@ def test_the_peer_bench_says_how_to_get_a_peer_when_there_is_none(tmp_path, caps
 def test_prompts_are_the_same_for_every_server_and_the_prefix_differs_in_its_last_word_only():
     config = llm_peer.PeerBenchConfig(long_words=50, concurrent=3)
     a, b = llm_peer.Prompts.make(config), llm_peer.Prompts.make(config)
-    assert a == b and len(a.decode) == 3 and len(set(a.decode)) == 3
+    assert a == b and len(a.many) == 3 and len({a.single, *a.many, a.short, a.long, a.prefix}) == 7
     long, prefix = a.long.split(), a.prefix.split()
     assert len(long) == len(prefix) == 50 and long[:-1] == prefix[:-1] and long[-1] != prefix[-1]
     with pytest.raises(Exception, match="does not fit"):
