@@ -482,3 +482,16 @@ def test_in_front_of_a_cluster_a_models_batches_run_at_once(batches):
             [True, True]
     else:
         assert all(isinstance(r, Exception) for r in replies)
+
+
+def test_a_sequences_waiting_deltas_are_sent_as_one_and_nothing_is_reordered():
+    """NOTE [Multi-step decode]: the text of a burst's tokens, waiting together, goes out
+    in one chunk; a finish, another sequence's delta and the order between them stay."""
+    from timeshare.llm.sequence import Delta, Finish
+    from timeshare.server.openai import join_deltas
+
+    end = Finish("stop", 3, 4, None)
+    got = join_deltas([(0, Delta("a", 1)), (0, Delta("b", 2)), (1, Delta("x", 1)), (0, Delta("c", 3)),
+                       (0, Delta("d", 4)), (0, end), (1, Delta("y", 2))])
+    assert got == [(0, Delta("ab", 2)), (1, Delta("x", 1)), (0, Delta("cd", 4)), (0, end), (1, Delta("y", 2))]
+    assert join_deltas([]) == [] and join_deltas([(2, end)]) == [(2, end)]

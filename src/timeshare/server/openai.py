@@ -232,19 +232,39 @@ class _Stream:
         return put
 
     async def events(self) -> AsyncIterator[tuple[int, Delta | Finish]]:
+        """The sequences' events as they come; the text of a sequence's events already
+        waiting together (a burst of decode steps: NOTE [Multi-step decode]) in one."""
         left = len(self.seqs)
         while left:
             try:
-                index, event = await asyncio.wait_for(self.queue.get(), self.timeout_s)
+                first = await asyncio.wait_for(self.queue.get(), self.timeout_s)
             except TimeoutError:
                 raise Timeout(f"no token in {self.timeout_s:g} s (server.request_timeout_s)") from None
-            if isinstance(event, Finish):
-                left -= 1
-            yield index, event
+            for index, event in join_deltas([first, *self._waiting()]):
+                if isinstance(event, Finish):
+                    left -= 1
+                yield index, event
+
+    def _waiting(self) -> list[tuple[int, Delta | Finish]]:
+        out = []
+        while not self.queue.empty():
+            out.append(self.queue.get_nowait())
+        return out
 
     def cancel(self) -> None:
         for seq in self.seqs:
             seq.cancel()
+
+
+def join_deltas(events: list[tuple[int, Delta | Finish]]) -> list[tuple[int, Delta | Finish]]:
+    """``events`` in order, each run of one sequence's consecutive deltas as one delta."""
+    out: list[tuple[int, Delta | Finish]] = []
+    for index, event in events:
+        if out and isinstance(event, Delta) and out[-1][0] == index and isinstance(out[-1][1], Delta):
+            out[-1] = (index, Delta(out[-1][1].text + event.text, event.tokens))
+        else:
+            out.append((index, event))
+    return out
 
 
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
