@@ -263,6 +263,7 @@ def _print_peer(console, r: dict) -> None:
              ("first token, new long prompt (ms)", "ttft_long_new_s", 1e3, "{:.0f}"),
              ("first token, cached prefix (ms)", "ttft_prefix_s", 1e3, "{:.1f}"),
              ("decode tokens/s, 1 request", "decode_1_tokens_per_s", 1.0, "{:.0f}"),
+             ("end-to-end tokens/s, 1 request", "e2e_1_tokens_per_s", 1.0, "{:.0f}"),
              ("decode tokens/s, 8 requests", "decode_8_tokens_per_s", 1.0, "{:.0f}"),
              ("total tokens/s, 8 requests", "total_8_tokens_per_s", 1.0, "{:.0f}"))
     for label, metric, scale, fmt in shown:

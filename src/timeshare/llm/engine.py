@@ -24,8 +24,10 @@ its load and its prefill, not for the others' turns.
 NOTE [Multi-step decode]: a decode step is one runtime call (the turn's bookkeeping, with
 workers a message each way) and the engine's work on its tokens, a fixed cost that a small
 model's step on the CPU does not hide (a 9 MiB model steps 8 rows in about 5 ms). So when
-no request waits to be admitted, one call runs a burst of steps (``Step.count``), each
-feeding the tokens the one before chose, as vLLM's multi-step scheduling did: as many as
+no request waits to be admitted and no more urgent or due task waits for the device
+(which takes it between two steps, NOTE [Decode bursts]), one call runs a burst of steps
+(``Step.count``), each feeding the tokens the one before chose, as vLLM's multi-step
+scheduling did: as many as
 fit ``multi_step_s`` (``multi_step_ms`` of an ``llms`` entry, default 20 ms; 0: one step
 a call) at the latest step's time, at most ``MAX_MULTI_STEP``, no more than any row has
 positions left, nor than the longest row has tokens left. A model whose steps take longer
@@ -427,7 +429,7 @@ class Engine:
         """One decode step of every running sequence, or a burst of them (NOTE [Multi-step
         decode]). A failed step fails the batch (every one of them was in it); NaN logits
         fail their sequence alone."""
-        count = self._burst()
+        count = self._burst(turn)
         if count > 1 and self._batch.short(count):
             count = 1  # too few pages for the burst: one step, preempting if it must
         if count == 1 and not self._room():
@@ -458,12 +460,13 @@ class Engine:
         self._batch.stepped(count)
         self.kv_bytes = self._batch.nbytes
 
-    def _burst(self) -> int:
+    def _burst(self, turn: ModelTurn) -> int:
         """How many decode steps the next runtime call runs (NOTE [Multi-step decode]):
-        one while a request waits to be admitted or before a step was timed; else as many
-        as fit ``multi_step_s`` at the latest step's time, no more than any row has
+        one while a request waits to be admitted, while a more urgent or a due task
+        waits for the device (NOTE [Decode bursts]), or before a step was timed; else as
+        many as fit ``multi_step_s`` at the latest step's time, no more than any row has
         positions left or the longest has tokens left to make."""
-        if self.multi_step_s <= 0 or self._step_s is None:
+        if self.multi_step_s <= 0 or self._step_s is None or turn.contended(float("inf")):
             return 1
         with self._cond:
             if self._waiting:
