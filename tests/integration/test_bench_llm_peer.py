@@ -48,22 +48,22 @@ def stand_in(tmp_path, monkeypatch):
 def test_the_peer_bench_alternates_servers_and_compares_every_measure(tmp_path, stand_in):
     config = llm_peer.PeerBenchConfig(python=stand_in, runs=2, new_tokens=6, prompt_words=8, long_words=120,
                                       concurrent=2, hidden=64, layers=2, heads=4, max_context=256,
-                                      workdir=str(tmp_path / "models"))
+                                      modes=("in-process",), workdir=str(tmp_path / "models"))
     seen: list[str] = []
     result = llm_peer.run(config, seen.append)
     starts = [s.split(": starting ")[1] for s in seen if ": starting " in s]
-    assert starts == ["vllm", "timeshare in-process", "timeshare workers"] * 2  # alternated, one at a time
+    assert starts == ["vllm", "timeshare in-process"] * 2  # alternated, one at a time
     assert len(result["runs"]) == 2
     for run in result["runs"]:
-        for name in ("vllm", "in-process", "workers"):
+        for name in ("vllm", "in-process"):
             m = run[name]
             assert all(m[k] > 0 for k in llm_peer.METRICS), (name, m)
             assert m["decode_1_tokens"] >= 1 and len(m["decode_8_tokens"]) == 2
             # Greedy text: transformers' for the single request and each concurrent one.
             assert m["greedy_compared"] == 3 and m["greedy_equal_transformers"] == 3
-        assert run["in-process"]["greedy_equal_peer"] == run["workers"]["greedy_equal_peer"] == 3
+        assert run["in-process"]["greedy_equal_peer"] == 3
     summary = result["summary"]
-    for name in ("in-process", "workers"):
+    for name in ("in-process",):
         for metric in llm_peer.METRICS:
             values = [r[name][metric] for r in result["runs"]]
             s = summary[name][metric]
