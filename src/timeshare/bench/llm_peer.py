@@ -27,6 +27,7 @@ from typing import Any
 from timeshare.bench.environment import describe
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.llm import hfdir
+from timeshare.server.process import wait_ready
 
 PEERS = ("vllm",)
 MODES = ("in-process", "workers")
@@ -174,25 +175,21 @@ class VLLMServer(Server):
         command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.path),
                    "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len",
                    str(self.config.max_context), "--host", "127.0.0.1", "--port", str(self.port)]
-        started = time.monotonic()
         with open(self.log_path, "wb") as log:  # its own session: stopped with all its processes
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
-        deadline = started + self.config.ready_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise TimeshareError(f"vLLM exited with code {self.proc.returncode} before it was ready; its log:\n"
-                                     f"{self._tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeshareError(f"vLLM was not ready within {self.config.ready_timeout_s:.0f} s; its log:\n"
-                                     f"{self._tail()}")
+
+        def answers() -> bool:
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    break
+                return httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+                return False
+
+        try:
+            wait_ready(self.proc, answers, self.config.ready_timeout_s, "vLLM", self._tail)
+        except TimeshareError:
+            self.stop()
+            raise
 
     def pids(self) -> list[int]:
         assert self.proc is not None

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -58,19 +59,13 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "timeshare", "serve", "--config", str(self.config_path)],
                                      stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
-        deadline = time.monotonic() + self.ready_timeout_s
         with Client(self.url, timeout_s=5) as client:
-            while not client.ready():
-                if self.proc.poll() is not None:
-                    raise TimeshareError(f"the server exited with code {self.proc.returncode} before it was ready; "
-                                         f"its log:\n{self.log_tail()}")
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeshareError(f"the server was not ready within {self.ready_timeout_s:.0f} s; its log:\n"
-                                         f"{self.log_tail()}")
-                if progress is not None:
-                    progress(self.log_tail(1))
-                time.sleep(0.25)
+            try:
+                wait_ready(self.proc, client.ready, self.ready_timeout_s, "the server", self.log_tail,
+                           None if progress is None else lambda: progress(self.log_tail(1)))
+            except TimeshareError:
+                self.stop()
+                raise
         self.children = _children(self.proc.pid)
         return self
 
@@ -134,6 +129,23 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, what: str,
+               log_tail: Callable[[], str], waiting: Callable[[], None] | None = None) -> None:
+    """Poll ``ready`` (every 0.25 s, ``waiting`` called between) until it holds; an error
+    naming ``what``, with its log, if ``proc`` exits first or ``timeout_s`` passes (the
+    caller stops it)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None:
+            raise TimeshareError(f"{what} exited with code {proc.returncode} before it was ready; its log:\n"
+                                 f"{log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeshareError(f"{what} was not ready within {timeout_s:.0f} s; its log:\n{log_tail()}")
+        if waiting is not None:
+            waiting()
+        time.sleep(0.25)
 
 
 def _children(pid: int) -> list[int]:
