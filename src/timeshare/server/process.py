@@ -156,6 +156,27 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of any of its threads, theirs, and so on),
+    for what they hold (the peer bench's memory of a server); those gone meanwhile are
+    left out."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(p) for p in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
