@@ -12,6 +12,7 @@ import pytest
 from tests.llm_reference import greedy_tokens
 from timeshare.decode.pages import block_of
 from timeshare.decode.step import KVShape
+from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
 from timeshare.llm.sampling import SamplingParams
@@ -78,3 +79,11 @@ def test_a_follow_up_turn_reads_the_pages_a_burst_filled(llama):
         assert prompt < block and hits == (prompt + len(first.tokens) - 1) // block >= 1
         for m in (burst, plain):
             m.close()
+
+
+def test_a_burst_length_below_zero_is_refused_and_the_model_is_not_left_registered(llama):
+    with Runtime("cpu", "256MiB") as rt:
+        for bad in (-0.01, float("nan")):
+            with pytest.raises(ConfigError, match="multi_step_s"):
+                lm.load(rt, "bad", llama, multi_step_s=bad)
+            assert rt.models() == []

@@ -128,6 +128,8 @@ class Engine:
             raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
         if max_context < 2:
             raise ConfigError(f"max_context must be at least 2, got {max_context}")
+        if not multi_step_s >= 0:  # NaN too
+            raise ConfigError(f"multi_step_s must be 0 (one step a call) or more seconds, got {multi_step_s}")
         self.name, self.max_context, self.max_sequences, self.quantum_s = name, max_context, max_sequences, quantum_s
         self._rt, self._decode, self._eos, self._vocab = runtime, decode, eos, vocab
         self._cond = threading.Condition()
