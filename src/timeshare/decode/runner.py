@@ -49,6 +49,7 @@ from timeshare.decode.lean import LeanStep, agrees
 from timeshare.decode.pages import PagedLayout, to_device
 from timeshare.decode.sampler import choose
 from timeshare.decode.step import DecodeCounts, DecoderSpec, Step, StepKind, StepOutcome
+from timeshare.device import step_threads
 from timeshare.errors import ConfigError, GenerationError
 from timeshare.models.zoo.registry import cache_dir
 
@@ -257,6 +258,7 @@ class DecodeRunner:
         """Queue ``step``'s work on the device: each row's next token, on the device (None
         for a capture), not waited for. In inference mode: no tensor of a step is ever
         differentiated, and its kernels skip autograd's bookkeeping."""
+        step_threads(self.device, step.kind is not StepKind.PREFILL)  # NOTE [A core for the front end]
         with torch.inference_mode():
             self.layout.zero(step.zero)
             if step.kind is StepKind.PREFILL:

@@ -16,6 +16,7 @@ import threading
 import time
 
 from timeshare.config import Config, ServerConfig
+from timeshare.device import leave_a_core
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def serve(config: Config, *, log_level: str = "info") -> int:
     from timeshare.server.app import create_app
     from timeshare.server.service import Service
 
+    leave_a_core()  # NOTE [A core for the front end]
     service = Service(config)
     service.open()  # a bad runtime section (device, memory) fails here, before anything listens
     metrics_server = None
