@@ -286,3 +286,25 @@ def test_a_burst_takes_the_pages_of_its_last_position_zeroes_those_it_reaches_an
     keys = page_keys(b"m", rows[1].context() + [0], 4)
     assert pool.share(keys[:1])[0] == [rows[1].pages[0]]
     assert pool.share(keys[1:2])[0] == []  # not found: a request with those tokens computes them
+
+
+def test_a_lean_step_uses_onednn_only_for_projections_large_enough_to_pay_its_call():
+    """NOTE [Lean decode steps]: a oneDNN call costs more than ``F.linear``'s before it
+    reads a byte, so only projections of at least ``ONEDNN_MIN_BYTES`` use it; the others,
+    and a model's small head, stay ``F.linear``."""
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from timeshare.decode.lean import ONEDNN_MIN_BYTES, LeanStep, linear_of
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(config).eval()
+    lean = LeanStep.of(model)
+    assert lean is not None and len(lean.kernels) == 2
+    fast = linear_of(model.lm_head.weight)
+    assert 256 * 2048 * 4 >= ONEDNN_MIN_BYTES > 256 * 256 * 4
+    for q, k, v, o, gate, up, down in lean.kernels:
+        assert q is k is v is o is F.linear  # 256 KiB and less
+        assert gate is up is down is fast  # 2 MiB each
+    assert lean.head is F.linear

@@ -19,9 +19,15 @@ measured on the 2-core VM, 10 GB/s for 8 rows of a 768 x 768 projection where re
 the same bytes runs at 28-31 GB/s. oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``,
 the one ``torch.compile`` emits for a CPU linear) reads them at 14-15 GB/s: a 64M model's
 step at 1 and 8 rows about 1.4x faster, with no copy of any weight (a prepacked copy would
-be faster still, but would double the weights' memory). The lean step uses it where it
+be faster still, but would double the weights' memory). But a oneDNN call costs about 11
+us more than ``F.linear``'s before it reads a byte, so it pays only from about 2 MiB of
+weights (measured on the same VM at 1 and 2 threads: 512 x 512 and 1,024 x 256 float32
+projections faster with ``F.linear``, 1,024 x 512 equal, 2,048 x 256 and larger faster with
+oneDNN); the 9 MiB Llama of ``bench llm --peer`` has 29 projections a step, all below.
+The lean step uses oneDNN for the projections of at least ``ONEDNN_MIN_BYTES`` where it
 runs (a CPU build with oneDNN, the weights' dtype; ``linear_of`` tries it once), else
-``F.linear``.
+``F.linear``. Its float32 norms are ``F.rms_norm``, one operator where the modeling file's
+norm is seven (the same operations in the same order: the same bits).
 
 Its rounding differs from MKL's in the last bits (a logit off by about 1e-6), so being
 the same computation is checked within a bound, not assumed: a runner's first eager step
@@ -62,6 +68,12 @@ FAMILIES: dict[str, Callable[[Any], dict[str, Any]]] = {
 BOUNDS = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+# The norms whose forward is ``F.rms_norm``'s computation: to float32, the mean square, its
+# reciprocal square root, back to the input's dtype, times the weight.
+RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+
+ONEDNN_MIN_BYTES = 2 << 20  # a projection's weights from which oneDNN's matmul is faster (NOTE [Lean decode steps])
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -116,7 +128,18 @@ class LeanStep:
                                                                modeling.eager_attention_forward)
         self.extra = FAMILIES[type(model).__name__]
         self.layers = list(inner.layers[: model.config.num_hidden_layers])
-        self.linear = linear_of(model.lm_head.weight)
+        fast = linear_of(model.lm_head.weight)
+
+        def kernel(proj: nn.Linear) -> Linear:
+            w = proj.weight
+            return fast if w.numel() * w.element_size() >= ONEDNN_MIN_BYTES else F.linear
+
+        # Each layer's kernels, in the order the step calls them: q, k, v, o, gate, up, down.
+        self.kernels = [tuple(kernel(p) for p in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                  layer.self_attn.v_proj, layer.self_attn.o_proj,
+                                                  layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
+                        for layer in self.layers]
+        self.head = kernel(model.lm_head)
 
     @classmethod
     def of(cls, model: Any) -> LeanStep | None:
@@ -145,28 +168,37 @@ class LeanStep:
         """The last position's logits of a step of ``ids`` (``[rows, 1]``) at ``positions``,
         its keys and values through ``cache`` (the paged adapter), as ``transformers``'
         forward computes them (NOTE [Lean decode steps])."""
-        inner, linear = model.model, self.linear
+        inner = model.model
         hidden = _forward_of(inner.embed_tokens)(ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=positions)
-        for layer in self.layers:
+        for layer, (lq, lk, lv, lo, lg, lu, ld) in zip(self.layers, self.kernels):
             attn, mlp = layer.self_attn, layer.mlp
             residual = hidden
-            x = _forward_of(layer.input_layernorm)(hidden)
+            x = _norm(layer.input_layernorm, hidden)
             shape = (*x.shape[:-1], -1, attn.head_dim)
-            q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-            k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
-            v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+            q = lq(x, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
+            k = lk(x, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
+            v = lv(x, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
             k, v = cache.update(k, v, attn.layer_idx)
             out, _ = self.attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, position_ids=positions,
                                     use_cache=True, **self.extra(attn))
             out = out.reshape(*x.shape[:-1], -1).contiguous()
-            hidden = residual + linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            hidden = residual + lo(out, attn.o_proj.weight, attn.o_proj.bias)
             residual = hidden
-            x = _forward_of(layer.post_attention_layernorm)(hidden)
-            gate = _forward_of(mlp.act_fn)(linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            x = linear(gate * linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
-                         mlp.down_proj.bias)
+            x = _norm(layer.post_attention_layernorm, hidden)
+            gate = _forward_of(mlp.act_fn)(lg(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+            x = ld(gate * lu(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight, mlp.down_proj.bias)
             hidden = residual + x
-        hidden = _forward_of(inner.norm)(hidden)
-        return linear(hidden[:, -1:], model.lm_head.weight, model.lm_head.bias)[:, -1]
+        hidden = _norm(inner.norm, hidden)
+        return self.head(hidden[:, -1:], model.lm_head.weight, model.lm_head.bias)[:, -1]
+
+
+def _norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """A float32 RMS norm of the Llama family (``weight``, ``variance_epsilon``) as one
+    operator, bit for bit; any other norm or dtype through the norm's own forward (it
+    rounds to the input's dtype before the weight, ``F.rms_norm`` after)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or hidden.dtype != torch.float32 or type(norm).__name__ not in RMS_NORMS:
+        return _forward_of(norm)(hidden)
+    return F.rms_norm(hidden, hidden.shape[-1:], norm.weight, eps)
