@@ -265,6 +265,7 @@ def _print_peer(console, r: dict) -> None:
              ("decode tokens/s, 1 request", "decode_1_tokens_per_s", 1.0, "{:.0f}"),
              ("end-to-end tokens/s, 1 request", "e2e_1_tokens_per_s", 1.0, "{:.0f}"),
              ("decode tokens/s, 8 requests", "decode_8_tokens_per_s", 1.0, "{:.0f}"),
+             ("decode tokens/s, 8, from request times", "e2e_8_decode_tokens_per_s", 1.0, "{:.0f}"),
              ("total tokens/s, 8 requests", "total_8_tokens_per_s", 1.0, "{:.0f}"))
     for label, metric, scale, fmt in shown:
         cells = []

@@ -46,7 +46,7 @@ def stand_in(tmp_path, monkeypatch):
 
 
 def test_the_peer_bench_alternates_servers_and_compares_every_measure(tmp_path, stand_in):
-    config = llm_peer.PeerBenchConfig(python=stand_in, runs=2, new_tokens=6, prompt_words=8, long_words=120,
+    config = llm_peer.PeerBenchConfig(python=stand_in, runs=2, new_tokens=40, prompt_words=8, long_words=120,
                                       concurrent=2, hidden=64, layers=2, heads=4, max_context=256,
                                       modes=("in-process",), workdir=str(tmp_path / "models"))
     seen: list[str] = []
@@ -91,7 +91,8 @@ def test_the_peer_bench_says_how_to_get_a_peer_when_there_is_none(tmp_path, caps
 def test_prompts_are_the_same_for_every_server_and_the_prefix_differs_in_its_last_word_only():
     config = llm_peer.PeerBenchConfig(long_words=50, concurrent=3)
     a, b = llm_peer.Prompts.make(config), llm_peer.Prompts.make(config)
-    assert a == b and len(a.many) == 3 and len({a.single, *a.many, a.short, a.long, a.prefix}) == 7
+    assert a == b and len(a.many) == 3 and len(a.firsts) == 3
+    assert len({a.single, *a.many, *a.firsts, a.short, a.long, a.prefix}) == 10
     long, prefix = a.long.split(), a.prefix.split()
     assert len(long) == len(prefix) == 50 and long[:-1] == prefix[:-1] and long[-1] != prefix[-1]
     with pytest.raises(Exception, match="does not fit"):
