@@ -62,41 +62,53 @@ def synchronize(device: torch.device) -> None:
 
 
 # NOTE [A core for the front end]
-# A server's process on the CPU decodes with every core but one (at least one), so that
-# its front end (HTTP, tokenizers, the engines' bookkeeping) keeps a core while a model
-# decodes, as vLLM's CPU backend reserves one for its API server; prefills, and everything
-# outside a language model's steps, use every core. ``OMP_NUM_THREADS`` set by the user
-# wins; worker processes keep every core (each has one thread that computes).
-# Why decode steps: the server's process has several threads that compute (the engines,
-# the loader, request threads), each with an OpenMP team once it computes with more than
-# one core, and GNU OpenMP (PyTorch's on Linux) puts a team's threads to sleep after about
-# a hundred spins at the end of every parallel region once the process has more OpenMP
-# threads than cores (``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` do not change that). A
-# decode step is a few hundred small operators, each then paying a sleep and a wake;
-# a prefill's few large ones hardly notice. Measured on the 2-core VM with the 9 MiB Llama
-# of ``bench llm --peer``, in-process: one request decoded at 170 tokens/s with 41,000
-# context switches of the engine's thread in 10 s on two cores, and at 345 on one; eight
-# requests at 1,000 and 1,550 tokens/s. A 1,500-token prompt's prefill on one core took
-# 195 ms where two take 142.
-_step_threads: tuple[int, int] | None = None  # (a prefill's, a decode step's) in a server's process
+# A server on the CPU leaves its front end (HTTP, tokenizers, the engines' bookkeeping) a
+# core while its language models decode, as vLLM's CPU backend reserves one for its API
+# server: decode steps compute with every core but one (at least one), prefills and
+# everything else with every core. ``OMP_NUM_THREADS`` set by the user wins. In a worker
+# process of the server, whose only thread that computes is the one running the steps, a
+# decode step of at least ``WIDE_DECODE_ROWS`` rows uses every core again; in the server's
+# own process (``workers: 0``) no decode step does.
+# Why: GNU OpenMP (PyTorch's on Linux) lets a team's threads spin between parallel
+# regions, unless the process has more OpenMP threads than cores: then they sleep after
+# about a hundred spins (``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` do not change that).
+# The server's own process has several threads that compute (the engines, the loader,
+# request threads), each with its own team, so every small operator of a decode step paid
+# a sleep and a wake: the 9 MiB Llama of ``bench llm --peer`` decoded one request at 170
+# tokens/s with 41,000 context switches of the engine's thread in 10 s, on one core at
+# 345, eight requests at 1,000 and 1,550 (2-core VM, in-process). A worker's one team does
+# spin, but two spinning threads and the server's front end then share two cores, and the
+# scheduler takes the core of a spinning thread that its team waits for: one request at
+# 329 and 384 tokens/s on two cores, 425 and 478 on one; four at 925 and 1,062; eight, where
+# a step's arithmetic is worth a second core, at 2,087 and 1,973 on two, 1,711 and 1,700
+# on one (two alternated rounds). A prefill's few large operators hardly notice either: a
+# 1,500-token prompt took 195 ms on one core where two take 142.
+WIDE_DECODE_ROWS = 8
+_step_threads: tuple[int, int, int] | None = None  # a prefill's, a narrow decode step's and a wide one's
 
 
-def leave_a_core() -> None:
-    """This process serves: its decode steps on the CPU compute with every core but one of
-    PyTorch's count now, its prefills with all, unless the user set ``OMP_NUM_THREADS``
-    (NOTE [A core for the front end])."""
+def leave_a_core(one_team: bool = False) -> None:
+    """This process serves (or is a worker of a server: ``one_team``): language models'
+    steps on the CPU compute as NOTE [A core for the front end] says, from PyTorch's thread
+    count now, unless the user set ``OMP_NUM_THREADS``."""
     global _step_threads
     if "OMP_NUM_THREADS" in os.environ:
         return
     threads = torch.get_num_threads()
-    _step_threads = (threads, max(1, threads - 1))
+    fewer = max(1, threads - 1)
+    _step_threads = (threads, fewer, threads if one_team else fewer)
 
 
-def step_threads(device: torch.device, decode: bool) -> None:
-    """This thread's cores for a language model's step: a prefill's or a decode step's, in
-    a process that leaves a core to its front end (else unchanged)."""
+def leaves_a_core() -> bool:
+    """Whether this process leaves a core to a front end (its workers do as it does)."""
+    return _step_threads is not None
+
+
+def step_threads(device: torch.device, decode: bool, rows: int) -> None:
+    """This thread's cores for a language model's step of ``rows`` rows, a prefill or a
+    decode step, in a process that leaves a core to a front end (else unchanged)."""
     if _step_threads is not None and device.type == "cpu":
-        threads = _step_threads[decode]
+        threads = _step_threads[(2 if rows >= WIDE_DECODE_ROWS else 1) if decode else 0]
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 

@@ -71,6 +71,7 @@ class Start:
     copy_delay_s: float = 0.0  # diagnostic: NOTE [Poisoned reloads]
     backend_flags: Any = None  # device.BackendFlags of the process that created the runtime
     direct_host_access: bool | None = None  # NOTE [Direct host access]; None: the device's default
+    leave_a_core: bool = False  # the controller serves: NOTE [A core for the front end]
     # The controller's environment when it started this worker: a process forked from the
     # fork server would otherwise see the server's, as it was when it started (NOTE [Fork server]).
     environ: tuple[tuple[str, str], ...] = ()

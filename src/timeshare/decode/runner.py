@@ -258,7 +258,7 @@ class DecodeRunner:
         """Queue ``step``'s work on the device: each row's next token, on the device (None
         for a capture), not waited for. In inference mode: no tensor of a step is ever
         differentiated, and its kernels skip autograd's bookkeeping."""
-        step_threads(self.device, step.kind is not StepKind.PREFILL)  # NOTE [A core for the front end]
+        step_threads(self.device, step.kind is not StepKind.PREFILL, step.rows)  # NOTE [A core for the front end]
         with torch.inference_mode():
             self.layout.zero(step.zero)
             if step.kind is StepKind.PREFILL:

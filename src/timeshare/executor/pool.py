@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from timeshare import protocol as P
 from timeshare.decode.step import Step
-from timeshare.device import BackendFlags
+from timeshare.device import BackendFlags, leaves_a_core
 from timeshare.errors import WorkerError, WorkerTimeoutError
 from timeshare.executor.deadline import Deadlines
 from timeshare.executor.handle import SPIN_S, Inputs, WorkerHandle
@@ -57,7 +57,8 @@ class ProcessPool:
         start = partial(P.Start, device=device, arena_capacity=arena_capacity, profile_repeats=opts.profile_repeats,
                         fixed_group_bytes=parse_bytes(opts.fixed_group_bytes, what="fixed_group_bytes"),
                         load_timeout_s=opts.load_timeout_s, copy_delay_s=opts.copy_delay_s,
-                        backend_flags=BackendFlags.capture(), direct_host_access=opts.direct_host_access)
+                        backend_flags=BackendFlags.capture(), direct_host_access=opts.direct_host_access,
+                        leave_a_core=leaves_a_core())
         # NOTE [One step, two places]: each language model -> the worker its steps run in.
         self._step_homes: dict[str, WorkerHandle] = {}
         self._set = WorkerSet(opts.workers, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,

@@ -71,6 +71,8 @@ class WorkerProcess:
         if start.backend_flags is not None:  # before the first kernel: the creator's numerics, bit for bit
             start.backend_flags.apply()
         device = self.device = devices.resolve_device(start.device)
+        if start.leave_a_core:  # the controller serves: NOTE [A core for the front end]
+            devices.leave_a_core(one_team=True)
         devices.make_current(device)  # creates the device context, before any other CUDA call: NOTE [Current device]
         self.arena = Arena.attach(start.arena, start.arena_capacity, device)  # on CUDA, an IPC mapping on that device
         self.engine = make_copy_engine(device, start.load_timeout_s, start.copy_delay_s)
