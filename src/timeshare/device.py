@@ -79,10 +79,11 @@ def synchronize(device: torch.device) -> None:
 # 345, eight requests at 1,000 and 1,550 (2-core VM, in-process). A worker's one team does
 # spin, but two spinning threads and the server's front end then share two cores, and the
 # scheduler takes the core of a spinning thread that its team waits for: one request at
-# 329 and 384 tokens/s on two cores, 425 and 478 on one; four at 925 and 1,062; eight, where
-# a step's arithmetic is worth a second core, at 2,087 and 1,973 on two, 1,711 and 1,700
-# on one (two alternated rounds). A prefill's few large operators hardly notice either: a
-# 1,500-token prompt took 195 ms on one core where two take 142.
+# 329 and 384 tokens/s on two cores, 425 and 478 on one (two alternated rounds); four at
+# 925 and 1,062 (one round); eight, where a step's arithmetic is worth a second core, at
+# 2,087 and 1,973 on two, 1,711 and 1,700 on one (two rounds). A prefill's few large
+# operators hardly notice the teams: a 1,500-token prompt took 195 ms on one core where two
+# take 142.
 WIDE_DECODE_ROWS = 8
 _step_threads: tuple[int, int, int] | None = None  # a prefill's, a narrow decode step's and a wide one's
 
