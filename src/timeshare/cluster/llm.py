@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from timeshare.errors import Unavailable
-from timeshare.llm.engine import EngineSnapshot
+from timeshare.llm.engine import MULTI_STEP_S, EngineSnapshot
 from timeshare.llm.model import Texts, open_directory
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import (
@@ -70,7 +70,7 @@ class LLMDef:
     graphs: str = "auto"  # NOTE [Decode graphs]
     compile: str = "auto"  # NOTE [Compiled decode steps]
     prefix_caching: bool = True  # NOTE [Prefix caching]
-    multi_step_s: float = 0.02  # NOTE [Multi-step decode]
+    multi_step_s: float = MULTI_STEP_S  # NOTE [Multi-step decode]
 
     def load(self, rt: Runtime, kv_budget=None):
         from timeshare.llm import model as lm

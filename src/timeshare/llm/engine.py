@@ -82,6 +82,7 @@ from timeshare.runtime.facade import ModelTurn, Runtime
 log = logging.getLogger(__name__)
 
 MAX_MULTI_STEP = 16  # NOTE [Multi-step decode]: the most steps in one runtime call
+MULTI_STEP_S = 0.02  # NOTE [Multi-step decode]: a burst's default length (an ``llms`` entry's multi_step_ms: 20)
 NAN_LOGITS = "the model's logits for this sequence hold NaN (corrupt weights?): no token is chosen from them"
 
 
@@ -123,7 +124,7 @@ class Engine:
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
                  vocab: int, max_context: int, max_sequences: int, batch: Batch,
                  quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None,
-                 lane_bytes: int | None = None, multi_step_s: float = 0.02):
+                 lane_bytes: int | None = None, multi_step_s: float = MULTI_STEP_S):
         if max_sequences < 1:
             raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
         if max_context < 2:

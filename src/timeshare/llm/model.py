@@ -22,7 +22,7 @@ from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm.batch import Batch
-from timeshare.llm.engine import Engine
+from timeshare.llm.engine import MULTI_STEP_S, Engine
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.pages import PagePool
 from timeshare.llm.sampling import SamplingParams
@@ -103,7 +103,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
          offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
          graphs: str = "auto", compile: str | Callable[..., Any] = "auto",
-         prefix_caching: bool = True, multi_step_s: float = 0.02) -> LanguageModel:
+         prefix_caching: bool = True, multi_step_s: float = MULTI_STEP_S) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready, in-process or

@@ -148,9 +148,10 @@ def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: flo
         time.sleep(0.25)
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, task: int | str | None = None) -> list[int]:
+    """The children of ``pid``'s thread ``task`` (its main thread by default); none if it is gone."""
     try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        text = Path(f"/proc/{pid}/task/{pid if task is None else task}/children").read_text()
     except OSError:
         return []
     return [int(p) for p in text.split()]
@@ -168,10 +169,7 @@ def descendants(pid: int) -> list[int]:
         except OSError:
             continue
         for task in tasks:
-            try:
-                children = [int(p) for p in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
-            except OSError:
-                continue
+            children = _children(parent, task)
             out += children
             todo += children
     return out
