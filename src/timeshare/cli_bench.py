@@ -155,9 +155,11 @@ def _add_llm(bench) -> None:
     p.add_argument("--peer-python", default=None,
                    help="--peer: the Python that has the peer installed (default: $TIMESHARE_VLLM_PYTHON, then "
                    ".venv-vllm/bin/python, which `make vllm-venv` builds)")
-    p.add_argument("--peer-runs", type=int, default=3, help="--peer: alternated runs of every server")
-    p.add_argument("--peer-repeats", type=int, default=3,
-                   help="--peer: in each run, the single request and the concurrent ones this many times (medians)")
+    p.add_argument("--peer-runs", type=int, default=3,
+                   help="--peer: runs, each starting every server afresh (start-up, first tokens, memory)")
+    p.add_argument("--peer-repeats", type=int, default=5,
+                   help="--peer: rounds in each run, the servers taking turns (the single request, the concurrent "
+                   "ones): each round's rates paired with the peer's next to it")
     json_option(p)
     plot_option(p, "write the three parts as a PNG")
 
@@ -257,8 +259,8 @@ def _print_peer(console, r: dict) -> None:
 
     cfg, summary = r["config"], r["summary"]
     servers = [cfg["peer"], *cfg["modes"]]
-    table = Table(title=f"bench llm --peer {cfg['peer']}: {r['model']}, medians of {cfg['runs']} alternated runs "
-                        "(range)")
+    table = Table(title=f"bench llm --peer {cfg['peer']}: {r['model']}, medians of {cfg['runs']} runs of "
+                        f"{cfg['repeats']} interleaved rounds (range); ratio to the peer: median of the paired ratios")
     table.add_column("")
     for name in servers:
         table.add_column(name if name == cfg["peer"] else f"timeshare {name}", justify="right")
@@ -276,7 +278,8 @@ def _print_peer(console, r: dict) -> None:
             m = summary[name][metric]
             cell = f"{fmt.format(m['median'] * scale)} ({fmt.format(m['min'] * scale)}-{fmt.format(m['max'] * scale)})"
             if name != cfg["peer"]:
-                cell += f" {summary[name]['better_than_peer'][metric]:.2f}x"
+                paired = summary[name]["paired"][metric]
+                cell += f" {paired['median']:.2f}x ({paired['min']:.2f}-{paired['max']:.2f})"
             cells.append(cell)
         table.add_row(label, *cells)
     table.add_row("memory", *(fb(int(summary[n]["memory_bytes"]["median"])) for n in servers))

@@ -1,14 +1,15 @@
 """``timeshare bench llm --peer vllm`` end to end, with a stand-in for vLLM: a package named
 ``vllm`` whose ``entrypoints.openai.api_server`` takes vLLM's flags and serves the model
 with ``timeshare serve`` (CI has no vLLM; ``make vllm-venv`` builds the real one). What
-is checked is the bench's own work: each server started, measured and stopped in turn,
-run after run; every measure present and positive; greedy text compared with
+is checked is the bench's own work: in each run every server started, the start order
+rotated, then the servers taking turns round by round; every measure present and positive; greedy text compared with
 ``transformers``' and with the peer's; the summary's medians, ranges and ratios; the JSON
 and the plot. Speed is the bench's to report, not this test's."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import textwrap
 
@@ -52,12 +53,16 @@ def test_the_peer_bench_alternates_servers_and_compares_every_measure(tmp_path, 
     seen: list[str] = []
     result = llm_peer.run(config, seen.append)
     starts = [s.split(": starting ")[1] for s in seen if ": starting " in s]
-    assert starts == ["vllm", "timeshare in-process"] * 2  # alternated, one at a time
+    assert starts == ["vllm", "timeshare in-process", "timeshare in-process", "vllm"]  # one at a time, rotated
     assert len(result["runs"]) == 2
     for run in result["runs"]:
+        # Interleaved: every server's round i came before any server's round i + 1.
+        at = [[run[name]["rounds"][i]["at"] for name in ("vllm", "in-process")] for i in range(2)]
+        assert max(at[0]) < min(at[1])
         for name in ("vllm", "in-process"):
             m = run[name]
             assert all(m[k] > 0 for k in llm_peer.METRICS), (name, m)
+            assert len(m["rounds"]) == 2
             assert m["decode_1_tokens"] >= 1 and len(m["decode_8_tokens"]) == 2
             # Greedy text: transformers' for the single request and each concurrent one.
             assert m["greedy_compared"] == 6 and m["greedy_equal_transformers"] == 6  # 2 repeats of 1 + 2
@@ -68,10 +73,18 @@ def test_the_peer_bench_alternates_servers_and_compares_every_measure(tmp_path, 
             values = [r[name][metric] for r in result["runs"]]
             s = summary[name][metric]
             assert s["min"] == min(values) and s["max"] == max(values) and s["min"] <= s["median"] <= s["max"]
-            ratio = summary[name]["better_than_peer"][metric]
-            theirs = summary["vllm"][metric]["median"]
-            want = theirs / s["median"] if metric in llm_peer.LOWER_IS_BETTER else s["median"] / theirs
-            assert ratio == pytest.approx(want)
+            # Against the peer: the median of ratios of measures taken next to each other.
+            if metric in llm_peer.ROUND_METRICS:
+                pairs = [(a[metric], b[metric]) for r in result["runs"]
+                         for a, b in zip(r[name]["rounds"], r["vllm"]["rounds"])]
+            else:
+                pairs = [(r[name][metric], r["vllm"][metric]) for r in result["runs"]]
+            ratios = [b / a if metric in llm_peer.LOWER_IS_BETTER else a / b for a, b in pairs]
+            assert len(ratios) == (4 if metric in llm_peer.ROUND_METRICS else 2)
+            paired = summary[name]["paired"][metric]
+            assert paired["median"] == pytest.approx(statistics.median(ratios))
+            assert (paired["min"], paired["max"], paired["n"]) == (min(ratios), max(ratios), len(ratios))
+            assert summary[name]["better_than_peer"][metric] == paired["median"]
     plot = tmp_path / "peer.png"
     llm_peer.plot(result, plot)
     assert plot.stat().st_size > 10_000
@@ -89,7 +102,7 @@ def test_the_peer_bench_says_how_to_get_a_peer_when_there_is_none(tmp_path, caps
 
 
 def test_prompts_are_the_same_for_every_server_and_the_prefix_differs_in_its_last_word_only():
-    config = llm_peer.PeerBenchConfig(long_words=50, concurrent=3)
+    config = llm_peer.PeerBenchConfig(long_words=50, concurrent=3, repeats=3)
     a, b = llm_peer.Prompts.make(config), llm_peer.Prompts.make(config)
     assert a == b and len(a.singles) == 3 and all(len(g) == 3 for g in (*a.manys, *a.firsts))
     assert len({*a.singles, *sum(a.manys, ()), *sum(a.firsts, ()), a.short, a.long, a.prefix}) == 24

