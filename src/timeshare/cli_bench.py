@@ -265,6 +265,7 @@ def _print_peer(console, r: dict) -> None:
     for name in servers:
         table.add_column(name if name == cfg["peer"] else f"timeshare {name}", justify="right")
     shown = (("ready (s)", "ready_s", 1.0, "{:.1f}"), ("first token, short (ms)", "ttft_short_s", 1e3, "{:.1f}"),
+             ("first token, its first long prompt (ms)", "ttft_long_first_s", 1e3, "{:.0f}"),
              ("first token, new long prompt (ms)", "ttft_long_new_s", 1e3, "{:.0f}"),
              ("first token, cached prefix (ms)", "ttft_prefix_s", 1e3, "{:.1f}"),
              ("decode tokens/s, 1 request", "decode_1_tokens_per_s", 1.0, "{:.0f}"),

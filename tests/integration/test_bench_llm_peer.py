@@ -105,9 +105,11 @@ def test_prompts_are_the_same_for_every_server_and_the_prefix_differs_in_its_las
     config = llm_peer.PeerBenchConfig(long_words=50, concurrent=3, repeats=3)
     a, b = llm_peer.Prompts.make(config), llm_peer.Prompts.make(config)
     assert a == b and len(a.singles) == 3 and all(len(g) == 3 for g in (*a.manys, *a.firsts))
-    assert len({*a.singles, *sum(a.manys, ()), *sum(a.firsts, ()), a.short, a.long, a.prefix}) == 24
+    assert len({*a.singles, *sum(a.manys, ()), *sum(a.firsts, ()), a.short, *a.longs, *a.prefixes}) == 28
     assert a.decoded == [*a.singles, *sum(a.manys, ())]
-    long, prefix = a.long.split(), a.prefix.split()
-    assert len(long) == len(prefix) == 50 and long[:-1] == prefix[:-1] and long[-1] != prefix[-1]
+    assert len(a.longs) == len(a.prefixes) == 3
+    for long, prefix in zip(a.longs, a.prefixes):
+        long, prefix = long.split(), prefix.split()
+        assert len(long) == len(prefix) == 50 and long[:-1] == prefix[:-1] and long[-1] != prefix[-1]
     with pytest.raises(Exception, match="does not fit"):
         llm_peer.PeerBenchConfig(long_words=5000)

@@ -11,7 +11,8 @@ import time
 
 from timeshare.bench.llm_peer import cpu_ticks, settle
 
-SPIN = "import time, sys\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass\ntime.sleep(60)"
+SPIN = "import time, sys\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass\n" \
+    "time.sleep(60)"
 
 
 def _spinner(seconds: float) -> subprocess.Popen:
