@@ -607,9 +607,9 @@ def plot(result: dict, path: Path) -> None:
     servers = [peer, *result["config"]["modes"]]
     # The decode rates that hold when a server holds a stream's chunks back (see _measure_async).
     panels = (("decode tokens/s", ("decode_1_tokens_per_s", "e2e_1_tokens_per_s", "e2e_8_decode_tokens_per_s"),
-               ("1 request", "1, end to end", "8 at once, by request times")),
+               ("1 request", "1, end\nto end", "8 at once, by\nrequest times")),
               ("first token (ms)", ("ttft_short_s", "ttft_long_first_s", "ttft_long_new_s", "ttft_prefix_s"),
-               ("short", "first long", "new long", "cached prefix")))
+               ("short", "first\nlong", "new\nlong", "cached\nprefix")))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     for ax, (title, metrics, labels) in zip(axes[:2], panels):
         width = 0.8 / len(servers)
@@ -625,8 +625,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_yscale("log")
     axes[0].legend(fontsize=8)
     # The verdict: ours over the peer's next to it (NOTE [Interleaved servers]).
-    ratios = (("decode_1_tokens_per_s", "decode, 1"), ("e2e_8_decode_tokens_per_s", "decode, 8"),
-              ("ttft_long_new_s", "new long"), ("ttft_prefix_s", "cached prefix"), ("ready_s", "ready"))
+    ratios = (("decode_1_tokens_per_s", "decode,\n1"), ("e2e_8_decode_tokens_per_s", "decode,\n8"),
+              ("ttft_long_new_s", "new\nlong"), ("ttft_prefix_s", "cached\nprefix"), ("ready_s", "ready"))
     ours = [m for m in servers if m != peer]
     width = 0.8 / len(ours)
     ax = axes[2]
