@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 
 from timeshare.config import parse_config
-from timeshare.server.process import free_port
+from timeshare.harness.process import free_port
 
 
 def tiny_config(**sections) -> dict:

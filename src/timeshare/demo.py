@@ -44,8 +44,8 @@ class DemoConfig:
 
 
 def run(cfg: DemoConfig, progress=lambda msg: None) -> dict:
-    from timeshare.server.client import Client
-    from timeshare.server.process import ServerProcess
+    from timeshare.harness.client import Client
+    from timeshare.harness.process import ServerProcess
 
     doc = yaml.safe_load(Path(cfg.config).read_text()) or {}
     config = parse_config(doc, str(cfg.config))

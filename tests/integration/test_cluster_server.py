@@ -20,12 +20,12 @@ from timeshare.cluster.cluster import Cluster, start_local_ray
 from timeshare.cluster.replica import ModelDef
 from timeshare.config import parse_config
 from timeshare.errors import ConfigError
+from timeshare.harness.client import Client
+from timeshare.harness.process import ServerProcess
 from timeshare.models.workloads import TrainingWorkload
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.server.client import Client
 from timeshare.server.endpoint import flatten_outputs
-from timeshare.server.process import ServerProcess
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray")
 ZOO = ("tiny_mlp", "tiny_cnn", "small_resnet", "tiny_bert")

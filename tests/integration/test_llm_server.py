@@ -334,8 +334,8 @@ def test_the_llms_section_is_checked(dirs, tmp_path):
 def serve(path, workers: int):
     """``timeshare serve DIR --workers N`` as a user starts it, in a process of its own,
     ready; its URL."""
-    from timeshare.server.client import Client
-    from timeshare.server.process import free_port
+    from timeshare.harness.client import Client
+    from timeshare.harness.process import free_port
 
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TIMESHARE_PARENT_PID": str(os.getpid())}

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from tests.serving import running_server, tiny_config
+from timeshare.harness.client import Client
 from timeshare.models.weights import read_weights
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.server.client import Client
 from timeshare.server.endpoint import flatten_outputs
 from timeshare.server.tensors import to_json_data
 

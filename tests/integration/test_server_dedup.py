@@ -8,7 +8,7 @@ import torch
 
 from tests.integration.test_server import inputs_of, metric, reference
 from tests.serving import running_server, tiny_config
-from timeshare.server.client import Client
+from timeshare.harness.client import Client
 
 
 def test_two_endpoints_of_one_model_share_its_tensors_and_answer_exactly():

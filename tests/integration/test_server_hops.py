@@ -15,10 +15,10 @@ import torch
 from tests.serving import running_server, tiny_config
 from timeshare.bench.plain_server import create_plain_app, load_models
 from timeshare.bench.serve import hop_sums, per_request_us
+from timeshare.harness.client import Client
+from timeshare.harness.process import free_port
 from timeshare.models.zoo import get as zoo_get
-from timeshare.server.client import Client
 from timeshare.server.hops import HOPS, STAMPS
-from timeshare.server.process import free_port
 
 ALL_RESIDENT = tiny_config(runtime={"device": "cpu", "memory": "64MiB"})
 ZOO = {"mlp": "tiny_mlp", "cnn": "tiny_cnn", "bert": "tiny_bert"}
@@ -94,7 +94,7 @@ def test_plain_server_answers_what_timeshare_answers_bit_for_bit(binary):
 def _infer_json(client: Client, model: str, inputs: dict[str, torch.Tensor]):
     """The request with JSON data (no binary extension) both ways."""
     from timeshare.dtypes import DATATYPES
-    from timeshare.server.client import decode_answer
+    from timeshare.harness.client import decode_answer
 
     body = {"inputs": [{"name": n, "shape": list(t.shape), "datatype": DATATYPES[t.dtype],
                         "data": t.reshape(-1).tolist()} for n, t in inputs.items()]}

@@ -8,7 +8,7 @@ import torch
 
 from tests.integration.test_server import ZOO, inputs_of, metric, reference
 from tests.serving import running_server, tiny_config
-from timeshare.server.client import Client
+from timeshare.harness.client import Client
 
 
 def test_models_beyond_the_host_budget_answer_exactly_and_the_tier_is_observable():

@@ -13,7 +13,7 @@ from tests.integration.test_server import ZOO, inputs_of, metric, reference
 from tests.serving import running_server, tiny_config
 from timeshare.config import parse_config
 from timeshare.errors import ConfigError
-from timeshare.server.client import Client
+from timeshare.harness.client import Client
 
 
 def test_packed_models_answer_correctly_and_lanes_are_observable():

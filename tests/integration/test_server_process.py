@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from timeshare.server.client import Client
-from timeshare.server.process import ServerProcess
+from timeshare.harness.client import Client
+from timeshare.harness.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_a_server_whose_starter_dies_stops_by_itself():
 
     starter = (
         "import json, os, sys\n"
-        "from timeshare.server.process import ServerProcess\n"
+        "from timeshare.harness.process import ServerProcess\n"
         "server = ServerProcess(json.loads(sys.argv[1]), ready_timeout_s=120).start()\n"
         "print(server.pid, flush=True)\n"
         "os._exit(0)  # dies without stopping it\n"

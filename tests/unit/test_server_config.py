@@ -55,7 +55,7 @@ def test_a_bad_key_in_the_environment_names_the_variable(monkeypatch):
 
 
 def test_the_api_key_flag_overrides_the_file(tmp_path, capsys, monkeypatch):
-    from timeshare.cli_serve import load_with_overrides
+    from timeshare.cli.serve import load_with_overrides
 
     monkeypatch.delenv("TIMESHARE_API_KEY", raising=False)
     path = tmp_path / "keyed.yaml"

@@ -366,7 +366,7 @@ def test_leftovers_waits_for_a_child_that_is_leaving_and_reports_one_that_stays(
     import subprocess
     import sys
 
-    from timeshare.server.process import ServerProcess
+    from timeshare.harness.process import ServerProcess
 
     server = ServerProcess({"models": []})
     leaving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])

@@ -28,7 +28,7 @@ from timeshare.bench.environment import describe
 from timeshare.bench.serve import SMALL_MODELS, ServeBenchConfig, compare_outputs, references, server_config
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError
-from timeshare.server.client import Client
+from timeshare.harness.client import Client
 
 FAULTS = ("kill-busy", "kill-training", "kill-idle", "kill-starting", "stop")
 SHM = Path("/dev/shm")
@@ -104,7 +104,7 @@ class _Recorder:
 
 
 def run(cfg: ChaosBenchConfig, progress=None) -> dict:
-    from timeshare.server.process import ServerProcess
+    from timeshare.harness.process import ServerProcess
 
     serve_cfg = ServeBenchConfig(models=cfg.models, distinct_inputs=cfg.distinct_inputs, seed=cfg.seed)
     cases = references(serve_cfg)

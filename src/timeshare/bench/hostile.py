@@ -178,7 +178,7 @@ def run(cfg: HostileBenchConfig, progress=None) -> dict:
 
     from timeshare.bench.environment import describe
     from timeshare.device import resolve_device
-    from timeshare.server.process import ServerProcess
+    from timeshare.harness.process import ServerProcess
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # this process holds the idle connections
     want = cfg.idle_connections + 256

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def run_fleet(config: LLMBenchConfig, device: torch.device, dirs: list[Path], progress) -> dict:
-    from timeshare.server.process import ServerProcess, free_port
+    from timeshare.harness.process import ServerProcess, free_port
 
     names = [f"m{i}" for i in range(len(dirs))]
     sizes = sorted((sum(f.stat().st_size for f in hfdir.shard_files(d)) for d in dirs), reverse=True)

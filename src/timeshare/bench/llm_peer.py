@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 from timeshare.bench.environment import describe
 from timeshare.errors import ConfigError, TimeshareError
+from timeshare.harness.process import descendants, wait_ready
 from timeshare.llm import hfdir
-from timeshare.server.process import descendants, wait_ready
 
 PEERS = ("vllm",)
 MODES = ("in-process", "workers")
@@ -154,7 +154,7 @@ class Server(Protocol):
 
 class TimeshareServer:
     def __init__(self, path: Path, mode: str, config: PeerBenchConfig):
-        from timeshare.server.process import ServerProcess
+        from timeshare.harness.process import ServerProcess
 
         self.name = f"timeshare {mode}"
         workers = config.workers if mode == "workers" else 0
@@ -180,7 +180,7 @@ class VLLMServer:
     ``kv_space_gib``."""
 
     def __init__(self, path: Path, config: PeerBenchConfig):
-        from timeshare.server.process import free_port
+        from timeshare.harness.process import free_port
 
         self.name = "vllm"
         self.python, self.path, self.config = config.peer_python(), path, config

@@ -146,7 +146,7 @@ class PlainServerProcess:
     (then killed) when left."""
 
     def __init__(self, models: list[str], device: str = "cpu", *, ready_timeout_s: float = 120.0):
-        from timeshare.server.process import free_port
+        from timeshare.harness.process import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

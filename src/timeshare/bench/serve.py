@@ -29,10 +29,10 @@ import torch
 from timeshare.bench.environment import describe
 from timeshare.device import resolve_device
 from timeshare.errors import ConfigError
+from timeshare.harness.client import Answer, Client
 from timeshare.models.weights import read_weights
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
-from timeshare.server.client import Answer, Client
 from timeshare.server.endpoint import flatten_outputs
 
 SMALL_MODELS = ["tiny_mlp", "tiny_cnn", "tiny_bert", "tied_lm"]
@@ -271,7 +271,7 @@ def run(cfg: ServeBenchConfig, progress=None) -> dict:
     """The whole benchmark: references, the servers' processes, the passes in turns,
     their shutdown."""
     from timeshare.bench.plain_server import PlainServerProcess
-    from timeshare.server.process import ServerProcess
+    from timeshare.harness.process import ServerProcess
 
     cases = references(cfg)
     server_cfg = server_config(cfg)

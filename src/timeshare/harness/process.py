@@ -49,7 +49,7 @@ class ServerProcess:
     def start(self, progress=None) -> ServerProcess:
         """Start the server and wait until it is ready; a second call (``start()``, then
         ``with``) returns the one already started rather than starting another."""
-        from timeshare.server.client import Client
+        from timeshare.harness.client import Client
 
         if self.proc is not None and self.proc.poll() is None:
             return self

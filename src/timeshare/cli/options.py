@@ -57,3 +57,8 @@ def copy_delay_option(p: argparse.ArgumentParser) -> None:
                    help="diagnostic: hold each group's copy back this long, so that a load that forgot a wait "
                         "surely reads the poisoned block and the exactness check fails (timings are then not "
                         "representative)")
+
+
+def msec(v: float | None) -> str:
+    """A table's cell of milliseconds: one decimal, or "-" where none was measured."""
+    return "-" if v is None else f"{v:.1f}"

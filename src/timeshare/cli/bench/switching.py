@@ -11,7 +11,7 @@ import argparse
 
 from rich.table import Table
 
-from timeshare.cli_options import (
+from timeshare.cli.options import (
     arena_option,
     background_train_option,
     copy_delay_option,

@@ -1,14 +1,11 @@
-"""The ``timeshare`` command line: the top-level parser, the dispatch to the command modules
-(``cli_*``), the common runner of benchmarks and the JSON writer. Runs in the CLI's process;
-the CLI layer is the only place that prints to the user.
+"""The ``timeshare`` command line: the top-level parser, the dispatch to the module of each
+command (a module per command, a package per group), the common runner of benchmarks and
+the JSON writer. Runs in the CLI's process; the CLI layer is the only place that prints to
+the user.
 
-    timeshare bench pipeline [--models ...] [--batch 8] [--dtype fp32] [--json PATH]
-    timeshare bench switch [--models ...] [--train MODEL:BATCH] [--json PATH]
-    timeshare bench cycles [--model resnet152] [--cycles 1,2,5,10,30] [--json PATH]
-    timeshare bench link [--sizes 64KiB,...,1GiB] [--json PATH]   (these, and lanes: timeshare.cli_switch)
-    timeshare bench colocate | scheduler   (see timeshare.cli_sim)
-    timeshare sim salus | serving | run
-    timeshare serve | demo | models, bench serve | chaos | hostile   (see timeshare.cli_serve)
+    timeshare serve | demo | ps | models   (serve.py, demo.py, ps.py, models.py)
+    timeshare bench ...                    (bench/: a module per concept)
+    timeshare sim salus | serving | cluster | run   (sim/)
 """
 
 from __future__ import annotations
@@ -53,20 +50,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     """Every command's parser; each command module adds its own."""
-    from timeshare import __version__, cli_bench, cli_ops, cli_serve, cli_switch
-    from timeshare.cli_sim import add_bench_parsers, add_sim_parser
+    from timeshare import __version__
+    from timeshare.cli import bench, demo, models, ps, serve, sim
 
     parser = argparse.ArgumentParser(prog="timeshare", description="Fine-grained GPU time-sharing for deep learning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does")
     parser.add_argument("--version", action="version", version=f"timeshare {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
-    cli_switch.add_parsers(bench)
-    add_bench_parsers(bench)
-    cli_bench.add_parsers(bench)
-    add_sim_parser(sub)
-    cli_serve.add_parsers(sub, bench)
-    cli_ops.add_parsers(sub)
+    bench.add_parsers(sub)
+    sim.add_parser(sub)
+    serve.add_parser(sub)
+    demo.add_parser(sub)
+    ps.add_parser(sub)
+    models.add_parser(sub)
     return parser
 
 
@@ -81,23 +77,15 @@ def _stacks_on_sigusr1() -> None:
 
 def _dispatch(args) -> int | None:
     """The command's exit code; None for a command no module runs."""
-    from timeshare import cli_bench, cli_ops, cli_serve, cli_switch
-    from timeshare.cli_sim import run_bench, run_sim
+    from timeshare.cli import bench, demo, models, ps, serve, sim
 
-    if args.command == "bench" and args.bench in cli_switch.NAMES:
-        return cli_switch.run(args, console, err, _run_bench)
-    if args.command == "bench" and args.bench in cli_bench.NAMES:
-        return cli_bench.run(args, console, _run_bench)
-    if args.command == "bench" and args.bench in ("colocate", "scheduler"):
-        return run_bench(args, console, _run_bench)
+    if args.command == "bench":
+        return bench.run(args, console, err, _run_bench)
     if args.command == "sim":
-        return run_sim(args, console, _write_json)
-    if args.command in cli_ops.NAMES:
-        return cli_ops.run(args, console)
-    if args.command in ("serve", "demo") \
-            or getattr(args, "bench", None) in ("serve", "chaos", "hostile"):
-        return cli_serve.run(args, console, _write_json, _run_bench)
-    return None
+        return sim.run(args, console, _write_json)
+    commands = {"serve": serve, "demo": demo, "ps": ps, "models": models, "zoo": models}
+    command = commands.get(args.command)
+    return None if command is None else command.run(args, console)
 
 
 def _run_bench(run, cfg, show, path: Path | None) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.table import Table
 
-from timeshare.cli_options import plot_option
+from timeshare.cli.options import plot_option
 
 
 def add_parser(sim) -> None:
