@@ -32,6 +32,7 @@ from timeshare.options import RuntimeOptions
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Ticket, Turn
+from timeshare.runtime.events import Outbox, RuntimeLock
 from timeshare.runtime.jobs import JobTable, training_spec
 from timeshare.runtime.lanes import lanes_call, turn_call, wait_idle
 from timeshare.runtime.registration import model_spec, parse_dtype
@@ -90,10 +91,13 @@ class Runtime(observe.Observing):
             self._exec.close()
             arena.close()
             raise
+        outbox = Outbox()
         self._table = ModelTable(self._residency, self._exec, opts.strategy, host,
-                                 sharing.SharedTensors() if opts.dedup else None)
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)  # a model's last unlocked call ended
+                                 sharing.SharedTensors() if opts.dedup else None, outbox)
+        self._lock = RuntimeLock(outbox)  # NOTE [Records outside the lock]
+        # A model's last unlocked call ended. (typeshed knows only its own locks; RuntimeLock has
+        # what Condition calls.)
+        self._idle = threading.Condition(self._lock)  # type: ignore[arg-type]
         if self._table.shared is not None:
             self._table.shared.wait_idle = self._wait_idle
         self._closed = False

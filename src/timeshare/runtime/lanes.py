@@ -68,6 +68,7 @@ from timeshare.decode.step import Step
 from timeshare.errors import LaneExceededError, TimeshareError
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.calls import Call
+from timeshare.runtime.events import RuntimeLock
 from timeshare.runtime.residency import ModelEntry
 from timeshare.runtime.table import ModelTable
 from timeshare.runtime.turns import Turn
@@ -75,7 +76,7 @@ from timeshare.tree import shape_key
 
 
 def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, turn: Turn,
-               switched: str | None, lock: threading.RLock, idle: threading.Condition, threads: int,
+               switched: str | None, lock: RuntimeLock, idle: threading.Condition, threads: int,
                key: str | None = None) -> Call:
     """An inference given its lane (``turn``), with ``lock`` held: metered and bounded by
     the lane; a resident model's forward runs without the lock. Waiters on ``idle`` hear
@@ -135,7 +136,7 @@ class Confirmations:
 confirmed = Confirmations()
 
 
-def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn: Turn, lock: threading.RLock,
+def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn: Turn, lock: RuntimeLock,
               idle: threading.Condition, threads: int, step: Step | None = None) -> Call:
     """A call inside a turn that holds a lane (a language model's step, NOTE [Turns in
     lanes]), with ``lock`` held: bounded by the turn's lane whatever its shape; a resident
@@ -148,7 +149,7 @@ def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn:
         idle.notify_all()
 
 
-def unlocked(lock: threading.RLock) -> Callable[[], AbstractContextManager]:
+def unlocked(lock: RuntimeLock) -> Callable[[], AbstractContextManager]:
     """A lane's forward without the runtime's ``lock`` (held once by this thread)."""
     return _Outside(lock).again
 
@@ -158,7 +159,7 @@ class _Outside:
 
     __slots__ = ("lock",)
 
-    def __init__(self, lock: threading.RLock) -> None:
+    def __init__(self, lock: RuntimeLock) -> None:
         self.lock = lock
 
     def again(self) -> _Outside:

@@ -8,7 +8,6 @@ frees). Runs in the controller (the caller's process).
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -20,7 +19,7 @@ import torch
 from timeshare.executor.interface import Executor, PoolHealth
 from timeshare.memory import Arena, Block
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.events import Listener
+from timeshare.runtime.events import Listener, RuntimeLock
 from timeshare.runtime.host_tier import HostTier, HostTierSnapshot
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.sharing import SharedTensors, SharingSnapshot
@@ -143,7 +142,7 @@ class Observing:
         _jobs: JobTable
         _exec: Executor
         _gate: Dispatcher
-        _lock: threading.RLock
+        _lock: RuntimeLock
 
         def _turn(self) -> AbstractContextManager[None]: ...
 
@@ -194,6 +193,8 @@ class Observing:
     def subscribe(self, listener: Listener) -> None:
         """Call ``listener`` with a :class:`~timeshare.runtime.events.CallRecord` after
         every inference and an :class:`~timeshare.runtime.events.EvictionRecord` after
-        every eviction. It runs while the runtime is held: keep it quick; what it
-        raises is logged, never passed to the caller."""
-        self._table.listeners.append(listener)
+        every eviction. It runs after the runtime's lock is let go, in the thread that
+        let it go, before that thread's call returns (NOTE [Records outside the lock]);
+        listeners get the records one at a time, in order; what it raises is logged,
+        never passed to the caller."""
+        self._table.outbox.subscribe(listener)

@@ -17,7 +17,7 @@ from timeshare.executor.segments import Switch
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call
-from timeshare.runtime.events import CallRecord, EvictionRecord, Listener
+from timeshare.runtime.events import CallRecord, EvictionRecord, Outbox
 from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.shared_placement import SharedPlacement
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class ModelTable:
     def __init__(self, residency: Residency, executor: Executor, strategy: str, host: HostTier | None = None,
-                 sharing: SharedTensors | None = None):
+                 sharing: SharedTensors | None = None, outbox: Outbox | None = None):
         self.entries: dict[str, ModelEntry] = {}
         self.residency = residency
         self.executor = executor
@@ -48,7 +48,7 @@ class ModelTable:
             sharing, self.entries, residency, executor, evict=self.evict, emit=self.emit,
             placing=lambda: self._placing, host=host, readers=self.host_readers)
         self.strategy = strategy  # the runtime's grouping, when a call names none
-        self.listeners: list[Listener] = []
+        self.outbox = outbox or Outbox()  # the listeners, who get its records once the lock is let go
         self.failures = 0  # calls that raised
         self.regions: dict[str, Block] = {}  # NOTE [Regions of the arena], by owner
 
@@ -260,8 +260,7 @@ class ModelTable:
             raise
         record = CallRecord(m.name, t0, time.monotonic() - t0, waited_s, loaded, switched_from, None, ran.timings,
                             ran.moved_bytes)
-        if self.listeners:
-            self.emit(record)
+        self.emit(record)
         return Call(ran.output, record)
 
     def profile(self, m: ModelEntry, args: tuple, kwargs: dict) -> ModelProfile:
@@ -352,8 +351,6 @@ class ModelTable:
         self.entries.clear()
 
     def emit(self, record: CallRecord | EvictionRecord) -> None:
-        for listener in self.listeners:
-            try:
-                listener(record)
-            except Exception:
-                log.exception("runtime listener %r failed on %r", listener, record)
+        """``record`` for the listeners, delivered once the runtime's lock is let go
+        (NOTE [Records outside the lock])."""
+        self.outbox.emit(record)

@@ -32,6 +32,7 @@ from timeshare import protocol as P
 from timeshare.errors import ConfigError, TimeshareError
 from timeshare.memory.ephemeral import LaneBound, in_lane
 from timeshare.runtime.dispatch import Dispatcher  # noqa: F401 (annotations)
+from timeshare.runtime.events import RuntimeLock
 from timeshare.worker.trainer import TrainingStats, TrainingTask, TrainSpec
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class LocalTrainingJob(TrainingJob):
     """Iterations in a thread of this process, one at a time under the runtime's lock,
     or with lanes in the job's lane."""
 
-    def __init__(self, task: TrainingTask, name: str, *, lock: threading.RLock, gate: Dispatcher):
+    def __init__(self, task: TrainingTask, name: str, *, lock: RuntimeLock, gate: Dispatcher):
         super().__init__(name, task.iterations, gate=gate, offload=task.offload)
         self.task = task
         self.stats = task.stats
@@ -233,7 +234,7 @@ class WorkerTrainingJob(TrainingJob):
     """Iterations in a worker process that holds the job's state; the controller's
     thread runs segments there and parks between them (NOTE [Switch protocol])."""
 
-    def __init__(self, spec: TrainSpec, *, runner: SegmentRunner, lock: threading.RLock, gate: Dispatcher):
+    def __init__(self, spec: TrainSpec, *, runner: SegmentRunner, lock: RuntimeLock, gate: Dispatcher):
         super().__init__(spec.name, spec.iterations, gate=gate, offload=spec.offload)
         self.spec = spec
         self._runner = runner
@@ -289,7 +290,7 @@ class WorkerTrainingJob(TrainingJob):
             self.stats.preemptions += 1
 
 
-def new_job(spec: TrainSpec, runs_on: TrainingTask | SegmentRunner, *, lock: threading.RLock,
+def new_job(spec: TrainSpec, runs_on: TrainingTask | SegmentRunner, *, lock: RuntimeLock,
             gate: Dispatcher) -> TrainingJob:
     """A job's handle (not started) around where its executor runs it (``start_job``):
     a task built in this process, or the pool's segments on a home worker."""

@@ -291,7 +291,7 @@ class Service:
         return {n: len(ep.queue) for n, ep in self.endpoints.items()}
 
     def _on_record(self, record: CallRecord | EvictionRecord) -> None:
-        """Runtime listener (in the calling thread, NOTE in ``runtime/events.py``)."""
+        """Runtime listener (NOTE [Records outside the lock]: after the runtime is let go)."""
         if isinstance(record, CallRecord):
             self._busy_s += record.seconds
             self.last_used[record.model] = time.time()
