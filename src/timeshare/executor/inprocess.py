@@ -150,7 +150,9 @@ class InProcessExecutor:
                            shared: Shared = None) -> Any:
         raise ConfigError("a new-process inference needs workers")
 
-    def in_process_worker(self) -> Worker | None:
+    @property
+    def worker(self) -> Worker:
+        """The worker that runs this process's models."""
         return self._worker
 
     def close(self) -> None:

@@ -30,7 +30,6 @@ from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.host_store import HostStore, TensorEntry
 from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 from timeshare.worker.trainer import TrainingTask, TrainSpec
-from timeshare.worker.worker import Worker
 
 if TYPE_CHECKING:
     from timeshare.executor.pool_training import SegmentRunner
@@ -113,8 +112,9 @@ class Packed:
     shared: dict[str, tuple[str, TensorEntry]] | None = None  # keys held in shared sets (NOTE [Shared tensors])
 
 
-class Executor(Protocol):
-    """What the runtime's facade asks of where models run."""
+class ModelPath(Protocol):
+    """The data path: models made ready, placed, run (a forward or a language model's
+    step), profiled and forgotten, as the runtime's model table asks."""
 
     device: torch.device
 
@@ -189,6 +189,14 @@ class Executor(Protocol):
     def inputs(self, obj: Any) -> Any:
         """Inputs made ready for ``run``: on the device in-process, on the host for workers."""
 
+    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,
+                           shared: Shared = None) -> Any:
+        """Benchmarks' "two processes" baseline: a new worker started for this call."""
+
+
+class JobHost(Protocol):
+    """Where training jobs' iterations run."""
+
     def check_trainable(self, spec: TrainSpec) -> None:
         """Raise ConfigError if the training job cannot run here."""
 
@@ -199,6 +207,11 @@ class Executor(Protocol):
 
     def drop_job(self, name: str) -> None:
         """Forget a finished job's state."""
+
+
+class Observed(Protocol):
+    """What operators and the runtime's snapshots read of where models run, without
+    waiting for it."""
 
     def switches(self) -> list[dict]:
         """Records of the latest switches from training to inference."""
@@ -212,12 +225,11 @@ class Executor(Protocol):
     def pinned_host_bytes(self) -> int:
         """Host memory page-locked for the host stores."""
 
-    def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,
-                           shared: Shared = None) -> Any:
-        """Benchmarks' "two processes" baseline: a new worker started for this call."""
 
-    def in_process_worker(self) -> Worker | None:
-        """The worker in this process, if models run here (a test hook)."""
+
+class Executor(ModelPath, JobHost, Observed, Protocol):
+    """What the runtime's facade asks of where models run: the three concerns above, and
+    stopping. Test hooks are not part of it (``executor/testing.py``)."""
 
     def close(self) -> None:
         """Stop everything; the arena is closed by its owner afterwards."""

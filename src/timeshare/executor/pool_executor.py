@@ -33,7 +33,6 @@ from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 from timeshare.tree import map_tensors
 from timeshare.worker.profiling import release_host_cache
 from timeshare.worker.trainer import TrainSpec
-from timeshare.worker.worker import Worker
 
 
 class PoolExecutor:
@@ -253,9 +252,6 @@ class PoolExecutor:
     def run_in_new_process(self, name: str, offset: int, args: tuple, kwargs: dict, strategy: str,
                            shared: Shared = None) -> Any:
         return self._pool.run_in_new_worker(name, offset, args, kwargs, strategy, shared)
-
-    def in_process_worker(self) -> Worker | None:
-        return None
 
     def close(self) -> None:
         try:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from timeshare.executor.inprocess import InProcessExecutor
 from timeshare.worker.worker import Worker
 
 
 def in_process_worker(runtime: Any) -> Worker | None:
     """The worker that runs ``runtime``'s models in this process (an in-process runtime),
     or None (with worker processes)."""
-    return runtime.executor.in_process_worker()
+    executor = runtime.executor
+    return executor.worker if isinstance(executor, InProcessExecutor) else None

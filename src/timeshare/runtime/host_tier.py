@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from timeshare.errors import ConfigError, MemoryBudgetError, WeightsError
-from timeshare.executor.interface import Executor, Packed
+from timeshare.executor.interface import ModelPath, Packed
 from timeshare.executor.packing import build_tiered
 from timeshare.models.spec import ModelSpec
 from timeshare.scheduler.eviction import EvictionPolicy, make_eviction_policy
@@ -301,7 +301,7 @@ class HostTier:
         return self.outside() + sum(s.store.nbytes for n, s in self.models.items() if s.filled and n != name)
 
 
-def make_host_tier(host_memory: int | str | None, eviction: str, executor: Executor, *, workers: int,
+def make_host_tier(host_memory: int | str | None, eviction: str, executor: ModelPath, *, workers: int,
                    spill_dir: str | os.PathLike | None, direct_io: bool = False) -> HostTier | None:
     """The host tier of a runtime (None without a budget). ``host_memory``: bytes, a
     string like "8GiB", or "auto" (half the RAM; with workers, at most nine tenths of
@@ -336,7 +336,7 @@ def make_host_tier(host_memory: int | str | None, eviction: str, executor: Execu
                     filling=executor.host_filling, spill_dir=path, own_spill_dir=own, direct_io=direct_io)
 
 
-def pack(spec: ModelSpec, executor: Executor, tier: HostTier) -> tuple[Packed, Stored]:
+def pack(spec: ModelSpec, executor: ModelPath, tier: HostTier) -> tuple[Packed, Stored]:
     """A registration under the host budget (``build_tiered``), made ready for the
     executor; outside the runtime's lock."""
     tiered = build_tiered(spec, tier.spill_dir)

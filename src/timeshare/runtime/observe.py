@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from timeshare.executor.interface import Executor, PoolHealth
+from timeshare.executor.interface import Executor, Observed, PoolHealth
 from timeshare.memory import Arena, Block
 from timeshare.runtime.dispatch import Dispatcher
 from timeshare.runtime.events import Listener, RuntimeLock
@@ -77,7 +77,7 @@ def stats(device: torch.device, arena: Arena, residency: Residency, models: Mapp
 
 
 def snapshot(device: torch.device, arena: Arena, residency: Residency, models: Iterable[ModelEntry],
-             jobs: Iterable[TrainingJob], executor: Executor, gate: Dispatcher, failures: int,
+             jobs: Iterable[TrainingJob], executor: Observed, gate: Dispatcher, failures: int,
              host: HostTier | None = None, sharing: SharedTensors | None = None,
              regions: Mapping[str, Block] | None = None) -> RuntimeSnapshot:
     alloc = arena.allocator
@@ -105,7 +105,7 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
     )
 
 
-def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Executor,
+def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Observed,
                 gate: Dispatcher, host: HostTier | None = None, sharing: SharedTensors | None = None,
                 regions: Mapping[str, Block] | None = None) -> dict:
     alloc = arena.allocator

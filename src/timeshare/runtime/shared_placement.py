@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from timeshare.errors import MemoryBudgetError, ModelTooLargeError, TimeshareError, WeightsError
-from timeshare.executor.interface import Executor, Packed
+from timeshare.executor.interface import ModelPath, Packed
 from timeshare.executor.packing import tiered_copy
 from timeshare.runtime.events import EvictionRecord
 from timeshare.runtime.host_tier import HostTier, Stored
@@ -49,7 +49,7 @@ class SharedPlacement:
     must keep (NOTE [Shared tensors under a host budget])."""
 
     def __init__(self, sharing: SharedTensors, entries: dict[str, ModelEntry], residency: Residency,
-                 executor: Executor, *, evict: Callable[[ModelEntry], object],
+                 executor: ModelPath, *, evict: Callable[[ModelEntry], object],
                  emit: Callable[[EvictionRecord], None], placing: Callable[[], str | None],
                  host: HostTier | None = None, readers: Callable[[], set[str]] = set):
         self.sharing = sharing

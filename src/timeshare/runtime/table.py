@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 
 from timeshare.decode.step import Step
 from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
-from timeshare.executor.interface import Executor, Packed, Ran
+from timeshare.executor.interface import ModelPath, Packed, Ran
 from timeshare.executor.segments import Switch
 from timeshare.memory import Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class ModelTable:
-    def __init__(self, residency: Residency, executor: Executor, strategy: str, host: HostTier | None = None,
+    def __init__(self, residency: Residency, executor: ModelPath, strategy: str, host: HostTier | None = None,
                  sharing: SharedTensors | None = None, outbox: Outbox | None = None):
         self.entries: dict[str, ModelEntry] = {}
         self.residency = residency
