@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from timeshare.options import RuntimeOptions
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
 from timeshare.runtime.dispatch import Ticket, Turn
-from timeshare.runtime.events import Outbox, RuntimeLock
+from timeshare.runtime.events import Listener, Outbox, RuntimeLock
 from timeshare.runtime.jobs import JobTable, training_spec
 from timeshare.runtime.lanes import lanes_call, turn_call, wait_idle
 from timeshare.runtime.registration import model_spec, parse_dtype
@@ -54,7 +55,7 @@ __all__ = ["Call", "ModelTurn", "Runtime", "parse_dtype"]
 log = logging.getLogger(__name__)
 
 
-class Runtime(observe.Observing):
+class Runtime:
     """Time-shares one device among registered models.
 
     Its options (``timeshare.options.RuntimeOptions``, where each is documented: device,
@@ -430,6 +431,61 @@ class Runtime(observe.Observing):
         other call, control request and training iteration waits until it ends."""
         with self._turn():
             yield
+
+    # ------------------------------------------------------------------ what it shows
+    def worker_pids(self) -> list[int]:
+        """The operating-system ids of the worker processes now in the pool (empty
+        without workers): for operators and fault-injection tests."""
+        return self._exec.pids()
+
+    def stats(self) -> dict:
+        with self._turn():
+            return observe.stats(self.device, self._arena, self._residency, self._table.entries)
+
+    def snapshot(self) -> observe.RuntimeSnapshot:
+        """Counters and memory for metrics, read without waiting for the device (a
+        scrape must not queue behind a long inference): a consistent-enough view, not
+        an atomic one."""
+        table = self._table
+        return observe.snapshot(self.device, self._arena, self._residency, table.entries.values(),
+                                self._jobs.all().values(), self._exec, self._gate, table.failures, table.host,
+                                table.sharing, table.regions)
+
+    def diagnostics(self) -> dict:
+        """For operators and white-box tests, without waiting for the device: the arena
+        (its shared-memory segment's name on the CPU, its free ranges), each model's size
+        and placement, the blocks quarantined because a copy may still write them, the
+        tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
+        with self._lock:
+            return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
+                                       self._table.host, self._table.sharing, self._table.regions)
+
+    @property
+    def executor(self) -> Executor:
+        """Where the models execute (``executor/``), for tests and benchmarks: the test
+        hooks are ``timeshare.executor.testing``'s; production code asks the runtime."""
+        return self._exec
+
+    def is_resident(self, name: str) -> bool:
+        """Whether ``name`` is in device memory now, read without waiting for the device
+        (for a server's queueing decisions; ``resident()`` waits its turn)."""
+        m = self._table.entries.get(name)
+        return m is not None and m.block is not None
+
+    def thrashing_factor(self) -> float:
+        """How much longer callers should let requests gather into batches: 1.0 unless
+        thrashing control is on and loads dominate the device's recent time (up to 5.0)."""
+        detector = self._residency.detector
+        return 1.0 if detector is None else detector.batch_factor(time.monotonic())
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener`` with a :class:`~timeshare.runtime.events.CallRecord` after
+        every inference and an :class:`~timeshare.runtime.events.EvictionRecord` after
+        every eviction. It runs after the runtime's lock is let go, in the thread that
+        let it go, before that thread's call returns (NOTE [Records outside the lock]);
+        listeners get the records one at a time, in order; what it raises is logged,
+        never passed to the caller."""
+        self._table.outbox.subscribe(listener)
 
     # ------------------------------------------------------------------ internals
     def _get(self, name: str) -> ModelEntry:

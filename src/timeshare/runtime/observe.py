@@ -1,6 +1,6 @@
 """What operators and tests read of a runtime: statistics and the diagnostics view as
 plain dictionaries, and the metrics snapshot as a typed record (:class:`RuntimeSnapshot`),
-each made from the runtime's parts; ``Observing``, the runtime's methods that show them.
+each made from the runtime's parts (``Runtime``'s methods that show them call these).
 Nothing here changes the parts (but reclaiming finished quarantined blocks, which only
 frees). Runs in the controller (the caller's process).
 """
@@ -8,27 +8,19 @@ frees). Runs in the controller (the caller's process).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from timeshare.executor.interface import Executor, Observed, PoolHealth
+from timeshare.executor.interface import Observed, PoolHealth
 from timeshare.memory import Arena, Block
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.events import Listener, RuntimeLock
 from timeshare.runtime.host_tier import HostTier, HostTierSnapshot
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.sharing import SharedTensors, SharingSnapshot
 from timeshare.runtime.training import TrainingJob
 from timeshare.scheduler.lanes import LanesView
-
-if TYPE_CHECKING:
-    from timeshare.runtime.jobs import JobTable
-    from timeshare.runtime.table import ModelTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,73 +120,3 @@ def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEn
 def _plain(record: LanesView | PoolHealth | None) -> dict | None:
     """A part's record as the dictionary the diagnostics view shows (None stays None)."""
     return None if record is None else dataclasses.asdict(record)
-
-
-class Observing:
-    """What a ``Runtime`` shows of itself (its base: the methods operators, metrics and
-    white-box tests call), made from the parts above."""
-
-    if TYPE_CHECKING:  # the runtime's parts these read (``Runtime``'s)
-        device: torch.device
-        _arena: Arena
-        _residency: Residency
-        _table: ModelTable
-        _jobs: JobTable
-        _exec: Executor
-        _gate: Dispatcher
-        _lock: RuntimeLock
-
-        def _turn(self) -> AbstractContextManager[None]: ...
-
-    def worker_pids(self) -> list[int]:
-        """The operating-system ids of the worker processes now in the pool (empty
-        without workers): for operators and fault-injection tests."""
-        return self._exec.pids()
-
-    def stats(self) -> dict:
-        with self._turn():
-            return stats(self.device, self._arena, self._residency, self._table.entries)
-
-    def snapshot(self) -> RuntimeSnapshot:
-        """Counters and memory for metrics, read without waiting for the device (a
-        scrape must not queue behind a long inference): a consistent-enough view, not
-        an atomic one."""
-        table = self._table
-        return snapshot(self.device, self._arena, self._residency, table.entries.values(), self._jobs.all().values(),
-                        self._exec, self._gate, table.failures, table.host, table.sharing, table.regions)
-
-    def diagnostics(self) -> dict:
-        """For operators and white-box tests, without waiting for the device: the arena
-        (its shared-memory segment's name on the CPU, its free ranges), each model's size
-        and placement, the blocks quarantined because a copy may still write them, the
-        tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
-        with self._lock:
-            return diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
-                               self._table.host, self._table.sharing, self._table.regions)
-
-    @property
-    def executor(self) -> Executor:
-        """Where the models execute (``executor/``), for tests and benchmarks: the test
-        hooks are ``timeshare.executor.testing``'s; production code asks the runtime."""
-        return self._exec
-
-    def is_resident(self, name: str) -> bool:
-        """Whether ``name`` is in device memory now, read without waiting for the device
-        (for a server's queueing decisions; ``resident()`` waits its turn)."""
-        m = self._table.entries.get(name)
-        return m is not None and m.block is not None
-
-    def thrashing_factor(self) -> float:
-        """How much longer callers should let requests gather into batches: 1.0 unless
-        thrashing control is on and loads dominate the device's recent time (up to 5.0)."""
-        detector = self._residency.detector
-        return 1.0 if detector is None else detector.batch_factor(time.monotonic())
-
-    def subscribe(self, listener: Listener) -> None:
-        """Call ``listener`` with a :class:`~timeshare.runtime.events.CallRecord` after
-        every inference and an :class:`~timeshare.runtime.events.EvictionRecord` after
-        every eviction. It runs after the runtime's lock is let go, in the thread that
-        let it go, before that thread's call returns (NOTE [Records outside the lock]);
-        listeners get the records one at a time, in order; what it raises is logged,
-        never passed to the caller."""
-        self._table.outbox.subscribe(listener)
