@@ -1,10 +1,10 @@
 """Executing models on the device: the set of models, running them and their loads (a
-first load traces and profiles; later ones are pipelined, ``worker/loading.py``). Logic
-only: runs in the process that computes (the caller's for the in-process runtime, a worker
-process for the multi-process one). ``Worker`` builds on three parts of its own: the host
-stores it copies from (``worker/host_stores.py``), where a model's tensors are bound
-(``worker/placement.py``) and profiling a resident model (``worker/resident_profiling.py``;
-measuring is in ``worker/profiling.py``).
+first load traces and profiles; later ones are pipelined, ``worker/loading.py``), the
+host stores it copies from (its models' and its shared sets', page-locked or not: NOTE
+[Exact host pinning], NOTE [Locked host tier]), where its models' tensors are bound (NOTE
+[Sticky placement], NOTE [Direct host access]) and profiling a resident model (measuring
+is in ``worker/profiling.py``). Logic only: runs in the process that computes (the
+caller's for the in-process runtime, a worker process for the multi-process one).
 
 The worker never decides placement. It is told at which arena offset a model lives
 and whether its bytes are already there; the controller owns the allocator and the
@@ -15,30 +15,37 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from timeshare.decode.runner import Decoders
+from timeshare.decode.runner import Decoders, relaid_out
 from timeshare.decode.step import Step, StepKind, StepOutcome
-from timeshare.device import HostRegistrar, host_registrar
-from timeshare.errors import PipelineError, TimeshareError
+from timeshare.device import HostRegistrar, host_registrar, synchronize
+from timeshare.errors import DeviceError, PipelineError, TimeshareError
 from timeshare.memory.arena import Arena
-from timeshare.models.binding import TensorLayout, unbind
+from timeshare.models.binding import TensorLayout, bind, bind_some, unbind
 from timeshare.transfer.copy import CopyEngine, LoadHandle, Piece, Ready, SharedCopies
 from timeshare.transfer.disk import READ_THREADS, FillSpec, StreamFill
 from timeshare.transfer.host_store import HostStore, TensorEntry
-from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, trace_execution_order
+from timeshare.transfer.profiler import ExecutionOrder, LinkCosts, ModelProfile, time_layers, trace_execution_order
 from timeshare.tree import map_tensors, shape_key, tensors_in
-from timeshare.worker.loading import LoadPlan, WorkerModel, forget_order, forward_while_loading, load_plan_of
-from timeshare.worker.profiling import owners_of
-from timeshare.worker.resident_profiling import ResidentProfiling
+from timeshare.worker.loading import (
+    LoadPlan,
+    WorkerModel,
+    adopt_order,
+    forget_order,
+    forward_while_loading,
+    load_plan_of,
+)
+from timeshare.worker.profiling import owners_of, probe_link, profile_resident, with_direct_layers
 
 log = logging.getLogger(__name__)
 
 
-class Worker(ResidentProfiling):
+class Worker:
     """Runs models whose weights live in ``arena``, loading them through ``engine``."""
 
     def __init__(
@@ -421,3 +428,231 @@ class Worker(ResidentProfiling):
     def _take_fences(self) -> list:
         fences, self._fences = self._fences, []
         return fences
+
+    # ------------------------------------------------------------------ host stores, page-locked or not
+    def add_shared(self, sid: str, store: HostStore) -> None:
+        """A shared set's host store (NOTE [Shared tensors]): models added later refer to it."""
+        if self.pin_host and self.host_registrar is not None:
+            store.pin(self.host_registrar)
+        self.shared[sid] = store
+
+    def release_shared(self, sid: str) -> LoadHandle | None:
+        """The set leaves the arena: waits for the latest load that copied it; returns
+        that load if it may still be writing (its deadline passed). Never raises."""
+        handle = self._shared_loads.pop(sid, None)
+        if handle is None:
+            return None
+        try:
+            handle.wait_all()
+        except TimeshareError as exc:
+            log.warning("releasing shared set %s after a failed load: %s", sid, exc)
+        if self.engine.host_waits and not handle.done():
+            return handle
+        return None
+
+    def remove_shared(self, sid: str) -> None:
+        """Forget a set no model refers to any more; its store is unpinned."""
+        self.release_shared(sid)
+        self._drop_store(self.shared.pop(sid))
+
+    def pin_store(self, name: str) -> bool:
+        """Page-lock ``name``'s host store now, if this worker locks stores and it is not
+        locked (NOTE [Locked host tier]); True if this call locked it."""
+        wm = self.models[name]
+        if self.host_registrar is None or wm.store.pinned:
+            return False
+        try:
+            wm.store.pin(self.host_registrar)
+        except DeviceError as exc:  # best effort: the load copies from pageable memory instead
+            if name not in self._lock_refused:
+                self._lock_refused.add(name)
+                log.warning("cannot page-lock the host store of %s; its loads copy from pageable memory: %s",
+                            name, exc)
+            return False
+        return True
+
+    def unpin_store(self, name: str) -> None:
+        """``name``'s host store is about to lose its pages (NOTE [Locked host tier]):
+        unlocked once no copy reads it. Idempotent."""
+        wm = self.models.get(name)
+        if wm is None:
+            return
+        try:
+            self.finish_pending(name)  # a tail still copying reads the store
+        except Exception as exc:  # that load's failure is its own: unlocked all the same, once the device is idle
+            log.warning("unlocking the host store of %s after a failed copy: %s", name, exc)
+        self._drop_store(wm.store)
+
+    def store_pinned(self, name: str) -> bool:
+        """Whether ``name``'s host store is page-locked in this process now."""
+        wm = self.models.get(name)
+        return wm is not None and wm.store.pinned
+
+    def pinned_host_bytes(self) -> int:
+        """Host memory this worker's stores hold page-locked (safe to call from any thread)."""
+        stores = [wm.store for wm in list(self.models.values())] + list(self.shared.values())
+        return sum(store.pinned_nbytes for store in stores)
+
+    def unlock_failed_load(self, name: str) -> None:
+        """A load that locked ``name``'s droppable store failed: unlock it, so that only a
+        successful call reports a lock (NOTE [Locked host tier]). Never raises: the
+        failure being handled is the one to report."""
+        try:
+            self.unpin_store(name)
+        except Exception:
+            log.exception("unlocking the host store of %s after a failed load", name)
+            self.models[name].store.release()  # the device is broken: nothing copies any more
+
+    def finish_pending(self, name: str) -> None:
+        wm = self.models[name]
+        if wm.pending is not None:
+            wm.pending.wait_all()
+            wm.pending = None
+
+    def _drop_store(self, store: HostStore) -> None:
+        """Unpin ``store`` once no copy reads it. A device-side wait does not mean the
+        copies ran, and unregistering memory a DMA still reads is undefined, so a pinned
+        store waits for the device first (off the switch path: a first load, a removal).
+        The latest load, kept for its timing, then lets go of the store and of the arena
+        range it copied (``done()`` drops them once the copies are over), so that an
+        unregister frees the host memory and a close the device memory."""
+        if store.pinned:
+            synchronize(self.device)
+        if self.last_load is not None:
+            self.last_load.done()
+        store.release()
+
+    # ------------------------------------------------------------------ where its models' tensors are bound
+    # NOTE [Sticky placement]
+    # Building and binding views for every tensor costs milliseconds of host time for a
+    # large model, too much for the switch path. So a model goes back to the arena
+    # offset it had before when that range is free, and eviction leaves its slots
+    # pointing at the old offset (stale views, never read: the module is private to the
+    # runtime and only called through a load). A model that lands where it was bound
+    # needs no binding at all. Removing a model points the slots at meta tensors.
+    #
+    # NOTE [Poisoned reloads]
+    # Sticky placement makes exactness checks weak: a model reloaded where it was finds
+    # its old bytes still there, so a load that forgot to wait for a group would still
+    # compute the right outputs. Checks therefore run with two diagnostics of the
+    # Runtime: ``poison_evicted`` fills an evicted model's block with 0xFF bytes (NaN in
+    # every floating type) before it is freed, and ``copy_delay_s`` starts each group's
+    # copy later (a sleep on the CPU copy thread, a device-side spin on the CUDA copy
+    # stream), so a compute that does not wait surely reads poison and the check fails.
+    def _bind(self, wm: WorkerModel, offset: int, at: Mapping[str, int]) -> None:
+        """The slots on the arena: the store's tensors at ``offset``, the shared ones where
+        the model's sets are (``at``, NOTE [Shared tensors])."""
+        if wm.bound_at != offset or wm.shared_bound != at:
+            views = self.arena.views(offset, wm.store.entries)
+            for sid, entries in _by_set(wm, wm.shared).items():
+                views.update(self.arena.views(at[sid], entries))
+            bind(wm.layout, views)
+            relaid_out(wm.module)  # NOTE [Decode graphs]: graphs captured before are stale
+            wm.bound_at = offset
+            wm.shared_bound = dict(at)
+            wm.host_bound = ()
+            self._host_bound.discard(wm.name)
+
+    def _bind_direct(self, wm: WorkerModel, keys: tuple[str, ...]) -> None:
+        """After ``_bind``: the slots of ``keys`` on the host store, the others' on the
+        arena (NOTE [Direct host access])."""
+        if keys == wm.host_bound:
+            return
+        leaving = set(wm.host_bound) - set(keys)
+        back = [e for e in wm.store.entries if e.key in leaving]
+        if back:  # copied by this load's plan: the arena's bytes again
+            assert wm.bound_at is not None
+            bind_some(wm.layout, self.arena.views(wm.bound_at, back))
+        for sid, entries in _by_set(wm, leaving).items():  # in their set's block again
+            bind_some(wm.layout, self.arena.views(wm.shared_bound[sid], entries))
+        if keys:
+            bind_some(wm.layout, {k: self._host_tensor(wm, k) for k in keys})
+        relaid_out(wm.module)
+        wm.host_bound = keys
+        if keys:
+            self._host_bound.add(wm.name)
+        else:
+            self._host_bound.discard(wm.name)
+
+    def _host_tensor(self, wm: WorkerModel, key: str) -> torch.Tensor:
+        """``key``'s bytes in host memory: the model's store, or its shared set's."""
+        if key in wm.shared:
+            sid, e = wm.shared[key]
+            return HostStore.view(self.shared[sid].buffer, e)
+        return wm.store.tensor(key)
+
+    def reads_host(self, name: str) -> bool:
+        """Whether ``name`` computes from its host store (NOTE [Direct host access]): the
+        store must stay in memory while the model may run."""
+        return bool(self.host_keys(name))
+
+    def host_keys(self, name: str) -> tuple[str, ...]:
+        """The keys of ``name`` bound to its host store now (NOTE [Direct host access])."""
+        wm = self.models.get(name)
+        return wm.host_bound if wm is not None else ()
+
+    def _adopt_order(self, wm: WorkerModel, order: ExecutionOrder, *, repack: bool) -> None:
+        """Take ``order`` as the model's layers; with ``repack``, lay the host store out in
+        that order (the store is then this worker's own)."""
+        if repack:
+            if wm.order_fixed:
+                raise TimeshareError(f"model {wm.name!r}: its store's layout is fixed by its owner and cannot be "
+                                     "repacked")
+            by_key = {e.key: e for e in wm.store.entries}
+            entries = [by_key[k] for k in order.key_order()]
+            old = wm.store
+            wm.store = HostStore.pack(entries, old.state(), pin=self.host_registrar is not None,
+                                      registrar=self.host_registrar)
+            wm.bound_at = None
+            self._drop_store(old)  # the store in registration order
+        elif [e.key for e in wm.store.entries] != [k for k in order.key_order() if k not in wm.shared]:
+            raise TimeshareError(f"model {wm.name!r}: the host store is not laid out in the traced order")
+        adopt_order(wm, order, direct=self.direct_host_access)
+
+    # ------------------------------------------------------------------ profiling a resident model
+    def _profile_resident(self, wm: WorkerModel, args: tuple, kwargs: dict) -> None:
+        profile = profile_resident(wm, args, kwargs, self._link_costs(), self.device,
+                                   repeats=self.profile_repeats, fixed_group_bytes=self.fixed_group_bytes)
+        if wm.direct_candidates:
+            # A candidate's shared tensors count as bytes its direct access spares: a load
+            # that copies their set copies them last (NOTE [Direct host access]).
+            spared = [b + sum(e - a for _, a, e in runs) for b, runs in zip(profile.layer_bytes, wm.layer_shared)]
+            profile = with_direct_layers(profile, self._time_direct(wm, args, kwargs), self.fixed_group_bytes,
+                                         spared)
+        wm.profiles[profile.shape_key] = profile
+        wm.last_profile = profile.shape_key
+
+    def _time_direct(self, wm: WorkerModel, args: tuple, kwargs: dict) -> list[float]:
+        """The candidate layers' compute seconds with their tensors on the host store
+        (NOTE [Direct host access]); the binding is put back after."""
+        assert wm.order is not None and wm.bound_at is not None
+        keys = tuple(k for layer in wm.order.layers[:wm.direct_candidates] for k in layer.keys)
+        before = wm.host_bound
+        self._bind_direct(wm, keys)
+
+        def run():
+            with torch.no_grad():
+                wm.module(*args, **kwargs)
+
+        try:
+            times = time_layers(wm.module, run, wm.layer_modules, self.device, self.profile_repeats)
+        finally:
+            self._bind_direct(wm, before)
+        return times.compute_s[:wm.direct_candidates]
+
+    def _link_costs(self) -> LinkCosts:
+        """Measured once per worker, at the first profile (never on a switch), by copying
+        a scratch host buffer to a scratch device buffer through the copy engine."""
+        if self._link is None:
+            self._link = probe_link(self.engine, self.device, pin_host=self.pin_host)
+        return self._link
+
+
+def _by_set(wm: WorkerModel, keys: Iterable[str]) -> dict[str, list[TensorEntry]]:
+    """The shared ones among ``keys``, as entries of their sets named by the model's keys."""
+    by_set: dict[str, list[TensorEntry]] = {}
+    for key in keys:
+        if key in wm.shared:
+            sid, e = wm.shared[key]
+            by_set.setdefault(sid, []).append(replace(e, key=key))
+    return by_set
