@@ -24,7 +24,7 @@ and in its own lane, beside the inferences of other lanes on the remaining worke
 task never stops a segment in a lane, only the scheduler does (a Preempt, as for any
 task of a lane). Jobs that share a home (more jobs than workers but one) take turns on
 it: a job that finds its home busy stops the segment there once it has run
-``SHARE_S`` (``ProcessPool.begin_segment``). Each switch records stop, start, load, clean and total
+``SHARE_S`` (``SegmentRunner.begin_segment``). Each switch records stop, start, load, clean and total
 times (``Switch``). A worker that fails is replaced: a standby becomes active at once
 and a new one boots behind it.
 """
