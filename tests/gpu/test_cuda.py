@@ -6,11 +6,11 @@ import torch
 
 import timeshare
 from tests import models
+from tests.exact import nan_free, same
 from timeshare.device import BackendFlags
 from timeshare.executor.testing import in_process_worker
 from timeshare.models.zoo import ZOO, names, weights_path
 from timeshare.transfer.planner import STRATEGIES
-from timeshare.tree import tensors_in
 
 pytestmark = pytest.mark.cuda
 
@@ -27,11 +27,6 @@ def deterministic():
     before.apply()
 
 
-def same(a, b):
-    ta, tb = tensors_in(a), tensors_in(b)
-    return len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
-
-
 @pytest.mark.parametrize("name", names())
 def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
     zoo = ZOO[name]
@@ -43,6 +38,7 @@ def test_zoo_pipelined_outputs_are_bitwise_exact_on_cuda(name):
         rt.register(name, zoo.builder, weights_path(name), x)
         rt.infer(name, *x)
         ready = rt.infer(name, *x)
+        assert nan_free(ready)
         assert in_process_worker(rt).models[name].store.pinned
         for strategy in STRATEGIES:
             for _ in range(3):
@@ -57,6 +53,7 @@ def test_weight_sharing_cases_on_cuda(case):
     with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1, poison_evicted=True) as rt:
         rt.register(case, build, None, x)
         ready = rt.infer(case, *x)
+        assert nan_free(ready)
         for strategy in STRATEGIES:
             rt.evict(case)
             assert same(rt.call(case, x, strategy=strategy).output, ready), strategy
@@ -118,6 +115,7 @@ def test_workers_share_the_cuda_arena_and_switch_without_device_allocation():
     with timeshare.Runtime(device="cuda", memory="1GiB", profile_repeats=1) as local:
         local.register("r", zoo.builder, weights_path("resnet152"), x)
         expected = local.infer("r", *x)
+    assert nan_free(expected)
     with timeshare.Runtime(device="cuda", memory="1GiB", workers=2, profile_repeats=1, poison_evicted=True) as rt:
         rt.register("r", zoo.builder, weights_path("resnet152"), x)
         assert same(rt.infer("r", *x), expected)
@@ -156,6 +154,7 @@ def test_killing_a_cuda_worker_mid_load_leaves_device_memory_as_it_was():
                            copy_delay_s=0.02, poison_evicted=True) as rt:
         rt.register("b", zoo.builder, weights_path("bert_base"), x)
         ref = rt.infer("b", *x)
+        assert nan_free(ref)
         torch.cuda.synchronize()
         free_before, _ = torch.cuda.mem_get_info()
         for _ in range(3):
@@ -264,7 +263,7 @@ def test_the_pinned_bytes_metric_is_the_registered_bytes_and_unregister_gives_th
         ref = rt.infer("m", x)  # the first load repacks the store: the old one is unregistered
         assert rt.snapshot().host_pinned_bytes == LINEAR_1000_BYTES
         rt.evict("m")
-        assert same(rt.infer("m", x), ref)
+        assert same(rt.infer("m", x), ref) and nan_free(ref)
         rt.unregister("m")
         assert rt.snapshot().host_pinned_bytes == 0
 
@@ -282,6 +281,7 @@ def test_worker_inputs_come_from_host_memory_pinned_and_outputs_are_the_in_proce
         local.register("b", zoo.builder, weights_path("tiny_bert"), ids)
         local.register("s", models.row_sum, None, (rows[0],))
         expected = [local.infer("b", *ids)] + [local.infer("s", r) for r in rows]
+    assert nan_free(expected)
     calls: list[CallRecord] = []
     dev = torch.device("cuda", 0)
     with timeshare.Runtime(device="cuda", memory="256MiB", workers=1, profile_repeats=1) as rt:
@@ -309,6 +309,7 @@ def test_workers_on_cuda_1_compute_the_in_process_outputs_and_leave_cuda_0_alone
     with timeshare.Runtime(device="cuda:1", memory="256MiB", profile_repeats=1) as local:
         local.register("c", zoo.builder, weights_path("tiny_cnn"), x)
         expected = local.infer("c", *x)
+        assert nan_free(expected)
         snap = local.snapshot()
         assert snap.host_pinned_bytes == snap.host_bytes > 0
     with timeshare.Runtime(device="cuda:1", memory="256MiB", workers=2, profile_repeats=1,
@@ -410,6 +411,7 @@ def test_reloads_that_re_record_their_plans_events_stay_exact_on_cuda():
         rt.register("b", zoo.builder, weights_path("tiny_bert"), x)
         rt.infer("b", *x)
         ready = rt.infer("b", *x)
+        assert nan_free(ready)
         for strategy in ["per_layer", "optimal", "per_layer", "whole", "optimal", "per_layer", "fixed"]:
             rt.evict("b")
             rt.strategy = strategy
@@ -495,6 +497,7 @@ def test_lanes_on_cuda_overlap_on_their_own_streams_exactly_and_fail_alone():
             rt.register(n, zoo.builder, weights_path("small_resnet"), x)
             rt.infer(n, *x)
             alone[n] = rt.infer(n, *x)
+        assert nan_free(alone)
         assert rt.profile("m0", *x).ephemeral_bytes > 0
         outs: dict = {}
 

@@ -9,18 +9,13 @@ import pytest
 import torch
 
 import timeshare
+from tests.exact import nan_free, same
 from timeshare.runtime.events import CallRecord
 from timeshare.tree import tensors_in
 
 pytestmark = pytest.mark.cuda
 
 BIG = (8, 3, 299, 299)  # 8.6 MB: more than a channel's first 8 MiB
-
-
-def same(a, b) -> bool:
-    ta, tb = tensors_in(a), tensors_in(b)
-    return type(a) is type(b) and len(ta) == len(tb) and all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))
 
 
 def test_worker_outputs_through_the_page_locked_channel_are_the_in_process_ones():
@@ -37,6 +32,7 @@ def test_worker_outputs_through_the_page_locked_channel_are_the_in_process_ones(
         for name, builder in models.items():
             local.register(name, builder, None, examples[name])
         expected = [local.infer(m, *a, **k) for m, a, k in calls]
+    assert nan_free(expected)
     records: list[CallRecord] = []
     with timeshare.Runtime(device="cuda", memory="512MiB", workers=2, profile_repeats=1) as rt:
         rt.subscribe(lambda r: records.append(r) if isinstance(r, CallRecord) else None)

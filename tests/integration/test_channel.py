@@ -5,7 +5,6 @@ mid-call failing that call alone."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -17,8 +16,10 @@ import torch
 
 import timeshare
 from tests import channel_models
+from tests.exact import nan_free, same
 from timeshare.errors import WorkerCrashedError
 from timeshare.runtime.events import CallRecord
+from timeshare.tree import tensors_in
 from timeshare.worker import channel as C
 
 BIG = (8, 3, 299, 299)  # 8.6 MB: more than a channel's first 8 MiB
@@ -30,20 +31,9 @@ def _examples(name: str) -> tuple:
     return (torch.randn(4, 16),) if name == "nested" else (torch.randn(2, 3, 8, 8),)
 
 
-def _same(a, b, strides: bool = True) -> bool:
-    """Equal structures, and tensors of the same dtype, shape (and strides) and bits."""
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and (not strides or a.stride() == b.stride()) and torch.equal(a, b))
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y, strides) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k], strides) for k in a)
-    if dataclasses.is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name), strides) for f in dataclasses.fields(a))
-    return a == b
+def _strides(result) -> list[tuple[int, ...]]:
+    """The strides of every tensor in ``result``: a channel keeps each tensor's layout."""
+    return [t.stride() for t in tensors_in(result)]
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +72,10 @@ def test_a_large_input_is_read_from_the_channel_and_answers_exactly(runtimes):
     local, pooled, records = runtimes
     x = torch.randn(*BIG, generator=torch.Generator().manual_seed(1))
     expected = local.infer("reader", x)
+    assert nan_free(expected)
     for _ in range(3):  # the first grows the channel of the worker it runs on
-        assert _same(pooled.infer("reader", x), expected)
+        got = pooled.infer("reader", x)
+        assert same(got, expected) and _strides(got) == _strides(expected)
         timings = records[-1].timings
         assert timings.input_channel_bytes == x.nbytes  # in the channel, not pickled
         assert timings.output_channel_bytes > 0
@@ -104,7 +96,8 @@ def test_an_echo_comes_back_exact_and_stays_the_callers_after_the_next_call(runt
     second = pooled.infer("echo", x2)  # same worker, same offsets in its channel
     assert records[-1].timings.outputs_in_channel == 1
     assert torch.equal(first, kept)  # not a view of the channel: the next call did not change it
-    assert _same(first, local.infer("echo", x1)) and _same(second, local.infer("echo", x2))
+    for got, want in ((first, local.infer("echo", x1)), (second, local.infer("echo", x2))):
+        assert same(got, want) and _strides(got) == _strides(want) and nan_free(want)
     assert not torch.equal(first, second)
 
 
@@ -115,9 +108,10 @@ def test_nested_outputs_and_keyword_inputs_of_every_dtype_round_trip(runtimes):
     kwargs = {"mask": torch.rand(6, generator=g) > 0.5, "ids": torch.tensor([0, 5, 2]),
               "side": torch.randn(16, 5, generator=g).t()}  # a transposed input
     expected = local.infer("nested", x, **kwargs)
+    assert nan_free(expected)
     got = pooled.infer("nested", x, **kwargs)
     assert set(got) == set(expected)
-    assert _same(got, expected, strides=False)
+    assert same(got, expected)
     assert got["t"].stride() == expected["t"].stride()  # a dense layout in another order is kept
     assert isinstance(got["pair"], channel_models.Pair) and isinstance(got["heads"], channel_models.Heads)
     assert got["total"].dim() == 0 and got["none"].numel() == 0 and got["pos"].dtype == torch.bool
@@ -134,8 +128,9 @@ def test_what_outgrows_the_largest_channel_is_pickled_exactly_and_said(runtimes,
         rt.register("echo", MODELS["echo"], None, _examples("echo"))
         small = torch.randn(2, 3, 8, 8)
         for _ in range(2):
-            assert _same(rt.infer("echo", x), local.infer("echo", x))
-            assert _same(rt.infer("echo", small), local.infer("echo", small))
+            for y in (x, small):
+                got, want = rt.infer("echo", y), local.infer("echo", y)
+                assert same(got, want) and _strides(got) == _strides(want) and nan_free(want)
     said = [r.getMessage() for r in caplog.records if "pickled" in r.getMessage()]
     assert len(said) == 1 and "do not fit" in said[0]  # once, in the controller
 
@@ -144,6 +139,7 @@ def test_a_worker_killed_mid_call_fails_that_call_alone(runtimes):
     local, pooled, _ = runtimes
     x = torch.randn(*BIG, generator=torch.Generator().manual_seed(4))
     expected = local.infer("echo", x)
+    assert nan_free(expected)
     pooled.infer("echo", x)  # resident, its channel grown
     deadline = time.monotonic() + 60
     while pooled.snapshot().workers.ready < 2:
@@ -167,4 +163,5 @@ def test_a_worker_killed_mid_call_fails_that_call_alone(runtimes):
     assert isinstance(result.get("error"), WorkerCrashedError), result
     assert f"worker {victim.id} was killed by signal 9" in str(result["error"])
     for _ in range(3):
-        assert _same(pooled.infer("echo", x), expected)  # the standby, then its channel again
+        got = pooled.infer("echo", x)  # the standby, then its channel again
+        assert same(got, expected) and _strides(got) == _strides(expected)

@@ -54,9 +54,10 @@ def _metered(rt: Runtime, name: str, x: torch.Tensor) -> bool:
     return bool(rt.infer(name, x)[1])
 
 
-def test_a_shapes_calls_run_unmetered_once_its_peak_is_confirmed():
-    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
-        rt.register("w", Witness, example_inputs=(X,))
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "workers"])
+def test_a_shapes_calls_run_unmetered_once_its_peak_is_confirmed(workers):
+    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", workers=workers) as rt:
+        rt.register("w", "tests.integration.test_lanes_unmetered:witness", example_inputs=(X,))
         seen = [_metered(rt, "w", X) for _ in range(1 + CONFIRMING_CALLS + 3)]
         assert seen == [True] * (1 + CONFIRMING_CALLS) + [False] * 3
         assert _metered(rt, "w", torch.randn(4, 64))  # another shape starts metered
@@ -75,14 +76,6 @@ def test_a_shape_whose_peak_keeps_rising_stays_metered_and_bounded():
             assert _metered(rt, "g", torch.full((8, 64), size))
         with pytest.raises(LaneExceededError):  # still bounded per operator
             rt.infer("g", torch.full((8, 64), 4096.0))
-
-
-def test_with_workers_a_confirmed_shape_runs_unmetered_in_the_worker():
-    here = "tests.integration.test_lanes_unmetered"
-    with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB", workers=1) as rt:
-        rt.register("w", f"{here}:witness", example_inputs=(X,))
-        seen = [_metered(rt, "w", X) for _ in range(1 + CONFIRMING_CALLS + 2)]
-        assert seen == [True] * (1 + CONFIRMING_CALLS) + [False] * 2
 
 
 class Cores(nn.Module):

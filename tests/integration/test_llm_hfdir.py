@@ -40,8 +40,14 @@ def register(rt, name, path, ids):
                 example_kwargs={"use_cache": False})
 
 
-@pytest.mark.parametrize("arch", hfdir.ARCHITECTURES)
-def test_a_written_directory_is_served_with_the_logits_of_transformers(dirs, arch):
+# Every architecture in-process, and Llama in a worker process too, which rebuilds the
+# model from the directory.
+MODES = [pytest.param(arch, 0, id=f"{arch}-in-process") for arch in hfdir.ARCHITECTURES] \
+    + [pytest.param("llama", 1, id="llama-workers")]
+
+
+@pytest.mark.parametrize("arch, workers", MODES)
+def test_a_written_directory_is_served_with_the_logits_of_transformers(dirs, arch, workers):
     path = dirs[arch]
     assert len(hfdir.shard_files(path)) > 1  # sharded, with an index, as large models are
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -50,22 +56,12 @@ def test_a_written_directory_is_served_with_the_logits_of_transformers(dirs, arc
     assert chat == "<s>user: hi</s><s>assistant:"
     ids = tokens(path)
     want = reference(path, ids)
-    with Runtime("cpu", "64MiB", poison_evicted=True, copy_delay_s=0.001) as rt:
+    with Runtime("cpu", "64MiB", poison_evicted=True, copy_delay_s=0.001, workers=workers) as rt:
         register(rt, arch, path, ids)
         for _ in range(3):  # the first load, then pipelined ones from poisoned blocks
             out = rt.infer(arch, ids, use_cache=False)
             assert torch.equal(out["logits"], want)
             rt.evict(arch)
-
-
-def test_with_workers_the_directory_model_is_rebuilt_there_and_exact(dirs):
-    path = dirs["llama"]
-    ids = tokens(path)
-    with Runtime("cpu", "64MiB", workers=2, poison_evicted=True) as rt:
-        register(rt, "llama", path, ids)
-        for _ in range(2):
-            assert torch.equal(rt.infer("llama", ids, use_cache=False)["logits"], reference(path, ids))
-            rt.evict("llama")
 
 
 def test_broken_directories_are_refused_clearly(tmp_path, dirs):

@@ -1,4 +1,5 @@
-"""The in-process runtime on the CPU backend: exact outputs, eviction, errors."""
+"""The in-process runtime on the CPU backend: exact outputs, eviction, errors. (The zoo's
+outputs under every load strategy, in-process and with workers: test_workers.py.)"""
 
 import os
 
@@ -7,6 +8,7 @@ import torch
 
 import timeshare
 from tests import models
+from tests.exact import nan_free, plain_outputs, same
 from timeshare.errors import (
     ConfigError,
     DuplicateModelError,
@@ -19,29 +21,6 @@ from timeshare.errors import (
 )
 from timeshare.models.zoo import ZOO, weights_path
 from timeshare.transfer.planner import STRATEGIES
-from timeshare.tree import tensors_in
-
-SMALL = ["tiny_mlp", "tiny_cnn", "tiny_bert", "tied_lm"]
-
-
-def same(a, b) -> bool:
-    """Bitwise equality of two nested outputs (structure included)."""
-    ta, tb = tensors_in(a), tensors_in(b)
-    return type(a) is type(b) and len(ta) == len(tb) and all(
-        x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb)
-    )
-
-
-def reference(build, weights, *args, **kwargs):
-    """The plain module, loaded the ordinary way, on the CPU."""
-    module = build() if callable(build) else ZOO[build].build()
-    if weights is not None:
-        from safetensors.torch import load_file
-
-        module.load_state_dict(load_file(str(weights)), strict=False)
-    module.eval()
-    with torch.no_grad():
-        return module(*args, **kwargs)
 
 
 @pytest.fixture
@@ -51,30 +30,12 @@ def rt():
         yield r
 
 
-@pytest.mark.parametrize("name", SMALL)
-def test_every_strategy_returns_exactly_the_ready_outputs(rt, name):
-    zoo = ZOO[name]
-    w = weights_path(name)
-    x = zoo.example_inputs(3)
-    rt.register(name, zoo.builder, w, x)
-    first = rt.infer(name, *x)  # first load: whole copy + trace + profile
-    ready = rt.infer(name, *x)
-    assert same(first, ready)
-    assert same(ready, reference(name, w, *x))
-    for strategy in STRATEGIES:
-        rt.evict(name)
-        assert name not in rt.resident()
-        out = rt.call(name, x, strategy=strategy).output
-        assert same(out, ready), strategy
-        assert rt.resident() == [name]
-
-
 @pytest.mark.parametrize("case", sorted(models.CASES))
 def test_weight_sharing_and_odd_modules(rt, case):
     build = models.CASES[case]
     x = (torch.randn(4, 8),)
     rt.register(case, build, None, x)
-    ref = reference(build, None, *x)
+    ref = plain_outputs(build, None, *x)
     assert same(rt.infer(case, *x), ref)  # profiling load
     for strategy in STRATEGIES:
         rt.evict(case)
@@ -89,7 +50,7 @@ def test_tail_tensors_used_by_another_call_arrive_in_time(rt):
     rt.infer("m", x)
     prof = rt.profile("m")
     assert prof.tail_bytes > 0
-    ref = reference(models.optional_head, None, x, use_head=True)
+    ref = plain_outputs(models.optional_head, None, x, use_head=True)
     for strategy in STRATEGIES:
         rt.evict("m")
         out = rt.call("m", (x,), {"use_head": True}, strategy=strategy).output
@@ -103,7 +64,7 @@ def test_kwargs_and_dataclass_outputs_of_bert(rt):
     out = rt.infer("bert", ids, attention_mask=mask)
     assert type(out).__name__ == "BertOutput" and out.last_hidden_state.shape == (2, 16, 64)
     rt.evict("bert")
-    assert same(rt.infer("bert", ids, attention_mask=mask), out)
+    assert same(rt.infer("bert", ids, attention_mask=mask), out) and nan_free(out)
     unmasked = rt.infer("bert", ids)
     assert not torch.equal(unmasked.pooler_output, out.pooler_output)  # the mask reached the model
 
@@ -237,7 +198,7 @@ def test_bad_registrations_are_clear_errors_and_lose_nothing(rt, tmp_path):
     with pytest.raises(UnknownModelError, match="no model named 'nope'"):
         rt.infer("nope")
     assert rt.models() == ["ok"]
-    assert same(rt.infer("ok", *x), good)
+    assert same(rt.infer("ok", *x), good) and nan_free(good)
 
 
 def test_a_failing_forward_during_a_load_leaves_the_runtime_consistent(rt):
@@ -248,7 +209,7 @@ def test_a_failing_forward_during_a_load_leaves_the_runtime_consistent(rt):
     with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(2x9 and 8x8\)"):
         rt.infer("m", torch.randn(2, 9))  # wrong width: the forward raises mid-load
     assert rt.resident() == [] and rt.stats()["used_bytes"] == 0
-    assert same(rt.infer("m", x), good)
+    assert same(rt.infer("m", x), good) and nan_free(good)
 
 
 def test_outputs_never_alias_the_arena(rt):
@@ -314,4 +275,4 @@ def test_priority_and_slo_are_checked_at_registration(rt):
     with pytest.raises(ConfigError, match="slo_s"):
         rt.register("m", models.out_of_order, None, (x,), slo_s=0)
     rt.register("m", models.out_of_order, None, (x,), priority="best_effort", slo_s=0.5)
-    assert same(rt.infer("m", x), reference(models.out_of_order, None, x))
+    assert same(rt.infer("m", x), plain_outputs(models.out_of_order, None, x))

@@ -1,4 +1,5 @@
-"""The multi-process runtime: worker processes, errors as data, crashes and hangs."""
+"""The multi-process runtime: the zoo's outputs exact in-process and in worker processes,
+errors as data, crashes and hangs."""
 
 import os
 import signal
@@ -12,18 +13,13 @@ import torch
 
 import timeshare
 from tests import models
+from tests.exact import nan_free, plain_outputs, same
 from timeshare.errors import ConfigError, RemoteError, WorkerCrashedError, WorkerTimeoutError
 from timeshare.executor.interface import WorkerRow
 from timeshare.models.zoo import ZOO, weights_path
 from timeshare.transfer.planner import STRATEGIES
-from timeshare.tree import tensors_in
 
 X = torch.randn(4, 64)
-
-
-def same(a, b):
-    ta, tb = tensors_in(a), tensors_in(b)
-    return type(a) is type(b) and len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 
 def alive(pid: int) -> bool:
@@ -46,22 +42,43 @@ def rt():
         yield r
 
 
-@pytest.mark.parametrize("name", ["tiny_cnn", "tied_lm", "tiny_bert"])
-def test_workers_return_exactly_the_in_process_outputs(rt, name):
-    zoo = ZOO[name]
-    x = zoo.example_inputs(2)
-    rt.register(name, zoo.builder, weights_path(name), x)
-    try:
-        with timeshare.Runtime(device="cpu", memory="16MiB", profile_repeats=1) as local:
-            local.register(name, zoo.builder, weights_path(name), x)
-            expected = local.infer(name, *x)
-        assert same(rt.infer(name, *x), expected)  # first load in the worker
-        assert same(rt.infer(name, *x), expected)  # resident
-        for strategy in STRATEGIES:
+@pytest.fixture
+def runtime(request, workers):
+    """A runtime of the test's mode with nothing resident: a fresh in-process one, or this
+    module's worker runtime (spawning workers takes seconds) with its models evicted."""
+    if workers:
+        rt = request.getfixturevalue("rt")
+        for name in rt.resident():
             rt.evict(name)
-            assert same(rt.call(name, x, strategy=strategy).output, expected), strategy
+        yield rt
+        return
+    with timeshare.Runtime(device="cpu", memory="64MiB", profile_repeats=1,
+                           poison_evicted=True) as r:  # NOTE [Poisoned reloads]
+        yield r
+
+
+# The small zoo in-process, and all of it but the plain MLP in worker processes.
+EXACT = [pytest.param(name, 0, id=f"{name}-in-process") for name in ("tiny_mlp", "tiny_cnn", "tiny_bert", "tied_lm")] \
+    + [pytest.param(name, 2, id=f"{name}-workers") for name in ("tiny_cnn", "tied_lm", "tiny_bert")]
+
+
+@pytest.mark.parametrize("name, workers", EXACT)
+def test_every_strategy_returns_exactly_the_plain_modules_outputs(runtime, name, workers):
+    zoo = ZOO[name]
+    w = weights_path(name)
+    x = zoo.example_inputs(2)
+    runtime.register(name, zoo.builder, w, x)
+    try:
+        first = runtime.infer(name, *x)  # the first load: whole copy, trace, profile
+        ready = runtime.infer(name, *x)  # resident
+        assert same(first, ready) and same(ready, plain_outputs(name, w, *x)) and nan_free(ready)
+        for strategy in STRATEGIES:
+            runtime.evict(name)  # the next load is pipelined into a poisoned block
+            assert name not in runtime.resident()
+            assert same(runtime.call(name, x, strategy=strategy).output, ready), strategy
+            assert runtime.resident() == [name]
     finally:
-        rt.unregister(name)
+        runtime.unregister(name)
 
 
 def test_the_models_own_errors_come_back_with_where_they_happened(rt):
@@ -109,6 +126,7 @@ def _kill_during(rt, call, delay_s: float):
 def test_killed_workers_fail_their_task_and_are_replaced(rt, phase):
     fds_before = len(os.listdir("/proc/self/fd"))
     reference = rt.infer("slow", X, delay_s=0.0)
+    assert nan_free(reference)
     dead = []
     # Each round spawns a replacement worker (seconds on 2 cores). Three rounds: a dead
     # worker's pipe or sentinel left open would pass the bound of 2 fds below.
@@ -141,6 +159,7 @@ def test_killing_every_worker_mid_load_fails_the_call_and_gives_its_block_back(t
                            copy_delay_s=0.005, poison_evicted=True) as rt:
         rt.register("held", "tests.models:held", None, (X,), example_kwargs={"begun": ""})
         reference = rt.infer("held", X)  # the first load: profiled
+        assert nan_free(reference)
         rt.evict("held")
         used, health = rt.stats()["used_bytes"], rt.snapshot().workers
         pids = rt.worker_pids()
@@ -177,6 +196,7 @@ def test_a_hung_worker_is_killed_at_the_deadline_and_replaced():
     with timeshare.Runtime(device="cpu", memory="16MiB", workers=2, profile_repeats=1, task_timeout_s=1.0) as rt:
         rt.register("slow", "tests.models:slow", None, (X,), example_kwargs={"delay_s": 0.0})
         reference = rt.infer("slow", X, delay_s=0.0)
+        assert nan_free(reference)
         hung = first_worker(rt).pid
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match=r"did not answer within 1 s; it was killed"):

@@ -15,7 +15,9 @@ from collections import namedtuple
 import pytest
 import torch
 
+from tests.exact import same
 from timeshare import protocol as P
+from timeshare.tree import tensors_in
 from timeshare.worker import channel as C
 
 Pair = namedtuple("Pair", ["first", "second"])
@@ -35,27 +37,10 @@ class Opaque:
         self.t = t
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes (NaN payloads and -0.0 included)."""
-    c = t.detach().contiguous().reshape(-1)
-    return c.view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _same(a, b) -> bool:
-    """Equal structures, and equal tensors bit for bit, with the same dtype, shape and strides."""
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and a.stride() == b.stride() and a.requires_grad == b.requires_grad
-                and torch.equal(_bits(a), _bits(b)))
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if dataclasses.is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    return a == b
+def _layout(result) -> list[tuple[tuple[int, ...], bool]]:
+    """Each tensor's strides and ``requires_grad`` in ``result``: what the channel keeps
+    of a tensor beside its values."""
+    return [(t.stride(), t.requires_grad) for t in tensors_in(result)]
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -106,9 +91,9 @@ def test_structures_round_trip_exactly_through_views_and_copies(obj):
     sent = pickle.loads(data)
     viewed, end = C.views(sent, buffer)
     assert end == enc.end
-    assert _same(viewed, obj)
+    assert same(viewed, obj) and _layout(viewed) == _layout(obj)
     copied = C.copies(sent, buffer)
-    assert _same(copied, obj)
+    assert same(copied, obj) and _layout(copied) == _layout(obj)
 
 
 def test_every_tensor_sits_aligned_and_counted():
