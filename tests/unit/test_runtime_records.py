@@ -44,15 +44,25 @@ def test_a_condition_wait_lets_the_lock_go_whole_and_delivers_first():
             taken.set()
             cond.notify_all()
 
+    def free_elsewhere() -> bool:  # whether another thread can take the lock now
+        got: list[bool] = []
+        probe = threading.Thread(target=lambda: got.append(lock.acquire(blocking=False) and (lock.release() or True)))
+        probe.start()
+        probe.join(10)
+        return got == [True]
+
     with lock, lock:
         outbox.emit(_record(1))
         worker = threading.Thread(target=other)
         worker.start()
         assert cond.wait_for(taken.is_set, timeout=10)
         assert delivered.is_set()  # the wait let the lock go: the record went then
-        assert lock._is_owned()  # back as deep as it was  # noqa: SLF001 (Condition's protocol)
+        assert not free_elsewhere()  # held again after the wait
+        lock.release()
+        assert not free_elsewhere()  # still held once: as deep as it was
+        lock.acquire()
     worker.join(10)
-    assert not lock._is_owned()  # noqa: SLF001
+    assert free_elsewhere()
 
 
 def test_a_failing_listener_is_logged_and_the_others_still_hear(caplog):
