@@ -110,8 +110,8 @@ def test_in_process_a_confirmed_shape_runs_on_its_lanes_cores_without_a_meter():
 def test_a_measured_shape_asks_for_its_peak_without_reading_what_is_free(monkeypatch):
     with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
         reads = []
-        free = rt._gate.free_lane_bytes
-        monkeypatch.setattr(rt._gate, "free_lane_bytes", lambda: reads.append(1) or free())
+        free = rt._dispatcher.free_lane_bytes
+        monkeypatch.setattr(rt._dispatcher, "free_lane_bytes", lambda: reads.append(1) or free())
         rt.register("w", Witness, example_inputs=(X,))
         rt.infer("w", X)  # a shape not measured yet asks for what is free; its first call measures it
         assert reads

@@ -150,10 +150,10 @@ def test_edf_counts_an_slo_from_the_request_arrival_when_given(from_arrival):
     order = []
 
     def call(name, deadline_s, arrived_at=None):
-        with gate.priority(name, Kind.INFERENCE, deadline_s=deadline_s, arrived_at=arrived_at):
+        with gate.hold(name, Kind.INFERENCE, deadline_s=deadline_s, arrived_at=arrived_at):
             order.append(name)
 
-    with gate.priority("holder", Kind.INFERENCE):
+    with gate.hold("holder", Kind.INFERENCE):
         early = threading.Thread(target=call, args=("early", 1.0))  # deadline 101.0
         early.start()
         _wait_queued(gate, 1)

@@ -389,7 +389,7 @@ def test_no_stale_class_attr_in_the_docs(doc):
 # ---------------------------------------------------------------------- the checks themselves
 def test_the_checks_find_what_is_gone():
     """Each check fails on a name that does not exist (the checks can fail)."""
-    assert stale_name("Dispatcher.priority", strict=True) is None
+    assert stale_name("Dispatcher.hold", strict=True) is None
     assert stale_name("Dispatcher.no_such_method", strict=True) is not None
     assert stale_name("WorkerHandle.channel", strict=True) is None  # set in __init__
     assert stale_name("ClockPolicy.candidates", strict=True) is None  # inherited from a class of ours

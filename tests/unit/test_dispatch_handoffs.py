@@ -45,10 +45,10 @@ def test_an_uncontended_call_takes_the_device_without_a_scheduler_task(policy):
     gate = Dispatcher(policy)
     counting = _Counting(gate)
     for _ in range(100):
-        with gate.priority("m", Kind.INFERENCE) as turn:
+        with gate.hold("m", Kind.INFERENCE) as turn:
             assert not gate.scheduler.tasks and turn.waited_s == 0.0
     assert counting.submits == 0
-    with gate.priority("m", Kind.INFERENCE) as turn:  # the previous user is still reported
+    with gate.hold("m", Kind.INFERENCE) as turn:  # the previous user is still reported
         assert turn.previous == (Kind.INFERENCE, "m")
 
 
@@ -61,7 +61,7 @@ def test_calls_queued_behind_a_holder_run_one_at_a_time_in_policy_order_each_wok
     overlap = [False]
 
     def call(name: str, priority: Priority) -> None:
-        with gate.priority(name, Kind.INFERENCE, priority=priority):
+        with gate.hold(name, Kind.INFERENCE, priority=priority):
             running[0] += 1
             overlap[0] |= running[0] > 1
             order.append(name)
@@ -70,7 +70,7 @@ def test_calls_queued_behind_a_holder_run_one_at_a_time_in_policy_order_each_wok
 
     counting = _Counting(gate)
     threads = []
-    with gate.priority("holder", Kind.INFERENCE):
+    with gate.hold("holder", Kind.INFERENCE):
         for i in range(16):
             prio = Priority.LATENCY_CRITICAL if i % 2 else Priority.BEST_EFFORT
             t = threading.Thread(target=call, args=(f"c{i}", prio))
@@ -95,12 +95,12 @@ def test_a_call_arriving_while_an_uncontended_call_holds_waits_for_its_end():
     times: dict[str, float] = {}
 
     def second() -> None:
-        with gate.priority("b", Kind.INFERENCE) as turn:
+        with gate.hold("b", Kind.INFERENCE) as turn:
             times["b_in"] = time.monotonic()
             times["b_waited"] = turn.waited_s
             entered.set()
 
-    with gate.priority("a", Kind.INFERENCE):
+    with gate.hold("a", Kind.INFERENCE):
         t = threading.Thread(target=second)
         t.start()
         _wait_waiting(gate, 1)
@@ -123,12 +123,12 @@ def test_an_interrupted_waiter_leaves_no_task_or_waker_behind():
 
     def waiter() -> None:
         try:
-            with gate.priority("w", Kind.INFERENCE):
+            with gate.hold("w", Kind.INFERENCE):
                 pass
         except Stop as exc:
             raised.append(exc)
 
-    with gate.priority("holder", Kind.INFERENCE):
+    with gate.hold("holder", Kind.INFERENCE):
         gate._wait = interrupted  # type: ignore[method-assign]
         t = threading.Thread(target=waiter)
         t.start()
@@ -136,5 +136,5 @@ def test_an_interrupted_waiter_leaves_no_task_or_waker_behind():
         del gate._wait
         assert len(raised) == 1
         assert not gate.scheduler.tasks and not gate.sleeping
-    with gate.priority("after", Kind.INFERENCE) as turn:  # the device is free again
+    with gate.hold("after", Kind.INFERENCE) as turn:  # the device is free again
         assert turn.previous == (Kind.INFERENCE, "holder")

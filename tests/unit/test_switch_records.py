@@ -47,7 +47,7 @@ def test_a_preemption_for_an_inference_gives_one_record_to_the_stop_and_to_the_t
     turns = []
 
     def inference():
-        with gate.priority("resnet", Kind.INFERENCE) as turn:
+        with gate.hold("resnet", Kind.INFERENCE) as turn:
             turns.append(turn)
 
     caller = threading.Thread(target=inference)
@@ -63,7 +63,7 @@ def test_a_preemption_for_an_inference_gives_one_record_to_the_stop_and_to_the_t
     assert not caller.is_alive() and not resumed.is_alive()
     assert turns[0].switch is switch  # the same record: no map, no claim
     # A stop for anything but an inference carries no record.
-    with gate.priority():
+    with gate.hold():
         pass
     assert job.stops[0] is switch and all(s is None for s in job.stops[1:])
 

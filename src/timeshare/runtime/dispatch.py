@@ -86,7 +86,7 @@ class Dispatcher:
     # may start beside it); its end runs the step, which hands the device to the best of
     # them. A call so taken is no preemptible segment and holds no lane.
 
-    def priority(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
+    def hold(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
                  unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None,
                  ephemeral: int = 0, ticket: Ticket | None = None, at_most: bool = False) -> _Hold:
         """Hold the runtime for one call (a context manager); yields its :class:`Turn`.
@@ -498,22 +498,22 @@ class _Waiter:
 
 
 class _Hold:
-    """One call's hold on the runtime (``Dispatcher.priority``): a context manager that
+    """One call's hold on the runtime (``Dispatcher.hold``): a context manager that
     yields the call's :class:`Turn`."""
 
-    __slots__ = ("gate", "model", "kind", "priority", "unit_s", "deadline_s", "arrived_at", "ephemeral", "ticket",
+    __slots__ = ("dispatcher", "model", "kind", "priority", "unit_s", "deadline_s", "arrived_at", "ephemeral", "ticket",
                  "at_most", "task")
 
-    def __init__(self, gate: Dispatcher, model: str, kind: Kind, priority: Priority, unit_s: float,
+    def __init__(self, dispatcher: Dispatcher, model: str, kind: Kind, priority: Priority, unit_s: float,
                  deadline_s: float | None, arrived_at: float | None, ephemeral: int, ticket: Ticket | None,
                  at_most: bool) -> None:
-        self.gate, self.model, self.kind, self.priority = gate, model, kind, priority
+        self.dispatcher, self.model, self.kind, self.priority = dispatcher, model, kind, priority
         self.unit_s, self.deadline_s, self.arrived_at = unit_s, deadline_s, arrived_at
         self.ephemeral, self.ticket, self.at_most = ephemeral, ticket, at_most
         self.task: Task | None = None
 
     def __enter__(self) -> Turn:
-        return self.gate._enter(self)
+        return self.dispatcher._enter(self)
 
     def __exit__(self, *exc) -> None:
-        self.gate._exit(self)
+        self.dispatcher._exit(self)

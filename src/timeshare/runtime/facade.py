@@ -76,7 +76,7 @@ class Runtime:
         self.device = resolve_device(opts.device)
         self._arena = arena = assembly.open_arena(self.device, opts.memory)
         try:
-            self._gate = assembly.make_dispatcher(opts, self.device, arena)
+            self._dispatcher = assembly.make_dispatcher(opts, self.device, arena)
             self._exec: Executor = assembly.make_executor(opts, self.device, arena)
         except BaseException:
             arena.close()
@@ -142,7 +142,7 @@ class Runtime:
         """
         self._check_open()
         spec, priority = model_spec(name, build, weights, example_inputs, example_kwargs, dtype, priority, slo_s)
-        with self._turn():
+        with self._scheduled():
             self._table.check_free(name)
         self._exec.check_registrable(spec)
         stored = None
@@ -150,7 +150,7 @@ class Runtime:
         if self._table.sharing is not None:
             member, digests = sharing.prepare(spec)
             unbind(member.layout)
-            with self._turn():  # a model laid out again waits for its running call (NOTE [Shared tensors])
+            with self._scheduled():  # a model laid out again waits for its running call (NOTE [Shared tensors])
                 self._table.add_deduped(entry, member, digests)
             log.info("registered %s: %d tensors, %s of its own", name, len(member.layout.entries),
                      format_bytes(entry.nbytes))
@@ -162,31 +162,31 @@ class Runtime:
             packed = self._exec.pack(spec, module, layout, store)
             del store
         unbind(packed.layout)  # the module now holds no weights of its own
-        with self._turn():
+        with self._scheduled():
             entry.nbytes = packed.nbytes
             self._table.add(entry, packed, stored)
         log.info("registered %s: %d tensors, %s", name, len(packed.layout.entries), format_bytes(packed.nbytes))
 
     def unregister(self, name: str) -> None:
-        with self._turn():
+        with self._scheduled():
             m = self._get(name)
             self._wait_idle(m)
             self._table.remove(m)
             release_host_cache(self.device)
 
     def models(self) -> list[str]:
-        with self._turn():
+        with self._scheduled():
             return list(self._table.entries)
 
     def pin(self, name: str, pinned: bool = True) -> None:
         """A pinned model is never evicted to make room for another."""
-        with self._turn():
+        with self._scheduled():
             self._get(name).pinned = pinned
 
     def evict(self, name: str, *, host: bool = False) -> bool:
         """Remove ``name`` from device memory; True if it was resident. ``host``: under a
         host budget, give its host memory back too (NOTE [Host tier])."""
-        with self._turn():
+        with self._scheduled():
             m = self._get(name)
             self._wait_idle(m)
             evicted = self._table.evict(m, keep_host_copy=not host)
@@ -203,25 +203,25 @@ class Runtime:
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigError(f"a region of the arena needs a positive whole number of bytes, got {nbytes!r}")
-        with self._turn():
+        with self._scheduled():
             block = self._table.reserve_region(owner, nbytes, what or f"region {owner!r}")
             return Region(owner, block.offset, nbytes, self._arena.region(block)[:nbytes])
 
     def unreserve(self, owner: str) -> None:
         """Give ``owner``'s region back (nothing if it holds none); nothing may read or
         write its tensor after."""
-        with self._turn():
+        with self._scheduled():
             self._table.release_region(owner)
 
     def resident(self) -> list[str]:
         """Names of the models in device memory, the first to evict first under the policy."""
-        with self._turn():
+        with self._scheduled():
             return self._residency.order(self._table.entries)
 
     def profile(self, name: str, *args, **kwargs) -> ModelProfile:
         """Profile ``name`` for these inputs (default: its example inputs) and plan its
         groupings. Loads the model if needed; plans are cached per input shape."""
-        with self._turn():
+        with self._scheduled():
             m = self._get(name)
             if not args and not kwargs:
                 args, kwargs = m.spec.example_inputs, m.spec.example_kwargs
@@ -255,13 +255,13 @@ class Runtime:
         args = args if type(args) is tuple else tuple(args)
         kwargs = {} if not kwargs else dict(kwargs)
         m = self._get(name)
-        lanes = self._gate.lane_capacity
+        lanes = self._dispatcher.lane_capacity
         ask, unmeasured, key = 0, False, None
         if lanes is not None:  # the shape's measured peak, or what is free: NOTE [Asks that shrink]
             key = shape_key(args, kwargs)
-            ask = self._table.lane_ask(m, key, self._gate.free_lane_bytes)
+            ask = self._table.lane_ask(m, key, self._dispatcher.free_lane_bytes)
             unmeasured = key not in m.ephemeral
-        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
+        with self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
                                  arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited
             prev = turn.previous
@@ -270,7 +270,7 @@ class Runtime:
                 return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
                                         step=step, switch=turn.switch)
             return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
-                              self._gate.lane_threads, key)
+                              self._dispatcher.lane_threads, key)
 
     @contextmanager
     def turn(self, name: str, *, urgent_since: float | None = None,
@@ -287,28 +287,29 @@ class Runtime:
         if ephemeral is not None and (isinstance(ephemeral, bool) or not isinstance(ephemeral, int) or ephemeral < 0):
             raise ConfigError(f"ephemeral must be a whole number of bytes, at least 0, or None; got {ephemeral!r}")
         m = self._get(name)
-        lanes = self._gate.lane_capacity
-        ask = 0 if lanes is None else min(lanes, self._gate.free_lane_bytes() if ephemeral is None else ephemeral)
+        lanes = self._dispatcher.lane_capacity
+        ask = 0 if lanes is None else min(lanes, self._dispatcher.free_lane_bytes() if ephemeral is None else ephemeral)
         deadline = None if urgent_since is None else 0.0
-        with self._gate.priority(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
+        with self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
                                  arrived_at=urgent_since, ticket=ticket, ephemeral=ask, at_most=True) as held:
             if lanes is None:
-                yield ModelTurn(name, m.priority, self._gate, partial(self._call, name))
+                yield ModelTurn(name, m.priority, self._dispatcher, partial(self._call, name))
             else:
-                yield ModelTurn(name, m.priority, self._gate, partial(self._call_in_lane, name, held), held.lane_bytes)
+                yield ModelTurn(name, m.priority, self._dispatcher, partial(self._call_in_lane, name, held),
+                                held.lane_bytes)
 
     def _call_in_lane(self, name: str, held: Turn, args: tuple, kwargs: dict | None, *, step: Step | None) -> Call:
         """A call of a turn that holds a lane (NOTE [Turns in lanes])."""
         with self._lock:
             m = self._get(name)
             return turn_call(self._table, m, tuple(args), dict(kwargs or {}), held, self._lock, self._idle,
-                             self._gate.lane_threads, step)
+                             self._dispatcher.lane_threads, step)
 
     def submit(self, name: str, *args, **kwargs) -> Future:
         """Queue an inference; the future resolves to what ``infer`` would return. Queued
         requests run in order, one at a time, and survive a worker failure (only the
         request in flight fails)."""
-        with self._turn():
+        with self._scheduled():
             self._check_open()
             self._get(name)
             if self._submitter is None:
@@ -318,7 +319,7 @@ class Runtime:
     def infer_in_new_process(self, name: str, args: tuple, kwargs: dict | None = None):
         """Benchmarks only (``bench switch``'s "two processes" baseline, PipeSwitch's): run
         ``name`` in a worker process started for this call, loading it from the host store."""
-        with self._turn():
+        with self._scheduled():
             return self._table.run_in_new_process(self._get(name), tuple(args), kwargs or {})
 
     # ------------------------------------------------------------------ training
@@ -355,14 +356,15 @@ class Runtime:
         """
         spec = training_spec(name, model, optimizer, data, step, iterations, offload, seed, resume)
         self._exec.check_trainable(spec)
-        with self._turn():
+        with self._scheduled():
             self._check_open()
             self._jobs.check_free(name)
-            job = self._jobs.add(new_job(spec, self._exec.start_job(spec), lock=self._lock, gate=self._gate))
+            job = self._jobs.add(new_job(spec, self._exec.start_job(spec), lock=self._lock,
+                                         dispatcher=self._dispatcher))
         return job.start()
 
     def jobs(self) -> dict[str, TrainingJob]:
-        with self._turn():
+        with self._scheduled():
             return self._jobs.all()
 
     def job_handles(self) -> dict[str, TrainingJob]:
@@ -374,21 +376,21 @@ class Runtime:
         """Drop a finished training job: its handle, and with workers the parameters and
         optimizer state its home worker still holds (kept until now for the handle's
         ``state_dict()``). A running job must be cancelled first."""
-        with self._turn():
+        with self._scheduled():
             self._jobs.forget(name)
             self._exec.drop_job(name)
 
     def switches(self) -> list[dict]:
         """The latest switches from a training job to an inference (workers only): stop,
         start, load, clean and total seconds of each (NOTE [Switch protocol])."""
-        with self._turn():
+        with self._scheduled():
             return self._exec.switches()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Evict everything and give the arena back. Idempotent; every step runs even if
         an earlier one fails, so no segment, thread or device memory is left behind."""
-        with self._turn():
+        with self._scheduled():
             if self._closed:
                 return
             self._closed = True
@@ -396,7 +398,7 @@ class Runtime:
         self._jobs.stop_all()  # outside the lock: a job needs it to reach its preemption point
         if submitter is not None:
             submitter.shutdown(wait=True, cancel_futures=True)
-        with self._turn():
+        with self._scheduled():
             try:
                 for m in self._table.entries.values():
                     self._wait_idle(m)
@@ -429,7 +431,7 @@ class Runtime:
     def hold_device(self) -> Iterator[None]:
         """A test hook: take the device for the block, as a call does, so that every
         other call, control request and training iteration waits until it ends."""
-        with self._turn():
+        with self._scheduled():
             yield
 
     # ------------------------------------------------------------------ what it shows
@@ -439,7 +441,7 @@ class Runtime:
         return self._exec.pids()
 
     def stats(self) -> dict:
-        with self._turn():
+        with self._scheduled():
             return observe.stats(self.device, self._arena, self._residency, self._table.entries)
 
     def snapshot(self) -> observe.RuntimeSnapshot:
@@ -448,7 +450,7 @@ class Runtime:
         an atomic one."""
         table = self._table
         return observe.snapshot(self.device, self._arena, self._residency, table.entries.values(),
-                                self._jobs.all().values(), self._exec, self._gate, table.failures, table.host,
+                                self._jobs.all().values(), self._exec, self._dispatcher, table.failures, table.host,
                                 table.sharing, table.regions)
 
     def diagnostics(self) -> dict:
@@ -457,7 +459,7 @@ class Runtime:
         and placement, the blocks quarantined because a copy may still write them, the
         tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
         with self._lock:
-            return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._gate,
+            return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._dispatcher,
                                        self._table.host, self._table.sharing, self._table.regions)
 
     @property
@@ -500,7 +502,7 @@ class Runtime:
         wait_idle(self._idle, m, self.task_timeout_s)
 
     @contextmanager
-    def _turn(self, model: str = "", kind: Kind = Kind.CONTROL):
+    def _scheduled(self, model: str = "", kind: Kind = Kind.CONTROL):
         """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
-        with self._gate.priority(model, kind), self._lock:
+        with self._dispatcher.hold(model, kind), self._lock:
             yield

@@ -69,7 +69,7 @@ def stats(device: torch.device, arena: Arena, residency: Residency, models: Mapp
 
 
 def snapshot(device: torch.device, arena: Arena, residency: Residency, models: Iterable[ModelEntry],
-             jobs: Iterable[TrainingJob], executor: Observed, gate: Dispatcher, failures: int,
+             jobs: Iterable[TrainingJob], executor: Observed, dispatcher: Dispatcher, failures: int,
              host: HostTier | None = None, sharing: SharedTensors | None = None,
              regions: Mapping[str, Block] | None = None) -> RuntimeSnapshot:
     alloc = arena.allocator
@@ -87,18 +87,18 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
         loads={m.name: m.loads for m in models},
         evictions=residency.evictions,
         failures=failures,
-        preemptions=gate.scheduler.preemptions,
+        preemptions=dispatcher.scheduler.preemptions,
         training_seconds=sum(j.stats.step_seconds for j in jobs),
         training_iterations=sum(j.stats.iterations for j in jobs),
         workers=executor.health(),
-        lanes=gate.lanes(),
+        lanes=dispatcher.lanes(),
         host_tier=None if host is None else host.snapshot(),
         shared=shared,
     )
 
 
 def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Observed,
-                gate: Dispatcher, host: HostTier | None = None, sharing: SharedTensors | None = None,
+                dispatcher: Dispatcher, host: HostTier | None = None, sharing: SharedTensors | None = None,
                 regions: Mapping[str, Block] | None = None) -> dict:
     alloc = arena.allocator
     return {
@@ -109,8 +109,8 @@ def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEn
                    for n, m in models.items()},
         "regions": {owner: {"offset": b.offset, "nbytes": b.size} for owner, b in dict(regions or {}).items()},
         "quarantined": residency.quarantined(),
-        "scheduler_tasks": len(gate.scheduler.tasks),
-        "lanes": _plain(gate.lanes()),
+        "scheduler_tasks": len(dispatcher.scheduler.tasks),
+        "lanes": _plain(dispatcher.lanes()),
         "workers": _plain(executor.health()),
         "host_tier": None if host is None else dataclasses.asdict(host.snapshot()) | {"stores": host.models_view()},
         "shared": None if sharing is None else dataclasses.asdict(sharing.snapshot()) | {"sets": sharing.view()},

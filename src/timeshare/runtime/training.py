@@ -58,12 +58,12 @@ class TrainingJob:
     :class:`LocalTrainingJob`) or in a worker process (:class:`WorkerTrainingJob`);
     the handle is the same."""
 
-    def __init__(self, name: str, iterations: int | None, *, gate: Dispatcher, offload: bool):
+    def __init__(self, name: str, iterations: int | None, *, dispatcher: Dispatcher, offload: bool):
         self.name = name
         self.iterations = iterations
         self.offload = offload
         self.stats = TrainingStats()
-        self._gate = gate
+        self._dispatcher = dispatcher
         self._state = JobState.QUEUED
         self._error: BaseException | None = None
         self._pause = threading.Event()
@@ -103,24 +103,24 @@ class TrainingJob:
         """Stop at the next preemption point and stay stopped until ``resume()``."""
         self._pause.set()
         self.stop()
-        self._gate.notify()  # a job waiting for its turn is held out of the queue now
+        self._dispatcher.notify()  # a job waiting for its turn is held out of the queue now
 
     def hold(self) -> None:
         """Stay stopped once stopped, without stopping now: the job runs on until the
         scheduler next preempts it (an inference takes the device, say), then waits for
         ``resume()``. A benchmark's way to start an inference turn with a real switch."""
         self._pause.set()
-        self._gate.notify()
+        self._dispatcher.notify()
 
     def resume(self) -> None:
         self._pause.clear()
-        self._gate.notify()
+        self._dispatcher.notify()
 
     def cancel(self) -> None:
         """Stop at the next preemption point for good."""
         self._cancel.set()
         self.stop()
-        self._gate.notify()
+        self._dispatcher.notify()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the job ends; True if it did within ``timeout`` seconds."""
@@ -163,9 +163,9 @@ class TrainingJob:
             self._state = JobState.FAILED
         finally:
             self._finish()
-            self._gate.job_ended(self)
+            self._dispatcher.job_ended(self)
             self._done.set()
-            self._gate.notify()
+            self._dispatcher.notify()
 
     def _run(self) -> JobState:
         raise NotImplementedError
@@ -178,7 +178,7 @@ class TrainingJob:
         t0 = time.perf_counter()
         self._parked = True
         try:
-            self._gate.wait_for_training_turn(self)
+            self._dispatcher.wait_for_training_turn(self)
         finally:
             self._parked = False
         self.stats.preempted_seconds += time.perf_counter() - t0
@@ -188,30 +188,30 @@ class LocalTrainingJob(TrainingJob):
     """Iterations in a thread of this process, one at a time under the runtime's lock,
     or with lanes in the job's lane."""
 
-    def __init__(self, task: TrainingTask, name: str, *, lock: RuntimeLock, gate: Dispatcher):
-        super().__init__(name, task.iterations, gate=gate, offload=task.offload)
+    def __init__(self, task: TrainingTask, name: str, *, lock: RuntimeLock, dispatcher: Dispatcher):
+        super().__init__(name, task.iterations, dispatcher=dispatcher, offload=task.offload)
         self.task = task
         self.stats = task.stats
         self._lock = lock
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        with self._gate.priority(), self._lock:
+        with self._dispatcher.hold(), self._lock:
             return self.task.state_dict()
 
     def checkpoint(self) -> dict:
         self._check_at_rest()
-        with self._gate.priority(), self._lock:
+        with self._dispatcher.hold(), self._lock:
             return self.task.checkpoint()
 
     def _run(self) -> JobState:
         while not self.task.finished:
-            if self._gate.must_yield(self) or self._pause.is_set():
+            if self._dispatcher.must_yield(self) or self._pause.is_set():
                 with self._lock:
                     self.task.preempted()
                 self._park()
             if self._cancel.is_set():
                 return JobState.CANCELLED
-            lane = self._gate.lane_bound(self)
+            lane = self._dispatcher.lane_bound(self)
             # Time-shared, an iteration holds the runtime; in a lane, it runs beside the
             # other lanes, metered and bounded (NOTE [Lanes in the runtime]).
             with self._lock if lane is None else in_lane(lane, self.task.device):
@@ -234,20 +234,20 @@ class WorkerTrainingJob(TrainingJob):
     """Iterations in a worker process that holds the job's state; the controller's
     thread runs segments there and parks between them (NOTE [Switch protocol])."""
 
-    def __init__(self, spec: TrainSpec, *, runner: SegmentRunner, lock: RuntimeLock, gate: Dispatcher):
-        super().__init__(spec.name, spec.iterations, gate=gate, offload=spec.offload)
+    def __init__(self, spec: TrainSpec, *, runner: SegmentRunner, lock: RuntimeLock, dispatcher: Dispatcher):
+        super().__init__(spec.name, spec.iterations, dispatcher=dispatcher, offload=spec.offload)
         self.spec = spec
         self._runner = runner
         self._lock = lock
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        with self._gate.priority(), self._lock:
+        with self._dispatcher.hold(), self._lock:
             return self._runner.job_state(self.name)
 
     def checkpoint(self) -> dict:
         """From the worker that holds the job's state (between segments)."""
         self._check_at_rest()
-        with self._gate.priority(), self._lock:
+        with self._dispatcher.hold(), self._lock:
             return self._runner.job_state(self.name, full=True)
 
     def stop(self, switch: Switch | None = None) -> None:
@@ -265,7 +265,7 @@ class WorkerTrainingJob(TrainingJob):
         # segment was starting found no segment to stop: pass it on now. With lanes, a
         # job re-admitted with its measured memory (``Dispatcher._resize``) may hold another
         # lane now: its segment stops, and the next one runs bounded by the new lane.
-        if self._gate.must_yield(self) or _lane_changed(lane, self._gate.lane_bound(self)):
+        if self._dispatcher.must_yield(self) or _lane_changed(lane, self._dispatcher.lane_bound(self)):
             self._runner.stop(self.name)
 
     def _run(self) -> JobState:
@@ -274,10 +274,10 @@ class WorkerTrainingJob(TrainingJob):
             self._park()  # returns once the scheduler runs the job
             if self._cancel.is_set():
                 return JobState.CANCELLED
-            if not self._gate.holds_turn(self):
+            if not self._dispatcher.holds_turn(self):
                 continue
             # Only this thread gives the job's turn back (``_park``): it holds it until then.
-            segment = self._runner.begin_segment(self.name, spec, self._gate.lane_bound(self))
+            segment = self._runner.begin_segment(self.name, spec, self._dispatcher.lane_bound(self))
             if segment is None:
                 continue  # inference (or another job) got there first
             spec = None
@@ -291,12 +291,12 @@ class WorkerTrainingJob(TrainingJob):
 
 
 def new_job(spec: TrainSpec, runs_on: TrainingTask | SegmentRunner, *, lock: RuntimeLock,
-            gate: Dispatcher) -> TrainingJob:
+            dispatcher: Dispatcher) -> TrainingJob:
     """A job's handle (not started) around where its executor runs it (``start_job``):
     a task built in this process, or the pool's segments on a home worker."""
     if isinstance(runs_on, TrainingTask):
-        return LocalTrainingJob(runs_on, spec.name, lock=lock, gate=gate)
-    return WorkerTrainingJob(spec, runner=runs_on, lock=lock, gate=gate)
+        return LocalTrainingJob(runs_on, spec.name, lock=lock, dispatcher=dispatcher)
+    return WorkerTrainingJob(spec, runner=runs_on, lock=lock, dispatcher=dispatcher)
 
 
 def _lane_changed(running, now) -> bool:

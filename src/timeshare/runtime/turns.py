@@ -64,24 +64,24 @@ class Turn:
 
 
 class Ticket:
-    """A task waiting for its turn, as another thread sees it (``Dispatcher.priority``'s
+    """A task waiting for its turn, as another thread sees it (``Dispatcher.hold``'s
     ``ticket``): it can bring the task's deadline forward while it waits."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._gate: Dispatcher | None = None
+        self._dispatcher: Dispatcher | None = None
         self._task: int | None = None
 
-    def bind(self, gate: Dispatcher | None, task_id: int | None) -> None:
+    def bind(self, dispatcher: Dispatcher | None, task_id: int | None) -> None:
         with self._lock:
-            self._gate, self._task = gate, task_id
+            self._dispatcher, self._task = dispatcher, task_id
 
     def expedite(self, since: float) -> None:
         """The task is due since ``since``; nothing if it no longer waits."""
         with self._lock:
-            gate, task = self._gate, self._task
-        if gate is not None and task is not None:
-            gate.expedite(task, since)
+            dispatcher, task = self._dispatcher, self._task
+        if dispatcher is not None and task is not None:
+            dispatcher.expedite(task, since)
 
 
 class ModelTurn:
@@ -91,7 +91,7 @@ class ModelTurn:
     # switch then costs at most a fifth of the turn, however short ``quantum_s`` is.
     LOAD_FACTOR = 4.0
 
-    def __init__(self, name: str, priority: Priority, gate: Dispatcher, run: Callable[..., Call],
+    def __init__(self, name: str, priority: Priority, dispatcher: Dispatcher, run: Callable[..., Call],
                  lane_bytes: int | None = None):
         """``run(args, kwargs, step=...)``: one call of the turn, the runtime's; ``lane_bytes``:
         with lanes, the size of the turn's lane (NOTE [Turns in lanes])."""
@@ -99,7 +99,7 @@ class ModelTurn:
         self.started = time.monotonic()
         self.load_s = 0.0  # of this turn's calls that loaded the model
         self.lane_bytes = lane_bytes
-        self._priority, self._gate, self._run = priority, gate, run
+        self._priority, self._dispatcher, self._run = priority, dispatcher, run
 
     def call(self, args: tuple = (), kwargs: dict | None = None) -> Call:
         """``Runtime.call`` inside the turn: no wait for the scheduler; with lanes, bounded
@@ -122,7 +122,7 @@ class ModelTurn:
         an inference with an SLO), or any task waits and the turn has lasted ``quantum_s``
         (and ``LOAD_FACTOR`` times its loads). Asked between steps, when this turn's own
         prefills are done."""
-        waiting = self._gate.most_urgent_waiting()
+        waiting = self._dispatcher.most_urgent_waiting()
         if waiting is None:
             return False
         priority, deadline = waiting
