@@ -37,7 +37,7 @@ from timeshare.runtime.events import Listener, Outbox, RuntimeLock
 from timeshare.runtime.jobs import JobTable, training_spec
 from timeshare.runtime.lanes import lanes_call, turn_call, wait_idle
 from timeshare.runtime.registration import model_spec, parse_dtype
-from timeshare.runtime.residency import ModelEntry, Residency
+from timeshare.runtime.residency import ModelEntry
 from timeshare.runtime.table import ModelTable
 from timeshare.runtime.training import TrainingJob, new_job
 from timeshare.runtime.turns import ModelTurn
@@ -81,26 +81,26 @@ class Runtime:
         except BaseException:
             arena.close()
             raise
-        self._residency = Residency(arena, make_eviction_policy(opts.eviction), poison=opts.poison_evicted,
-                                    detector=ThrashingDetector() if opts.thrashing else None)
         self._jobs = JobTable()
         self._submitter: ThreadPoolExecutor | None = None
-        try:
-            host = host_tier.make_host_tier(opts.host_memory, opts.eviction, self._exec, workers=opts.workers,
-                                            spill_dir=opts.spill_dir, direct_io=opts.direct_io)
-        except BaseException:
-            self._exec.close()
-            arena.close()
-            raise
         outbox = Outbox()
-        self._table = ModelTable(self._residency, self._exec, opts.strategy, host,
-                                 sharing.SharedTensors() if opts.dedup else None, outbox)
         self._lock = RuntimeLock(outbox)  # NOTE [Records outside the lock]
         # A model's last unlocked call ended. (typeshed knows only its own locks; RuntimeLock has
         # what Condition calls.)
         self._idle = threading.Condition(self._lock)  # type: ignore[arg-type]
-        if self._table.shared is not None:
-            self._table.shared.wait_idle = self._wait_idle
+        shared_sets = sharing.SharedTensors() if opts.dedup else None
+        try:
+            host = host_tier.make_host_tier(opts.host_memory, opts.eviction, self._exec, workers=opts.workers,
+                                            spill_dir=opts.spill_dir, direct_io=opts.direct_io,
+                                            outside=shared_sets.nbytes if shared_sets is not None else lambda: 0)
+        except BaseException:
+            self._exec.close()
+            arena.close()
+            raise
+        self._table = ModelTable(arena, make_eviction_policy(opts.eviction), self._exec, opts.strategy, host=host,
+                                 sharing=shared_sets, outbox=outbox, wait_idle=self._wait_idle,
+                                 poison=opts.poison_evicted, detector=ThrashingDetector() if opts.thrashing else None)
+        self._residency = self._table.residency
         self._closed = False
 
     @property

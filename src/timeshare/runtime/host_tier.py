@@ -69,7 +69,8 @@ class HostTier:
     """Host memory as a cache over disk: at most ``budget`` bytes of stores filled."""
 
     def __init__(self, budget: int, policy: EvictionPolicy, *, dropping: Hook, filling: Hook,
-                 spill_dir: Path, own_spill_dir: bool = False, direct_io: bool = False):
+                 spill_dir: Path, own_spill_dir: bool = False, direct_io: bool = False,
+                 outside: Callable[[], int] = lambda: 0):
         if budget <= 0:
             raise ValueError(f"host budget must be positive, got {budget}")
         self.budget = budget
@@ -91,7 +92,7 @@ class HostTier:
         self.spill_bytes = 0
         # Host memory held under the budget outside these stores, never dropped: the
         # shared sets with deduplication (NOTE [Shared tensors under a host budget]).
-        self.outside: Callable[[], int] = lambda: 0
+        self.outside = outside
 
     @property
     def used(self) -> int:
@@ -302,10 +303,12 @@ class HostTier:
 
 
 def make_host_tier(host_memory: int | str | None, eviction: str, executor: ModelPath, *, workers: int,
-                   spill_dir: str | os.PathLike | None, direct_io: bool = False) -> HostTier | None:
+                   spill_dir: str | os.PathLike | None, direct_io: bool = False,
+                   outside: Callable[[], int] = lambda: 0) -> HostTier | None:
     """The host tier of a runtime (None without a budget). ``host_memory``: bytes, a
     string like "8GiB", or "auto" (half the RAM; with workers, at most nine tenths of
-    what /dev/shm has free, where their stores live); ``direct_io``: NOTE [Direct reads]."""
+    what /dev/shm has free, where their stores live); ``direct_io``: NOTE [Direct reads];
+    ``outside``: the bytes held under the budget outside its stores (the shared sets)."""
     if host_memory is None:
         return None
     shm_free = None
@@ -333,7 +336,8 @@ def make_host_tier(host_memory: int | str | None, eviction: str, executor: Model
         path, own = Path(spill_dir), False
         path.mkdir(parents=True, exist_ok=True)
     return HostTier(budget, make_eviction_policy(eviction), dropping=executor.host_dropping,
-                    filling=executor.host_filling, spill_dir=path, own_spill_dir=own, direct_io=direct_io)
+                    filling=executor.host_filling, spill_dir=path, own_spill_dir=own, direct_io=direct_io,
+                    outside=outside)
 
 
 def pack(spec: ModelSpec, executor: ModelPath, tier: HostTier) -> tuple[Packed, Stored]:

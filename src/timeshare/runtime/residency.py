@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from timeshare.errors import MemoryBudgetError, ModelTooLargeError
 from timeshare.memory import Arena, Block
@@ -49,6 +50,21 @@ class ModelEntry:
         return self.spec.name
 
 
+class Departures(Protocol):
+    """What the residency's owner (the model table) hears as models leave the arena."""
+
+    def keep_bytes(self, m: ModelEntry, block: Block) -> None:
+        """``m`` leaves with its bytes intact in ``block``, before the block is poisoned or
+        reused: the host tier may keep them (NOTE [Host tier])."""
+
+    def left(self, m: ModelEntry) -> None:
+        """``m`` left: its shared sets lose a reader (NOTE [Shared tensors])."""
+
+    def free_spare(self) -> bool:
+        """Free one spare block (a shared set no resident model reads) before a model is
+        evicted for room; False if there is none (NOTE [Shared tensors])."""
+
+
 class Residency:
     """Blocks for models: sticky placement (NOTE [Sticky placement]), eviction in the
     policy's order through the make-room loop the simulator runs too (``make_room``,
@@ -62,7 +78,7 @@ class Residency:
     cost-aware policy ranks by real costs. The detector hears of every loading call
     (load time) and every resident one (useful time)."""
 
-    def __init__(self, arena: Arena, policy: EvictionPolicy, *, poison: bool = False,
+    def __init__(self, arena: Arena, policy: EvictionPolicy, departures: Departures, *, poison: bool = False,
                  detector: ThrashingDetector | None = None):
         self.arena = arena
         self.policy = policy
@@ -71,13 +87,7 @@ class Residency:
         self.evictions = 0
         self.reload_s: dict[str, float] = {}  # the latest measured load of each model
         self._quarantine: list[tuple[Block, LoadHandle]] = []
-        # Told of each model leaving with its bytes intact in its block, before the block
-        # is poisoned or reused: the host tier may keep them (NOTE [Host tier]).
-        self.on_evict: Callable[[ModelEntry, Block], object] | None = None
-        # Told of each model leaving, and asked to free one spare block (a shared set no
-        # resident model reads) before a model is evicted for room (NOTE [Shared tensors]).
-        self.on_leave: Callable[[ModelEntry], None] | None = None
-        self.spare: Callable[[], bool] | None = None
+        self.departures = departures  # its owner, told of each model leaving (``Departures``)
 
     def place(self, m: ModelEntry, models: Mapping[str, ModelEntry], release: Release) -> list[ModelEntry]:
         """Give ``m`` a block, evicting unpinned models in policy order until it fits;
@@ -101,7 +111,7 @@ class Residency:
 
         def attempt() -> Block | None:
             block = allocate()
-            while block is None and self.spare is not None and self.spare():
+            while block is None and self.departures.free_spare():
                 block = allocate()
             return block
 
@@ -148,14 +158,13 @@ class Residency:
         self.policy.removed(m.name)
         self.evictions += 1
         still_copying = release(m.name)
-        if still_copying is None and self.on_evict is not None:
+        if still_copying is None:
             try:
-                self.on_evict(m, block)
+                self.departures.keep_bytes(m, block)
             except Exception:  # keeping a copy is an optimisation: the eviction goes on
                 log.exception("keeping %s's bytes on eviction", m.name)
         self.free(block, still_copying)  # the module keeps stale views: NOTE [Sticky placement]
-        if self.on_leave is not None:
-            self.on_leave(m)
+        self.departures.left(m)
         return True
 
     def order(self, models: Mapping[str, ModelEntry]) -> list[str]:

@@ -51,7 +51,8 @@ class SharedPlacement:
     def __init__(self, sharing: SharedTensors, entries: dict[str, ModelEntry], residency: Residency,
                  executor: ModelPath, *, evict: Callable[[ModelEntry], object],
                  emit: Callable[[EvictionRecord], None], placing: Callable[[], str | None],
-                 host: HostTier | None = None, readers: Callable[[], set[str]] = set):
+                 wait_idle: Callable[[ModelEntry], None], host: HostTier | None = None,
+                 readers: Callable[[], set[str]] = set):
         self.sharing = sharing
         self.entries = entries
         self.residency = residency
@@ -63,12 +64,7 @@ class SharedPlacement:
         self._readers = readers
         self._passed_over: set[str] = set()  # models the registration being prepared could not compare with
         self.reload: list[str] = []  # pinned models the registration being prepared evicted
-        self.wait_idle: Callable[[ModelEntry], None] = lambda m: None  # the runtime's (lanes)
-        residency.on_leave = self.left
-        residency.spare = self.free_spare
-        if host is not None:
-            sets = sharing.sets
-            host.outside = lambda: sum(s.nbytes for s in list(sets.values()))
+        self.wait_idle = wait_idle  # the runtime's: a model's calls outside its lock have ended (lanes)
 
     # ------------------------------------------------------------------ registration
     def prepare(self, name: str, member: Member, digests: dict[str, str]) -> tuple[Packed, Stored | None]:
@@ -282,13 +278,13 @@ class SharedPlacement:
                 self._free(sset)
 
     def left(self, m: ModelEntry) -> None:
-        """``m`` left the arena: its sets lose a reader (``Residency.on_leave``)."""
+        """``m`` left the arena: its sets lose a reader (``Departures.left``)."""
         for sset in self.sharing.sets_of(m.name):
             sset.resident.discard(m.name)
 
     def free_spare(self) -> bool:
         """Free one set in the arena that no resident model reads and the model being
-        placed does not need; False if there is none (``Residency.spare``)."""
+        placed does not need; False if there is none (``Departures.free_spare``)."""
         placing = self._placing()
         needed = {s.sid for s in self.sharing.sets_of(placing)} if placing else set()
         for sset in self.sharing.sets.values():

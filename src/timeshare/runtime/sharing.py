@@ -146,6 +146,10 @@ class SharedTensors:
         self._own: dict[str, tuple[str, str]] = {}  # digest -> (model, key) holding it alone
         self._ids = itertools.count(1)
 
+    def nbytes(self) -> int:
+        """The host bytes of every set (read without the runtime's lock too)."""
+        return sum(s.nbytes for s in list(self.sets.values()))
+
     def split(self, store: HostStore, digests: Mapping[str, str], skip: Set[str] = frozenset()) -> Split:
         """Match a new model's tensors (``store``, its ``digests``) against what is
         registered, bytes compared, except the tensors held alone by the models in

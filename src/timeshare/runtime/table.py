@@ -14,7 +14,7 @@ from timeshare.decode.step import Step
 from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
 from timeshare.executor.interface import ModelPath, Packed, Ran
 from timeshare.executor.segments import Switch
-from timeshare.memory import Block
+from timeshare.memory import Arena, Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Outbox
@@ -22,6 +22,8 @@ from timeshare.runtime.host_tier import HostTier, Stored
 from timeshare.runtime.residency import ModelEntry, Residency
 from timeshare.runtime.shared_placement import SharedPlacement
 from timeshare.runtime.sharing import Member, SharedTensors
+from timeshare.scheduler.eviction import EvictionPolicy
+from timeshare.scheduler.thrashing import ThrashingDetector
 from timeshare.transfer.disk import FillSpec
 from timeshare.transfer.profiler import ModelProfile
 from timeshare.tree import shape_key
@@ -33,20 +35,23 @@ log = logging.getLogger(__name__)
 
 
 class ModelTable:
-    def __init__(self, residency: Residency, executor: ModelPath, strategy: str, host: HostTier | None = None,
-                 sharing: SharedTensors | None = None, outbox: Outbox | None = None):
+    def __init__(self, arena: Arena, policy: EvictionPolicy, executor: ModelPath, strategy: str, *,
+                 host: HostTier | None = None, sharing: SharedTensors | None = None, outbox: Outbox | None = None,
+                 wait_idle: Callable[[ModelEntry], None] = lambda m: None, poison: bool = False,
+                 detector: ThrashingDetector | None = None):
+        """``wait_idle``: the runtime's wait for a model's calls outside its lock to end
+        (lanes); ``poison``: NOTE [Poisoned reloads]; ``detector``: thrashing control."""
         self.entries: dict[str, ModelEntry] = {}
-        self.residency = residency
+        # The arena's blocks; it tells this table of models leaving (``Departures``).
+        self.residency = Residency(arena, policy, self, poison=poison, detector=detector)
         self.executor = executor
         self.host = host  # with a host budget: the host stores under it (NOTE [Host tier])
         self._placing: str | None = None  # the model whose placement is evicting others now
         self._leaving = False  # evictions of models leaving host memory too: nothing to keep
-        if host is not None:
-            residency.on_evict = self._demote
         # With deduplication: the shared sets in the arena and the executor (NOTE [Shared tensors]).
         self.shared = None if sharing is None else SharedPlacement(
-            sharing, self.entries, residency, executor, evict=self.evict, emit=self.emit,
-            placing=lambda: self._placing, host=host, readers=self.host_readers)
+            sharing, self.entries, self.residency, executor, evict=self.evict, emit=self.emit,
+            placing=lambda: self._placing, wait_idle=wait_idle, host=host, readers=self.host_readers)
         self.strategy = strategy  # the runtime's grouping, when a call names none
         self.outbox = outbox or Outbox()  # the listeners, who get its records once the lock is let go
         self.failures = 0  # calls that raised
@@ -126,15 +131,22 @@ class ModelTable:
         if self.shared is not None:
             self.shared.drop_unloaded(m)
 
-    def _demote(self, m: ModelEntry, block: Block) -> None:
+    # ------------------------------------------------------------------ departures (the residency's)
+    def keep_bytes(self, m: ModelEntry, block: Block) -> None:
         """``m`` leaves the device: the host tier may keep its bytes (``HostTier.demote``),
         dropping only second copies of models still on the device."""
-        assert self.host is not None
-        if m.name in self.host.models and not self._leaving:
+        if self.host is not None and m.name in self.host.models and not self._leaving:
             readers = self.host_readers()
             cheap = {n for n, e in self.entries.items() if e.block is not None} - readers
             keep = readers | ({self._placing} if self._placing else set())  # the store about to be loaded
             self.host.demote(m.name, self.residency.arena.region(block), cheap, keep)
+
+    def left(self, m: ModelEntry) -> None:
+        if self.shared is not None:
+            self.shared.left(m)
+
+    def free_spare(self) -> bool:
+        return self.shared is not None and self.shared.free_spare()
 
     def host_readers(self) -> set[str]:
         """Resident models that compute from their host stores: those stores stay
