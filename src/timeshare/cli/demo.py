@@ -29,7 +29,6 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("demo-output"), help="where demo.png and demo.json go")
 
 
-
 def run(args, console) -> int:
     from timeshare.config import DEFAULT_CONFIG
     from timeshare.demo import DemoConfig

@@ -19,7 +19,6 @@ def add_parser(sub) -> None:
     p.add_argument("--generate", action="store_true", help="generate and cache every zoo model's weights")
 
 
-
 def run(args, console) -> int:
     from timeshare.models.zoo import ZOO, weights_path
 

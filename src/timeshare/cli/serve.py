@@ -47,7 +47,6 @@ def add_parser(sub) -> None:
     p.add_argument("--print-default-config", action="store_true", help="print the embedded default config and exit")
 
 
-
 def run(args, console) -> int:
     return _serve(args, console)
 

@@ -31,7 +31,6 @@ def add_parsers(bench) -> None:
     plot_option(p, "write loads and latency per policy as a PNG")
 
 
-
 def run(args, console, run_bench) -> int:
     if args.bench == "cluster":
         from timeshare.bench.cluster import ClusterBenchConfig

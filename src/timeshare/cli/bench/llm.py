@@ -69,8 +69,6 @@ def add_parsers(bench) -> None:
     plot_option(p, "write the three parts as a PNG")
 
 
-
-
 def run(args, console, run_bench) -> int:
     if args.bench == "llm" and args.peer is not None:
         from timeshare.bench import llm_peer

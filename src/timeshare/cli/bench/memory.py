@@ -67,7 +67,6 @@ def add_parsers(bench) -> None:
     plot_option(p, "write the bytes and latencies as a PNG")
 
 
-
 def run(args, console, run_bench) -> int:
     if args.bench == "variants":
         from timeshare.bench.variants import VariantsBenchConfig
@@ -95,8 +94,6 @@ def run(args, console, run_bench) -> int:
                           repeats=args.repeats, memory=args.memory, direct_io=args.direct_io)
 
     return run_bench(run_disk, cfg, shower(console, _print_disk, plot, args.plot), args.json)
-
-
 
 
 def _print_variants(console, r: dict) -> None:

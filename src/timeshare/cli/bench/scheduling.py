@@ -41,7 +41,6 @@ def add_parsers(bench) -> None:
     json_option(p, help=None)
 
 
-
 def run(args, console, run_bench) -> int:
     if args.bench == "colocate":
         from timeshare.bench.colocate import ColocateBenchConfig
@@ -59,8 +58,6 @@ def run(args, console, run_bench) -> int:
                                          costs=tuple(args.costs or ()), seed=args.seed)
         return run_bench(run_scheduler, scheduler, lambda r: _print_scheduler(console, r), args.json)
     return 2
-
-
 
 
 def _print_colocate(console, result: dict) -> None:

@@ -75,8 +75,6 @@ def add_parsers(bench) -> None:
     json_option(p)
 
 
-
-
 def run(args, console, run_bench) -> int:
     if args.bench == "serve":
         from timeshare.bench.serve import ServeBenchConfig
@@ -105,8 +103,6 @@ def run(args, console, run_bench) -> int:
                                 seed=args.seed, **kwargs)
         return run_bench(chaos_run, ccfg, lambda r: _print_bench_chaos(console, r), args.json)
     return 2
-
-
 
 
 def _print_bench_hostile(console, result: dict) -> None:

@@ -71,7 +71,6 @@ def add_parser(sub) -> None:
     json_option(p, help=None)
 
 
-
 def run(args, console, write_json) -> int:
     from timeshare.errors import ConfigError
     from timeshare.sim import experiments
@@ -169,8 +168,6 @@ def _sim_run(args) -> dict:
     sched = Scheduler(args.policy, capacity=capacity, quantum_s=args.slice)
     report = Simulator(sched, costs, cache=cache).run(trace).report()
     return {"trace": str(args.trace), "costs": costs.source, "report": report}
-
-
 
 
 def _print_serving(console, result: dict) -> None:
