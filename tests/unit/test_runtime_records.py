@@ -11,7 +11,8 @@ import torch
 
 import timeshare
 from tests import models
-from timeshare.runtime.events import EvictionRecord, Outbox, RuntimeLock
+from timeshare.runtime import events
+from timeshare.runtime.events import CallRecord, EvictionRecord, Outbox, RuntimeLock
 
 
 def _record(i: int) -> EvictionRecord:
@@ -75,25 +76,75 @@ def test_a_failing_listener_is_logged_and_the_others_still_hear(caplog):
     assert seen == ["m3"] and "runtime listener" in caplog.text
 
 
+def test_a_caller_finds_its_record_delivered_though_another_thread_was_delivering():
+    """Another thread is in a listener on this thread's record when this thread lets the
+    lock go: the release waits until that record is through."""
+    outbox = Outbox()
+    lock = RuntimeLock(outbox)
+    seen: list[str] = []
+    made, handling = threading.Event(), threading.Event()
+
+    def listener(record) -> None:
+        if record.model == "m1":
+            assert made.wait(10)  # the first deliverer is still at work when m2 is made
+        else:
+            handling.set()
+            threading.Event().wait(0.3)
+        seen.append(record.model)
+
+    outbox.subscribe(listener)
+    first = threading.Thread(target=lambda: (lock.acquire(), outbox.emit(_record(1)), lock.release()))
+    first.start()
+    with lock:
+        outbox.emit(_record(2))
+        made.set()
+        assert handling.wait(10)  # m2 is out of the queue, in the other thread's listener
+    assert seen == ["m1", "m2"]  # delivered, in order, by the time this thread's release returned
+    first.join(10)
+
+
 @pytest.mark.timeout(60)
-def test_a_listener_runs_outside_the_runtimes_lock():
-    """A listener that waits for another thread's use of the runtime is not waiting on
-    itself: the runtime is not held while it runs. And the caller still finds its call's
-    record delivered when the call returns."""
+def test_a_listener_holds_neither_the_lock_nor_the_device():
+    """A listener that waits for another thread's inference is not waiting on itself:
+    neither the runtime's lock nor the device's turn is held while it runs."""
     x = torch.randn(2, 8)
     with timeshare.Runtime(device="cpu", memory="16MiB") as rt:
         rt.register("a", models.out_of_order, None, (x,))
+        rt.register("b", models.out_of_order, None, (x,))
         answered: list[bool] = []
+        seen: list[str] = []
 
         def listener(record) -> None:
-            done = threading.Event()
-            other = threading.Thread(target=lambda: (rt.diagnostics(), done.set()))
-            other.start()
-            answered.append(done.wait(5.0))  # under the lock this would wait out its 5 s
-            other.join(10)
+            seen.append(record.model)
+            if isinstance(record, CallRecord) and record.model == "a" and not answered:
+                done = threading.Event()
+                other = threading.Thread(target=lambda: (rt.infer("b", x), done.set()))
+                other.start()
+                answered.append(done.wait(20))  # under the lock or the device's turn: never
+                other.join(20)
 
         rt.subscribe(listener)
         rt.infer("a", x)
-        assert answered == [True]
-        rt.evict("a")
-        assert answered == [True, True]
+        assert answered == [True] and seen == ["a", "b"]
+
+
+@pytest.mark.timeout(30)
+def test_a_listener_may_call_the_runtime_from_its_own_thread(monkeypatch):
+    """Its call's record comes after the one it handles, without the call waiting for a
+    delivery its own thread is in the middle of (the wait for another deliverer is made
+    far longer than the test may take)."""
+    monkeypatch.setattr(events, "DELIVERY_WAIT_S", 600.0)
+    x = torch.randn(2, 8)
+    with timeshare.Runtime(device="cpu", memory="16MiB") as rt:
+        rt.register("a", models.out_of_order, None, (x,))
+        rt.register("b", models.out_of_order, None, (x,))
+        seen: list[str] = []
+
+        def listener(record) -> None:
+            seen.append(record.model)
+            if isinstance(record, CallRecord) and record.model == "a":
+                rt.infer("b", x)
+
+        rt.subscribe(listener)
+        rt.infer("a", x)
+        assert seen == ["a", "b"]

@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]error:[/red] {exc}")
         return 2
     if code is None:
-        parser.error("unknown command")
-        return 2
+        parser.error("unknown command")  # exits with status 2
     return code
 
 

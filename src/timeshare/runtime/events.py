@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from timeshare.protocol import CallTimings
@@ -61,46 +63,83 @@ Listener = Callable[[CallRecord | EvictionRecord], None]
 # NOTE [Records outside the lock]
 # The runtime makes its records while it holds its lock (a call, a placement's evictions),
 # and a listener is someone else's code (the server's metrics, ``timeshare ps``'s last
-# use, a bench's list): called there, a slow or blocking listener would hold every other
-# caller of the runtime, and one that calls the runtime back would run inside its state.
-# So a record goes into the ``Outbox`` while the lock is held, and the thread that lets
-# the lock go for the last time (``RuntimeLock``: its outermost release, or a condition's
-# wait) delivers what is waiting, the lock no longer held, before it returns to its
-# caller: a caller still finds its call's record delivered when the call returns. One
-# thread delivers at a time, in the order the records were made; a listener that raises
-# is logged and the others still get the record.
+# use, a bench's list): called there, a listener would run inside the runtime's state and
+# hold its lock for as long as it takes, and one that waits for another thread's use of
+# the runtime would wait forever. So a record goes into the ``Outbox`` while the lock is
+# held, and the thread that lets the lock go for the last time (``RuntimeLock``: its
+# outermost release, or a condition's wait) delivers what is waiting, the lock no longer
+# held, before it returns to its caller: a caller finds its call's records delivered when
+# the call returns. One thread delivers at a time, in the order the records were made;
+# another thread that lets the lock go meanwhile waits until its own records are through
+# (so a slow listener still delays the callers whose calls make records, never the
+# runtime itself), at most ``DELIVERY_WAIT_S``: past it, a listener is waiting for that
+# very thread, and its records come when the listener is done. A listener that calls the
+# runtime back gets its call's records after the one it is handling. A listener that
+# raises is logged and the others still get the record. Where a call also holds the
+# dispatcher (the device's turn), the records wait for the end of that hold too
+# (``RuntimeLock.records_after``): a listener holds neither the lock nor the device.
+DELIVERY_WAIT_S = 1.0
+
+
 class Outbox:
     """The runtime's listeners and the records waiting for them."""
 
     def __init__(self) -> None:
         self.listeners: list[Listener] = []
-        self._waiting: deque[CallRecord | EvictionRecord] = deque()
-        self._delivering = threading.Lock()  # one deliverer at a time: records in order
+        self._waiting: deque[CallRecord | EvictionRecord] = deque()  # appended with the runtime's lock held
+        self._made = 0  # records made so far (counted with the runtime's lock held)
+        self._delivered = 0  # of those, the ones every listener has had
+        self._cond = threading.Condition()  # guards the deliverer and the count delivered
+        self._deliverer: int | None = None  # the thread delivering now
 
     def subscribe(self, listener: Listener) -> None:
         self.listeners.append(listener)
 
     def emit(self, record: CallRecord | EvictionRecord) -> None:
         if self.listeners:
+            self._made += 1
             self._waiting.append(record)
 
     @property
-    def waiting(self) -> bool:
-        """Whether records wait for delivery."""
-        return bool(self._waiting)
+    def pending(self) -> bool:
+        """Whether records made so far have not all reached the listeners."""
+        return self._delivered < self._made
 
     def deliver(self) -> None:
-        """Every waiting record to every listener, in order, in this thread."""
-        if not self._waiting:
-            return
-        with self._delivering:
-            while self._waiting:
-                record = self._waiting.popleft()
+        """Every record made so far to every listener, in order: by this thread, or by the
+        one delivering now, waited for (NOTE [Records outside the lock])."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + DELIVERY_WAIT_S  # read each time: a test lengthens it
+        with self._cond:
+            if self._deliverer == me:  # a listener's own call: the loop below it goes on to its records
+                return
+            target = self._made
+            while self._delivered < target and self._deliverer is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:  # the deliverer's listener waits for this thread
+                    return
+                self._cond.wait(left)
+            if self._delivered >= target:
+                return
+            self._deliverer = me
+        try:
+            while True:
+                with self._cond:
+                    if not self._waiting:
+                        return
+                    record = self._waiting.popleft()
                 for listener in self.listeners:
                     try:
                         listener(record)
                     except Exception:
                         log.exception("runtime listener %r failed on %r", listener, record)
+                with self._cond:
+                    self._delivered += 1
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._deliverer = None
+                self._cond.notify_all()
 
 
 class RuntimeLock:
@@ -112,6 +151,27 @@ class RuntimeLock:
         self._lock = threading.RLock()
         self._outbox = outbox
         self._depth = 0  # how many times its owner holds it (only the owner changes it)
+        self._scope = threading.local()  # ``records_after``: this thread delivers at its end
+
+    @contextmanager
+    def records_after(self) -> Iterator[None]:
+        """A scope, around a dispatcher's hold and this lock, at whose end the records made
+        in it are delivered, instead of at the lock's release: listeners then hold neither
+        (NOTE [Records outside the lock]). Re-entrant in a thread."""
+        scope = self._scope
+        outer = not getattr(scope, "on", False)
+        scope.on = True
+        try:
+            yield
+        finally:
+            if outer:
+                scope.on = False
+                if self._outbox.pending:
+                    self._outbox.deliver()
+
+    def _delivers(self) -> bool:
+        """Whether letting the lock go for the last time delivers now (not inside a scope)."""
+        return self._outbox.pending and not getattr(self._scope, "on", False)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if not self._lock.acquire(blocking, timeout):
@@ -123,7 +183,7 @@ class RuntimeLock:
         self._depth -= 1
         last = self._depth == 0
         self._lock.release()
-        if last:
+        if last and self._delivers():
             self._outbox.deliver()
 
     # ``with`` on every call: the same as acquire and release, a frame shorter each.
@@ -136,7 +196,7 @@ class RuntimeLock:
         self._depth -= 1
         last = self._depth == 0
         self._lock.release()
-        if last and self._outbox.waiting:
+        if last and self._delivers():
             self._outbox.deliver()
 
     # What ``threading.Condition`` calls on a re-entrant lock: let it go whole for a wait,
@@ -145,7 +205,12 @@ class RuntimeLock:
         depth, self._depth = self._depth, 0
         for _ in range(depth):
             self._lock.release()
-        self._outbox.deliver()
+        try:
+            if self._delivers():
+                self._outbox.deliver()
+        except BaseException:  # the wait will not happen: the lock as it was, for the caller's release
+            self._acquire_restore(depth)
+            raise
         return depth
 
     def _acquire_restore(self, depth: int) -> None:

@@ -261,8 +261,9 @@ class Runtime:
             key = shape_key(args, kwargs)
             ask = self._table.lane_ask(m, key, self._dispatcher.free_lane_bytes)
             unmeasured = key not in m.ephemeral
-        with self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
-                                 arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as turn, self._lock:
+        with self._lock.records_after(), \
+                self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
+                                      arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as turn, self._lock:
             m = self._get(name)  # unregistered while this call waited
             prev = turn.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
@@ -290,8 +291,9 @@ class Runtime:
         lanes = self._dispatcher.lane_capacity
         ask = 0 if lanes is None else min(lanes, self._dispatcher.free_lane_bytes() if ephemeral is None else ephemeral)
         deadline = None if urgent_since is None else 0.0
-        with self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
-                                 arrived_at=urgent_since, ticket=ticket, ephemeral=ask, at_most=True) as held:
+        with self._lock.records_after(), \
+                self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
+                                      arrived_at=urgent_since, ticket=ticket, ephemeral=ask, at_most=True) as held:
             if lanes is None:
                 yield ModelTurn(name, m.priority, self._dispatcher, partial(self._call, name))
             else:
@@ -504,5 +506,5 @@ class Runtime:
     @contextmanager
     def _scheduled(self, model: str = "", kind: Kind = Kind.CONTROL):
         """The runtime's lock, once the scheduler gives this call its turn (NOTE [Preemption points])."""
-        with self._dispatcher.hold(model, kind), self._lock:
+        with self._lock.records_after(), self._dispatcher.hold(model, kind), self._lock:
             yield

@@ -195,12 +195,12 @@ class LocalTrainingJob(TrainingJob):
         self._lock = lock
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        with self._dispatcher.hold(), self._lock:
+        with self._lock.records_after(), self._dispatcher.hold(), self._lock:
             return self.task.state_dict()
 
     def checkpoint(self) -> dict:
         self._check_at_rest()
-        with self._dispatcher.hold(), self._lock:
+        with self._lock.records_after(), self._dispatcher.hold(), self._lock:
             return self.task.checkpoint()
 
     def _run(self) -> JobState:
@@ -241,13 +241,13 @@ class WorkerTrainingJob(TrainingJob):
         self._lock = lock
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        with self._dispatcher.hold(), self._lock:
+        with self._lock.records_after(), self._dispatcher.hold(), self._lock:
             return self._runner.job_state(self.name)
 
     def checkpoint(self) -> dict:
         """From the worker that holds the job's state (between segments)."""
         self._check_at_rest()
-        with self._dispatcher.hold(), self._lock:
+        with self._lock.records_after(), self._dispatcher.hold(), self._lock:
             return self._runner.job_state(self.name, full=True)
 
     def stop(self, switch: Switch | None = None) -> None:
