@@ -9,8 +9,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from timeshare.protocol import CallTimings
@@ -151,27 +150,18 @@ class RuntimeLock:
         self._lock = threading.RLock()
         self._outbox = outbox
         self._depth = 0  # how many times its owner holds it (only the owner changes it)
-        self._scope = threading.local()  # ``records_after``: this thread delivers at its end
+        self._scope = threading.local()  # ``records_after``: how deep this thread is in it
+        self._after = RecordsAfter(self._scope, outbox)
 
-    @contextmanager
-    def records_after(self) -> Iterator[None]:
+    def records_after(self) -> RecordsAfter:
         """A scope, around a dispatcher's hold and this lock, at whose end the records made
         in it are delivered, instead of at the lock's release: listeners then hold neither
         (NOTE [Records outside the lock]). Re-entrant in a thread."""
-        scope = self._scope
-        outer = not getattr(scope, "on", False)
-        scope.on = True
-        try:
-            yield
-        finally:
-            if outer:
-                scope.on = False
-                if self._outbox.pending:
-                    self._outbox.deliver()
+        return self._after
 
     def _delivers(self) -> bool:
         """Whether letting the lock go for the last time delivers now (not inside a scope)."""
-        return self._outbox.pending and not getattr(self._scope, "on", False)
+        return self._outbox.pending and not getattr(self._scope, "depth", 0)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if not self._lock.acquire(blocking, timeout):
@@ -224,3 +214,23 @@ class RuntimeLock:
             self._lock.release()
             return owned
         return False
+
+
+class RecordsAfter:
+    """``RuntimeLock.records_after``'s scope: one object for every thread, its depth in each
+    thread kept thread-local (a ``with`` on every call: no generator to make each time)."""
+
+    __slots__ = ("_scope", "_outbox")
+
+    def __init__(self, scope: threading.local, outbox: Outbox) -> None:
+        self._scope, self._outbox = scope, outbox
+
+    def __enter__(self) -> None:
+        scope = self._scope
+        scope.depth = getattr(scope, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        scope = self._scope
+        scope.depth -= 1
+        if not scope.depth and self._outbox.pending:
+            self._outbox.deliver()
