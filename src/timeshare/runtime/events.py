@@ -170,11 +170,7 @@ class RuntimeLock:
         return True
 
     def release(self) -> None:
-        self._depth -= 1
-        last = self._depth == 0
-        self._lock.release()
-        if last and self._delivers():
-            self._outbox.deliver()
+        self.__exit__()
 
     # ``with`` on every call: the same as acquire and release, a frame shorter each.
     def __enter__(self) -> bool:
