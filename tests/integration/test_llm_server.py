@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -263,17 +264,28 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(client, server):
 def test_a_client_that_leaves_a_whole_answer_frees_its_sequence_too(server):
     def cancelled() -> float:
         text = httpx.get(f"{server.url}/metrics", timeout=30).text
-        line = 'timeshare_llm_generations_total{finish_reason="cancelled",model="qwen"}'
+        line = 'timeshare_llm_generations_total{finish_reason="cancelled",model="llama"}'
         return next((float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line)), 0.0)
 
     before = cancelled()
-    body = {"model": "qwen", "prompt": "the", "max_tokens": 120, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 120 tokens
+    # The abandoned request must still be generating, or waiting, when the server next looks
+    # for its client (every DISCONNECT_POLL_S): alone, a tiny model's whole answer came
+    # sooner on a quiet machine. So it queues behind four long ones filling llama's rows.
+    busy = {"model": "llama", "prompt": "the", "max_tokens": 200, "temperature": 0}
+    fillers = [threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/completions", json=busy, timeout=60))
+               for _ in range(4)]
+    for t in fillers:
+        t.start()
+    time.sleep(0.2)
+    body = {"model": "llama", "prompt": "the", "max_tokens": 200, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 200 tokens
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
     deadline = time.monotonic() + 20
     while cancelled() == before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cancelled() == before + 1
+    for t in fillers:
+        t.join(60)
 
 
 def test_metrics_count_tokens_and_time_the_first_and_next_tokens(client, server, dirs):
