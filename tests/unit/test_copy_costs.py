@@ -6,12 +6,14 @@ definition of a bench's floor, and the per-plan events a worker hands its copy e
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 import torch
 
 from tests import models
 from timeshare.bench import link as link_bench
+from timeshare.errors import PipelineError
 from timeshare.memory.arena import Arena
 from timeshare.models.binding import collect, unbind
 from timeshare.transfer.copy import CopyEngine, CpuCopyEngine, LoadEvents, LoadHandle
@@ -53,7 +55,7 @@ class DeviceTimedEngine(CopyEngine):
     def hold(self, seconds: float) -> None:
         self.held.append(seconds)
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None, deadline_s=None):
         assert isinstance(events, LoadEvents)
         self.events.setdefault(tuple(ranges), set()).add(id(events))
         nbytes = sum(b - a for a, b in ranges)
@@ -89,6 +91,35 @@ def test_the_link_probe_on_the_cpu_copy_engine_uses_the_host_clock():
     # host-timed: a load's fixed cost holds the hand-off to the copy thread and back
     assert link.overhead_s > 0 and link.latency_s == pytest.approx(max(0.0, link.overhead_s - link.alpha_s))
     assert 0 < link.queue_s < 1e-3  # one put on a queue, and an Event per group
+
+
+def test_the_link_probe_is_not_held_to_the_users_load_timeout(monkeypatch):
+    # A runtime made with a tight load_timeout_s (a test of a stuck copy) still measures
+    # its link on a loaded host, where the probe's 64 MiB took longer than that once.
+    from timeshare.transfer import copy as copy_mod
+
+    real, slow = copy_mod.CpuLoad.copy_group, {"left": 1}
+
+    def first_slow(self, k):
+        if slow["left"]:
+            slow["left"] -= 1
+            time.sleep(0.2)
+        real(self, k)
+
+    monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", first_slow)
+    engine = CpuCopyEngine(deadline_s=0.05)
+    try:
+        nbytes = 1 << 20
+        link = measure_link(engine, torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8),
+                            CPU, repeats=1)
+        assert link.bandwidth_Bps > 0 and slow["left"] == 0
+        # ... while a model's load still is
+        slow["left"] = 1
+        h = engine.start(torch.zeros(8), torch.zeros(8), [(0, 8)], "loading m")
+        with pytest.raises(PipelineError, match="did not arrive within 0.05 s"):
+            h.wait_all()
+    finally:
+        engine.close()
 
 
 def test_link_costs_from_before_the_queue_and_overhead_fields_still_load():
@@ -165,9 +196,9 @@ class SpyEngine(CpuCopyEngine):
         super().__init__(deadline_s=10)
         self.given: list[tuple[str, int, object]] = []
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None, deadline_s=None):
         self.given.append((where, len(ranges), events))
-        return super().start(src, dst, ranges, where, fences, events, ready, shared)
+        return super().start(src, dst, ranges, where, fences, events, ready, shared, deadline_s)
 
 
 def test_a_worker_hands_the_engine_the_same_events_on_every_load_of_a_plan():

@@ -121,12 +121,15 @@ class CopyEngine:
         events: LoadEvents | None = None,
         ready: Ready | None = None,
         shared: SharedCopies | None = None,
+        deadline_s: float | None = None,
     ) -> LoadHandle:
         """Queue the copies of ``ranges`` from ``src`` to ``dst``; ``fences`` are CUDA events
         the copies must wait for (the last uses of evicted models); ``events`` are kept
         across loads of the same ranges (NOTE [Events made once per plan]); ``ready(b)``
         returns once ``src`` holds its bytes before ``b`` (NOTE [Disk to device]);
-        ``shared``: each group's pieces of other stores, copied before its range."""
+        ``shared``: each group's pieces of other stores, copied before its range;
+        ``deadline_s``: how long a host wait for one group may take, where not the
+        engine's own (a load the user's ``load_timeout_s`` does not govern)."""
         raise NotImplementedError
 
     def hold(self, seconds: float) -> None:
@@ -233,8 +236,9 @@ class CpuCopyEngine(CopyEngine):
                 return
             load.run()
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
-        load = CpuLoad(src, dst, ranges, where, self.deadline_s, self.delay_s, ready, shared)
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None, deadline_s=None):
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
+        load = CpuLoad(src, dst, ranges, where, deadline_s, self.delay_s, ready, shared)
         if not self._thread.is_alive():
             raise PipelineError("the copy thread is not running (engine closed?)", where=where)
         self._queue.put(load)
@@ -294,7 +298,7 @@ class CudaCopyEngine(CopyEngine):
             with torch.cuda.device(self.device):
                 torch.cuda._sleep(int(seconds * CYCLES_PER_S))
 
-    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None):
+    def start(self, src, dst, ranges, where, fences=(), events=None, ready=None, shared=None, deadline_s=None):
         if ready is not None and ranges:
             # NOTE [Disk to device]: on CUDA the reads are waited for in full before the
             # copies are queued (queueing each group behind its read needs a feeder

@@ -262,6 +262,10 @@ class LinkCosts:
 
 PROBE_GROUPS = 64  # tiny groups of the many-group probe load
 PROBE_GROUP_BYTES = 512
+# A probe load's wait for one group: scratch bytes, measured once per worker, which the
+# user's ``load_timeout_s`` (made for a model's loads, and small in tests of it) does
+# not govern; a loaded host takes a while to copy 64 MiB, a hung copy thread stops it.
+PROBE_DEADLINE_S = 60.0
 
 
 def measure_link(
@@ -329,7 +333,7 @@ class _LinkProbe:
         if engine.device_timed:
             engine.hold(self.HOLD_S + self.HOLD_PER_GROUP_S * len(ranges))
         t0 = time.perf_counter()
-        h = engine.start(self.src, self.dst, ranges, "link probe", events=events)
+        h = engine.start(self.src, self.dst, ranges, "link probe", events=events, deadline_s=PROBE_DEADLINE_S)
         queued = time.perf_counter() - t0
         h.wait_all()
         if cuda:
