@@ -289,6 +289,7 @@ class CallTimings:
     channel_page_locked: bool = False
     host_pinned_bytes: int | None = None  # a load: host memory this worker holds page-locked
     cuda_segments: int | None = None  # a load on CUDA: the allocator's segments in this process
+    sent_at: float | None = None  # the controller's: when the message went out
     round_trip_s: float | None = None  # the controller's: the message sent -> its reply read
     worker_s: float | None = None  # the worker's whole share of the round trip
 

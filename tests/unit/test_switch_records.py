@@ -1,7 +1,7 @@
-"""One owner of a switch (NOTE [Switch records], NOTE [Switch protocol]): the dispatcher
-decides a preemption and makes its record, which reaches both the job's stop and the
-inference's turn; a running segment alone sends its stop, once, reads its worker's
-replies and fills in the record's stop and clean times."""
+"""One decider and one owner of a switch (NOTE [Switch records], NOTE [Switch protocol]):
+the dispatcher decides every stop, makes the switch's record, hands it to the
+inference's turn and fills it in from what the job's stop and the inference's call
+report; a running segment alone sends its stop, once, and reads its worker's replies."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from timeshare import protocol as P
 from timeshare.executor.deadline import Deadlines
-from timeshare.executor.segments import Segment, Segments, Switch
-from timeshare.runtime.dispatch import Dispatcher
+from timeshare.executor.segments import Segment, Segments
+from timeshare.runtime.dispatch import SHARE_S, Dispatcher
 from timeshare.scheduler.task import Kind
 
 
@@ -30,15 +30,19 @@ class _Job:
     def __init__(self, name: str):
         self.name, self.iterations, self.stats = name, None, _Stats()
         self.cancelled = self.paused = False
-        self.stops: list[Switch | None] = []
+        self.stops = 0
         self.stopped = threading.Event()
 
-    def stop(self, switch: Switch | None = None) -> None:
-        self.stops.append(switch)
+    def stop(self) -> None:
+        self.stops += 1
         self.stopped.set()
 
 
-def test_a_preemption_for_an_inference_gives_one_record_to_the_stop_and_to_the_turn():
+def _timings(received_at: float, sent_at: float, load_s: float | None) -> P.CallTimings:
+    return P.CallTimings(received_at, 0.0, 0.0, 0.0, 0.0, 0.0, worker=1, load_s=load_s, sent_at=sent_at)
+
+
+def test_a_preemption_for_an_inference_makes_one_record_that_the_dispatcher_fills_in():
     gate = Dispatcher("priority")
     job = _Job("train")
     gate.job_task(job)
@@ -53,19 +57,61 @@ def test_a_preemption_for_an_inference_gives_one_record_to_the_stop_and_to_the_t
     caller = threading.Thread(target=inference)
     caller.start()
     assert job.stopped.wait(10), "the job was never told to stop"
-    assert len(job.stops) == 1 and job.stops[0] is not None
-    switch = job.stops[0]
-    assert (switch.job, switch.model) == ("train", "resnet") and switch.stop_s is None
+    assert job.stops == 1
+    [record] = gate.switches()
+    assert (record["job"], record["model"]) == ("train", "resnet") and record["stop_s"] is None
+    now = time.perf_counter()
+    gate.job_stopped(job, now, now + 0.03, now + 0.05)  # what its worker's reply said
     resumed = threading.Thread(target=gate.wait_for_training_turn, args=(job,))
     resumed.start()  # the job reports its stop, if the inference waits for it, and waits for its turn
     caller.join(10)
     resumed.join(10)
     assert not caller.is_alive() and not resumed.is_alive()
-    assert turns[0].switch is switch  # the same record: no map, no claim
-    # A stop for anything but an inference carries no record.
+    switch = turns[0].switch  # the inference's turn holds the same record
+    assert switch is not None and switch.as_dict()["stop_s"] == pytest.approx(0.03)
+    gate.served(switch, _timings(received_at=now + 0.01, sent_at=now, load_s=0.2))
+    [record] = gate.switches()
+    assert record["clean_s"] == pytest.approx(0.02) and record["start_s"] == pytest.approx(0.01)
+    assert record["load_s"] == 0.2 and record["total_s"] > 0
+    # A stop for anything but an inference makes no record.
     with gate.hold():
         pass
-    assert job.stops[0] is switch and all(s is None for s in job.stops[1:])
+    assert len(gate.switches()) == 1
+
+
+def test_a_job_still_stopping_when_an_inference_starts_is_the_switch_it_made():
+    """A job stopped for a control call (an eviction, say) that has not yet reported its
+    stop when an inference starts: that inference is the switch, recorded once; after the
+    job has reported, an inference is no switch."""
+    gate = Dispatcher("priority")
+    job = _Job("train")
+    gate.job_task(job)
+    gate.wait_for_training_turn(job)
+    with gate.hold():  # a control call stops the job: no record
+        pass
+    assert job.stopped.wait(10) and gate.switches() == []
+    with gate.hold("resnet", Kind.INFERENCE) as turn:
+        assert turn.switch is not None and (turn.switch.job, turn.switch.model) == ("train", "resnet")
+    with gate.hold("resnet", Kind.INFERENCE) as again:
+        assert again.switch is None  # one record per stop
+    assert len(gate.switches()) == 1
+    now = time.perf_counter()
+    gate.job_stopped(job, now, now + 0.01, now + 0.01)
+    assert gate.switches()[0]["stop_s"] == pytest.approx(0.01)
+    gate.job_ended(job)
+
+
+def test_jobs_sharing_a_home_take_turns_the_dispatcher_decides():
+    gate = Dispatcher("priority")
+    waiting, holder = _Job("a"), _Job("b")
+    gate.job_task(waiting)
+    gate.job_task(holder)
+    gate.share_home(waiting, "b", SHARE_S / 2)
+    assert holder.stops == 0  # it has not had its turn yet
+    gate.share_home(waiting, "b", SHARE_S)
+    assert holder.stops == 1 and waiting.stops == 0
+    gate.share_home(waiting, "a", SHARE_S * 10)  # a job never stops itself for itself
+    assert waiting.stops == 0
 
 
 @dataclass(eq=False)
@@ -88,18 +134,18 @@ def _stopped(seq: int, at: float, cleaned: float) -> P.SegmentStopped:
     return P.SegmentStopped(seq, "preempted", _Stats(), at, cleaned)
 
 
-def test_a_segment_sends_its_stop_once_and_fills_in_its_switch():
+def test_a_segment_sends_its_stop_once():
     now = time.perf_counter()
     worker = _Worker([P.Progress(7, 1, 0.5, 0.01), _stopped(7, now + 0.03, now + 0.05)])
     seg = Segment("train", worker, 7)  # type: ignore[arg-type]
-    switch = Switch("train", "resnet", now)
-    assert seg.stop(now, switch) is switch
-    assert seg.stop(now + 1, Switch("train", "other", now + 1)) is None  # the first record stays
+    seg.stop(now)
+    seg.stop(now + 1)
     assert [type(m) for m in worker.posted] == [P.PreemptSegment] and worker.posted[0].seq == 7
+    assert seg.preempted_at == now  # the first stop's time: what the job reports to the dispatcher
     seen = []
     reply = seg.follow(Deadlines(60.0), 60.0, seen.append)
     assert reply.reason == "preempted" and [p.iterations for p in seen] == [1]
-    assert switch.stop_s == pytest.approx(0.03) and switch.clean_s == pytest.approx(0.02)
+    assert reply.stopped_at == pytest.approx(now + 0.03)
 
 
 def test_an_error_in_the_controller_stops_the_segment_and_is_raised_once_it_has():
@@ -116,20 +162,17 @@ def test_an_error_in_the_controller_stops_the_segment_and_is_raised_once_it_has(
     assert not worker.replies  # it read on until the segment stopped
 
 
-def test_a_task_makes_the_record_only_for_a_segment_that_has_none():
+def test_segments_stop_only_the_one_named():
     segments = Segments()
-    worker = _Worker()
-    segments.start("train", worker, 1)  # type: ignore[arg-type]
+    first, second = _Worker(id=1), _Worker(id=2)
+    segments.start("a", first, 1)  # type: ignore[arg-type]
+    segments.start("b", second, 2)  # type: ignore[arg-type]
     now = time.perf_counter()
-    decided = Switch("train", "resnet", now)
-    assert segments.preempt(now, job="train", switch=decided) is decided  # the dispatcher's stop
-    assert segments.preempt(now, for_model="resnet") is None  # the task finds it stopped, with a record
-    assert segments.switches == [decided] and len(worker.posted) == 1
-    segments.end(segments.running("train"))  # type: ignore[arg-type]
-    segments.start("other", worker, 2)  # type: ignore[arg-type]
-    own = segments.preempt(now, for_model="bert")  # a stop no scheduler decided: the task records it
-    assert own is not None and (own.job, own.model) == ("other", "bert")
-    assert segments.switches == [decided, own] and len(worker.posted) == 2
+    segments.stop(now)  # nothing named: nothing stops
+    assert not first.posted and not second.posted
+    segments.stop(now, job="a")
+    segments.stop(now, worker=second)  # type: ignore[arg-type]
+    assert [m.seq for m in first.posted] == [1] and [m.seq for m in second.posted] == [2]
 
 
 def test_a_job_keeps_the_home_chosen_for_it_while_its_first_segment_waits():

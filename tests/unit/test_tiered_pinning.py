@@ -23,12 +23,10 @@ from tests.unit.test_host_memory import FakeRegistrar
 from timeshare import protocol as P
 from timeshare.decode.step import DecoderSpec, Draw, KVShape, Step, StepKind
 from timeshare.errors import DeviceError, PipelineError
-from timeshare.executor.deadline import Deadlines
 from timeshare.executor.interface import Packed, Ran
 from timeshare.executor.packing import Tiered, build_tiered
 from timeshare.executor.pool import ProcessPool
 from timeshare.executor.pool_executor import PoolExecutor
-from timeshare.executor.pool_training import SegmentRunner
 from timeshare.executor.segments import Segments
 from timeshare.memory.arena import Arena
 from timeshare.runtime.registration import model_spec
@@ -430,7 +428,6 @@ def test_a_worker_that_fails_to_unlock_is_replaced_and_the_others_still_unlock()
     pool._cv = threading.Condition(threading.RLock())
     pool._segments = Segments()
     pool.task_timeout_s = pool.startup_timeout_s = 5.0
-    pool.training = SegmentRunner(pool._set, pool._cv, pool._segments, Deadlines(5.0), 5.0, 5.0)  # type: ignore[arg-type]
     pool.unpin_store("m", {1, 2, 3})
     assert [len(h.asked) for h in handles] == [1, 1, 1, 0]  # exactly the workers named
     assert pool._set.replaced == [1, 2]  # type: ignore[attr-defined]

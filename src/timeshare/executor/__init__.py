@@ -2,9 +2,8 @@
 process): the ``Executor`` protocol and what it hands back (``interface``), models run in
 this process (``inprocess``) or in worker processes (``pool_executor`` over the pool of
 ``pool``: its workers and their replacement in ``workers``, the controller's end of each
-worker process in ``handle``, call deadlines in ``deadline``), training segments on the
-jobs' home workers (``pool_training``'s ``SegmentRunner``, and ``segments``: a running
-segment, the one owner of its switch), and a registered model built and packed into host
-stores for them (``packing``). Never imports the controller's core (``runtime``); what
+worker process in ``handle``, call deadlines in ``deadline``, the records of training
+segments on the jobs' home workers in ``segments``), and a registered model built and
+packed into host stores for them (``packing``). Never imports the controller's core (``runtime``); what
 runs inside a worker process is ``timeshare.worker``.
 """

@@ -13,7 +13,6 @@ from timeshare.decode.step import Step
 from timeshare.errors import ConfigError
 from timeshare.executor.interface import Packed, PoolHealth, Ran, Shared
 from timeshare.executor.packing import Tiered
-from timeshare.executor.segments import Switch
 from timeshare.memory import Arena
 from timeshare.memory.ephemeral import LaneBound, in_lane, plain_on_cpu, use_cores
 from timeshare.models.binding import TensorLayout
@@ -95,7 +94,7 @@ class InProcessExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            step: Step | None = None, switch: Switch | None = None) -> Ran:
+            step: Step | None = None) -> Ran:
         if resident and (lane is None or plain_on_cpu(lane, self.device)):
             # The resident call's path: nothing to meter or report. An unmetered lane on
             # the CPU is its cores alone (a few microseconds of Python per call saved, in
@@ -133,9 +132,6 @@ class InProcessExecutor:
 
     def drop_job(self, name: str) -> None:
         return None
-
-    def switches(self) -> list[dict]:
-        return []
 
     def pids(self) -> list[int]:
         return []

@@ -9,7 +9,7 @@ controller.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,11 +19,10 @@ from torch import nn
 
 from timeshare.decode.step import Step
 from timeshare.executor.packing import Tiered
-from timeshare.executor.segments import Switch
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.models.binding import TensorLayout
 from timeshare.models.spec import ModelSpec
-from timeshare.protocol import CallTimings
+from timeshare.protocol import CallTimings, Progress, SegmentStopped
 from timeshare.transfer.backing import HostPages
 from timeshare.transfer.copy import LoadHandle
 from timeshare.transfer.disk import FillSpec
@@ -32,7 +31,7 @@ from timeshare.transfer.profiler import ExecutionOrder, ModelProfile
 from timeshare.worker.trainer import TrainingTask, TrainSpec
 
 if TYPE_CHECKING:
-    from timeshare.executor.pool_training import SegmentRunner
+    from timeshare.executor.segments import HomeBusy, Segment
 
 
 Shared = Mapping[str, tuple[int, bool]] | None  # shared set -> (arena offset, its bytes are there)
@@ -166,10 +165,8 @@ class ModelPath(Protocol):
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            step: Step | None = None, switch: Switch | None = None) -> Ran:
+            step: Step | None = None) -> Ran:
         """Forward ``name``; its bytes are at ``offset`` if ``resident``, else load them there.
-        ``switch``: the record of the switch that gave the call the device, whose start,
-        load and total times the call fills in (NOTE [Switch records]; workers only).
         ``lane``: count the forward's ephemeral bytes and bound them (NOTE [Lanes in the runtime]);
         ``fill``: the host store is read from disk during the load (NOTE [Disk to device]);
         ``shared``: its shared sets' offsets and whether they are loaded (NOTE [Shared tensors]);
@@ -194,15 +191,32 @@ class ModelPath(Protocol):
         """Benchmarks' "two processes" baseline: a new worker started for this call."""
 
 
+class SegmentHost(Protocol):
+    """Where a training job's segments run in another process (the pool, on the job's
+    home worker): what the job's thread in the controller asks of it."""
+
+    def begin_segment(self, job: str, spec: TrainSpec | None, lane: LaneBound | None) -> Segment | HomeBusy | None:
+        """Start or resume the job's segment; why not, if it cannot start now."""
+
+    def run_segment(self, seg: Segment, on_progress: Callable[[Progress], None]) -> SegmentStopped:
+        """Follow the segment until it stops."""
+
+    def stop_segment(self, job: str) -> None:
+        """Stop the job's running segment at its next preemption point."""
+
+    def job_state(self, job: str, *, full: bool = False) -> dict:
+        """The job's state (``full``: its checkpoint), between segments."""
+
+
 class JobHost(Protocol):
     """Where training jobs' iterations run."""
 
     def check_trainable(self, spec: TrainSpec) -> None:
         """Raise ConfigError if the training job cannot run here."""
 
-    def start_job(self, spec: TrainSpec) -> TrainingTask | SegmentRunner:
+    def start_job(self, spec: TrainSpec) -> TrainingTask | SegmentHost:
         """Where a new training job's iterations run: a ``TrainingTask`` built here (in
-        this process), or the pool's ``SegmentRunner`` (its home worker builds it).
+        this process), or the pool (its home worker builds it).
         ``runtime/training.py`` makes the job's handle around it."""
 
     def drop_job(self, name: str) -> None:
@@ -212,9 +226,6 @@ class JobHost(Protocol):
 class Observed(Protocol):
     """What operators and the runtime's snapshots read of where models run, without
     waiting for it."""
-
-    def switches(self) -> list[dict]:
-        """Records of the latest switches from training to inference."""
 
     def pids(self) -> list[int]:
         """Operating-system ids of the worker processes (none in-process)."""

@@ -1,9 +1,10 @@
 """The controller's pool of worker processes (``ProcessPool``, runs in the controller, the
 caller's process): model registration on every worker, task dispatch with deadlines, the
-profiles any worker measured, and training segments on the jobs' homes, with the switch
-between a segment and a task (NOTE [Switch protocol], :mod:`timeshare.executor.segments`).
-Which thread may talk to which worker: NOTE [One owner per pipe]. Starting the workers
-and replacing the ones that fail is :mod:`timeshare.executor.workers`'s.
+profiles any worker measured, and training segments on the jobs' homes: each started,
+followed until it stops, its state read or dropped there, and stopped when the
+dispatcher decides (NOTE [Switch protocol], :mod:`timeshare.executor.segments`). Which
+thread may talk to which worker: NOTE [One owner per pipe]. Starting the workers and
+replacing the ones that fail is :mod:`timeshare.executor.workers`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -19,12 +21,11 @@ from typing import TYPE_CHECKING, Any
 from timeshare import protocol as P
 from timeshare.decode.step import Step
 from timeshare.device import BackendFlags, leaves_a_core
-from timeshare.errors import WorkerError, WorkerTimeoutError
+from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
 from timeshare.executor.deadline import Deadlines
 from timeshare.executor.handle import SPIN_S, Inputs, WorkerHandle
 from timeshare.executor.interface import PoolHealth, Ran, WorkerFailure, WorkerRow
-from timeshare.executor.pool_training import SegmentRunner
-from timeshare.executor.segments import Segments, Switch
+from timeshare.executor.segments import HomeBusy, Segment, Segments
 from timeshare.executor.workers import FAILURE_KINDS, WorkerSet
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.options import RuntimeOptions
@@ -34,8 +35,9 @@ from timeshare.units import parse_bytes
 
 if TYPE_CHECKING:
     from timeshare.transfer.profiler import ModelProfile
+    from timeshare.worker.trainer import TrainSpec
 
-__all__ = ["FAILURE_KINDS", "ProcessPool", "Switch"]
+__all__ = ["FAILURE_KINDS", "ProcessPool"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class ProcessPool:
         self._profiles: dict[str, dict[str, ModelProfile]] = {}  # model -> shape key -> its profile
         self.profilings = 0  # profiles measured by any worker
         self._retired: list[WorkerHandle] = []  # started for one task (benchmarks), to stop
-        self._cv = threading.Condition(threading.RLock())  # guards the worker list and the segments
+        self._cv = threading.Condition(threading.RLock())  # guards the segments and the steps' homes
         self._segments = Segments()
         start = partial(P.Start, device=device, arena_capacity=arena_capacity, profile_repeats=opts.profile_repeats,
                         fixed_group_bytes=parse_bytes(opts.fixed_group_bytes, what="fixed_group_bytes"),
@@ -62,10 +64,7 @@ class ProcessPool:
         # NOTE [One step, two places]: each language model -> the worker its steps run in.
         self._step_homes: dict[str, WorkerHandle] = {}
         self._set = WorkerSet(opts.workers, start=start, share_arena=share_arena, startup_timeout_s=startup_timeout_s,
-                              cv=self._cv, on_lost=self._worker_lost)
-        # Training segments on the jobs' homes, and the claim of a worker's pipe from them.
-        self.training = SegmentRunner(self._set, self._cv, self._segments, self.deadlines, task_timeout_s,
-                                      startup_timeout_s)
+                              on_lost=self._worker_lost)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -84,11 +83,6 @@ class ProcessPool:
     @property
     def last_failure(self) -> dict | None:
         return self._set.last_failure
-
-    @property
-    def switches(self) -> list[Switch]:
-        """The latest switch records, oldest first (NOTE [Switch records])."""
-        return self._segments.switches
 
     # ------------------------------------------------------------------ models
     def add(self, msg: P.AddModel) -> None:
@@ -135,7 +129,7 @@ class ProcessPool:
         what = f"unlocking the host store of {model}"
         for w in [w for w in list(self.workers) if w.id in workers]:
             try:
-                with self.training.claim(w, what):
+                with self.claim(w, what):
                     if w in self.workers:
                         w.request(P.UnpinStore(self._set.next_seq(), model), self.startup_timeout_s, what)
             except Exception as exc:  # a worker's own error (a failed copy, a broken device) too
@@ -145,7 +139,7 @@ class ProcessPool:
     def _teach_all(self, what: str, knows: Callable[[WorkerHandle], bool],
                    teach: Callable[[WorkerHandle], None]) -> None:
         for w in list(self.workers):
-            with self.training.claim(w, f"adding {what}"):
+            with self.claim(w, f"adding {what}"):
                 if not w.ready:
                     self._set.ready(w)  # boots and learns everything registered, this included
                 elif not knows(w):  # a replacement may have learned it while booting
@@ -156,7 +150,7 @@ class ProcessPool:
         fails to is replaced."""
         for w in list(self.workers):
             try:
-                with self.training.claim(w, f"removing {what}"):
+                with self.claim(w, f"removing {what}"):
                     if w in self.workers and forget(w):  # one still booting will never be taught it
                         w.request(message(), self.startup_timeout_s, f"removing {what}")
             except WorkerError as exc:
@@ -167,9 +161,9 @@ class ProcessPool:
     def run(self, model: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None,
             shared: Mapping[str, tuple[int, bool]] | None = None, host_keys: tuple[str, ...] | None = None,
-            step: Step | None = None, switch: Switch | None = None):
+            step: Step | None = None):
         """Run ``model`` on a standby (a language model's step: on its home, NOTE [One step,
-        two places]); ``switch``: the record of the switch the dispatcher decided for this call."""
+        two places])."""
         shared = dict(shared) if shared is not None else None
 
         def make(inputs: Inputs, profiles: tuple) -> P.RunModel:
@@ -181,9 +175,11 @@ class ProcessPool:
         shape = shape_key(args, kwargs) if step is None else \
             f"{step.kind.value}-{max(1, sum(len(t) for t in step.tokens)).bit_length()}"
         kind = (model, "resident" if resident else "disk" if fill is not None else "load", shape)
-        call = _Call(model, make, args, kwargs, run=True, switch=switch)
-        reply, value = self._task(call, f"running {model}", kind) if step is None else \
-            self._home_task(call, f"running {model}", kind)
+        what = f"running {model}"
+        # A language model's step waits for its home's pipe (its decode graphs are there:
+        # NOTE [Decode graphs]); anything else takes a free standby.
+        with self._standby(what) if step is None else self.claim(self._step_home(model), what) as w:
+            reply, value = self._task_on(w, _Call(model, make, args, kwargs, run=True), what, kind)
         t = reply.timings
         if t is None:
             return Ran(value)
@@ -197,74 +193,64 @@ class ProcessPool:
             return P.Profile(self._set.next_seq(), model, offset, inputs.args, inputs.kwargs, shared=shared,
                              host_keys=host_keys, refs=inputs.refs, channel=inputs.channel)
 
-        return self._task(_Call(model, make, args, kwargs, run=False), f"profiling {model}")[1]
+        what = f"profiling {model}"
+        with self._standby(what) as w:
+            return self._task_on(w, _Call(model, make, args, kwargs, run=False), what)[1]
 
     def release(self, model: str) -> None:
         """Nothing to wait for: a worker finishes every copy before it answers a task."""
         return None
 
-    def _task(self, call: _Call, what: str, kind=None):
-        requested = time.perf_counter()
-        with self._cv:  # NOTE [Switch protocol]: the stop goes out as the task goes to a standby
-            own = self._segments.preempt(requested, for_model=call.model if call.run else "")
-            w = self._take_standby(what)
-        switch = own or call.switch  # NOTE [Switch records]
+    def _step_home(self, model: str) -> WorkerHandle:
+        """Where ``model``'s steps run; a new one the first time and after
+        its home failed (its pages are in the arena: nothing is lost with it), the least
+        used, not the first worker while there are others (inference goes there)."""
+        with self._cv:
+            home = self._step_homes.get(model)
+            if home is not None and home in self.workers:
+                return home
+            workers = self.workers[1:] or self.workers
+            used = {id(w): 0 for w in workers}
+            for w in list(self._step_homes.values()) + self._segments.home_workers():
+                if id(w) in used:
+                    used[id(w)] += 1
+            home = min(workers, key=lambda w: used[id(w)])
+            self._step_homes[model] = home
+            return home
+
+    def _worker_lost(self, w: WorkerHandle) -> None:
+        """``w`` failed and was replaced: the jobs it was home to lose their state; the
+        language models whose steps ran there get a new home at their next step."""
+        with self._cv:
+            self._segments.worker_lost(w)
+            for model, home in list(self._step_homes.items()):
+                if home is w:
+                    del self._step_homes[model]
+            self._cv.notify_all()
+
+    @contextmanager
+    def _standby(self, what: str) -> Iterator[WorkerHandle]:
+        """The first worker that no segment runs on, leased to this thread until the block
+        ends. A ready one first: a replacement still booting serves only when nothing else
+        can."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        with self._cv:
+            while True:
+                busy = self._segments.training_workers()
+                w = next((w for w in sorted(self.workers, key=lambda w: not (w.ready and w.alive()))  # stable
+                          if w not in busy and w.try_lease()), None)
+                if w is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerTimeoutError(f"no worker was free within {self.startup_timeout_s:g} s", where=what)
+                self._cv.wait(min(left, 0.05))
         try:
-            return self._task_on(w, call, what, requested, switch, kind)
+            yield w
         finally:
             w.unlease()
 
-    def _home_task(self, call: _Call, what: str, kind):
-        """A language model's step, on the worker its steps run in (its decode graphs are
-        there: NOTE [Decode graphs]); it waits for that worker's pipe."""
-        requested = time.perf_counter()
-        with self._cv:  # a time-shared segment stops, as for any task
-            own = self._segments.preempt(requested, for_model=call.model)
-            home = self._step_home(call.model)
-        switch = own or call.switch
-        with self.training.claim(home, what):
-            return self._task_on(home, call, what, requested, switch, kind)
-
-    def _step_home(self, model: str) -> WorkerHandle:
-        """With the cv held: where ``model``'s steps run; a new one the first time and after
-        its home failed (its pages are in the arena: nothing is lost with it), the least
-        used, not the first worker while there are others (inference goes there)."""
-        home = self._step_homes.get(model)
-        if home is not None and home in self.workers:
-            return home
-        workers = self.workers[1:] or self.workers
-        used = {id(w): 0 for w in workers}
-        for w in list(self._step_homes.values()) + self._segments.home_workers():
-            if id(w) in used:
-                used[id(w)] += 1
-        home = min(workers, key=lambda w: used[id(w)])
-        self._step_homes[model] = home
-        return home
-
-    def _worker_lost(self, w: WorkerHandle) -> None:
-        """``w`` failed (with the cv held): the jobs it was home to lose their state; the
-        language models whose steps ran there get a new home at their next step."""
-        self._segments.worker_lost(w)
-        for model, home in list(self._step_homes.items()):
-            if home is w:
-                del self._step_homes[model]
-
-    def _take_standby(self, what: str) -> WorkerHandle:
-        """The first worker that no segment runs on, leased to this thread (under the cv).
-        A ready one first: a replacement still booting serves only when nothing else can."""
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            busy = self._segments.training_workers()
-            for w in sorted(self.workers, key=lambda w: not (w.ready and w.alive())):  # stable: ready, in order
-                if w not in busy and w.try_lease():
-                    return w
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerTimeoutError(f"no worker was free within {self.startup_timeout_s:g} s", where=what)
-            self._cv.wait(min(left, 0.05))
-
-    def _task_on(self, w: WorkerHandle, call: _Call, what: str, requested: float, switch: Switch | None,
-                 kind=None) -> tuple[P.Result, Any]:
+    def _task_on(self, w: WorkerHandle, call: _Call, what: str, kind=None) -> tuple[P.Result, Any]:
         """Run ``call`` on ``w``, whose lease this thread holds: its reply, and the reply's
         value with its tensors copied out of the worker's channel (NOTE [Tensor channel])."""
         self._set.ready(w)
@@ -292,6 +278,7 @@ class ProcessPool:
             self.deadlines.observe(kind, replied - sent)
         timings = reply.timings  # the whole round trip, and the worker's own share of it
         if timings is not None:
+            timings.sent_at = sent
             timings.round_trip_s = replied - sent
             timings.worker_s = reply.seconds
         if reply.profiles:
@@ -299,8 +286,6 @@ class ProcessPool:
             for p in reply.profiles:
                 self._profiles.setdefault(model, {})[p.shape_key] = p
                 w.profiles.add((model, p.shape_key))
-        if switch is not None:
-            switch.task_done(sent, timings)
         return reply, value
 
     def run_in_new_worker(self, model: str, offset: int, args: tuple, kwargs: dict, strategy: str,
@@ -327,6 +312,116 @@ class ProcessPool:
         retired, self._retired = self._retired, []
         for w in retired:
             w.stop()
+
+    # ------------------------------------------------------------------ training segments
+    def begin_segment(self, job: str, spec: TrainSpec | None, lane: LaneBound | None) -> Segment | HomeBusy | None:
+        """Start (``spec`` given) or resume a training job in its home worker, which the
+        scheduler runs now, in ``lane`` if it runs with lanes. ``HomeBusy`` when another
+        job's segment holds a shared home (the dispatcher decides whether it stops), None
+        when the segment may not start yet for another reason (``Segments.may_start``, a
+        task on the pipe): the job parks and retries."""
+        home = self._home(job, spec is not None)
+        self._set.ready(home)
+        with self._cv:
+            if not self._segments.may_start(home, lane, job):
+                other = self._segments.on(home)
+                busy = None
+                if lane is not None and other is not None and other.lane is not None:
+                    self._segments.yield_to(home, job)  # a shared home: turns (NOTE [Switch protocol])
+                    busy = HomeBusy(other.job, time.perf_counter() - other.started_at)
+                self._cv.wait(0.05)
+                return busy
+            if home not in self._set.workers:
+                return None  # replaced meanwhile; _home reports it next time
+            if not home.try_lease():  # a task or a control request has its pipe
+                self._cv.wait(0.05)
+                return None
+            try:
+                seq = self._set.next_seq()
+                data = P.dumps(P.Train(seq, job, spec, lane))
+            except BaseException:
+                home.unlease()  # a spec that cannot be sent must not keep the worker's pipe
+                raise
+            home.post_bytes(data)  # if the process is gone, run_segment reports it
+            return self._segments.start(job, home, seq, lane)
+
+    def run_segment(self, seg: Segment, on_progress: Callable[[P.Progress], None]) -> P.SegmentStopped:
+        """Follow a segment until it stops (``Segment.follow``); a worker that failed or
+        hung is replaced, a step that raised has dropped the job's state there."""
+        try:
+            return seg.follow(self.deadlines, self.task_timeout_s, on_progress)
+        except TimeshareError as exc:
+            if not seg.worker.alive() or isinstance(exc, WorkerTimeoutError):
+                self._set.replace(seg.worker, exc)
+            else:  # the step raised: the worker dropped the job's state
+                with self._cv:
+                    self._segments.state_dropped(seg.job)
+            raise
+        finally:
+            seg.worker.unlease()  # taken in begin_segment
+            with self._cv:
+                self._segments.end(seg)
+                self._cv.notify_all()
+
+    def stop_segment(self, job: str) -> None:
+        """Stop the job's running segment, if any, at its next preemption point: the
+        dispatcher's decision, carried out."""
+        with self._cv:
+            self._segments.stop(time.perf_counter(), job=job)
+
+    def job_state(self, job: str, *, full: bool = False) -> dict:
+        """The job's parameters and buffers, or with ``full`` its checkpoint (NOTE
+        [Checkpoints]), from its home worker (between segments)."""
+        home = self._home(job, False)
+        with self.claim(home, f"state of {job}"):
+            return home.request(P.GetJobState(self._set.next_seq(), job, full), self.task_timeout_s,
+                                f"state of {job}").value
+
+    def drop_job(self, job: str) -> None:
+        self.deadlines.forget(job)
+        with self._cv:
+            home = self._segments.forget(job)
+        if home is not None and home.alive():
+            try:
+                with self.claim(home, f"dropping {job}"):
+                    home.request(P.DropJob(self._set.next_seq(), job), self.task_timeout_s, f"dropping {job}")
+            except WorkerError as exc:
+                log.warning("dropping training job %s: %s", job, exc)
+
+    def _home(self, job: str, new: bool) -> WorkerHandle:
+        with self._cv:
+            workers = self._set.workers
+            return self._segments.new_home(job, workers) if new else self._segments.home(job, workers)
+
+    @contextmanager
+    def claim(self, w: WorkerHandle, what: str) -> Iterator[WorkerHandle]:
+        """Hold ``w``'s pipe until the block ends, for a control request or a language
+        model's step: lease it before another segment can start there. A segment running
+        there is stopped for it: the one stop the pool makes by itself, to reach the
+        worker, not to give the device to anyone (NOTE [One owner per pipe])."""
+        deadline = time.monotonic() + max(self.task_timeout_s, self.startup_timeout_s) + 5
+        while True:
+            self._quiesce(w)
+            if w.try_lease(0.05):
+                break
+            if time.monotonic() > deadline:
+                raise WorkerTimeoutError(f"worker {w.id} stayed busy", where=f"worker {w.id}, {what}")
+        try:
+            yield w
+        finally:
+            w.unlease()
+
+    def _quiesce(self, w: WorkerHandle) -> None:
+        """Wait until ``w`` runs no training segment, stopping it if it does."""
+        deadline = time.monotonic() + self.task_timeout_s + 5
+        with self._cv:
+            while w in self._segments.training_workers():
+                self._segments.stop(time.perf_counter(), worker=w)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerTimeoutError(f"worker {w.id} did not stop training within {self.task_timeout_s:g} s",
+                                             where=f"worker {w.id}")
+                self._cv.wait(min(left, 0.5))
 
     # ------------------------------------------------------------------ health
     def health(self) -> PoolHealth:
@@ -367,7 +462,6 @@ class _Call:
     args: tuple
     kwargs: dict
     run: bool
-    switch: Switch | None = None  # the dispatcher's record of the switch it makes (NOTE [Switch records])
 
 
 def _state_of(w: WorkerHandle, training: set[WorkerHandle]) -> str:

@@ -19,8 +19,6 @@ from timeshare.errors import ConfigError
 from timeshare.executor.interface import Packed, PoolHealth, Ran, Shared
 from timeshare.executor.packing import Tiered, trace_on_host
 from timeshare.executor.pool import ProcessPool
-from timeshare.executor.pool_training import SegmentRunner
-from timeshare.executor.segments import Switch
 from timeshare.memory.arena import map_shared_memory, reserve_shared_memory
 from timeshare.memory.ephemeral import LaneBound
 from timeshare.models.binding import TensorLayout
@@ -182,9 +180,9 @@ class PoolExecutor:
 
     def run(self, name: str, offset: int, resident: bool, args: tuple, kwargs: dict, strategy: str,
             lane: LaneBound | None = None, fill: FillSpec | None = None, shared: Shared = None,
-            step: Step | None = None, switch: Switch | None = None) -> Ran:
+            step: Step | None = None) -> Ran:
         ran = self._pool.run(name, offset, resident, args, kwargs, strategy, lane, fill, shared,
-                             self._host_keys.get(name, ()) if resident else None, step, switch)
+                             self._host_keys.get(name, ()) if resident else None, step)
         if not resident and ran.timings is not None:
             self._host_keys[name] = tuple(ran.timings.host_keys)
             if name in self._droppable:  # NOTE [Locked host tier]
@@ -223,15 +221,12 @@ class PoolExecutor:
             raise ConfigError("training with workers needs workers >= 2: one holds the job, another "
                               "stays free so that inference never waits for a process to start")
 
-    def start_job(self, spec: TrainSpec) -> SegmentRunner:
-        self._pool.training.drop_job(spec.name)  # a finished job of that name
-        return self._pool.training
+    def start_job(self, spec: TrainSpec) -> ProcessPool:
+        self._pool.drop_job(spec.name)  # a finished job of that name
+        return self._pool
 
     def drop_job(self, name: str) -> None:
-        self._pool.training.drop_job(name)
-
-    def switches(self) -> list[dict]:
-        return [s.as_dict() for s in self._pool.switches]
+        self._pool.drop_job(name)
 
     def pids(self) -> list[int]:
         return list(self._pool.pids())

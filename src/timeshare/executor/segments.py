@@ -1,9 +1,8 @@
-"""Training segments on the pool's workers: which worker is each job's home, the segments
-running, and the switch records. A running segment (``Segment``) is the one owner of its
-switch: it alone sends the stop (``PreemptSegment``, once), reads its worker's progress
-and its stopped reply (``follow``), and fills in the switch record's stop and clean
-times. Used by the :class:`~timeshare.executor.pool.ProcessPool`, which holds the pipes.
-Runs in the controller (the caller's process).
+"""Training segments on the pool's workers: which worker is each job's home and the
+segments running. A running segment (``Segment``) alone sends its stop
+(``PreemptSegment``, once) and reads its worker's progress and its stopped reply
+(``follow``). Used by the :class:`~timeshare.executor.pool.ProcessPool`, which holds the
+pipes and the lock. Runs in the controller (the caller's process).
 
 # NOTE [Switch protocol]
 One worker is active at a time; the others are standbys, fully initialized. A training
@@ -19,14 +18,16 @@ state between segments. When an inference arrives while a training segment runs:
 Weights go to the arena and training memory is the job's own, so the new task never
 waits for the old one's memory.
 
-With lanes (``scheduling="pack"``) several segments run at once, each on its own home
-and in its own lane, beside the inferences of other lanes on the remaining workers: a
-task never stops a segment in a lane, only the scheduler does (a Preempt, as for any
-task of a lane). Jobs that share a home (more jobs than workers but one) take turns on
-it: a job that finds its home busy stops the segment there once it has run
-``SHARE_S`` (``SegmentRunner.begin_segment``). Each switch records stop, start, load, clean and total
-times (``Switch``). A worker that fails is replaced: a standby becomes active at once
-and a new one boots behind it.
+Every stop of a segment is the dispatcher's decision (a Preempt of the scheduler, or a
+turn on a shared home); the pool carries it out, and stops a segment by itself only to
+take its worker's pipe for a control message (``ProcessPool.claim``). With lanes
+(``scheduling="pack"``) several segments run at once, each on its own home and in its
+own lane, beside the inferences of other lanes on the remaining workers. Jobs that share
+a home (more jobs than workers but one) take turns on it: a job that finds its home
+busy says so (``HomeBusy``) and the dispatcher stops the segment there once it has run
+``SHARE_S`` (``Dispatcher.share_home``). Each switch is recorded by the dispatcher
+(NOTE [Switch records]). A worker that fails is replaced: a standby becomes active at
+once and a new one boots behind it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from timeshare import protocol as P
 from timeshare.errors import WorkerCrashedError, WorkerError
@@ -42,33 +43,16 @@ from timeshare.executor.deadline import Deadlines
 from timeshare.executor.handle import WorkerHandle
 from timeshare.memory.ephemeral import LaneBound
 
-KEEP_SWITCHES = 1000  # switch records kept, the latest
-SHARE_S = 0.2  # with lanes, how long a segment keeps a home another job waits for
+NEXT_TURN_KEPT_S = 1.0  # how long a shared home's next turn (``Segments.yield_to``) is kept for its job
 
 
-@dataclass
-class Switch:
-    """One switch from a training segment to an inference (seconds; None: not known yet
-    or not applicable). The clock is the monotonic one all processes share."""
+@dataclass(frozen=True)
+class HomeBusy:
+    """A segment could not start: job ``holder``'s segment has held the home (shared, in
+    lanes) for ``held_s``. Whether to stop it is the dispatcher's decision."""
 
-    job: str
-    model: str
-    requested_at: float
-    stop_s: float | None = None  # Preempt sent -> the job stopped at its preemption point
-    clean_s: float | None = None  # stopped -> cleaned (offload), in parallel with the new task
-    start_s: float | None = None  # Run sent -> the standby began it
-    load_s: float | None = None  # first copy queued -> last group arrived (None: resident)
-    total_s: float | None = None  # request -> result back in the controller
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def task_done(self, sent: float, timings: P.CallTimings | None) -> None:
-        """The inference's task is back: ``sent``, when its Run went out; ``timings``, its
-        reply's (NOTE [Switch records])."""
-        self.total_s = time.perf_counter() - self.requested_at
-        self.start_s = timings.received_at - sent if timings is not None else None
-        self.load_s = timings.load_s if timings is not None else None
+    holder: str
+    held_s: float
 
 
 @dataclass
@@ -82,30 +66,22 @@ class Segment:
     seq: int
     lane: LaneBound | None = None  # None: time-shared, the device's only task
     started_at: float = field(default_factory=time.perf_counter)
-    preempted_at: float | None = None
-    switch: Switch | None = None
+    preempted_at: float | None = None  # when its stop went out
     _stopping: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def stop(self, now: float, switch: Switch | None = None) -> Switch | None:
-        """Stop the segment at its next preemption point: the one place a stop is sent,
-        once. ``switch``: the record of the inference it makes way for (NOTE [Switch
-        records]), kept if the segment has none yet; returned when kept."""
+    def stop(self, now: float) -> None:
+        """Stop the segment at its next preemption point: the one place a stop is sent, once."""
         with self._stopping:
             if self.preempted_at is None:
                 self.preempted_at = now
                 self.worker.post(P.PreemptSegment(self.seq))  # if already dead, ``follow`` reports it
-            if switch is None or self.switch is not None:
-                return None
-            self.switch = switch
-            return switch
 
     def follow(self, deadlines: Deadlines, cap_s: float, on_progress: Callable[[P.Progress], None]) \
             -> P.SegmentStopped:
         """Read the worker's replies until the segment stops: ``on_progress`` with each
         ``Progress`` (the heartbeat: a worker silent past its deadline raises
-        WorkerTimeoutError), and the switch's stop and clean times filled in from the
-        ``SegmentStopped``. What ``on_progress`` raises stops the segment (the job's state
-        kept in the worker) and is raised once it has."""
+        WorkerTimeoutError); the ``SegmentStopped``. What ``on_progress`` raises stops the
+        segment (the job's state kept in the worker) and is raised once it has."""
         what = f"training {self.job}"
         kind = (self.job, "iteration")
         last: float | None = None  # when the segment's latest Progress arrived
@@ -131,24 +107,20 @@ class Segment:
             if not isinstance(reply, P.SegmentStopped):
                 raise WorkerError(f"worker {self.worker.id} answered a training segment with "
                                   f"{type(reply).__name__}", where=f"worker {self.worker.id}, {what}")
-            if self.switch is not None and self.preempted_at is not None:
-                self.switch.stop_s = max(0.0, reply.stopped_at - self.preempted_at)
-                self.switch.clean_s = reply.cleaned_at - reply.stopped_at
             if failed is not None:
                 raise failed
             return reply
 
 
 class Segments:
-    """Homes, the running segments and the switch records. Not locked on its own: the
-    pool calls every method with its lock held."""
+    """Homes and the running segments: the pool's records, which it reads and changes
+    with its lock held."""
 
     def __init__(self) -> None:
         self._running: dict[str, Segment] = {}  # job -> its segment running (several only in lanes)
         self._next_on: dict[WorkerHandle, tuple[str, float]] = {}  # a shared home -> the job whose turn is next
         self._homes: dict[str, WorkerHandle] = {}  # job -> the worker holding its state
         self._lost: dict[str, str] = {}  # job -> why its state is gone
-        self.switches: list[Switch] = []  # the latest, oldest first
 
     # ------------------------------------------------------------------ the running segments
     def running(self, job: str) -> Segment | None:
@@ -169,7 +141,7 @@ class Segments:
         if lane is None:
             return not self._running
         nxt = self._next_on.get(home)
-        if nxt is not None and nxt[0] != job and time.perf_counter() - nxt[1] < 5 * SHARE_S:
+        if nxt is not None and nxt[0] != job and time.perf_counter() - nxt[1] < NEXT_TURN_KEPT_S:
             return False
         return all(seg.worker is not home and seg.lane is not None for seg in self._running.values())
 
@@ -188,37 +160,11 @@ class Segments:
         if self._running.get(seg.job) is seg:
             del self._running[seg.job]
 
-    def preempt(self, now: float, *, job: str | None = None, worker: WorkerHandle | None = None,
-                switch: Switch | None = None, for_model: str = "") -> Switch | None:
-        """Stop the running segment of ``job``, or the one on ``worker``, or else the
-        time-shared one (a task's way to take the device; segments in lanes stop only when
-        named: tasks run beside them). The switch it makes way for: ``switch``, the
-        dispatcher's record, or a new one for the task of ``for_model``. Returns the
-        record the segment took, now in ``switches``."""
-        if job is not None:
-            seg = self._running.get(job)
-        elif worker is not None:
-            seg = self.on(worker)
-        else:
-            seg = next((s for s in self._running.values() if s.lane is None), None)
-        if seg is None:
-            return None
-        if switch is None and for_model:
-            switch = Switch(seg.job, for_model, now)
-        taken = seg.stop(now, switch)
-        if taken is not None:
-            self.switches.append(taken)
-            del self.switches[:-KEEP_SWITCHES]
-        return taken
-
-    # NOTE [Switch records]
-    # A switch is recorded where the stop is decided. For an inference the scheduler
-    # preempts a job for, the dispatcher makes the record and hands it both to the job's
-    # stop and to the inference's turn (``Turn.switch``), which carries it down to the
-    # pool's task: the segment fills in the stop and clean times, the task its start,
-    # load and total times, in whichever order they come. A task that finds a time-shared
-    # segment still running with no record (a stop the scheduler did not decide) makes the
-    # record itself. No record waits anywhere to be claimed.
+    def stop(self, now: float, *, job: str | None = None, worker: WorkerHandle | None = None) -> None:
+        """Stop the running segment of ``job``, or the one on ``worker``, if any."""
+        seg = self._running.get(job) if job is not None else self.on(worker) if worker is not None else None
+        if seg is not None:
+            seg.stop(now)
 
     # ------------------------------------------------------------------ homes
     def new_home(self, job: str, workers: list[WorkerHandle]) -> WorkerHandle:

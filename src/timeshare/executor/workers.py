@@ -60,10 +60,11 @@ class WorkerSet:
     """``n`` workers, started in parallel and ready when the constructor returns.
 
     ``start`` makes a worker's ``Start`` message from its ``worker``, ``parent_pid`` and
-    ``arena``; ``share_arena`` gives each spawned worker its own arena handle; ``cv`` is
-    the pool's condition, which guards the worker list and is notified when a worker is
-    replaced; ``on_lost`` is called with it held for each worker replaced; ``channel_bytes``
-    and ``channel_max_bytes``: each worker's tensor channel (``WorkerHandle``)."""
+    ``arena``; ``share_arena`` gives each spawned worker its own arena handle; ``on_lost``
+    is called for each worker replaced, after its replacement is in the list and with no
+    lock of the set's held; ``channel_bytes`` and ``channel_max_bytes``: each worker's
+    tensor channel (``WorkerHandle``). Its own lock guards the worker list: a reader may
+    hold its own lock while it asks, never the other way round."""
 
     def __init__(
         self,
@@ -72,7 +73,6 @@ class WorkerSet:
         start: Callable[..., P.Start],
         share_arena: Callable[[], object],
         startup_timeout_s: float,
-        cv: threading.Condition,
         on_lost: Callable[[WorkerHandle], None],
         channel_bytes: int | None = None,
         channel_max_bytes: int | None = None,
@@ -85,7 +85,7 @@ class WorkerSet:
         # that each receiving process consumes once, so one handle must not serve two.
         self._share_arena = share_arena
         self.startup_timeout_s = startup_timeout_s
-        self._cv = cv
+        self._lock = threading.RLock()
         self._on_lost = on_lost
         self._next_id = 0
         self._seq = 0
@@ -178,7 +178,7 @@ class WorkerSet:
         """Drop a failed worker: a standby becomes active; a new one boots behind it. The
         training jobs it held lose their state (``on_lost``). ``cause`` (what its user
         saw) is kept for the pool's health."""
-        with self._cv:
+        with self._lock:
             if self._closed:
                 return  # close() stops every worker
             hung = isinstance(cause, WorkerTimeoutError)  # its reader killed it already
@@ -194,9 +194,8 @@ class WorkerSet:
             new = self.spawn()
             self.workers[self.workers.index(w)] = new  # in place: homes are never the first worker
             self.replacements += 1
-            self._on_lost(w)
-            self._cv.notify_all()
             delay = min(30.0, 0.25 * (2 ** self._boot_failures - 1))
+        self._on_lost(w)
         log.warning("worker %d replaced by worker %d%s", w.id, new.id,
                     f" ({self._boot_failures} in a row died starting; teaching it in {delay:g} s)" if delay else "")
         # The pool heals by itself: the new worker learns every model now, not at its first task.
@@ -206,7 +205,7 @@ class WorkerSet:
         """Replace workers that die while nobody talks to them. One that a thread holds the
         lease of is left to that thread, which sees the death on its pipe."""
         while True:
-            with self._cv:
+            with self._lock:
                 if self._closed:
                     return
                 workers = [w for w in self.workers if w.alive()]
@@ -237,12 +236,12 @@ class WorkerSet:
         except Exception as exc:  # ready() replaced it already; that replacement teaches itself
             log.warning("worker %d failed while starting: %s", w.id, exc)
             return
-        with self._cv:
+        with self._lock:
             self._boot_failures = 0
 
     def close(self) -> None:
         """Stop every worker (escalating, see ``WorkerHandle.stop``); nothing is replaced after."""
-        with self._cv:
+        with self._lock:
             self._closed = True
             workers, self.workers = self.workers, []
         _open_sets.discard(self)

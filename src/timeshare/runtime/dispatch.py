@@ -19,9 +19,9 @@ import threading
 import time
 
 from timeshare.errors import ConfigError
-from timeshare.executor.segments import Switch
 from timeshare.memory.ephemeral import LaneBound, job_lane_sizes
-from timeshare.runtime.turns import Preemptible, Ticket, Turn
+from timeshare.protocol import CallTimings
+from timeshare.runtime.turns import Preemptible, Switch, Ticket, Turn
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.lanes import LanesView
 from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress, State, Stopped, Task
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 # A waiter's deadline when the scheduler asks for no wake-up: it is woken by whoever starts
 # its task (NOTE [Hand-offs]), so waking at this deadline means a wake-up was lost.
 _SAFETY_S = 5.0
+KEEP_SWITCHES = 1000  # switch records kept, the latest
+# With lanes, how long a job's segment keeps a home that another job shares and waits
+# for before the dispatcher stops it (``share_home``).
+SHARE_S = 0.2
 
 
 class Dispatcher:
@@ -61,8 +65,12 @@ class Dispatcher:
         self._job_tasks: dict[Preemptible, Task] = {}  # a job -> its task
         self._sized: set[Preemptible] = set()  # jobs re-admitted with their measured memory (lanes)
         self._resizing: dict[Preemptible, tuple[int, int]] = {}  # ... once stopped: (persistent, lane) bytes
-        self._outbox: list[tuple[Preemptible, Switch | None]] = []  # stops decided, not yet sent
+        self._outbox: list[Preemptible] = []  # stops decided, not yet sent
+        # NOTE [Switch records]: jobs told to stop that have not reported their stop, each
+        # with the record of the switch to the inference it makes way for, once known.
+        self._awaiting: dict[Preemptible, Switch | None] = {}
         self._switches: dict[int, Switch] = {}  # an inference's task id -> the switch made for it
+        self._switch_log: list[Switch] = []  # the latest records, oldest first
         self._user: tuple[Kind, str] | None = None  # the last non-control task given the device
         self._previous: dict[int, tuple[Kind, str] | None] = {}  # task id -> the user before it
 
@@ -286,17 +294,23 @@ class Dispatcher:
                 else:
                     del self._shrinking[task.id]
         decisions = self.scheduler.schedule(self.clock())
-        made: dict[int, Switch] | None = None  # a job's task id -> the switch its stop makes
-        for d in decisions:  # NOTE [Switch records]: made before the inference's turn is
-            if isinstance(d, Preempt) and d.by is not None and d.by.kind is Kind.INFERENCE:
-                job = self._jobs.get(d.task.id)
-                if job is not None:
-                    switch = self._switches[d.by.id] = Switch(job.name, d.by.model, time.perf_counter())
-                    made = made or {}
-                    made[d.task.id] = switch
+        for d in decisions:  # the stops first: NOTE [Switch records]
+            if not isinstance(d, Preempt):
+                continue
+            job = self._jobs.get(d.task.id)
+            if job is None:
+                continue
+            switch = self._awaiting.get(job)
+            if switch is None and d.by is not None and d.by.kind is Kind.INFERENCE:
+                switch = self._switches[d.by.id] = self._new_switch(job, d.by.model)
+            self._awaiting[job] = switch
+            # A worker segment stops now (NOTE [Switch protocol]).
+            self._outbox.append(job)
         for d in decisions:
             if not isinstance(d, Preempt):
                 for t in (d.task, *d.task.batch):
+                    if t.kind is Kind.INFERENCE and t.id not in self._switches:
+                        self._record_switch_to(t)
                     previous = None
                     if t.kind is not Kind.CONTROL:
                         if t.kind is Kind.INFERENCE:
@@ -308,14 +322,63 @@ class Dispatcher:
                         waiter.lock.release()
                     elif previous is not None:  # started by its own arrival: read back by the call
                         self._previous[t.id] = previous
-                continue
-            job = self._jobs.get(d.task.id)
-            if job is not None:
-                # A worker segment stops now (NOTE [Switch protocol]), with the record of the
-                # switch to the inference it makes way for.
-                self._outbox.append((job, None if made is None else made.get(d.task.id)))
         if self._outbox:
             self._send_stops()
+
+    # NOTE [Switch records]
+    # A switch is recorded by the dispatcher, which decides every stop, and only it fills
+    # the record in. A stop the scheduler decides for an inference makes the record at
+    # once, handed to the inference's turn (``Turn.switch``). A job stopped for anything
+    # else (a control call, a slice's end) and still stopping when an inference starts
+    # makes the record then, for that inference. The job reports its stop and clean times
+    # (``job_stopped``, from its worker's reply), the inference its start, load and total
+    # times (``served``, from its call's timings), in whichever order they come; the
+    # executor never sees the record.
+    def _new_switch(self, job: Preemptible, model: str) -> Switch:
+        switch = Switch(job.name, model, time.perf_counter())
+        self._switch_log.append(switch)
+        del self._switch_log[:-KEEP_SWITCHES]
+        return switch
+
+    def _record_switch_to(self, task: Task) -> None:
+        """With the lock held, as an inference starts: the record of the switch from a job
+        still stopping with none (NOTE [Switch records])."""
+        job = next((j for j, switch in self._awaiting.items() if switch is None), None)
+        if job is not None:
+            self._switches[task.id] = self._awaiting[job] = self._new_switch(job, task.model)
+
+    def served(self, switch: Switch, timings: CallTimings | None) -> None:
+        """The inference a switch made way for is back: ``timings``, its call's (None
+        in-process)."""
+        with self._lock:
+            switch.total_s = time.perf_counter() - switch.requested_at
+            if timings is not None and timings.sent_at is not None:
+                switch.start_s = timings.received_at - timings.sent_at
+            switch.load_s = None if timings is None else timings.load_s
+
+    def job_stopped(self, job: Preemptible, stop_sent_at: float, stopped_at: float, cleaned_at: float) -> None:
+        """A job's segment in a worker stopped as told: the stop went out at ``stop_sent_at``,
+        the job stopped at ``stopped_at`` and was cleaned up at ``cleaned_at``."""
+        with self._lock:
+            switch = self._awaiting.pop(job, None)
+            if switch is not None:
+                switch.stop_s = max(0.0, stopped_at - stop_sent_at)
+                switch.clean_s = cleaned_at - stopped_at
+
+    def switches(self) -> list[dict]:
+        """The latest switch records, oldest first."""
+        with self._lock:
+            return [s.as_dict() for s in self._switch_log]
+
+    def share_home(self, job: Preemptible, holder: str, held_s: float) -> None:
+        """With lanes: ``job`` waits for a home that job ``holder``'s segment has held for
+        ``held_s``; the jobs take turns there, each at least ``SHARE_S``."""
+        if held_s < SHARE_S:
+            return
+        with self._lock:
+            other = next((j for j in self._job_tasks if j.name == holder and j is not job), None)
+        if other is not None:
+            other.stop()  # outside the lock: NOTE [Stops outside the lock]
 
     def _release(self, task_id: int) -> None:
         """Wake a job's thread to look again (no turn: it reads its task's state)."""
@@ -334,8 +397,8 @@ class Dispatcher:
             pending, self._outbox = self._outbox, []
             self._lock.release()
             try:
-                for job, switch in pending:
-                    job.stop(switch)
+                for job in pending:
+                    job.stop()
             finally:
                 self._lock.acquire()
 
@@ -433,6 +496,7 @@ class Dispatcher:
         a resume or a cancel."""
         task = self.job_task(job)
         with self._lock:
+            self._awaiting.pop(job, None)  # stopped: a switch made from now on is not from it
             if task.state in (State.RUNNING, State.STOPPING):
                 self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
             if task.state is State.WAITING:
@@ -471,6 +535,7 @@ class Dispatcher:
     def job_ended(self, job: Preemptible) -> None:
         with self._lock:
             task = self._job_tasks.pop(job, None)
+            self._awaiting.pop(job, None)
             self._sized.discard(job)
             self._resizing.pop(job, None)
             if task is None:

@@ -268,10 +268,14 @@ class Runtime:
             prev = turn.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
             if lanes is None:
-                return self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
-                                        step=step, switch=turn.switch)
-            return lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
-                              self._dispatcher.lane_threads, key)
+                call = self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
+                                        step=step)
+            else:
+                call = lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
+                                  self._dispatcher.lane_threads, key)
+            if turn.switch is not None:
+                self._dispatcher.served(turn.switch, call.record.timings)
+            return call
 
     @contextmanager
     def turn(self, name: str, *, urgent_since: float | None = None,
@@ -295,10 +299,10 @@ class Runtime:
                 self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=deadline,
                                       arrived_at=urgent_since, ticket=ticket, ephemeral=ask, at_most=True) as held:
             if lanes is None:
-                yield ModelTurn(name, m.priority, self._dispatcher, partial(self._call, name))
+                yield ModelTurn(name, m.priority, self._dispatcher, partial(self._call, name), switch=held.switch)
             else:
                 yield ModelTurn(name, m.priority, self._dispatcher, partial(self._call_in_lane, name, held),
-                                held.lane_bytes)
+                                held.lane_bytes, held.switch)
 
     def _call_in_lane(self, name: str, held: Turn, args: tuple, kwargs: dict | None, *, step: Step | None) -> Call:
         """A call of a turn that holds a lane (NOTE [Turns in lanes])."""
@@ -383,10 +387,10 @@ class Runtime:
             self._exec.drop_job(name)
 
     def switches(self) -> list[dict]:
-        """The latest switches from a training job to an inference (workers only): stop,
-        start, load, clean and total seconds of each (NOTE [Switch protocol])."""
-        with self._scheduled():
-            return self._exec.switches()
+        """The latest switches from a training job to an inference: stop, clean, start,
+        load and total seconds of each (NOTE [Switch records]; in-process only the
+        total)."""
+        return self._dispatcher.switches()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

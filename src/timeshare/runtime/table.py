@@ -13,7 +13,6 @@ from contextlib import AbstractContextManager
 from timeshare.decode.step import Step
 from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
 from timeshare.executor.interface import ModelPath, Packed, Ran
-from timeshare.executor.segments import Switch
 from timeshare.memory import Arena, Block
 from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call
@@ -208,12 +207,10 @@ class ModelTable:
         return free() if peak is None else lane_bytes(peak)
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
-            lane: LaneBound | None = None, unlocked: Unlocked | None = None, step: Step | None = None,
-            switch: Switch | None = None) -> Ran:
+            lane: LaneBound | None = None, unlocked: Unlocked | None = None, step: Step | None = None) -> Ran:
         """Forward ``m`` on executor-ready inputs, loading it first if it is not resident.
         ``unlocked``: a resident model's forward runs inside it, without the runtime's
-        lock (NOTE [Lanes in the runtime]); its block stays put meanwhile. ``switch``: the
-        record of the switch that gave the call the device (NOTE [Switch records])."""
+        lock (NOTE [Lanes in the runtime]); its block stays put meanwhile."""
         resident = m.block is not None
         fill = None
         if not resident:
@@ -232,8 +229,7 @@ class ModelTable:
                 finally:
                     m.running -= 1
             else:
-                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared, step=step,
-                                        switch=switch)
+                ran = self.executor.run(m.name, offset, resident, args, kwargs, strategy, lane, fill, shared, step=step)
         except BaseException as exc:
             if not resident:
                 self.evict(m)  # a failed load leaves nothing behind
@@ -251,8 +247,7 @@ class ModelTable:
 
     def call(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *, waited_s: float,
              switched_from: str | None, lane: LaneBound | None = None,
-             unlocked: Unlocked | None = None, keep_peak: bool = True, step: Step | None = None,
-             switch: Switch | None = None) -> Call:
+             unlocked: Unlocked | None = None, keep_peak: bool = True, step: Step | None = None) -> Call:
         """One inference on caller inputs: ``run`` with its record, emitted to the listeners
         whether it succeeded or raised, and counted in ``failures`` if it raised. In a
         ``lane``, the call's peak ephemeral bytes are kept per input shape (unless not
@@ -261,7 +256,7 @@ class ModelTable:
         loaded = m.block is None
         try:
             ran = self.run(m, self.executor.inputs(args), self.executor.inputs(kwargs), strategy,
-                           lane=lane, unlocked=unlocked, step=step, switch=switch)
+                           lane=lane, unlocked=unlocked, step=step)
             if ran.ephemeral_peak is not None and lane is not None and lane.limit is not None and keep_peak:
                 key = shape_key(args, kwargs)
                 m.ephemeral[key] = max(m.ephemeral.get(key, 0), ran.ephemeral_peak)

@@ -30,14 +30,14 @@ from torch import nn
 
 from timeshare import protocol as P
 from timeshare.errors import ConfigError, TimeshareError
+from timeshare.executor.segments import HomeBusy
 from timeshare.memory.ephemeral import LaneBound, in_lane
 from timeshare.runtime.dispatch import Dispatcher  # noqa: F401 (annotations)
 from timeshare.runtime.events import RuntimeLock
 from timeshare.worker.trainer import TrainingStats, TrainingTask, TrainSpec
 
 if TYPE_CHECKING:
-    from timeshare.executor.pool_training import SegmentRunner
-    from timeshare.executor.segments import Switch
+    from timeshare.executor.interface import SegmentHost
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,9 @@ class TrainingJob:
     def paused(self) -> bool:
         return self._pause.is_set()
 
-    def stop(self, switch: Switch | None = None) -> None:
-        """Make a running segment stop at its next preemption point; ``switch``: the
-        record of the inference it makes way for (NOTE [Switch records]). In this
-        process the job looks at its preemption points itself: nothing to send."""
+    def stop(self) -> None:
+        """Make a running segment stop at its next preemption point. In this process the
+        job looks at its preemption points itself: nothing to send."""
 
     def pause(self) -> None:
         """Stop at the next preemption point and stay stopped until ``resume()``."""
@@ -234,7 +233,7 @@ class WorkerTrainingJob(TrainingJob):
     """Iterations in a worker process that holds the job's state; the controller's
     thread runs segments there and parks between them (NOTE [Switch protocol])."""
 
-    def __init__(self, spec: TrainSpec, *, runner: SegmentRunner, lock: RuntimeLock, dispatcher: Dispatcher):
+    def __init__(self, spec: TrainSpec, *, runner: SegmentHost, lock: RuntimeLock, dispatcher: Dispatcher):
         super().__init__(spec.name, spec.iterations, dispatcher=dispatcher, offload=spec.offload)
         self.spec = spec
         self._runner = runner
@@ -250,8 +249,8 @@ class WorkerTrainingJob(TrainingJob):
         with self._lock.records_after(), self._dispatcher.hold(), self._lock:
             return self._runner.job_state(self.name, full=True)
 
-    def stop(self, switch: Switch | None = None) -> None:
-        self._runner.stop(self.name, switch)
+    def stop(self) -> None:
+        self._runner.stop_segment(self.name)
 
     def _progress(self, p: P.Progress, lane: LaneBound | None) -> None:
         self.stats.iterations = p.iterations
@@ -266,7 +265,7 @@ class WorkerTrainingJob(TrainingJob):
         # job re-admitted with its measured memory (``Dispatcher._resize``) may hold another
         # lane now: its segment stops, and the next one runs bounded by the new lane.
         if self._dispatcher.must_yield(self) or _lane_changed(lane, self._dispatcher.lane_bound(self)):
-            self._runner.stop(self.name)
+            self._runner.stop_segment(self.name)
 
     def _run(self) -> JobState:
         spec: TrainSpec | None = self.spec  # sent with the first segment only
@@ -278,10 +277,15 @@ class WorkerTrainingJob(TrainingJob):
                 continue
             # Only this thread gives the job's turn back (``_park``): it holds it until then.
             segment = self._runner.begin_segment(self.name, spec, self._dispatcher.lane_bound(self))
+            if isinstance(segment, HomeBusy):  # another job's segment holds our home: whose turn is it?
+                self._dispatcher.share_home(self, segment.holder, segment.held_s)
+                continue
             if segment is None:
                 continue  # inference (or another job) got there first
             spec = None
             stopped = self._runner.run_segment(segment, partial(self._progress, lane=segment.lane))
+            if stopped.reason != "finished" and segment.preempted_at is not None:
+                self._dispatcher.job_stopped(self, segment.preempted_at, stopped.stopped_at, stopped.cleaned_at)
             self.stats.offloads = stopped.stats.offloads
             self.stats.ephemeral_bytes = stopped.stats.ephemeral_bytes
             self.stats.persistent_bytes = stopped.stats.persistent_bytes
@@ -290,7 +294,7 @@ class WorkerTrainingJob(TrainingJob):
             self.stats.preemptions += 1
 
 
-def new_job(spec: TrainSpec, runs_on: TrainingTask | SegmentRunner, *, lock: RuntimeLock,
+def new_job(spec: TrainSpec, runs_on: TrainingTask | SegmentHost, *, lock: RuntimeLock,
             dispatcher: Dispatcher) -> TrainingJob:
     """A job's handle (not started) around where its executor runs it (``start_job``):
     a task built in this process, or the pool's segments on a home worker."""

@@ -1,6 +1,7 @@
 """What a call or a training job holds and sees of the dispatcher (runs in the controller):
-``Turn``, what a call learns when it is given the device; ``Ticket``, a waiting task as
-another thread sees it; ``Preemptible``, all the dispatcher may ask of a training job;
+``Turn``, what a call learns when it is given the device; ``Switch``, the record of a
+switch from a training job to an inference; ``Ticket``, a waiting task as another
+thread sees it; ``Preemptible``, all the dispatcher may ask of a training job;
 ``ModelTurn``, a series of one model's calls in one turn (``Runtime.turn``)."""
 
 from __future__ import annotations
@@ -8,14 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from timeshare.decode.step import Step, StepOutcome
 from timeshare.scheduler.task import Kind, Priority
 
 if TYPE_CHECKING:
-    from timeshare.executor.segments import Switch
     from timeshare.runtime.calls import Call
     from timeshare.runtime.dispatch import Dispatcher
 
@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 class Preemptible(Protocol):
     """What the dispatcher may ask of a training job, and all it may ask: its name,
     length and progress, whether it was cancelled or paused, and to stop its running
-    segment at the next preemption point (``stop``, with the record of the switch to the
-    inference it makes way for, if any). The dispatcher is the one owner of the decision
+    segment at the next preemption point (``stop``). The dispatcher is the one owner of the decision
     to stop it; the job's running segment, of the stop itself."""
 
     name: str
@@ -39,7 +38,7 @@ class Preemptible(Protocol):
     @property
     def paused(self) -> bool: ...
 
-    def stop(self, switch: Switch | None = None) -> None: ...
+    def stop(self) -> None: ...
 
 
 class _Progressing(Protocol):
@@ -47,6 +46,25 @@ class _Progressing(Protocol):
     step_seconds: float
     ephemeral_bytes: int | None  # measured once (Salus's memory classes), None until then
     persistent_bytes: int | None
+
+
+@dataclass
+class Switch:
+    """One switch from a training job to an inference (seconds; None: not known yet or not
+    applicable). Made and filled in by the dispatcher alone (NOTE [Switch records]); the
+    clock is the monotonic one all processes share."""
+
+    job: str
+    model: str
+    requested_at: float
+    stop_s: float | None = None  # stop sent -> the job stopped at its preemption point (workers)
+    clean_s: float | None = None  # stopped -> cleaned (offload), in parallel with the inference (workers)
+    start_s: float | None = None  # the inference's message sent -> a standby began it (workers)
+    load_s: float | None = None  # first copy queued -> last group arrived (None: resident; workers)
+    total_s: float | None = None  # requested -> the inference's result back in the controller
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -92,14 +110,16 @@ class ModelTurn:
     LOAD_FACTOR = 4.0
 
     def __init__(self, name: str, priority: Priority, dispatcher: Dispatcher, run: Callable[..., Call],
-                 lane_bytes: int | None = None):
+                 lane_bytes: int | None = None, switch: Switch | None = None):
         """``run(args, kwargs, step=...)``: one call of the turn, the runtime's; ``lane_bytes``:
-        with lanes, the size of the turn's lane (NOTE [Turns in lanes])."""
+        with lanes, the size of the turn's lane (NOTE [Turns in lanes]); ``switch``: the
+        switch that gave the turn the device, which its first call completes."""
         self.name = name
         self.started = time.monotonic()
         self.load_s = 0.0  # of this turn's calls that loaded the model
         self.lane_bytes = lane_bytes
         self._priority, self._dispatcher, self._run = priority, dispatcher, run
+        self._switch = switch
 
     def call(self, args: tuple = (), kwargs: dict | None = None) -> Call:
         """``Runtime.call`` inside the turn: no wait for the scheduler; with lanes, bounded
@@ -114,6 +134,9 @@ class ModelTurn:
     def _counted(self, call: Call) -> Call:
         if call.record.loaded:
             self.load_s += call.record.seconds
+        if self._switch is not None:
+            self._dispatcher.served(self._switch, call.record.timings)
+            self._switch = None
         return call
 
     def contended(self, quantum_s: float) -> bool:
