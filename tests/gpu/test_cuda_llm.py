@@ -36,7 +36,7 @@ def test_generation_on_cuda_equals_transformers_warm_cold_and_batched(tmp_path, 
         for prompt in PROMPTS:
             assert m.generate(m.encode(prompt), greedy).result(120).tokens == want(prompt, 24)
             rt.evict("llama")  # the next one loads pipelined into a poisoned block
-        with rt.hold_device():  # queued together: one batch
+        with rt.turn(m.name):  # queued together: one batch
             seqs = [m.generate(m.encode(p), SamplingParams(max_tokens=40, temperature=0)) for p in PROMPTS]
         for prompt, seq in zip(PROMPTS, seqs):
             assert seq.result(120).tokens == want(prompt, 40)
@@ -78,7 +78,7 @@ def test_under_a_tight_kv_budget_caches_wait_in_host_memory_and_come_back_unchan
         seqs = [m.generate(m.encode(PROMPTS[i]), params) for i, m in enumerate(ms)]
         between: list[tuple[int, int]] = []  # (on the device, in host memory) while no model has a turn
         while not all(s.done for s in seqs):
-            with rt.hold_device():
+            with rt.turn(ms[0].name):
                 between.append((budget.on_device(), sum(m.engine.kv_host_bytes for m in ms)))
         assert [s.result(120).tokens for s in seqs] == alone
         assert all(dev == 0 for dev, _ in between) and any(host > 0 for _, host in between), between

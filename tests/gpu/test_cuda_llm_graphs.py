@@ -44,7 +44,7 @@ def test_replayed_graphs_give_the_tokens_of_transformers_warm_cold_and_batched(t
         for prompt in PROMPTS:
             assert m.generate(m.encode(prompt), greedy).result(120).tokens == want(prompt, 24)
             rt.evict("m")  # the next one loads pipelined into a poisoned block
-        with rt.hold_device():  # queued together: one batch
+        with rt.turn(m.name):  # queued together: one batch
             seqs = [m.generate(m.encode(p), SamplingParams(max_tokens=40, temperature=0)) for p in PROMPTS]
         for prompt, seq in zip(PROMPTS, seqs):
             assert seq.result(120).tokens == want(prompt, 40)
@@ -94,7 +94,7 @@ def test_seeded_sampling_on_the_device_is_the_same_alone_in_a_batch_and_in_eithe
             with timeshare.Runtime(device="cuda", memory="64MiB", profile_repeats=1, workers=workers) as rt:
                 m = lm.load(rt, "llama", path, max_context=128, dtype=dtype)
                 alone = m.generate(m.encode(PROMPTS[0]), params).result(120).tokens
-                with rt.hold_device():
+                with rt.turn(m.name):
                     others = [m.generate(m.encode(p), SamplingParams(max_tokens=16, temperature=1.0, seed=i))
                               for i, p in enumerate(PROMPTS)]
                     mine = m.generate(m.encode(PROMPTS[0]), params)

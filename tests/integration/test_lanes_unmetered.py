@@ -5,14 +5,17 @@ keeps raising its peak while confirming and stays metered."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from timeshare.errors import LaneExceededError
+from timeshare.memory.ephemeral import lane_bytes
 from timeshare.runtime.facade import Runtime
-from timeshare.runtime.lanes import CONFIRMING_CALLS
+from timeshare.runtime.lanes import CONFIRMING_CALLS, lane_ask
 
 X = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
 
@@ -107,15 +110,20 @@ def test_in_process_a_confirmed_shape_runs_on_its_lanes_cores_without_a_meter():
         torch.set_num_threads(before)
 
 
-def test_a_measured_shape_asks_for_its_peak_without_reading_what_is_free(monkeypatch):
+def test_a_measured_shape_asks_for_its_peak_without_reading_what_is_free():
+    # A call's ask (``lane_ask``) reads what is free, under the dispatcher's lock, only
+    # until its shape's peak is measured; the runtime measures it at the first call.
     with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
-        reads = []
-        free = rt._dispatcher.free_lane_bytes
-        monkeypatch.setattr(rt._dispatcher, "free_lane_bytes", lambda: reads.append(1) or free())
         rt.register("w", Witness, example_inputs=(X,))
-        rt.infer("w", X)  # a shape not measured yet asks for what is free; its first call measures it
-        assert reads
-        reads.clear()
-        for _ in range(1 + CONFIRMING_CALLS):
-            rt.infer("w", X)  # its measured peak is its ask, metered or not
-        assert reads == []
+        assert rt.diagnostics()["models"]["w"]["ephemeral_bytes"] == {}  # not measured before its first call
+        rt.infer("w", X)
+        [(key, peak)] = rt.diagnostics()["models"]["w"]["ephemeral_bytes"].items()
+    reads = []
+
+    def free() -> int:
+        reads.append(1)
+        return 1 << 20
+
+    entry = SimpleNamespace(ephemeral={key: peak})
+    assert lane_ask(entry, key, free) == lane_bytes(peak) and reads == []  # type: ignore[arg-type]
+    assert lane_ask(entry, "another shape", free) == 1 << 20 and reads == [1]  # type: ignore[arg-type]

@@ -349,7 +349,7 @@ def test_bad_requests_are_refused_and_queued_work_fails_on_close(llama):
         with pytest.raises(ConfigError, match="exceeds its 256 positions"):
             lm.load(rt, "big", llama, max_context=1000)
         gate = threading.Event()
-        with rt.hold_device():  # nothing runs: the sequence stays queued until close
+        with rt.turn(m.name):  # nothing runs: the sequence stays queued until close
             seq = m.generate(m.encode("a"), SamplingParams(max_tokens=5))
             closer = threading.Thread(target=lambda: (m.engine.close(), gate.set()))
             closer.start()
@@ -425,7 +425,7 @@ def test_a_reader_that_fails_cancels_its_own_sequence_alone(llama, reference):
 
     with Runtime("cpu", "64MiB", workers=2) as rt:
         m = lm.load(rt, "llama", llama)
-        with rt.hold_device():  # both queued first, so that they decode in one batch
+        with rt.turn(m.name):  # both queued first, so that they decode in one batch
             bad = m.generate(m.encode(PROMPTS[1]), SamplingParams(max_tokens=30, temperature=0.7, seed=666), broken)
             good = m.generate(m.encode(PROMPTS[0]), SamplingParams(max_tokens=30, temperature=0))
         assert good.result(60).tokens == reference(PROMPTS[0], 30)

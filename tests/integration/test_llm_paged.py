@@ -71,7 +71,7 @@ def test_replayed_steps_give_the_tokens_of_transformers_warm_cold_and_batched(ar
         # Reloaded into the same offsets: the captures are replayed, never taken again.
         assert cold.graph_captures == captured and cold.graph_invalidations == 0
         assert cold.graph_replays >= warm.graph_replays + 3 * 19
-        with rt.hold_device():  # queued together: one batch of three
+        with rt.turn(m.name):  # queued together: one batch of three
             seqs = [m.generate(m.encode(p), greedy(24)) for p in PROMPTS]
         for prompt, seq in zip(PROMPTS, seqs):
             assert seq.result(60).tokens == reference(prompt, 24)
@@ -90,7 +90,7 @@ def test_two_models_taking_turns_between_tokens_each_give_their_own_tokens(tmp_p
     with Runtime("cpu", memory, workers=workers, **POISONED) as rt:
         models = [lm.load(rt, f"m{i}", p, graphs="emulate", max_context=128, quantum_s=0.0)
                   for i, p in enumerate(paths)]
-        with rt.hold_device():
+        with rt.turn(models[0].name):
             seqs = [m.generate(m.encode(PROMPTS[i]), greedy(30)) for i, m in enumerate(models)]
         for i, seq in enumerate(seqs):
             assert seq.result(60).tokens == refs[i](PROMPTS[i], 30)
@@ -134,7 +134,7 @@ def test_sampled_tokens_are_seeded_per_request_whatever_the_batch(tmp_path):
     with Runtime("cpu", "64MiB") as rt:
         m = lm.load(rt, "llama", path, graphs="emulate", max_context=128)
         alone = m.generate(m.encode(PROMPTS[0]), params).result(60).tokens
-        with rt.hold_device():
+        with rt.turn(m.name):
             seqs = [m.generate(m.encode(p), SamplingParams(max_tokens=16, temperature=1.0, seed=i))
                     for i, p in enumerate(PROMPTS)]
             mine = m.generate(m.encode(PROMPTS[0]), params)
@@ -303,7 +303,7 @@ def test_a_compiled_step_is_traced_once_writes_nothing_and_gives_the_tokens_of_t
         assert m.generate(m.encode(PROMPTS[0]), greedy(16)).result(60).tokens == reference(PROMPTS[0], 16)
         rt.evict("m")  # cold: a pipelined load into a poisoned block, the stand-ins replayed
         assert m.generate(m.encode(PROMPTS[2]), greedy(16)).result(60).tokens == reference(PROMPTS[2], 16)
-        with rt.hold_device():  # one batch of three: a bucket of four rows
+        with rt.turn(m.name):  # one batch of three: a bucket of four rows
             seqs = [m.generate(m.encode(p), greedy(20)) for p in PROMPTS]
         for prompt, seq in zip(PROMPTS, seqs):
             assert seq.result(60).tokens == reference(prompt, 20)

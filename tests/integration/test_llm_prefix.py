@@ -75,7 +75,7 @@ def test_under_pressure_cached_pages_are_reclaimed_before_any_sequence_is_preemp
         _fill(m, reference)
         cached = m.engine.snapshot().cached_pages
         assert cached >= 20 and pool.free_pages == 60
-        with rt.hold_device():  # both start together
+        with rt.turn(m.name):  # both start together
             seqs = [m.generate(m.encode(t), greedy(80)) for t in TEXTS[3:5]]
         for seq, text in zip(seqs, TEXTS[3:5]):
             assert seq.result(60).tokens == reference(text, 80)
@@ -93,7 +93,7 @@ def test_rows_that_find_no_page_preempt_the_newest_which_recomputes_and_goes_on_
         pool = lm.arena_pool(rt, "kv", 40 * 4096, 4096)  # room for one of the two at full length
         m = lm.load(rt, "m", path, max_context=256, pages=pool)
         _fill(m, reference)
-        with rt.hold_device():
+        with rt.turn(m.name):
             seqs = [m.generate(m.encode(t), greedy(80)) for t in TEXTS[3:5]]
         for seq, text in zip(seqs, TEXTS[3:5]):
             assert seq.result(60).tokens == reference(text, 80)

@@ -58,7 +58,7 @@ def test_generation_in_a_worker_equals_transformers_alone_batched_cold_and_preem
         assert home != rt.snapshot().workers.workers[0].id  # not the first worker: inference goes there
         rt.evict("llama")  # the next one loads, pipelined, into a poisoned block, in the home
         lengths = (40, 8, 25)  # rows leave the batch at different steps
-        with rt.hold_device():  # queued together: one batch, rows joining one by one
+        with rt.turn(m.name):  # queued together: one batch, rows joining one by one
             seqs = [m.generate(m.encode(p), greedy(n)) for p, n in zip(PROMPTS, lengths)]
         while not all(s.done for s in seqs):
             assert torch.equal(rt.infer("other", x), want_other)  # takes the device between two steps
@@ -83,7 +83,7 @@ def test_a_killed_home_loses_nothing_the_rows_go_on_in_a_new_home(llama, referen
             time.sleep(0.002)
         [home] = homes(rt).values()
         pid = next(w.pid for w in rt.snapshot().workers.workers if w.id == home)
-        with rt.hold_device():
+        with rt.turn(m.name):
             os.kill(pid, signal.SIGKILL)
             again = m.generate(m.encode(PROMPTS[1]), greedy(16))
         assert again.result(60).tokens == reference(PROMPTS[1], 16)

@@ -160,12 +160,13 @@ def test_bad_input_never_hurts_the_server(http):
     assert ok.status_code == 200
 
 
-def _hold_device(server):
-    """Keep the runtime busy (a control call holds the device) so that requests queue."""
+def _hold_device(server, model: str = "mlp"):
+    """Keep the runtime busy (a turn of one of the server's models holds the device) so
+    that requests queue."""
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with server.service.runtime.hold_device():  # the test needs the device taken
+        with server.service.runtime.turn(model):  # the test needs the device taken
             held.set()
             release.wait(30)
 
@@ -401,7 +402,7 @@ def test_one_bad_request_does_not_fail_its_batch_mates():
                                "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]}])
     xs = [torch.full((1, 4), float(i)) for i in (1, 7, 2, 3)]  # the second one makes the model raise
     with running_server(cfg) as s, Client(s.url) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        release, t = _hold_device(s)
+        release, t = _hold_device(s, "picky")
         first = pool.submit(client.infer, "picky", {"x": xs[0]})
         time.sleep(0.3)
         rest = [pool.submit(client.infer, "picky", {"x": x}) for x in xs[1:]]

@@ -21,7 +21,7 @@ import time
 from timeshare.errors import ConfigError
 from timeshare.memory.ephemeral import LaneBound, job_lane_sizes
 from timeshare.protocol import CallTimings
-from timeshare.runtime.turns import Preemptible, Switch, Ticket, Turn
+from timeshare.runtime.turns import Grant, Preemptible, Switch, Ticket
 from timeshare.scheduler.core import Scheduler
 from timeshare.scheduler.lanes import LanesView
 from timeshare.scheduler.task import Finished, Kind, Preempt, Priority, Progress, State, Stopped, Task
@@ -97,7 +97,7 @@ class Dispatcher:
     def hold(self, model: str = "", kind: Kind = Kind.CONTROL, *, priority: Priority = Priority.LATENCY_CRITICAL,
                  unit_s: float = 0.0, deadline_s: float | None = None, arrived_at: float | None = None,
                  ephemeral: int = 0, ticket: Ticket | None = None, at_most: bool = False) -> _Hold:
-        """Hold the runtime for one call (a context manager); yields its :class:`Turn`.
+        """Hold the runtime for one call (a context manager); yields its :class:`Grant`.
         Re-entrant in a thread (a call inside a call). ``deadline_s`` (an SLO) counts
         from ``arrived_at`` (on this dispatcher's clock) when given, else from now.
         ``ephemeral``: with lanes, the bytes the call's lane must hold (all of them: it
@@ -107,13 +107,13 @@ class Dispatcher:
         could ever give it beside the persistent memory admitted (NOTE [Asks that shrink])."""
         return _Hold(self, model, kind, priority, unit_s, deadline_s, arrived_at, ephemeral, ticket, at_most)
 
-    def _enter(self, hold: _Hold) -> Turn:
+    def _enter(self, hold: _Hold) -> Grant:
         local = self._local
         depth = getattr(local, "depth", 0)
         if depth:
             local.depth = depth + 1
             hold.task = None
-            return Turn(nested=True)
+            return Grant(nested=True)
         lock = self._lock
         with lock:
             sched = self.scheduler
@@ -127,11 +127,11 @@ class Dispatcher:
                 if hold.kind is not Kind.CONTROL:
                     self._user = (hold.kind, hold.model)
                 local.depth = 1
-                return Turn(0.0, previous)
+                return Grant(0.0, previous)
             task = self._submit(hold, now)
             hold.task = task
             if task.state is State.RUNNING:  # started by its own arrival's step
-                turn = self._turn_of(task, self._previous.pop(task.id, None))
+                turn = self._grant_of(task, self._previous.pop(task.id, None))
                 waiter = None
             else:
                 waiter = self._wakers[task.id] = self._new_waiter()
@@ -185,26 +185,26 @@ class Dispatcher:
         self._step()
         return task
 
-    def _wait(self, task: Task, waiter: _Waiter, timeout: float) -> Turn:
+    def _wait(self, task: Task, waiter: _Waiter, timeout: float) -> Grant:
         """Sleep until the task runs; its turn, as the thread that started it made it
         (NOTE [Hand-offs]): the woken call takes no lock of the dispatcher's. A deadline
         only when the scheduler asks for a wake-up (a slice ends): whoever wakes at it
         runs the step."""
         while not waiter.lock.acquire(timeout=timeout):
             with self._lock:
-                if waiter.turn is None:
+                if waiter.grant is None:
                     self._step()
-                    if waiter.turn is not None and timeout == _SAFETY_S:
+                    if waiter.grant is not None and timeout == _SAFETY_S:
                         log.warning("task %d (%s) started only at its waiter's deadline: a lost wake-up",
                                     task.id, task.model)
-                if waiter.turn is not None:
-                    return waiter.turn
+                if waiter.grant is not None:
+                    return waiter.grant
                 timeout = self._timeout()
-        assert waiter.turn is not None, "a waiter was released without its turn"
-        return waiter.turn
+        assert waiter.grant is not None, "a waiter was released without its turn"
+        return waiter.grant
 
-    def _turn_of(self, task: Task, previous: tuple[Kind, str] | None) -> Turn:
-        return Turn(self.clock() - task.arrival, previous, lane=task.lane, lane_bytes=self._lane_size(task.lane),
+    def _grant_of(self, task: Task, previous: tuple[Kind, str] | None) -> Grant:
+        return Grant(self.clock() - task.arrival, previous, lane=task.lane, lane_bytes=self._lane_size(task.lane),
                     switch=self._switches.pop(task.id, None))
 
     # NOTE [Asks that shrink]
@@ -318,7 +318,7 @@ class Dispatcher:
                         self._user = (t.kind, t.model)
                     waiter = self._wakers.pop(t.id, None)
                     if waiter is not None:  # its turn, handed over with the wake-up
-                        waiter.turn = self._turn_of(t, previous)
+                        waiter.grant = self._grant_of(t, previous)
                         waiter.lock.release()
                     elif previous is not None:  # started by its own arrival: read back by the call
                         self._previous[t.id] = previous
@@ -328,7 +328,7 @@ class Dispatcher:
     # NOTE [Switch records]
     # A switch is recorded by the dispatcher, which decides every stop, and only it fills
     # the record in. A stop the scheduler decides for an inference makes the record at
-    # once, handed to the inference's turn (``Turn.switch``). A job stopped for anything
+    # once, handed to the inference's turn (``Grant.switch``). A job stopped for anything
     # else (a control call, a slice's end) and still stopping when an inference starts
     # makes the record then, for that inference. The job reports its stop and clean times
     # (``job_stopped``, from its worker's reply), the inference its start, load and total
@@ -554,17 +554,17 @@ class _Waiter:
     """A waiting thread's lock, taken at creation and released by the thread that starts
     its task, with the task's turn (None for a job's thread woken to look again)."""
 
-    __slots__ = ("lock", "turn")
+    __slots__ = ("lock", "grant")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.lock.acquire()
-        self.turn: Turn | None = None
+        self.grant: Grant | None = None
 
 
 class _Hold:
     """One call's hold on the runtime (``Dispatcher.hold``): a context manager that
-    yields the call's :class:`Turn`."""
+    yields the call's :class:`Grant`."""
 
     __slots__ = ("dispatcher", "model", "kind", "priority", "unit_s", "deadline_s", "arrived_at", "ephemeral", "ticket",
                  "at_most", "task")
@@ -577,7 +577,7 @@ class _Hold:
         self.ephemeral, self.ticket, self.at_most = ephemeral, ticket, at_most
         self.task: Task | None = None
 
-    def __enter__(self) -> Turn:
+    def __enter__(self) -> Grant:
         return self.dispatcher._enter(self)
 
     def __exit__(self, *exc) -> None:

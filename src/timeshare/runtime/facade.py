@@ -32,10 +32,10 @@ from timeshare.models.spec import Builder
 from timeshare.options import RuntimeOptions
 from timeshare.runtime import assembly, host_tier, observe, sharing
 from timeshare.runtime.calls import Call
-from timeshare.runtime.dispatch import Ticket, Turn
+from timeshare.runtime.dispatch import Grant, Ticket
 from timeshare.runtime.events import Listener, Outbox, RuntimeLock
 from timeshare.runtime.jobs import JobTable, training_spec
-from timeshare.runtime.lanes import lanes_call, turn_call, wait_idle
+from timeshare.runtime.lanes import lane_ask, lanes_call, turn_call, wait_idle
 from timeshare.runtime.registration import model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry
 from timeshare.runtime.table import ModelTable
@@ -259,22 +259,22 @@ class Runtime:
         ask, unmeasured, key = 0, False, None
         if lanes is not None:  # the shape's measured peak, or what is free: NOTE [Asks that shrink]
             key = shape_key(args, kwargs)
-            ask = self._table.lane_ask(m, key, self._dispatcher.free_lane_bytes)
+            ask = lane_ask(m, key, self._dispatcher.free_lane_bytes)
             unmeasured = key not in m.ephemeral
         with self._lock.records_after(), \
                 self._dispatcher.hold(name, Kind.INFERENCE, priority=m.priority, deadline_s=m.slo_s,
-                                      arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as turn, self._lock:
+                                      arrived_at=arrived_at, ephemeral=ask, at_most=unmeasured) as grant, self._lock:
             m = self._get(name)  # unregistered while this call waited
-            prev = turn.previous
+            prev = grant.previous
             switched = None if prev is None or prev == (Kind.INFERENCE, name) else prev[1]
             if lanes is None:
-                call = self._table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched,
+                call = self._table.call(m, args, kwargs, strategy, waited_s=grant.waited_s, switched_from=switched,
                                         step=step)
             else:
-                call = lanes_call(self._table, m, args, kwargs, strategy, turn, switched, self._lock, self._idle,
+                call = lanes_call(self._table, m, args, kwargs, strategy, grant, switched, self._lock, self._idle,
                                   self._dispatcher.lane_threads, key)
-            if turn.switch is not None:
-                self._dispatcher.served(turn.switch, call.record.timings)
+            if grant.switch is not None:
+                self._dispatcher.served(grant.switch, call.record.timings)
             return call
 
     @contextmanager
@@ -304,7 +304,7 @@ class Runtime:
                 yield ModelTurn(name, m.priority, self._dispatcher, partial(self._call_in_lane, name, held),
                                 held.lane_bytes, held.switch)
 
-    def _call_in_lane(self, name: str, held: Turn, args: tuple, kwargs: dict | None, *, step: Step | None) -> Call:
+    def _call_in_lane(self, name: str, held: Grant, args: tuple, kwargs: dict | None, *, step: Step | None) -> Call:
         """A call of a turn that holds a lane (NOTE [Turns in lanes])."""
         with self._lock:
             m = self._get(name)
@@ -432,13 +432,6 @@ class Runtime:
                 self.close()
         except Exception:  # interpreter shutdown: modules may be half torn down
             pass
-
-    @contextmanager
-    def hold_device(self) -> Iterator[None]:
-        """A test hook: take the device for the block, as a call does, so that every
-        other call, control request and training iteration waits until it ends."""
-        with self._scheduled():
-            yield
 
     # ------------------------------------------------------------------ what it shows
     def worker_pids(self) -> list[int]:

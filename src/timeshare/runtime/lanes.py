@@ -66,19 +66,27 @@ from contextlib import AbstractContextManager
 
 from timeshare.decode.step import Step
 from timeshare.errors import LaneExceededError, TimeshareError
-from timeshare.memory.ephemeral import LaneBound
+from timeshare.memory.ephemeral import LaneBound, lane_bytes
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import RuntimeLock
 from timeshare.runtime.residency import ModelEntry
 from timeshare.runtime.table import ModelTable
-from timeshare.runtime.turns import Turn
+from timeshare.runtime.turns import Grant
 from timeshare.tree import shape_key
 
 
-def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, turn: Turn,
+def lane_ask(m: ModelEntry, key: str, free: Callable[[], int]) -> int:
+    """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
+    measured peak with headroom, or until measured all the lane memory ``free()`` says
+    is free now (asked only then: it takes the dispatcher's lock)."""
+    peak = m.ephemeral.get(key)
+    return free() if peak is None else lane_bytes(peak)
+
+
+def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, grant: Grant,
                switched: str | None, lock: RuntimeLock, idle: threading.Condition, threads: int,
                key: str | None = None) -> Call:
-    """An inference given its lane (``turn``), with ``lock`` held: metered and bounded by
+    """An inference given its lane (``grant``), with ``lock`` held: metered and bounded by
     the lane; a resident model's forward runs without the lock. Waiters on ``idle`` hear
     when it ends. ``key``: the inputs' shape key, when the caller has it."""
     try:
@@ -87,16 +95,16 @@ def lanes_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, stra
         if known is None:
             # Its first call of this shape, under the lock, on the lane's cores but not
             # bounded: a first load also traces and profiles. The profile measures it.
-            first = LaneBound(m.name, turn.lane, None, threads)
-            call = table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=first)
+            first = LaneBound(m.name, grant.lane, None, threads)
+            call = table.call(m, args, kwargs, strategy, waited_s=grant.waited_s, switched_from=switched, lane=first)
             table.profile(m, args, kwargs)  # cached if the load profiled
             return call
         seen = confirmed.of(m)
         metered = seen.get(key, 0) < CONFIRMING_CALLS  # NOTE [Measured shapes run unmetered]
-        lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads, metered)
+        lane = LaneBound(m.name, grant.lane, grant.lane_bytes, threads, metered)
         try:
-            call = table.call(m, args, kwargs, strategy, waited_s=turn.waited_s, switched_from=switched, lane=lane,
-                              unlocked=None if turn.nested else unlocked(lock))
+            call = table.call(m, args, kwargs, strategy, waited_s=grant.waited_s, switched_from=switched, lane=lane,
+                              unlocked=None if grant.nested else unlocked(lock))
         except LaneExceededError:
             seen[key] = 0
             raise
@@ -136,13 +144,13 @@ class Confirmations:
 confirmed = Confirmations()
 
 
-def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, turn: Turn, lock: RuntimeLock,
+def turn_call(table: ModelTable, m: ModelEntry, args: tuple, kwargs: dict, grant: Grant, lock: RuntimeLock,
               idle: threading.Condition, threads: int, step: Step | None = None) -> Call:
     """A call inside a turn that holds a lane (a language model's step, NOTE [Turns in
     lanes]), with ``lock`` held: bounded by the turn's lane whatever its shape; a resident
     model's forward runs without the lock."""
     try:
-        lane = LaneBound(m.name, turn.lane, turn.lane_bytes, threads)
+        lane = LaneBound(m.name, grant.lane, grant.lane_bytes, threads)
         return table.call(m, args, kwargs, None, waited_s=0.0, switched_from=None, lane=lane,
                           unlocked=unlocked(lock), keep_peak=False, step=step)
     finally:

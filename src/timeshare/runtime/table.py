@@ -14,7 +14,7 @@ from timeshare.decode.step import Step
 from timeshare.errors import ConfigError, DuplicateModelError, MemoryBudgetError, ModelTooLargeError, UnknownModelError
 from timeshare.executor.interface import ModelPath, Packed, Ran
 from timeshare.memory import Arena, Block
-from timeshare.memory.ephemeral import LaneBound, lane_bytes
+from timeshare.memory.ephemeral import LaneBound
 from timeshare.runtime.calls import Call
 from timeshare.runtime.events import CallRecord, EvictionRecord, Outbox
 from timeshare.runtime.host_tier import HostTier, Stored
@@ -198,13 +198,6 @@ class ModelTable:
         block = self.regions.pop(owner, None)
         if block is not None:
             self.residency.free(block)
-
-    def lane_ask(self, m: ModelEntry, key: str, free: Callable[[], int]) -> int:
-        """The bytes a call of ``m`` on inputs of shape ``key`` asks its lane for: its
-        measured peak with headroom, or until measured all the lane memory ``free()``
-        says is free now (asked only then: it takes the dispatcher's lock)."""
-        peak = m.ephemeral.get(key)
-        return free() if peak is None else lane_bytes(peak)
 
     def run(self, m: ModelEntry, args: tuple, kwargs: dict, strategy: str | None, *,
             lane: LaneBound | None = None, unlocked: Unlocked | None = None, step: Step | None = None) -> Ran:

@@ -1,5 +1,5 @@
 """What a call or a training job holds and sees of the dispatcher (runs in the controller):
-``Turn``, what a call learns when it is given the device; ``Switch``, the record of a
+``Grant``, what a call learns when it is given the device; ``Switch``, the record of a
 switch from a training job to an inference; ``Ticket``, a waiting task as another
 thread sees it; ``Preemptible``, all the dispatcher may ask of a training job;
 ``ModelTurn``, a series of one model's calls in one turn (``Runtime.turn``)."""
@@ -68,9 +68,9 @@ class Switch:
 
 
 @dataclass(slots=True)
-class Turn:
-    """What a call learns when it is given the device: how long it waited, and which
-    task used the device before it (None: nothing since start; control calls such as
+class Grant:
+    """What a call learns as its turn (the device, given to its task) starts: how long it
+    waited, and which task used the device before it (None: nothing since start; control calls such as
     statistics do not count). A call on another model than ``previous`` is a switch."""
 
     waited_s: float = 0.0
