@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from timeshare.cli.bench.show import shower
 from timeshare.cli.options import json_option, plot_option
+from timeshare.cli.show import shower
 
 NAMES = ("cluster",)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.table import Table
 
 from timeshare.cli.options import json_option, plot_option
+from timeshare.cli.show import shower
 from timeshare.cli.sim import salus
 
 
@@ -87,11 +88,8 @@ def run(args, console, write_json) -> int:
                                          requests=args.requests, rate_per_s=args.rate, zipf_s=args.zipf,
                                          fit_models=args.fit, slo_factor=args.slo_factor, seed=args.seed,
                                          policy=args.policy, max_batch=args.max_batch)
-        _print_serving(console, result)
+        shower(console, _print_serving, experiments.plot_serving, args.plot)(result)
         write_json(args.json, result)
-        if args.plot:
-            experiments.plot_serving(result, args.plot)
-            console.print(f"wrote {args.plot}")
         return 0
     if args.sim == "cluster":
         return _sim_cluster(args, console, write_json)
@@ -119,7 +117,15 @@ def _sim_cluster(args, console, write_json) -> int:
                                     margins=margins, seed=args.seed)
     with console.status("simulating") as status:
         result = fleet.run(config, progress=status.update)
-    table = Table(title=f"sim cluster: {args.requests:,} requests, {args.models:,} models, {args.devices:,} devices")
+    shower(console, _print_cluster, fleet.plot, args.plot)(result)
+    write_json(args.json, result)
+    return 0
+
+
+def _print_cluster(console, result: dict) -> None:
+    cfg = result["config"]
+    table = Table(title=f"sim cluster: {cfg['requests']:,} requests, {cfg['models']:,} models, "
+                        f"{cfg['devices']:,} devices")
     for col in ("policy", "loads/request", "p50 ms", "p99 ms", "p99.9 ms", "utilisation", "sim s"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in result["rows"] + result["margin_sweep"]:
@@ -129,11 +135,6 @@ def _sim_cluster(args, console, write_json) -> int:
                       f"{r['wall_s']:.1f}")
     console.print(table)
     console.print(f"whole run {result['wall_s']:.1f} s")
-    write_json(args.json, result)
-    if args.plot:
-        fleet.plot(result, args.plot)
-        console.print(f"wrote {args.plot}")
-    return 0
 
 
 def _sim_run(args) -> dict:

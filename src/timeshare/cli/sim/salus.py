@@ -13,6 +13,7 @@ from typing import Any
 from rich.table import Table
 
 from timeshare.cli.options import plot_option
+from timeshare.cli.show import shower
 
 
 def add_parser(sim) -> None:
@@ -85,11 +86,8 @@ def run(args, console, write_json) -> int:
     with console.status(f"simulating {len(seeds)} traces x {len(table1.SALUS_POLICIES)} policies"):
         result = table1.salus(pool=pool, jobs=args.jobs, seeds=args.seeds, seed=args.seed, devices=devices,
                               arrivals=arrivals, fair_quantum_s=args.fair_slice)
-    _print_salus(console, result)
+    shower(console, _print_salus, table1.plot_salus, args.plot)(result)
     write_json(args.json, result)
-    if args.plot:
-        table1.plot_salus(result, args.plot)
-        console.print(f"wrote {args.plot}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""What a benchmark shows of its result: its table, and its plot where asked. Part of the
-CLI layer.
+"""What a benchmark or a simulation shows of its result: its table, and its plot where
+asked. Part of the CLI layer.
 """
 
 from __future__ import annotations
