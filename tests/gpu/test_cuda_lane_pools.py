@@ -93,4 +93,4 @@ def test_a_confirmed_shape_runs_unmetered_and_a_call_beyond_its_lane_fails_alone
             rt.infer("g", torch.full((8, 64), 256.0))  # same shape, 256 MiB: far beyond the pool's allowance
         assert info.value.task == "g" and info.value.asked > info.value.lane_bytes
         assert bool(rt.infer("g", small)[1])  # the model goes on, metered again: the shape confirms anew
-        assert rt.diagnostics()["lanes"]["lanes"] == []
+        assert rt.diagnostics().lanes.lanes == []

@@ -65,13 +65,13 @@ def test_a_model_laid_out_elsewhere_runs_eagerly_then_captures_again(tmp_path, w
                            workers=workers) as rt:
         m = lm.load(rt, "llama", path, max_context=128)
         assert m.generate(m.encode(PROMPTS[0]), greedy).result(120).tokens == want(PROMPTS[0], 16)
-        at = rt.diagnostics()["models"]["llama"]["offset"]
+        at = rt.diagnostics().models["llama"].offset
         rt.evict("llama")
         rt.register("other", "tests.models:wide_relu", None, (x,))
         rt.infer("other", x)
         before = m.engine.snapshot()
         assert m.generate(m.encode(PROMPTS[2]), greedy).result(120).tokens == want(PROMPTS[2], 16)
-        assert rt.diagnostics()["models"]["llama"]["offset"] not in (at, None)
+        assert rt.diagnostics().models["llama"].offset not in (at, None)
         after = m.engine.snapshot()
         assert after.graph_invalidations == before.graph_invalidations + 1
         assert after.eager_steps > before.eager_steps and after.graph_captures > before.graph_captures

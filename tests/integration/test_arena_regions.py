@@ -11,6 +11,7 @@ from torch import nn
 import timeshare
 from timeshare.errors import ConfigError, MemoryBudgetError, ModelTooLargeError
 from timeshare.runtime.events import EvictionRecord
+from timeshare.runtime.observe import RegionView
 
 LINEAR = 256 * 256 * 4 + 256 * 4  # nn.Linear(256, 256) in fp32 (each tensor 512-byte aligned)
 
@@ -58,8 +59,8 @@ def held_apart(device: str) -> None:
         assert evicted == ["m0"] and set(rt.resident()) == {"m1", "m2"}
         snap = rt.snapshot()
         assert snap.reserved == {"pages": LINEAR} and snap.used_bytes == used
-        placed = rt.diagnostics()["regions"]["pages"]
-        assert placed["offset"] == held.offset
+        placed = rt.diagnostics().regions["pages"]
+        assert placed.offset == held.offset
         # Models come and go around it (each eviction poisoned); it keeps its bytes and place.
         pattern = torch.arange(region.numel(), dtype=torch.int64).remainder(251).to(torch.uint8).to(region.device)
         assert region.device.type == device
@@ -68,7 +69,7 @@ def held_apart(device: str) -> None:
             for name in ("m0", "m1", "m2"):
                 assert torch.equal(rt.infer(name, x), want[name])
         assert len(rt.resident()) == 2 and torch.equal(region, pattern)
-        assert rt.diagnostics()["regions"]["pages"] == placed
+        assert rt.diagnostics().regions["pages"] == placed
         # Given back, its room serves the models again.
         rt.unreserve("pages")
         assert rt.snapshot().reserved == {}
@@ -102,4 +103,4 @@ def refused(device: str) -> None:
             rt.reserve("pages", 1024)
         assert rt.snapshot().reserved == {"pages": 1024}  # what it takes: whole 512-byte units
         # At the arena's top end, free here: away from the offsets models come back to.
-        assert rt.diagnostics()["regions"]["pages"] == {"offset": 2 * LINEAR - 1024, "nbytes": 1024}
+        assert rt.diagnostics().regions["pages"] == RegionView(2 * LINEAR - 1024, 1024)

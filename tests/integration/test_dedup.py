@@ -55,7 +55,7 @@ def test_variants_share_their_base_and_a_switch_copies_only_what_differs():
         shared = rt.snapshot().shared
         assert shared.sets == 1 and shared.shared_bytes >= BASE_BYTES
         assert shared.own_bytes + shared.shared_bytes < shared.logical_bytes / 2
-        own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
+        own = {n: m.nbytes for n, m in rt.diagnostics().models.items()}
         assert all(n < BASE_BYTES / 2 for n in own.values())
 
         first = loads_of(rt, "v0")  # copies the set too
@@ -70,17 +70,17 @@ def test_variants_share_their_base_and_a_switch_copies_only_what_differs():
                 # second load of a model is pipelined, the first copies it whole).
                 assert call.record.moved_bytes <= own[f"v{v}"], (rep, v, call.record.moved_bytes)
                 assert torch.equal(rt.infer(f"v{v}", IDS), want(v))  # resident
-        assert rt.diagnostics()["shared"]["resident_shared_bytes"] == shared.shared_bytes
+        assert rt.diagnostics().shared.resident_shared_bytes == shared.shared_bytes
 
 
 def test_a_resident_model_whose_tensors_become_shared_is_laid_out_again_and_stays_exact():
     with Runtime("cpu", "64MiB", dedup=True, poison_evicted=True) as rt:
         register(rt, 0)
         assert torch.equal(rt.infer("v0", IDS), want(0))
-        before = rt.diagnostics()["models"]["v0"]["nbytes"]
+        before = rt.diagnostics().models["v0"].nbytes
         register(rt, 1)  # v0's base moves into a shared set: v0 leaves the arena first
         assert rt.resident() == []
-        assert rt.diagnostics()["models"]["v0"]["nbytes"] < before / 2
+        assert rt.diagnostics().models["v0"].nbytes < before / 2
         for v in (0, 1, 0):
             assert torch.equal(rt.infer(f"v{v}", IDS), want(v))
 
@@ -124,12 +124,12 @@ def test_a_spare_set_is_freed_when_room_is_needed_and_copied_again_later():
         register(rt, 0)
         register(rt, 1)
         rt.register("other", big, example_inputs=(IDS,))
-        own_v0 = rt.diagnostics()["models"]["v0"]["nbytes"]
+        own_v0 = rt.diagnostics().models["v0"].nbytes
         assert torch.equal(rt.infer("v0", IDS), want(0))
         with torch.no_grad():
             assert torch.equal(rt.infer("other", IDS), big()(IDS))  # evicts v0, then frees its set
-        sets = rt.diagnostics()["shared"]["sets"]
-        assert len(sets) == 1 and all(s["offset"] is None and not s["loaded"] for s in sets.values())
+        sets = rt.diagnostics().shared_sets
+        assert len(sets) == 1 and all(s.offset is None and not s.loaded for s in sets.values())
         call = loads_of(rt, "v1")
         assert torch.equal(call.output, want(1))
         assert call.record.moved_bytes > own_v0  # the set came back with it
@@ -152,7 +152,7 @@ def test_a_load_copies_the_whole_set_also_what_its_model_does_not_use():
                 assert torch.equal(rt.infer("v2", IDS), want2)
                 rt.evict("v2")
                 rt.infer("other", IDS)  # evicts the set: poisoned
-                assert rt.diagnostics()["shared"]["sets"]["shared-1"]["offset"] is None
+                assert rt.diagnostics().shared_sets["shared-1"].offset is None
             assert torch.equal(rt.infer("v2", IDS), want2)
         assert torch.equal(rt.infer("v0", IDS), want(0))
 
@@ -211,8 +211,8 @@ def test_a_failed_load_leaves_no_set_behind(monkeypatch):
         with pytest.raises(PipelineError, match="link down"):
             rt.infer("v0", IDS)
         assert rt.stats()["used_bytes"] == 0
-        sets = rt.diagnostics()["shared"]["sets"]
-        assert len(sets) == 1 and all(s["offset"] is None for s in sets.values())
+        sets = rt.diagnostics().shared_sets
+        assert len(sets) == 1 and all(s.offset is None for s in sets.values())
         monkeypatch.setattr(copy_mod.CpuLoad, "copy_group", original)
         assert torch.equal(rt.infer("v1", IDS), want(1))
         assert torch.equal(rt.infer("v0", IDS), want(0))
@@ -259,7 +259,7 @@ def test_with_workers_variants_share_their_base_and_answer_exactly():
             register(rt, v)
         shared = rt.snapshot().shared
         assert shared.sets == 1
-        own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
+        own = {n: m.nbytes for n, m in rt.diagnostics().models.items()}
         assert torch.equal(rt.infer("v0", IDS), want(0))
         for v in (1, 2, 0, 1):
             rt.evict(f"v{(v - 1) % 3}")
@@ -326,7 +326,7 @@ def test_under_a_host_budget_a_load_read_from_disk_copies_the_set_it_misses_besi
             rt.evict("v0", host=True)
             with torch.no_grad():
                 assert torch.equal(rt.infer("other", IDS), other()(IDS))
-            assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
+            assert all(s.offset is None for s in rt.diagnostics().shared_sets.values())
             before = rt.snapshot().host_tier.streamed_fills
             assert torch.equal(rt.infer("v0", IDS), want(0))
             assert rt.snapshot().host_tier.streamed_fills == before + 1
@@ -339,7 +339,7 @@ def test_under_a_host_budget_a_dropped_store_is_read_back_to_be_matched():
                  poison_evicted=True) as rt:
         register(rt, 0)
         rt.register("other", other, example_inputs=(IDS,))
-        assert rt.diagnostics()["host_tier"]["stores"]["v0"]["filled"] is False  # dropped for "other"
+        assert rt.diagnostics().host_stores["v0"].filled is False  # dropped for "other"
         register(rt, 1)
         assert rt.snapshot().shared.sets == 1
         with torch.no_grad():

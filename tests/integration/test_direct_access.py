@@ -71,8 +71,8 @@ def test_the_host_tier_keeps_the_store_a_resident_model_computes_from(tmp_path, 
         assert in_process_worker(rt).reads_host("e")
         for i in (0, 1, 0, 1):  # LRU would drop the embedding net's copy first: it is kept
             assert torch.equal(rt.infer(f"n{i}", X), reference(i))
-        tier = rt.diagnostics()["host_tier"]
-        assert tier["stores"]["e"]["filled"] and tier["drops"] >= 1
+        diag = rt.diagnostics()
+        assert diag.host_stores["e"].filled and diag.host_tier is not None and diag.host_tier.drops >= 1
         assert torch.equal(rt.infer("e", IDS), want())
 
 
@@ -144,7 +144,7 @@ def test_a_shared_embedding_is_read_from_its_sets_host_store_and_its_set_still_a
             rt.evict("e0")
             with torch.no_grad():
                 assert torch.equal(rt.infer("other", IDS), other()(IDS))
-            assert all(s["offset"] is None for s in rt.diagnostics()["shared"]["sets"].values())
+            assert all(s.offset is None for s in rt.diagnostics().shared_sets.values())
             assert torch.equal(rt.infer("e0", IDS), variant(0))
             if not workers:
                 worker = in_process_worker(rt)

@@ -16,6 +16,7 @@ from timeshare.errors import ConfigError, MemoryBudgetError, WeightsError
 from timeshare.executor.testing import in_process_worker
 from timeshare.models.weights import save_weights
 from timeshare.runtime.facade import Runtime
+from timeshare.runtime.host_tier import StoreView
 
 X = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
 NBYTES = sum(t.numel() * t.element_size() for t in TierNet().state_dict().values())
@@ -34,8 +35,8 @@ def reference(seed: int, x: torch.Tensor = X, dtype: torch.dtype | None = None) 
         return net(x)
 
 
-def stores(rt: Runtime) -> dict[str, dict]:
-    return rt.diagnostics()["host_tier"]["stores"]
+def stores(rt: Runtime) -> dict[str, StoreView]:
+    return rt.diagnostics().host_stores
 
 
 def test_a_file_registration_reads_only_the_header_until_a_load_needs_the_weights(tmp_path):
@@ -43,16 +44,16 @@ def test_a_file_registration_reads_only_the_header_until_a_load_needs_the_weight
     with Runtime("cpu", "4MiB", host_memory=4 * NBYTES) as rt:
         rt.register("a", "tests.models:tier_net", path, (X,))
         s = stores(rt)["a"]
-        assert not s["filled"] and s["backing"] == str(path)
-        assert s["resident_bytes"] < s["nbytes"] // 4  # the tracing pass read zero pages only
+        assert not s.filled and s.backing == str(path)
+        assert s.resident_bytes < s.nbytes // 4  # the tracing pass read zero pages only
         assert rt.snapshot().host_tier.bytes_read == 0
         assert torch.equal(rt.infer("a", X), reference(1))
         s = stores(rt)["a"]
-        assert s["filled"] and s["resident_bytes"] >= s["nbytes"] * 0.9
+        assert s.filled and s.resident_bytes >= s.nbytes * 0.9
         assert rt.snapshot().host_tier.bytes_read >= NBYTES * 0.95  # the buffer lives in memory
         assert rt.evict("a", host=True)  # out of device and host memory, on request
         s = stores(rt)["a"]
-        assert not s["filled"] and s["resident_bytes"] == 0
+        assert not s.filled and s.resident_bytes == 0
         assert torch.equal(rt.infer("a", X), reference(1))
 
 
@@ -71,11 +72,11 @@ def test_models_beyond_the_host_budget_are_served_exactly_and_their_pages_given_
             i = rng.choices(range(n), weights=zipf)[0]
             assert torch.equal(rt.infer(f"m{i}", X), reference(i)), f"m{i}"
             view = stores(rt)
-            held = [s["resident_bytes"] for s in view.values()]
-            assert sum(s["nbytes"] for s in view.values() if s["filled"]) <= budget
+            held = [s.resident_bytes for s in view.values()]
+            assert sum(s.nbytes for s in view.values() if s.filled) <= budget
             for s in view.values():
-                if not s["filled"]:
-                    assert s["resident_bytes"] <= 64 << 10, s  # dropped: the pages went back
+                if not s.filled:
+                    assert s.resident_bytes <= 64 << 10, s  # dropped: the pages went back
             assert sum(held) <= budget + n * (64 << 10)
         tier = rt.snapshot().host_tier
         assert tier.drops > 0 and tier.fills > n // 2 and rt.stats()["evictions"] > 0
@@ -91,7 +92,7 @@ def test_a_weights_file_damaged_after_registration_fails_its_model_alone(tmp_pat
         rt.register("b", "tests.models:tier_net", b, (X,))
         assert torch.equal(rt.infer("a", X), reference(1))
         assert torch.equal(rt.infer("b", X), reference(2))  # a leaves host and device memory
-        assert not stores(rt)["a"]["filled"]
+        assert not stores(rt)["a"].filled
         if damage == "truncated":
             os.truncate(a, os.path.getsize(a) - 100)
         elif damage == "rewritten":
@@ -101,7 +102,7 @@ def test_a_weights_file_damaged_after_registration_fails_its_model_alone(tmp_pat
         words = {"truncated": "changed size", "rewritten": "modified", "removed": "disappeared"}[damage]
         with pytest.raises(WeightsError, match=words):
             rt.infer("a", X)
-        assert words in stores(rt)["a"]["error"] and not stores(rt)["a"]["filled"]
+        assert words in stores(rt)["a"].error and not stores(rt)["a"].filled
         assert torch.equal(rt.infer("b", X), reference(2))  # nothing else is lost
         rt.unregister("a")
         save_weights(seeded_tier_net(1), a)
@@ -131,7 +132,7 @@ def test_spill_files_go_with_their_models_and_the_default_folder_with_the_runtim
     with Runtime("cpu", "4MiB", host_memory=int(1.5 * NBYTES)) as rt:
         for i in range(2):
             rt.register(f"m{i}", "tests.models:tier_net", seeded_tier_net(i).state_dict(), (X,))
-        folder = Path(stores(rt)["m0"]["backing"]).parent
+        folder = Path(stores(rt)["m0"].backing).parent
         assert folder.exists()
     assert not folder.exists()
 
@@ -214,7 +215,7 @@ def test_a_worker_killed_during_a_load_from_disk_fails_that_call_alone():
             rt.evict("slow", host=True)  # its bytes only in the spill file now
             _, result = _kill_during(rt, lambda: rt.infer("slow", x, delay_s=0.01), 0.05)
             assert isinstance(result.get("error"), WorkerCrashedError), result
-            assert not stores(rt)["slow"]["filled"]  # what the dead worker read is not trusted
+            assert not stores(rt)["slow"].filled  # what the dead worker read is not trusted
             assert torch.equal(rt.infer("slow", x, delay_s=0.0), want)  # read again, by a standby
         assert rt.snapshot().host_tier.streamed_fills >= 2
 
@@ -244,7 +245,7 @@ def test_a_failed_first_load_keeps_the_store_its_owner_laid_out(tmp_path):
         assert torch.equal(rt.infer("a", X), reference(1))
         assert in_process_worker(rt).models["a"].store is store
         rt.evict("a", host=True)
-        assert stores(rt)["a"]["resident_bytes"] == 0  # the tier's store is the one the worker reads
+        assert stores(rt)["a"].resident_bytes == 0  # the tier's store is the one the worker reads
         assert torch.equal(rt.infer("a", X), reference(1))
 
 
@@ -257,9 +258,9 @@ def test_models_leaving_host_memory_are_not_kept_at_others_expense(tmp_path):
             rt.register(f"m{i}", "tests.models:tier_net", write(tmp_path, i), (X,))
         for i in range(2):
             assert torch.equal(rt.infer(f"m{i}", X), reference(i))
-        assert stores(rt)["m1"]["filled"] and not stores(rt)["m0"]["filled"]
+        assert stores(rt)["m1"].filled and not stores(rt)["m0"].filled
         rt.unregister("m0")
-        assert stores(rt)["m1"]["filled"] and rt.snapshot().host_tier.demotions == 0
+        assert stores(rt)["m1"].filled and rt.snapshot().host_tier.demotions == 0
         assert torch.equal(rt.infer("m1", X), reference(1))
 
 

@@ -115,9 +115,9 @@ def test_a_measured_shape_asks_for_its_peak_without_reading_what_is_free():
     # until its shape's peak is measured; the runtime measures it at the first call.
     with Runtime("cpu", "16MiB", scheduling="pack", lane_memory="4MiB") as rt:
         rt.register("w", Witness, example_inputs=(X,))
-        assert rt.diagnostics()["models"]["w"]["ephemeral_bytes"] == {}  # not measured before its first call
+        assert rt.diagnostics().models["w"].ephemeral_bytes == {}  # not measured before its first call
         rt.infer("w", X)
-        [(key, peak)] = rt.diagnostics()["models"]["w"]["ephemeral_bytes"].items()
+        [(key, peak)] = rt.diagnostics().models["w"].ephemeral_bytes.items()
     reads = []
 
     def free() -> int:

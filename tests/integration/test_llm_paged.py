@@ -112,13 +112,13 @@ def test_a_model_laid_out_elsewhere_never_replays_a_stale_capture(tmp_path):
     with Runtime("cpu", "8MiB", poison_evicted=True, direct_host_access=False) as rt:
         m = lm.load(rt, "llama", path, graphs="emulate", max_context=128)
         assert m.generate(m.encode(PROMPTS[0]), greedy(12)).result(60).tokens == reference(PROMPTS[0], 12)
-        at = rt.diagnostics()["models"]["llama"]["offset"]
+        at = rt.diagnostics().models["llama"].offset
         rt.evict("llama")
         rt.register("other", lambda: other, other.state_dict(), (x,))
         rt.infer("other", x)  # in the block the language model left
         before = m.engine.snapshot()
         assert m.generate(m.encode(PROMPTS[2]), greedy(12)).result(60).tokens == reference(PROMPTS[2], 12)
-        assert rt.diagnostics()["models"]["llama"]["offset"] not in (at, None)
+        assert rt.diagnostics().models["llama"].offset not in (at, None)
         after = m.engine.snapshot()
         assert after.graph_invalidations == before.graph_invalidations + 1
         assert after.eager_steps > before.eager_steps
@@ -160,8 +160,9 @@ def test_a_models_own_pool_is_a_region_of_the_arena_given_back_when_it_closes(tm
         m = lm.load(rt, "llama", path, max_context=128, graphs="emulate")
         assert rt.snapshot().reserved == {"kv-pages:llama": pool}
         diag = rt.diagnostics()
-        at = diag["regions"]["kv-pages:llama"]["offset"]
-        arena = map_shared_memory(diag["arena"]["name"], diag["arena"]["capacity_bytes"])
+        at = diag.regions["kv-pages:llama"].offset
+        assert diag.arena.name is not None
+        arena = map_shared_memory(diag.arena.name, diag.arena.capacity_bytes)
         pages = arena[at + lm.pool_need(path, None, 8, 128)[0]:at + pool]  # the scratch page aside
         assert not pages.any()  # no sequence yet: untouched
         assert m.generate(m.encode(PROMPTS[0]), greedy(12)).result(60).tokens == reference(PROMPTS[0], 12)

@@ -133,7 +133,7 @@ def test_a_stuck_copy_quarantines_its_block_until_done(monkeypatch):
         gate.set()
         monkeypatch.undo()
         deadline = time.monotonic() + 10
-        while rt.diagnostics()["quarantined"] and time.monotonic() < deadline:
+        while rt.diagnostics().quarantined and time.monotonic() < deadline:
             time.sleep(0.01)
         assert same(rt.infer("m", x), ready) and nan_free(ready)
         rt.evict("m")
@@ -167,7 +167,7 @@ def test_a_failure_while_profiling_lets_the_next_load_start_over(monkeypatch):
 def test_close_after_a_failed_load_leaves_nothing_behind(monkeypatch):
     x = torch.randn(2, 8)
     rt = timeshare.Runtime(device="cpu", memory="16MiB", profile_repeats=1)
-    name = rt.diagnostics()["arena"]["name"]
+    name = rt.diagnostics().arena.name
     copy_threads = [t for t in threading.enumerate() if t.name == "timeshare-copy"]
     assert copy_threads
     rt.register("m", models.optional_head, None, (x,))

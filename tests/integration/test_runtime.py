@@ -101,7 +101,7 @@ def test_lru_eviction_pinning_and_memory_given_back():
         for name in "abc":
             rt.register(name, lambda: torch.nn.Sequential(torch.nn.Linear(32, 2048), torch.nn.Linear(2048, 10)),
                         None, x)
-            sizes[name] = rt.diagnostics()["models"][name]["nbytes"]
+            sizes[name] = rt.diagnostics().models[name].nbytes
         assert 2 * sizes["a"] < rt.stats()["capacity_bytes"] < 3 * sizes["a"]  # room for two
         rt.infer("a", *x)
         rt.infer("b", *x)
@@ -122,8 +122,8 @@ def test_lru_eviction_pinning_and_memory_given_back():
         for name in "abc":
             rt.evict(name)
         assert rt.stats()["used_bytes"] == 0
-        arena = rt.diagnostics()["arena"]
-        assert arena["free_ranges"] == [(0, arena["capacity_bytes"])]
+        arena = rt.diagnostics().arena
+        assert arena.free_ranges == [(0, arena.capacity_bytes)]
 
 
 def test_models_return_to_their_offset_or_are_rebound_elsewhere():
@@ -139,13 +139,13 @@ def test_models_return_to_their_offset_or_are_rebound_elsewhere():
         for name, width in (("a", 2048), ("b", 2048), ("c", 3000)):
             rt.register(name, build(width), None, (x,))
         ref = {n: rt.infer(n, x) for n in "abc"}  # a, b fit; c evicts both (it needs more than one slot)
-        offsets = {n: rt.diagnostics()["models"][n]["last_offset"] for n in "abc"}
+        offsets = {n: rt.diagnostics().models[n].last_offset for n in "abc"}
         rt.evict("c")
         rt.infer("a", x)
-        assert rt.diagnostics()["models"]["a"]["offset"] == offsets["a"]  # back where it was: no rebinding
+        assert rt.diagnostics().models["a"].offset == offsets["a"]  # back where it was: no rebinding
         rt.infer("c", x)  # c's old range overlaps a, so a is evicted again
         rt.infer("b", x)  # b's old range is taken by c: b is placed and bound elsewhere
-        assert rt.diagnostics()["models"]["b"]["offset"] != offsets["b"]
+        assert rt.diagnostics().models["b"].offset != offsets["b"]
         for n in "abc":
             assert torch.equal(rt.infer(n, x), ref[n]), n
             rt.evict(n)
@@ -157,14 +157,14 @@ def test_a_model_larger_than_the_budget_is_refused_with_both_sizes():
         rt.register("big", lambda: torch.nn.Linear(256, 256), None, (torch.randn(1, 256),))
         with pytest.raises(ModelTooLargeError) as err:
             rt.infer("big", torch.randn(1, 256))
-        need = rt.diagnostics()["models"]["big"]["nbytes"]
+        need = rt.diagnostics().models["big"].nbytes
         assert f"{need:,} bytes" in str(err.value) and f"{64 * 1024:,} bytes" in str(err.value)
         assert rt.resident() == [] and rt.stats()["used_bytes"] == 0
 
 
 def test_close_unlinks_the_arena_and_refuses_further_use():
     rt = timeshare.Runtime(device="cpu", memory="1MiB")
-    name = rt.diagnostics()["arena"]["name"]
+    name = rt.diagnostics().arena.name
     assert os.path.exists(f"/dev/shm/{name}")
     rt.register("m", models.out_of_order, None, (torch.randn(2, 8),))
     rt.infer("m", torch.randn(2, 8))
@@ -263,7 +263,7 @@ def test_listeners_see_every_call_and_eviction(rt):
     evictions = [r.model for r in seen if isinstance(r, EvictionRecord)]
     assert evictions == ["b", "b"]  # by request, then the failed load's block
     snap = rt.snapshot()
-    a_bytes = rt.diagnostics()["models"]["a"]["nbytes"]
+    a_bytes = rt.diagnostics().models["a"].nbytes
     assert snap.failures == 1 and snap.evictions == 2 and snap.resident == {"a": a_bytes}
     assert snap.loads == {"a": 1, "b": 1} and snap.host_pinned_bytes == 0
 

@@ -91,8 +91,8 @@ def test_models_of_different_lanes_run_at_the_same_time(packed):
     assert not errors, errors  # a broken barrier: the forwards did not overlap
     for i, n in enumerate(names):
         assert torch.equal(outs[n], _reference(i, X))
-    lanes = packed.diagnostics()["lanes"]
-    assert lanes["capacity"] == 4 << 20 and lanes["lanes"] == []  # all given back
+    lanes = packed.diagnostics().lanes
+    assert lanes is not None and lanes.capacity == 4 << 20 and lanes.lanes == []  # all given back
 
 
 def test_time_slicing_runs_them_one_at_a_time():
@@ -149,7 +149,7 @@ def test_a_task_that_outgrows_its_lane_fails_alone(packed):
         assert torch.equal(results[f"m{i}"], _reference(i, X))
     # The failed task left its model usable and nothing held.
     assert torch.equal(packed.infer("greedy", small), _ref_greedy(packed, small))
-    assert packed.diagnostics()["lanes"]["lanes"] == []
+    assert packed.diagnostics().lanes.lanes == []
 
 
 def _ref_greedy(rt: Runtime, x: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ def test_concurrent_calls_all_answered_exactly_next_to_training():
         job.cancel()
         assert job.wait(30) and job.status == "cancelled"
         assert not errors and len(outs) == 20 and all(torch.equal(o, ref) for o in outs)
-        assert rt.diagnostics()["scheduler_tasks"] == 0  # nothing left queued
+        assert rt.diagnostics().scheduler_tasks == 0  # nothing left queued
 
 
 def test_sim_salus_and_serving_write_json(tmp_path, capsys):

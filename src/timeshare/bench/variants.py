@@ -137,7 +137,7 @@ def _with_dedup(config: VariantsBenchConfig, builders: list, names: list[str], i
             rt.profile(name, *inputs)
         device_all = rt.stats()["used_bytes"]
         link_Bps = rt.profile(names[0], *inputs).link.bandwidth_Bps
-        own = {n: m["nbytes"] for n, m in rt.diagnostics()["models"].items()}
+        own = {n: m.nbytes for n, m in rt.diagnostics().models.items()}
         switches = []
         for k in range(config.repeats):
             a, b = names[k % len(names)], names[(k + 1) % len(names)]
@@ -191,7 +191,7 @@ def _without_dedup(config: VariantsBenchConfig, builders: list, names: list[str]
         rt.register(names[1], builders[1], example_inputs=inputs)
         rt.infer(names[1], *inputs)
         rt.profile(names[1], *inputs)
-        full_bytes = rt.diagnostics()["models"][names[1]]["nbytes"]
+        full_bytes = rt.diagnostics().models[names[1]].nbytes
         for _ in range(config.repeats):
             rt.evict(names[1])
             call = rt.call(names[1], inputs)

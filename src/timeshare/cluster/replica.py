@@ -130,7 +130,7 @@ class Replica:
         owns (its arena), so that whoever sees it die on the same host can unlink them."""
         return {"replica": self.name, "pid": os.getpid(), "host": socket.gethostname(),
                 "llm_failures": dict(self.llm_failures),
-                "segments": [rt.diagnostics()["arena"]["name"] for rt in (self.rt, self.cpu) if rt is not None]}
+                "segments": [rt.diagnostics().arena.name for rt in (self.rt, self.cpu) if rt is not None]}
 
     def echo(self, args: tuple) -> tuple:
         """The arguments back: a round trip of tensors through the cluster's transport."""

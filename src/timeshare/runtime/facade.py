@@ -36,6 +36,7 @@ from timeshare.runtime.dispatch import Grant, Ticket
 from timeshare.runtime.events import Listener, Outbox, RuntimeLock
 from timeshare.runtime.jobs import JobTable, training_spec
 from timeshare.runtime.lanes import lane_ask, lanes_call, turn_call, wait_idle
+from timeshare.runtime.observe import Diagnostics
 from timeshare.runtime.registration import model_spec, parse_dtype
 from timeshare.runtime.residency import ModelEntry
 from timeshare.runtime.table import ModelTable
@@ -452,11 +453,9 @@ class Runtime:
                                 self._jobs.all().values(), self._exec, self._dispatcher, table.failures, table.host,
                                 table.sharing, table.regions)
 
-    def diagnostics(self) -> dict:
-        """For operators and white-box tests, without waiting for the device: the arena
-        (its shared-memory segment's name on the CPU, its free ranges), each model's size
-        and placement, the blocks quarantined because a copy may still write them, the
-        tasks the scheduler knows, and with workers the pool's view (as in ``snapshot``)."""
+    def diagnostics(self) -> Diagnostics:
+        """For operators and white-box tests, without waiting for the device: where
+        everything is (``observe.Diagnostics``)."""
         with self._lock:
             return observe.diagnostics(self._arena, self._residency, self._table.entries, self._exec, self._dispatcher,
                                        self._table.host, self._table.sharing, self._table.regions)

@@ -45,6 +45,18 @@ class Stored:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreView:
+    """One model's host store: its size, whether it is in memory, the memory its pages
+    hold now (measured), its backing file, and the latest fill's error."""
+
+    nbytes: int
+    filled: bool
+    resident_bytes: int
+    backing: str
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class HostTierSnapshot:
     """The host tier's counters and levels (NOTE [Host tier]): its budget, the bytes of
     stores in memory and of shared sets outside them, how many stores there are and how
@@ -223,11 +235,10 @@ class HostTier:
             spilled_bytes=self.spill_bytes,
         )
 
-    def models_view(self) -> dict[str, dict]:
-        """Each store: its size, whether it is in memory, the memory its pages hold now
-        (measured), its backing file, and the latest fill's error."""
-        return {n: {"nbytes": s.store.nbytes, "filled": s.filled, "resident_bytes": s.pages.resident_bytes(),
-                    "backing": str(s.backing.path), "error": None if s.failed is None else str(s.failed)}
+    def models_view(self) -> dict[str, StoreView]:
+        """Each model's store as the diagnostics show it."""
+        return {n: StoreView(s.store.nbytes, s.filled, s.pages.resident_bytes(), str(s.backing.path),
+                             None if s.failed is None else str(s.failed))
                 for n, s in self.models.items()}
 
     def demote(self, name: str, source: torch.Tensor, cheap: Iterable[str] = (),

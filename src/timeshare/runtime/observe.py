@@ -1,6 +1,6 @@
-"""What operators and tests read of a runtime: statistics and the diagnostics view as
-plain dictionaries, and the metrics snapshot as a typed record (:class:`RuntimeSnapshot`),
-each made from the runtime's parts (``Runtime``'s methods that show them call these).
+"""What operators and tests read of a runtime: statistics as a plain dictionary, the
+metrics snapshot (:class:`RuntimeSnapshot`) and the diagnostics view (:class:`Diagnostics`)
+as typed records, each made from the runtime's parts (``Runtime``'s methods that show them call these).
 Nothing here changes the parts (but reclaiming finished quarantined blocks, which only
 frees). Runs in the controller (the caller's process).
 """
@@ -16,9 +16,9 @@ import torch
 from timeshare.executor.interface import Observed, PoolHealth
 from timeshare.memory import Arena, Block
 from timeshare.runtime.dispatch import Dispatcher
-from timeshare.runtime.host_tier import HostTier, HostTierSnapshot
+from timeshare.runtime.host_tier import HostTier, HostTierSnapshot, StoreView
 from timeshare.runtime.residency import ModelEntry, Residency
-from timeshare.runtime.sharing import SharedTensors, SharingSnapshot
+from timeshare.runtime.sharing import SetView, SharedTensors, SharingSnapshot
 from timeshare.runtime.training import TrainingJob
 from timeshare.scheduler.lanes import LanesView
 
@@ -97,26 +97,75 @@ def snapshot(device: torch.device, arena: Arena, residency: Residency, models: I
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaView:
+    """The arena: its shared-memory segment's name (on the CPU; None on CUDA), its bytes
+    and its free ranges (offset, bytes)."""
+
+    name: str | None
+    capacity_bytes: int
+    free_ranges: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionView:
+    """A region of the arena (NOTE [Regions of the arena])."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A registered model in the arena: its bytes, its offset (None: not resident), where
+    it was last, its loads, whether it is pinned, and its measured ephemeral bytes by
+    input shape."""
+
+    nbytes: int
+    offset: int | None
+    last_offset: int | None
+    loads: int
+    pinned: bool
+    ephemeral_bytes: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnostics:
+    """For operators and white-box tests, without waiting for the device: the arena, each
+    model's placement, the regions by owner, how many blocks are quarantined
+    because a copy may still write them, the tasks the scheduler knows, the lanes, the
+    pool's view, the host tier and its stores, and the shared sets (each None, or empty,
+    where the runtime has no such part)."""
+
+    arena: ArenaView
+    models: dict[str, Placement]
+    regions: dict[str, RegionView]
+    quarantined: int
+    scheduler_tasks: int
+    lanes: LanesView | None
+    workers: PoolHealth | None
+    host_tier: HostTierSnapshot | None
+    host_stores: dict[str, StoreView]
+    shared: SharingSnapshot | None
+    shared_sets: dict[str, SetView]
+
+
 def diagnostics(arena: Arena, residency: Residency, models: Mapping[str, ModelEntry], executor: Observed,
                 dispatcher: Dispatcher, host: HostTier | None = None, sharing: SharedTensors | None = None,
-                regions: Mapping[str, Block] | None = None) -> dict:
+                regions: Mapping[str, Block] | None = None) -> Diagnostics:
     alloc = arena.allocator
-    return {
-        "arena": {"name": arena.shm_name, "capacity_bytes": alloc.capacity, "free_ranges": alloc.free_ranges()},
-        "models": {n: {"nbytes": m.nbytes, "offset": m.block.offset if m.block is not None else None,
-                       "last_offset": m.last_offset, "loads": m.loads, "pinned": m.pinned,
-                       "ephemeral_bytes": dict(m.ephemeral)}
-                   for n, m in models.items()},
-        "regions": {owner: {"offset": b.offset, "nbytes": b.size} for owner, b in dict(regions or {}).items()},
-        "quarantined": residency.quarantined(),
-        "scheduler_tasks": len(dispatcher.scheduler.tasks),
-        "lanes": _plain(dispatcher.lanes()),
-        "workers": _plain(executor.health()),
-        "host_tier": None if host is None else dataclasses.asdict(host.snapshot()) | {"stores": host.models_view()},
-        "shared": None if sharing is None else dataclasses.asdict(sharing.snapshot()) | {"sets": sharing.view()},
-    }
-
-
-def _plain(record: LanesView | PoolHealth | None) -> dict | None:
-    """A part's record as the dictionary the diagnostics view shows (None stays None)."""
-    return None if record is None else dataclasses.asdict(record)
+    return Diagnostics(
+        arena=ArenaView(arena.shm_name, alloc.capacity, list(alloc.free_ranges())),
+        models={n: Placement(m.nbytes, m.block.offset if m.block is not None else None, m.last_offset, m.loads,
+                             m.pinned, dict(m.ephemeral))
+                for n, m in models.items()},
+        regions={owner: RegionView(b.offset, b.size) for owner, b in dict(regions or {}).items()},
+        quarantined=residency.quarantined(),
+        scheduler_tasks=len(dispatcher.scheduler.tasks),
+        lanes=dispatcher.lanes(),
+        workers=executor.health(),
+        host_tier=None if host is None else host.snapshot(),
+        host_stores={} if host is None else host.models_view(),
+        shared=None if sharing is None else sharing.snapshot(),
+        shared_sets={} if sharing is None else sharing.view(),
+    )

@@ -120,6 +120,19 @@ class Split:
 
 
 @dataclass(frozen=True, slots=True)
+class SetView:
+    """One shared set: its bytes and tensors, the models using it, its arena offset (None:
+    not on the device), whether its bytes are there, and the resident models reading it."""
+
+    nbytes: int
+    tensors: int
+    users: list[str]
+    offset: int | None
+    loaded: bool
+    resident_users: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class SharingSnapshot:
     """Tensors held once (NOTE [Shared tensors]): the models and sets, the bytes of the
     models' own tensors and of the sets, what separate copies would hold (logical), the
@@ -235,11 +248,10 @@ class SharedTensors:
             return []
         return [self.sets[sid] for sid in dict.fromkeys(sid for sid, _ in member.refs.values())]
 
-    def view(self) -> dict:
-        """Each set: its bytes, users, arena offset and resident readers."""
-        return {sid: {"nbytes": s.nbytes, "tensors": len(s.store.entries), "users": sorted(s.users),
-                      "offset": s.block.offset if s.block is not None else None, "loaded": s.loaded,
-                      "resident_users": sorted(s.resident)}
+    def view(self) -> dict[str, SetView]:
+        """Each set as the diagnostics show it."""
+        return {sid: SetView(s.nbytes, len(s.store.entries), sorted(s.users),
+                             s.block.offset if s.block is not None else None, s.loaded, sorted(s.resident))
                 for sid, s in self.sets.items()}
 
     def snapshot(self) -> SharingSnapshot:
