@@ -31,7 +31,7 @@ def locked_by_name(rt: Runtime, ledger: LockLedger) -> dict[str, int]:
 def check_exact(rt: Runtime, ledger: LockLedger) -> None:
     """Locked: every store that holds bytes, at its size, and nothing else; the pinned
     bytes metric says so, and so does the budget's count."""
-    filled = {name: s["nbytes"] for name, s in stores(rt).items() if s["filled"]}
+    filled = {name: s.nbytes for name, s in stores(rt).items() if s.filled}
     assert locked_by_name(rt, ledger) == filled
     snap = rt.snapshot()
     assert snap.host_pinned_bytes == ledger.locked == snap.host_tier.used
@@ -83,7 +83,7 @@ def test_a_spilled_store_is_locked_from_registration_and_again_each_time_it_is_r
         assert worker is not None
         worker.host_registrar = ledger
         rt.register("s", functools.partial(seeded_tier_net, 5), None, (X,))
-        assert locked_by_name(rt, ledger) == {"s": stores(rt)["s"]["nbytes"]}  # its weights are in memory
+        assert locked_by_name(rt, ledger) == {"s": stores(rt)["s"].nbytes}  # its weights are in memory
         want = reference(5)
         assert torch.equal(rt.infer("s", X), want)
         for _ in range(3):

@@ -101,6 +101,134 @@ def test_a_job_still_stopping_when_an_inference_starts_is_the_switch_it_made():
     gate.job_ended(job)
 
 
+def test_a_stop_no_segment_reported_is_timed_when_the_job_stops_here_and_leaves_nothing_behind():
+    """A job paused after an inference stopped it (no segment reports a stop: it stopped
+    in this process, or before its segment began): the record gets the time until the job
+    stopped, and a later inference's stop has its own record."""
+    gate = Dispatcher("priority")
+    job = _Job("train")
+    gate.job_task(job)
+    gate.wait_for_training_turn(job)
+    turns = []
+
+    def inference(model):
+        with gate.hold(model, Kind.INFERENCE) as turn:
+            turns.append(turn)
+
+    first = threading.Thread(target=inference, args=("a",))
+    first.start()
+    assert job.stopped.wait(10)
+    job.paused = True  # then paused, before it reports its stop: the pause's branch reports it
+    parked = threading.Thread(target=gate.wait_for_training_turn, args=(job,))
+    parked.start()
+    first.join(10)
+    assert not first.is_alive()
+    [record] = gate.switches()
+    assert record["model"] == "a" and record["stop_s"] is not None and record["clean_s"] == 0.0
+    job.paused = False
+    job.stopped.clear()
+    gate.notify()
+    parked.join(10)
+    assert not parked.is_alive() and gate.holds_turn(job)
+    second = threading.Thread(target=inference, args=("b",))
+    second.start()
+    assert job.stopped.wait(10)
+    now = time.perf_counter()
+    gate.job_stopped(job, now, now + 0.04, now + 0.04)
+    resumed = threading.Thread(target=gate.wait_for_training_turn, args=(job,))
+    resumed.start()
+    second.join(10)
+    resumed.join(10)
+    records = gate.switches()
+    assert [r["model"] for r in records] == ["a", "b"] and records[1]["stop_s"] == pytest.approx(0.04)
+    assert turns[1].switch is not None and turns[1].switch.model == "b"
+    gate.job_ended(job)
+
+
+class _SlowToLook:
+    """A job thread's waiter whose wake-up is seen late: the thread named ``J`` holds on
+    after it is released until ``go`` is set, so that more happens before it looks."""
+
+    def __init__(self, go: threading.Event):
+        self.go, self.grant = go, None
+        self.lock = self
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def acquire(self, timeout: float = -1) -> bool:
+        got = self._lock.acquire(timeout=timeout)
+        if got and threading.current_thread().name == "J":
+            self.go.wait(10)
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+class _SlowJobDispatcher(Dispatcher):
+    def __init__(self, go: threading.Event):
+        super().__init__("priority")
+        self.go = go
+
+    def _new_waiter(self):
+        return _SlowToLook(self.go)
+
+
+def test_a_job_stopped_then_paused_before_it_looked_leaves_no_record_behind():
+    """The job's thread, woken to run, is slow to look; meanwhile an inference stops it
+    and it is paused: it reports its stop from the pause, and the next inference's
+    switch gets a record of its own, filled in with that stop's times."""
+    go = threading.Event()
+    gate = _SlowJobDispatcher(go)
+    job = _Job("t")
+    gate.job_task(job)
+    gate.wait_for_training_turn(job)
+    release = threading.Event()
+
+    def control():
+        with gate.hold():
+            release.wait(10)
+
+    holder = threading.Thread(target=control)
+    holder.start()
+    assert job.stopped.wait(10)
+    looker = threading.Thread(target=gate.wait_for_training_turn, args=(job,), name="J")
+    looker.start()
+    time.sleep(0.2)  # it sleeps in the queue
+    release.set()
+    holder.join(10)  # its end starts the job again; the job's thread has yet to look
+    with gate.hold("m", Kind.INFERENCE) as first:
+        assert first.switch is not None  # the job stops again, for this inference
+    job.paused = True
+    go.set()  # it looks now: paused, it reports its stop there
+    time.sleep(0.3)
+    job.paused = False
+    gate.notify()
+    looker.join(10)
+    assert not looker.is_alive() and gate.holds_turn(job)
+    seen = []
+
+    def inference():
+        with gate.hold("m2", Kind.INFERENCE) as turn:
+            seen.append(turn.switch)
+
+    job.stopped.clear()
+    second = threading.Thread(target=inference)
+    second.start()
+    assert job.stopped.wait(10)
+    now = time.perf_counter()
+    gate.job_stopped(job, now, now + 0.5, now + 0.6)
+    resumed = threading.Thread(target=gate.wait_for_training_turn, args=(job,))
+    resumed.start()
+    second.join(10)
+    resumed.join(10)
+    assert seen and seen[0] is not None and seen[0].model == "m2"
+    records = gate.switches()
+    assert [r["model"] for r in records] == ["m", "m2"]
+    assert records[1]["stop_s"] == pytest.approx(0.5)  # its own stop, not written into the first record
+    gate.job_ended(job)
+
+
 def test_jobs_sharing_a_home_take_turns_the_dispatcher_decides():
     gate = Dispatcher("priority")
     waiting, holder = _Job("a"), _Job("b")

@@ -412,6 +412,9 @@ class FakeWorkerSet:
         self.seq += 1
         return self.seq
 
+    def snapshot(self) -> list[FakeWorkerHandle]:
+        return list(self.workers)
+
     def replace(self, w: FakeWorkerHandle, cause: BaseException | str) -> None:
         self.replaced.append(w.id)  # killed: its locks go with its process
         self.workers[self.workers.index(w)] = FakeWorkerHandle(100 + w.id)

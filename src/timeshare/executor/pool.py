@@ -68,8 +68,9 @@ class ProcessPool:
 
     @property
     def workers(self) -> list[WorkerHandle]:
-        """The workers, the active one first (read under the pool's lock to iterate)."""
-        return self._set.workers
+        """The workers, the active one first: a copy, taken under the set's lock (a
+        replacement may swap one in at any time)."""
+        return self._set.snapshot()
 
     @property
     def replacements(self) -> int:
@@ -207,9 +208,10 @@ class ProcessPool:
         used, not the first worker while there are others (inference goes there)."""
         with self._cv:
             home = self._step_homes.get(model)
-            if home is not None and home in self.workers:
+            everyone = self.workers
+            if home is not None and home in everyone:
                 return home
-            workers = self.workers[1:] or self.workers
+            workers = everyone[1:] or everyone
             used = {id(w): 0 for w in workers}
             for w in list(self._step_homes.values()) + self._segments.home_workers():
                 if id(w) in used:
@@ -331,7 +333,7 @@ class ProcessPool:
                     busy = HomeBusy(other.job, time.perf_counter() - other.started_at)
                 self._cv.wait(0.05)
                 return busy
-            if home not in self._set.workers:
+            if home not in self.workers:
                 return None  # replaced meanwhile; _home reports it next time
             if not home.try_lease():  # a task or a control request has its pipe
                 self._cv.wait(0.05)
@@ -390,7 +392,7 @@ class ProcessPool:
 
     def _home(self, job: str, new: bool) -> WorkerHandle:
         with self._cv:
-            workers = self._set.workers
+            workers = self.workers
             return self._segments.new_home(job, workers) if new else self._segments.home(job, workers)
 
     @contextmanager

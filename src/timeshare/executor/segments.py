@@ -20,7 +20,8 @@ waits for the old one's memory.
 
 Every stop of a segment is the dispatcher's decision (a Preempt of the scheduler, or a
 turn on a shared home); the pool carries it out, and stops a segment by itself only to
-take its worker's pipe for a control message (``ProcessPool.claim``). With lanes
+take its worker's pipe for a control message or a language model's step there
+(``ProcessPool.claim``). With lanes
 (``scheduling="pack"``) several segments run at once, each on its own home and in its
 own lane, beside the inferences of other lanes on the remaining workers. Jobs that share
 a home (more jobs than workers but one) take turns on it: a job that finds its home

@@ -63,8 +63,8 @@ class WorkerSet:
     ``arena``; ``share_arena`` gives each spawned worker its own arena handle; ``on_lost``
     is called for each worker replaced, after its replacement is in the list and with no
     lock of the set's held; ``channel_bytes`` and ``channel_max_bytes``: each worker's
-    tensor channel (``WorkerHandle``). Its own lock guards the worker list: a reader may
-    hold its own lock while it asks, never the other way round."""
+    tensor channel (``WorkerHandle``). Its own lock guards the worker list, which others
+    read as a ``snapshot``; it calls nobody with it held."""
 
     def __init__(
         self,
@@ -108,6 +108,11 @@ class WorkerSet:
         # A worker that dies while idle is noticed here, not at its next task.
         self._watcher = threading.Thread(target=self._watch, name="timeshare-pool-watch", daemon=True)
         self._watcher.start()
+
+    def snapshot(self) -> list[WorkerHandle]:
+        """The workers now, the active one first: a copy a replacement cannot change."""
+        with self._lock:
+            return list(self.workers)
 
     @property
     def failing_to_start(self) -> int:

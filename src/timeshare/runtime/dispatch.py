@@ -309,7 +309,7 @@ class Dispatcher:
         for d in decisions:
             if not isinstance(d, Preempt):
                 for t in (d.task, *d.task.batch):
-                    if t.kind is Kind.INFERENCE and t.id not in self._switches:
+                    if t.kind is Kind.INFERENCE and not self.packs and t.id not in self._switches:
                         self._record_switch_to(t)
                     previous = None
                     if t.kind is not Kind.CONTROL:
@@ -330,10 +330,12 @@ class Dispatcher:
     # the record in. A stop the scheduler decides for an inference makes the record at
     # once, handed to the inference's turn (``Grant.switch``). A job stopped for anything
     # else (a control call, a slice's end) and still stopping when an inference starts
-    # makes the record then, for that inference. The job reports its stop and clean times
-    # (``job_stopped``, from its worker's reply), the inference its start, load and total
-    # times (``served``, from its call's timings), in whichever order they come; the
-    # executor never sees the record.
+    # makes the record then, for that inference (not with lanes: an inference in another
+    # lane runs beside the job, it does not replace it). The job reports its stop and clean times
+    # (``job_stopped``, from its worker's reply; or, where no segment reported one, the
+    # time it took to report ``Stopped``), the inference its start, load and total times
+    # (``served``, from its call's timings), in whichever order they come; the executor
+    # never sees the record.
     def _new_switch(self, job: Preemptible, model: str) -> Switch:
         switch = Switch(job.name, model, time.perf_counter())
         self._switch_log.append(switch)
@@ -496,9 +498,8 @@ class Dispatcher:
         a resume or a cancel."""
         task = self.job_task(job)
         with self._lock:
-            self._awaiting.pop(job, None)  # stopped: a switch made from now on is not from it
             if task.state in (State.RUNNING, State.STOPPING):
-                self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
+                self._stopped(job, task)
             if task.state is State.WAITING:
                 task = self._swap(job, task)
         while True:
@@ -508,7 +509,7 @@ class Dispatcher:
                     return
                 if job.paused:
                     if task.state in (State.RUNNING, State.STOPPING):  # given the device, then paused: hand it back
-                        self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
+                        self._stopped(job, task)
                     if task.state is State.WAITING:
                         self.scheduler.hold(task.id)
                 elif task.state is State.HELD:
@@ -524,6 +525,16 @@ class Dispatcher:
                     waiter = self._wakers[task.id] = self._new_waiter()
                 timeout = self._timeout()
             waiter.lock.acquire(timeout=timeout)
+
+    def _stopped(self, job: Preemptible, task: Task) -> None:
+        """With the lock held: the job has stopped; a switch made from now on is not from
+        it. A record still without its stop time (no segment ran to report one: the job
+        stopped in this process, or before its segment started) gets the time the job
+        took to stop here (NOTE [Switch records])."""
+        switch = self._awaiting.pop(job, None)
+        if switch is not None and switch.stop_s is None:
+            switch.stop_s, switch.clean_s = max(0.0, time.perf_counter() - switch.requested_at), 0.0
+        self.scheduler.update(Stopped(task.id, self.clock(), float(job.stats.iterations)))
 
     def holds_turn(self, job: Preemptible) -> bool:
         """Whether the scheduler gave the job the device (it may already be told to stop:

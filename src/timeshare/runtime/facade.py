@@ -389,8 +389,8 @@ class Runtime:
 
     def switches(self) -> list[dict]:
         """The latest switches from a training job to an inference: stop, clean, start,
-        load and total seconds of each (NOTE [Switch records]; in-process only the
-        total)."""
+        load and total seconds of each (NOTE [Switch records]; in-process the stop
+        and the total)."""
         return self._dispatcher.switches()
 
     # ------------------------------------------------------------------ lifecycle

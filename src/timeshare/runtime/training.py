@@ -284,7 +284,7 @@ class WorkerTrainingJob(TrainingJob):
                 continue  # inference (or another job) got there first
             spec = None
             stopped = self._runner.run_segment(segment, partial(self._progress, lane=segment.lane))
-            if stopped.reason != "finished" and segment.preempted_at is not None:
+            if segment.preempted_at is not None:  # told to stop, whether it stopped or finished first
                 self._dispatcher.job_stopped(self, segment.preempted_at, stopped.stopped_at, stopped.cleaned_at)
             self.stats.offloads = stopped.stats.offloads
             self.stats.ephemeral_bytes = stopped.stats.ephemeral_bytes
