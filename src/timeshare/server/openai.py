@@ -23,11 +23,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from timeshare.errors import ConfigError, Timeout, TimeshareError
+from timeshare.errors import BadRequest, ConfigError, Timeout, TimeshareError
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import ContextLengthError, Delta, Finish
 from timeshare.server.auth import ApiKey, key_dependencies
 from timeshare.server.llms import Generation, ServedLLM
+from timeshare.server.parsing import load_json
 from timeshare.server.status import served_error, status_of
 
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that its client is still there
@@ -193,11 +194,13 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
 
 
 async def read_body(request: Request) -> Any:
+    """A ``/v1`` request's JSON document; a body the parser refuses (not JSON, not UTF-8,
+    nested too deeply) is an ``InvalidRequest``, answered 400."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"the body is not JSON ({exc})", None) from None
+        return load_json(raw)
+    except BadRequest as exc:
+        raise InvalidRequest(str(exc), None) from None
 
 
 def _model_card(model: ServedLLM) -> dict:

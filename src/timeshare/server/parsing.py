@@ -18,6 +18,11 @@ from timeshare.server.schemas import InferenceRequest
 from timeshare.server.tensors import KNOWN, from_binary, from_json
 
 HEADER_LENGTH = "inference-header-content-length"  # the binary tensor data extension's header
+# How deeply a request body's arrays and objects may nest: far more than any request of
+# the APIs served needs (a JSON schema of a structured output included), and shallow
+# enough that no later walk of the document (validation, a copy, a dump) recurses into
+# trouble.
+MAX_JSON_DEPTH = 100
 MAX_DIMENSION = 1 << 31  # larger dimensions are refused even when another one is 0
 
 
@@ -30,13 +35,31 @@ def describe_validation(errors) -> str:
 
 
 def load_json(body: bytes | bytearray | str):
-    """The JSON document of a request body; malformed JSON is a :class:`BadRequest`."""
+    """The JSON document of a request body; malformed JSON, text that is not UTF-8 and
+    arrays or objects nested deeper than ``MAX_JSON_DEPTH`` are a :class:`BadRequest`."""
     try:
-        return json.loads(body)
+        doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
+    except RecursionError:  # deeper than the interpreter's own limit
+        raise BadRequest(f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep") from None
+    if _too_deep(doc, MAX_JSON_DEPTH):
+        raise BadRequest(f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+    return doc
+
+
+def _too_deep(doc, limit: int) -> bool:
+    """Whether ``doc``'s containers nest deeper than ``limit`` (walked without recursion;
+    a flat list of numbers costs one pass over it)."""
+    stack = [(doc, 1)] if isinstance(doc, (list, dict)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (list, dict)):
+                stack.append((child, depth + 1))
+    return False
 
 
 def parse_infer(body: bytes | bytearray | str,
