@@ -47,8 +47,8 @@ from torch import nn
 from timeshare.decode.cache import DecodeView, ExtendView, cache_key, paged_cache_class, prompt_layers
 from timeshare.decode.lean import LeanStep, agrees
 from timeshare.decode.pages import PagedLayout, to_device
-from timeshare.decode.sampler import choose
-from timeshare.decode.step import DecodeCounts, DecoderSpec, Step, StepKind, StepOutcome
+from timeshare.decode.sampler import Processing, choose, log_probabilities
+from timeshare.decode.step import DecodeCounts, DecoderSpec, Draw, Step, StepKind, StepOutcome, TokenLogprobs
 from timeshare.device import step_threads
 from timeshare.errors import ConfigError, GenerationError
 from timeshare.models.zoo.registry import cache_dir
@@ -239,6 +239,10 @@ class DecodeRunner:
         self._logits_of: Callable[..., tuple[torch.Tensor, torch.Tensor]] = decode_logits
         if self.compiled is not None:
             self._logits_of = compiled_step(self.compiled)
+        # The log-probabilities a step's rows asked for, on the device until ``run`` reads
+        # them: per token step (chosen, top ids, top values), per prefill row its prompt's.
+        self._asked: list[tuple[torch.Tensor, ...]] = []
+        self._prompt_asked: list[tuple[torch.Tensor, ...] | None] = []
 
     @property
     def wants_capture(self) -> bool:
@@ -248,15 +252,22 @@ class DecodeRunner:
     def run(self, module: nn.Module, step: Step) -> StepOutcome:
         """Run ``step`` on ``module`` (loaded and bound by the caller); its outcome. The
         read of its tokens is the step's one wait for the device (NOTE [No waiting on the
-        device])."""
+        device]); the log-probabilities asked for are read with them."""
         before = replace(self.counts)
+        self._asked = []
+        self._prompt_asked = []
         chosen = self.launch(module, step)
         tokens = () if chosen is None else tuple(chosen.tolist())
-        return StepOutcome(tokens, self.counts.since(before), self.wants_capture)
+        logprobs = _token_logprobs(self._asked, step.draw) if self._asked else ()
+        prompt = tuple(() if got is None else _prompt_logprobs(got) for got in self._prompt_asked) \
+            if any(got is not None for got in self._prompt_asked) else ()
+        self._asked, self._prompt_asked = [], []
+        return StepOutcome(tokens, self.counts.since(before), self.wants_capture, logprobs, prompt)
 
     def launch(self, module: nn.Module, step: Step) -> torch.Tensor | None:
         """Queue ``step``'s work on the device: each row's next token, on the device (None
-        for a capture), not waited for. In inference mode: no tensor of a step is ever
+        for a capture), not waited for; the log-probabilities its rows ask for are kept
+        for ``run`` to read. In inference mode: no tensor of a step is ever
         differentiated, and its kernels skip autograd's bookkeeping."""
         step_threads(self.device, step.kind is not StepKind.PREFILL, step.rows)  # NOTE [A core for the front end]
         with torch.inference_mode():
@@ -276,25 +287,47 @@ class DecodeRunner:
         cold model's weights may still be arriving), then the rows' first tokens."""
         if step.draw is None or len(step.tables) != step.rows or len(step.starts) != step.rows:
             raise GenerationError(f"a prefill of {step.rows} rows needs a table, a start and a draw for each")
-        logits = [self._prefill_row(module, tokens, start, table)
-                  for tokens, start, table in zip(step.tokens, step.starts, step.tables)]
-        return choose(torch.cat(logits), step.draw)
+        asked = step.prompt_logprobs or (-1,) * step.rows
+        logits = []
+        for tokens, start, table, top in zip(step.tokens, step.starts, step.tables, asked):
+            if top >= 0 and start:
+                raise GenerationError("a prompt's log-probabilities need its whole prompt computed, not cached pages")
+            every = self._prefill_row(module, tokens, start, table, every=top >= 0)
+            logits.append(every[-1:])
+            self._prompt_asked.append(None if top < 0 else
+                                      log_probabilities(every[:-1], to_device(tokens[1:], self.device), top))
+        rows = torch.cat(logits)
+        processing = Processing(step.draw, rows.shape[1], self.device) if step.draw.processed else None
+        return self._choose(rows, step.draw, processing)
+
+    def _choose(self, logits: torch.Tensor, draw: Draw, processing: Processing | None = None,
+                step: int = 0) -> torch.Tensor:
+        """The rows' tokens from ``logits`` (NOTE [One sampler]), keeping the raw
+        log-probabilities the rows ask for (NOTE [Logit processing])."""
+        chosen = choose(logits, draw, processing, step)
+        top = draw.top_logprobs
+        if top >= 0:
+            self._asked.append(log_probabilities(logits, chosen, top))
+        return chosen
 
     def _prefill_row(self, module: nn.Module, tokens: tuple[int, ...], start: int,
-                     table: tuple[int, ...]) -> torch.Tensor:
+                     table: tuple[int, ...], every: bool = False) -> torch.Tensor:
+        """A row's prompt from ``start`` into its pages; the logits of its last position
+        ([1, vocab]), or with ``every`` of each of its positions ([tokens, vocab])."""
         n = len(tokens)
         if not n or len(table) < self.layout.pages_for(start + n):
             raise GenerationError(f"a prefill of {n} tokens from position {start} needs their pages, got {len(table)}")
         ids = to_device(tokens, self.device)[None]
         pages = to_device(table, self.device)
+        keep = 0 if every else 1
         if start == 0:
             # The model's own cache for the prompt, as transformers' generate computes it
             # (its causal kernels: generate's mask of ones is dropped for them, after a
             # check that waits for the device, which no mask spares), then copied into the
             # row's pages.
-            out = module(input_ids=ids, use_cache=True, logits_to_keep=1)
+            out = module(input_ids=ids, use_cache=True, logits_to_keep=keep)
             self.layout.write(pages, 0, prompt_layers(out[self._cache_key], n))
-            return out.logits[:, -1]
+            return out.logits[0] if every else out.logits[:, -1]
         # NOTE [Prefix caching]: the first ``start`` positions are cached pages; the rest
         # attend to them through the adapter, each to the positions up to its own.
         span = torch.arange(start + n, device=self.device)
@@ -304,9 +337,9 @@ class DecodeRunner:
             hidden, torch.finfo(dtype).min)[None, None]
         cache = self._cache_class(self.layout, ExtendView(pages, start))
         out = module(input_ids=ids, attention_mask=mask, position_ids=span[start:][None], use_cache=True,
-                     logits_to_keep=1, **{self._cache_key: cache})
+                     logits_to_keep=keep, **{self._cache_key: cache})
         self.layout.write(pages, start, cache.extended())
-        return out.logits[:, -1]
+        return out.logits[0] if every else out.logits[:, -1]
 
     # ------------------------------------------------------------------ decode steps
     def _decode(self, module: nn.Module, step: Step) -> torch.Tensor:
@@ -331,13 +364,18 @@ class DecodeRunner:
         self._load_inputs(step, batch)
         level = min(step.starts) == max(step.starts)
         chosen: list[torch.Tensor] = []
+        processing: Processing | None = None
         for j in range(count):
             if j:
                 self._advance(chosen[-1], rows, batch)
             self._run(module, rows, batch, pages, max(step.starts) + j + 1, level)
             assert self._logits is not None
+            if processing is None and step.draw.processed:  # NOTE [Logit processing]
+                processing = Processing(step.draw, self._logits.shape[1], self.device)
             draw = step.draw if not j else replace(step.draw, index=tuple(i + j for i in step.draw.index))
-            chosen.append(choose(self._logits[:rows], draw))
+            chosen.append(self._choose(self._logits[:rows], draw, processing, j))
+            if processing is not None:
+                processing.advance(chosen[-1])
         return chosen[0] if count == 1 else torch.cat(chosen)
 
     def _advance(self, chosen: torch.Tensor, rows: int, batch: int) -> None:
@@ -519,6 +557,25 @@ class DecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step(module, batch, pages)
         return graph
+
+
+def _token_logprobs(asked: list[tuple[torch.Tensor, ...]], draw: Draw | None) -> tuple[TokenLogprobs | None, ...]:
+    """Each token's log-probabilities as read from the device: per step of a burst, each
+    row's (None for a row that asked for none), in the order of the step's tokens."""
+    wanted = draw.logprobs if draw is not None else ()
+    out: list[TokenLogprobs | None] = []
+    for mine, ids, values in asked:
+        mine_l, ids_l, values_l = mine.tolist(), ids.tolist(), values.tolist()
+        for r, top in enumerate(wanted):
+            out.append(None if top < 0 else
+                       TokenLogprobs(mine_l[r], tuple(zip(ids_l[r][:top], values_l[r][:top]))))
+    return tuple(out)
+
+
+def _prompt_logprobs(got: tuple[torch.Tensor, ...]) -> tuple[TokenLogprobs, ...]:
+    """A prompt's tokens after the first, each with its log-probability given those before."""
+    mine, ids, values = (t.tolist() for t in got)
+    return tuple(TokenLogprobs(m, tuple(zip(i, v))) for m, i, v in zip(mine, ids, values))
 
 
 def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: str, ids: torch.Tensor,

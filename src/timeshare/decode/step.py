@@ -76,19 +76,61 @@ class DecoderSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class Penalties:
+    """One row's penalties (NOTE [Logit processing]): ``presence`` and ``frequency`` (OpenAI's,
+    over the tokens it generated), ``repetition`` (transformers' and vLLM's, over its prompt
+    and what it generated: 1 is none); ``history`` is its prompt and then its tokens so far,
+    the first ``prompt`` of them its prompt."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    history: tuple[int, ...]
+    prompt: int
+
+
+@dataclass(frozen=True, slots=True)
 class Draw:
     """How each row chooses its next token: per row temperature (0: greedy), top-k (0:
-    all), top-p, seed and the token's index in its sequence (NOTE [One sampler])."""
+    all), top-p, seed and the token's index in its sequence (NOTE [One sampler]). The
+    rest is per row too, and empty when no row uses it, so that such a step pays
+    nothing for it (NOTE [Logit processing]): ``logprobs``, the row's top log-probabilities
+    to report besides its chosen token's (-1: none); ``penalties`` (None: none); ``bias``,
+    (token, bias) pairs added to its logits; ``banned``, tokens it may not choose in its
+    next ``steps`` tokens, as (tokens, steps) (min_tokens' end tokens)."""
 
     temperature: tuple[float, ...]
     top_k: tuple[int, ...]
     top_p: tuple[float, ...]
     seed: tuple[int, ...]
     index: tuple[int, ...]
+    logprobs: tuple[int, ...] = ()
+    penalties: tuple[Penalties | None, ...] = ()
+    bias: tuple[tuple[tuple[int, float], ...], ...] = ()
+    banned: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperature)
+
+    @property
+    def processed(self) -> bool:
+        """Whether any row's logits are changed before its choice (NOTE [Logit processing])."""
+        return any(p is not None for p in self.penalties) or any(self.bias) or any(s > 0 for _, s in self.banned)
+
+    @property
+    def top_logprobs(self) -> int:
+        """The most top log-probabilities a row asks for; -1: no row asks for any."""
+        return max(self.logprobs, default=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A token's log-probability under the model (raw: before any processing, NOTE
+    [Logit processing]) and the most likely tokens' with theirs, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +152,7 @@ class Step:
     draw: Draw | None = None
     zero: tuple[int, ...] = ()
     count: int = 1
+    prompt_logprobs: tuple[int, ...] = ()  # a prefill: per row, top log-probabilities of its prompt (-1: none)
 
     @property
     def rows(self) -> int:
@@ -157,3 +200,7 @@ class StepOutcome:
     tokens: tuple[int, ...]
     counts: DecodeCounts
     wants_capture: bool = False
+    # Aligned with ``tokens`` when the step's draw asked for any (None: that row did not).
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # A prefill: per row, its prompt's tokens after the first, when asked (else empty).
+    prompt_logprobs: tuple[tuple[TokenLogprobs, ...], ...] = ()

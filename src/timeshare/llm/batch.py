@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from timeshare.decode.pages import block_of
-from timeshare.decode.step import DecoderSpec, Draw, Step, StepKind
+from timeshare.decode.step import DecoderSpec, Draw, Penalties, Step, StepKind
 from timeshare.llm.pages import KVMemoryError, PagePool, page_keys
 from timeshare.llm.sequence import Sequence
 
@@ -32,18 +32,35 @@ class Row:
         return self.seq.prompt + self.seq.tokens
 
 
-def draw(seqs: Seq[Sequence]) -> Draw:
-    """How each sequence chooses its next token: its params, its seed, its token's index."""
-    return Draw(tuple(s.params.temperature for s in seqs), tuple(s.params.top_k for s in seqs),
-                tuple(s.params.top_p for s in seqs), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs))
+def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset()) -> Draw:
+    """How each sequence chooses its next token: its params, its seed, its token's index,
+    and what it asks beyond them (NOTE [Logit processing]; each left empty when no
+    sequence asks for it): log-probabilities, penalties over its history, its logit bias,
+    and the end tokens ``eos`` while it is short of ``min_tokens``."""
+    params = [s.params for s in seqs]
+    logprobs = tuple(-1 if p.logprobs is None else p.logprobs for p in params)
+    penalties = tuple(Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                                tuple(s.prompt + s.tokens), len(s.prompt)) if p.penalized else None
+                      for s, p in zip(seqs, params))
+    bias = tuple(p.logit_bias for p in params)
+    ends = tuple(sorted(eos))
+    banned = tuple((ends, max(0, p.min_tokens - len(s.tokens))) for s, p in zip(seqs, params))
+    return Draw(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
+                tuple(p.top_p for p in params), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs),
+                logprobs if any(k >= 0 for k in logprobs) else (),
+                penalties if any(p is not None for p in penalties) else (),
+                bias if any(bias) else (),
+                banned if ends and any(steps for _, steps in banned) else ())
 
 
 class Batch:
     """The rows of one model on ``pool`` (``spec``: how it decodes there), prefix caching
     with ``tag`` unless ``caching`` is off (NOTE [Prefix caching])."""
 
-    def __init__(self, pool: PagePool, spec: DecoderSpec, tag: bytes, caching: bool = True):
+    def __init__(self, pool: PagePool, spec: DecoderSpec, tag: bytes, caching: bool = True,
+                 eos: frozenset[int] = frozenset()):
         self.pool, self.spec, self.tag, self.caching = pool, spec, tag, caching
+        self.eos = eos  # the end tokens a sequence short of its min_tokens may not choose
         self.block = block_of(pool.page_bytes, spec.shape)
         self.rows: list[Row] = []
         self.hits = 0  # full pages of prompts found cached, and not (NOTE [Prefix caching])
@@ -72,8 +89,11 @@ class Batch:
         once the step succeeded, else its pages go back with ``abandon``."""
         context = seq.prompt + seq.tokens
         keys = page_keys(self.tag, context, self.block) if self.caching else []
+        # A prompt's log-probabilities are computed from the whole prompt: no cached page
+        # is read for them (its pages are still published for others).
+        whole = seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None
         # The last token is always computed: its logits give the first token.
-        shareable = keys[:(len(context) - 1) // self.block]
+        shareable = [] if whole else keys[:(len(context) - 1) // self.block]
         shared, new = self.pool.share(shareable, self.pages_for(len(context)) - len(shareable))
         self.hits += len(shared)
         self.misses += len(shareable) - len(shared)
@@ -81,8 +101,9 @@ class Batch:
         row = Row(seq, shared + new, keys)
         # Only a page the prefill leaves partly written is zeroed (NOTE [Paged key/value caches]).
         zero = tuple(new[-1:]) if len(context) % self.block else ()
+        asked = (seq.params.prompt_logprobs or 0,) if whole else ()
         return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
-                         draw([seq]), zero)
+                         draw([seq], self.eos), zero, prompt_logprobs=asked)
 
     def joined(self, row: Row) -> None:
         """``row``'s prefill succeeded: it joins the batch, its full pages published."""
@@ -116,7 +137,7 @@ class Batch:
         fresh = tuple(p for r in rows for p in r.pages[-(-r.length // block):self.pages_for(r.length + count)])
         return Step(StepKind.DECODE, self.spec, tuple((r.seq.tokens[-1],) for r in rows),
                     tuple(r.length for r in rows), tuple(tuple(r.pages) for r in rows),
-                    draw([r.seq for r in rows]), fresh, count)
+                    draw([r.seq for r in rows], self.eos), fresh, count)
 
     def stepped(self, count: int = 1) -> None:
         """A decode step of ``count`` tokens succeeded and its tokens were taken: each row

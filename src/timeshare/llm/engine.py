@@ -60,7 +60,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from timeshare.decode.step import DecodeCounts, Step, StepKind, StepOutcome
+from timeshare.decode.step import DecodeCounts, Step, StepKind, StepOutcome, TokenLogprobs
 from timeshare.errors import ConfigError, GenerationError, Unavailable, WorkerCrashedError
 from timeshare.llm.batch import Batch, Row
 from timeshare.llm.kv_budget import KVBudget
@@ -391,7 +391,8 @@ class Engine:
                     return
                 row, step = made
                 try:
-                    token = self._run(turn, step).tokens[0]
+                    outcome = self._run(turn, step)
+                    token = outcome.tokens[0]
                     if token < 0:
                         raise GenerationError(NAN_LOGITS)
                 except BaseException:
@@ -401,7 +402,9 @@ class Engine:
                 with self._cond:
                     self._running.append(seq)
                     self.kv_bytes = self._batch.nbytes
-                self._emit(seq, token)
+                if outcome.prompt_logprobs:
+                    seq.prompt_logprobs = outcome.prompt_logprobs[0]
+                self._emit(seq, token, outcome.logprobs[0] if outcome.logprobs else None)
                 if seq.done:  # its first token ended it: its row goes now
                     self._drop_finished()
             except Exception as exc:
@@ -450,14 +453,16 @@ class Engine:
             return
         self.steps += count
         self.decode_calls += 1
+        logprobs = outcome.logprobs or (None,) * len(outcome.tokens)
         for j in range(count):
-            for seq, token in zip(self._running, outcome.tokens[j * rows:(j + 1) * rows]):
+            part = slice(j * rows, (j + 1) * rows)
+            for seq, token, lp in zip(self._running, outcome.tokens[part], logprobs[part]):
                 if seq.done:  # it ended earlier in the burst: its later tokens are not its
                     continue
                 try:
                     if token < 0:
                         raise GenerationError(NAN_LOGITS)
-                    self._emit(seq, token)
+                    self._emit(seq, token, lp)
                 except Exception as exc:  # or a tokenizer's error
                     self._fail(seq, exc)
         self._batch.stepped(count)
@@ -526,7 +531,7 @@ class Engine:
             self.kv_bytes = self._batch.nbytes
 
     # ------------------------------------------------------------------ one token
-    def _emit(self, seq: Sequence, token: int) -> None:
+    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
         now = time.monotonic()
         first = seq.first_token_at is None
         self._tell(TokenTiming(self.name, first, now - (seq.arrived if first else seq.last_token_at)))  # type: ignore[operator]
@@ -534,15 +539,18 @@ class Engine:
             seq.first_token_at = now
         seq.last_token_at = now
         seq.tokens.append(token)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprobs)
         reason = None
-        if token in self._eos:
+        early = len(seq.tokens) < seq.params.min_tokens  # no stop yet (its end tokens were not drawable)
+        if token in self._eos and not early:
             reason = "stop"
             seq.text += seq.detokenizer.flush()
         else:
             before = len(seq.text)
             seq.text += seq.detokenizer.add(token)
             # Text still being decoded (a character's first bytes) is not in ``text`` yet.
-            at = find_stop(seq.text, seq.params.stop, before)
+            at = None if early else find_stop(seq.text, seq.params.stop, before)
             if at is not None:
                 seq.text, reason = seq.text[:at], "stop"
         if reason is None and (len(seq.tokens) >= seq.params.max_tokens
@@ -550,9 +558,12 @@ class Engine:
             reason = "length"
             seq.text += seq.detokenizer.flush()
         upto = len(seq.text) if reason else len(seq.text) - held_back(seq.text, seq.params.stop)
-        if upto > seq.sent:
-            seq._put(Delta(seq.text[seq.sent:upto], len(seq.tokens)))
-            seq.sent = upto
+        if upto > seq.sent or (reason and len(seq.tokens) > seq.sent_tokens):
+            ids = tuple(seq.tokens[seq.sent_tokens:])
+            seq._put(Delta(seq.text[seq.sent:upto], len(seq.tokens), ids,
+                           tuple(seq.logprobs[seq.sent_tokens:]) if seq.params.logprobs is not None else (),
+                           seq.prompt_logprobs if seq.sent_tokens == 0 else None))
+            seq.sent, seq.sent_tokens = upto, len(seq.tokens)
         if reason:
             self._end(seq, reason)
 

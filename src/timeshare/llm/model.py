@@ -152,7 +152,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
                            graph_mode, compiled)
         # NOTE [Prefix caching]: this load's pages are keyed apart from any other's.
         tag = f"{name}#{os.getpid()}#{next(_loads)}#{id(pages)}".encode()
-        batch = Batch(pages, spec, tag, caching=prefix_caching)
+        batch = Batch(pages, spec, tag, caching=prefix_caching, eos=frozenset(eos))
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, batch=batch, quantum_s=quantum_s,
                         offload_kv=offload_kv, kv_budget=kv_budget, multi_step_s=multi_step_s,

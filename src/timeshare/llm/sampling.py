@@ -1,7 +1,8 @@
 """How a request chooses its tokens and when it stops: the per-request parameters of the
-OpenAI API (temperature, top_p, top_k, seed, max_tokens, stop strings), checked once; the
-tokens are chosen where the model runs (NOTE [One sampler] in ``decode/sampler.py``), the
-stop strings found here. Pure; runs in the controller."""
+OpenAI API (temperature, top_p, top_k, seed, max_tokens, stop strings, log-probabilities,
+penalties, logit bias, min_tokens), checked once; the tokens are chosen where the model
+runs (NOTE [One sampler] and NOTE [Logit processing] in ``decode/sampler.py``), the stop
+strings found here. Pure; runs in the controller."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from timeshare.errors import ConfigError
 
 MAX_STOPS = 4  # as OpenAI's API
+MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI's API (top_logprobs)
+MAX_BIAS = 100.0  # a logit bias's magnitude, as OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,12 @@ class SamplingParams:
     smallest set whose probability reaches ``top_p``, and sampled with noise drawn from
     ``seed`` (None: a random one) and each token's index (NOTE [One sampler]), so that a
     seeded request gives the same text whatever else runs beside it, in-process or in a
-    worker."""
+    worker. ``logprobs``: how many of each generated token's most likely alternatives to
+    report with its own log-probability (None: none); ``prompt_logprobs`` the same for the
+    prompt's tokens; ``presence_penalty``, ``frequency_penalty`` (-2 to 2),
+    ``repetition_penalty`` (above 0; 1 is none), ``logit_bias`` ((token, -100 to 100)
+    pairs) and ``min_tokens`` (no end token and no stop before that many tokens): NOTE
+    [Logit processing]."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -28,6 +36,13 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,10 +55,32 @@ class SamplingParams:
             raise ConfigError(f"top_k must be 0 (off) or positive, got {self.top_k}")
         if len(self.stop) > MAX_STOPS or any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop must be at most {MAX_STOPS} non-empty strings, got {list(self.stop)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS}, got {k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ConfigError(f"repetition_penalty must be above 0 (1: none), got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ConfigError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ConfigError(f"logit_bias values must be between -100 and 100, got {bias} for token {token}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"min_tokens must be a whole number from 0 to max_tokens ({self.max_tokens}), "
+                              f"got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

@@ -11,8 +11,9 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from timeshare.decode.step import TokenLogprobs
 from timeshare.errors import ConfigError, Timeout, TimeshareError
 from timeshare.llm.sampling import SamplingParams
 
@@ -24,10 +25,16 @@ class ContextLengthError(ConfigError):
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of a sequence (and the tokens that completed it)."""
+    """New text of a sequence: ``tokens``, how many it has generated so far; ``ids``, the
+    tokens this text came from (since the previous delta; the last may add no text, an
+    end token), and with ``logprobs`` asked, theirs (one per id); the first delta carries
+    the prompt's, when asked (its tokens after the first)."""
 
     text: str
     tokens: int
+    ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # the first delta's, when asked
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprobs | None] | None = None  # one per token, when asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # the prompt's tokens after the first, when asked
 
 
 @dataclass(frozen=True)
@@ -117,15 +126,17 @@ def read_events(events: queue.Queue[Delta | Finish], timeout_s: float, cancel: C
 
 def collect(events: Iterable[Delta | Finish], tokens: list[int]) -> Completion:
     """The whole completion from a generation's events; raises its error if it failed."""
-    text = []
+    text: list[str] = []
+    logprobs: list[TokenLogprobs | None] = []
     for event in events:
         if isinstance(event, Delta):
             text.append(event.text)
+            logprobs.extend(event.logprobs)
         elif event.error is not None:
             raise event.error
         else:
             return Completion("".join(text), list(tokens), event.reason, event.prompt_tokens,
-                              event.completion_tokens)
+                              event.completion_tokens, logprobs or None)
     raise TimeshareError("the generation's events ended without its finish")
 
 
@@ -138,8 +149,11 @@ class Sequence:
                  on_event: Callable[[Delta | Finish], None] | None = None):
         self.id, self.prompt, self.params, self.detokenizer = sid, prompt, params, detokenizer
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs | None] = []  # one per token when asked (NOTE [Logit processing])
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # once its prefill computed them
         self.text = ""
-        self.sent = 0
+        self.sent = 0  # characters of ``text`` sent
+        self.sent_tokens = 0  # tokens whose ids (and log-probabilities) were sent
         self.finish: Finish | None = None
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
@@ -167,7 +181,8 @@ class Sequence:
 
     def result(self, timeout_s: float) -> Completion:
         """The whole completion; raises the sequence's error if it failed."""
-        return collect(self.events(timeout_s), self.tokens)
+        done = collect(self.events(timeout_s), self.tokens)
+        return replace(done, prompt_logprobs=self.prompt_logprobs)
 
     def _put(self, event: Delta | Finish) -> None:
         if self._on_event is None:
@@ -186,6 +201,8 @@ def check_prompt(model: str, prompt: list[int], params: SamplingParams, vocab: i
         raise ConfigError("the prompt is empty")
     if any(not 0 <= t < vocab for t in prompt):
         raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+    if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+        raise ConfigError(f"logit_bias token ids must be in [0, {vocab})")
     if len(prompt) + params.max_tokens > max_context:
         raise ContextLengthError(
             f"model {model!r} has a context of {max_context} tokens; the prompt has {len(prompt)} "

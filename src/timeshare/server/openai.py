@@ -24,10 +24,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from timeshare.errors import BadRequest, ConfigError, Timeout, TimeshareError
-from timeshare.llm.sampling import SamplingParams
+from timeshare.llm.sampling import MAX_LOGPROBS, SamplingParams
 from timeshare.llm.sequence import ContextLengthError, Delta, Finish
 from timeshare.server.auth import ApiKey, key_dependencies
 from timeshare.server.llms import Generation, ServedLLM
+from timeshare.server.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from timeshare.server.parsing import load_json
 from timeshare.server.status import served_error, status_of
 
@@ -40,9 +41,8 @@ DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that 
 # field as ``param`` and a message that says it is not supported, rather than answered as
 # if it had not asked, or told that its value is out of some range.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False,),
-    "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "n": (1,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "response_format": ({"type": "text"},),
 }
 
 
@@ -62,9 +62,14 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)  # what a torch generator takes
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logprobs: bool | int | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    """An extension (as vLLM's): transformers' repetition penalty over the prompt and output; 1: none."""
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    """An extension (as vLLM's): no end token and no stop string before that many tokens."""
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, *, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's sampling parameters; a refused value is 400 naming its field."""
         self._refuse_unsupported()
         if self.stream_options is not None and not self.stream:  # as OpenAI answers it
@@ -74,9 +79,24 @@ class _Sampling(BaseModel):
             return SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if self.temperature is None else self.temperature,
                                   top_p=1.0 if self.top_p is None else self.top_p, top_k=max(0, self.top_k or 0),
-                                  seed=self.seed, stop=stop)
+                                  seed=self.seed, stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  presence_penalty=self.presence_penalty or 0.0,
+                                  frequency_penalty=self.frequency_penalty or 0.0,
+                                  repetition_penalty=self.repetition_penalty or 1.0,
+                                  logit_bias=self._bias(), min_tokens=self.min_tokens or 0)
         except ConfigError as exc:  # the message begins with the field's name
             raise InvalidRequest(str(exc), str(exc).split(" ", 1)[0]) from None
+
+    def _bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs: its keys are token ids, as strings."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            pairs.append((token, float(bias)))
+        return tuple(sorted(pairs))
 
     def _refuse_unsupported(self) -> None:
         """400 for the first field of ``UNSUPPORTED`` that asks for something."""
@@ -99,6 +119,12 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """The log-probabilities of each token's most likely alternatives, and its own."""
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        return self.sampling(max_tokens, logprobs=self.logprobs,
+                             prompt_logprobs=self.logprobs if self.echo else None)
 
 
 class _Part(BaseModel):
@@ -123,6 +149,13 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return self.sampling(max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 # ---------------------------------------------------------------------- errors
@@ -172,10 +205,11 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
             req: CompletionRequest = parse_request(CompletionRequest, await read_body(request))
             model = llms.get(req.model)
             prompts = _prompts(req.prompt, model)
-            params = req.sampling(req.max_tokens or 16)
+            params = req.params(req.max_tokens or 16)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s)
+        echoed = _echoed(req.prompt, prompts, model) if req.echo else None
+        return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s, echoed=echoed)
 
     @app.post("/v1/chat/completions", dependencies=keyed, summary="Answer a chat (OpenAI)")
     async def chat_completions(request: Request):
@@ -187,7 +221,7 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
             except ConfigError as exc:
                 raise InvalidRequest(str(exc), "messages") from None
             limit = req.max_completion_tokens or req.max_tokens or max(1, model.max_context - len(prompt))
-            params = req.sampling(limit)
+            params = req.params(limit)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
         return await _answer(request, model, [prompt], params, req, chat=True, timeout_s=timeout_s)
@@ -218,6 +252,13 @@ def _prompts(prompt, model: ServedLLM) -> list[list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return [model.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _echoed(prompt, prompts: list[list[int]], model: ServedLLM) -> list[str]:
+    """Each prompt's text as ``echo`` returns it: as given, or its tokens' text."""
+    given = [prompt] if isinstance(prompt, str) else [p if isinstance(p, str) else None for p in prompt] \
+        if prompt and not all(isinstance(p, int) for p in prompt) else [None]
+    return [g if g is not None else model.decode(ids) for g, ids in zip(given, prompts)]
 
 
 class _Stream:
@@ -264,14 +305,72 @@ def join_deltas(events: list[tuple[int, Delta | Finish]]) -> list[tuple[int, Del
     out: list[tuple[int, Delta | Finish]] = []
     for index, event in events:
         if out and isinstance(event, Delta) and out[-1][0] == index and isinstance(out[-1][1], Delta):
-            out[-1] = (index, Delta(out[-1][1].text + event.text, event.tokens))
+            before = out[-1][1]
+            assert isinstance(before, Delta)
+            out[-1] = (index, Delta(before.text + event.text, event.tokens, before.ids + event.ids,
+                                    before.logprobs + event.logprobs, before.prompt_logprobs or event.prompt_logprobs))
         else:
             out.append((index, event))
     return out
 
 
+class _Choice:
+    """One choice's answer as it grows: its text, and its log-probabilities in the shape
+    of its API when asked (a chat's ``content``; a completion's, from its echoed prompt
+    on)."""
+
+    def __init__(self, index: int, texts: TokenTexts, *, chat: bool, logprobs: bool, echo: str | None,
+                 prompt: list[int]):
+        self.index, self.chat, self.asked, self.echo, self.prompt = index, chat, logprobs, echo, prompt
+        self.texts = texts
+        self.parts: list[str] = []
+        self.content: list[dict] = []
+        self.completion = CompletionLogprobs(texts)
+        self.finish: Finish | None = None
+        self.started = False
+
+    def opening(self, delta: Delta) -> tuple[str, dict | None] | None:
+        """Before a completion's first delta, with ``echo``: its prompt's text and, when
+        asked, the prompt's log-probabilities (its first token has none)."""
+        self.started, first = True, not self.started
+        if not first or self.echo is None:
+            return None
+        self.parts.append(self.echo)
+        if not self.asked:
+            return self.echo, None
+        return self.echo, self.completion.add(self.prompt, delta.prompt_logprobs or (), first_unknown=True)
+
+    def add(self, delta: Delta) -> dict | None:
+        """A delta's text; its part of the log-probabilities, when asked."""
+        self.parts.append(delta.text)
+        if not self.asked:
+            return None
+        if self.chat:
+            part = chat_logprobs(self.texts, delta.ids, delta.logprobs)
+            self.content.extend(part)
+            return {"content": part}
+        return self.completion.add(delta.ids, delta.logprobs)
+
+    def whole(self) -> dict:
+        assert self.finish is not None
+        text = "".join(self.parts)
+        logprobs = None if not self.asked else {"content": self.content} if self.chat else self.completion.since()
+        if self.chat:
+            return {"index": self.index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": self.finish.reason, "logprobs": logprobs}
+        return {"index": self.index, "text": text, "finish_reason": self.finish.reason, "logprobs": logprobs}
+
+
+def _choices(model: ServedLLM, prompts: list[list[int]], params: SamplingParams, chat: bool,
+             echoed: list[str] | None) -> list[_Choice]:
+    texts = TokenTexts(model.decode)
+    asked = params.logprobs is not None
+    return [_Choice(i, texts, chat=chat, logprobs=asked, echo=None if echoed is None else echoed[i], prompt=p)
+            for i, p in enumerate(prompts)]
+
+
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
-                  req: _Sampling, *, chat: bool, timeout_s: float):
+                  req: _Sampling, *, chat: bool, timeout_s: float, echoed: list[str] | None = None):
     stream = _Stream(timeout_s)
     try:
         for i, prompt in enumerate(prompts):
@@ -287,18 +386,18 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
         raise
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
+    choices = _choices(model, prompts, params, chat, echoed)
     if req.stream:
-        return StreamingResponse(_sse(stream, model.name, rid, created, chat, req.include_usage),
+        return StreamingResponse(_sse(stream, choices, model.name, rid, created, chat, req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    texts: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
-    finishes: dict[int, Finish] = {}
 
     async def collect() -> None:
         async for index, event in stream.events():
             if isinstance(event, Delta):
-                texts[index].append(event.text)
+                choices[index].opening(event)
+                choices[index].add(event)
             else:
-                finishes[index] = event
+                choices[index].finish = event
 
     collecting = asyncio.ensure_future(collect())
     try:
@@ -313,19 +412,12 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     finally:
         collecting.cancel()
         stream.cancel()  # a no-op for finished sequences
-    failed = next((f.error for f in finishes.values() if f.error is not None), None)
+    finishes = [c.finish for c in choices if c.finish is not None]
+    failed = next((f.error for f in finishes if f.error is not None), None)
     if failed is not None:
         raise served_error(model.name, failed)
-    choices = []
-    for i in range(len(prompts)):
-        text, reason = "".join(texts[i]), finishes[i].reason
-        if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                            "logprobs": None})
-        else:
-            choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model.name, "choices": choices, "usage": _usage(finishes.values())}
+            "model": model.name, "choices": [c.whole() for c in choices], "usage": _usage(finishes)}
 
 
 def _usage(finishes) -> dict:
@@ -334,7 +426,8 @@ def _usage(finishes) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _sse(stream: _Stream, model: str, rid: str, created: int, chat: bool, include_usage: bool):
+async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, created: int, chat: bool,
+               include_usage: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
     # As OpenAI documents stream_options.include_usage: when asked, every chunk has
     # "usage": null and one more chunk, with no choices, carries the usage before [DONE];
@@ -363,8 +456,12 @@ async def _sse(stream: _Stream, model: str, rid: str, created: int, chat: bool, 
                 end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
                 yield chunk([{"index": index, **end, "finish_reason": event.reason, "logprobs": None}])
             else:
+                opening = choices[index].opening(event)
+                if opening is not None:  # a completion's echoed prompt
+                    yield chunk([{"index": index, "text": opening[0], "finish_reason": None, "logprobs": opening[1]}])
+                logprobs = choices[index].add(event)
                 part: dict[str, Any] = {"delta": {"content": event.text}} if chat else {"text": event.text}
-                yield chunk([{"index": index, **part, "finish_reason": None, "logprobs": None}])
+                yield chunk([{"index": index, **part, "finish_reason": None, "logprobs": logprobs}])
         else:
             if include_usage:
                 yield chunk([], usage=_usage(finishes))

@@ -1,0 +1,160 @@
+"""What a request asks beyond its sampling parameters (issue 48, NOTE [Logit processing]),
+in-process and with workers, against references computed from ``transformers``' own
+logits on the same weights: the log-probabilities of greedy tokens and their top
+alternatives, the prompt's log-probabilities (``echo``), repetition, presence and
+frequency penalties, logit bias and ``min_tokens``; a step whose rows ask for none of it
+gives the tokens it gave before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.llm_reference import with_pools
+from timeshare.llm import hfdir
+from timeshare.llm import model as lm
+from timeshare.llm.sampling import SamplingParams
+from timeshare.runtime.facade import Runtime
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["the model switch fast", "a gpu load weights", "layer token fast slow memory host device"]
+TOKENS = 12
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return hfdir.write_model_dir(tmp_path_factory.mktemp("proc") / "llama", "llama", seed=5, hidden=96, layers=3)
+
+
+@pytest.fixture(scope="module")
+def hf(llama):
+    tok = transformers.AutoTokenizer.from_pretrained(llama)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "workers"])
+def served(request, llama):
+    with Runtime("cpu", with_pools("16MiB", [llama], max_context=128), workers=request.param) as rt:
+        m = lm.load(rt, "llama", llama, max_context=128, max_sequences=4)
+        yield m
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of ``ids`` ([len, vocab], float32)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _reference(model, prompt: list[int], n: int, process) -> list[int]:
+    """Greedy tokens from transformers' logits, each step's logits through ``process(ids,
+    scores)`` (ids: the prompt and the tokens so far) before the argmax."""
+    ids = list(prompt)
+    for _ in range(n):
+        scores = _logits(model, ids)[-1][None]
+        ids.append(int(process(torch.tensor([ids]), scores).argmax(-1)))
+    return ids[len(prompt):]
+
+
+def test_greedy_tokens_log_probabilities_are_transformers_log_softmax_with_their_top_in_order(served, hf):
+    tok, model = hf
+    for text in PROMPTS:
+        prompt = served.encode(text)
+        done = served.generate(prompt, SamplingParams(max_tokens=TOKENS, temperature=0, logprobs=5)).result(60)
+        assert done.logprobs is not None and len(done.logprobs) == len(done.tokens)
+        logp = torch.log_softmax(_logits(model, prompt + done.tokens[:-1]), -1)[len(prompt) - 1:]
+        for i, (token, got) in enumerate(zip(done.tokens, done.logprobs)):
+            assert got is not None
+            assert got.logprob == pytest.approx(float(logp[i, token]), abs=TOLERANCE)
+            values, ids = logp[i].topk(5)
+            assert [t for t, _ in got.top] == ids.tolist()  # the most likely first
+            assert [v for _, v in got.top] == pytest.approx(values.tolist(), abs=TOLERANCE)
+            assert got.top[0][0] == token  # greedy: the chosen one is the most likely
+
+
+def test_the_prompts_log_probabilities_are_transformers_per_token_log_likelihood(served, hf):
+    tok, model = hf
+    prompt = served.encode(PROMPTS[2])
+    # Twice: the second finds the prompt's pages cached, and still computes it whole.
+    for _ in range(2):
+        done = served.generate(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)).result(60)
+        assert done.prompt_logprobs is not None and len(done.prompt_logprobs) == len(prompt) - 1
+        logp = torch.log_softmax(_logits(model, prompt), -1)
+        for i, got in enumerate(done.prompt_logprobs):
+            assert got.logprob == pytest.approx(float(logp[i, prompt[i + 1]]), abs=TOLERANCE)
+            assert [t for t, _ in got.top] == logp[i].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_is_transformers_processor(served, hf, penalty):
+    tok, model = hf
+    processor = transformers.RepetitionPenaltyLogitsProcessor(penalty)
+    for text in PROMPTS[:2]:
+        prompt = served.encode(text)
+        got = served.generate(prompt, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                     repetition_penalty=penalty)).result(60).tokens
+        assert got == _reference(model, prompt, TOKENS, processor)
+
+
+def test_presence_and_frequency_penalties_are_openais_definitions(served, hf):
+    tok, model = hf
+    presence, frequency = 1.2, 0.8
+
+    def penalize(ids, scores):
+        generated = ids[0, len(prompt):]
+        counts = torch.zeros_like(scores[0]).index_add_(0, generated, torch.ones(len(generated)))
+        return scores - frequency * counts - presence * (counts > 0).float()
+
+    for text in PROMPTS:
+        prompt = served.encode(text)
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, presence_penalty=presence,
+                                frequency_penalty=frequency)
+        assert served.generate(prompt, params).result(60).tokens == _reference(model, prompt, TOKENS, penalize)
+
+
+def test_logit_bias_and_min_tokens(served, hf):
+    tok, model = hf
+    prompt = served.encode(PROMPTS[0])
+    plain = served.generate(prompt, SamplingParams(max_tokens=TOKENS, temperature=0)).result(60).tokens
+    bias = ((plain[0], -100.0), (plain[1], -30.0))
+
+    def biased(ids, scores):
+        for token, b in bias:
+            scores[0, token] += b
+        return scores
+
+    got = served.generate(prompt, SamplingParams(max_tokens=TOKENS, temperature=0, logit_bias=bias)).result(60)
+    assert got.tokens == _reference(model, prompt, TOKENS, biased) and got.tokens[0] != plain[0]
+    # The end token pushed up: it comes as soon as min_tokens lets it, and ends the answer.
+    eos = tok.eos_token_id
+    done = served.generate(prompt, SamplingParams(max_tokens=TOKENS, temperature=0, logit_bias=((eos, 100.0),),
+                                                  min_tokens=4)).result(60)
+    assert done.finish_reason == "stop" and len(done.tokens) == 5 and done.tokens[-1] == eos
+    assert eos not in done.tokens[:4]
+
+
+def test_a_batch_mixing_rows_that_ask_and_rows_that_do_not_gives_each_its_own(served, hf):
+    tok, model = hf
+    plain = SamplingParams(max_tokens=TOKENS, temperature=0)
+    alone = [served.generate(served.encode(t), plain).result(60).tokens for t in PROMPTS]
+    asks = [SamplingParams(max_tokens=TOKENS, temperature=0, logprobs=2),
+            plain,
+            SamplingParams(max_tokens=TOKENS, temperature=0, repetition_penalty=1.5)]
+    seqs = [served.generate(served.encode(t), p) for t, p in zip(PROMPTS, asks)]
+    done = [s.result(60) for s in seqs]
+    assert done[0].tokens == alone[0] and done[0].logprobs is not None
+    assert done[1].tokens == alone[1] and done[1].logprobs is None
+    processor = transformers.RepetitionPenaltyLogitsProcessor(1.5)
+    assert done[2].tokens == _reference(model, served.encode(PROMPTS[2]), TOKENS, processor)
+
+
+def test_sampling_params_refuse_what_is_out_of_range():
+    from timeshare.errors import ConfigError
+
+    for bad in ({"logprobs": 21}, {"logprobs": -1}, {"prompt_logprobs": True}, {"presence_penalty": 2.5},
+                {"frequency_penalty": -3}, {"repetition_penalty": 0}, {"logit_bias": ((5, 101.0),)},
+                {"logit_bias": ((-1, 1.0),)}, {"min_tokens": 17}):
+        with pytest.raises(ConfigError):
+            SamplingParams(max_tokens=16, **bad)

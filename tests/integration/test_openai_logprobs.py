@@ -1,0 +1,145 @@
+"""Log-probabilities, echo, penalties and logit bias through the official ``openai`` client
+(issue 48): OpenAI's shapes, whole and streamed, each number against ``transformers``'
+own log-softmax on the same weights; refused values are 400s naming their field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.serving import running_server
+from timeshare.llm import hfdir
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return hfdir.write_model_dir(tmp_path_factory.mktemp("lp") / "llama", "llama", seed=7, hidden=96, layers=3)
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    return (transformers.AutoTokenizer.from_pretrained(path),
+            transformers.AutoModelForCausalLM.from_pretrained(path).eval())
+
+
+@pytest.fixture(scope="module")
+def client(path):
+    cfg = {"runtime": {"device": "cpu", "memory": "64MiB"},
+           "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
+           "llms": [{"name": "llama", "path": str(path), "max_sequences": 4, "max_context": 128}]}
+    with running_server(cfg) as s, openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0,
+                                                 timeout=60) as c:
+        yield c
+
+
+def _log_softmax(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_completions_logprobs_are_transformers_with_the_chosen_among_the_top(client, hf):
+    tok, model = hf
+    prompt = "the model switch fast"
+    done = client.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    ids = _ids(tok, prompt)
+    tokens = _greedy(model, ids, 8)  # greedy: the tokens the server chose too
+    ref = _log_softmax(model, ids + tokens[:-1])[len(ids) - 1:]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    for i, token in enumerate(tokens):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i, token]), abs=TOLERANCE)
+        top = lp.top_logprobs[i]
+        assert lp.tokens[i] in top and 3 <= len(top) <= 4  # the top 3, and the chosen one always
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(ref[i].topk(3).values.tolist(), abs=TOLERANCE)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        with torch.no_grad():
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def test_echo_gives_the_prompts_log_likelihood_as_evaluation_harnesses_read_it(client, hf):
+    tok, model = hf
+    prompt = "layer token fast slow memory host device"
+    ids = _ids(tok, prompt)
+    done = client.completions.create(model="llama", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = done.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _log_softmax(model, ids)
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, ids[i]]), abs=TOLERANCE)
+    total = sum(lp.token_logprobs[1:len(ids)])
+    assert total == pytest.approx(float(sum(ref[i - 1, ids[i]] for i in range(1, len(ids)))), abs=1e-4)
+
+
+def test_a_chats_logprobs_whole_and_streamed_are_the_same_in_openais_shape(client, hf):
+    chat = dict(model="llama", messages=[{"role": "user", "content": "a gpu load"}], max_tokens=6, temperature=0,
+                logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**chat)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 6 or whole.choices[0].finish_reason == "stop"
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8")) and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=TOLERANCE)  # greedy: the best
+    streamed = []
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**{**chat, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_penalties_and_bias_change_the_answer_as_asked(client, hf):
+    tok, model = hf
+    prompt = "the model switch fast"
+    plain = client.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0)
+    first = _greedy(model, _ids(tok, prompt), 1)[0]
+    biased = client.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0,
+                                       logit_bias={str(first): -100}, logprobs=1)
+    lp = biased.choices[0].logprobs
+    assert lp.tokens[0] != tok.decode([first])
+    # Raw log-probabilities: the best is still the banned one; the chosen is reported beside it.
+    assert set(lp.top_logprobs[0]) == {tok.decode([first]), lp.tokens[0]}
+    assert lp.top_logprobs[0][tok.decode([first])] > lp.token_logprobs[0]
+    repeated = client.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"repetition_penalty": 1.0, "min_tokens": 2},
+                                         presence_penalty=0.0, frequency_penalty=0.0)
+    assert repeated.choices[0].text == plain.choices[0].text  # neutral values change nothing
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(logprobs=21), "logprobs"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(logit_bias={"abc": 1}), "logit_bias"),
+    (dict(logit_bias={"1": 101}), "logit_bias"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(extra_body={"min_tokens": 9}), "min_tokens"),
+])
+def test_refused_values_are_400s_naming_their_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="llama", prompt="a", max_tokens=8, **extra)
+    assert err.value.param == param, err.value.message
+
+
+def test_top_logprobs_needs_logprobs_in_a_chat(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       top_logprobs=2)
+    assert err.value.param == "top_logprobs"
