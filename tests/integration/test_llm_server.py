@@ -144,9 +144,9 @@ def test_bad_requests_get_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="llama", messages=[])
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="llama", prompt="a", n=2)
-    assert err.value.param == "n" and err.value.body["message"] == "n=2 is not supported by this server (only n=1, " \
-                                                                  "or null)"
+        client.completions.create(model="llama", prompt="a", best_of=2)
+    assert err.value.param == "best_of" and err.value.body["message"] == "best_of=2 is not supported by this " \
+                                                                        "server (only best_of=1, or null)"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
@@ -173,7 +173,6 @@ def test_unsupported_fields_are_refused_as_unsupported_and_their_neutral_values_
     nothing is answered as usual."""
     chat = dict(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0)
     refused = [
-        (dict(n=3), "n", "n=3 is not supported by this server (only n=1, or null)"),
         (dict(tool_choice="auto"), "tool_choice", 'tool_choice="auto" is not supported by this server'),
         (dict(response_format={"type": "json_object"}), "response_format",
          "response_format is not supported by this server"),

@@ -7,6 +7,7 @@ step computes runs where the weights are (NOTE [One step, two places]).
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
@@ -38,6 +39,10 @@ def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset()) -> Draw:
     sequence asks for it): log-probabilities, penalties over its history, its logit bias,
     and the end tokens ``eos`` while it is short of ``min_tokens``."""
     params = [s.params for s in seqs]
+    plain = Draw(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
+                 tuple(p.top_p for p in params), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs))
+    if not any(p.asks_more for p in params):
+        return plain
     logprobs = tuple(-1 if p.logprobs is None else p.logprobs for p in params)
     penalties = tuple(Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                                 tuple(s.prompt + s.tokens), len(s.prompt)) if p.penalized else None
@@ -45,12 +50,10 @@ def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset()) -> Draw:
     bias = tuple(p.logit_bias for p in params)
     ends = tuple(sorted(eos))
     banned = tuple((ends, max(0, p.min_tokens - len(s.tokens))) for s, p in zip(seqs, params))
-    return Draw(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
-                tuple(p.top_p for p in params), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs),
-                logprobs if any(k >= 0 for k in logprobs) else (),
-                penalties if any(p is not None for p in penalties) else (),
-                bias if any(bias) else (),
-                banned if ends and any(steps for _, steps in banned) else ())
+    return replace(plain, logprobs=logprobs if any(k >= 0 for k in logprobs) else (),
+                   penalties=penalties if any(p is not None for p in penalties) else (),
+                   bias=bias if any(bias) else (),
+                   banned=banned if ends and any(steps for _, steps in banned) else ())
 
 
 class Batch:
@@ -65,6 +68,7 @@ class Batch:
         self.rows: list[Row] = []
         self.hits = 0  # full pages of prompts found cached, and not (NOTE [Prefix caching])
         self.misses = 0
+        self.prefilled = 0  # positions its prefills computed (those found cached were not)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -98,6 +102,7 @@ class Batch:
         self.hits += len(shared)
         self.misses += len(shareable) - len(shared)
         start = len(shared) * self.block
+        self.prefilled += len(context) - start
         row = Row(seq, shared + new, keys)
         # Only a page the prefill leaves partly written is zeroed (NOTE [Paged key/value caches]).
         zero = tuple(new[-1:]) if len(context) % self.block else ()

@@ -113,6 +113,7 @@ class EngineSnapshot:
     preemptions: int = 0  # NOTE [Preemption under memory pressure]
     lean_steps: int = 0  # of the eager steps, those run by the lean step (NOTE [Lean decode steps])
     decode_calls: int = 0  # the runtime calls its decode steps took (NOTE [Multi-step decode])
+    prefill_tokens: int = 0  # positions its prefills computed (not those found cached: NOTE [Prefix caching])
 
 
 class Engine:
@@ -209,7 +210,7 @@ class Engine:
                                   graphs_compiled=counts.compiled, capture_s=counts.capture_s,
                                   prefix_hits=self._batch.hits, prefix_misses=self._batch.misses,
                                   cached_pages=pool.cached, preemptions=self.preemptions, lean_steps=counts.lean,
-                                  decode_calls=self.decode_calls)
+                                  decode_calls=self.decode_calls, prefill_tokens=self._batch.prefilled)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread

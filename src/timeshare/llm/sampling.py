@@ -79,6 +79,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def asks_more(self) -> bool:
+        """Whether it asks for anything past temperature, top-k, top-p and the seed
+        (NOTE [Logit processing]): log-probabilities, penalties, a bias, min_tokens."""
+        return self.logprobs is not None or self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 

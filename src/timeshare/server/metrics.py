@@ -288,6 +288,9 @@ def _language_models(snap: ServiceSnapshot):
                         {n: s.prefix_hits for n, s in llms.items()})
         yield _by_label(CounterMetricFamily, "timeshare_llm_prefix_cache_misses", "Full pages of prompts not "
                         "found in the prefix cache", "model", {n: s.prefix_misses for n, s in llms.items()})
+        yield _by_label(CounterMetricFamily, "timeshare_llm_prefill_tokens", "Prompt positions prefills "
+                        "computed (those found in the prefix cache were not)", "model",
+                        {n: s.prefill_tokens for n, s in llms.items()})
         yield _by_label(GaugeMetricFamily, "timeshare_llm_prefix_cache_pages", "Free pages of the model's pool "
                         "that keep a prefix for later requests (reclaimed first when pages run short)", "model",
                         {n: s.cached_pages for n, s in llms.items()})

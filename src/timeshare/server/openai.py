@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from timeshare.server.parsing import load_json
 from timeshare.server.status import served_error, status_of
 
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that its client is still there
+MAX_CHOICES = 128  # ``n``: choices per prompt
 
 
 # ---------------------------------------------------------------------- requests
@@ -41,7 +43,7 @@ DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that 
 # field as ``param`` and a message that says it is not supported, rather than answered as
 # if it had not asked, or told that its value is out of some range.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "response_format": ({"type": "text"},),
 }
 
@@ -55,7 +57,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     """An extension (as vLLM's): the most likely k tokens only; 0 or -1: all."""
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
@@ -320,8 +322,9 @@ class _Choice:
     on)."""
 
     def __init__(self, index: int, texts: TokenTexts, *, chat: bool, logprobs: bool, echo: str | None,
-                 prompt: list[int]):
+                 prompt: list[int], first: bool = True):
         self.index, self.chat, self.asked, self.echo, self.prompt = index, chat, logprobs, echo, prompt
+        self.first = first  # the first choice of its prompt: its prompt's tokens count in the usage
         self.texts = texts
         self.parts: list[str] = []
         self.content: list[dict] = []
@@ -362,19 +365,27 @@ class _Choice:
 
 
 def _choices(model: ServedLLM, prompts: list[list[int]], params: SamplingParams, chat: bool,
-             echoed: list[str] | None) -> list[_Choice]:
+             echoed: list[str] | None, n: int) -> list[_Choice]:
+    """``n`` choices of each prompt, in OpenAI's order (by prompt, then by choice)."""
     texts = TokenTexts(model.decode)
     asked = params.logprobs is not None
-    return [_Choice(i, texts, chat=chat, logprobs=asked, echo=None if echoed is None else echoed[i], prompt=p)
-            for i, p in enumerate(prompts)]
+    return [_Choice(i * n + j, texts, chat=chat, logprobs=asked, echo=None if echoed is None else echoed[i], prompt=p,
+                    first=j == 0)
+            for i, p in enumerate(prompts) for j in range(n)]
 
 
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
                   req: _Sampling, *, chat: bool, timeout_s: float, echoed: list[str] | None = None):
+    n = req.n or 1
     stream = _Stream(timeout_s)
     try:
+        # ``n`` choices of each prompt, one after another: the first's prefill publishes the
+        # prompt's full pages and the others find them cached (NOTE [Prefix caching]); each
+        # its own sampling stream (a seeded request: seed + j for its j-th choice, as vLLM).
         for i, prompt in enumerate(prompts):
-            stream.seqs.append(model.generate(prompt, params, stream.listener(i)))
+            for j in range(n):
+                choice = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
+                stream.seqs.append(model.generate(prompt, choice, stream.listener(i * n + j)))
     except ContextLengthError as exc:
         stream.cancel()
         return openai_error(400, str(exc), param="prompt" if not chat else "messages", code="context_length_exceeded")
@@ -386,7 +397,7 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
         raise
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    choices = _choices(model, prompts, params, chat, echoed)
+    choices = _choices(model, prompts, params, chat, echoed, n)
     if req.stream:
         return StreamingResponse(_sse(stream, choices, model.name, rid, created, chat, req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -412,17 +423,18 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     finally:
         collecting.cancel()
         stream.cancel()  # a no-op for finished sequences
-    finishes = [c.finish for c in choices if c.finish is not None]
-    failed = next((f.error for f in finishes if f.error is not None), None)
+    failed = next((c.finish.error for c in choices if c.finish is not None and c.finish.error is not None), None)
     if failed is not None:
         raise served_error(model.name, failed)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model.name, "choices": [c.whole() for c in choices], "usage": _usage(finishes)}
+            "model": model.name, "choices": [c.whole() for c in choices], "usage": _usage(choices)}
 
 
-def _usage(finishes) -> dict:
-    prompt = sum(f.prompt_tokens for f in finishes)
-    completion = sum(f.completion_tokens for f in finishes)
+def _usage(choices: list[_Choice]) -> dict:
+    """Tokens of the prompts (each once, however many choices it has) and of every choice."""
+    done = [(c.first, c.finish) for c in choices if c.finish is not None]
+    prompt = sum(f.prompt_tokens for first, f in done if first)
+    completion = sum(f.completion_tokens for _, f in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -438,7 +450,6 @@ async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, cr
         body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **usage, **extra}
         return f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
 
-    finishes: list[Finish] = []
     try:
         if chat:
             for i in range(len(stream.seqs)):
@@ -452,7 +463,7 @@ async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, cr
                                       else "invalid_request_error", "param": None, "code": str(status)}}
                     yield f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
                     break
-                finishes.append(event)
+                choices[index].finish = event
                 end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
                 yield chunk([{"index": index, **end, "finish_reason": event.reason, "logprobs": None}])
             else:
@@ -464,7 +475,7 @@ async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, cr
                 yield chunk([{"index": index, **part, "finish_reason": None, "logprobs": logprobs}])
         else:
             if include_usage:
-                yield chunk([], usage=_usage(finishes))
+                yield chunk([], usage=_usage(choices))
         yield "data: [DONE]\n\n"
     except Timeout as exc:
         body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": "504"}}

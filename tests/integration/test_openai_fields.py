@@ -1,9 +1,14 @@
-"""Log-probabilities, echo, penalties and logit bias through the official ``openai`` client
-(issue 48): OpenAI's shapes, whole and streamed, each number against ``transformers``'
-own log-softmax on the same weights; refused values are 400s naming their field."""
+"""The OpenAI API's fields beyond sampling, through the official ``openai`` client (issue
+48): log-probabilities, echo, penalties and logit bias in OpenAI's shapes, whole and
+streamed, each number against ``transformers``' own log-softmax on the same weights;
+several choices (``n``) with the prompt computed once; refused values are 400s naming
+their field."""
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 import torch
 
@@ -28,13 +33,24 @@ def hf(path):
 
 
 @pytest.fixture(scope="module")
-def client(path):
+def server(path):
     cfg = {"runtime": {"device": "cpu", "memory": "64MiB"},
            "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
-           "llms": [{"name": "llama", "path": str(path), "max_sequences": 4, "max_context": 128}]}
-    with running_server(cfg) as s, openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0,
-                                                 timeout=60) as c:
+           "llms": [{"name": "llama", "path": str(path), "max_sequences": 4, "max_context": 256}]}
+    with running_server(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
+
+
+def _prefilled(server) -> int:
+    """The positions the model's prefills computed so far, as ``/metrics`` says."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return int(float(re.search(r'^timeshare_llm_prefill_tokens_total\{model="llama"\} (\S+)$', text, re.M)[1]))
 
 
 def _log_softmax(model, ids: list[int]) -> torch.Tensor:
@@ -143,3 +159,42 @@ def test_top_logprobs_needs_logprobs_in_a_chat(client):
         client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        top_logprobs=2)
     assert err.value.param == "top_logprobs"
+
+
+def test_n_choices_each_their_own_stream_with_the_prompt_computed_once(client, server, hf):
+    tok, model = hf
+    prompt = " ".join(["the model switch fast on a gpu with layers"] * 12)
+    ids = _ids(tok, prompt)
+    before = _prefilled(server)
+    done = client.completions.create(model="llama", prompt=prompt, max_tokens=12, temperature=1.0, seed=11, n=4)
+    computed = _prefilled(server) - before
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in done.choices}) > 1  # each choice its own sampling stream
+    again = client.completions.create(model="llama", prompt=prompt, max_tokens=12, temperature=1.0, seed=11, n=4)
+    assert [c.text for c in again.choices] == [c.text for c in done.choices]  # seeded: the same four
+    assert done.usage.prompt_tokens == len(ids)  # the prompt counted once
+    assert done.usage.completion_tokens == 4 * 12 or any(c.finish_reason == "stop" for c in done.choices)
+    # The first choice computed the whole prompt; the others only what its full pages do
+    # not hold (its last partial page, and its last position).
+    assert len(ids) <= computed < 2 * len(ids), (computed, len(ids))
+    greedy = client.completions.create(model="llama", prompt=prompt, max_tokens=6, temperature=0, n=3)
+    assert len({c.text for c in greedy.choices}) == 1
+
+
+def test_n_chat_choices_stream_each_to_its_end(client):
+    chunks = list(client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, temperature=0.8, seed=3, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    ended = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert ended == {0, 1}
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens <= 10
+
+
+def test_n_over_the_limit_and_best_of_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="llama", prompt="a", max_tokens=2, n=129)
+    assert err.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="llama", prompt="a", max_tokens=2, best_of=2)
+    assert err.value.param == "best_of"
