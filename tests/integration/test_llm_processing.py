@@ -2,8 +2,8 @@
 in-process and with workers, against references computed from ``transformers``' own
 logits on the same weights: the log-probabilities of greedy tokens and their top
 alternatives, the prompt's log-probabilities (``echo``), repetition, presence and
-frequency penalties, logit bias and ``min_tokens``; a step whose rows ask for none of it
-gives the tokens it gave before."""
+frequency penalties, logit bias and ``min_tokens``; answers held to a hundred JSON schemas;
+a step whose rows ask for none of it gives the tokens it gave before."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tests.llm_reference import with_pools
+from timeshare.bench.json_schemas import schemas
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
+from timeshare.llm.constrained import OutputFormat
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.facade import Runtime
 
@@ -37,8 +39,8 @@ def hf(llama):
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "workers"])
 def served(request, llama):
-    with Runtime("cpu", with_pools("16MiB", [llama], max_context=128), workers=request.param) as rt:
-        m = lm.load(rt, "llama", llama, max_context=128, max_sequences=4)
+    with Runtime("cpu", with_pools("16MiB", [llama], max_context=256), workers=request.param) as rt:
+        m = lm.load(rt, "llama", llama, max_context=256, max_sequences=8)
         yield m
 
 
@@ -158,3 +160,24 @@ def test_sampling_params_refuse_what_is_out_of_range():
                 {"logit_bias": ((-1, 1.0),)}, {"min_tokens": 17}):
         with pytest.raises(ConfigError):
             SamplingParams(max_tokens=16, **bad)
+
+
+def test_a_hundred_json_schemas_every_answer_validates_greedy_and_sampled(served):
+    """NOTE [Constrained decoding]: schemas drawn with nested objects, arrays, enums,
+    required fields, bounded numbers and patterned strings (``bench/json_schemas.py``) on a
+    model with a byte-level tokenizer; random weights, so the grammar alone makes the
+    answers valid."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    drawn = schemas(100, seed=48)
+    prompt = served.encode("an answer in json")
+    asked = [(s, SamplingParams(max_tokens=220, temperature=t, seed=i, output=OutputFormat.json_schema(s)))
+             for i, s in enumerate(drawn) for t in (0.0, 1.0)]
+    for at in range(0, len(asked), 8):  # eight at a time: one batch
+        group = asked[at:at + 8]
+        seqs = [served.generate(prompt, params) for _, params in group]
+        for (schema, _), seq in zip(group, seqs):
+            done = seq.result(120)
+            assert done.finish_reason == "stop", (schema, done.text)
+            jsonschema.validate(json.loads(done.text), schema)

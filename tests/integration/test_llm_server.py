@@ -174,8 +174,6 @@ def test_unsupported_fields_are_refused_as_unsupported_and_their_neutral_values_
     chat = dict(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0)
     refused = [
         (dict(tool_choice="auto"), "tool_choice", 'tool_choice="auto" is not supported by this server'),
-        (dict(response_format={"type": "json_object"}), "response_format",
-         "response_format is not supported by this server"),
         (dict(stream_options={"include_usage": True}), "stream_options", "only allowed when stream is true"),
     ]
     for extra, param, words in refused:

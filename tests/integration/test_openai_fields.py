@@ -6,6 +6,7 @@ their field."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -198,3 +199,38 @@ def test_n_over_the_limit_and_best_of_are_refused(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="llama", prompt="a", max_tokens=2, best_of=2)
     assert err.value.param == "best_of"
+
+
+def test_a_json_schema_answer_validates_whole_and_streamed(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+              "required": ["name", "count"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "a thing"}]
+    whole = client.chat.completions.create(model="llama", messages=messages, max_tokens=120, temperature=0,
+                                           response_format=fmt)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="llama", messages=messages, max_tokens=120, temperature=0, response_format=fmt, stream=True)
+        if c.choices)
+    assert streamed == whole.choices[0].message.content
+    anything = client.chat.completions.create(model="llama", messages=messages, max_tokens=200, temperature=0.7,
+                                              seed=1, response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "must be a JSON schema"),
+    ({"type": "yaml"}, "not supported"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}},
+     "cannot be compiled"),
+])
+def test_a_format_that_cannot_be_used_is_a_400_naming_why(client, fmt, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       response_format=fmt)
+    assert err.value.param == "response_format" and words in err.value.message, err.value.message

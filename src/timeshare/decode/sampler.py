@@ -20,7 +20,8 @@ repetition penalty divides the logits of every token in its prompt and output th
 positive and multiplies those that are negative (transformers'
 ``RepetitionPenaltyLogitsProcessor``); its frequency penalty times each generated
 token's count and its presence penalty for each generated token are subtracted
-(OpenAI's definitions); then greedy rows take the argmax and the others are drawn as
+(OpenAI's definitions); tokens outside a constrained row's mask are masked (NOTE
+[Constrained decoding]); then greedy rows take the argmax and the others are drawn as
 above. A row's history crosses with its step (``Penalties.history``): nothing lives
 between steps, so a step may run in any process. Within a burst the counts grow with
 each token chosen. A step whose rows ask for none of this builds none of it.
@@ -57,6 +58,9 @@ class Processing:
         self.ban_steps: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # generated tokens, per row and token
         self.seen: torch.Tensor | None = None  # tokens in the prompt or generated
+        self.allowed: torch.Tensor | None = None  # per row and token: may be chosen next (constrained rows)
+        if any(draw.allowed):
+            self.allowed = _allowed(draw.allowed, vocab, device)
         if any(draw.bias):
             at = [(r, t, b) for r, pairs in enumerate(draw.bias) for t, b in pairs]
             self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
@@ -92,6 +96,10 @@ class Processing:
             repeated = torch.where(scores < 0, scores * self.repetition, scores / self.repetition)
             scores = torch.where(self.seen, repeated, scores)
             scores = scores - self.frequency * self.counts - self.presence * (self.counts > 0)
+        if self.allowed is not None:
+            if step:
+                raise ValueError("a constrained row's mask holds for its next token only, not a burst's later ones")
+            scores = scores.masked_fill(~self.allowed, float("-inf"))
         return scores
 
     def advance(self, chosen: torch.Tensor) -> None:
@@ -102,6 +110,21 @@ class Processing:
         valid = (chosen >= 0).float()
         self.counts[rows, chosen.clamp_min(0)] += valid
         self.seen[rows, chosen.clamp_min(0)] |= valid.bool()
+
+
+def _allowed(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab]: True where a row may choose the token (every token, for a row with
+    no mask; none past its mask's words)."""
+    out = torch.ones(len(masks), vocab, dtype=torch.bool)
+    bits = torch.arange(32, dtype=torch.int32)
+    for r, mask in enumerate(masks):
+        if not mask:
+            continue
+        words = torch.frombuffer(bytearray(mask), dtype=torch.int32)
+        row = ((words[:, None] >> bits) & 1).bool().flatten()[:vocab]
+        out[r] = False
+        out[r, :row.numel()] = row
+    return out.to(device, non_blocking=True) if device.type == "cuda" else out
 
 
 def _index(at: Sequence[tuple[int, int, object]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,7 +97,9 @@ class Draw:
     nothing for it (NOTE [Logit processing]): ``logprobs``, the row's top log-probabilities
     to report besides its chosen token's (-1: none); ``penalties`` (None: none); ``bias``,
     (token, bias) pairs added to its logits; ``banned``, tokens it may not choose in its
-    next ``steps`` tokens, as (tokens, steps) (min_tokens' end tokens)."""
+    next ``steps`` tokens, as (tokens, steps) (min_tokens' end tokens); ``allowed``, the
+    only tokens it may choose next, a bitmask (little-endian 32-bit words; empty: any;
+    NOTE [Constrained decoding])."""
 
     temperature: tuple[float, ...]
     top_k: tuple[int, ...]
@@ -108,6 +110,7 @@ class Draw:
     penalties: tuple[Penalties | None, ...] = ()
     bias: tuple[tuple[tuple[int, float], ...], ...] = ()
     banned: tuple[tuple[tuple[int, ...], int], ...] = ()
+    allowed: tuple[bytes, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -116,7 +119,8 @@ class Draw:
     @property
     def processed(self) -> bool:
         """Whether any row's logits are changed before its choice (NOTE [Logit processing])."""
-        return any(p is not None for p in self.penalties) or any(self.bias) or any(s > 0 for _, s in self.banned)
+        return any(p is not None for p in self.penalties) or any(self.bias) or \
+            any(s > 0 for _, s in self.banned) or any(self.allowed)
 
     @property
     def top_logprobs(self) -> int:

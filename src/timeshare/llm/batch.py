@@ -50,10 +50,12 @@ def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset()) -> Draw:
     bias = tuple(p.logit_bias for p in params)
     ends = tuple(sorted(eos))
     banned = tuple((ends, max(0, p.min_tokens - len(s.tokens))) for s, p in zip(seqs, params))
+    allowed = tuple(s.matcher.mask() if s.matcher is not None else b"" for s in seqs)  # NOTE [Constrained decoding]
     return replace(plain, logprobs=logprobs if any(k >= 0 for k in logprobs) else (),
                    penalties=penalties if any(p is not None for p in penalties) else (),
                    bias=bias if any(bias) else (),
-                   banned=banned if ends and any(steps for _, steps in banned) else ())
+                   banned=banned if ends and any(steps for _, steps in banned) else (),
+                   allowed=allowed if any(allowed) else ())
 
 
 class Batch:

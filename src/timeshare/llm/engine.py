@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from timeshare.decode.step import DecodeCounts, Step, StepKind, StepOutcome, TokenLogprobs
 from timeshare.errors import ConfigError, GenerationError, Unavailable, WorkerCrashedError
 from timeshare.llm.batch import Batch, Row
+from timeshare.llm.constrained import GrammarError, Grammars
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.pages import KVMemoryError
 from timeshare.llm.sampling import SamplingParams, find_stop, held_back
@@ -120,12 +121,14 @@ class Engine:
     """Continuous batching for the model ``name`` of ``runtime`` (NOTE [Decode bursts]).
 
     ``decode``: token ids to text; ``eos``: the tokens that end a sequence; ``vocab``:
-    the number of token ids; ``batch``: its rows on its page pool (``batch.py``)."""
+    the number of token ids; ``batch``: its rows on its page pool (``batch.py``);
+    ``grammars``: its grammar library (NOTE [Constrained decoding]; None: no request may
+    ask for a structured output)."""
 
     def __init__(self, runtime: Runtime, name: str, *, decode: Callable[[list[int]], str], eos: set[int],
                  vocab: int, max_context: int, max_sequences: int, batch: Batch,
                  quantum_s: float = 0.05, offload_kv: bool = False, kv_budget: KVBudget | None = None,
-                 lane_bytes: int | None = None, multi_step_s: float = MULTI_STEP_S):
+                 lane_bytes: int | None = None, multi_step_s: float = MULTI_STEP_S, grammars: Grammars | None = None):
         if max_sequences < 1:
             raise ConfigError(f"max_sequences must be at least 1, got {max_sequences}")
         if max_context < 2:
@@ -134,6 +137,7 @@ class Engine:
             raise ConfigError(f"multi_step_s must be 0 (one step a call) or more seconds, got {multi_step_s}")
         self.name, self.max_context, self.max_sequences, self.quantum_s = name, max_context, max_sequences, quantum_s
         self._rt, self._decode, self._eos, self._vocab = runtime, decode, eos, vocab
+        self._grammars = grammars
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in the order of the batch's rows
@@ -173,11 +177,17 @@ class Engine:
                on_event: Callable[[Delta | Finish], None] | None = None) -> Sequence:
         """Queue a generation. A prompt that cannot fit is refused here, before it queues."""
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
+        matcher = None
+        if params.output is not None:  # NOTE [Constrained decoding]: a format that cannot compile is refused here
+            if self._grammars is None:
+                raise GrammarError(f"model {self.name!r} has no grammar library for structured outputs")
+            matcher = self._grammars.matcher(params.output)
         with self._cond:
             if self._closed:
                 raise Unavailable(f"model {self.name!r} is closed")
             self._ids += 1
             seq = Sequence(self._ids, list(prompt), params, Detokenizer(self._decode), on_event)
+            seq.matcher = matcher
             self._waiting.append(seq)
             self._cond.notify_all()
         self._ticket.expedite(seq.arrived)  # a turn queued only to decode is now due
@@ -477,6 +487,8 @@ class Engine:
         positions left or the longest has tokens left to make."""
         if self.multi_step_s <= 0 or self._step_s is None or turn.contended(float("inf")):
             return 1
+        if any(seq.matcher is not None for seq in self._running):
+            return 1  # NOTE [Constrained decoding]: each mask depends on the token before it
         with self._cond:
             if self._waiting:
                 return 1
@@ -543,6 +555,8 @@ class Engine:
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprobs)
         reason = None
+        if seq.matcher is not None and not seq.matcher.accept(token):  # the mask allowed it: a bug if not
+            raise GenerationError(f"token {token} broke sequence {seq.id}'s grammar")
         early = len(seq.tokens) < seq.params.min_tokens  # no stop yet (its end tokens were not drawable)
         if token in self._eos and not early:
             reason = "stop"
@@ -554,6 +568,9 @@ class Engine:
             at = None if early else find_stop(seq.text, seq.params.stop, before)
             if at is not None:
                 seq.text, reason = seq.text[:at], "stop"
+        if reason is None and seq.matcher is not None and seq.matcher.done():  # its grammar is complete
+            reason = "stop"
+            seq.text += seq.detokenizer.flush()
         if reason is None and (len(seq.tokens) >= seq.params.max_tokens
                                or len(seq.prompt) + len(seq.tokens) >= self.max_context):
             reason = "length"

@@ -22,6 +22,7 @@ from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm.batch import Batch
+from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, Engine
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.pages import PagePool
@@ -156,7 +157,8 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, batch=batch, quantum_s=quantum_s,
                         offload_kv=offload_kv, kv_budget=kv_budget, multi_step_s=multi_step_s,
-                        lane_bytes=turn_lane_bytes(config, dtype, max_sequences, int(context), prefill_peak))
+                        lane_bytes=turn_lane_bytes(config, dtype, max_sequences, int(context), prefill_peak),
+                        grammars=LLGuidance(tokenizer))
     except BaseException:
         if region is not None:
             runtime.unreserve(region)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from timeshare.errors import ConfigError
+from timeshare.llm.constrained import OutputFormat
 
 MAX_STOPS = 4  # as OpenAI's API
 MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI's API (top_logprobs)
@@ -43,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
+    output: OutputFormat | None = None  # NOTE [Constrained decoding]
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -82,7 +84,8 @@ class SamplingParams:
     def asks_more(self) -> bool:
         """Whether it asks for anything past temperature, top-k, top-p and the seed
         (NOTE [Logit processing]): log-probabilities, penalties, a bias, min_tokens."""
-        return self.logprobs is not None or self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return self.logprobs is not None or self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or \
+            self.output is not None
 
     @property
     def penalized(self) -> bool:

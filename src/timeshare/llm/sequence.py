@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from timeshare.decode.step import TokenLogprobs
 from timeshare.errors import ConfigError, Timeout, TimeshareError
+from timeshare.llm.constrained import Matcher
 from timeshare.llm.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ class Sequence:
         self.seed = params.seed % (1 << 62) if params.seed is not None else secrets.randbits(31)
         self._events: queue.Queue[Delta | Finish] = queue.Queue()
         self._on_event = on_event
+        self.matcher: Matcher | None = None  # its grammar's state (NOTE [Constrained decoding])
         self._cancelled = threading.Event()
 
     @property

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from timeshare.errors import BadRequest, ConfigError, Timeout, TimeshareError
+from timeshare.llm.constrained import GrammarError, OutputFormat
 from timeshare.llm.sampling import MAX_LOGPROBS, SamplingParams
 from timeshare.llm.sequence import ContextLengthError, Delta, Finish
 from timeshare.server.auth import ApiKey, key_dependencies
@@ -44,7 +45,7 @@ MAX_CHOICES = 128  # ``n``: choices per prompt
 # if it had not asked, or told that its value is out of some range.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "response_format": ({"type": "text"},),
+    "function_call": ("none",),
 }
 
 
@@ -69,6 +70,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)
     """An extension (as vLLM's): no end token and no stop string before that many tokens."""
+    response_format: dict[str, Any] | None = None
 
     def sampling(self, max_tokens: int, *, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> SamplingParams:
@@ -85,9 +87,29 @@ class _Sampling(BaseModel):
                                   presence_penalty=self.presence_penalty or 0.0,
                                   frequency_penalty=self.frequency_penalty or 0.0,
                                   repetition_penalty=self.repetition_penalty or 1.0,
-                                  logit_bias=self._bias(), min_tokens=self.min_tokens or 0)
+                                  logit_bias=self._bias(), min_tokens=self.min_tokens or 0,
+                                  output=self._output())
         except ConfigError as exc:  # the message begins with the field's name
             raise InvalidRequest(str(exc), str(exc).split(" ", 1)[0]) from None
+
+    def _output(self) -> OutputFormat | None:
+        """``response_format`` (NOTE [Constrained decoding]): text, any JSON object, or a
+        JSON schema (``json_schema.schema``)."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return OutputFormat.json_object()
+        if kind == "json_schema":
+            spec = fmt.get("json_schema") if fmt is not None else None
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema (an object)",
+                                     "response_format")
+            return OutputFormat.json_schema(schema)
+        raise InvalidRequest(f"response_format type {json.dumps(kind)} is not supported (text, json_object or "
+                             "json_schema)", "response_format")
 
     def _bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs: its keys are token ids, as strings."""
@@ -389,6 +411,9 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     except ContextLengthError as exc:
         stream.cancel()
         return openai_error(400, str(exc), param="prompt" if not chat else "messages", code="context_length_exceeded")
+    except GrammarError as exc:  # NOTE [Constrained decoding]: a schema the library cannot compile
+        stream.cancel()
+        return openai_error(400, str(exc), param="response_format")
     except ConfigError as exc:
         stream.cancel()
         return openai_error(400, str(exc), param="prompt")
