@@ -60,6 +60,9 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
         assert prefix["tokens_equal"] == prefix["requests_compared"] == 2
         assert prefix["hits"] == 2 * (100 // 32) and prefix["misses"] == 0  # the system prompt's full pages
         assert prefix["ttft_cached_s"] > 0 and prefix["miss_decode_cached_tokens_per_s"] > 0
+        structured = mode["structured"]  # NOTE [Constrained decoding]: every constrained token had its mask
+        assert structured["sequences"] == 2 and structured["masks"] == structured["constrained_tokens"] > 0
+        assert structured["mask_us_per_token"] > 0 and structured["constrained_tokens_per_s"] > 0
     assert [row["sequences"] for row in r["decode_modes"]] == [1, 2]
     assert all(row["workers_over_in_process"] > 0 for row in r["decode_modes"])
     fleet = r["fleet"]

@@ -331,7 +331,7 @@ def test_a_cancelled_sequence_is_freed_and_the_others_carry_on(llama, reference)
         # Their full pages stay cached (NOTE [Prefix caching]), free for any allocation.
         assert m.engine.snapshot().cached_pages > 0
         counted = {"steps": 0, "turns": 0, "eager_steps": 0, "lean_steps": 0, "cached_pages": 0, "decode_calls": 0,
-                   "prefill_tokens": 0}
+                   "prefill_tokens": 0, "masks": 0, "mask_s": 0.0}
         assert replace(m.engine.snapshot(), **counted) == EngineSnapshot(
             running=0, waiting=0, kv_bytes=0, kv_host_bytes=0, kv_offloads=0, steps=0, turns=0,
             max_sequences=8, max_context=256)

@@ -143,6 +143,9 @@ def test_penalties_and_bias_change_the_answer_as_asked(client, hf):
 
 @pytest.mark.parametrize("extra, param", [
     (dict(logprobs=21), "logprobs"),
+    (dict(logit_bias={"100000": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 1, "05": 2}), "logit_bias"),
+    (dict(prompt=[-1], echo=True), "prompt"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(logit_bias={"abc": 1}), "logit_bias"),
     (dict(logit_bias={"1": 101}), "logit_bias"),
@@ -151,8 +154,14 @@ def test_penalties_and_bias_change_the_answer_as_asked(client, hf):
 ])
 def test_refused_values_are_400s_naming_their_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="llama", prompt="a", max_tokens=8, **extra)
+        client.completions.create(**{"model": "llama", "prompt": "a", "max_tokens": 8, **extra})
     assert err.value.param == param, err.value.message
+
+
+def test_logprobs_false_asks_for_none(client):
+    done = client.completions.create(model="llama", prompt="a", max_tokens=2, temperature=0,
+                                     extra_body={"logprobs": False})
+    assert done.choices[0].logprobs is None
 
 
 def test_top_logprobs_needs_logprobs_in_a_chat(client):

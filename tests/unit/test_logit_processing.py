@@ -82,3 +82,25 @@ def test_log_probabilities_are_the_raw_ones_with_their_top_in_order():
     want = torch.log_softmax(logits, -1)
     assert torch.allclose(mine, want[[0, 1], [3, 0]])
     assert torch.equal(ids, want.topk(4).indices) and torch.allclose(values, want.topk(4).values)
+
+
+def test_log_probabilities_in_chunks_are_those_computed_whole():
+    logits = torch.randn(7, VOCAB)
+    chosen = torch.randint(0, VOCAB, (7,))
+    whole = log_probabilities(logits, chosen, 3, chunk=100)
+    chunked = log_probabilities(logits, chosen, 3, chunk=2)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+def test_a_constrained_rows_mask_allows_exactly_its_bits():
+    allowed = [1, 5, 31, 32, 45]  # tokens in both of the mask's 32-bit words
+    words = [0, 0]
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    mask = b"".join(w.to_bytes(4, "little") for w in words)
+    draw = _draw(3, allowed=(b"", mask, b""))
+    processing = Processing(draw, VOCAB, CPU)
+    scores = processing.apply(_logits())
+    assert torch.isfinite(scores[0]).all() and torch.isfinite(scores[2]).all()  # unconstrained rows
+    assert torch.isfinite(scores[1]).nonzero().flatten().tolist() == allowed  # none past its words, none else
+    assert int(choose(_logits(), draw, processing)[1]) in allowed

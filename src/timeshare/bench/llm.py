@@ -2,8 +2,8 @@
 deployment mode side by side (issue 45): in-process and with worker processes (NOTE [One
 step, two places]). Runs in the CLI's process; the fleet's two servers are child processes.
 
-Four parts, each on model directories written from code (seeded weights,
-``bench/llm_models.py``); wake, decode and prefix run once per mode (``modes``) and are
+Five parts, each on model directories written from code (seeded weights,
+``bench/llm_models.py``); wake, decode, prefix and structured run once per mode (``modes``) and are
 reported under ``modes``, with decode's rates compared between the modes:
 - **wake**: one model, time to first token (TTFT) of a ``prompt_tokens`` prompt when the
   model is resident (warm) and when it is not (cold: evicted, its blocks poisoned, loaded
@@ -20,6 +20,9 @@ reported under ``modes``, with decode's rates compared between the modes:
   user turns: time to first token with the system prompt's pages cached against the same
   request on a registration of the model without prefix caching (the tokens compared), and
   decode tokens/s at a 0% hit rate (every prompt new) with and without prefix caching.
+- **structured** (NOTE [Constrained decoding]): decode tokens/s of answers held to drawn
+  JSON schemas against unconstrained ones at the largest count of ``concurrent``, and the
+  host time of the grammars' masks per token.
 - **fleet** (``bench/llm_fleet.py``): many models in room for two behind the OpenAI API,
   against a reload-on-switch server.
 
@@ -56,7 +59,7 @@ from timeshare.units import format_bytes
 
 SIZES = models.SIZES
 MODES = ("in-process", "workers")
-PARTS = ("wake", "decode", "prefix", "fleet")
+PARTS = ("wake", "decode", "prefix", "structured", "fleet")
 
 
 @dataclass
@@ -157,7 +160,7 @@ def run(config: LLMBenchConfig, progress: Callable[[str], None] = lambda s: None
                              device=device) for i in range(count)]
         result: dict = {"config": asdict(config), "environment": describe(device),
                         "models": [models.describe(d) for d in dirs]}
-        if {"wake", "decode", "prefix"} & set(config.parts):
+        if {"wake", "decode", "prefix", "structured"} & set(config.parts):
             result["modes"] = {mode: _resident(config, device, dirs[0], result["models"][0], progress,
                                                config.workers if mode == "workers" else 0)
                                for mode in config.modes}
@@ -240,6 +243,9 @@ def _resident(config: LLMBenchConfig, device: torch.device, path: Path, describe
             if plain is not None:
                 progress(f"{mode}: prefix: a {config.system_tokens}-token system prompt, cached and not")
                 out["prefix"] = _prefix_part(config, model, plain, path)
+            if "structured" in config.parts:
+                progress(f"{mode}: structured: decode held to JSON schemas, and not")
+                out["structured"] = _structured(config, model, prompt)
         finally:
             model.close()
             if plain is not None:
@@ -464,6 +470,38 @@ def _prefix_part(config: LLMBenchConfig, model: Any, plain: Any, path: Path) -> 
             "miss_decode_sequences": c, "miss_decode_cached_tokens_per_s": _median(rates["cached"]),
             "miss_decode_plain_tokens_per_s": _median(rates["plain"]),
             "miss_decode_cached_over_plain": _median(pairs), "miss_decode_samples": rates}
+
+
+def _structured(config: LLMBenchConfig, model: Any, prompt: list[int]) -> dict:
+    """NOTE [Constrained decoding]: at the largest count of ``concurrent``, greedy answers
+    held to drawn JSON schemas (``bench/json_schemas.py``) and plain greedy answers,
+    alternating: each one's decode tokens/s, and what the grammars' masks cost per token
+    (the engine's count of the host time they took)."""
+    from timeshare.bench.json_schemas import schemas
+    from timeshare.llm.constrained import OutputFormat
+
+    c = max(config.concurrent)
+    drawn = schemas(config.repeats * c, seed=config.seed)
+    plain = SamplingParams(max_tokens=config.new_tokens, temperature=0)
+    rates: dict[str, list[float]] = {"constrained": [], "plain": []}
+    tokens = 0
+    before = model.engine.snapshot()
+    for i in range(config.repeats):
+        held = [SamplingParams(max_tokens=config.new_tokens, temperature=0,
+                               output=OutputFormat.json_schema(s)) for s in drawn[i * c:(i + 1) * c]]
+        for kind in (("constrained", "plain") if i % 2 == 0 else ("plain", "constrained")):
+            seqs = [model.generate(prompt, p) for p in (held if kind == "constrained" else [plain] * c)]
+            done = [s.result(600) for s in seqs]
+            if kind == "constrained":
+                tokens += sum(len(d.tokens) for d in done)
+            rates[kind].append(_batch_rate(seqs))
+    after = model.engine.snapshot()
+    masks, mask_s = after.masks - before.masks, after.mask_s - before.mask_s
+    return {"sequences": c, "constrained_tokens_per_s": _median(rates["constrained"]),
+            "plain_tokens_per_s": _median(rates["plain"]),
+            "constrained_over_plain": _median([a / b for a, b in zip(rates["constrained"], rates["plain"])]),
+            "mask_us_per_token": 1e6 * mask_s / masks if masks else None, "masks": masks,
+            "constrained_tokens": tokens, "samples": rates}
 
 
 def device_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from timeshare.errors import Unavailable
+from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, EngineSnapshot
 from timeshare.llm.model import Texts, open_directory
 from timeshare.llm.sampling import SamplingParams
@@ -138,7 +139,8 @@ class RemoteEngine:
                               kv_host_bytes=sum(v.kv_host_bytes for v in views),
                               kv_offloads=sum(v.kv_offloads for v in views), steps=sum(v.steps for v in views),
                               turns=sum(v.turns for v in views), max_sequences=self.max_sequences,
-                              max_context=self.max_context)
+                              max_context=self.max_context, prefill_tokens=sum(v.prefill_tokens for v in views),
+                              masks=sum(v.masks for v in views), mask_s=sum(v.mask_s for v in views))
 
     def close(self) -> None:
         self.closed = True  # the replicas' engines close with their replicas
@@ -151,6 +153,7 @@ class RemoteLanguageModel(Texts):
     def __init__(self, owner: ClusterRuntime, spec: LLMDef):
         d = open_directory(spec.name, spec.path, spec.max_context)
         self.name, self.path, self.tokenizer = spec.name, d.path, d.tokenizer
+        self._grammars = LLGuidance(d.tokenizer)  # a format is checked here, before a replica runs it
         self.created = int(d.path.stat().st_mtime)
         self._vocab = d.vocab
         self._owner = owner
@@ -167,6 +170,8 @@ class RemoteLanguageModel(Texts):
     def generate(self, prompt: list[int], params: SamplingParams,
                  on_event: Callable[[Delta | Finish], None] | None = None) -> RemoteGeneration:
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
+        if params.output is not None:  # NOTE [Constrained decoding]: a format that cannot compile is a 400 here
+            self._grammars.check(params.output)
         if self._engine.closed:
             raise Unavailable(f"model {self.name!r} is closed")
         return self._owner.generate(self.name, list(prompt), params, on_event, self._engine)

@@ -64,7 +64,8 @@ class Processing:
         if any(draw.bias):
             at = [(r, t, b) for r, pairs in enumerate(draw.bias) for t, b in pairs]
             self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
-            self.bias[_index(at, device)] = to_device([b for _, _, b in at], device, torch.float32)
+            self.bias.index_put_(_index(at, device), to_device([b for _, _, b in at], device, torch.float32),
+                                 accumulate=True)  # a token given twice: its biases add up
         if any(steps > 0 for _, steps in draw.banned):
             at = [(r, t, 0) for r, (tokens, steps) in enumerate(draw.banned) if steps > 0 for t in tokens]
             self.banned = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
@@ -114,17 +115,23 @@ class Processing:
 
 def _allowed(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
     """[rows, vocab]: True where a row may choose the token (every token, for a row with
-    no mask; none past its mask's words)."""
-    out = torch.ones(len(masks), vocab, dtype=torch.bool)
-    bits = torch.arange(32, dtype=torch.int32)
-    for r, mask in enumerate(masks):
-        if not mask:
-            continue
-        words = torch.frombuffer(bytearray(mask), dtype=torch.int32)
-        row = ((words[:, None] >> bits) & 1).bool().flatten()[:vocab]
-        out[r] = False
-        out[r, :row.numel()] = row
-    return out.to(device, non_blocking=True) if device.type == "cuda" else out
+    no mask; none past its mask's words). Only the constrained rows' words cross, queued
+    from page-locked memory on CUDA (NOTE [No waiting on the device]), and are unpacked
+    there."""
+    rows = [r for r, mask in enumerate(masks) if mask]
+    width = max(len(masks[r]) for r in rows) // 4
+    host = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        words = torch.frombuffer(bytearray(masks[r]), dtype=torch.int32)
+        host[i, :words.numel()] = words
+    words = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    bits = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1).bool().flatten(1)
+    out = torch.ones(len(masks), vocab, dtype=torch.bool, device=device)
+    picked = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    n = min(vocab, bits.shape[1])
+    picked[:, :n] = bits[:, :n]
+    out[to_device(rows, device)] = picked
+    return out
 
 
 def _index(at: Sequence[tuple[int, int, object]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,10 +140,17 @@ def _index(at: Sequence[tuple[int, int, object]], device: torch.device) -> tuple
     return both[0], both[1]
 
 
-def log_probabilities(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
+def log_probabilities(logits: torch.Tensor, chosen: torch.Tensor, top: int,
+                      chunk: int = 256) -> tuple[torch.Tensor, ...]:
     """The raw log-probabilities (NOTE [Logit processing]) of each row's ``chosen`` token
     (a NaN row's -1 reads token 0; its token is never used) and, with ``top`` > 0, its
-    ``top`` most likely tokens and theirs: (chosen [rows], ids [rows, top], values)."""
+    ``top`` most likely tokens and theirs: (chosen [rows], ids [rows, top], values).
+    Rows are taken ``chunk`` at a time (a prompt's positions: one float32 copy of a
+    chunk's logits at a time, not of the whole prompt's)."""
+    if logits.shape[0] > chunk:
+        parts = [log_probabilities(logits[i:i + chunk], chosen[i:i + chunk], top, chunk)
+                 for i in range(0, logits.shape[0], chunk)]
+        return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
     logp = torch.log_softmax(logits.float(), dim=-1)
     mine = logp.gather(1, chosen.clamp_min(0)[:, None])[:, 0]
     if top <= 0:

@@ -6,6 +6,7 @@ step computes runs where the weights are (NOTE [One step, two places]).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -33,11 +34,12 @@ class Row:
         return self.seq.prompt + self.seq.tokens
 
 
-def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset()) -> Draw:
+def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset(), masks: tuple[bytes, ...] | None = None) -> Draw:
     """How each sequence chooses its next token: its params, its seed, its token's index,
     and what it asks beyond them (NOTE [Logit processing]; each left empty when no
     sequence asks for it): log-probabilities, penalties over its history, its logit bias,
-    and the end tokens ``eos`` while it is short of ``min_tokens``."""
+    the end tokens ``eos`` while it is short of ``min_tokens``, and its grammar's mask
+    (``masks``, when the caller computed them: NOTE [Constrained decoding])."""
     params = [s.params for s in seqs]
     plain = Draw(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
                  tuple(p.top_p for p in params), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs))
@@ -50,7 +52,8 @@ def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset()) -> Draw:
     bias = tuple(p.logit_bias for p in params)
     ends = tuple(sorted(eos))
     banned = tuple((ends, max(0, p.min_tokens - len(s.tokens))) for s, p in zip(seqs, params))
-    allowed = tuple(s.matcher.mask() if s.matcher is not None else b"" for s in seqs)  # NOTE [Constrained decoding]
+    allowed = masks if masks is not None else \
+        tuple(s.matcher.mask() if s.matcher is not None else b"" for s in seqs)
     return replace(plain, logprobs=logprobs if any(k >= 0 for k in logprobs) else (),
                    penalties=penalties if any(p is not None for p in penalties) else (),
                    bias=bias if any(bias) else (),
@@ -71,6 +74,8 @@ class Batch:
         self.hits = 0  # full pages of prompts found cached, and not (NOTE [Prefix caching])
         self.misses = 0
         self.prefilled = 0  # positions its prefills computed (those found cached were not)
+        self.masks = 0  # NOTE [Constrained decoding]: the masks its rows' grammars computed, and the seconds
+        self.mask_s = 0.0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -110,7 +115,7 @@ class Batch:
         zero = tuple(new[-1:]) if len(context) % self.block else ()
         asked = (seq.params.prompt_logprobs or 0,) if whole else ()
         return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
-                         draw([seq], self.eos), zero, prompt_logprobs=asked)
+                         self._draw([seq]), zero, prompt_logprobs=asked)
 
     def joined(self, row: Row) -> None:
         """``row``'s prefill succeeded: it joins the batch, its full pages published."""
@@ -144,7 +149,17 @@ class Batch:
         fresh = tuple(p for r in rows for p in r.pages[-(-r.length // block):self.pages_for(r.length + count)])
         return Step(StepKind.DECODE, self.spec, tuple((r.seq.tokens[-1],) for r in rows),
                     tuple(r.length for r in rows), tuple(tuple(r.pages) for r in rows),
-                    draw([r.seq for r in rows], self.eos), fresh, count)
+                    self._draw([r.seq for r in rows]), fresh, count)
+
+    def _draw(self, seqs: list[Sequence]) -> Draw:
+        """``draw`` for its rows, the time their grammars' masks took counted."""
+        if all(s.matcher is None for s in seqs):
+            return draw(seqs, self.eos)
+        t0 = time.perf_counter()
+        masks = tuple(s.matcher.mask() if s.matcher is not None else b"" for s in seqs)
+        self.mask_s += time.perf_counter() - t0
+        self.masks += sum(1 for m in masks if m)
+        return draw(seqs, self.eos, masks)
 
     def stepped(self, count: int = 1) -> None:
         """A decode step of ``count`` tokens succeeded and its tokens were taken: each row

@@ -24,6 +24,7 @@ runs the step before it.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,20 +76,24 @@ class Grammars(Protocol):
 
 
 class LLGuidance:
-    """``Grammars`` by llguidance, over a Hugging Face tokenizer (read when first needed:
-    a model no request constrains never builds the library's tokenizer)."""
+    """``Grammars`` by llguidance, over a Hugging Face tokenizer (the library's view of it
+    made here, at the model's load: not on the server's event loop at a first request).
+    Several threads may compile (a cluster replica's)."""
 
     def __init__(self, tokenizer: Any):
-        self._hf = tokenizer
-        self._tokenizer: Any = None
-        self._compiled: dict[OutputFormat, str] = {}
-
-    def _grammar(self, fmt: OutputFormat) -> str:
-        import llguidance
         import llguidance.hf
 
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self._compiled: dict[OutputFormat, str] = {}
+        self._lock = threading.Lock()
+
+    def _grammar(self, fmt: OutputFormat) -> str:
+        with self._lock:
+            return self._compile(fmt)
+
+    def _compile(self, fmt: OutputFormat) -> str:
+        import llguidance
+
         grammar = self._compiled.get(fmt)
         if grammar is None:
             try:
@@ -110,7 +115,7 @@ class LLGuidance:
     def matcher(self, fmt: OutputFormat) -> Matcher:
         import llguidance
 
-        grammar = self._grammar(fmt)  # makes the tokenizer too
+        grammar = self._grammar(fmt)
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the JSON schema cannot be used: {matcher.get_error()}")

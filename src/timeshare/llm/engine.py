@@ -115,6 +115,8 @@ class EngineSnapshot:
     lean_steps: int = 0  # of the eager steps, those run by the lean step (NOTE [Lean decode steps])
     decode_calls: int = 0  # the runtime calls its decode steps took (NOTE [Multi-step decode])
     prefill_tokens: int = 0  # positions its prefills computed (not those found cached: NOTE [Prefix caching])
+    masks: int = 0  # NOTE [Constrained decoding]: grammar masks computed, and the seconds they took
+    mask_s: float = 0.0
 
 
 class Engine:
@@ -220,7 +222,8 @@ class Engine:
                                   graphs_compiled=counts.compiled, capture_s=counts.capture_s,
                                   prefix_hits=self._batch.hits, prefix_misses=self._batch.misses,
                                   cached_pages=pool.cached, preemptions=self.preemptions, lean_steps=counts.lean,
-                                  decode_calls=self.decode_calls, prefill_tokens=self._batch.prefilled)
+                                  decode_calls=self.decode_calls, prefill_tokens=self._batch.prefilled,
+                                  masks=self._batch.masks, mask_s=self._batch.mask_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread

@@ -11,7 +11,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from timeshare.decode.step import TokenLogprobs
 from timeshare.errors import ConfigError, Timeout, TimeshareError
@@ -129,15 +129,17 @@ def collect(events: Iterable[Delta | Finish], tokens: list[int]) -> Completion:
     """The whole completion from a generation's events; raises its error if it failed."""
     text: list[str] = []
     logprobs: list[TokenLogprobs | None] = []
+    prompt: tuple[TokenLogprobs, ...] | None = None
     for event in events:
         if isinstance(event, Delta):
             text.append(event.text)
             logprobs.extend(event.logprobs)
+            prompt = prompt or event.prompt_logprobs
         elif event.error is not None:
             raise event.error
         else:
             return Completion("".join(text), list(tokens), event.reason, event.prompt_tokens,
-                              event.completion_tokens, logprobs or None)
+                              event.completion_tokens, logprobs or None, prompt)
     raise TimeshareError("the generation's events ended without its finish")
 
 
@@ -183,8 +185,7 @@ class Sequence:
 
     def result(self, timeout_s: float) -> Completion:
         """The whole completion; raises the sequence's error if it failed."""
-        done = collect(self.events(timeout_s), self.tokens)
-        return replace(done, prompt_logprobs=self.prompt_logprobs)
+        return collect(self.events(timeout_s), self.tokens)
 
     def _put(self, event: Delta | Finish) -> None:
         if self._on_event is None:

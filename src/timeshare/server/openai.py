@@ -16,13 +16,14 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from timeshare.errors import BadRequest, ConfigError, Timeout, TimeshareError
 from timeshare.llm.constrained import GrammarError, OutputFormat
@@ -113,14 +114,16 @@ class _Sampling(BaseModel):
 
     def _bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs: its keys are token ids, as strings."""
-        pairs = []
+        pairs: dict[int, float] = {}
         for key, bias in (self.logit_bias or {}).items():
             try:
                 token = int(key)
             except ValueError:
                 raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-            pairs.append((token, float(bias)))
-        return tuple(sorted(pairs))
+            if token in pairs:
+                raise InvalidRequest(f"logit_bias names token {token} twice", "logit_bias")
+            pairs[token] = float(bias)
+        return tuple(sorted(pairs.items()))
 
     def _refuse_unsupported(self) -> None:
         """400 for the first field of ``UNSUPPORTED`` that asks for something."""
@@ -145,6 +148,11 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """The log-probabilities of each token's most likely alternatives, and its own."""
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: Any) -> Any:
+        return None if value is False else value  # as clients of the chat API send it
 
     def params(self, max_tokens: int) -> SamplingParams:
         return self.sampling(max_tokens, logprobs=self.logprobs,
@@ -232,7 +240,7 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
             params = req.params(req.max_tokens or 16)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        echoed = _echoed(req.prompt, prompts, model) if req.echo else None
+        echoed = partial(_echoed, req.prompt, prompts, model) if req.echo else None
         return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s, echoed=echoed)
 
     @app.post("/v1/chat/completions", dependencies=keyed, summary="Answer a chat (OpenAI)")
@@ -397,7 +405,10 @@ def _choices(model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
 
 
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
-                  req: _Sampling, *, chat: bool, timeout_s: float, echoed: list[str] | None = None):
+                  req: _Sampling, *, chat: bool, timeout_s: float,
+                  echoed: Callable[[], list[str]] | None = None):
+    """The answer to ``prompts``; ``echoed``: their texts for ``echo``, made once the
+    prompts passed the model's checks."""
     n = req.n or 1
     stream = _Stream(timeout_s)
     try:
@@ -416,13 +427,13 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
         return openai_error(400, str(exc), param="response_format")
     except ConfigError as exc:
         stream.cancel()
-        return openai_error(400, str(exc), param="prompt")
+        return openai_error(400, str(exc), param="logit_bias" if str(exc).startswith("logit_bias") else "prompt")
     except BaseException:  # the model closing meanwhile: no sequence may be left without a reader
         stream.cancel()
         raise
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    choices = _choices(model, prompts, params, chat, echoed, n)
+    choices = _choices(model, prompts, params, chat, None if echoed is None else echoed(), n)
     if req.stream:
         return StreamingResponse(_sse(stream, choices, model.name, rid, created, chat, req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

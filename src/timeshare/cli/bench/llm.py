@@ -41,8 +41,8 @@ def add_parsers(bench) -> None:
     p.add_argument("--fleet-rate", type=float, default=0.5, help="requests per second (Poisson)")
     p.add_argument("--fleet-max-tokens", type=int, default=16)
     p.add_argument("--zipf", type=float, default=1.0)
-    p.add_argument("--parts", nargs="+", default=["wake", "decode", "prefix", "fleet"],
-                   choices=["wake", "decode", "prefix", "fleet"])
+    p.add_argument("--parts", nargs="+", default=["wake", "decode", "prefix", "structured", "fleet"],
+                   choices=["wake", "decode", "prefix", "structured", "fleet"])
     p.add_argument("--modes", default="in-process,workers",
                    help="the deployment modes wake, decode and prefix run in, comma-separated: in-process, workers")
     p.add_argument("--workers", type=int, default=2, help="the worker processes of the workers mode")
@@ -179,6 +179,12 @@ def _print_llm(console, r: dict) -> None:
                           f"{p['miss_decode_cached_tokens_per_s']:.1f} tokens/s against "
                           f"{p['miss_decode_plain_tokens_per_s']:.1f} without prefix caching "
                           f"({p['miss_decode_cached_over_plain']:.3f}x, paired)")
+        if "structured" in x:
+            s = x["structured"]
+            mask = "no mask" if s["mask_us_per_token"] is None else f"{s['mask_us_per_token']:.0f} us per token"
+            console.print(f"{mode}: structured: {s['sequences']} answers held to JSON schemas decode "
+                          f"{s['constrained_tokens_per_s']:.1f} tokens/s against {s['plain_tokens_per_s']:.1f} "
+                          f"unconstrained ({s['constrained_over_plain']:.2f}x, paired); the masks take {mask}")
     for row in r.get("decode_modes", []):
         console.print(f"decode at {row['sequences']}: workers {row['workers_tokens_per_s']:.1f} tokens/s, in-process "
                       f"{row['in_process_tokens_per_s']:.1f} ({row['workers_over_in_process']:.2f}x; "
