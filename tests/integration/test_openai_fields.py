@@ -24,7 +24,8 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return hfdir.write_model_dir(tmp_path_factory.mktemp("lp") / "llama", "llama", seed=7, hidden=96, layers=3)
+    return hfdir.write_model_dir(tmp_path_factory.mktemp("lp") / "llama", "llama", seed=7, hidden=96, layers=3,
+                                 max_positions=1024)  # room for a prompt that lists tools
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def hf(path):
 def server(path):
     cfg = {"runtime": {"device": "cpu", "memory": "64MiB"},
            "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
-           "llms": [{"name": "llama", "path": str(path), "max_sequences": 4, "max_context": 256}]}
+           "llms": [{"name": "llama", "path": str(path), "max_sequences": 4, "max_context": 1024}]}
     with running_server(cfg) as s:
         yield s
 
@@ -243,3 +244,71 @@ def test_a_format_that_cannot_be_used_is_a_400_naming_why(client, fmt, words):
         client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        response_format=fmt)
     assert err.value.param == "response_format" and words in err.value.message, err.value.message
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                 "maximum": 12}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_required_tool_call_comes_back_in_openais_shape_whole_and_streamed(client, choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "what is the weather"}]
+    done = client.chat.completions.create(model="llama", messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+                                          max_tokens=80, temperature=0)
+    c = done.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    streamed: dict[int, dict] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(model="llama", messages=messages, tools=[WEATHER, TIME],
+                                                tool_choice=choice, max_tokens=80, temperature=0, stream=True):
+        for part in chunk.choices[0].delta.tool_calls or []:
+            got = streamed.setdefault(part.index, {"name": "", "arguments": ""})
+            got["name"] += part.function.name or ""
+            got["arguments"] += part.function.arguments or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == "tool_calls"
+    assert streamed == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+    # The follow-up with the tool's result is answered.
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(model="llama", messages=follow, tools=[WEATHER, TIME], max_tokens=8,
+                                            temperature=0, tool_choice="none")
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+
+
+def test_auto_reads_hermes_tool_call_blocks_and_leaves_other_text_alone():
+    from timeshare.server.tools import read_calls
+
+    text = 'let me look <tool_call>{"name": "get_time", "arguments": {"zone": 2}}</tool_call>'
+    content, calls = read_calls(text, held=False)
+    assert content == "let me look" and len(calls) == 1
+    assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": 2}'}
+    assert read_calls("no call <tool_call>not json</tool_call>", held=False) == (
+        "no call <tool_call>not json</tool_call>", [])
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tool_choice="sometimes"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name"),
+])
+def test_tools_that_cannot_be_used_are_400s(client, extra, param):
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [WEATHER],
+            **extra}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**body)
+    assert err.value.param == param, err.value.message

@@ -22,7 +22,12 @@ from timeshare.seeding import seeded
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")  # decoder-only language models
 ENCODERS = ("bert",)  # ``BertModel``: served through the Open Inference Protocol and /v1/embeddings
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+# NOTE [Tool calls]: the tools offered, and an assistant's earlier calls as Hermes-style
+# <tool_call> blocks, as the templates of Qwen2.5 and others render them.
+CHAT_TEMPLATE = ("{% if tools %}<s>tools: {{ tools | tojson }}</s>{% endif %}"
+                 "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] if m['content'] is not none else '' }}"
+                 "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+                 "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% endif %}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 _WORDS = ("the a model switch gpu time share load weights layer token fast slow memory host device cache "
           "group stream copy wake sleep serve request answer").split()

@@ -47,13 +47,13 @@ class Texts:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The prompt of a chat: the messages through the model's chat template, with
-        the assistant's turn opened."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a chat: the messages (and the ``tools`` offered, NOTE [Tool calls])
+        through the model's chat template, with the assistant's turn opened."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"model {self.name!r} has no chat template; use completions")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # the template's own checks (jinja's exceptions)
             raise ConfigError(f"model {self.name!r}: the messages do not fit its chat template ({exc})") from None
         return self.encode(text)

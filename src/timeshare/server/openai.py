@@ -34,6 +34,7 @@ from timeshare.server.llms import Generation, ServedLLM
 from timeshare.server.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from timeshare.server.parsing import load_json
 from timeshare.server.status import served_error, status_of
+from timeshare.server.tools import ToolError, ToolPlan, plan, read_calls, rendered
 
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that its client is still there
 MAX_CHOICES = 128  # ``n``: choices per prompt
@@ -45,8 +46,7 @@ MAX_CHOICES = 128  # ``n``: choices per prompt
 # field as ``param`` and a message that says it is not supported, rather than answered as
 # if it had not asked, or told that its value is out of some range.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",),
+    "best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
 }
 
 
@@ -73,8 +73,8 @@ class _Sampling(BaseModel):
     """An extension (as vLLM's): no end token and no stop string before that many tokens."""
     response_format: dict[str, Any] | None = None
 
-    def sampling(self, max_tokens: int, *, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling(self, max_tokens: int, *, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 output: OutputFormat | None = None) -> SamplingParams:
         """The request's sampling parameters; a refused value is 400 naming its field."""
         self._refuse_unsupported()
         if self.stream_options is not None and not self.stream:  # as OpenAI answers it
@@ -89,7 +89,7 @@ class _Sampling(BaseModel):
                                   frequency_penalty=self.frequency_penalty or 0.0,
                                   repetition_penalty=self.repetition_penalty or 1.0,
                                   logit_bias=self._bias(), min_tokens=self.min_tokens or 0,
-                                  output=self._output())
+                                  output=output or self._output())
         except ConfigError as exc:  # the message begins with the field's name
             raise InvalidRequest(str(exc), str(exc).split(" ", 1)[0]) from None
 
@@ -169,6 +169,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_Part] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (NOTE [Tool calls])
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -178,16 +180,45 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class _Function(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _Tool(BaseModel):
+    type: Literal["function"]
+    function: _Function
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[_Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def params(self, max_tokens: int) -> SamplingParams:
+    def tool_plan(self) -> ToolPlan:
+        """What ``tools`` and ``tool_choice`` make of the answer (NOTE [Tool calls])."""
+        try:
+            return plan(self.tool_list(), self.tool_choice)
+        except ToolError as exc:
+            raise InvalidRequest(str(exc), exc.param) from None
+
+    def tool_list(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def params(self, max_tokens: int, tools: ToolPlan | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        return self.sampling(max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        held = tools.output if tools is not None else None
+        if held is not None and self.response_format not in (None, {"type": "text"}):
+            raise InvalidRequest("response_format cannot be asked with a tool_choice that requires a call",
+                                 "response_format")
+        return self.sampling(max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None, output=held)
 
 
 # ---------------------------------------------------------------------- errors
@@ -248,15 +279,16 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
         try:
             req: ChatRequest = parse_request(ChatRequest, await read_body(request))
             model = llms.get(req.model)
+            tools = req.tool_plan()
             try:
-                prompt = model.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+                prompt = model.encode_chat([rendered(m) for m in req.messages], tools=req.tool_list())
             except ConfigError as exc:
                 raise InvalidRequest(str(exc), "messages") from None
             limit = req.max_completion_tokens or req.max_tokens or max(1, model.max_context - len(prompt))
-            params = req.params(limit)
+            params = req.params(limit, tools)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        return await _answer(request, model, [prompt], params, req, chat=True, timeout_s=timeout_s)
+        return await _answer(request, model, [prompt], params, req, chat=True, timeout_s=timeout_s, tools=tools)
 
 
 async def read_body(request: Request) -> Any:
@@ -352,8 +384,9 @@ class _Choice:
     on)."""
 
     def __init__(self, index: int, texts: TokenTexts, *, chat: bool, logprobs: bool, echo: str | None,
-                 prompt: list[int], first: bool = True):
+                 prompt: list[int], first: bool = True, tools: ToolPlan | None = None):
         self.index, self.chat, self.asked, self.echo, self.prompt = index, chat, logprobs, echo, prompt
+        self.tools = tools if tools is not None and tools.reads else None  # NOTE [Tool calls]
         self.first = first  # the first choice of its prompt: its prompt's tokens count in the usage
         self.texts = texts
         self.parts: list[str] = []
@@ -384,29 +417,40 @@ class _Choice:
             return {"content": part}
         return self.completion.add(delta.ids, delta.logprobs)
 
+    def message(self) -> tuple[dict, str]:
+        """A chat choice's message once its answer is complete, and its finish reason: its
+        tool calls read from it, when it may call one (NOTE [Tool calls])."""
+        assert self.finish is not None
+        text = "".join(self.parts)
+        if self.tools is not None and self.finish.error is None:
+            content, calls = read_calls(text, held=self.tools.output is not None)
+            if calls:
+                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text}, self.finish.reason
+
     def whole(self) -> dict:
         assert self.finish is not None
         text = "".join(self.parts)
         logprobs = None if not self.asked else {"content": self.content} if self.chat else self.completion.since()
         if self.chat:
-            return {"index": self.index, "message": {"role": "assistant", "content": text},
-                    "finish_reason": self.finish.reason, "logprobs": logprobs}
+            message, reason = self.message()
+            return {"index": self.index, "message": message, "finish_reason": reason, "logprobs": logprobs}
         return {"index": self.index, "text": text, "finish_reason": self.finish.reason, "logprobs": logprobs}
 
 
 def _choices(model: ServedLLM, prompts: list[list[int]], params: SamplingParams, chat: bool,
-             echoed: list[str] | None, n: int) -> list[_Choice]:
+             echoed: list[str] | None, n: int, tools: ToolPlan | None) -> list[_Choice]:
     """``n`` choices of each prompt, in OpenAI's order (by prompt, then by choice)."""
     texts = TokenTexts(model.decode)
     asked = params.logprobs is not None
     return [_Choice(i * n + j, texts, chat=chat, logprobs=asked, echo=None if echoed is None else echoed[i], prompt=p,
-                    first=j == 0)
+                    first=j == 0, tools=tools)
             for i, p in enumerate(prompts) for j in range(n)]
 
 
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
                   req: _Sampling, *, chat: bool, timeout_s: float,
-                  echoed: Callable[[], list[str]] | None = None):
+                  echoed: Callable[[], list[str]] | None = None, tools: ToolPlan | None = None):
     """The answer to ``prompts``; ``echoed``: their texts for ``echo``, made once the
     prompts passed the model's checks."""
     n = req.n or 1
@@ -433,7 +477,7 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
         raise
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    choices = _choices(model, prompts, params, chat, None if echoed is None else echoed(), n)
+    choices = _choices(model, prompts, params, chat, None if echoed is None else echoed(), n, tools)
     if req.stream:
         return StreamingResponse(_sse(stream, choices, model.name, rid, created, chat, req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -499,14 +543,24 @@ async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, cr
                                       else "invalid_request_error", "param": None, "code": str(status)}}
                     yield f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
                     break
-                choices[index].finish = event
+                choice = choices[index]
+                choice.finish = event
                 end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
-                yield chunk([{"index": index, **end, "finish_reason": event.reason, "logprobs": None}])
+                reason = event.reason
+                if choice.tools is not None:  # NOTE [Tool calls]: its text and calls, once complete
+                    said, reason = choice.message()
+                    delta: dict[str, Any] = {"content": said["content"]}
+                    if "tool_calls" in said:
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(said["tool_calls"])]
+                    yield chunk([{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}])
+                yield chunk([{"index": index, **end, "finish_reason": reason, "logprobs": None}])
             else:
                 opening = choices[index].opening(event)
                 if opening is not None:  # a completion's echoed prompt
                     yield chunk([{"index": index, "text": opening[0], "finish_reason": None, "logprobs": opening[1]}])
                 logprobs = choices[index].add(event)
+                if choices[index].tools is not None:
+                    continue  # sent whole at its end
                 part: dict[str, Any] = {"delta": {"content": event.text}} if chat else {"text": event.text}
                 yield chunk([{"index": index, **part, "finish_reason": None, "logprobs": logprobs}])
         else:
