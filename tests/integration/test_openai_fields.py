@@ -312,3 +312,25 @@ def test_tools_that_cannot_be_used_are_400s(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**body)
     assert err.value.param == param, err.value.message
+
+
+def test_langchains_bind_tools_gets_a_call_whose_arguments_validate_and_its_follow_up_answered(server):
+    """What agent frameworks send: langchain-openai's ``bind_tools`` with a required call."""
+    jsonschema = pytest.importorskip("jsonschema")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    chat = langchain_openai.ChatOpenAI(model="llama", base_url=f"{server.url}/v1", api_key="unused", temperature=0,
+                                       max_tokens=80, max_retries=0, timeout=60)
+    bound = chat.bind_tools([WEATHER], tool_choice="required")
+    asked = [HumanMessage("what is the weather in paris")]
+    reply = bound.invoke(asked)
+    assert len(reply.tool_calls) == 1 and reply.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(reply.tool_calls[0]["args"], WEATHER["function"]["parameters"])
+    streamed = None
+    for part in bound.stream(asked):
+        streamed = part if streamed is None else streamed + part
+    assert streamed is not None and [c["args"] for c in streamed.tool_calls] == [reply.tool_calls[0]["args"]]
+    answer = chat.bind_tools([WEATHER]).invoke(
+        [*asked, reply, ToolMessage('{"temperature": 21}', tool_call_id=reply.tool_calls[0]["id"])])
+    assert isinstance(answer.content, str)
