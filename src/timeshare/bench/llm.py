@@ -474,27 +474,30 @@ def _prefix_part(config: LLMBenchConfig, model: Any, plain: Any, path: Path) -> 
 
 def _structured(config: LLMBenchConfig, model: Any, prompt: list[int]) -> dict:
     """NOTE [Constrained decoding]: at the largest count of ``concurrent``, greedy answers
-    held to drawn JSON schemas (``bench/json_schemas.py``) and plain greedy answers,
-    alternating: each one's decode tokens/s, and what the grammars' masks cost per token
-    (the engine's count of the host time they took)."""
+    held to drawn JSON schemas (``bench/json_schemas.py``), then greedy answers of the same
+    lengths unconstrained, round after round: each one's decode tokens/s, and what the
+    grammars' masks cost per token (the engine's count of the host time they took)."""
     from timeshare.bench.json_schemas import schemas
     from timeshare.llm.constrained import OutputFormat
 
     c = max(config.concurrent)
     drawn = schemas(config.repeats * c, seed=config.seed)
-    plain = SamplingParams(max_tokens=config.new_tokens, temperature=0)
     rates: dict[str, list[float]] = {"constrained": [], "plain": []}
     tokens = 0
     before = model.engine.snapshot()
     for i in range(config.repeats):
         held = [SamplingParams(max_tokens=config.new_tokens, temperature=0,
                                output=OutputFormat.json_schema(s)) for s in drawn[i * c:(i + 1) * c]]
-        for kind in (("constrained", "plain") if i % 2 == 0 else ("plain", "constrained")):
-            seqs = [model.generate(prompt, p) for p in (held if kind == "constrained" else [plain] * c)]
-            done = [s.result(600) for s in seqs]
-            if kind == "constrained":
-                tokens += sum(len(d.tokens) for d in done)
-            rates[kind].append(_batch_rate(seqs))
+        seqs = [model.generate(prompt, p) for p in held]
+        lengths = [len(s.result(600).tokens) for s in seqs]
+        tokens += sum(lengths)
+        rates["constrained"].append(_batch_rate(seqs))
+        # The same lengths unconstrained: the batch shrinks as the constrained one did.
+        seqs = [model.generate(prompt, SamplingParams(max_tokens=max(2, n), temperature=0))
+                for n in lengths]
+        for s in seqs:
+            s.result(600)
+        rates["plain"].append(_batch_rate(seqs))
     after = model.engine.snapshot()
     masks, mask_s = after.masks - before.masks, after.mask_s - before.mask_s
     return {"sequences": c, "constrained_tokens_per_s": _median(rates["constrained"]),
