@@ -70,3 +70,14 @@ def running_server(cfg: dict, *, ready_timeout_s: float = 120.0, expect_ready: b
         service.parsers.close()
         service.runtime.close()
         assert not thread.is_alive(), "the test server did not stop"
+
+
+@contextmanager
+def openai_client(server, timeout_s: float = 60):
+    """The official ``openai`` client of ``server``'s ``/v1``, closed at the end: one left to
+    the garbage collector drops its kept-alive sockets unclosed, and the ResourceWarning
+    fails whichever later test the collector runs in."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=timeout_s) as c:
+        yield c

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from tests.serving import running_server
+from tests.serving import openai_client, running_server
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
 
@@ -54,9 +54,7 @@ def server(dirs):
 
 @pytest.fixture(scope="module")
 def client(server):
-    # Closed at the end: an OpenAI client left to the garbage collector drops its kept-alive
-    # sockets unclosed, and the ResourceWarning fails whichever later test the collector runs in.
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_client(server) as c:
         yield c
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from tests.serving import running_server
+from tests.serving import openai_client, running_server
 from timeshare.llm import hfdir
 
 openai = pytest.importorskip("openai")
@@ -45,7 +45,7 @@ def server(path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_client(server) as c:
         yield c
 
 

@@ -130,19 +130,34 @@ def test_a_stop_no_segment_reported_is_timed_when_the_job_stops_here_and_leaves_
     gate.notify()
     parked.join(10)
     assert not parked.is_alive() and gate.holds_turn(job)
-    second = threading.Thread(target=inference, args=("b",))
-    second.start()
-    assert job.stopped.wait(10)
-    now = time.perf_counter()
-    gate.job_stopped(job, now, now + 0.04, now + 0.04)
-    resumed = threading.Thread(target=gate.wait_for_training_turn, args=(job,))
-    resumed.start()
-    second.join(10)
-    resumed.join(10)
+    [second] = _stopped_by(gate, job, "b", 0.04)
     records = gate.switches()
     assert [r["model"] for r in records] == ["a", "b"] and records[1]["stop_s"] == pytest.approx(0.04)
-    assert turns[1].switch is not None and turns[1].switch.model == "b"
+    assert second.switch is not None and second.switch.model == "b"
     gate.job_ended(job)
+
+
+def _stopped_by(gate: Dispatcher, job: _Job, model: str, stop_s: float) -> list:
+    """An inference of ``model`` stops the running ``job``, whose worker reports a stop of
+    ``stop_s``; then the job waits for its turn again. The inference's grant."""
+    seen = []
+
+    def inference():
+        with gate.hold(model, Kind.INFERENCE) as grant:
+            seen.append(grant)
+
+    job.stopped.clear()
+    caller = threading.Thread(target=inference)
+    caller.start()
+    assert job.stopped.wait(10), "the job was never told to stop"
+    now = time.perf_counter()
+    gate.job_stopped(job, now, now + stop_s, now + stop_s)
+    resumed = threading.Thread(target=gate.wait_for_training_turn, args=(job,))
+    resumed.start()
+    caller.join(10)
+    resumed.join(10)
+    assert not caller.is_alive() and not resumed.is_alive()
+    return seen
 
 
 class _SlowToLook:
@@ -206,23 +221,8 @@ def test_a_job_stopped_then_paused_before_it_looked_leaves_no_record_behind():
     gate.notify()
     looker.join(10)
     assert not looker.is_alive() and gate.holds_turn(job)
-    seen = []
-
-    def inference():
-        with gate.hold("m2", Kind.INFERENCE) as turn:
-            seen.append(turn.switch)
-
-    job.stopped.clear()
-    second = threading.Thread(target=inference)
-    second.start()
-    assert job.stopped.wait(10)
-    now = time.perf_counter()
-    gate.job_stopped(job, now, now + 0.5, now + 0.6)
-    resumed = threading.Thread(target=gate.wait_for_training_turn, args=(job,))
-    resumed.start()
-    second.join(10)
-    resumed.join(10)
-    assert seen and seen[0] is not None and seen[0].model == "m2"
+    [second] = _stopped_by(gate, job, "m2", 0.5)
+    assert second.switch is not None and second.switch.model == "m2"
     records = gate.switches()
     assert [r["model"] for r in records] == ["m", "m2"]
     assert records[1]["stop_s"] == pytest.approx(0.5)  # its own stop, not written into the first record
