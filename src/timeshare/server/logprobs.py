@@ -15,26 +15,31 @@ from timeshare.decode.step import TokenLogprobs
 
 
 class TokenTexts:
-    """Each token's own text (``decode([id])``), remembered: a token that is part of a
-    character decodes to U+FFFD alone, as vLLM reports it too."""
+    """Each token's text where it stands: what it adds to the text of the few tokens before
+    it (a SentencePiece token decoded alone loses its leading space; in context it keeps
+    it). A token that is part of a character reads U+FFFD, as vLLM reports it too."""
+
+    WINDOW = 4  # tokens of context a token's text is decoded after
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
-        self._seen: dict[int, str] = {}
 
-    def __call__(self, token: int) -> str:
-        text = self._seen.get(token)
-        if text is None:
-            text = self._seen[token] = self._decode([token])
-        return text
+    def __call__(self, token: int, before: Sequence[int] = ()) -> str:
+        context = list(before[-self.WINDOW:])
+        if not context:
+            return self._decode([token])
+        head = self._decode(context)
+        whole = self._decode(context + [token])
+        return whole[len(head):] if whole.startswith(head) else self._decode([token])
 
 
 @dataclass
 class CompletionLogprobs:
     """A completion choice's ``logprobs``, grown part by part; ``offset`` is where the next
-    token's text begins in the choice's text."""
+    token's text begins in the choice's text; ``context``, the tokens before the next one."""
 
     texts: TokenTexts
+    context: list[int] = field(default_factory=list)
     offset: int = 0
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
@@ -46,7 +51,9 @@ class CompletionLogprobs:
         token); the part they make, in the shape of the whole (a streamed chunk's)."""
         start = len(self.tokens)
         for i, token in enumerate(ids):
-            text = self.texts(token)
+            before = self.context[-TokenTexts.WINDOW:]
+            text = self.texts(token, before)
+            self.context = before + [token]
             got = None if first_unknown and i == 0 else logprobs[i - 1 if first_unknown else i]
             self.tokens.append(text)
             self.text_offset.append(self.offset)
@@ -57,7 +64,7 @@ class CompletionLogprobs:
                 continue
             self.token_logprobs.append(got.logprob)
             # As OpenAI's legacy completions: the top ones and always the chosen token.
-            top = {self.texts(t): lp for t, lp in got.top}
+            top = {self.texts(t, before): lp for t, lp in got.top}
             top.setdefault(text, got.logprob)
             self.top_logprobs.append(top)
         return self.since(start)
@@ -67,14 +74,18 @@ class CompletionLogprobs:
                 "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
 
 
-def chat_logprobs(texts: TokenTexts, ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]) -> list[dict]:
-    """A chat choice's ``logprobs.content`` entries for tokens ``ids``."""
+def chat_logprobs(texts: TokenTexts, ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None],
+                  context: list[int]) -> list[dict]:
+    """A chat choice's ``logprobs.content`` entries for tokens ``ids``, which follow the
+    tokens of ``context`` (grown with them)."""
     content: list[dict[str, Any]] = []
     for token, got in zip(ids, logprobs):
+        before = context[-TokenTexts.WINDOW:]
+        context[:] = before + [token]
         if got is None:
             continue
-        content.append({**_entry(texts(token), got.logprob),
-                        "top_logprobs": [_entry(texts(t), lp) for t, lp in got.top]})
+        content.append({**_entry(texts(token, before), got.logprob),
+                        "top_logprobs": [_entry(texts(t, before), lp) for t, lp in got.top]})
     return content
 
 

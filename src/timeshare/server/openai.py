@@ -391,7 +391,9 @@ class _Choice:
         self.texts = texts
         self.parts: list[str] = []
         self.content: list[dict] = []
-        self.completion = CompletionLogprobs(texts)
+        # The tokens before the next one: the prompt's, unless it is echoed (it comes first then).
+        self.completion = CompletionLogprobs(texts, context=[] if echo is not None else prompt[-TokenTexts.WINDOW:])
+        self.context = prompt[-TokenTexts.WINDOW:]  # a chat's, for its tokens' texts
         self.finish: Finish | None = None
         self.started = False
 
@@ -412,7 +414,7 @@ class _Choice:
         if not self.asked:
             return None
         if self.chat:
-            part = chat_logprobs(self.texts, delta.ids, delta.logprobs)
+            part = chat_logprobs(self.texts, delta.ids, delta.logprobs, self.context)
             self.content.extend(part)
             return {"content": part}
         return self.completion.add(delta.ids, delta.logprobs)
