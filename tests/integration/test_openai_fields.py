@@ -105,6 +105,24 @@ def test_echo_gives_the_prompts_log_likelihood_as_evaluation_harnesses_read_it(c
     assert total == pytest.approx(float(sum(ref[i - 1, ids[i]] for i in range(1, len(ids)))), abs=1e-4)
 
 
+def test_a_prompt_scored_without_an_answer(client, hf):
+    """``max_tokens: 0`` with ``echo`` and ``logprobs``: the prompt's log-likelihood, nothing
+    generated (how evaluation harnesses score a continuation)."""
+    tok, model = hf
+    prompt = "the model switch fast on a gpu"
+    ids = _ids(tok, prompt)
+    done = client.completions.create(model="llama", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = done.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length" and done.usage.completion_tokens == 0
+    ref = _log_softmax(model, ids)
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([float(ref[i - 1, ids[i]]) for i in range(1, len(ids))],
+                                                               abs=TOLERANCE)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="llama", prompt=prompt, max_tokens=0)  # nothing asked of it
+    assert err.value.param == "max_tokens"
+
+
 def test_a_chats_logprobs_whole_and_streamed_are_the_same_in_openais_shape(client, hf):
     chat = dict(model="llama", messages=[{"role": "user", "content": "a gpu load"}], max_tokens=6, temperature=0,
                 logprobs=True, top_logprobs=2)

@@ -412,12 +412,17 @@ class Engine:
                 except BaseException:
                     self._batch.abandon(row)
                     raise
+                if outcome.prompt_logprobs:
+                    seq.prompt_logprobs = outcome.prompt_logprobs[0]
+                if seq.params.max_tokens == 0:  # the prompt scored, nothing generated: its row goes
+                    self._batch.abandon(row)
+                    seq._put(Delta("", 0, prompt_logprobs=seq.prompt_logprobs))
+                    self._end(seq, "length")
+                    continue
                 self._batch.joined(row)
                 with self._cond:
                     self._running.append(seq)
                     self.kv_bytes = self._batch.nbytes
-                if outcome.prompt_logprobs:
-                    seq.prompt_logprobs = outcome.prompt_logprobs[0]
                 self._emit(seq, token, outcome.logprobs[0] if outcome.logprobs else None)
                 if seq.done:  # its first token ended it: its row goes now
                     self._drop_finished()

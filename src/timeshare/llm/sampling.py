@@ -47,8 +47,10 @@ class SamplingParams:
     output: OutputFormat | None = None  # NOTE [Constrained decoding]
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: the prompt scored, nothing generated
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise ConfigError(f"max_tokens must be a positive integer (0 only with the prompt's log-probabilities: "
+                              f"echo), got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ConfigError(f"temperature must be between 0 and 2, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

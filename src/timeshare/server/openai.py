@@ -54,7 +54,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send fields of their own (user, metadata...)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: a completion's prompt scored (echo with logprobs)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -268,7 +268,7 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
             req: CompletionRequest = parse_request(CompletionRequest, await read_body(request))
             model = llms.get(req.model)
             prompts = _prompts(req.prompt, model)
-            params = req.params(req.max_tokens or 16)
+            params = req.params(16 if req.max_tokens is None else req.max_tokens)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
         echoed = partial(_echoed, req.prompt, prompts, model) if req.echo else None
@@ -284,7 +284,8 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
                 prompt = model.encode_chat([rendered(m) for m in req.messages], tools=req.tool_list())
             except ConfigError as exc:
                 raise InvalidRequest(str(exc), "messages") from None
-            limit = req.max_completion_tokens or req.max_tokens or max(1, model.max_context - len(prompt))
+            asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            limit = max(1, model.max_context - len(prompt)) if asked is None else asked
             params = req.params(limit, tools)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
