@@ -181,3 +181,23 @@ def test_a_hundred_json_schemas_every_answer_validates_greedy_and_sampled(served
             done = seq.result(120)
             assert done.finish_reason == "stop", (schema, done.text)
             jsonschema.validate(json.loads(done.text), schema)
+
+
+def test_the_same_requests_give_the_same_text_and_numbers_in_process_and_with_workers(llama):
+    """One engine in both modes (NOTE [One step, two places]): seeded sampled answers with
+    penalties, a bias and log-probabilities, and answers held to a schema, token for token
+    and log-probability for log-probability."""
+    drawn = schemas(4, seed=7)
+    asks = [SamplingParams(max_tokens=TOKENS, temperature=0.9, seed=i, logprobs=2, presence_penalty=0.5,
+                           frequency_penalty=0.3, repetition_penalty=1.2, logit_bias=((5, 3.0),))
+            for i in range(3)]
+    asks += [SamplingParams(max_tokens=200, temperature=1.0, seed=10 + i, output=OutputFormat.json_schema(s))
+             for i, s in enumerate(drawn)]
+    got = {}
+    for workers in (0, 2):
+        with Runtime("cpu", with_pools("16MiB", [llama], max_context=256), workers=workers) as rt:
+            m = lm.load(rt, "llama", llama, max_context=256, max_sequences=8)
+            prompts = [m.encode(t) for t in PROMPTS]
+            seqs = [m.generate(prompts[i % len(prompts)], p) for i, p in enumerate(asks)]
+            got[workers] = [(d.text, d.tokens, d.logprobs) for d in (s.result(120) for s in seqs)]
+    assert got[0] == got[2]

@@ -23,12 +23,15 @@ class TokenTexts:
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
+        self._head: tuple[tuple[int, ...], str] = ((), "")  # the last context decoded, and its text
 
     def __call__(self, token: int, before: Sequence[int] = ()) -> str:
         context = list(before[-self.WINDOW:])
         if not context:
             return self._decode([token])
-        head = self._decode(context)
+        if self._head[0] != tuple(context):  # a token's alternatives share its context: decoded once
+            self._head = (tuple(context), self._decode(context))
+        head = self._head[1]
         whole = self._decode(context + [token])
         return whole[len(head):] if whole.startswith(head) else self._decode([token])
 
