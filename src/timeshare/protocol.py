@@ -25,6 +25,8 @@ is pickled in place, and logged once.
       args as TensorRefs, channel:    output as TensorRefs in the channel (refs, out_nbytes)
       a grown channel to map first
       with step: a language model's step (decode/step.py), answered with its StepOutcome
+    StepMasks(seq, masks)             a step whose masks follow it: sent once it is posted,
+                                      read by the step after queueing its forward
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
       args as TensorRefs, channel
     Train(seq, job, spec, lane)     Progress(seq, ...) after every iteration, then
@@ -36,7 +38,8 @@ is pickled in place, and logged once.
     Shutdown()                      (exits)
 
 A worker answers one request at a time, except that a Train segment reads the pipe
-at every preemption point, where only PreemptSegment and Shutdown can arrive.
+at every preemption point, where only PreemptSegment and Shutdown can arrive, and a
+step whose masks follow it reads its StepMasks (NOTE [Masks while the device runs]).
 """
 
 from __future__ import annotations
@@ -174,6 +177,15 @@ class RunModel:
     # the channel to map before decoding them when the controller has just grown it.
     refs: int = 0
     channel: ChannelSpec | None = None
+
+
+@dataclass(frozen=True)
+class StepMasks:
+    """The grammar masks of step ``seq``'s rows, sent after its RunModel (NOTE [Masks while
+    the device runs]); empty: the controller could not compute them (the step fails)."""
+
+    seq: int
+    masks: tuple[bytes, ...]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.llm_reference import with_pools
+from timeshare.decode import runner
 from timeshare.bench.json_schemas import schemas
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
@@ -87,6 +88,37 @@ def test_the_prompts_log_probabilities_are_transformers_per_token_log_likelihood
         for i, got in enumerate(done.prompt_logprobs):
             assert got.logprob == pytest.approx(float(logp[i, prompt[i + 1]]), abs=TOLERANCE)
             assert [t for t, _ in got.top] == logp[i].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("body", [True, False], ids=["by-chunks", "by-forward"])
+def test_a_long_prompts_logits_are_never_held_whole(llama, hf, monkeypatch, body):
+    """A scored prompt's output layer runs a chunk of positions at a time (by-chunks); a
+    model whose head is more than its output layer is scored from its forward's logits
+    (by-forward: the check made to disagree): the same log-probabilities either way."""
+    tok, model = hf
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(runner, "PROMPT_CHUNK", 8)
+    if not body:
+        monkeypatch.setattr(runner, "agrees", lambda got, want: False)
+    widest: list[int] = []
+
+    def logits_rows(module, args, out):
+        if isinstance(out, torch.Tensor) and out.shape[-1] == vocab:
+            widest.append(out.reshape(-1, vocab).shape[0])
+
+    with Runtime("cpu", with_pools("16MiB", [llama], max_context=256), workers=0) as rt:
+        m = lm.load(rt, "llama", llama, max_context=256, max_sequences=8)
+        prompt = m.encode(" ".join(PROMPTS * 3))
+        assert len(prompt) > 20
+        with torch.nn.modules.module.register_module_forward_hook(logits_rows):
+            done = m.generate(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)).result(60)
+    assert (max(widest) <= 8) == body
+    logp = torch.log_softmax(_logits(model, prompt), -1)
+    assert done.prompt_logprobs is not None and len(done.prompt_logprobs) == len(prompt) - 1
+    for i, got in enumerate(done.prompt_logprobs):
+        assert got.logprob == pytest.approx(float(logp[i, prompt[i + 1]]), abs=TOLERANCE)
+        assert [t for t, _ in got.top] == logp[i].topk(2).indices.tolist()
+    assert done.tokens == [int(logp[-1].argmax())]
 
 
 @pytest.mark.parametrize("penalty", [1.5, 0.7])

@@ -39,7 +39,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -59,6 +59,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 COMPILE_MODES = ("auto", "inductor", "aot_eager", "eager", "off")  # or a torch.compile backend (a callable)
 GRAPH_MODES = ("auto", "cuda", "emulate", "off")
 DEFAULT_GRAPH_CONTEXT = 4096  # positions up to which decode graphs are captured (longer rows run eagerly)
+PROMPT_CHUNK = 256  # positions whose logits a scored prompt holds at once (``DecodeRunner._prefill_scored``)
 
 _epochs: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
@@ -243,6 +244,9 @@ class DecodeRunner:
         # them: per token step (chosen, top ids, top values), per prefill row its prompt's.
         self._asked: list[tuple[torch.Tensor, ...]] = []
         self._prompt_asked: list[tuple[torch.Tensor, ...] | None] = []
+        # Prompts' log-probabilities by the model's body and its output layer in chunks
+        # (``_prefill_scored``): None until the first one checks that they agree.
+        self._by_body: bool | None = None
 
     @property
     def wants_capture(self) -> bool:
@@ -290,15 +294,19 @@ class DecodeRunner:
         asked = step.prompt_logprobs or (-1,) * step.rows
         logits = []
         for tokens, start, table, top in zip(step.tokens, step.starts, step.tables, asked):
-            if top >= 0 and start:
+            if top < 0:
+                logits.append(self._prefill_row(module, tokens, start, table))
+                self._prompt_asked.append(None)
+                continue
+            if start:
                 raise GenerationError("a prompt's log-probabilities need its whole prompt computed, not cached pages")
-            every = self._prefill_row(module, tokens, start, table, every=top >= 0)
-            logits.append(every[-1:])
-            self._prompt_asked.append(None if top < 0 else
-                                      log_probabilities(every[:-1], to_device(tokens[1:], self.device), top))
+            last, scored = self._prefill_scored(module, tokens, table, top)
+            logits.append(last)
+            self._prompt_asked.append(scored)
         rows = torch.cat(logits)
-        processing = Processing(step.draw, rows.shape[1], self.device) if step.draw.processed else None
-        return self._choose(rows, step.draw, processing)
+        draw = step.drawn()  # NOTE [Masks while the device runs]: the forward is queued
+        processing = Processing(draw, rows.shape[1], self.device) if draw.processed else None
+        return self._choose(rows, draw, processing)
 
     def _choose(self, logits: torch.Tensor, draw: Draw, processing: Processing | None = None,
                 step: int = 0) -> torch.Tensor:
@@ -311,23 +319,19 @@ class DecodeRunner:
         return chosen
 
     def _prefill_row(self, module: nn.Module, tokens: tuple[int, ...], start: int,
-                     table: tuple[int, ...], every: bool = False) -> torch.Tensor:
+                     table: tuple[int, ...]) -> torch.Tensor:
         """A row's prompt from ``start`` into its pages; the logits of its last position
-        ([1, vocab]), or with ``every`` of each of its positions ([tokens, vocab])."""
+        ([1, vocab])."""
         n = len(tokens)
-        if not n or len(table) < self.layout.pages_for(start + n):
-            raise GenerationError(f"a prefill of {n} tokens from position {start} needs their pages, got {len(table)}")
-        ids = to_device(tokens, self.device)[None]
-        pages = to_device(table, self.device)
-        keep = 0 if every else 1
+        ids, pages = self._prompt_inputs(tokens, start, table)
         if start == 0:
             # The model's own cache for the prompt, as transformers' generate computes it
             # (its causal kernels: generate's mask of ones is dropped for them, after a
             # check that waits for the device, which no mask spares), then copied into the
             # row's pages.
-            out = module(input_ids=ids, use_cache=True, logits_to_keep=keep)
+            out = module(input_ids=ids, use_cache=True, logits_to_keep=1)
             self.layout.write(pages, 0, prompt_layers(out[self._cache_key], n))
-            return out.logits[0] if every else out.logits[:, -1]
+            return out.logits[:, -1]
         # NOTE [Prefix caching]: the first ``start`` positions are cached pages; the rest
         # attend to them through the adapter, each to the positions up to its own.
         span = torch.arange(start + n, device=self.device)
@@ -337,9 +341,50 @@ class DecodeRunner:
             hidden, torch.finfo(dtype).min)[None, None]
         cache = self._cache_class(self.layout, ExtendView(pages, start))
         out = module(input_ids=ids, attention_mask=mask, position_ids=span[start:][None], use_cache=True,
-                     logits_to_keep=keep, **{self._cache_key: cache})
+                     logits_to_keep=1, **{self._cache_key: cache})
         self.layout.write(pages, start, cache.extended())
-        return out.logits[0] if every else out.logits[:, -1]
+        return out.logits[:, -1]
+
+    def _prompt_inputs(self, tokens: tuple[int, ...], start: int,
+                       table: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(tokens)
+        if not n or len(table) < self.layout.pages_for(start + n):
+            raise GenerationError(f"a prefill of {n} tokens from position {start} needs their pages, got {len(table)}")
+        return to_device(tokens, self.device)[None], to_device(table, self.device)
+
+    def _prefill_scored(self, module: nn.Module, tokens: tuple[int, ...], table: tuple[int, ...],
+                        top: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A row's whole prompt into its pages, and its prompt's log-probabilities (NOTE
+        [Logit processing]): the last position's logits ([1, vocab]) and, for each token
+        after the first, ``log_probabilities`` of it. The model's body keeps every
+        position's hidden state; its output layer runs ``PROMPT_CHUNK`` positions at a
+        time, so a long prompt's logits are never held whole (2,048 positions of a
+        128,000-token vocabulary would be 1 GiB in float32). The first time, the last
+        position's logits are checked against the model's own forward; a model whose
+        head does more than its output layer and a soft cap (``_head``) is scored from
+        its forward's every logit instead, with a warning."""
+        n = len(tokens)
+        ids, pages = self._prompt_inputs(tokens, 0, table)
+        targets = to_device(tokens[1:], self.device)
+        if self._by_body is False:
+            out = module(input_ids=ids, use_cache=True, logits_to_keep=0)
+            self.layout.write(pages, 0, prompt_layers(out[self._cache_key], n))
+            return out.logits[0, -1:], log_probabilities(out.logits[0, :-1], targets, top, PROMPT_CHUNK)
+        body = cast(Any, module).get_decoder()(input_ids=ids, use_cache=True)
+        self.layout.write(pages, 0, prompt_layers(body.past_key_values, n))
+        hidden = body.last_hidden_state[0]
+        last = _head(module, hidden[-1:])
+        if self._by_body is None:  # the first prompt scored here: the body and head agree with the forward?
+            want = module(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0]
+            self._by_body = agrees(last, want)
+            if not self._by_body:
+                log.warning("%s's logits are not its output layer's over its body's last hidden state; prompts are "
+                            "scored from every position's logits at once", type(module).__name__)
+                return want, log_probabilities(module(input_ids=ids, use_cache=False).logits[0, :-1], targets, top)
+        parts = [log_probabilities(_head(module, hidden[i:min(i + PROMPT_CHUNK, n - 1)]),
+                                   targets[i:i + PROMPT_CHUNK], top, PROMPT_CHUNK)
+                 for i in range(0, max(n - 1, 1), PROMPT_CHUNK)]
+        return last, tuple(torch.cat([p[k] for p in parts]) for k in range(3))
 
     # ------------------------------------------------------------------ decode steps
     def _decode(self, module: nn.Module, step: Step) -> torch.Tensor:
@@ -363,16 +408,21 @@ class DecodeRunner:
         pages = max(self._contexts[0], min(_pow2(widest), self._width))
         self._load_inputs(step, batch)
         level = min(step.starts) == max(step.starts)
+        if step.masks is not None and count > 1:
+            raise GenerationError("a burst of decode steps cannot take late grammar masks (each needs its token)")
         chosen: list[torch.Tensor] = []
         processing: Processing | None = None
+        first = step.draw
         for j in range(count):
             if j:
                 self._advance(chosen[-1], rows, batch)
             self._run(module, rows, batch, pages, max(step.starts) + j + 1, level)
             assert self._logits is not None
-            if processing is None and step.draw.processed:  # NOTE [Logit processing]
-                processing = Processing(step.draw, self._logits.shape[1], self.device)
-            draw = step.draw if not j else replace(step.draw, index=tuple(i + j for i in step.draw.index))
+            if not j and step.masks is not None:  # NOTE [Masks while the device runs]: the forward is queued
+                first = step.drawn()
+            if processing is None and first.processed:  # NOTE [Logit processing]
+                processing = Processing(first, self._logits.shape[1], self.device)
+            draw = first if not j else replace(first, index=tuple(i + j for i in first.index))
             chosen.append(self._choose(self._logits[:rows], draw, processing, j))
             if processing is not None:
                 processing.advance(chosen[-1])
@@ -557,6 +607,14 @@ class DecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step(module, batch, pages)
         return graph
+
+
+def _head(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A causal language model's logits from its body's final hidden states: its output
+    layer, then its soft cap where it has one (Gemma 2's ``final_logit_softcapping``)."""
+    logits = cast(Any, module).get_output_embeddings()(hidden)
+    cap = getattr(module.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def _token_logprobs(asked: list[tuple[torch.Tensor, ...]], draw: Draw | None) -> tuple[TokenLogprobs | None, ...]:

@@ -20,13 +20,14 @@ workers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any
 
 import torch
 
 from timeshare.dtypes import parse_dtype
+from timeshare.errors import GenerationError
 
 
 class StepKind(str, Enum):
@@ -128,6 +129,14 @@ class Draw:
         return max(self.logprobs, default=-1)
 
 
+class MasksFollow:
+    """A step's late masks as it crosses to a worker: they follow it on the worker's pipe
+    (``StepMasks``), and the worker puts its reader of them in this one's place."""
+
+    def __call__(self) -> tuple[bytes, ...]:
+        raise GenerationError("a step's grammar masks were to follow it to its worker, and no reader was set")
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """A token's log-probability under the model (raw: before any processing, NOTE
@@ -157,10 +166,24 @@ class Step:
     zero: tuple[int, ...] = ()
     count: int = 1
     prompt_logprobs: tuple[int, ...] = ()  # a prefill: per row, top log-probabilities of its prompt (-1: none)
+    # NOTE [Masks while the device runs]: the constrained rows' grammar masks (as ``Draw.allowed``,
+    # which is then empty), asked for once the step's forward is queued; None: none are late.
+    masks: Callable[[], tuple[bytes, ...]] | None = None
 
     @property
     def rows(self) -> int:
         return len(self.tokens)
+
+    def drawn(self) -> Draw:
+        """Its draw, with the late masks in it once asked for (a runner asks once per step,
+        after queueing the forward)."""
+        assert self.draw is not None
+        if self.masks is None:
+            return self.draw
+        masks = self.masks()
+        if len(masks) != self.rows:
+            raise GenerationError(f"a step of {self.rows} rows got {len(masks)} grammar masks")
+        return replace(self.draw, allowed=masks if any(masks) else ())
 
     def example(self) -> tuple[tuple, dict]:
         """Inputs of a plain forward of the model like this step's: what a first load

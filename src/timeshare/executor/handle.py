@@ -15,7 +15,8 @@ import select
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from timeshare import protocol as P
-from timeshare.errors import MemoryBudgetError, WorkerCrashedError, WorkerTimeoutError
+from timeshare.errors import MemoryBudgetError, TimeshareError, WorkerCrashedError, WorkerTimeoutError
 from timeshare.memory.allocator import align_up
 from timeshare.worker import channel as C
 from timeshare.worker.proc import worker_main
@@ -195,15 +196,20 @@ class WorkerHandle:
         self._channel_sent = False
         return grown
 
-    def call(self, msg, inputs: Inputs, timeout_s: float, what: str, spin_s: float = 0.0) -> tuple[Any, Any]:
+    def call(self, msg, inputs: Inputs, timeout_s: float, what: str, spin_s: float = 0.0,
+             then: Callable[[], tuple[bytes, ...]] | None = None) -> tuple[Any, Any]:
         """Send a call's message (made with ``inputs``) and wait for its reply (as
         ``request``); returns the reply and its value, whose tensors are copied out of the
         channel, the caller's own: the next call may overwrite the channel (NOTE [Tensor
         channel]). ``spin_s``: poll for the reply this long before sleeping (NOTE [Spin
-        before sleeping])."""
+        before sleeping]). ``then``: a step's late masks, computed once the step is sent,
+        while the worker runs its forward, and sent after it (NOTE [Masks while the device
+        runs])."""
         self._check_owner()
         if not self.post_bytes(C.dumps(msg, inputs.left)):
             raise self._crashed(what)
+        if then is not None:
+            self._follow(msg.seq, then, timeout_s, what)
         reply = self.receive(timeout_s, what, msg.seq, spin_s)
         if not isinstance(reply, P.Result):
             return reply, getattr(reply, "value", None)
@@ -219,6 +225,19 @@ class WorkerHandle:
             raise WorkerCrashedError(f"worker {self.id} answered with tensors in a channel it was not given",
                                      where=f"worker {self.id}, {what}")
         return reply, C.copies(reply.value, channel.buffer)
+
+    def _follow(self, seq: int, then: Callable[[], tuple[bytes, ...]], timeout_s: float, what: str) -> None:
+        """Send step ``seq``'s late masks; if computing them raised, the step is told (it
+        fails), its answer read, and the error raised here."""
+        try:
+            masks = then()
+        except BaseException:
+            if self.post(P.StepMasks(seq, ())):
+                with suppress(TimeshareError):
+                    self.receive(timeout_s, what, seq)
+            raise
+        if not self.post(P.StepMasks(seq, masks)):
+            raise self._crashed(what)
 
     # ------------------------------------------------------------------ requests
     def wait_ready(self, timeout_s: float) -> None:

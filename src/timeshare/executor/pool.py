@@ -14,12 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from timeshare import protocol as P
-from timeshare.decode.step import Step
+from timeshare.decode.step import MasksFollow, Step
 from timeshare.device import BackendFlags, leaves_a_core
 from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
 from timeshare.executor.deadline import Deadlines
@@ -166,10 +166,13 @@ class ProcessPool:
         """Run ``model`` on a standby (a language model's step: on its home, NOTE [One step,
         two places])."""
         shared = dict(shared) if shared is not None else None
+        # NOTE [Masks while the device runs]: a step's late masks follow it on the pipe.
+        late = step.masks if step is not None else None
+        sent_step = replace(step, masks=MasksFollow()) if step is not None and late is not None else step
 
         def make(inputs: Inputs, profiles: tuple) -> P.RunModel:
             return P.RunModel(self._set.next_seq(), model, offset, resident, inputs.args, inputs.kwargs, strategy,
-                              profiles, lane=lane, fill=fill, shared=shared, host_keys=host_keys, step=step,
+                              profiles, lane=lane, fill=fill, shared=shared, host_keys=host_keys, step=sent_step,
                               refs=inputs.refs, channel=inputs.channel)
 
         # A step's time grows with its tokens: prompts and batches by powers of two.
@@ -180,7 +183,7 @@ class ProcessPool:
         # A language model's step waits for its home's pipe (its decode graphs are there:
         # NOTE [Decode graphs]); anything else takes a free standby.
         with self._standby(what) if step is None else self.claim(self._step_home(model), what) as w:
-            reply, value = self._task_on(w, _Call(model, make, args, kwargs, run=True), what, kind)
+            reply, value = self._task_on(w, _Call(model, make, args, kwargs, run=True, then=late), what, kind)
         t = reply.timings
         if t is None:
             return Ran(value)
@@ -270,7 +273,7 @@ class ProcessPool:
             timeout, last = (self.task_timeout_s, None) if kind is None else \
                 (self.deadlines.of(kind), self.deadlines.last(kind))
             spin = SPIN_S if last is not None and last < SPIN_S else 0.0  # NOTE [Spin before sleeping]
-            reply, value = w.call(msg, inputs, timeout, what, spin)
+            reply, value = w.call(msg, inputs, timeout, what, spin, then=call.then)
         except WorkerError as exc:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._set.replace(w, exc)
@@ -464,6 +467,7 @@ class _Call:
     args: tuple
     kwargs: dict
     run: bool
+    then: Callable[[], tuple[bytes, ...]] | None = None  # a step's late masks, sent after it
 
 
 def _state_of(w: WorkerHandle, training: set[WorkerHandle]) -> str:

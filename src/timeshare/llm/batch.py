@@ -7,6 +7,7 @@ step computes runs where the weights are (NOTE [One step, two places]).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -34,12 +35,12 @@ class Row:
         return self.seq.prompt + self.seq.tokens
 
 
-def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset(), masks: tuple[bytes, ...] | None = None) -> Draw:
+def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset()) -> Draw:
     """How each sequence chooses its next token: its params, its seed, its token's index,
     and what it asks beyond them (NOTE [Logit processing]; each left empty when no
     sequence asks for it): log-probabilities, penalties over its history, its logit bias,
-    the end tokens ``eos`` while it is short of ``min_tokens``, and its grammar's mask
-    (``masks``, when the caller computed them: NOTE [Constrained decoding])."""
+    the end tokens ``eos`` while it is short of ``min_tokens``. Its grammar's mask comes
+    later (``Batch.masks_of``)."""
     params = [s.params for s in seqs]
     plain = Draw(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
                  tuple(p.top_p for p in params), tuple(s.seed for s in seqs), tuple(len(s.tokens) for s in seqs))
@@ -52,13 +53,10 @@ def draw(seqs: Seq[Sequence], eos: frozenset[int] = frozenset(), masks: tuple[by
     bias = tuple(p.logit_bias for p in params)
     ends = tuple(sorted(eos))
     banned = tuple((ends, max(0, p.min_tokens - len(s.tokens))) for s, p in zip(seqs, params))
-    allowed = masks if masks is not None else \
-        tuple(s.matcher.mask() if s.matcher is not None else b"" for s in seqs)
     return replace(plain, logprobs=logprobs if any(k >= 0 for k in logprobs) else (),
                    penalties=penalties if any(p is not None for p in penalties) else (),
                    bias=bias if any(bias) else (),
-                   banned=banned if ends and any(steps for _, steps in banned) else (),
-                   allowed=allowed if any(allowed) else ())
+                   banned=banned if ends and any(steps for _, steps in banned) else ())
 
 
 class Batch:
@@ -115,7 +113,7 @@ class Batch:
         zero = tuple(new[-1:]) if len(context) % self.block else ()
         asked = (seq.params.prompt_logprobs or 0,) if whole else ()
         return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
-                         self._draw([seq]), zero, prompt_logprobs=asked)
+                         draw([seq], self.eos), zero, prompt_logprobs=asked, masks=self.masks_of([seq]))
 
     def joined(self, row: Row) -> None:
         """``row``'s prefill succeeded: it joins the batch, its full pages published."""
@@ -149,17 +147,24 @@ class Batch:
         fresh = tuple(p for r in rows for p in r.pages[-(-r.length // block):self.pages_for(r.length + count)])
         return Step(StepKind.DECODE, self.spec, tuple((r.seq.tokens[-1],) for r in rows),
                     tuple(r.length for r in rows), tuple(tuple(r.pages) for r in rows),
-                    self._draw([r.seq for r in rows]), fresh, count)
+                    draw([r.seq for r in rows], self.eos), fresh, count, masks=self.masks_of([r.seq for r in rows]))
 
-    def _draw(self, seqs: list[Sequence]) -> Draw:
-        """``draw`` for its rows, the time their grammars' masks took counted."""
-        if all(s.matcher is None for s in seqs):
-            return draw(seqs, self.eos)
-        t0 = time.perf_counter()
-        masks = tuple(s.matcher.mask() if s.matcher is not None else b"" for s in seqs)
-        self.mask_s += time.perf_counter() - t0
-        self.masks += sum(1 for m in masks if m)
-        return draw(seqs, self.eos, masks)
+    def masks_of(self, seqs: list[Sequence]) -> Callable[[], tuple[bytes, ...]] | None:
+        """The step's late masks (NOTE [Masks while the device runs]): its rows' grammar
+        masks, computed when the runner asks for them, the time they take counted; None
+        when no row is constrained."""
+        matchers = tuple(s.matcher for s in seqs)
+        if all(m is None for m in matchers):
+            return None
+
+        def masks() -> tuple[bytes, ...]:
+            t0 = time.perf_counter()
+            got = tuple(m.mask() if m is not None else b"" for m in matchers)
+            self.mask_s += time.perf_counter() - t0
+            self.masks += sum(1 for m in got if m)
+            return got
+
+        return masks
 
     def stepped(self, count: int = 1) -> None:
         """A decode step of ``count`` tokens succeeded and its tokens were taken: each row

@@ -17,8 +17,20 @@ and 0.4 ms at the 99th percentile over a 32,000-token vocabulary, all of 100 dra
 schemas compiled (xgrammar: about 3 ms, 7-16 us and 0.4 ms, 100 of 100, but a wheel per
 Python and a runtime of its own; ``scripts/grammar_libraries.py``,
 ``bench/results/grammar-libraries-cpu-epyc-2core.json``). Another library fits behind
-``Grammars``. The mask is computed on the host before the step, not yet while the device
-runs the step before it.
+``Grammars``.
+
+# NOTE [Masks while the device runs]
+A step's masks are needed only by its sampler, after its forward: so they are computed
+while the forward runs. The step crosses with ``Step.masks``, a function the runner
+calls once it has queued the forward (``Step.drawn``; ``Batch.masks_of`` makes it, timing
+the masks). In-process on CUDA the forward's kernels run meanwhile; on the CPU the one
+thread does both, one after the other. With workers the step is sent with
+``MasksFollow`` in its place; ``WorkerHandle.call`` computes the masks as soon as the
+step is posted, while the worker's forward runs, and sends them as ``StepMasks``, which
+the worker's step reads from its pipe (``WorkerProcess._step_masks``, under a deadline)
+before its choice. A step that fails before reading them still takes them off the pipe;
+masks that could not be computed are sent empty and fail the step. The mask of a step
+depends on the token of the step before, so it cannot be computed earlier than this.
 """
 
 from __future__ import annotations

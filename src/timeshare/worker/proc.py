@@ -17,7 +17,9 @@ import os
 import select
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import replace
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,7 +27,8 @@ import torch
 
 import timeshare.device as devices
 from timeshare import protocol as P
-from timeshare.errors import ModelError
+from timeshare.decode.step import MasksFollow
+from timeshare.errors import GenerationError, ModelError
 from timeshare.memory.arena import Arena, map_shared_memory
 from timeshare.memory.ephemeral import in_lane
 from timeshare.models.binding import collect
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often an idle worker checks that its parent is alive
 POLL_MS = int(POLL_S * 1000)
+STEP_MASKS_S = 60.0  # the most a step waits for its late grammar masks (they take milliseconds)
 
 
 def _alive(pid: int) -> bool:
@@ -86,6 +90,7 @@ class WorkerProcess:
         self.cuda = device.type == "cuda"
         self.unpickled = 0.0  # seconds the last message took to unpickle
         self.in_task = False  # inside the task's own code (a forward, a training step): its errors are the task's
+        self.masks_due: int | None = None  # a step whose late grammar masks are still on the pipe
         self.tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
         self.handlers: dict[type, Callable[[Any], Any]] = {
             P.AddModel: self.add_model, P.AddShared: self.add_shared, P.RemoveShared: self.remove_shared,
@@ -210,12 +215,30 @@ class WorkerProcess:
         return P.Ack(msg.seq)
 
     # ------------------------------------------------------------------ calls
+    def _step_masks(self, seq: int) -> tuple[bytes, ...]:
+        """Step ``seq``'s late masks, the next message on the pipe (NOTE [Masks while the
+        device runs]), waited for up to ``STEP_MASKS_S``."""
+        self.masks_due = None
+        if not self.conn.poll(STEP_MASKS_S):
+            raise GenerationError(f"step {seq}'s grammar masks did not come within {STEP_MASKS_S:g} s")
+        msg = P.loads(self.conn.recv_bytes())
+        if isinstance(msg, P.Shutdown):
+            raise SegmentShutdown
+        if not isinstance(msg, P.StepMasks) or msg.seq != seq:
+            raise GenerationError(f"step {seq} expected its grammar masks, got {type(msg).__name__}")
+        return msg.masks
+
     def run_model(self, msg: P.RunModel) -> tuple[P.Result, list]:
         t0 = time.perf_counter()
         was_locked = self.worker.store_pinned(msg.model)
+        if msg.step is not None and isinstance(msg.step.masks, MasksFollow):
+            self.masks_due = msg.seq  # read by the step, or below if it failed before
         try:
             return self._call(msg, t0)
         except BaseException:
+            if self.masks_due is not None:  # the step failed before it read its masks: off the pipe
+                with suppress(GenerationError, SegmentShutdown):
+                    self._step_masks(self.masks_due)
             self.tensors.settle()
             # Only a Result reports a lock (NOTE [Locked host tier]): a load that locked the
             # store unlocks it whatever failed after it (a key/value step's bookkeeping, the
@@ -233,9 +256,12 @@ class WorkerProcess:
         args, kwargs, in_end = self.tensors.inputs_of(msg)
         t_up = time.perf_counter()
         self.in_task = True
+        step = msg.step
+        if step is not None and isinstance(step.masks, MasksFollow):  # NOTE [Masks while the device runs]
+            step = replace(step, masks=partial(self._step_masks, msg.seq))
         with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
             out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
-                             msg.shared, msg.host_keys, step=msg.step)
+                             msg.shared, msg.host_keys, step=step)
         self.in_task = False
         t_run = time.perf_counter()
         worker.finish_pending(msg.model)  # no copy outlives its task: eviction needs no round trip
