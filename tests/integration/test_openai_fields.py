@@ -280,7 +280,7 @@ def test_a_required_tool_call_comes_back_in_openais_shape_whole_and_streamed(cli
     jsonschema = pytest.importorskip("jsonschema")
     messages = [{"role": "user", "content": "what is the weather"}]
     done = client.chat.completions.create(model="llama", messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
-                                          max_tokens=80, temperature=0)
+                                          max_tokens=80, temperature=0, parallel_tool_calls=False)
     c = done.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0]
@@ -289,23 +289,54 @@ def test_a_required_tool_call_comes_back_in_openais_shape_whole_and_streamed(cli
         assert call.function.name == "get_time"
     tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-    streamed: dict[int, dict] = {}
-    reasons = []
-    for chunk in client.chat.completions.create(model="llama", messages=messages, tools=[WEATHER, TIME],
-                                                tool_choice=choice, max_tokens=80, temperature=0, stream=True):
-        for part in chunk.choices[0].delta.tool_calls or []:
-            got = streamed.setdefault(part.index, {"name": "", "arguments": ""})
-            got["name"] += part.function.name or ""
-            got["arguments"] += part.function.arguments or ""
-        reasons.append(chunk.choices[0].finish_reason)
-    assert reasons[-1] == "tool_calls"
-    assert streamed == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+    streamed, pieces, reason = _streamed_calls(client, messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+                                               max_tokens=80, temperature=0, parallel_tool_calls=False)
+    assert reason == "tool_calls"
+    assert streamed == {0: {"id": streamed[0]["id"], "name": call.function.name,
+                            "arguments": call.function.arguments}}
+    assert pieces > 3  # the arguments come as they are written, not at the end
     # The follow-up with the tool's result is answered.
     follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                          {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
     answer = client.chat.completions.create(model="llama", messages=follow, tools=[WEATHER, TIME], max_tokens=8,
                                             temperature=0, tool_choice="none")
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+
+
+def _streamed_calls(client, **body) -> tuple[dict[int, dict], int, str | None]:
+    """A streamed answer's calls joined from their deltas (the id and name once, the
+    arguments in pieces), how many pieces of arguments came, and its finish reason."""
+    streamed: dict[int, dict] = {}
+    pieces, reason = 0, None
+    for chunk in client.chat.completions.create(model="llama", stream=True, **body):
+        for part in chunk.choices[0].delta.tool_calls or []:
+            got = streamed.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            if part.id is not None:
+                assert got["id"] is None and part.type == "function"  # opened once
+                got["id"] = part.id
+            got["name"] += part.function.name or ""
+            got["arguments"] += part.function.arguments or ""
+            pieces += bool(part.function.arguments)
+        reason = chunk.choices[0].finish_reason or reason
+    return streamed, pieces, reason
+
+
+def test_parallel_required_calls_each_validate_whole_and_streamed(client):
+    """``parallel_tool_calls`` left on: one call or more, each one of the tools."""
+    jsonschema = pytest.importorskip("jsonschema")
+    body = dict(messages=[{"role": "user", "content": "weather and time"}], tools=[WEATHER, TIME],
+                tool_choice="required", max_tokens=150, temperature=1.0, seed=5)
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    done = client.chat.completions.create(model="llama", **body)
+    assert done.choices[0].finish_reason == "tool_calls"
+    calls = done.choices[0].message.tool_calls
+    assert len({c.id for c in calls}) == len(calls) >= 2  # this seed calls twice
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name]["function"]["parameters"])
+    streamed, _, reason = _streamed_calls(client, **body)
+    assert reason == "tool_calls"
+    assert [(s["name"], s["arguments"]) for _, s in sorted(streamed.items())] == \
+        [(c.function.name, c.function.arguments) for c in calls]
 
 
 def test_auto_reads_hermes_tool_call_blocks_and_leaves_other_text_alone():
@@ -340,7 +371,7 @@ def test_langchains_bind_tools_gets_a_call_whose_arguments_validate_and_its_foll
 
     chat = langchain_openai.ChatOpenAI(model="llama", base_url=f"{server.url}/v1", api_key="unused", temperature=0,
                                        max_tokens=80, max_retries=0, timeout=60)
-    bound = chat.bind_tools([WEATHER], tool_choice="required")
+    bound = chat.bind_tools([WEATHER], tool_choice="required", parallel_tool_calls=False)
     asked = [HumanMessage("what is the weather in paris")]
     reply = bound.invoke(asked)
     assert len(reply.tool_calls) == 1 and reply.tool_calls[0]["name"] == "get_weather"

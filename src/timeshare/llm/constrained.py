@@ -57,7 +57,7 @@ class OutputFormat:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> OutputFormat:
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # its order kept: properties are written in it
 
     @classmethod
     def json_object(cls) -> OutputFormat:

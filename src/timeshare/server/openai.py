@@ -34,7 +34,7 @@ from timeshare.server.llms import Generation, ServedLLM
 from timeshare.server.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from timeshare.server.parsing import load_json
 from timeshare.server.status import served_error, status_of
-from timeshare.server.tools import ToolError, ToolPlan, plan, read_calls, rendered
+from timeshare.server.tools import ToolDelta, ToolError, ToolPlan, ToolStream, plan, read_calls, rendered
 
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer checks that its client is still there
 MAX_CHOICES = 128  # ``n``: choices per prompt
@@ -204,7 +204,7 @@ class ChatRequest(_Sampling):
     def tool_plan(self) -> ToolPlan:
         """What ``tools`` and ``tool_choice`` make of the answer (NOTE [Tool calls])."""
         try:
-            return plan(self.tool_list(), self.tool_choice)
+            return plan(self.tool_list(), self.tool_choice, parallel=self.parallel_tool_calls is not False)
         except ToolError as exc:
             raise InvalidRequest(str(exc), exc.param) from None
 
@@ -388,6 +388,7 @@ class _Choice:
                  prompt: list[int], first: bool = True, tools: ToolPlan | None = None):
         self.index, self.chat, self.asked, self.echo, self.prompt = index, chat, logprobs, echo, prompt
         self.tools = tools if tools is not None and tools.reads else None  # NOTE [Tool calls]
+        self.streamed = ToolStream(held=self.tools.output is not None) if self.tools is not None else None
         self.first = first  # the first choice of its prompt: its prompt's tokens count in the usage
         self.texts = texts
         self.parts: list[str] = []
@@ -550,20 +551,24 @@ async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, cr
                 choice.finish = event
                 end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
                 reason = event.reason
-                if choice.tools is not None:  # NOTE [Tool calls]: its text and calls, once complete
-                    said, reason = choice.message()
-                    delta: dict[str, Any] = {"content": said["content"]}
-                    if "tool_calls" in said:
-                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(said["tool_calls"])]
-                    yield chunk([{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}])
+                if choice.streamed is not None:  # NOTE [Tool calls]: what it held back, and how it ended
+                    for piece in choice.streamed.close():
+                        yield chunk([{"index": index, "delta": _tool_delta(piece), "finish_reason": None,
+                                      "logprobs": None}])
+                    if choice.streamed.calls:
+                        reason = "tool_calls"
                 yield chunk([{"index": index, **end, "finish_reason": reason, "logprobs": None}])
             else:
                 opening = choices[index].opening(event)
                 if opening is not None:  # a completion's echoed prompt
                     yield chunk([{"index": index, "text": opening[0], "finish_reason": None, "logprobs": opening[1]}])
                 logprobs = choices[index].add(event)
-                if choices[index].tools is not None:
-                    continue  # sent whole at its end
+                streamed = choices[index].streamed
+                if streamed is not None:  # NOTE [Tool calls]: its content and calls as they are read
+                    for piece in streamed.feed(event.text):
+                        yield chunk([{"index": index, "delta": _tool_delta(piece), "finish_reason": None,
+                                      "logprobs": None}])
+                    continue
                 part: dict[str, Any] = {"delta": {"content": event.text}} if chat else {"text": event.text}
                 yield chunk([{"index": index, **part, "finish_reason": None, "logprobs": logprobs}])
         else:
@@ -575,6 +580,20 @@ async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, cr
         yield f"data: {json.dumps(body)}\n\n"
     finally:  # the client went away (the response is cancelled), or the stream ended
         stream.cancel()
+
+
+def _tool_delta(piece: ToolDelta) -> dict:
+    """A streamed piece of an answer that may call tools as OpenAI's chunk delta: content,
+    a call's opening (its id, type and name) or more of its arguments."""
+    if piece.index < 0:
+        return {"content": piece.content}
+    function: dict[str, Any] = {"arguments": piece.arguments}
+    call: dict[str, Any] = {"index": piece.index}
+    if piece.id is not None:
+        call.update(id=piece.id, type="function")
+        function = {"name": piece.name, "arguments": piece.arguments}
+    call["function"] = function
+    return {"tool_calls": [call]}
 
 
 def _error_of(exc: BaseException) -> tuple[int, str]:

@@ -6,15 +6,23 @@ server's event loop.
 The tools reach the model through its chat template (``apply_chat_template(tools=...)``),
 as do earlier calls (an assistant message's ``tool_calls``) and their results (messages
 of role ``tool``). With ``tool_choice`` "required" or a named function the answer is held
-to a JSON schema (NOTE [Constrained decoding]): an object ``{"name": ..., "arguments":
-...}`` whose name is one of the tools (or the one named) and whose arguments validate
-against that tool's ``parameters``; it is read back as one call. With "auto" (the default
-when tools are given) the model answers freely and each ``<tool_call>{"name": ...,
-"arguments": ...}</tool_call>`` in its text (the format of Hermes-style templates, which
-Qwen2.5 and others use) is read back as a call, the rest of the text as its content;
-"none" leaves the answer as it is. An answer with calls ends with ``finish_reason``
-"tool_calls"; streamed, a choice that may call a tool sends its text and calls once its
-answer is complete.
+to a JSON schema (NOTE [Constrained decoding]): an array of objects ``{"name": ...,
+"arguments": ...}``, each name one of the tools (or the one named) and its arguments
+valid against that tool's ``parameters``; one call at most when ``parallel_tool_calls``
+is false. Each is read back as a call, its arguments the answer's own text of them.
+With "auto" (the default when tools are given) the model answers freely and each
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in its text (the format of
+Hermes-style templates, which Qwen2.5 and others use) that parses is read back as a
+call, the rest of the text as its content; "none" leaves the answer as it is. An answer
+with calls ends with ``finish_reason`` "tool_calls".
+
+Streamed (``ToolStream``), a held answer's calls come as they are written: a call's id
+and name once its name is complete, then its arguments piece by piece, read by one
+scanner (``CallScanner``) that also reads the whole answer, so the pieces join to the
+arguments a whole answer has. With "auto" the text streams as content up to a
+``<tool_call>``; each block is sent once it closes: as a call if it parses, else as
+content (as the whole answer keeps it). An answer cut short inside a held call has
+streamed part of its arguments, as vLLM's does; the whole answer is then its text.
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ from typing import Any
 from timeshare.llm.constrained import OutputFormat
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# A held call's opening: anything of the array or the call before it, then its name and
+# the key of its arguments (the schema puts "name" first).
+_OPENING = re.compile(r'[\s\[\],}]*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
 
 
 @dataclass(frozen=True)
@@ -47,9 +59,9 @@ class ToolError(ValueError):
         self.param = param
 
 
-def plan(tools: list[dict] | None, choice: str | dict | None) -> ToolPlan:
+def plan(tools: list[dict] | None, choice: str | dict | None, parallel: bool = True) -> ToolPlan:
     """``tools`` (each ``{"type": "function", "function": {"name", "parameters"}}``, already
-    checked) and ``tool_choice`` as one plan (NOTE [Tool calls])."""
+    checked), ``tool_choice`` and ``parallel_tool_calls`` as one plan (NOTE [Tool calls])."""
     if not tools:
         if choice not in (None, "none"):
             raise ToolError("tool_choice needs tools", "tool_choice")
@@ -60,14 +72,22 @@ def plan(tools: list[dict] | None, choice: str | dict | None) -> ToolPlan:
     if choice == "none":
         return ToolPlan(False, None)
     if choice == "required":
-        return ToolPlan(True, OutputFormat.json_schema({"anyOf": [_call_schema(f) for f in by_name.values()]}))
+        return ToolPlan(True, _held([_call_schema(f) for f in by_name.values()], parallel))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in by_name:
             raise ToolError(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
-        return ToolPlan(True, OutputFormat.json_schema(_call_schema(by_name[name])))
+        return ToolPlan(True, _held([_call_schema(by_name[name])], parallel))
     raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                     '{"name": ...}}', "tool_choice")
+
+
+def _held(calls: list[dict], parallel: bool) -> OutputFormat:
+    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return OutputFormat.json_schema(schema)
 
 
 def _call_schema(function: dict) -> dict:
@@ -76,30 +96,202 @@ def _call_schema(function: dict) -> dict:
                            "arguments": function.get("parameters") or {"type": "object"}}}
 
 
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class ToolDelta:
+    """A piece of a streamed answer that may call tools: more of its ``content``, or of
+    call ``index``: its opening (``id`` and ``name``) or more of its ``arguments``."""
+
+    content: str = ""
+    index: int = -1
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class CallScanner:
+    """A held answer's calls as its text grows (NOTE [Tool calls]): each call's name once
+    complete, and the text of its arguments (a JSON object) as it comes. Calls found so far
+    are ``calls`` (their arguments' text so far, and whether complete)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[dict] = []
+        self.complete: list[bool] = []
+        self.broken = False  # not of the shape above: nothing more is read
+        self._at = 0  # where scanning goes on
+        self._depth = 0  # inside the arguments: brackets open; in a string; after a backslash
+        self._string = self._escape = False
+
+    def feed(self, more: str) -> list[ToolDelta]:
+        self.text += more
+        out: list[ToolDelta] = []
+        while not self.broken:
+            if not self.calls or self.complete[-1]:
+                found = _OPENING.match(self.text, self._at)
+                if found is None:
+                    break
+                try:
+                    name = json.loads(f'"{found.group(1)}"')
+                except ValueError:
+                    self.broken = True
+                    break
+                self.calls.append(_call(name, ""))
+                self.complete.append(False)
+                self._at = found.end()
+                out.append(ToolDelta(index=len(self.calls) - 1, id=self.calls[-1]["id"], name=name))
+            piece = self._arguments()
+            if piece:
+                self.calls[-1]["function"]["arguments"] += piece
+                out.append(ToolDelta(index=len(self.calls) - 1, arguments=piece))
+            if not self.complete[-1]:
+                break
+        return out
+
+    def _arguments(self) -> str:
+        """More of the open call's arguments: up to the end of the text or of the value."""
+        text, i, begun = self.text, self._at, self._depth > 0
+        start = i
+        while i < len(text):
+            c = text[i]
+            i += 1
+            if not begun:
+                if c.isspace():
+                    start = i
+                    continue
+                if c != "{":
+                    self.broken = True
+                    return ""
+                begun = True
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._string = False
+            elif c == '"':
+                self._string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.complete[-1] = True
+                    break
+        self._at = i
+        return text[start:i]
+
+
 def read_calls(text: str, held: bool) -> tuple[str | None, list[dict]]:
     """An answer's content and its calls in OpenAI's shape (``id``, ``type``, ``function``
-    with ``name`` and ``arguments`` as a JSON string). ``held``: the whole answer is one
-    call's JSON (a held format); else calls are the ``<tool_call>`` blocks in it."""
+    with ``name`` and ``arguments`` as a JSON string). ``held``: the whole answer is its
+    calls' JSON array (a held format); else calls are the ``<tool_call>`` blocks in it
+    that parse, the other blocks left in its text."""
     if held:
-        found = [text]
-        rest = ""
-    else:
-        found = CALL.findall(text)
-        rest = CALL.sub("", text).strip()
-    calls = []
-    for body in found:
-        try:
-            call = json.loads(body)
-        except ValueError:
-            continue  # not a call: it stays in the text
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
+        found = _held_calls(text)
+        return (None, found) if found else (text, [])
+    calls: list[dict] = []
+
+    def taken(block: re.Match) -> str:
+        call = _block_call(block.group(1))
+        if call is None:
+            return block.group(0)
+        calls.append(call)
+        return ""
+
+    rest = CALL.sub(taken, text).strip()
     if not calls:
         return text, []
     return (rest or None), calls
+
+
+def _held_calls(text: str) -> list[dict]:
+    """A held answer's calls (none unless it is a whole array of whole calls)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    scanner = CallScanner()
+    scanner.feed(text)
+    if not isinstance(items, list) or len(items) != len(scanner.calls) or not all(scanner.complete) or \
+            [item.get("name") if isinstance(item, dict) else None for item in items] != \
+            [call["function"]["name"] for call in scanner.calls]:
+        return []
+    return scanner.calls
+
+
+def _block_call(body: str) -> dict | None:
+    """A ``<tool_call>`` block's call, or None if it is not one."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    return _call(call["name"], json.dumps(call.get("arguments", {})))
+
+
+class ToolStream:
+    """A streamed answer that may call tools, read as it comes (NOTE [Tool calls]):
+    ``feed`` its text, ``close`` at its end; ``calls`` says how many were sent."""
+
+    def __init__(self, held: bool):
+        self.held = held
+        self._scanner = CallScanner() if held else None
+        self._pending = ""  # "auto": text that may be, or is, a block not yet closed
+        self.calls = 0
+
+    def feed(self, text: str) -> list[ToolDelta]:
+        if self._scanner is not None:
+            out = self._scanner.feed(text)
+            self.calls = len(self._scanner.calls)
+            return out
+        self._pending += text
+        out = []
+        while self._pending:
+            at = self._pending.find(OPEN_TAG)
+            if at < 0:  # content, but for an end that may begin a tag
+                cut = len(self._pending) - _tag_prefix(self._pending)
+                content, self._pending = self._pending[:cut], self._pending[cut:]
+                if content:
+                    out.append(ToolDelta(content=content))
+                break
+            if at:
+                out.append(ToolDelta(content=self._pending[:at]))
+                self._pending = self._pending[at:]
+            end = self._pending.find(CLOSE_TAG)
+            if end < 0:
+                break  # the block is not closed yet
+            block, self._pending = self._pending[:end + len(CLOSE_TAG)], self._pending[end + len(CLOSE_TAG):]
+            out.extend(self._block(block))
+        return out
+
+    def _block(self, block: str) -> list[ToolDelta]:
+        found = CALL.fullmatch(block)
+        call = _block_call(found.group(1)) if found is not None else None
+        if call is None:
+            return [ToolDelta(content=block)]
+        self.calls += 1
+        return [ToolDelta(index=self.calls - 1, id=call["id"], name=call["function"]["name"],
+                          arguments=call["function"]["arguments"])]
+
+    def close(self) -> list[ToolDelta]:
+        """The text held back at the answer's end (an unclosed block is content)."""
+        rest, self._pending = self._pending, ""
+        return [ToolDelta(content=rest)] if rest else []
+
+
+def _tag_prefix(text: str) -> int:
+    """How many characters at the end of ``text`` could begin ``<tool_call>``."""
+    for n in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
+        if OPEN_TAG.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def rendered(message: Any) -> dict:
