@@ -3,7 +3,9 @@ language-model tests compare timeshare's greedy tokens with."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,3 +40,56 @@ def with_pools(weights: str, paths: list[str | Path], *, max_sequences: int = 8,
 
     return parse_bytes(weights, what="memory") + sum(lm.own_pool_bytes(p, dtype, max_sequences, max_context)
                                                      for p in paths)
+
+
+def write_adapter(base: str | Path, out: str | Path, *, rank: int, targets: list[str], alpha: float = 16.0,
+                  rslora: bool = False, seed: int = 0, std: float = 0.05) -> Path:
+    """A LoRA adapter of the model directory ``base`` in PEFT's format at ``out``, saved by
+    PEFT itself: rank ``rank`` on the projections ``targets`` (PEFT's suffixes), its
+    factors drawn from a seeded normal of ``std`` (PEFT starts B at zero: an adapter that
+    changes nothing)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
+    with _peft_warnings():
+        adapted = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    with _peft_warnings():
+        adapted.save_pretrained(out)
+    return Path(out)
+
+
+@contextmanager
+def _peft_warnings() -> Iterator[None]:
+    """PEFT 0.21 reads transformers' deprecated ``is_gradient_checkpointing``: not ours to mend."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def peft_greedy(base: str | Path, adapter: str | Path | None) -> Callable[[list[int], int], list[int]]:
+    """``generate(ids, n)``: PEFT's ``PeftModel.generate`` greedy tokens after ``ids`` with
+    ``adapter`` (None: the base alone)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    if adapter is not None:
+        with _peft_warnings():
+            model = peft.PeftModel.from_pretrained(model, adapter).eval()
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(input_ids=x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x),
+                                 pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    return generate

@@ -68,6 +68,8 @@ FAMILIES: dict[str, Callable[[Any], dict[str, Any]]] = {
 BOUNDS = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# A projection's output corrected by its rows' adapters: (the projection, its input, its output).
+Adapt = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The norms whose forward is ``F.rms_norm``'s computation: to float32, the mean square, its
 # reciprocal square root, back to the input's dtype, times the weight.
@@ -164,11 +166,17 @@ class LeanStep:
         return cls(model)
 
     def logits(self, model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-               cache: Any) -> torch.Tensor:
+               cache: Any, lora: Adapt | None = None) -> torch.Tensor:
         """The last position's logits of a step of ``ids`` (``[rows, 1]``) at ``positions``,
         its keys and values through ``cache`` (the paged adapter), as ``transformers``'
-        forward computes them (NOTE [Lean decode steps])."""
+        forward computes them (NOTE [Lean decode steps]); ``lora``: each projection's
+        output corrected by its rows' adapters (NOTE [Adapters in slots])."""
         inner = model.model
+
+        def project(kernel: Linear, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            out = kernel(x, proj.weight, proj.bias)
+            return out if lora is None else lora(proj, x, out)
+
         hidden = _forward_of(inner.embed_tokens)(ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=positions)
         for layer, (lq, lk, lv, lo, lg, lu, ld) in zip(self.layers, self.kernels):
@@ -176,20 +184,19 @@ class LeanStep:
             residual = hidden
             x = _norm(layer.input_layernorm, hidden)
             shape = (*x.shape[:-1], -1, attn.head_dim)
-            q = lq(x, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-            k = lk(x, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
-            v = lv(x, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+            q = project(lq, attn.q_proj, x).view(shape).transpose(1, 2)
+            k = project(lk, attn.k_proj, x).view(shape).transpose(1, 2)
+            v = project(lv, attn.v_proj, x).view(shape).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
             k, v = cache.update(k, v, attn.layer_idx)
             out, _ = self.attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, position_ids=positions,
                                     use_cache=True, **self.extra(attn))
             out = out.reshape(*x.shape[:-1], -1).contiguous()
-            hidden = residual + lo(out, attn.o_proj.weight, attn.o_proj.bias)
+            hidden = residual + project(lo, attn.o_proj, out)
             residual = hidden
             x = _norm(layer.post_attention_layernorm, hidden)
-            gate = _forward_of(mlp.act_fn)(lg(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            x = ld(gate * lu(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight, mlp.down_proj.bias)
-            hidden = residual + x
+            gate = _forward_of(mlp.act_fn)(project(lg, mlp.gate_proj, x))
+            hidden = residual + project(ld, mlp.down_proj, gate * project(lu, mlp.up_proj, x))
         hidden = _norm(inner.norm, hidden)
         return self.head(hidden[:, -1:], model.lm_head.weight, model.lm_head.bias)[:, -1]
 

@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from timeshare.decode.cache import DecodeView, ExtendView, cache_key, paged_cache_class, prompt_layers
-from timeshare.decode.lean import LeanStep, agrees
+from timeshare.decode.lean import Adapt, LeanStep, agrees
+from timeshare.decode.lora import LoraLayers, LoraStacks
 from timeshare.decode.pages import PagedLayout, to_device
 from timeshare.decode.sampler import Processing, choose, log_probabilities
 from timeshare.decode.step import DecodeCounts, DecoderSpec, Draw, Step, StepKind, StepOutcome, TokenLogprobs
@@ -197,7 +198,8 @@ class DecodeRunner:
     """One model's steps on its pages (``spec``: NOTE [Decode graphs]), in ``memory`` (the
     pool's bytes, the arena's region at ``spec.offset``)."""
 
-    def __init__(self, spec: DecoderSpec, memory: torch.Tensor, *, graph_context: int = DEFAULT_GRAPH_CONTEXT):
+    def __init__(self, spec: DecoderSpec, memory: torch.Tensor, *, graph_context: int = DEFAULT_GRAPH_CONTEXT,
+                 adapters: torch.Tensor | None = None):
         if spec.graphs not in ("cuda", "emulate", "off"):
             raise ConfigError(f"a decoder's graphs are cuda, emulate or off, got {spec.graphs!r}")
         self.spec = spec
@@ -247,6 +249,17 @@ class DecodeRunner:
         # Prompts' log-probabilities by the model's body and its output layer in chunks
         # (``_prefill_scored``): None until the first one checks that they agree.
         self._by_body: bool | None = None
+        # NOTE [Adapters in slots]: the adapter slots' bytes, a region of the arena.
+        self._lora: LoraLayers | None = None
+        if spec.lora is not None:
+            if adapters is None:
+                raise ConfigError("a decoder with adapter slots needs their region")
+            self._lora = LoraLayers(LoraStacks(spec.lora, adapters), top + 1, device, always=self.mode != "off")
+
+    def close(self) -> None:
+        """Take its hooks off the model's projections (NOTE [Adapters in slots])."""
+        if self._lora is not None:
+            self._lora.detach()
 
     @property
     def wants_capture(self) -> bool:
@@ -274,6 +287,10 @@ class DecodeRunner:
         for ``run`` to read. In inference mode: no tensor of a step is ever
         differentiated, and its kernels skip autograd's bookkeeping."""
         step_threads(self.device, step.kind is not StepKind.PREFILL, step.rows)  # NOTE [A core for the front end]
+        if self._lora is not None:
+            self._lora.attach(module)
+        elif step.adapters and any(step.adapters):
+            raise GenerationError("a step of rows with adapters for a model served without adapter slots")
         with torch.inference_mode():
             self.layout.zero(step.zero)
             if step.kind is StepKind.PREFILL:
@@ -292,8 +309,11 @@ class DecodeRunner:
         if step.draw is None or len(step.tables) != step.rows or len(step.starts) != step.rows:
             raise GenerationError(f"a prefill of {step.rows} rows needs a table, a start and a draw for each")
         asked = step.prompt_logprobs or (-1,) * step.rows
+        slots = step.adapters or (0,) * step.rows
         logits = []
-        for tokens, start, table, top in zip(step.tokens, step.starts, step.tables, asked):
+        for tokens, start, table, top, slot in zip(step.tokens, step.starts, step.tables, asked, slots):
+            if self._lora is not None:
+                self._lora.use((slot,))
             if top < 0:
                 logits.append(self._prefill_row(module, tokens, start, table))
                 self._prompt_asked.append(None)
@@ -407,6 +427,8 @@ class DecodeRunner:
         batch = _bucket(rows, self._batches) or rows
         pages = max(self._contexts[0], min(_pow2(widest), self._width))
         self._load_inputs(step, batch)
+        if self._lora is not None:
+            self._lora.use(step.adapters)
         level = min(step.starts) == max(step.starts)
         if step.masks is not None and count > 1:
             raise GenerationError("a burst of decode steps cannot take late grammar masks (each needs its token)")
@@ -542,8 +564,9 @@ class DecodeRunner:
         if self._lean is None:
             return hf()
         self.counts.lean += 1
+        lora = self._lora.apply if self._lora is not None and self._lora.active else None
         return lean_logits(self._lean, module, self.layout, self._cache_class, ids, mask, positions, table, at,
-                           length, scratch)
+                           length, scratch, lora)
 
     def _scratch(self, rows: int, length: int) -> torch.Tensor:
         """The buffer an eager step gathers each layer's pages into (NOTE [Paged key/value
@@ -651,10 +674,11 @@ def decode_logits(module: nn.Module, layout: PagedLayout, adapter: type, key: st
 
 def lean_logits(lean: LeanStep, module: nn.Module, layout: PagedLayout, adapter: type, ids: torch.Tensor,
                 mask: torch.Tensor | None, positions: torch.Tensor, table: torch.Tensor, at: torch.Tensor,
-                length: int, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``decode_logits`` of an eager step by ``lean`` (NOTE [Lean decode steps])."""
+                length: int, scratch: torch.Tensor, lora: Adapt | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_logits`` of an eager step by ``lean`` (NOTE [Lean decode steps]), its
+    projections corrected by ``lora`` (NOTE [Adapters in slots])."""
     cache = adapter(layout, DecodeView(table, at, length, positions[:, 0], layout.block, scratch))
-    return lean.logits(module, ids, positions, mask, cache), cache.written()
+    return lean.logits(module, ids, positions, mask, cache, lora), cache.written()
 
 
 class Decoders:
@@ -671,14 +695,24 @@ class Decoders:
         model given another spec (registered again, another pool) gets a new runner."""
         runner = self._runners.get(model)
         if runner is None or runner.spec != step.spec:
+            if runner is not None:
+                runner.close()
             spec, arena = step.spec, self._arena()
             if spec.offset < 0 or spec.offset + spec.nbytes > arena.numel():
                 raise ConfigError(f"model {model!r}: its page pool ({spec.nbytes} bytes at {spec.offset}) is not "
                                   "inside the arena")
             memory = arena[spec.offset:spec.offset + spec.nbytes]
-            runner = self._runners[model] = DecodeRunner(spec, memory)
+            adapters = None
+            if spec.lora is not None:  # NOTE [Adapters in slots]
+                lora = spec.lora
+                if lora.offset < 0 or lora.offset + lora.nbytes > arena.numel():
+                    raise ConfigError(f"model {model!r}: its adapter slots are not inside the arena")
+                adapters = arena[lora.offset:lora.offset + lora.nbytes]
+            runner = self._runners[model] = DecodeRunner(spec, memory, adapters=adapters)
         return runner.run(module, step)
 
     def drop(self, model: str) -> None:
         """Forget ``model``'s runner and its graphs (the model left)."""
-        self._runners.pop(model, None)
+        runner = self._runners.pop(model, None)
+        if runner is not None:
+            runner.close()

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from timeshare.decode.lora import LoraSpec
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import GenerationError
 
@@ -74,6 +75,7 @@ class DecoderSpec:
     max_context: int
     graphs: str = "off"
     compile: str | Callable[..., Any] | None = None
+    lora: LoraSpec | None = None  # NOTE [Adapters in slots]: its adapter slots, if it serves adapters
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +171,7 @@ class Step:
     # NOTE [Masks while the device runs]: the constrained rows' grammar masks (as ``Draw.allowed``,
     # which is then empty), asked for once the step's forward is queued; None: none are late.
     masks: Callable[[], tuple[bytes, ...]] | None = None
+    adapters: tuple[int, ...] = ()  # NOTE [Adapters in slots]: each row's adapter slot (empty: all the base's)
 
     @property
     def rows(self) -> int:

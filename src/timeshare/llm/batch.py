@@ -15,6 +15,8 @@ import torch
 
 from timeshare.decode.pages import block_of
 from timeshare.decode.step import DecoderSpec, Draw, Penalties, Step, StepKind
+from timeshare.errors import GenerationError
+from timeshare.llm.adapters import AdapterSlots
 from timeshare.llm.pages import KVMemoryError, PagePool, page_keys
 from timeshare.llm.sequence import Sequence
 
@@ -23,10 +25,11 @@ class Row:
     """One sequence in the batch: its pages (its block table), the positions they hold,
     and the keys of its full pages (NOTE [Prefix caching])."""
 
-    __slots__ = ("seq", "pages", "length", "keys", "saved")
+    __slots__ = ("seq", "pages", "length", "keys", "saved", "slot")
 
-    def __init__(self, seq: Sequence, pages: list[int], keys: list[bytes]):
+    def __init__(self, seq: Sequence, pages: list[int], keys: list[bytes], slot: int = 0):
         self.seq, self.pages, self.keys = seq, pages, keys
+        self.slot = slot  # its adapter's slot (NOTE [Adapters in slots]; 0: the base)
         self.length = 0
         self.saved: torch.Tensor | None = None  # its pages' bytes while in host memory
 
@@ -64,8 +67,9 @@ class Batch:
     with ``tag`` unless ``caching`` is off (NOTE [Prefix caching])."""
 
     def __init__(self, pool: PagePool, spec: DecoderSpec, tag: bytes, caching: bool = True,
-                 eos: frozenset[int] = frozenset()):
+                 eos: frozenset[int] = frozenset(), adapters: AdapterSlots | None = None):
         self.pool, self.spec, self.tag, self.caching = pool, spec, tag, caching
+        self.adapters = adapters  # NOTE [Adapter residency]: its adapter slots, if it serves adapters
         self.eos = eos  # the end tokens a sequence short of its min_tokens may not choose
         self.block = block_of(pool.page_bytes, spec.shape)
         self.rows: list[Row] = []
@@ -97,23 +101,41 @@ class Batch:
         taken, at once (``KVMemoryError``: too few, nothing taken). The row joins with ``joined``
         once the step succeeded, else its pages go back with ``abandon``."""
         context = seq.prompt + seq.tokens
-        keys = page_keys(self.tag, context, self.block) if self.caching else []
+        keys = page_keys(self._tag_of(seq), context, self.block) if self.caching else []
         # A prompt's log-probabilities are computed from the whole prompt: no cached page
         # is read for them (its pages are still published for others).
         whole = seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None
         # The last token is always computed: its logits give the first token.
         shareable = [] if whole else keys[:(len(context) - 1) // self.block]
-        shared, new = self.pool.share(shareable, self.pages_for(len(context)) - len(shareable))
+        # NOTE [Adapter residency]: its adapter's slot first (AdapterSlotsFull: it waits).
+        slot = self.adapters.take(seq.adapter) if seq.adapter is not None and self.adapters is not None else 0
+        if seq.adapter is not None and self.adapters is None:
+            raise GenerationError(f"sequence {seq.id} names an adapter of a model served without adapter slots")
+        try:
+            shared, new = self.pool.share(shareable, self.pages_for(len(context)) - len(shareable))
+        except BaseException:
+            self._let_go(slot)
+            raise
         self.hits += len(shared)
         self.misses += len(shareable) - len(shared)
         start = len(shared) * self.block
         self.prefilled += len(context) - start
-        row = Row(seq, shared + new, keys)
+        row = Row(seq, shared + new, keys, slot)
         # Only a page the prefill leaves partly written is zeroed (NOTE [Paged key/value caches]).
         zero = tuple(new[-1:]) if len(context) % self.block else ()
         asked = (seq.params.prompt_logprobs or 0,) if whole else ()
         return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
-                         draw([seq], self.eos), zero, prompt_logprobs=asked, masks=self.masks_of([seq]))
+                         draw([seq], self.eos), zero, prompt_logprobs=asked, masks=self.masks_of([seq]),
+                         adapters=(slot,) if slot else ())
+
+    def _tag_of(self, seq: Sequence) -> bytes:
+        """The root of its pages' keys: the model's load's, and its adapter's (NOTE [Prefix
+        caching], NOTE [Adapter residency])."""
+        return self.tag if seq.adapter is None else self.tag + b"#" + seq.adapter.key
+
+    def _let_go(self, slot: int) -> None:
+        if slot and self.adapters is not None:
+            self.adapters.release(slot)
 
     def joined(self, row: Row) -> None:
         """``row``'s prefill succeeded: it joins the batch, its full pages published."""
@@ -122,8 +144,9 @@ class Batch:
         self._publish(row, 0)
 
     def abandon(self, row: Row) -> None:
-        """``row``'s prefill failed: its pages go back."""
+        """``row``'s prefill failed: its pages go back, and its adapter's slot."""
         self.pool.give(row.pages)
+        self._let_go(row.slot)
 
     # ------------------------------------------------------------------ decode steps
     def short(self, count: int = 1) -> list[int]:
@@ -145,9 +168,11 @@ class Batch:
         are zeroed before it."""
         rows, block = self.rows, self.block
         fresh = tuple(p for r in rows for p in r.pages[-(-r.length // block):self.pages_for(r.length + count)])
+        slots = tuple(r.slot for r in rows)
         return Step(StepKind.DECODE, self.spec, tuple((r.seq.tokens[-1],) for r in rows),
                     tuple(r.length for r in rows), tuple(tuple(r.pages) for r in rows),
-                    draw([r.seq for r in rows], self.eos), fresh, count, masks=self.masks_of([r.seq for r in rows]))
+                    draw([r.seq for r in rows], self.eos), fresh, count, masks=self.masks_of([r.seq for r in rows]),
+                    adapters=slots if any(slots) else ())
 
     def masks_of(self, seqs: list[Sequence]) -> Callable[[], tuple[bytes, ...]] | None:
         """The step's late masks (NOTE [Masks while the device runs]): its rows' grammar
@@ -185,7 +210,7 @@ class Batch:
             return
         full = row.length // self.block if full is None else full
         if len(row.keys) < full:
-            row.keys = page_keys(self.tag, row.context()[:full * self.block], self.block, row.keys)
+            row.keys = page_keys(self._tag_of(row.seq), row.context()[:full * self.block], self.block, row.keys)
         for i in range(first, full):
             self.pool.publish(row.pages[i], row.keys[i], self.tag)
 
@@ -205,6 +230,8 @@ class Batch:
         if row.saved is None:
             self.pool.give(row.pages)
         row.pages, row.saved = [], None
+        self._let_go(row.slot)
+        row.slot = 0
 
     # ------------------------------------------------------------------ host memory
     # NOTE [Key/value caches off the device]

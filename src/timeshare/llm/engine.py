@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 from timeshare.decode.step import DecodeCounts, Step, StepKind, StepOutcome, TokenLogprobs
 from timeshare.errors import ConfigError, GenerationError, Unavailable, WorkerCrashedError
+from timeshare.llm.adapters import Adapter
 from timeshare.llm.batch import Batch, Row
 from timeshare.llm.constrained import GrammarError, Grammars
 from timeshare.llm.kv_budget import KVBudget
@@ -176,8 +177,9 @@ class Engine:
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt: list[int], params: SamplingParams,
-               on_event: Callable[[Delta | Finish], None] | None = None) -> Sequence:
-        """Queue a generation. A prompt that cannot fit is refused here, before it queues."""
+               on_event: Callable[[Delta | Finish], None] | None = None, adapter: Adapter | None = None) -> Sequence:
+        """Queue a generation (with ``adapter``: NOTE [Adapter residency]). A prompt that
+        cannot fit is refused here, before it queues."""
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
         matcher = None
         if params.output is not None:  # NOTE [Constrained decoding]: a format that cannot compile is refused here
@@ -190,6 +192,7 @@ class Engine:
             self._ids += 1
             seq = Sequence(self._ids, list(prompt), params, Detokenizer(self._decode), on_event)
             seq.matcher = matcher
+            seq.adapter = adapter
             self._waiting.append(seq)
             self._cond.notify_all()
         self._ticket.expedite(seq.arrived)  # a turn queued only to decode is now due

@@ -8,19 +8,21 @@ import functools
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from timeshare.decode.lora import LoraStacks
 from timeshare.decode.pages import MAX_BLOCK, page_bytes_for, pool_footprint
 from timeshare.decode.runner import resolve_modes
 from timeshare.decode.step import DecoderSpec, KVShape
 from timeshare.dtypes import parse_dtype
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, UnknownModelError
 from timeshare.llm import hfdir
+from timeshare.llm.adapters import DEFAULT_MAX_RANK, DEFAULT_SLOTS, Adapters, AdapterSlots, adapter_spec
 from timeshare.llm.batch import Batch
 from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, Engine
@@ -67,12 +69,13 @@ class LanguageModel(Texts):
     ``region``: the region of the arena its own page pool takes, if it has one."""
 
     def __init__(self, runtime: Runtime, name: str, path: Path, tokenizer, config, engine: Engine, batch: Batch,
-                 region: str | None = None):
+                 region: str | None = None, adapters: Adapters | None = None):
         self.runtime, self.name, self.path = runtime, name, path
         self.tokenizer, self.config, self.engine = tokenizer, config, engine
         self.pages = batch.pool
         self._tag = batch.tag
         self.region = region
+        self.adapters = adapters  # NOTE [Adapter residency]: None: served without adapter slots
         self.created = int(path.stat().st_mtime)
 
     @property
@@ -80,8 +83,14 @@ class LanguageModel(Texts):
         return self.engine.max_context
 
     def generate(self, prompt: list[int], params: SamplingParams,
-                 on_event: Callable[[Delta | Finish], None] | None = None) -> Sequence:
-        return self.engine.submit(prompt, params, on_event)
+                 on_event: Callable[[Delta | Finish], None] | None = None, adapter: str | None = None) -> Sequence:
+        """Queue a generation, with adapter ``adapter`` (NOTE [Adapter residency];
+        ``UnknownModelError``: no such adapter)."""
+        if adapter is None:
+            return self.engine.submit(prompt, params, on_event)
+        if self.adapters is None:
+            raise UnknownModelError(f"model {self.name!r} serves no adapters (adapter {adapter!r} asked)")
+        return self.engine.submit(prompt, params, on_event, self.adapters.get(adapter))
 
     def close(self) -> None:
         """Stop generating (queued and running sequences fail), forget its cached prefixes
@@ -94,6 +103,8 @@ class LanguageModel(Texts):
             self.runtime.unregister(self.name)
         if self.region is not None:
             self.runtime.unreserve(self.region)
+        if self.adapters is not None:
+            self.runtime.unreserve(adapter_region(self.name))
 
 
 _loads = itertools.count(1)
@@ -104,7 +115,9 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          max_sequences: int = 8, quantum_s: float = 0.05, profile: bool = True,
          offload_kv: bool = False, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
          graphs: str = "auto", compile: str | Callable[..., Any] = "auto",
-         prefix_caching: bool = True, multi_step_s: float = MULTI_STEP_S) -> LanguageModel:
+         prefix_caching: bool = True, multi_step_s: float = MULTI_STEP_S,
+         adapters: Mapping[str, str | Path] | None = None, max_loras: int | None = None,
+         max_lora_rank: int = DEFAULT_MAX_RANK, lora_dir: str | Path | None = None) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready, in-process or
@@ -119,7 +132,10 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     ``graphs``: NOTE [Decode graphs] ("auto": captured on CUDA, off elsewhere);
     ``compile``: NOTE [Compiled decode steps] ("auto": inductor where graphs are captured
     on CUDA, "off" to capture transformers' eager step); ``prefix_caching``: NOTE [Prefix
-    caching]; ``multi_step_s``: NOTE [Multi-step decode]. With ``profile``, the model is
+    caching]; ``multi_step_s``: NOTE [Multi-step decode]; ``adapters`` (name -> PEFT
+    directory), ``max_loras`` (adapters on the device at once; default ``DEFAULT_SLOTS``
+    when it serves any), ``max_lora_rank`` and ``lora_dir`` (where the resolver looks for
+    an adapter a request names): NOTE [Adapter residency]. With ``profile``, the model is
     loaded once now and its prefill profiled, so that every load after is pipelined
     (without it, the first generation's load profiles), and its decode graphs are
     captured."""
@@ -143,17 +159,26 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
     region = None
+    served: Adapters | None = None
     try:
         shape = KVShape.of(config, parse_dtype(dtype) or hfdir.weights_dtype(shards))  # the dtype it computes in
         if pages is None:  # a pool of its own, in the arena
             region = pool_region(name)
             page_bytes, nbytes = pool_bytes(shape, max_sequences, int(context))
             pages = arena_pool(runtime, region, nbytes, page_bytes)
+        lora = None
+        if max_loras or adapters or lora_dir is not None:  # NOTE [Adapter residency]
+            served = adapter_slots(runtime, name, config, shape.dtype, max_loras or DEFAULT_SLOTS, max_lora_rank,
+                                   lora_dir)
+            lora = served.spec
+            for adapter, at in (adapters or {}).items():
+                served.add(adapter, at)
         spec = DecoderSpec(pages.offset, pages.nbytes, pages.page_bytes, shape, max_sequences, int(context),
-                           graph_mode, compiled)
+                           graph_mode, compiled, lora)
         # NOTE [Prefix caching]: this load's pages are keyed apart from any other's.
         tag = f"{name}#{os.getpid()}#{next(_loads)}#{id(pages)}".encode()
-        batch = Batch(pages, spec, tag, caching=prefix_caching, eos=frozenset(eos))
+        batch = Batch(pages, spec, tag, caching=prefix_caching, eos=frozenset(eos),
+                      adapters=served.slots if served is not None else None)
         engine = Engine(runtime, name, decode=decode, eos=eos, vocab=vocab, max_context=int(context),
                         max_sequences=max_sequences, batch=batch, quantum_s=quantum_s,
                         offload_kv=offload_kv, kv_budget=kv_budget, multi_step_s=multi_step_s,
@@ -162,11 +187,40 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     except BaseException:
         if region is not None:
             runtime.unreserve(region)
+        if served is not None:
+            runtime.unreserve(adapter_region(name))
         runtime.unregister(name)
         raise
     if profile:  # resident and idle: NOTE [Decode graphs]
         engine.capture_now()
-    return LanguageModel(runtime, name, path, tokenizer, config, engine, batch, region)
+    return LanguageModel(runtime, name, path, tokenizer, config, engine, batch, region, served)
+
+
+def adapter_region(model: str) -> str:
+    """The owner of the region of the arena that holds ``model``'s adapter slots."""
+    return f"lora-slots:{model}"
+
+
+def adapter_slots(runtime: Runtime, model: str, config: Any, dtype: torch.dtype, slots: int, rank: int,
+                  lora_dir: str | Path | None) -> Adapters:
+    """``slots`` adapter slots of rank ``rank`` for ``model`` in a region of ``runtime``'s
+    arena (NOTE [Adapters in slots]), and its adapters' table, none added yet."""
+    if slots < 1 or rank < 1:
+        raise ConfigError(f"model {model!r}: max_loras and max_lora_rank must be at least 1, got {slots} and {rank}")
+    if lora_dir is not None and not Path(lora_dir).is_dir():
+        raise ConfigError(f"model {model!r}: lora_dir {str(lora_dir)!r} is not a directory")
+    spec = adapter_spec(config, slots, rank, dtype)
+    region = runtime.reserve(adapter_region(model), spec.nbytes, what=f"adapter slots of {model!r}")
+    try:
+        spec = spec.at(region.offset, spec.nbytes)
+        stacks = LoraStacks(spec, region.memory)
+        for slot in range(spec.slots):
+            stacks.clear(slot)  # whatever the arena held there: slot 0 is the base's zeros
+        return Adapters(model, spec, AdapterSlots(stacks), pin_host=runtime.device.type == "cuda",
+                        resolve_dir=lora_dir)
+    except BaseException:
+        runtime.unreserve(adapter_region(model))
+        raise
 
 
 DEFAULT_POOL_BYTES = 2 << 30

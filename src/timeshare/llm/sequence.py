@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from timeshare.decode.step import TokenLogprobs
 from timeshare.errors import ConfigError, Timeout, TimeshareError
+from timeshare.llm.adapters import Adapter
 from timeshare.llm.constrained import Matcher
 from timeshare.llm.sampling import SamplingParams
 
@@ -166,6 +167,7 @@ class Sequence:
         self._events: queue.Queue[Delta | Finish] = queue.Queue()
         self._on_event = on_event
         self.matcher: Matcher | None = None  # its grammar's state (NOTE [Constrained decoding])
+        self.adapter: Adapter | None = None  # the adapter it is generated with (NOTE [Adapter residency])
         self._cancelled = threading.Event()
 
     @property

@@ -1,0 +1,322 @@
+"""LoRA adapters of a language model, the controller's side: adapters read from PEFT's
+format into host memory, which adapter is in which slot of the model's adapter region
+(NOTE [Adapters in slots] in ``decode/lora.py``), and the names a request may give. Runs
+in the controller; the engine thread takes slots, the server's threads add and remove
+adapters.
+
+# NOTE [Adapter residency]
+An adapter is a resident of the runtime as a model is, on a smaller scale. Added (at
+start, by ``POST /v1/load_lora_adapter``, or by the resolver on its first request), it
+is read once from its directory into host memory (page-locked on CUDA), checked against
+the base (every tensor names one of the base's adaptable projections; shapes, rank at
+most ``max_lora_rank``; PEFT's ``lora_alpha``, ``use_rslora``, ``rank_pattern`` and
+``alpha_pattern``): a bad one is refused then, whole, with the reason. A sequence of an
+adapter takes a slot at its prefill (``AdapterSlots.take``): its adapter's slot if it is
+on the device, else a free one, else the least recently used slot that no running row
+holds and no pin keeps; the adapter's factors are copied there before the step that
+needs them, which is all a cold adapter costs (its bytes over the host-to-device link,
+the base's weights untouched). Its rows hold the slot until they end. When every slot is
+held by running rows, a sequence of another adapter waits, as for pages. Removing an
+adapter refuses its new requests at once; its slot goes when its last row ends. A
+prefix cache entry is keyed by the adapter too (the same prompt under two adapters has
+two caches).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from timeshare.decode.lora import LoraSpec, LoraStacks
+from timeshare.errors import ConfigError, UnknownModelError
+from timeshare.llm.pages import KVMemoryError
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+DEFAULT_MAX_RANK = 64
+DEFAULT_SLOTS = 8  # adapters on the device at once (vLLM's --max-loras is 1 by default; S-LoRA many)
+
+_loads = itertools.count(1)
+
+# A target's factors: PEFT's A ([rank, fan_in]), B ([fan_out, rank]) and its scale.
+Factors = tuple[torch.Tensor, torch.Tensor, float]
+
+
+class AdapterSlotsFull(KVMemoryError):
+    """Every adapter slot is held by a running row: the sequence waits, as for pages."""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """An adapter as ``/v1/models`` and ``timeshare ps`` show it."""
+
+    name: str
+    parent: str
+    path: str
+    rank: int
+    nbytes: int
+    slot: int | None  # on the device in this slot; None: in host memory only
+    pinned: bool
+
+
+class Adapter:
+    """One adapter of a base, read (``read``): its factors per target of the base's
+    adapter slots (None where it adapts nothing), in host memory."""
+
+    def __init__(self, name: str, path: Path, rank: int, factors: list[Factors | None]):
+        self.name, self.path, self.rank, self.factors = name, path, rank, factors
+        self.key = f"{name}#{next(_loads)}".encode()  # NOTE [Prefix caching]: its pages apart from others'
+        self.nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                          for a, b, _ in (f for f in factors if f is not None))
+
+    @classmethod
+    def read(cls, name: str, path: str | Path, spec: LoraSpec, pin: bool = False) -> Adapter:
+        """The PEFT LoRA adapter in directory ``path`` for slots ``spec`` (NOTE [Adapter
+        residency]); ``ConfigError`` saying what is wrong with it."""
+        path = Path(path)
+        where = f"adapter {name!r} ({path})"
+        config = _config(path, where)
+        tensors = _tensors(path, where)
+        by_target = {t.name: i for i, t in enumerate(spec.targets)}
+        found: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            parsed = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])(?:\.default)?\.weight", key)
+            if parsed is None:
+                raise ConfigError(f"{where}: {key!r} is not a LoRA factor (only LoRA's A and B weights are served)")
+            target = by_target.get(parsed.group(1))
+            if target is None:
+                raise ConfigError(f"{where}: {parsed.group(1)!r} is not one of the base's adaptable projections "
+                                  "(the attention and MLP projections of its layers)")
+            found.setdefault(target, {})[parsed.group(2)] = tensor
+        if not found:
+            raise ConfigError(f"{where}: {WEIGHTS} holds no LoRA factors")
+        factors: list[Factors | None] = [None] * len(spec.targets)
+        rank = 0
+        for i, pair in found.items():
+            t = spec.targets[i]
+            if set(pair) != {"A", "B"}:
+                raise ConfigError(f"{where}: {t.name} has lora_{''.join(pair)} without its other factor")
+            a, b = pair["A"], pair["B"]
+            r = a.shape[0]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != t.fan_in or b.shape != (t.fan_out, r):
+                raise ConfigError(f"{where}: {t.name}'s factors are {tuple(a.shape)} and {tuple(b.shape)}, not "
+                                  f"[rank, {t.fan_in}] and [{t.fan_out}, rank]: an adapter of another base?")
+            if r > spec.rank:
+                raise ConfigError(f"{where}: rank {r} of {t.name} exceeds max_lora_rank {spec.rank}")
+            alpha = _pattern(config.get("alpha_pattern") or {}, t.name, config.get("lora_alpha", 8))
+            scale = float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
+            a, b = a.to(spec.dtype).contiguous(), b.to(spec.dtype).contiguous()
+            if pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            factors[i] = (a, b, scale)
+            rank = max(rank, r)
+        return cls(name, path, rank, factors)
+
+
+def _config(path: Path, where: str) -> dict[str, Any]:
+    file = path / CONFIG
+    if not file.is_file():
+        raise ConfigError(f"{where}: no {CONFIG} (an adapter directory in PEFT's format is needed)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: {CONFIG} cannot be read ({exc})") from None
+    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(f"{where}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
+    refused = [(k, config.get(k)) for k, fine in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"))
+               if config.get(k, fine) not in (fine, None)]
+    if config.get("modules_to_save"):
+        refused.append(("modules_to_save", config["modules_to_save"]))
+    if refused:
+        raise ConfigError(f"{where}: {', '.join(f'{k}={v!r}' for k, v in refused)} is not served (plain LoRA only)")
+    return config
+
+
+def _tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = path / WEIGHTS
+    if not file.is_file():
+        raise ConfigError(f"{where}: no {WEIGHTS}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: {WEIGHTS} cannot be read ({exc})") from None
+
+
+def _pattern(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    """PEFT's per-module override: the first pattern that ends ``name`` (a regex)."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            return value
+    return default
+
+
+class AdapterSlots:
+    """Which adapter is in which slot of a model's adapter region (NOTE [Adapter
+    residency]), the region's tensors seen from the controller (``stacks``)."""
+
+    def __init__(self, stacks: LoraStacks):
+        self.stacks = stacks
+        self.slots = stacks.spec.slots - 1  # slot 0 is the base's
+        self._in: dict[int, Adapter] = {}  # slot -> the adapter there
+        self._held: dict[int, int] = {}  # slot -> rows holding it
+        self._recent: OrderedDict[int, None] = OrderedDict()  # slots, least recently taken first
+        self._pinned: set[str] = set()
+        self.loads = 0  # adapters copied to the device
+        self.load_s = 0.0
+        self._lock = threading.Lock()
+
+    def slot_of(self, name: str) -> int | None:
+        with self._lock:
+            return next((s for s, a in self._in.items() if a.name == name), None)
+
+    def take(self, adapter: Adapter) -> int:
+        """A slot holding ``adapter`` for a new row, loading it there if it is not on the
+        device (``AdapterSlotsFull``: every slot is held or pinned)."""
+        with self._lock:
+            slot = next((s for s, a in self._in.items() if a is adapter), None)
+            if slot is None:
+                slot = self._free()
+                t0 = time.perf_counter()
+                self.stacks.write(slot, adapter.factors)
+                if self.stacks.a and self.stacks.a[0].device.type == "cuda":
+                    torch.cuda.synchronize(self.stacks.a[0].device)  # a step in another process reads it next
+                self.load_s += time.perf_counter() - t0
+                self.loads += 1
+                self._in[slot] = adapter
+            self._held[slot] = self._held.get(slot, 0) + 1
+            self._recent.pop(slot, None)
+            self._recent[slot] = None
+            return slot
+
+    def _free(self) -> int:
+        empty = next((s for s in range(1, self.slots + 1) if s not in self._in), None)
+        if empty is not None:
+            return empty
+        for slot in self._recent:
+            if not self._held.get(slot) and self._in[slot].name not in self._pinned:
+                del self._in[slot]
+                self._recent.pop(slot)
+                return slot
+        raise AdapterSlotsFull(f"all {self.slots} adapter slots are held by running sequences or pinned")
+
+    def release(self, slot: int) -> None:
+        """A row holding ``slot`` ended."""
+        if not slot:
+            return
+        with self._lock:
+            left = self._held.get(slot, 0) - 1
+            if left > 0:
+                self._held[slot] = left
+            else:
+                self._held.pop(slot, None)
+
+    def drop(self, name: str) -> None:
+        """``name`` was removed: its slot goes now, or when its last row lets it go."""
+        with self._lock:
+            self._pinned.discard(name)
+            for slot, adapter in list(self._in.items()):
+                if adapter.name == name and not self._held.get(slot):
+                    del self._in[slot]
+                    self._recent.pop(slot, None)
+                    self.stacks.clear(slot)
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        with self._lock:
+            (self._pinned.add if pinned else self._pinned.discard)(name)
+
+    def pinned(self, name: str) -> bool:
+        with self._lock:
+            return name in self._pinned
+
+
+class Adapters:
+    """The adapters of one base model ``parent`` (NOTE [Adapter residency]): by name,
+    their slots, and a directory ``resolve_dir`` where a name not added yet is looked for
+    on its first request (None: no resolver)."""
+
+    def __init__(self, parent: str, spec: LoraSpec, slots: AdapterSlots, pin_host: bool = False,
+                 resolve_dir: str | Path | None = None):
+        self.parent, self.spec, self.slots = parent, spec, slots
+        self.resolve_dir = Path(resolve_dir) if resolve_dir is not None else None
+        self._pin_host = pin_host
+        self._by_name: dict[str, Adapter] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, path: str | Path, pinned: bool = False) -> Adapter:
+        """Read and add adapter ``name`` (``ConfigError``: it cannot be served; a name taken
+        by another adapter)."""
+        if not name or name == self.parent:
+            raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
+        adapter = Adapter.read(name, path, self.spec, pin=self._pin_host)
+        with self._lock:
+            if name in self._by_name:
+                raise ConfigError(f"adapter {name!r} is already loaded")
+            self._by_name[name] = adapter
+        if pinned:
+            self.slots.pin(name)
+        return adapter
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            if self._by_name.pop(name, None) is None:
+                raise UnknownModelError(f"adapter {name!r} is not loaded")
+        self.slots.drop(name)
+
+    def get(self, name: str) -> Adapter:
+        """Adapter ``name``, read from the resolver's directory on its first request
+        (``UnknownModelError`` if there is none of that name)."""
+        with self._lock:
+            adapter = self._by_name.get(name)
+        if adapter is not None:
+            return adapter
+        found = self.resolvable(name)
+        if found is None:
+            raise UnknownModelError(f"adapter {name!r} is not loaded")
+        try:
+            return self.add(name, found)
+        except ConfigError:
+            with self._lock:  # another request resolved it first
+                adapter = self._by_name.get(name)
+            if adapter is None:
+                raise
+            return adapter
+
+    def resolvable(self, name: str) -> Path | None:
+        """The directory the resolver would read ``name`` from, if it has one."""
+        if self.resolve_dir is None or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            return None
+        path = self.resolve_dir / name
+        return path if (path / CONFIG).is_file() else None
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._by_name)
+
+    def infos(self) -> list[AdapterInfo]:
+        with self._lock:
+            adapters = list(self._by_name.values())
+        return [AdapterInfo(a.name, self.parent, str(a.path), a.rank, a.nbytes, self.slots.slot_of(a.name),
+                            self.slots.pinned(a.name)) for a in adapters]
+
+
+def adapter_spec(config: Any, slots: int, rank: int, dtype: torch.dtype) -> LoraSpec:
+    """The adapter slots of a model of ``config`` (its module made on the meta device: no
+    memory), before its region is placed."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return LoraSpec.of(skeleton, slots + 1, rank, dtype)
