@@ -83,3 +83,101 @@ def test_a_batch_of_eight_rows_mixing_four_adapters_and_the_base_gives_each_its_
     seqs = [_greedy(served, i, name) for i, name in enumerate(names)]
     got = [s.result(60).tokens for s in seqs]
     assert got == [expected[name][i] for i, name in enumerate(names)]
+
+
+def test_a_prompt_cached_by_the_base_is_not_read_by_an_adapter(served, expected, base, adapters):
+    """NOTE [Prefix caching]: the base's published pages of a prompt are keyed apart from
+    the same prompt's under an adapter."""
+    long = " ".join(PROMPTS * 4)
+    ids = served.encode(long)
+    assert len(ids) > 64  # full pages to publish
+    params = SamplingParams(max_tokens=TOKENS, temperature=0)
+    assert served.generate(ids, params).result(60).tokens == peft_greedy(base, None)(ids, TOKENS)
+    hits = served.engine.snapshot().prefix_hits
+    assert served.generate(ids, params, adapter="all4").result(60).tokens == \
+        peft_greedy(base, adapters["all4"])(ids, TOKENS)
+    assert served.engine.snapshot().prefix_hits == hits  # nothing of the base's was read
+    assert served.generate(ids, params, adapter="all4").result(60).tokens == \
+        peft_greedy(base, adapters["all4"])(ids, TOKENS)
+    assert served.engine.snapshot().prefix_hits > hits  # its own pages are
+
+
+def test_more_adapters_than_slots_take_turns_in_them_least_recently_used_first(base, adapters, expected):
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
+        m = lm.load(rt, "llama", base, max_context=256, max_sequences=8, adapters=adapters, max_loras=2,
+                    max_lora_rank=16)
+        slots = m.adapters.slots
+        names = ["attn8", "all4", "mlp16", "o2", "attn8", "o2", None, "mlp16"]
+        seqs = [_greedy(m, i, name) for i, name in enumerate(names)]
+        assert [s.result(60).tokens for s in seqs] == [expected[name][i] for i, name in enumerate(names)]
+        loads = slots.loads
+        assert loads >= 4  # four adapters through two slots
+        on = {i.name: i.slot for i in m.adapters.infos()}
+        assert sorted(s for s in on.values() if s is not None) == [1, 2]
+        # Pinned, an adapter stays through the others' turns.
+        m.adapters.slots.pin("o2")
+        for name in ["attn8", "all4", "mlp16", "attn8"]:
+            assert _greedy(m, 0, name).result(60).tokens == expected[name][0]
+        assert {i.name: i.slot for i in m.adapters.infos()}["o2"] is not None
+        assert slots.loads > loads
+
+
+def test_bad_adapters_are_refused_whole_with_the_reason(base, adapters, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
+        m = lm.load(rt, "llama", base, max_context=256, max_lora_rank=8, max_loras=2)
+
+        def broken(name: str, edit_config=None, edit_tensors=None):
+            path = tmp_path / name
+            shutil.copytree(adapters["mlp16" if name == "rank" else "attn8"], path)
+            if edit_config is not None:
+                config = json.loads((path / "adapter_config.json").read_text())
+                edit_config(config)
+                (path / "adapter_config.json").write_text(json.dumps(config))
+            if edit_tensors is not None:
+                tensors = load_file(path / "adapter_model.safetensors")
+                edit_tensors(tensors)
+                save_file(tensors, path / "adapter_model.safetensors")
+            return path
+
+        cases = {
+            "rank": (broken("rank"), "exceeds max_lora_rank 8"),
+            "dora": (broken("dora", lambda c: c.update(use_dora=True)), "use_dora=True"),
+            "saved": (broken("saved", lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
+            "shape": (broken("shape", edit_tensors=lambda t: t.update({k: v[:, :-1].contiguous() for k, v in t.items()
+                                                                        if "lora_A" in k})), "another base"),
+            "stray": (broken("stray", edit_tensors=lambda t: t.update({"base_model.model.lm_head.lora_A.weight":
+                                                                       next(iter(t.values())).clone()})),
+                      "not one of the base's adaptable projections"),
+            "half": (broken("half", edit_tensors=lambda t: [t.pop(k) for k in list(t) if "q_proj.lora_B" in k]),
+                     "without its other factor"),
+            "missing": (tmp_path / "nowhere", "no adapter_config.json"),
+        }
+        corrupt = broken("corrupt")
+        (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors")
+        cases["corrupt"] = (corrupt, "cannot be read")
+        for name, (path, words) in cases.items():
+            with pytest.raises(ConfigError, match=words):
+                m.adapters.add(name, path)
+        assert m.adapters.names() == []
+        with pytest.raises(UnknownModelError):
+            m.generate(m.encode("hi"), SamplingParams(max_tokens=2), adapter="rank")
+
+
+def test_the_resolver_loads_an_adapter_on_its_first_request_and_a_removed_one_is_unknown(base, adapters, expected):
+    resolve = adapters["attn8"].parent
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
+        m = lm.load(rt, "llama", base, max_context=256, lora_dir=resolve, max_lora_rank=16)
+        assert m.adapters.names() == []
+        assert _greedy(m, 1, "mlp16").result(60).tokens == expected["mlp16"][1]
+        assert m.adapters.names() == ["mlp16"]
+        with pytest.raises(UnknownModelError):
+            _greedy(m, 1, "../attn8")  # a name, never a path
+        m.adapters.remove("mlp16")
+        assert m.adapters.slots.slot_of("mlp16") is None
+        m.adapters.resolve_dir = None
+        with pytest.raises(UnknownModelError):
+            _greedy(m, 1, "mlp16")
