@@ -99,3 +99,40 @@ def test_decode_graphs_and_compile_reach_the_language_models_load(tmp_path, monk
         assert (seen[-1]["graphs"], seen[-1]["compile"]) == want
     with pytest.raises(ConfigError, match="compile"):
         parse_config({"llms": [{**base, "compile": "max-autotune"}]})
+
+
+def test_lora_flags_reach_the_language_models_entries(tmp_path):
+    """``--lora NAME=DIR`` (vLLM's ``--lora-modules`` and its JSON form too), ``--max-loras``,
+    ``--max-lora-rank`` and ``--lora-dir`` (NOTE [Adapter residency])."""
+    import json
+
+    from timeshare.cli.serve import load_with_overrides
+
+    for name in ("m", "n"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"vocab_size": 32}')
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+
+    def llms(entries: list[str], *flags: str):
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({"llms": [{"name": n, "path": str(tmp_path / n)} for n in entries]}))
+        return load_with_overrides(cli._parser().parse_args(["serve", "--config", str(path), *flags])).llms
+
+    one = llms(["m"], "--lora", f"a={tmp_path / 'a'}", "--lora-modules", f"b={tmp_path / 'b'}", "--max-loras", "3",
+               "--max-lora-rank", "16", "--lora-dir", str(tmp_path))[0]
+    assert [(a.name, a.path) for a in one.adapters] == [("a", str(tmp_path / "a")), ("b", str(tmp_path / "b"))]
+    assert (one.max_loras, one.max_lora_rank, one.lora_dir, one.serves_adapters) == (3, 16, str(tmp_path), True)
+    two = llms(["m", "n"], "--lora", json.dumps({"name": "a", "path": str(tmp_path / "a"), "base_model_name": "n"}))
+    assert [e.adapters for e in two][0] == [] and [a.name for a in two[1].adapters] == ["a"]
+    assert not two[0].serves_adapters
+    for flags, words in ((["--lora", f"a={tmp_path / 'a'}"], "base_model_name"),
+                         (["--lora", "a"], "give NAME=DIR"),
+                         (["--lora", '{"name": "a"}'], "the JSON form"),
+                         (["--lora", json.dumps({"name": "a", "path": str(tmp_path), "base_model_name": "x"})],
+                          "not a language model served")):
+        with pytest.raises(ConfigError, match=words):
+            llms(["m", "n"], *flags)
+    with pytest.raises(ConfigError, match="not an adapter directory"):
+        llms(["m"], "--lora", f"a={tmp_path / 'm'}")

@@ -39,7 +39,7 @@ def run(args, console) -> int:
         raise ConfigError(f"no timeshare server answered at {args.url}: {exc}") from None
     if r.status_code != 200:
         raise ConfigError(f"{url} answered {r.status_code}: {r.text[:300]}")
-    models = r.json()["models"]
+    models, adapters = r.json()["models"], r.json().get("adapters", [])
     if args.json:
         console.print(json.dumps(models, indent=1), markup=False, highlight=False)
         return 0
@@ -53,6 +53,14 @@ def run(args, console) -> int:
                       "yes" if m["pinned"] else "", "never" if last is None else f"{last:.0f} s ago",
                       str(m["waiting"]), str(m["running"]) if m["kind"] == "language model" else "")
     console.print(table)
+    if adapters:  # NOTE [Adapter residency]: which are on the device
+        shown = Table()
+        for col in ("adapter", "parent", "rank", "size", "device", "pinned"):
+            shown.add_column(col, justify="right" if col in ("rank", "size") else "left")
+        for a in adapters:
+            shown.add_row(a["name"], a["parent"], str(a["rank"]), format_bytes(a["nbytes"]),
+                          "host memory" if a["slot"] is None else f"slot {a['slot']}", "yes" if a["pinned"] else "")
+        console.print(shown)
     return 0
 
 

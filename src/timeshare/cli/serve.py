@@ -2,6 +2,7 @@
 and ``--check``. Runs in the CLI's process.
 
     timeshare serve [MODEL ...] [--config timeshare.yaml] [--host H] [--port N] [--metrics-port N|none] [--check]
+                    [--lora NAME=DIR ...] [--max-loras N] [--max-lora-rank N] [--lora-dir DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ def add_parser(sub) -> None:
     p.add_argument("--build", default=None, metavar="MODULE:FUNCTION", help="the builder of a weights file MODEL")
     p.add_argument("--input", action="append", default=None, metavar="NAME:DATATYPE:SHAPE",
                    help="an input of a weights file MODEL, e.g. x:FP32:-1,3,32,32 (-1: any size)")
+    p.add_argument("--lora", "--lora-modules", dest="lora", action="extend", nargs="+", default=None,
+                   metavar="NAME=DIR",
+                   help="a LoRA adapter in PEFT's format, served as NAME (vLLM's --lora-modules spelling too, or "
+                   'its JSON form {"name": ..., "path": ..., "base_model_name": ...}); of the one language model '
+                   "served, or of base_model_name")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters on the device at once (default 8 when adapters are served)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank served (default 64)")
+    p.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="a directory of adapter directories: a request naming an adapter not loaded loads DIR/NAME")
     p.add_argument("--config", type=Path, default=None,
                    help="timeshare.yaml (default: the embedded default, or nothing when MODELs are given)")
     p.add_argument("--host", default=None,
@@ -59,6 +70,7 @@ def load_with_overrides(args):
     doc = {} if source is None else load_config(source).model_dump()
     doc.setdefault("server", {}), doc.setdefault("runtime", {})
     _add_models(doc, given, args)
+    _add_adapters(doc, args)
     server, runtime = doc["server"], doc["runtime"]
     for key, value in (("host", args.host), ("http_port", args.port), ("api_key", args.api_key)):
         if value is not None:
@@ -84,6 +96,47 @@ def _add_models(doc: dict, given: list[str], args) -> None:
         entry = section(arg, name=names[i] if i < len(names) else None, build=args.build, inputs=inputs)
         key = "models" if isinstance(entry, ModelConfig) else "llms"
         doc.setdefault(key, []).append(entry.model_dump(exclude_defaults=True))
+
+
+def _add_adapters(doc: dict, args) -> None:
+    """``--lora``, ``--max-loras``, ``--max-lora-rank`` and ``--lora-dir`` on the ``llms``
+    entries of the config document (NOTE [Adapter residency])."""
+    import json
+
+    loras = getattr(args, "lora", None) or []
+    options = {k: v for k, v in (("max_loras", getattr(args, "max_loras", None)),
+                                 ("max_lora_rank", getattr(args, "max_lora_rank", None)),
+                                 ("lora_dir", getattr(args, "lora_dir", None))) if v is not None}
+    if not loras and not options:
+        return
+    llms = doc.get("llms") or []
+    by_name = {entry["name"]: entry for entry in llms}
+
+    def base_of(name: str | None) -> dict:
+        if name is not None:
+            if name not in by_name:
+                raise ConfigError(f"--lora names base_model_name {name!r}, which is not a language model served")
+            return by_name[name]
+        if len(llms) != 1:
+            raise ConfigError(f"--lora needs one language model to adapt, or base_model_name, with {len(llms)} served")
+        return llms[0]
+
+    for text in loras:
+        if text.lstrip().startswith("{"):
+            try:
+                given = json.loads(text)
+                name, path, base = given["name"], given["path"], given.get("base_model_name")
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f'--lora {text!r}: the JSON form is {{"name": ..., "path": ..., '
+                                  '"base_model_name": optional}') from None
+        else:
+            name, sep, path = text.partition("=")
+            base = None
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora {text!r}: give NAME=DIR")
+        base_of(base).setdefault("adapters", []).append({"name": name, "path": path})
+    for entry in llms if not loras else {id(e): e for e in llms if "adapters" in e}.values():
+        entry.update(options)
 
 
 def _int(text: str) -> int:

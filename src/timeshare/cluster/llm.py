@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from timeshare.errors import Unavailable
+from timeshare.errors import Unavailable, UnknownModelError
+from timeshare.llm.adapters import Adapters
 from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, EngineSnapshot
 from timeshare.llm.model import Texts, open_directory
@@ -158,6 +159,7 @@ class RemoteLanguageModel(Texts):
         self._vocab = d.vocab
         self._owner = owner
         self._engine = RemoteEngine(owner, spec.name, spec.max_sequences, d.max_context)
+        self.adapters: Adapters | None = None  # NOTE [Adapter residency]: not on a cluster yet
 
     @property
     def max_context(self) -> int:
@@ -168,7 +170,10 @@ class RemoteLanguageModel(Texts):
         return self._engine
 
     def generate(self, prompt: list[int], params: SamplingParams,
-                 on_event: Callable[[Delta | Finish], None] | None = None) -> RemoteGeneration:
+                 on_event: Callable[[Delta | Finish], None] | None = None,
+                 adapter: str | None = None) -> RemoteGeneration:
+        if adapter is not None:
+            raise UnknownModelError(f"model {self.name!r} serves no adapters on a cluster (adapter {adapter!r})")
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
         if params.output is not None:  # NOTE [Constrained decoding]: a format that cannot compile is a 400 here
             self._grammars.check(params.output)

@@ -17,9 +17,9 @@ from timeshare.config.document import DEFAULT_CONFIG, Config, load_config, parse
 from timeshare.config.fields import DATATYPES
 from timeshare.config.runtime import RuntimeConfig
 from timeshare.config.server import AdminConfig, ServerConfig
-from timeshare.config.workloads import LLMConfig, ModelConfig, TensorSpec, TrainingConfig
+from timeshare.config.workloads import AdapterConfig, LLMConfig, ModelConfig, TensorSpec, TrainingConfig
 
 __all__ = [
-    "DATATYPES", "DEFAULT_CONFIG", "AdminConfig", "ClusterConfig", "Config", "LLMConfig", "ModelConfig",
-    "RuntimeConfig", "ServerConfig", "TensorSpec", "TrainingConfig", "load_config", "parse_config",
+    "DATATYPES", "DEFAULT_CONFIG", "AdapterConfig", "AdminConfig", "ClusterConfig", "Config", "LLMConfig",
+    "ModelConfig", "RuntimeConfig", "ServerConfig", "TensorSpec", "TrainingConfig", "load_config", "parse_config",
 ]

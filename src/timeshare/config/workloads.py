@@ -146,6 +146,30 @@ class TrainingConfig(Strict):
         return v
 
 
+class AdapterConfig(Strict):
+    """A LoRA adapter of a language model (NOTE [Adapter residency])."""
+
+    name: str
+    """The ``model`` field of its requests."""
+    path: str
+    """A directory in PEFT's format: adapter_config.json and adapter_model.safetensors."""
+    pinned: bool = False
+    """Once on the device, never evicted from its slot."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v):
+        valid_name(v, "adapter name")
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _adapter_directory(cls, v):
+        if not (Path(v) / "adapter_config.json").is_file():
+            raise ValueError(f"{v!r} is not an adapter directory (no adapter_config.json)")
+        return v
+
+
 class LLMConfig(Strict):
     """A generative language model, served through the OpenAI-compatible API (``/v1``)."""
 
@@ -188,6 +212,39 @@ class LLMConfig(Strict):
     """Share the key/value pages of prompt prefixes computed before (a system prompt, a
     conversation resent each turn) between requests, and keep them after their requests
     end while the pages are not needed, as vLLM's automatic prefix caching."""
+
+    adapters: list[AdapterConfig] = Field(default_factory=list)
+    """LoRA adapters of this model, each in PEFT's format, served by their names
+    (NOTE [Adapter residency]); more can be loaded at run time (``POST
+    /v1/load_lora_adapter``) or found by ``lora_dir``."""
+    max_loras: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """Adapters on the device at once (default 8 when it serves adapters); more take
+    turns in their slots, least recently used out first."""
+    max_lora_rank: Annotated[int, Field(ge=1, le=1024)] = 64
+    """The largest rank of an adapter it serves (each slot holds this rank for every
+    projection)."""
+    lora_dir: str | None = None
+    """A directory of adapter directories: a request naming an adapter not loaded yet
+    loads ``lora_dir/NAME`` (vLLM's resolver)."""
+
+    @property
+    def serves_adapters(self) -> bool:
+        return bool(self.adapters) or self.max_loras is not None or self.lora_dir is not None
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct(cls, v):
+        names = [a.name for a in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter names must differ, got {names}")
+        return v
+
+    @field_validator("lora_dir")
+    @classmethod
+    def _lora_directory(cls, v):
+        if v is not None and not Path(v).is_dir():
+            raise ValueError(f"lora_dir {v!r} is not a directory")
+        return v
 
     @property
     def decode_modes(self) -> tuple[str, str]:

@@ -12,6 +12,7 @@ import ipaddress
 from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -30,6 +31,7 @@ def add_admin_plane(app: FastAPI, service: Service) -> None:
     limit = int(service.config.server.parse_in_process_bytes)
     _repository_routes(app, service, guard, limit)
     _pinning_routes(app, service, guard, limit)
+    _adapter_routes(app, service, guard, limit)
     _training_routes(app, service, guard, limit)
     _replica_routes(app, service, guard)
     _status_route(app, service, guard)
@@ -119,6 +121,36 @@ def _pinning_routes(app: FastAPI, service: Service, guard: list, limit: int) -> 
     async def unpin(model: str):
         await service.pin(model, False)
         return {"name": model, "pinned": False}
+
+
+def _adapter_routes(app: FastAPI, service: Service, guard: list, limit: int) -> None:
+    """vLLM's routes and bodies for LoRA adapters at run time (NOTE [Adapter residency]),
+    answered as vLLM answers them (plain text)."""
+
+    @app.post("/v1/load_lora_adapter", dependencies=guard, response_class=PlainTextResponse,
+              summary='Serve a LoRA adapter: {"lora_name", "lora_path", "base_model_name": optional}')
+    async def load_lora_adapter(request: Request):
+        body = await _optional_json(request, limit)
+        name, path, base = body.get("lora_name"), body.get("lora_path"), body.get("base_model_name")
+        unknown = sorted(set(body) - {"lora_name", "lora_path", "base_model_name", "lora_int_id", "load_inplace"})
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path or \
+                (base is not None and not isinstance(base, str)) or unknown:
+            raise BadRequest('the body must be {"lora_name": "...", "lora_path": "an adapter directory", '
+                             '"base_model_name": "optional"}' + (f"; unknown fields: {unknown}" if unknown else ""))
+        await service.add_adapter(name, path, base)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter", dependencies=guard, response_class=PlainTextResponse,
+              summary='Stop serving a LoRA adapter: {"lora_name"}')
+    async def unload_lora_adapter(request: Request):
+        body = await _optional_json(request, limit)
+        name = body.get("lora_name")
+        unknown = sorted(set(body) - {"lora_name", "lora_int_id"})
+        if not isinstance(name, str) or not name or unknown:
+            raise BadRequest('the body must be {"lora_name": "..."}' + (f"; unknown fields: {unknown}" if unknown
+                                                                      else ""))
+        await service.remove_adapter(name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
 
 def _training_routes(app: FastAPI, service: Service, guard: list, limit: int) -> None:

@@ -16,6 +16,7 @@ from timeshare.config import LLMConfig
 from timeshare.config.sources import section
 from timeshare.errors import ConfigError, Conflict, LoadFailed, Unavailable, UnknownModelError
 from timeshare.llm import model as lm
+from timeshare.llm.adapters import AdapterInfo, Adapters
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.pages import PagePool
@@ -58,10 +59,12 @@ class LLMState:
 
 
 class ServedLLM(Protocol):
-    """What the OpenAI API needs of a language model."""
+    """What the OpenAI API needs of a language model; ``adapters``: its LoRA adapters
+    (NOTE [Adapter residency]; None: it serves none)."""
 
     name: str
     created: int
+    adapters: Adapters | None
 
     @property
     def max_context(self) -> int: ...
@@ -76,7 +79,8 @@ class ServedLLM(Protocol):
     def decode(self, tokens: list[int]) -> str: ...
 
     def generate(self, prompt: list[int], params: SamplingParams,
-                 on_event: Callable[[Delta | Finish], None] | None = None) -> Generation: ...
+                 on_event: Callable[[Delta | Finish], None] | None = None,
+                 adapter: str | None = None) -> Generation: ...
 
     def close(self) -> None: ...
 
@@ -86,11 +90,24 @@ def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = No
     """``cfg``'s model generating in this process, on ``runtime``; ``kv_budget`` and
     ``pages``: shared by the runtime's language models (NOTE [Key/value caches under
     pressure], NOTE [Paged key/value caches])."""
-    return lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
-                   max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
-                   offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages,
-                   graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1], prefix_caching=cfg.prefix_caching,
-                   multi_step_s=cfg.multi_step_ms / 1000)
+    model = lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
+                    max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
+                    offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages,
+                    graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1], prefix_caching=cfg.prefix_caching,
+                    multi_step_s=cfg.multi_step_ms / 1000, **adapter_options(cfg))
+    if cfg.adapters and model.adapters is not None:
+        for adapter in cfg.adapters:
+            model.adapters.slots.pin(adapter.name, adapter.pinned)
+    return model
+
+
+def adapter_options(cfg: LLMConfig) -> dict[str, Any]:
+    """``lm.load``'s adapter arguments for ``cfg`` (NOTE [Adapter residency]; none when it
+    serves no adapters)."""
+    if not cfg.serves_adapters:
+        return {}
+    return {"adapters": {a.name: a.path for a in cfg.adapters}, "max_loras": cfg.max_loras,
+            "max_lora_rank": cfg.max_lora_rank, "lora_dir": cfg.lora_dir}
 
 
 class LanguageModels:
@@ -143,6 +160,55 @@ class LanguageModels:
         if name in self.configs:
             raise Unavailable(f"model {name!r} is loading")
         raise UnknownModelError(f"no language model named {name!r}; known: {sorted(self.configs)}")
+
+    # ------------------------------------------------------------------ adapters
+    def find(self, name: str) -> tuple[ServedLLM, str | None]:
+        """The model a request's ``model`` names, and the adapter it names (NOTE [Adapter
+        residency]): a base by its name, or the base of the adapter of that name (loaded,
+        or in a base's ``lora_dir``); else ``get``'s errors."""
+        if name in self.loaded or name in self.configs:
+            return self.get(name), None
+        for model in self.loaded.values():
+            if model.adapters is not None and (name in model.adapters.names()
+                                               or model.adapters.resolvable(name) is not None):
+                return model, name
+        return self.get(name), None
+
+    def with_adapters(self, base: str | None) -> ServedLLM:
+        """The model whose adapters a run-time load or unload means: ``base``, or the one
+        model that serves adapters."""
+        if base is not None:
+            model = self.get(base)
+            if model.adapters is None:
+                raise ConfigError(f"model {base!r} serves no adapters (give it max_loras, adapters or lora_dir)")
+            return model
+        serving = [m for m in self.loaded.values() if m.adapters is not None]
+        if len(serving) != 1:
+            raise ConfigError("base_model_name is needed: " + (
+                "no language model serves adapters (give one max_loras, adapters or lora_dir)" if not serving
+                else f"{sorted(m.name for m in serving)} serve adapters"))
+        return serving[0]
+
+    def add_adapter(self, name: str, path: str, base: str | None = None) -> None:
+        """Serve adapter ``name`` from directory ``path`` from now on (read now)."""
+        if name in self.configs or any(name in (m.adapters.names() if m.adapters else ()) for m in
+                                       self.loaded.values()):
+            raise Conflict(f"a model or adapter named {name!r} is served already")
+        model = self.with_adapters(base)
+        assert model.adapters is not None
+        model.adapters.add(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests for it are 404s."""
+        for model in self.loaded.values():
+            if model.adapters is not None and name in model.adapters.names():
+                model.adapters.remove(name)
+                return
+        raise UnknownModelError(f"no adapter named {name!r} is loaded")
+
+    def adapters(self) -> list[AdapterInfo]:
+        """Every loaded adapter of every model."""
+        return [info for m in self.loaded.values() if m.adapters is not None for info in m.adapters.infos()]
 
     def snapshot(self) -> dict[str, LLMState]:
         out = {}

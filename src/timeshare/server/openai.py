@@ -25,12 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from timeshare.errors import BadRequest, ConfigError, Timeout, TimeshareError
+from timeshare.errors import BadRequest, ConfigError, Timeout, TimeshareError, UnknownModelError
+from timeshare.llm.adapters import AdapterInfo
 from timeshare.llm.constrained import GrammarError, OutputFormat
 from timeshare.llm.sampling import MAX_LOGPROBS, SamplingParams
 from timeshare.llm.sequence import ContextLengthError, Delta, Finish
 from timeshare.server.auth import ApiKey, key_dependencies
-from timeshare.server.llms import Generation, ServedLLM
+from timeshare.server.llms import Generation, LanguageModels, ServedLLM
 from timeshare.server.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from timeshare.server.parsing import load_json
 from timeshare.server.status import served_error, status_of
@@ -254,31 +255,39 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
     timeout_s = service.config.server.request_timeout_s
     keyed = key_dependencies(key)
 
-    @app.get("/v1/models", dependencies=keyed, summary="The language models (OpenAI)")
+    @app.get("/v1/models", dependencies=keyed, summary="The language models and their adapters (OpenAI)")
     def list_models():
-        return {"object": "list", "data": [_model_card(m) for m in llms.loaded.values()]}
+        bases = [_model_card(m) for m in llms.loaded.values()]
+        return {"object": "list", "data": bases + [_adapter_card(a, llms.get(a.parent)) for a in llms.adapters()]}
 
-    @app.get("/v1/models/{name}", dependencies=keyed, summary="One language model (OpenAI)")
+    @app.get("/v1/models/{name:path}", dependencies=keyed, summary="One language model or adapter (OpenAI)")
     def model_card(name: str):
-        return _model_card(llms.get(name))
+        model, adapter = llms.find(name)
+        if adapter is None:
+            return _model_card(model)
+        found = [a for a in llms.adapters() if a.name == adapter]
+        if not found:
+            raise UnknownModelError(f"adapter {adapter!r} is not loaded (its first request loads it)")
+        return _adapter_card(found[0], model)
 
     @app.post("/v1/completions", dependencies=keyed, summary="Complete prompts (OpenAI)")
     async def completions(request: Request):
         try:
             req: CompletionRequest = parse_request(CompletionRequest, await read_body(request))
-            model = llms.get(req.model)
+            model, adapter = await _target(llms, req.model)
             prompts = _prompts(req.prompt, model)
             params = req.params(16 if req.max_tokens is None else req.max_tokens)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
         echoed = partial(_echoed, req.prompt, prompts, model) if req.echo else None
-        return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s, echoed=echoed)
+        return await _answer(request, model, prompts, params, req, chat=False, timeout_s=timeout_s, echoed=echoed,
+                             adapter=adapter)
 
     @app.post("/v1/chat/completions", dependencies=keyed, summary="Answer a chat (OpenAI)")
     async def chat_completions(request: Request):
         try:
             req: ChatRequest = parse_request(ChatRequest, await read_body(request))
-            model = llms.get(req.model)
+            model, adapter = await _target(llms, req.model)
             tools = req.tool_plan()
             try:
                 prompt = model.encode_chat([rendered(m) for m in req.messages], tools=req.tool_list())
@@ -289,7 +298,20 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
             params = req.params(limit, tools)
         except InvalidRequest as exc:
             return openai_error(400, str(exc), param=exc.param, code=exc.code)
-        return await _answer(request, model, [prompt], params, req, chat=True, timeout_s=timeout_s, tools=tools)
+        return await _answer(request, model, [prompt], params, req, chat=True, timeout_s=timeout_s, tools=tools,
+                             adapter=adapter)
+
+
+async def _target(llms: LanguageModels, name: str) -> tuple[ServedLLM, str | None]:
+    """The model and adapter a request names (NOTE [Adapter residency]); an adapter the
+    resolver finds is read here, off the event loop (a bad one: 400 naming why)."""
+    model, adapter = llms.find(name)
+    if adapter is not None and model.adapters is not None:
+        try:
+            await asyncio.to_thread(model.adapters.get, adapter)
+        except ConfigError as exc:
+            raise InvalidRequest(str(exc), "model") from None
+    return model, adapter
 
 
 async def read_body(request: Request) -> Any:
@@ -304,7 +326,13 @@ async def read_body(request: Request) -> Any:
 
 def _model_card(model: ServedLLM) -> dict:
     return {"id": model.name, "object": "model", "created": model.created, "owned_by": "timeshare",
-            "max_model_len": model.max_context}
+            "root": model.name, "parent": None, "max_model_len": model.max_context}
+
+
+def _adapter_card(adapter: AdapterInfo, model: ServedLLM) -> dict:
+    """An adapter as vLLM lists one: its directory as ``root``, its base as ``parent``."""
+    return {"id": adapter.name, "object": "model", "created": model.created, "owned_by": "timeshare",
+            "root": adapter.path, "parent": adapter.parent, "max_model_len": model.max_context}
 
 
 def _prompts(prompt, model: ServedLLM) -> list[list[int]]:
@@ -454,9 +482,10 @@ def _choices(model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
 
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
                   req: _Sampling, *, chat: bool, timeout_s: float,
-                  echoed: Callable[[], list[str]] | None = None, tools: ToolPlan | None = None):
-    """The answer to ``prompts``; ``echoed``: their texts for ``echo``, made once the
-    prompts passed the model's checks."""
+                  echoed: Callable[[], list[str]] | None = None, tools: ToolPlan | None = None,
+                  adapter: str | None = None):
+    """The answer to ``prompts``, by ``adapter`` of ``model`` if named; ``echoed``: their
+    texts for ``echo``, made once the prompts passed the model's checks."""
     n = req.n or 1
     stream = _Stream(timeout_s)
     try:
@@ -466,7 +495,7 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 choice = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
-                stream.seqs.append(model.generate(prompt, choice, stream.listener(i * n + j)))
+                stream.seqs.append(model.generate(prompt, choice, stream.listener(i * n + j), adapter))
     except ContextLengthError as exc:
         stream.cancel()
         return openai_error(400, str(exc), param="prompt" if not chat else "messages", code="context_length_exceeded")
@@ -483,7 +512,7 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     created = int(time.time())
     choices = _choices(model, prompts, params, chat, None if echoed is None else echoed(), n, tools)
     if req.stream:
-        return StreamingResponse(_sse(stream, choices, model.name, rid, created, chat, req.include_usage),
+        return StreamingResponse(_sse(stream, choices, adapter or model.name, rid, created, chat, req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect() -> None:
@@ -511,7 +540,7 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     if failed is not None:
         raise served_error(model.name, failed)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model.name, "choices": [c.whole() for c in choices], "usage": _usage(choices)}
+            "model": adapter or model.name, "choices": [c.whole() for c in choices], "usage": _usage(choices)}
 
 
 def _usage(choices: list[_Choice]) -> dict:

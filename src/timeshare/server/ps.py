@@ -1,6 +1,7 @@
 """What a running server holds, model by model, as ``ollama ps`` shows it: each model and
 language model with its state, the device bytes it holds now, whether it is pinned, when
-it last ran and what waits for it (``/admin/ps``, read by ``timeshare ps``). Read from
+it last ran and what waits for it, and each LoRA adapter with the slot it has on the
+device (``/admin/ps``, read by ``timeshare ps``). Read from
 the server's snapshot, without waiting for the device. Runs in the server's process.
 """
 
@@ -57,6 +58,8 @@ def rows(service: Service, now: float | None = None) -> list[ModelRow]:
 def add_ps_route(app: FastAPI, service: Service, guard: list) -> None:
     """``/admin/ps`` behind the admin plane's guard."""
 
-    @app.get("/admin/ps", dependencies=guard, summary="Each model: state, device bytes, pinned, last use, queue")
+    @app.get("/admin/ps", dependencies=guard,
+             summary="Each model: state, device bytes, pinned, last use, queue; each adapter: its slot")
     def ps():
-        return {"models": [dataclasses.asdict(r) for r in rows(service)]}
+        return {"models": [dataclasses.asdict(r) for r in rows(service)],
+                "adapters": [dataclasses.asdict(a) for a in service.llms.adapters()]}  # NOTE [Adapter residency]

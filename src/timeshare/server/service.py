@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
-from timeshare.errors import BadRequest, Conflict, Overloaded, Timeout, TimeshareError, Unavailable, UnknownModelError
+from timeshare.errors import (
+    BadRequest,
+    ConfigError,
+    Conflict,
+    Overloaded,
+    Timeout,
+    TimeshareError,
+    Unavailable,
+    UnknownModelError,
+)
 from timeshare.llm import model as lm
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.pages import PagePool
@@ -126,6 +135,10 @@ class Service:
         """The config's language models as every replica of a cluster loads them."""
         from timeshare.cluster.llm import LLMDef
 
+        adapted = [c.name for c in self.config.llms if c.serves_adapters]
+        if adapted:
+            raise ConfigError(f"language models {adapted} serve LoRA adapters, which a cluster's replicas do not "
+                              "serve yet: serve them without a cluster")
         kv = self.config.runtime.kv_memory
         kv_memory = None if kv is None else parse_bytes(kv, what="kv_memory")
         return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
@@ -354,6 +367,15 @@ class Service:
     async def add_llm(self, source: str, name: str | None = None) -> LLMConfig:
         """Serve a language model from now on, from a directory or a cached repository id."""
         return await self.llms.add(source, name, self._open_llm, self._call)
+
+    async def add_adapter(self, name: str, path: str, base: str | None = None) -> None:
+        """Serve LoRA adapter ``name`` of ``base`` (or of the one model serving adapters)
+        from directory ``path`` from now on (NOTE [Adapter residency])."""
+        await self._call(self.llms.add_adapter, name, path, base)
+
+    async def remove_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name``: its new requests are 404s."""
+        await self._call(self.llms.remove_adapter, name)
 
     async def pin(self, name: str, pinned: bool) -> None:
         """A pinned model is loaded now and never evicted; readiness waits for it."""
