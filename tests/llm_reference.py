@@ -74,19 +74,20 @@ def _peft_warnings() -> Iterator[None]:
         yield
 
 
-def peft_greedy(base: str | Path, adapter: str | Path | None) -> Callable[[list[int], int], list[int]]:
+def peft_greedy(base: str | Path, adapter: str | Path | None,
+                device: str = "cpu") -> Callable[[list[int], int], list[int]]:
     """``generate(ids, n)``: PEFT's ``PeftModel.generate`` greedy tokens after ``ids`` with
-    ``adapter`` (None: the base alone)."""
+    ``adapter`` (None: the base alone), on ``device``."""
     import peft
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(base).to(device).eval()
     if adapter is not None:
         with _peft_warnings():
             model = peft.PeftModel.from_pretrained(model, adapter).eval()
 
     def generate(ids: list[int], n: int) -> list[int]:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=device)
         with torch.no_grad():
             out = model.generate(input_ids=x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x),
                                  pad_token_id=0)

@@ -181,3 +181,36 @@ def test_the_resolver_loads_an_adapter_on_its_first_request_and_a_removed_one_is
         m.adapters.resolve_dir = None
         with pytest.raises(UnknownModelError):
             _greedy(m, 1, "mlp16")
+
+
+@pytest.mark.parametrize("compiled", ["off", "aot_eager"])
+def test_captured_steps_read_the_slots_so_a_new_adapter_in_a_slot_needs_no_new_capture(base, adapters, expected,
+                                                                                        compiled):
+    """NOTE [Adapters in slots] under NOTE [Decode graphs]: the CPU's stand-in for a CUDA
+    graph (and a compiled step) keeps the tensors it captured; the slots are read by
+    index at each replay, so two adapters taking turns in one slot each give PEFT's
+    tokens from the same captures."""
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
+        m = lm.load(rt, "llama", base, max_context=256, max_sequences=4, adapters=adapters, max_loras=1,
+                    max_lora_rank=16, graphs="emulate", compile=compiled)
+        captures = m.engine.snapshot().graph_captures
+        assert captures > 0
+        for name in ["attn8", None, "mlp16", "attn8", "o2"]:
+            assert _greedy(m, 2, name).result(60).tokens == expected[name][2], name
+        snap = m.engine.snapshot()
+        assert snap.graph_captures == captures and snap.graph_replays > 0
+        assert m.adapters.slots.loads >= 4
+
+
+def test_many_slots_gather_each_rows_factors_to_the_same_tokens(base, adapters, expected, monkeypatch):
+    """NOTE [Adapters in slots]: past ``STACKED_SLOTS`` slots the corrections gather each
+    row's factors instead of multiplying whole stacks; the same tokens."""
+    from timeshare.decode import lora
+
+    monkeypatch.setattr(lora, "STACKED_SLOTS", 2)
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
+        m = lm.load(rt, "llama", base, max_context=256, max_sequences=8, adapters=adapters, max_loras=4,
+                    max_lora_rank=16)
+        names = [None, "attn8", "all4", "mlp16", "o2", None, "mlp16", "attn8"]
+        seqs = [_greedy(m, i, name) for i, name in enumerate(names)]
+        assert [s.result(60).tokens for s in seqs] == [expected[name][i] for i, name in enumerate(names)]

@@ -80,3 +80,12 @@ def resume_training(job, iterations: int = 3, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise TimeshareError(f"the background training job made no progress within {timeout_s:g} s")
         time.sleep(0.001)
+
+
+def batch_rate(seqs: list) -> float:
+    """Decode tokens per second of generations that ran together: their tokens after the
+    first, from the last first token to the last token (the prefills left out)."""
+    start = max(s.first_token_at for s in seqs)
+    end = max(s.last_token_at for s in seqs)
+    tokens = sum(len(s.tokens) - 1 for s in seqs)
+    return tokens / (end - start) if end > start else float("nan")

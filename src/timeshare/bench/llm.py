@@ -45,7 +45,9 @@ from typing import Any
 import torch
 
 from timeshare.bench import llm_models as models
+from timeshare.bench.common import batch_rate
 from timeshare.bench.environment import describe
+from timeshare.bench.llm_adapters import plain_peft, run_adapters, write_adapters
 from timeshare.bench.llm_fleet import run_fleet
 from timeshare.device import resolve_device, synchronize
 from timeshare.dtypes import parse_dtype
@@ -59,7 +61,8 @@ from timeshare.units import format_bytes
 
 SIZES = models.SIZES
 MODES = ("in-process", "workers")
-PARTS = ("wake", "decode", "prefix", "structured", "fleet")
+PARTS = ("wake", "decode", "prefix", "structured", "fleet", "adapters")
+DEFAULT_PARTS = ("wake", "decode", "prefix", "structured", "fleet")
 
 
 @dataclass
@@ -85,7 +88,9 @@ class LLMBenchConfig:
     compile: str = "auto"  # the decode step the graphs capture (NOTE [Compiled decode steps])
     system_tokens: int = 1500  # prefix: the system prompt every request shares
     turn_tokens: int = 16  # prefix: each request's own turn after it
-    parts: tuple[str, ...] = field(default_factory=lambda: PARTS)
+    adapters: tuple[int, ...] = (1, 8)  # adapters: the counts of adapters a batch mixes (bench/llm_adapters.py)
+    lora_rank: int = 16  # adapters: their rank, on every projection
+    parts: tuple[str, ...] = field(default_factory=lambda: DEFAULT_PARTS)
 
     def __post_init__(self):
         if self.size not in SIZES or self.arch not in hfdir.ARCHITECTURES:
@@ -106,6 +111,10 @@ class LLMBenchConfig:
             raise ConfigError("system_tokens and turn_tokens must be at least 1")
         if "fleet" in self.parts and (self.fleet_models < 3 or self.fleet_requests < 1 or self.fleet_rate_per_s <= 0):
             raise ConfigError("the fleet needs at least 3 models, 1 request and a positive rate")
+        self.adapters = tuple(self.adapters)
+        if "adapters" in self.parts and (not self.adapters or min(self.adapters) < 1 or self.lora_rank < 1):
+            raise ConfigError(f"adapters must be counts of at least 1 and lora_rank at least 1, got "
+                              f"{list(self.adapters)} and {self.lora_rank}")
         if self.compile not in ("auto", "inductor", "off"):
             raise ConfigError(f"compile must be auto, inductor or off, got {self.compile!r}")
         if "workers" in self.modes and self.workers < 2:
@@ -178,6 +187,13 @@ def run(config: LLMBenchConfig, progress: Callable[[str], None] = lambda s: None
                 result["decode_modes"] = compare_modes(result["modes"])
         if "fleet" in config.parts:
             result["fleet"] = run_fleet(config, device, dirs, progress)
+        if "adapters" in config.parts:  # NOTE [Adapters in slots]
+            for mode in config.modes:
+                result.setdefault("modes", {}).setdefault(mode, {})["adapters"] = run_adapters(
+                    config, device, dirs[0], config.workers if mode == "workers" else 0, root / "adapters", progress)
+            progress("adapters: plain PEFT's generate of the same mixed batches")
+            paths = write_adapters(dirs[0], root / "adapters", max(config.adapters), config.lora_rank, config.seed)
+            result["adapters_peft"] = plain_peft(config, device, dirs[0], paths, max(config.concurrent))
     return result
 
 
@@ -390,7 +406,7 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
             got = [s.result(600).tokens for s in seqs]
             exact[c] += sum(g == w for g, w in zip(got, want[c]))
             agree[c] += [_prefix(g, w) for g, w in zip(got, want[c])]
-            ours[c].append(_batch_rate(seqs))
+            ours[c].append(batch_rate(seqs))
             after = model.engine.snapshot()
             replays[c] += after.graph_replays - before.graph_replays
             eager[c] += after.eager_steps - before.eager_steps
@@ -459,7 +475,7 @@ def _prefix_part(config: LLMBenchConfig, model: Any, plain: Any, path: Path) -> 
                                              + (50 if m is plain else 0)), decode) for j in range(c)]
             for seq in seqs:
                 seq.result(600)
-            rates["cached" if m is model else "plain"].append(_batch_rate(seqs))
+            rates["cached" if m is model else "plain"].append(batch_rate(seqs))
     pairs = [a / b for a, b in zip(rates["cached"], rates["plain"])]
     t_cached, t_plain = _median(cached), _median(uncached)
     return {"system_tokens": config.system_tokens, "turn_tokens": config.turn_tokens,
@@ -491,13 +507,13 @@ def _structured(config: LLMBenchConfig, model: Any, prompt: list[int]) -> dict:
         seqs = [model.generate(prompt, p) for p in held]
         lengths = [len(s.result(600).tokens) for s in seqs]
         tokens += sum(lengths)
-        rates["constrained"].append(_batch_rate(seqs))
+        rates["constrained"].append(batch_rate(seqs))
         # The same lengths unconstrained: the batch shrinks as the constrained one did.
         seqs = [model.generate(prompt, SamplingParams(max_tokens=max(2, n), temperature=0))
                 for n in lengths]
         for s in seqs:
             s.result(600)
-        rates["plain"].append(_batch_rate(seqs))
+        rates["plain"].append(batch_rate(seqs))
     after = model.engine.snapshot()
     masks, mask_s = after.masks - before.masks, after.mask_s - before.mask_s
     return {"sequences": c, "constrained_tokens_per_s": _median(rates["constrained"]),
@@ -528,13 +544,6 @@ def device_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 def _prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _batch_rate(seqs: list) -> float:
-    start = max(s.first_token_at for s in seqs)
-    end = max(s.last_token_at for s in seqs)
-    tokens = sum(len(s.tokens) - 1 for s in seqs)
-    return tokens / (end - start) if end > start else float("nan")
 
 
 def _plain_generate(module: Any, device: torch.device, prompt: list[int], c: int, k: int, *, exactly: bool):
@@ -576,7 +585,7 @@ def plot(result: dict, path: Path) -> None:
     modes = result.get("modes", {})
     plotters: tuple[tuple[str, Callable[[Any, dict], None]], ...] = (
         ("wake", _plot_wake), ("decode", _plot_decode), ("prefix", _plot_prefix),
-        ("fleet", lambda ax, r: _plot_fleet(ax, r["fleet"])))
+        ("fleet", lambda ax, r: _plot_fleet(ax, r["fleet"])), ("adapters", _plot_adapters))
     panels = [(part, plotter) for part, plotter in plotters
               if (part == "fleet" and "fleet" in result) or any(part in r for r in modes.values())]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
@@ -586,6 +595,24 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_adapters(ax, modes: dict) -> None:
+    """Decode tokens/s mixing N adapters against the base, per mode."""
+    width = 0.8 / max(1, 2 * len(modes))
+    for k, (mode, r) in enumerate(modes.items()):
+        if "adapters" not in r:
+            continue
+        rows = r["adapters"]["decode"]
+        xs = range(len(rows))
+        for j, (key, label) in enumerate((("adapters_tokens_per_s", "mixed"), ("base_tokens_per_s", "base"))):
+            ax.bar([x + (2 * k + j) * width for x in xs], [row[key] for row in rows], width,
+                   label=f"{mode} {label}")
+        ax.set_xticks([x + width * (len(modes) - 0.5) for x in xs], [str(row["adapters"]) for row in rows])
+    ax.set_xlabel("adapters mixed in the batch")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("LoRA adapters")
+    ax.legend(fontsize="small")
 
 
 def _plot_wake(ax, modes: dict) -> None:

@@ -7,34 +7,50 @@ is the controller's (``llm/adapters.py``).
 # NOTE [Adapters in slots]
 A language model served with adapters gets a region of the arena (NOTE [Regions of the
 arena]) cut into ``slots``: for each of its adaptable projections (every ``nn.Linear`` of
-its decoder layers: attention and MLP), a stack ``A`` of ``[slots, fan_in, rank]``, a
-stack ``B`` of ``[slots, rank, fan_out]`` and a float32 ``scale`` per slot
-(``LoraSpec.layout`` places them). Slot 0 is the base's: zeros, never written. An
-adapter of a smaller rank fills the first columns of its slot and leaves the rest zero
-(it adds nothing); a projection it does not adapt stays zero. A step carries each row's
-slot; every adapted projection adds ``scale[s] * (x @ A[s]) @ B[s]`` to its output for
-each row's ``s``, gathered per row and computed as two batched products (PEFT computes
-``lora_B(lora_A(x)) * scaling``: the same terms), through a forward hook on the
-projection, or called by the lean step (NOTE [Lean decode steps]), which calls no
-module. A captured graph gathers by the slots in its input buffer, so a slot's new
-contents need no new capture; with graphs the correction always runs (a base row reads
-slot 0's zeros), without them a step whose rows are all the base's skips it. The base's
-weights are never copied or changed.
+its decoder layers: attention and MLP), a stack ``A`` of ``[rank, slots, fan_in]``, a
+stack ``B`` of ``[rank, slots, fan_out]`` and a float32 scale per slot (``LoraSpec.layout``
+places them; the scales of every projection together). Slot 0 is the base's: zeros,
+never written. An adapter of a smaller rank fills its slot's first ranks and leaves the
+rest zero (they add nothing); a projection it does not adapt stays zero. Rank first, so
+that the first ``r`` ranks of every slot are one contiguous block and writing a slot is
+``rank`` contiguous runs. A step carries each row's slot and what its rows' adapters use
+(``LoraUse``: their largest rank and the projections any adapts); every such projection
+adds ``scale[s] * (x @ A[s]) @ B[s]`` to its output for each row's ``s`` (PEFT computes
+``lora_B(lora_A(x)) * scaling``: the same terms, in the same order), through a forward
+hook on the projection, or called by the lean step (NOTE [Lean decode steps]), which
+calls no module. With up to ``STACKED_SLOTS`` slots the two products run over the used
+ranks of every slot at once, each row's other slots zeroed between them: two plain
+matrix products, where gathering each row's factors copies them; with more slots each
+row's factors are gathered and multiplied in batches. The slots are read by the index
+in the runner's input buffer, so a captured graph replays with new contents in a slot
+and needs no new capture; with graphs the correction always runs at full rank on every
+projection (a base row reads slot 0's zeros), without them a step whose rows are all the
+base's skips it. The base's weights are never copied or changed.
+
+What it costs on the 2-core VM (a 64M Llama in float32, rank 16 on all seven projections
+of every layer, 8 rows of 8 adapters): each correction is two small matrix products of
+some 30 us each on one core; in a process where several threads compute, GNU OpenMP's
+teams sleep between operators (NOTE [A core for the front end]) and each costs about 100
+us on two cores, so the adapters' decode ran at 0.5-0.6x the base's in-process (the
+bench, on every core) and 0.7x in a worker (one team). On a GPU the products are
+launches in a graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from timeshare.errors import ConfigError
 
 SCALE_DTYPE = torch.float32
 ALIGN = 256  # each stack starts at a multiple of this many bytes
+STACKED_SLOTS = 16  # up to this many slots, corrections are products over whole stacks (NOTE [Adapters in slots])
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +63,21 @@ class LoraTarget:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraUse:
+    """What a step's adapters use: the largest rank of its rows' adapters, and the targets
+    any of them adapts (bit ``i``: target ``i``). A step without graphs computes just these
+    (NOTE [Adapters in slots])."""
+
+    rank: int
+    targets: int
+
+
+@dataclass(frozen=True, slots=True)
 class StackAt:
-    """Where a projection's stacks are in the region: byte offsets of ``A``, ``B`` and its
-    scales."""
+    """Where a projection's stacks are in the region: byte offsets of ``A`` and ``B``."""
 
     a: int
     b: int
-    scale: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,21 +103,22 @@ class LoraSpec:
             raise ConfigError(f"adapter slots need at least one adapter's slot and a rank of 1, got {slots - 1} "
                               f"and {rank}")
         spec = cls(0, 0, slots, rank, dtype, targets)
-        return spec.at(0, spec.layout()[1])
+        return spec.at(0, spec.layout()[2])
 
     def at(self, offset: int, nbytes: int) -> LoraSpec:
         return LoraSpec(offset, nbytes, self.slots, self.rank, self.dtype, self.targets)
 
-    def layout(self) -> tuple[tuple[StackAt, ...], int]:
-        """Each target's stacks' offsets in the region, and the region's bytes."""
+    def layout(self) -> tuple[tuple[StackAt, ...], int, int]:
+        """Each target's stacks' offsets in the region, where the scales are (``[targets,
+        slots]`` float32, after the stacks), and the region's bytes."""
         size, at, out = self.dtype.itemsize, 0, []
         for t in self.targets:
             a = _aligned(at)
             b = _aligned(a + self.slots * t.fan_in * self.rank * size)
-            scale = _aligned(b + self.slots * self.rank * t.fan_out * size)
-            at = scale + self.slots * SCALE_DTYPE.itemsize
-            out.append(StackAt(a, b, scale))
-        return tuple(out), _aligned(at)
+            at = b + self.slots * self.rank * t.fan_out * size
+            out.append(StackAt(a, b))
+        scales = _aligned(at)
+        return tuple(out), scales, _aligned(scales + len(self.targets) * self.slots * SCALE_DTYPE.itemsize)
 
     @property
     def slot_bytes(self) -> int:
@@ -120,24 +145,24 @@ class LoraStacks:
     ``scale``, views that never move while the region lives."""
 
     def __init__(self, spec: LoraSpec, memory: torch.Tensor):
-        places, nbytes = spec.layout()
+        places, scales, nbytes = spec.layout()
         if memory.dtype != torch.uint8 or memory.numel() < nbytes:
             raise ConfigError(f"adapter slots need {nbytes} bytes, got {memory.numel()}")
         self.spec = spec
         self.a: list[torch.Tensor] = []
         self.b: list[torch.Tensor] = []
-        self.scale: list[torch.Tensor] = []
         size, n, r = spec.dtype.itemsize, spec.slots, spec.rank
         for t, place in zip(spec.targets, places):
-            self.a.append(memory[place.a:place.a + n * t.fan_in * r * size].view(spec.dtype).view(n, t.fan_in, r))
-            self.b.append(memory[place.b:place.b + n * r * t.fan_out * size].view(spec.dtype).view(n, r, t.fan_out))
-            self.scale.append(memory[place.scale:place.scale + n * SCALE_DTYPE.itemsize].view(SCALE_DTYPE))
+            self.a.append(memory[place.a:place.a + n * t.fan_in * r * size].view(spec.dtype).view(r, n, t.fan_in))
+            self.b.append(memory[place.b:place.b + n * r * t.fan_out * size].view(spec.dtype).view(r, n, t.fan_out))
+        count = len(spec.targets) * n
+        self.scales = memory[scales:scales + count * SCALE_DTYPE.itemsize].view(SCALE_DTYPE).view(-1, n)
 
     def clear(self, slot: int) -> None:
-        for a, b, scale in zip(self.a, self.b, self.scale):
-            a[slot].zero_()
-            b[slot].zero_()
-            scale[slot] = 0.0
+        for a, b in zip(self.a, self.b):
+            a[:, slot].zero_()
+            b[:, slot].zero_()
+        self.scales[:, slot] = 0.0
 
     def write(self, slot: int, factors: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None]) -> None:
         """Slot ``slot`` holds an adapter whose factors are, per target (None: not adapted),
@@ -148,19 +173,19 @@ class LoraStacks:
         if len(factors) != len(self.a):
             raise ConfigError(f"an adapter of {len(factors)} projections for slots of {len(self.a)}")
         for i, got in enumerate(factors):
-            a, b, scale = self.a[i][slot], self.b[i][slot], self.scale[i]
+            a, b = self.a[i][:, slot], self.b[i][:, slot]
             if got is None:
                 a.zero_()
                 b.zero_()
-                scale[slot] = 0.0
+                self.scales[i, slot] = 0.0
                 continue
             down, up, s = got
             rank = down.shape[0]
-            a[:, :rank].copy_(down.t())
-            a[:, rank:].zero_()
+            a[:rank].copy_(down)
+            a[rank:].zero_()
             b[:rank].copy_(up.t())
             b[rank:].zero_()
-            scale[slot] = s
+            self.scales[i, slot] = s
 
 
 class LoraLayers:
@@ -172,7 +197,14 @@ class LoraLayers:
 
     def __init__(self, stacks: LoraStacks, rows: int, device: torch.device, always: bool = False):
         self.stacks, self.always = stacks, always
+        spec = stacks.spec
         self.index = torch.zeros(rows, dtype=torch.int64, device=device)  # each input row's slot
+        self._slot_ids = torch.arange(spec.slots, device=device)
+        # Made from the index by ``use``, before the forwards that read them (a graph's too):
+        # each row's one of its slot, and each target's scale of each row's slot.
+        self._mine = torch.zeros(rows, 1, 1, spec.slots, dtype=spec.dtype, device=device)
+        self._scales = torch.zeros(len(spec.targets), rows, 1, 1, dtype=spec.dtype, device=device)
+        self._rank, self._targets = spec.rank, (1 << len(spec.targets)) - 1  # what ``use`` says is used
         self.active = always
         self._of: dict[int, int] = {}  # id(projection) -> its target's index
         self._hooks: list[Any] = []
@@ -190,7 +222,7 @@ class LoraLayers:
                                                                                          target.fan_out):
                 raise ConfigError(f"the model's {target.name} is not the projection its adapter slots were made for")
             self._of[id(proj)] = i
-            self._hooks.append(proj.register_forward_hook(self._hook))
+            self._hooks.append(proj.register_forward_hook(self._hook(i)))
         self._module = module
 
     def detach(self) -> None:
@@ -198,30 +230,53 @@ class LoraLayers:
             hook.remove()
         self._hooks, self._of, self._module = [], {}, None
 
-    def use(self, slots: Sequence[int], host: torch.Tensor | None = None) -> None:
+    def use(self, slots: Sequence[int], used: LoraUse | None = None) -> None:
         """The slots of the rows of the next forwards (the input rows past them: the
-        base's). ``host``: a staging copy for the device (NOTE [No waiting on the device])."""
+        base's), and what their adapters use (None: every target at full rank; with
+        graphs always so)."""
         self.active = self.always or any(slots)
         if not self.active:
             return
+        spec = self.stacks.spec
+        if used is None or self.always:
+            self._rank, self._targets = spec.rank, (1 << len(spec.targets)) - 1
+        else:
+            self._rank, self._targets = min(max(used.rank, 1), spec.rank), used.targets
         values = torch.zeros(self.index.shape[0], dtype=torch.int64)
         values[:len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
         if self.index.device.type == "cuda":
             values = values.pin_memory()
         self.index.copy_(values, non_blocking=True)
+        self._mine.copy_((self._slot_ids[None, :] == self.index[:, None])[:, None, None, :])
+        self._scales.copy_(self.stacks.scales[:, self.index][:, :, None, None])
 
-    def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        if not self.active:
-            return None
-        return self.apply(module, args[0], output)
+    def _hook(self, i: int) -> Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor | None]:
+        """Target ``i``'s forward hook (its index bound here: a compiled step traces no
+        lookup)."""
+        bit = 1 << i
+
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            return self._corrected(i, args[0], output) if self.active and self._targets & bit else None
+
+        return hook
 
     def apply(self, proj: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``proj``'s output for ``x``, ``[rows, positions, fan_out]``) with each
-        row's correction."""
+        row's correction (the lean step's call: NOTE [Lean decode steps])."""
         i = self._of[id(proj)]
-        rows = x.shape[0]
-        slots = self.index[:rows]
-        s = self.stacks
-        low = torch.bmm(x.reshape(rows, -1, x.shape[-1]), s.a[i][slots])
-        delta = torch.bmm(low, s.b[i][slots]) * s.scale[i][slots].to(out.dtype)[:, None, None]
-        return out + delta.view(out.shape)
+        return self._corrected(i, x, out) if self._targets >> i & 1 else out
+
+    def _corrected(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rows, fan_in = x.shape[0], x.shape[-1]
+        a, b = self.stacks.a[i], self.stacks.b[i]
+        n = b.shape[1]
+        rank = self._rank  # the ranks past it are every slot's zeros
+        x = x.reshape(rows, -1, fan_in)
+        if n <= STACKED_SLOTS:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
+            low = F.linear(x, a[:rank].view(rank * n, fan_in)).view(rows, -1, rank, n) * self._mine[:rows]
+            delta = low.view(rows, -1, rank * n) @ b[:rank].view(rank * n, -1)
+        else:
+            slots = self.index[:rows]
+            low = torch.bmm(x, a[:rank, slots].permute(1, 2, 0))
+            delta = torch.bmm(low, b[:rank, slots].permute(1, 0, 2))
+        return torch.addcmul(out, delta.view(out.shape), self._scales[i, :rows])

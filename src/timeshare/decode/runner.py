@@ -313,7 +313,7 @@ class DecodeRunner:
         logits = []
         for tokens, start, table, top, slot in zip(step.tokens, step.starts, step.tables, asked, slots):
             if self._lora is not None:
-                self._lora.use((slot,))
+                self._lora.use((slot,), step.lora)
             if top < 0:
                 logits.append(self._prefill_row(module, tokens, start, table))
                 self._prompt_asked.append(None)
@@ -428,7 +428,7 @@ class DecodeRunner:
         pages = max(self._contexts[0], min(_pow2(widest), self._width))
         self._load_inputs(step, batch)
         if self._lora is not None:
-            self._lora.use(step.adapters)
+            self._lora.use(step.adapters, step.lora)
         level = min(step.starts) == max(step.starts)
         if step.masks is not None and count > 1:
             raise GenerationError("a burst of decode steps cannot take late grammar masks (each needs its token)")
@@ -546,6 +546,8 @@ class DecodeRunner:
             return decode_logits(module, self.layout, self._cache_class, self._cache_key, ids, mask, positions,
                                  table, at, length, scratch)
 
+        # NOTE [Adapters in slots]: the lean step corrects its projections as the hooks do.
+        lora = self._lora.apply if self._lora is not None and self._lora.active else None
         if not self._lean_checked:  # this runner's first eager step: both, compared
             self._lean_checked = True
             want = hf()
@@ -553,7 +555,7 @@ class DecodeRunner:
             lean = LeanStep.of(module) if self.device.type == "cpu" else None
             if lean is not None:
                 got = lean_logits(lean, module, self.layout, self._cache_class, ids, mask, positions, table, at,
-                                  length, scratch)
+                                  length, scratch, lora)
                 if agrees(got[0], want[0]) and agrees(got[1], want[1]) \
                         and torch.equal(got[0].argmax(-1), want[0].argmax(-1)):
                     self._lean = lean
@@ -564,7 +566,6 @@ class DecodeRunner:
         if self._lean is None:
             return hf()
         self.counts.lean += 1
-        lora = self._lora.apply if self._lora is not None and self._lora.active else None
         return lean_logits(self._lean, module, self.layout, self._cache_class, ids, mask, positions, table, at,
                            length, scratch, lora)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from timeshare.decode.lora import LoraSpec
+from timeshare.decode.lora import LoraSpec, LoraUse
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import GenerationError
 
@@ -172,6 +172,7 @@ class Step:
     # which is then empty), asked for once the step's forward is queued; None: none are late.
     masks: Callable[[], tuple[bytes, ...]] | None = None
     adapters: tuple[int, ...] = ()  # NOTE [Adapters in slots]: each row's adapter slot (empty: all the base's)
+    lora: LoraUse | None = None  # and what those adapters use (ranks, projections)
 
     @property
     def rows(self) -> int:

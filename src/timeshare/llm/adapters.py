@@ -31,13 +31,14 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from timeshare.decode.lora import LoraSpec, LoraStacks
+from timeshare.decode.lora import LoraSpec, LoraStacks, LoraUse
 from timeshare.errors import ConfigError, UnknownModelError
 from timeshare.llm.pages import KVMemoryError
 
@@ -75,6 +76,7 @@ class Adapter:
 
     def __init__(self, name: str, path: Path, rank: int, factors: list[Factors | None]):
         self.name, self.path, self.rank, self.factors = name, path, rank, factors
+        self.targets = sum(1 << i for i, f in enumerate(factors) if f is not None)  # the projections it adapts
         self.key = f"{name}#{next(_loads)}".encode()  # NOTE [Prefix caching]: its pages apart from others'
         self.nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                           for a, b, _ in (f for f in factors if f is not None))
@@ -211,6 +213,18 @@ class AdapterSlots:
                 self._recent.pop(slot)
                 return slot
         raise AdapterSlotsFull(f"all {self.slots} adapter slots are held by running sequences or pinned")
+
+    def use_of(self, slots: Sequence[int]) -> LoraUse | None:
+        """What the adapters in ``slots`` use: their largest rank and the projections any
+        adapts (None: no slot but the base's)."""
+        with self._lock:
+            held = [self._in[s] for s in set(slots) if s in self._in]
+        if not held:
+            return None
+        targets = 0
+        for adapter in held:
+            targets |= adapter.targets
+        return LoraUse(max(a.rank for a in held), targets)
 
     def release(self, slot: int) -> None:
         """A row holding ``slot`` ended."""

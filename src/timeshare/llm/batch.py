@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from timeshare.decode.lora import LoraUse
 from timeshare.decode.pages import block_of
 from timeshare.decode.step import DecoderSpec, Draw, Penalties, Step, StepKind
 from timeshare.errors import GenerationError
@@ -126,12 +127,15 @@ class Batch:
         asked = (seq.params.prompt_logprobs or 0,) if whole else ()
         return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
                          draw([seq], self.eos), zero, prompt_logprobs=asked, masks=self.masks_of([seq]),
-                         adapters=(slot,) if slot else ())
+                         adapters=(slot,) if slot else (), lora=self._use_of((slot,)))
 
     def _tag_of(self, seq: Sequence) -> bytes:
         """The root of its pages' keys: the model's load's, and its adapter's (NOTE [Prefix
         caching], NOTE [Adapter residency])."""
         return self.tag if seq.adapter is None else self.tag + b"#" + seq.adapter.key
+
+    def _use_of(self, slots: tuple[int, ...]) -> LoraUse | None:
+        return self.adapters.use_of(slots) if self.adapters is not None and any(slots) else None
 
     def _let_go(self, slot: int) -> None:
         if slot and self.adapters is not None:
@@ -172,7 +176,7 @@ class Batch:
         return Step(StepKind.DECODE, self.spec, tuple((r.seq.tokens[-1],) for r in rows),
                     tuple(r.length for r in rows), tuple(tuple(r.pages) for r in rows),
                     draw([r.seq for r in rows], self.eos), fresh, count, masks=self.masks_of([r.seq for r in rows]),
-                    adapters=slots if any(slots) else ())
+                    adapters=slots if any(slots) else (), lora=self._use_of(slots))
 
     def masks_of(self, seqs: list[Sequence]) -> Callable[[], tuple[bytes, ...]] | None:
         """The step's late masks (NOTE [Masks while the device runs]): its rows' grammar

@@ -41,8 +41,13 @@ def add_parsers(bench) -> None:
     p.add_argument("--fleet-rate", type=float, default=0.5, help="requests per second (Poisson)")
     p.add_argument("--fleet-max-tokens", type=int, default=16)
     p.add_argument("--zipf", type=float, default=1.0)
-    p.add_argument("--parts", nargs="+", default=["wake", "decode", "prefix", "structured", "fleet"],
-                   choices=["wake", "decode", "prefix", "structured", "fleet"])
+    p.add_argument("--parts", nargs="+", default=None,
+                   choices=["wake", "decode", "prefix", "structured", "fleet", "adapters"],
+                   help="default: all but adapters (which --adapters alone asks for)")
+    p.add_argument("--adapters", default=None, metavar="COUNTS",
+                   help="adapters: decode of a batch mixing each count of LoRA adapters against the base, cold "
+                   "and warm adapters' first tokens against a merged fine-tune's, e.g. 1,8,64 (default 1,8)")
+    p.add_argument("--lora-rank", type=int, default=16, help="adapters: their rank, on every projection")
     p.add_argument("--modes", default="in-process,workers",
                    help="the deployment modes wake, decode and prefix run in, comma-separated: in-process, workers")
     p.add_argument("--workers", type=int, default=2, help="the worker processes of the workers mode")
@@ -83,15 +88,20 @@ def run(args, console, run_bench) -> int:
         from timeshare.bench.llm import plot as plot_llm
         from timeshare.bench.llm import run as run_llm
 
+        parts = args.parts or (["adapters"] if args.adapters else None)
+        more = {} if parts is None else {"parts": tuple(parts)}
+        if args.adapters:
+            more["adapters"] = parse_counts(args.adapters)
         llm = LLMBenchConfig(arch=args.arch, size=args.size, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                              new_tokens=args.new_tokens, concurrent=parse_counts(args.concurrent),
                              repeats=args.repeats, baseline=not args.no_baseline,
                              fleet_models=args.fleet_models, fleet_requests=args.fleet_requests,
                              fleet_rate_per_s=args.fleet_rate, fleet_max_tokens=args.fleet_max_tokens,
                              zipf=args.zipf, device=args.device, seed=args.seed, workdir=args.workdir,
-                             parts=tuple(args.parts), workers=args.workers, compile=args.compile,
+                             workers=args.workers, compile=args.compile,
                              modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-                             system_tokens=args.system_tokens, turn_tokens=args.turn_tokens)
+                             system_tokens=args.system_tokens, turn_tokens=args.turn_tokens,
+                             lora_rank=args.lora_rank, **more)
         return run_bench(run_llm, llm, shower(console, _print_llm, plot_llm, args.plot), args.json)
     return 2
 
@@ -153,11 +163,12 @@ def _print_llm(console, r: dict) -> None:
                           f"{w['cold_ttft_s'] * 1e3:.1f} ms ({w['cold_over_warm_plus_copy']:.2f}x warm + copy, "
                           f"{w['cold_over_floor']:.2f}x the floor), {base}; cold tokens exact "
                           f"{w['cold_tokens_exact']}/{w['cold_runs']}")
-        g = x["graphs"]
-        extra = g.get("registration_reserved_bytes")
-        console.print(f"{mode}: decode graphs: {g['captures']} captured ({g['compiled']} of a compiled step) in "
-                      f"{g['capture_s']:.1f} s" + ("" if extra is None else
-                                                   f"; registration reserved {fb(extra)} beside the arena"))
+        if "graphs" in x:
+            g = x["graphs"]
+            extra = g.get("registration_reserved_bytes")
+            console.print(f"{mode}: decode graphs: {g['captures']} captured ({g['compiled']} of a compiled step) "
+                          f"in {g['capture_s']:.1f} s" + ("" if extra is None else
+                                                          f"; registration reserved {fb(extra)} beside the arena"))
         if "decode" in x:
             t = Table(title=f"{mode}: decode, {x['decode']['tokens']} tokens per sequence, model resident")
             for col in ("sequences", "timeshare tokens/s", "transformers tokens/s", "ratio", "paired ratio",
@@ -185,6 +196,8 @@ def _print_llm(console, r: dict) -> None:
             console.print(f"{mode}: structured: {s['sequences']} answers held to JSON schemas decode "
                           f"{s['constrained_tokens_per_s']:.1f} tokens/s against {s['plain_tokens_per_s']:.1f} "
                           f"unconstrained ({s['constrained_over_plain']:.2f}x, paired); the masks take {mask}")
+        if "adapters" in x:
+            _print_adapters(console, mode, x["adapters"], r.get("adapters_peft", []))
     for row in r.get("decode_modes", []):
         console.print(f"decode at {row['sequences']}: workers {row['workers_tokens_per_s']:.1f} tokens/s, in-process "
                       f"{row['in_process_tokens_per_s']:.1f} ({row['workers_over_in_process']:.2f}x; "
@@ -204,3 +217,22 @@ def _print_llm(console, r: dict) -> None:
                       f"agree {f['texts_agree']}/{f['texts_compared']}")
 
 
+def _print_adapters(console, mode: str, a: dict, peft: list[dict]) -> None:
+    from timeshare.units import format_bytes as fb
+
+    plain = {row["adapters"]: row["tokens_per_s"] for row in peft}
+    t = Table(title=f"{mode}: LoRA adapters of rank {a['rank']}, {a['rows']} rows, {a['slots']} slots")
+    for col in ("adapters mixed", "tokens/s", "base tokens/s", "ratio (paired)", "slot loads", "PEFT tokens/s"):
+        t.add_column(col, justify="right")
+    for row in a["decode"]:
+        t.add_row(str(row["adapters"]), f"{row['adapters_tokens_per_s']:.1f}", f"{row['base_tokens_per_s']:.1f}",
+                  f"{row['adapters_over_base']:.2f}x", str(row["slot_loads"]),
+                  f"{plain[row['adapters']]:.1f}" if row["adapters"] in plain else "")
+    console.print(t)
+    f = a["first_token"]
+    console.print(f"{mode}: first token: base warm {f['base_warm_s'] * 1e3:.1f} ms, adapter on the device "
+                  f"{f['adapter_warm_s'] * 1e3:.1f} ms, adapter in host memory {f['adapter_cold_s'] * 1e3:.1f} ms "
+                  f"({fb(f['adapter_bytes'])} at {f['link_GBps']:.2f} GB/s: floor {f['floor_s'] * 1e3:.1f} ms, "
+                  f"{f['cold_over_floor']:.2f}x; bound {f['cold_bound_s'] * 1e3:.1f} ms); the merged fine-tune not "
+                  f"resident {f['merged_cold_s'] * 1e3:.1f} ms ({f['merged_cold_over_adapter_cold']:.1f}x the cold "
+                  "adapter)")

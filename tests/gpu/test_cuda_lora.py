@@ -1,0 +1,47 @@
+"""LoRA adapters on CUDA (NOTE [Adapters in slots]), in-process and in the worker a
+model's steps run in: greedy tokens of adapters of different ranks and targets equal
+PEFT's ``generate`` on the device, alone and mixed with the base in one batch, from
+decode graphs captured once (of the compiled step) while adapters take turns in the
+slots; the factors reach the slots from page-locked host memory. Marked ``cuda``;
+skipped on machines without a GPU."""
+
+import pytest
+
+import timeshare
+from tests.llm_reference import peft_greedy, write_adapter
+from timeshare.llm import hfdir
+from timeshare.llm import model as lm
+from timeshare.llm.sampling import SamplingParams
+
+pytestmark = pytest.mark.cuda
+pytest.importorskip("peft")
+
+PROMPTS = ["the model switch fast", "a gpu share time", "load weights layer token fast slow memory host"]
+ADAPTERS = {"attn8": (8, ["q_proj", "v_proj"]), "all4": (4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"]),
+            "mlp16": (16, ["gate_proj", "down_proj"])}
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_adapters_from_captured_graphs_give_pefts_tokens_mixed_and_taking_turns(tmp_path, workers):
+    base = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)
+    paths = {n: write_adapter(base, tmp_path / n, rank=r, targets=t, seed=i, std=0.2)
+             for i, (n, (r, t)) in enumerate(ADAPTERS.items())}
+    with timeshare.Runtime(device="cuda", memory="96MiB", profile_repeats=1, workers=workers) as rt:
+        m = lm.load(rt, "m", base, max_context=256, adapters=paths, max_loras=2, max_lora_rank=16)
+        ids = [m.encode(p) for p in PROMPTS]
+        want = {n: [peft_greedy(base, paths.get(n), "cuda")(i, 16) for i in ids] for n in [None, *ADAPTERS]}
+        captured = m.engine.snapshot().graph_captures
+        assert captured > 0
+        greedy = SamplingParams(max_tokens=16, temperature=0)
+        names = [None, "attn8", "all4", "mlp16", "attn8", None]
+        for j, name in enumerate(names):  # alone, three adapters through two slots
+            assert m.generate(ids[j % 3], greedy, adapter=name).result(120).tokens == want[name][j % 3], name
+        with rt.turn(m.name):  # queued together: one batch of the base and two adapters
+            seqs = [(n, i, m.generate(ids[i], greedy, adapter=n)) for i, n in enumerate([None, "attn8", "all4"])]
+        for n, i, seq in seqs:
+            assert seq.result(120).tokens == want[n][i], n
+        snap = m.engine.snapshot()
+        assert snap.graph_captures == captured and snap.eager_steps == 0 and snap.graph_replays > 0
+        assert all(a.pinned_memory() for f in m.adapters.get("attn8").factors if f is not None for a in f[:2])
+        m.close()
