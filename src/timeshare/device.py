@@ -100,6 +100,21 @@ def leave_a_core(one_team: bool = False) -> None:
     _step_threads = (threads, fewer, threads if one_team else fewer)
 
 
+@contextmanager
+def as_served() -> Iterator[None]:
+    """Inside the block, language models' steps on the CPU compute as a server's do (NOTE
+    [A core for the front end]): for a bench that measures what ``timeshare serve`` does;
+    the thread counts are put back after."""
+    global _step_threads
+    before, threads = _step_threads, torch.get_num_threads()
+    leave_a_core()
+    try:
+        yield
+    finally:
+        _step_threads = before
+        torch.set_num_threads(threads)
+
+
 def leaves_a_core() -> bool:
     """Whether this process leaves a core to a front end (its workers do as it does)."""
     return _step_threads is not None

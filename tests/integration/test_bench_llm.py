@@ -75,6 +75,28 @@ def test_bench_llm_runs_every_part_and_the_two_servers_agree(tmp_path):
                                          for m in r["models"])
 
 
+def test_bench_llm_adapters_runs_in_both_modes_against_peft_and_a_merged_fine_tune(tmp_path):
+    """``--adapters`` alone runs the adapters part (NOTE [Adapters in slots])."""
+    pytest.importorskip("peft")
+    out = tmp_path / "adapters.json"
+    code = main(["bench", "llm", "--size", "tiny", "--adapters", "1,3", "--lora-rank", "4", "--repeats", "2",
+                 "--prompt-tokens", "12", "--new-tokens", "6", "--concurrent", "3", "--device", "cpu",
+                 "--workdir", str(tmp_path / "models"), "--json", str(out), "--plot", str(tmp_path / "a.png")])
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["config"]["parts"] == ["adapters"] and list(r["modes"]) == ["in-process", "workers"]
+    for mode in r["modes"].values():
+        a = mode["adapters"]
+        assert (a["rows"], a["slots"], a["rank"]) == (3, 3, 4) and set(mode) == {"adapters"}
+        assert [row["adapters"] for row in a["decode"]] == [1, 3]
+        assert a["decode"][1]["slot_loads"] >= 2 and all(row["adapters_tokens_per_s"] > 0 for row in a["decode"])
+        first = a["first_token"]
+        assert first["adapter_bytes"] > 0 and first["floor_s"] > first["base_warm_s"] > 0
+        assert all(len(v) == 2 for v in first["samples"].values())
+    assert [row["adapters"] for row in r["adapters_peft"]] == [1, 3, 0]
+    assert (tmp_path / "a.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("args, words", [(["--workers", "1"], "workers must be at least 2"),
                                          (["--modes", "in-process,gpu"], "modes must be one or both"),
                                          (["--system-tokens", "0"], "system_tokens and turn_tokens"),

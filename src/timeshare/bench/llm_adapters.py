@@ -13,6 +13,8 @@ slots], NOTE [Adapter residency]), in each deployment mode. Runs in the CLI's pr
   pipelined, while its prefill runs: what serving fine-tunes without adapters costs).
 
 Adapters are written by PEFT itself with seeded factors (``rank`` on every projection).
+Both parts run their steps as ``timeshare serve`` does (``as_served``: NOTE [A core for
+the front end]), the base's and the adapters' alike: adapters are what a server serves.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +32,21 @@ import torch
 
 from timeshare.bench import llm_models as models
 from timeshare.bench.common import batch_rate
-from timeshare.device import synchronize
+from timeshare.device import as_served, synchronize
 from timeshare.llm import model as lm
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.facade import Runtime
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@contextmanager
+def _peft() -> Iterator[None]:
+    """PEFT 0.21 reads transformers' deprecated ``is_gradient_checkpointing``: its warning
+    is not this bench's to print."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def write_adapters(base: Path, root: Path, count: int, rank: int, seed: int) -> list[Path]:
@@ -48,14 +61,16 @@ def write_adapters(base: Path, root: Path, count: int, rank: int, seed: int) -> 
         model = transformers.AutoModelForCausalLM.from_pretrained(base)
         config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0,
                                  task_type="CAUSAL_LM")
-        adapted = peft.get_peft_model(model, config)
+        with _peft():
+            adapted = peft.get_peft_model(model, config)
         for path in missing:
             gen = torch.Generator().manual_seed(seed + paths.index(path))
             with torch.no_grad():
                 for name, p in adapted.named_parameters():
                     if "lora_" in name:
                         p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            adapted.save_pretrained(str(path))
+            with _peft():
+                adapted.save_pretrained(str(path))
     return paths
 
 
@@ -66,7 +81,8 @@ def merged(base: Path, adapter: Path, out: Path) -> Path:
 
     if not (out / "config.json").is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(base)
-        full = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        with _peft():
+            full = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
         full.save_pretrained(out)
         for f in base.iterdir():  # its tokenizer and template
             if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
@@ -87,7 +103,9 @@ def run_adapters(config: Any, device: torch.device, base: Path, workers: int, ro
     pool = lm.own_pool_bytes(base, config.dtype, rows, context)
     full = merged(base, cold[0], root / "merged")
     weights = 2 * models.describe(base)["bytes"]
-    with Runtime(device, weights + 2 * pool + (512 << 20), poison_evicted=True, workers=workers) as rt:
+    # Adapters are served: the steps compute as timeshare serve's (NOTE [A core for the
+    # front end]), the base's and the adapters' alike.
+    with as_served(), Runtime(device, weights + 2 * pool + (512 << 20), poison_evicted=True, workers=workers) as rt:
         progress(f"{mode}: adapters: registering the base with {slots} adapter slots of rank {config.lora_rank}")
         model = lm.load(rt, "m", base, max_sequences=rows, max_context=context, max_loras=slots,
                         max_lora_rank=config.lora_rank, compile=config.compile)
@@ -102,7 +120,8 @@ def run_adapters(config: Any, device: torch.device, base: Path, workers: int, ro
             first = _first_tokens(config, rt, model, cold, full)
         finally:
             model.close()
-    return {"rows": rows, "slots": slots, "rank": config.lora_rank, "decode": decode, "first_token": first}
+    return {"rows": rows, "slots": slots, "rank": config.lora_rank, "steps_as_served": True, "decode": decode,
+            "first_token": first}
 
 
 def _mixed(config: Any, model: Any, rows: int, n: int) -> dict:
@@ -179,9 +198,10 @@ def plain_peft(config: Any, device: torch.device, base: Path, paths: list[Path],
     module: Any = transformers.AutoModelForCausalLM.from_pretrained(base)
     module = module.to(device).eval()
     most = max(config.adapters)
-    adapted = peft.PeftModel.from_pretrained(module, paths[0], adapter_name="a0")
-    for i in range(1, most):
-        adapted.load_adapter(paths[i], adapter_name=f"a{i}")
+    with _peft():
+        adapted = peft.PeftModel.from_pretrained(module, paths[0], adapter_name="a0")
+        for i in range(1, most):
+            adapted.load_adapter(paths[i], adapter_name=f"a{i}")
     adapted.eval()
     prompt = models.prompt(base, config.prompt_tokens)
     out = []
