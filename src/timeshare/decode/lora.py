@@ -21,7 +21,9 @@ hook on the projection, or called by the lean step (NOTE [Lean decode steps]), w
 calls no module. With up to ``STACKED_SLOTS`` slots the two products run over the used
 ranks of every slot at once, each row's other slots zeroed between them: two plain
 matrix products, where gathering each row's factors copies them; with more slots each
-row's factors are gathered and multiplied in batches. The slots are read by the index
+row's factors are gathered and multiplied in batches; when every row has the same
+adapter (a prefill, a batch of one fine-tune) and no graph is captured, its own factors
+alone. The slots are read by the index
 in the runner's input buffer, so a captured graph replays with new contents in a slot
 and needs no new capture; with graphs the correction always runs at full rank on every
 projection (a base row reads slot 0's zeros), without them a step whose rows are all the
@@ -205,6 +207,7 @@ class LoraLayers:
         self._mine = torch.zeros(rows, 1, 1, spec.slots, dtype=spec.dtype, device=device)
         self._scales = torch.zeros(len(spec.targets), rows, 1, 1, dtype=spec.dtype, device=device)
         self._rank, self._targets = spec.rank, (1 << len(spec.targets)) - 1  # what ``use`` says is used
+        self._one: int | None = None  # the one slot of every row, when they share it (no graphs)
         self.active = always
         self._of: dict[int, int] = {}  # id(projection) -> its target's index
         self._hooks: list[Any] = []
@@ -242,6 +245,8 @@ class LoraLayers:
             self._rank, self._targets = spec.rank, (1 << len(spec.targets)) - 1
         else:
             self._rank, self._targets = min(max(used.rank, 1), spec.rank), used.targets
+        # Every row of one adapter (a prefill, a batch of one fine-tune): its own factors alone.
+        self._one = slots[0] if not self.always and slots and all(s == slots[0] for s in slots) else None
         values = torch.zeros(self.index.shape[0], dtype=torch.int64)
         values[:len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
         if self.index.device.type == "cuda":
@@ -272,7 +277,10 @@ class LoraLayers:
         n = b.shape[1]
         rank = self._rank  # the ranks past it are every slot's zeros
         x = x.reshape(rows, -1, fan_in)
-        if n <= STACKED_SLOTS:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
+        if self._one is not None:  # one adapter for every row (padding rows too: their outputs go nowhere)
+            low = F.linear(x, a[:rank, self._one])
+            delta = low @ b[:rank, self._one]
+        elif n <= STACKED_SLOTS:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
             low = F.linear(x, a[:rank].view(rank * n, fan_in)).view(rows, -1, rank, n) * self._mine[:rows]
             delta = low.view(rows, -1, rank * n) @ b[:rank].view(rank * n, -1)
         else:
