@@ -94,6 +94,15 @@ STEPS: dict[str, Step] = {
                            "cuda", "-p", "no:cacheprovider", "-q", "--timeout", "200", "-rfE"), 360, bench=False,
              estimate_s=100, what="decode graphs (of compiled steps) on paged caches: tokens of transformers, "
              "replays, invalidation, no waits on the device"),
+        # Issue 49: LoRA adapters under captured graphs (PEFT is the tests' and the bench's
+        # reference: its wheel travels with the campaign, the device image has none).
+        Step("tests-lora", ("-m", "pytest", "tests/gpu/test_cuda_lora.py", "-m", "cuda", "-p", "no:cacheprovider",
+                            "-q", "--timeout", "200", "-rfE"), 300, bench=False, estimate_s=90,
+             what="adapters from captured graphs give PEFT's tokens, mixed and taking turns in slots"),
+        Step("llm-adapters", ("llm", "--size", "1b", "--dtype", "bf16", "--adapters", "1,8,64", "--concurrent", "8",
+                              "--repeats", "3", "--workdir", LLM_DIR), 540, estimate_s=300,
+             what="0.9B model: decode mixing 1/8/64 adapters against the base and PEFT, cold adapters' first "
+                  "tokens against a merged fine-tune"),
         Step("tests", ("-m", "pytest", "tests/gpu", "-m", "cuda", "-p", "no:cacheprovider", "-q",
                        "--timeout", "150", "-rfE"), 360, bench=False, estimate_s=150,
              what="the GPU test tier"),
@@ -144,6 +153,7 @@ LEASE_CALL_S = 450
 GROUPS: dict[str, tuple[str, ...]] = {
     "lease1": ("overhead", "ready", "switch-sas", "llm-1b"),
     "llm": ("tests-llm", "llm-1b"),  # the one engine's GPU tests and its 0.9B run in both modes
+    "lora": ("tests-lora", "llm-adapters"),  # issue 49's adapters on the device
     "lease2": ("tests", "llm-8b", "llm-fleet", "pipeline-bf16", "lanes"),
 }
 

@@ -586,29 +586,35 @@ def plot(result: dict, path: Path) -> None:
     plotters: tuple[tuple[str, Callable[[Any, dict], None]], ...] = (
         ("wake", _plot_wake), ("decode", _plot_decode), ("prefix", _plot_prefix),
         ("fleet", lambda ax, r: _plot_fleet(ax, r["fleet"])), ("adapters", _plot_adapters))
+    whole = ("fleet", "adapters")  # their plotters read the whole result
     panels = [(part, plotter) for part, plotter in plotters
               if (part == "fleet" and "fleet" in result) or any(part in r for r in modes.values())]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (part, plotter) in zip(axes[0], panels):
-        plotter(ax, result if part == "fleet" else modes)
+        plotter(ax, result if part in whole else modes)
     fig.suptitle(f"bench llm on {result['environment']['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _plot_adapters(ax, modes: dict) -> None:
-    """Decode tokens/s mixing N adapters against the base, per mode."""
-    width = 0.8 / max(1, 2 * len(modes))
+def _plot_adapters(ax, result: dict) -> None:
+    """Decode tokens/s mixing N adapters against the base, per mode, and plain PEFT's."""
+    modes = {m: r for m, r in result.get("modes", {}).items() if "adapters" in r}
+    peft = {row["adapters"]: row["tokens_per_s"] for row in result.get("adapters_peft", [])}
+    bars = 2 * len(modes) + (1 if peft else 0)
+    width = 0.8 / max(1, bars)
+    counts = []
     for k, (mode, r) in enumerate(modes.items()):
-        if "adapters" not in r:
-            continue
         rows = r["adapters"]["decode"]
-        xs = range(len(rows))
+        counts = [row["adapters"] for row in rows]
         for j, (key, label) in enumerate((("adapters_tokens_per_s", "mixed"), ("base_tokens_per_s", "base"))):
-            ax.bar([x + (2 * k + j) * width for x in xs], [row[key] for row in rows], width,
+            ax.bar([x + (2 * k + j) * width for x in range(len(rows))], [row[key] for row in rows], width,
                    label=f"{mode} {label}")
-        ax.set_xticks([x + width * (len(modes) - 0.5) for x in xs], [str(row["adapters"]) for row in rows])
+    if peft:
+        ax.bar([x + 2 * len(modes) * width for x in range(len(counts))], [peft.get(n, 0.0) for n in counts], width,
+               label="PEFT mixed")
+    ax.set_xticks([x + width * (bars - 1) / 2 for x in range(len(counts))], [str(n) for n in counts])
     ax.set_xlabel("adapters mixed in the batch")
     ax.set_ylabel("decode tokens/s")
     ax.set_title("LoRA adapters")

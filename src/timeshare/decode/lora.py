@@ -29,13 +29,15 @@ and needs no new capture; with graphs the correction always runs at full rank on
 projection (a base row reads slot 0's zeros), without them a step whose rows are all the
 base's skips it. The base's weights are never copied or changed.
 
-What it costs on the 2-core VM (a 64M Llama in float32, rank 16 on all seven projections
-of every layer, 8 rows of 8 adapters): each correction is two small matrix products of
-some 30 us each on one core; in a process where several threads compute, GNU OpenMP's
-teams sleep between operators (NOTE [A core for the front end]) and each costs about 100
-us on two cores, so the adapters' decode ran at 0.5-0.6x the base's in-process (the
-bench, on every core) and 0.7x in a worker (one team). On a GPU the products are
-launches in a graph.
+What it costs on the 2-core VM (``bench llm --adapters 1,8,64``: a 64M Llama in float32,
+rank 16 on all seven projections of every layer, 8 rows, steps as a server runs them;
+``bench/results/llm-cpu-epyc-2core-adapters.json``): one adapter for every row decodes at
+0.83-0.87x the base's rate, 8 adapters mixed at 0.57-0.60x, 64 through 16 slots at
+0.61-0.64x (PEFT's own mixed batch: 66-70 tokens/s where ours are 94-124). Each
+correction is two small matrix products, and on this CPU most of a small product's time
+is fixed cost (tens of microseconds, an OpenMP team's wake-up among it), so a prefill's
+corrections cost too: an adapter's first token 34-47 ms after the base's 110-143 ms. On a
+GPU the products are launches in a graph: not measured yet.
 """
 
 from __future__ import annotations
