@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.llm_reference import with_pools
-from timeshare.decode import runner
 from timeshare.bench.json_schemas import schemas
+from timeshare.decode import runner
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
 from timeshare.llm.constrained import OutputFormat

@@ -6,6 +6,7 @@ the reason; slots reused least recently used first."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -156,6 +157,9 @@ def test_bad_adapters_are_refused_whole_with_the_reason(base, adapters, tmp_path
                      "without its other factor"),
             "missing": (tmp_path / "nowhere", "no adapter_config.json"),
         }
+        cases["nan"] = (broken("nan", edit_tensors=lambda t: t.update({k: v.fill_(float("nan")) for k, v in t.items()
+                                                                       if "q_proj.lora_B" in k})), "inf or NaN")
+        cases["alpha"] = (broken("alpha", lambda c: c.update(lora_alpha="x")), "cannot be read")
         corrupt = broken("corrupt")
         (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors")
         cases["corrupt"] = (corrupt, "cannot be read")
@@ -214,3 +218,24 @@ def test_many_slots_gather_each_rows_factors_to_the_same_tokens(base, adapters, 
         names = [None, "attn8", "all4", "mlp16", "o2", None, "mlp16", "attn8"]
         seqs = [_greedy(m, i, name) for i, name in enumerate(names)]
         assert [s.result(60).tokens for s in seqs] == [expected[name][i] for i, name in enumerate(names)]
+
+
+def test_a_sequence_waiting_for_a_slot_lets_those_behind_it_that_need_none_go_first(base, adapters, expected):
+    """NOTE [Adapter residency]: one slot, held by a long generation of one adapter; a
+    request of another adapter waits for it, and a request of the base behind it does not."""
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
+        m = lm.load(rt, "llama", base, max_context=256, max_sequences=4, adapters=adapters, max_loras=1,
+                    max_lora_rank=16)
+        long = m.generate(m.encode(PROMPTS[0]), SamplingParams(max_tokens=120, temperature=0, min_tokens=120),
+                          adapter="attn8")
+        while long.first_token_at is None:
+            time.sleep(0.001)
+        other = _greedy(m, 1, "mlp16")
+        plain = _greedy(m, 2, None)
+        assert plain.result(60).tokens == expected[None][2]
+        assert other.result(60).tokens == expected["mlp16"][1]
+        long.result(60)
+        assert plain.first_token_at is not None and long.last_token_at is not None
+        assert plain.first_token_at < long.last_token_at  # admitted beside the long one
+        assert other.first_token_at is not None and other.first_token_at > long.last_token_at  # its slot came then
+

@@ -54,7 +54,7 @@ def server(base, adapters):
         yield s
 
 
-def test_each_adapter_is_answered_by_name_with_pefts_tokens_listed_with_its_parent_and_in_ps(server, adapters, expected):
+def test_each_adapter_answered_by_name_with_pefts_tokens_listed_with_its_parent_and_in_ps(server, adapters, expected):
     with openai_client(server) as client:
         ids = {m.id for m in client.models.list().data}
         assert ids == {"llama", "alpha"}
@@ -84,6 +84,11 @@ def test_each_adapter_is_answered_by_name_with_pefts_tokens_listed_with_its_pare
         r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "alpha",
                                                                   "lora_path": str(adapters["alpha"])}, timeout=30)
         assert r.status_code == 409, r.text
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "alpha", "load_inplace": True,
+                                                                  "lora_path": str(adapters["alpha"])}, timeout=30)
+        assert r.status_code == 200, r.text  # vLLM's load_inplace: the same name, read again
+        assert client.completions.create(model="alpha", prompt=PROMPT, max_tokens=TOKENS,
+                                         temperature=0).choices[0].text == expected["alpha"]
         r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=30)
         assert r.status_code == 404, r.text
         r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nowhere"},

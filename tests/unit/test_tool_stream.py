@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from timeshare.server.tools import CallScanner, ToolStream, read_calls
+from timeshare.server.tools import CallScanner, ToolDelta, ToolStream, read_calls
 
 HELD = ('[{"name":"get_weather","arguments":{"city":"a \\"}{[\\" b","when":{"day":[1,{"x":"]"}]}}},'
         ' {"name": "get_time", "arguments": {"zone": -3}}]')
@@ -16,7 +16,8 @@ HELD = ('[{"name":"get_weather","arguments":{"city":"a \\"}{[\\" b","when":{"day
 def _joined(stream: ToolStream, text: str, cut: int) -> tuple[str, list[tuple[str, str]]]:
     """``text`` fed ``cut`` characters at a time: its content, and its calls (name, arguments)."""
     content, calls = "", []
-    pieces = [p for i in range(0, len(text), cut) for p in stream.feed(text[i:i + cut])] + stream.close()
+    pieces = [p for i in range(0, len(text), cut) for p in stream.feed(text[i:i + cut])]
+    pieces += stream.close("stop")[0]
     for p in pieces:
         if p.index < 0:
             content += p.content
@@ -44,6 +45,15 @@ def test_a_held_answer_cut_short_is_no_call_whole_and_a_partial_one_streamed():
     scanner = CallScanner()
     scanner.feed(cut)
     assert scanner.complete == [False] and scanner.calls[0]["function"]["name"] == "get_weather"
+    stream = ToolStream(held=True)
+    stream.feed(cut)
+    assert stream.close("length") == ([], "length")  # its part streamed; it ends as the whole answer does
+    early = ToolStream(held=True)
+    assert early.feed('[{"na') == []  # cut before a name: nothing sent, the text is its content
+    assert early.close("length") == ([ToolDelta(content='[{"na')], "length")
+    whole = ToolStream(held=True)
+    whole.feed(HELD)
+    assert whole.close("stop") == ([], "tool_calls")
 
 
 @pytest.mark.parametrize("cut", [1, 3, 1000])

@@ -206,7 +206,7 @@ class LoraLayers:
         self._slot_ids = torch.arange(spec.slots, device=device)
         # Made from the index by ``use``, before the forwards that read them (a graph's too):
         # each row's one of its slot, and each target's scale of each row's slot.
-        self._mine = torch.zeros(rows, 1, 1, spec.slots, dtype=spec.dtype, device=device)
+        self._mine = torch.zeros(rows, 1, 1, spec.slots, dtype=torch.bool, device=device)
         self._scales = torch.zeros(len(spec.targets), rows, 1, 1, dtype=spec.dtype, device=device)
         self._rank, self._targets = spec.rank, (1 << len(spec.targets)) - 1  # what ``use`` says is used
         self._one: int | None = None  # the one slot of every row, when they share it (no graphs)
@@ -283,7 +283,9 @@ class LoraLayers:
             low = F.linear(x, a[:rank, self._one])
             delta = low @ b[:rank, self._one]
         elif n <= STACKED_SLOTS:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
-            low = F.linear(x, a[:rank].view(rank * n, fan_in)).view(rows, -1, rank, n) * self._mine[:rows]
+            # Selected, not multiplied by 0/1: another slot's overflow (inf) stays out of this row.
+            low = F.linear(x, a[:rank].view(rank * n, fan_in)).view(rows, -1, rank, n)
+            low = torch.where(self._mine[:rows], low, 0.0)
             delta = low.view(rows, -1, rank * n) @ b[:rank].view(rank * n, -1)
         else:
             slots = self.index[:rows]

@@ -386,25 +386,31 @@ class DecodeRunner:
         n = len(tokens)
         ids, pages = self._prompt_inputs(tokens, 0, table)
         targets = to_device(tokens[1:], self.device)
-        if self._by_body is False:
-            out = module(input_ids=ids, use_cache=True, logits_to_keep=0)
-            self.layout.write(pages, 0, prompt_layers(out[self._cache_key], n))
-            return out.logits[0, -1:], log_probabilities(out.logits[0, :-1], targets, top, PROMPT_CHUNK)
-        body = cast(Any, module).get_decoder()(input_ids=ids, use_cache=True)
-        self.layout.write(pages, 0, prompt_layers(body.past_key_values, n))
-        hidden = body.last_hidden_state[0]
-        last = _head(module, hidden[-1:])
-        if self._by_body is None:  # the first prompt scored here: the body and head agree with the forward?
-            want = module(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0]
-            self._by_body = agrees(last, want)
-            if not self._by_body:
-                log.warning("%s's logits are not its output layer's over its body's last hidden state; prompts are "
-                            "scored from every position's logits at once", type(module).__name__)
-                return want, log_probabilities(module(input_ids=ids, use_cache=False).logits[0, :-1], targets, top)
-        parts = [log_probabilities(_head(module, hidden[i:min(i + PROMPT_CHUNK, n - 1)]),
-                                   targets[i:i + PROMPT_CHUNK], top, PROMPT_CHUNK)
-                 for i in range(0, max(n - 1, 1), PROMPT_CHUNK)]
-        return last, tuple(torch.cat([p[k] for p in parts]) for k in range(3))
+        if self._by_body is not False:
+            try:
+                body = cast(Any, module).get_decoder()(input_ids=ids, use_cache=True)
+                hidden = body.last_hidden_state[0]
+                last = _head(module, hidden[-1:])
+                cache = body[self._cache_key]
+            except (AttributeError, TypeError, KeyError, IndexError) as exc:  # a model without these pieces
+                log.warning("%s cannot be scored by its body and output layer (%s); prompts are scored from "
+                            "every position's logits at once", type(module).__name__, exc)
+                self._by_body = False
+            else:
+                if self._by_body is None:  # the first prompt scored here: the body and head agree with the forward?
+                    self._by_body = agrees(last, module(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0])
+                    if not self._by_body:
+                        log.warning("%s's logits are not its output layer's over its body's last hidden state; "
+                                    "prompts are scored from every position's logits at once", type(module).__name__)
+                if self._by_body:
+                    self.layout.write(pages, 0, prompt_layers(cache, n))
+                    parts = [log_probabilities(_head(module, hidden[i:min(i + PROMPT_CHUNK, n - 1)]),
+                                               targets[i:i + PROMPT_CHUNK], top, PROMPT_CHUNK)
+                             for i in range(0, max(n - 1, 1), PROMPT_CHUNK)]
+                    return last, tuple(torch.cat([p[k] for p in parts]) for k in range(3))
+        out = module(input_ids=ids, use_cache=True, logits_to_keep=0)
+        self.layout.write(pages, 0, prompt_layers(out[self._cache_key], n))
+        return out.logits[0, -1:], log_probabilities(out.logits[0, :-1], targets, top, PROMPT_CHUNK)
 
     # ------------------------------------------------------------------ decode steps
     def _decode(self, module: nn.Module, step: Step) -> torch.Tensor:

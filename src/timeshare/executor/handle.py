@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from timeshare import protocol as P
-from timeshare.errors import MemoryBudgetError, TimeshareError, WorkerCrashedError, WorkerTimeoutError
+from timeshare.errors import MemoryBudgetError, TimeshareError, WorkerCrashedError, WorkerError, WorkerTimeoutError
 from timeshare.memory.allocator import align_up
 from timeshare.worker import channel as C
 from timeshare.worker.proc import worker_main
@@ -231,10 +231,15 @@ class WorkerHandle:
         fails), its answer read, and the error raised here."""
         try:
             masks = then()
-        except BaseException:
-            if self.post(P.StepMasks(seq, ())):
-                with suppress(TimeshareError):
-                    self.receive(timeout_s, what, seq)
+        except BaseException as exc:
+            if not self.post(P.StepMasks(seq, ())):
+                raise self._crashed(what) from exc
+            try:
+                self.receive(timeout_s, what, seq)  # the step's failure, answering the empty masks
+            except WorkerError as lost:  # the worker died or hung meanwhile: that is what the pool must see
+                raise lost from exc
+            except TimeshareError:
+                pass
             raise
         if not self.post(P.StepMasks(seq, masks)):
             raise self._crashed(what)

@@ -14,12 +14,14 @@ most ``max_lora_rank``; PEFT's ``lora_alpha``, ``use_rslora``, ``rank_pattern`` 
 adapter takes a slot at its prefill (``AdapterSlots.take``): its adapter's slot if it is
 on the device, else a free one, else the least recently used slot that no running row
 holds and no pin keeps; the adapter's factors are copied there before the step that
-needs them, which is all a cold adapter costs (its bytes over the host-to-device link,
-the base's weights untouched). Its rows hold the slot until they end. When every slot is
-held by running rows, a sequence of another adapter waits, as for pages. Removing an
+needs them (the base's weights untouched). Its rows hold the slot until they end. When
+every slot is held by running rows, a sequence of another adapter waits at the head of
+the queue while the sequences behind it that need no new slot are admitted. Removing an
 adapter refuses its new requests at once; its slot goes when its last row ends. A
 prefix cache entry is keyed by the adapter too (the same prompt under two adapters has
-two caches).
+two caches). An adapter whose factors hold inf or NaN is refused: the slots' products
+select each row's own slot, so another slot's numbers never reach a row, but its own
+would.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ from typing import Any
 import torch
 
 from timeshare.decode.lora import LoraSpec, LoraStacks, LoraUse
-from timeshare.errors import ConfigError, UnknownModelError
-from timeshare.llm.pages import KVMemoryError
+from timeshare.errors import ConfigError, GenerationError, Unavailable, UnknownModelError
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -53,8 +54,9 @@ _loads = itertools.count(1)
 Factors = tuple[torch.Tensor, torch.Tensor, float]
 
 
-class AdapterSlotsFull(KVMemoryError):
-    """Every adapter slot is held by a running row: the sequence waits, as for pages."""
+class AdapterSlotsFull(GenerationError):
+    """Every adapter slot is held by a running row (or pinned): the sequence waits until a
+    row lets one go, while others are admitted."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,16 @@ class Adapter:
     def read(cls, name: str, path: str | Path, spec: LoraSpec, pin: bool = False) -> Adapter:
         """The PEFT LoRA adapter in directory ``path`` for slots ``spec`` (NOTE [Adapter
         residency]); ``ConfigError`` saying what is wrong with it."""
-        path = Path(path)
         where = f"adapter {name!r} ({path})"
+        try:
+            return cls._read(name, Path(path), spec, pin, where)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, ArithmeticError, IndexError, re.error) as exc:  # a config or tensor of no sense
+            raise ConfigError(f"{where} cannot be read: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def _read(cls, name: str, path: Path, spec: LoraSpec, pin: bool, where: str) -> Adapter:
         config = _config(path, where)
         tensors = _tensors(path, where)
         by_target = {t.name: i for i, t in enumerate(spec.targets)}
@@ -115,6 +125,8 @@ class Adapter:
                                   f"[rank, {t.fan_in}] and [{t.fan_out}, rank]: an adapter of another base?")
             if r > spec.rank:
                 raise ConfigError(f"{where}: rank {r} of {t.name} exceeds max_lora_rank {spec.rank}")
+            if not r or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise ConfigError(f"{where}: {t.name}'s factors are empty or hold inf or NaN")
             alpha = _pattern(config.get("alpha_pattern") or {}, t.name, config.get("lora_alpha", 8))
             scale = float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
             a, b = a.to(spec.dtype).contiguous(), b.to(spec.dtype).contiguous()
@@ -178,16 +190,20 @@ class AdapterSlots:
         self._pinned: set[str] = set()
         self.loads = 0  # adapters copied to the device
         self.load_s = 0.0
+        self._removed: set[int] = set()  # id() of adapters removed while rows held their slots
+        self._closed = False  # the region was given back: nothing is written any more
         self._lock = threading.Lock()
 
     def slot_of(self, name: str) -> int | None:
         with self._lock:
-            return next((s for s, a in self._in.items() if a.name == name), None)
+            return next((s for s, a in self._in.items() if a.name == name and id(a) not in self._removed), None)
 
     def take(self, adapter: Adapter) -> int:
         """A slot holding ``adapter`` for a new row, loading it there if it is not on the
         device (``AdapterSlotsFull``: every slot is held or pinned)."""
         with self._lock:
+            if self._closed:
+                raise Unavailable("the model's adapter slots are closed")
             slot = next((s for s, a in self._in.items() if a is adapter), None)
             if slot is None:
                 slot = self._free()
@@ -234,18 +250,33 @@ class AdapterSlots:
             left = self._held.get(slot, 0) - 1
             if left > 0:
                 self._held[slot] = left
-            else:
-                self._held.pop(slot, None)
+                return
+            self._held.pop(slot, None)
+            adapter = self._in.get(slot)
+            if adapter is not None and id(adapter) in self._removed:  # its adapter was removed meanwhile
+                self._removed.discard(id(adapter))
+                self._vacate(slot)
 
-    def drop(self, name: str) -> None:
-        """``name`` was removed: its slot goes now, or when its last row lets it go."""
+    def drop(self, adapter: Adapter) -> None:
+        """``adapter`` was removed: its slot goes now, or when its last row lets it go."""
         with self._lock:
-            self._pinned.discard(name)
-            for slot, adapter in list(self._in.items()):
-                if adapter.name == name and not self._held.get(slot):
-                    del self._in[slot]
-                    self._recent.pop(slot, None)
-                    self.stacks.clear(slot)
+            for slot, there in list(self._in.items()):
+                if there is adapter:
+                    if self._held.get(slot):
+                        self._removed.add(id(adapter))
+                    else:
+                        self._vacate(slot)
+
+    def _vacate(self, slot: int) -> None:
+        del self._in[slot]
+        self._recent.pop(slot, None)
+        if not self._closed:
+            self.stacks.clear(slot)
+
+    def close(self) -> None:
+        """The region is about to be given back: no slot is written after this."""
+        with self._lock:
+            self._closed = True
 
     def pin(self, name: str, pinned: bool = True) -> None:
         with self._lock:
@@ -269,25 +300,31 @@ class Adapters:
         self._by_name: dict[str, Adapter] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, path: str | Path, pinned: bool = False) -> Adapter:
+    def add(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> Adapter:
         """Read and add adapter ``name`` (``ConfigError``: it cannot be served; a name taken
-        by another adapter)."""
+        by another adapter, unless ``replace``: the new one then serves the requests that
+        come after, the old one's rows finish with it)."""
         if not name or name == self.parent:
             raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
         adapter = Adapter.read(name, path, self.spec, pin=self._pin_host)
         with self._lock:
-            if name in self._by_name:
+            old = self._by_name.get(name)
+            if old is not None and not replace:
                 raise ConfigError(f"adapter {name!r} is already loaded")
             self._by_name[name] = adapter
+        if old is not None:
+            self.slots.drop(old)
         if pinned:
             self.slots.pin(name)
         return adapter
 
     def remove(self, name: str) -> None:
         with self._lock:
-            if self._by_name.pop(name, None) is None:
-                raise UnknownModelError(f"adapter {name!r} is not loaded")
-        self.slots.drop(name)
+            adapter = self._by_name.pop(name, None)
+        if adapter is None:
+            raise UnknownModelError(f"adapter {name!r} is not loaded")
+        self.slots.pin(name, False)
+        self.slots.drop(adapter)
 
     def get(self, name: str) -> Adapter:
         """Adapter ``name``, read from the resolver's directory on its first request

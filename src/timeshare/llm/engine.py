@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from timeshare.decode.step import DecodeCounts, Step, StepKind, StepOutcome, TokenLogprobs
 from timeshare.errors import ConfigError, GenerationError, Unavailable, WorkerCrashedError
-from timeshare.llm.adapters import Adapter
+from timeshare.llm.adapters import Adapter, AdapterSlotsFull
 from timeshare.llm.batch import Batch, Row
 from timeshare.llm.constrained import GrammarError, Grammars
 from timeshare.llm.kv_budget import KVBudget
@@ -392,6 +392,17 @@ class Engine:
         (NOTE [Preemption under memory pressure]). A sequence that fails here (its
         prefill, its first token) fails alone."""
         self._drop_finished()
+        # NOTE [Adapter residency]: sequences of adapters with no slot free wait, first in the
+        # queue, while those after them that need no new slot are admitted.
+        deferred: list[Sequence] = []
+        try:
+            self._admit_from(turn, deferred)
+        finally:
+            if deferred:
+                with self._cond:
+                    self._waiting.extendleft(reversed(deferred))
+
+    def _admit_from(self, turn: ModelTurn, deferred: list[Sequence]) -> None:
         while len(self._running) < self.max_sequences and not self._closed:
             with self._cond:
                 seq = self._admitting = self._waiting.popleft() if self._waiting else None
@@ -401,7 +412,13 @@ class Engine:
                 if seq.cancelled:
                     self._end(seq, "cancelled")
                     continue
-                made = self._prefill_row(seq)
+                try:
+                    made = self._prefill_row(seq)
+                except AdapterSlotsFull:
+                    if not self._running:  # no row will let a slot go: every slot is pinned
+                        raise
+                    deferred.append(seq)
+                    continue
                 if made is None:  # no room until a running row ends: it waits, first in the queue
                     with self._cond:
                         self._waiting.appendleft(seq)

@@ -104,6 +104,7 @@ class LanguageModel(Texts):
         if self.region is not None:
             self.runtime.unreserve(self.region)
         if self.adapters is not None:
+            self.adapters.slots.close()  # no slot written after its region goes
             self.runtime.unreserve(adapter_region(self.name))
 
 

@@ -137,7 +137,9 @@ def _adapter_routes(app: FastAPI, service: Service, guard: list, limit: int) -> 
                 (base is not None and not isinstance(base, str)) or unknown:
             raise BadRequest('the body must be {"lora_name": "...", "lora_path": "an adapter directory", '
                              '"base_model_name": "optional"}' + (f"; unknown fields: {unknown}" if unknown else ""))
-        await service.add_adapter(name, path, base)
+        if body.get("load_inplace") not in (None, True, False):
+            raise BadRequest("load_inplace must be true or false")
+        await service.add_adapter(name, path, base, replace=bool(body.get("load_inplace")))
         return f"Success: LoRA adapter '{name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter", dependencies=guard, response_class=PlainTextResponse,

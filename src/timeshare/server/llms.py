@@ -168,7 +168,7 @@ class LanguageModels:
         or in a base's ``lora_dir``); else ``get``'s errors."""
         if name in self.loaded or name in self.configs:
             return self.get(name), None
-        for model in self.loaded.values():
+        for model in list(self.loaded.values()):
             if model.adapters is not None and (name in model.adapters.names()
                                                or model.adapters.resolvable(name) is not None):
                 return model, name
@@ -189,18 +189,21 @@ class LanguageModels:
                 else f"{sorted(m.name for m in serving)} serve adapters"))
         return serving[0]
 
-    def add_adapter(self, name: str, path: str, base: str | None = None) -> None:
-        """Serve adapter ``name`` from directory ``path`` from now on (read now)."""
-        if name in self.configs or any(name in (m.adapters.names() if m.adapters else ()) for m in
-                                       self.loaded.values()):
-            raise Conflict(f"a model or adapter named {name!r} is served already")
+    def add_adapter(self, name: str, path: str, base: str | None = None, replace: bool = False) -> None:
+        """Serve adapter ``name`` from directory ``path`` from now on (read now); with
+        ``replace``, in place of the adapter of that name (read first: a bad one leaves
+        the old one serving)."""
         model = self.with_adapters(base)
         assert model.adapters is not None
-        model.adapters.add(name, path)
+        taken = name in self.configs or any(name in (m.adapters.names() if m.adapters else ()) for m in
+                                            list(self.loaded.values()))
+        if taken and not (replace and name in model.adapters.names()):
+            raise Conflict(f"a model or adapter named {name!r} is served already")
+        model.adapters.add(name, path, replace=replace)
 
     def remove_adapter(self, name: str) -> None:
         """Stop serving adapter ``name``: new requests for it are 404s."""
-        for model in self.loaded.values():
+        for model in list(self.loaded.values()):
             if model.adapters is not None and name in model.adapters.names():
                 model.adapters.remove(name)
                 return
@@ -208,7 +211,7 @@ class LanguageModels:
 
     def adapters(self) -> list[AdapterInfo]:
         """Every loaded adapter of every model."""
-        return [info for m in self.loaded.values() if m.adapters is not None for info in m.adapters.infos()]
+        return [info for m in list(self.loaded.values()) if m.adapters is not None for info in m.adapters.infos()]
 
     def snapshot(self) -> dict[str, LLMState]:
         out = {}

@@ -581,11 +581,10 @@ async def _sse(stream: _Stream, choices: list[_Choice], model: str, rid: str, cr
                 end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
                 reason = event.reason
                 if choice.streamed is not None:  # NOTE [Tool calls]: what it held back, and how it ended
-                    for piece in choice.streamed.close():
+                    pieces, reason = choice.streamed.close(reason)
+                    for piece in pieces:
                         yield chunk([{"index": index, "delta": _tool_delta(piece), "finish_reason": None,
                                       "logprobs": None}])
-                    if choice.streamed.calls:
-                        reason = "tool_calls"
                 yield chunk([{"index": index, **end, "finish_reason": reason, "logprobs": None}])
             else:
                 opening = choices[index].opening(event)

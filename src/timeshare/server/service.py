@@ -368,10 +368,11 @@ class Service:
         """Serve a language model from now on, from a directory or a cached repository id."""
         return await self.llms.add(source, name, self._open_llm, self._call)
 
-    async def add_adapter(self, name: str, path: str, base: str | None = None) -> None:
+    async def add_adapter(self, name: str, path: str, base: str | None = None, replace: bool = False) -> None:
         """Serve LoRA adapter ``name`` of ``base`` (or of the one model serving adapters)
-        from directory ``path`` from now on (NOTE [Adapter residency])."""
-        await self._call(self.llms.add_adapter, name, path, base)
+        from directory ``path`` from now on (NOTE [Adapter residency]); ``replace``: an
+        adapter of that name is replaced (vLLM's ``load_inplace``)."""
+        await self._call(self.llms.add_adapter, name, path, base, replace)
 
     async def remove_adapter(self, name: str) -> None:
         """Stop serving LoRA adapter ``name``: its new requests are 404s."""

@@ -22,7 +22,8 @@ scanner (``CallScanner``) that also reads the whole answer, so the pieces join t
 arguments a whole answer has. With "auto" the text streams as content up to a
 ``<tool_call>``; each block is sent once it closes: as a call if it parses, else as
 content (as the whole answer keeps it). An answer cut short inside a held call has
-streamed part of its arguments, as vLLM's does; the whole answer is then its text.
+streamed part of its arguments, as vLLM's does, and ends with its own finish reason
+("length"), not "tool_calls"; the whole answer is then its text.
 """
 
 from __future__ import annotations
@@ -280,10 +281,19 @@ class ToolStream:
         return [ToolDelta(index=self.calls - 1, id=call["id"], name=call["function"]["name"],
                           arguments=call["function"]["arguments"])]
 
-    def close(self) -> list[ToolDelta]:
-        """The text held back at the answer's end (an unclosed block is content)."""
+    def close(self, reason: str) -> tuple[list[ToolDelta], str]:
+        """At the answer's end (``reason``, its finish reason): the text held back, and the
+        finish reason to send, as the whole answer has them (``read_calls``). Held: the
+        text is content if no call opened (nothing was sent); "tool_calls" once the calls
+        are whole (a call cut short, its part streamed already, keeps ``reason``). Auto: an
+        unclosed block is content; "tool_calls" if a call was sent."""
+        if self._scanner is not None:
+            text = self._scanner.text
+            if not self._scanner.calls:
+                return ([ToolDelta(content=text)] if text else []), reason
+            return [], "tool_calls" if _held_calls(text) else reason
         rest, self._pending = self._pending, ""
-        return [ToolDelta(content=rest)] if rest else []
+        return ([ToolDelta(content=rest)] if rest else []), "tool_calls" if self.calls else reason
 
 
 def _tag_prefix(text: str) -> int:

@@ -237,7 +237,7 @@ class WorkerProcess:
             return self._call(msg, t0)
         except BaseException:
             if self.masks_due is not None:  # the step failed before it read its masks: off the pipe
-                with suppress(GenerationError, SegmentShutdown):
+                with suppress(GenerationError):  # a Shutdown instead still ends the worker
                     self._step_masks(self.masks_due)
             self.tensors.settle()
             # Only a Result reports a lock (NOTE [Locked host tier]): a load that locked the
