@@ -21,7 +21,8 @@ from timeshare.runtime.facade import Runtime
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "b": {"enum": ["x", "y"]}},
           "required": ["a", "b"], "additionalProperties": False}
 
 
@@ -92,7 +93,7 @@ def recorded(request, llama, monkeypatch):
 
 def test_each_steps_masks_are_computed_after_its_forward_is_on_its_way(recorded):
     model, events, _ = recorded
-    params = SamplingParams(max_tokens=40, output=OutputFormat.json_schema(SCHEMA))
+    params = SamplingParams(max_tokens=60, temperature=0, output=OutputFormat.json_schema(SCHEMA))
     done = model.generate(model.encode("answer"), params).result(60)
     assert json.loads(done.text)["b"] in ("x", "y")
     masks = [i for i, e in enumerate(events) if e == "mask"]
@@ -103,7 +104,7 @@ def test_each_steps_masks_are_computed_after_its_forward_is_on_its_way(recorded)
 
 def test_a_mask_that_fails_fails_its_step_and_the_next_request_is_answered(recorded):
     model, _, fail = recorded
-    params = SamplingParams(max_tokens=40, output=OutputFormat.json_schema(SCHEMA))
+    params = SamplingParams(max_tokens=60, temperature=0, output=OutputFormat.json_schema(SCHEMA))
     fail[0] = True
     with pytest.raises(Exception, match="grammar library failed"):
         model.generate(model.encode("answer"), params).result(60)

@@ -58,6 +58,10 @@ def test_each_adapter_answered_by_name_with_pefts_tokens_listed_with_its_parent_
     with openai_client(server) as client:
         ids = {m.id for m in client.models.list().data}
         assert ids == {"llama", "alpha"}
+        # The admin plane's guard: a cross-site page cannot load an adapter.
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter", headers={"Origin": "http://evil.example"}, timeout=30,
+                       json={"lora_name": "beta", "lora_path": str(adapters["beta"])})
+        assert r.status_code == 403 and "beta" not in {m.id for m in client.models.list().data}
         # vLLM's route and body: beta from now on.
         r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "beta",
                                                                   "lora_path": str(adapters["beta"])}, timeout=30)
