@@ -32,11 +32,11 @@ base's skips it. The base's weights are never copied or changed.
 What it costs on the 2-core VM (``bench llm --adapters 1,8,64``: a 64M Llama in float32,
 rank 16 on all seven projections of every layer, 8 rows, steps as a server runs them;
 ``bench/results/llm-cpu-epyc-2core-adapters.json``): one adapter for every row decodes at
-0.83-0.87x the base's rate, 8 adapters mixed at 0.57-0.60x, 64 through 16 slots at
-0.61-0.64x (PEFT's own mixed batch: 66-70 tokens/s where ours are 94-124). Each
+0.81-1.03x the base's rate, 8 adapters mixed at 0.60-0.68x, 64 through 16 slots at
+0.66-0.73x (PEFT's own mixed batch: 78-88 tokens/s where ours are 103-162). Each
 correction is two small matrix products, and on this CPU most of a small product's time
 is fixed cost (tens of microseconds, an OpenMP team's wake-up among it), so a prefill's
-corrections cost too: an adapter's first token 34-47 ms after the base's 110-143 ms. On a
+corrections cost too: an adapter's first token 29-44 ms after the base's 121-136 ms. On a
 GPU the products are launches in a graph: not measured yet.
 """
 
