@@ -54,6 +54,7 @@ from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
+from timeshare.llm.adapters import DEFAULT_SLOTS
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.events import CallRecord
 from timeshare.runtime.facade import Runtime
@@ -90,6 +91,7 @@ class LLMBenchConfig:
     turn_tokens: int = 16  # prefix: each request's own turn after it
     adapters: tuple[int, ...] = (1, 8)  # adapters: the counts of adapters a batch mixes (bench/llm_adapters.py)
     lora_rank: int = 16  # adapters: their rank, on every projection
+    max_loras: int = DEFAULT_SLOTS  # adapters: the slots on the device (as timeshare serve's default)
     parts: tuple[str, ...] = field(default_factory=lambda: DEFAULT_PARTS)
 
     def __post_init__(self):
@@ -112,9 +114,10 @@ class LLMBenchConfig:
         if "fleet" in self.parts and (self.fleet_models < 3 or self.fleet_requests < 1 or self.fleet_rate_per_s <= 0):
             raise ConfigError("the fleet needs at least 3 models, 1 request and a positive rate")
         self.adapters = tuple(self.adapters)
-        if "adapters" in self.parts and (not self.adapters or min(self.adapters) < 1 or self.lora_rank < 1):
-            raise ConfigError(f"adapters must be counts of at least 1 and lora_rank at least 1, got "
-                              f"{list(self.adapters)} and {self.lora_rank}")
+        if "adapters" in self.parts and (not self.adapters or min(self.adapters) < 1 or self.lora_rank < 1
+                                         or self.max_loras < 1):
+            raise ConfigError(f"adapters must be counts of at least 1, lora_rank and max_loras at least 1, got "
+                              f"{list(self.adapters)}, {self.lora_rank} and {self.max_loras}")
         if self.compile not in ("auto", "inductor", "off"):
             raise ConfigError(f"compile must be auto, inductor or off, got {self.compile!r}")
         if "workers" in self.modes and self.workers < 2:

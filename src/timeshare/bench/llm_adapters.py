@@ -98,7 +98,7 @@ def run_adapters(config: Any, device: torch.device, base: Path, workers: int, ro
     most = max(config.adapters)
     paths = write_adapters(base, root, most + 2, config.lora_rank, config.seed)
     mixing, cold = paths[:most], paths[most:]
-    slots = min(most, 2 * rows)
+    slots = min(most, config.max_loras)  # every slot's factors are read by a step's products (NOTE [Adapters in slots])
     context = config.prompt_tokens + config.new_tokens + 1
     pool = lm.own_pool_bytes(base, config.dtype, rows, context)
     full = merged(base, cold[0], root / "merged")

@@ -48,6 +48,8 @@ def add_parsers(bench) -> None:
                    help="adapters: decode of a batch mixing each count of LoRA adapters against the base, cold "
                    "and warm adapters' first tokens against a merged fine-tune's, e.g. 1,8,64 (default 1,8)")
     p.add_argument("--lora-rank", type=int, default=16, help="adapters: their rank, on every projection")
+    p.add_argument("--max-loras", type=int, default=8,
+                   help="adapters: slots on the device (default 8, as timeshare serve's); more adapters take turns")
     p.add_argument("--modes", default="in-process,workers",
                    help="the deployment modes wake, decode and prefix run in, comma-separated: in-process, workers")
     p.add_argument("--workers", type=int, default=2, help="the worker processes of the workers mode")
@@ -101,7 +103,7 @@ def run(args, console, run_bench) -> int:
                              workers=args.workers, compile=args.compile,
                              modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                              system_tokens=args.system_tokens, turn_tokens=args.turn_tokens,
-                             lora_rank=args.lora_rank, **more)
+                             lora_rank=args.lora_rank, max_loras=args.max_loras, **more)
         return run_bench(run_llm, llm, shower(console, _print_llm, plot_llm, args.plot), args.json)
     return 2
 
