@@ -30,13 +30,14 @@ projection (a base row reads slot 0's zeros), without them a step whose rows are
 base's skips it. The base's weights are never copied or changed.
 
 What it costs on the 2-core VM (``bench llm --adapters 1,8,64``: a 64M Llama in float32,
-rank 16 on all seven projections of every layer, 8 rows, steps as a server runs them;
-``bench/results/llm-cpu-epyc-2core-adapters.json``): one adapter for every row decodes at
-0.81-1.03x the base's rate, 8 adapters mixed at 0.60-0.68x, 64 through 16 slots at
-0.66-0.73x (PEFT's own mixed batch: 78-88 tokens/s where ours are 103-162). Each
-correction is two small matrix products, and on this CPU most of a small product's time
-is fixed cost (tens of microseconds, an OpenMP team's wake-up among it), so a prefill's
-corrections cost too: an adapter's first token 29-44 ms after the base's 121-136 ms. On a
+rank 16 on all seven projections of every layer, 8 rows, 8 slots, steps as a server runs
+them; ``bench/results/llm-cpu-epyc-2core-adapters.json``): one adapter for every row
+decodes at 0.84-0.88x the base's rate, 8 adapters mixed at 0.60-0.66x, 64 through the 8
+slots at 0.56-0.69x (PEFT's own mixed batch: 58-64 tokens/s where ours are 115-134). The
+products read every slot's factors, and on this CPU they are bound by memory: at rank 16
+and 8 slots about 0.4 MB a product of a 768-wide projection, whose own weights are 2.4 MB;
+so fewer slots are cheaper, and a prefill pays the same: an adapter's first token 23-36
+ms after the base's when on the device. On a
 GPU the products are launches in a graph: not measured yet.
 """
 
