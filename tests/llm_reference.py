@@ -3,12 +3,14 @@ language-model tests compare timeshare's greedy tokens with."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from timeshare.bench.llm_adapters import quiet_peft, write_adapter
+
+__all__ = ["greedy_tokens", "peft_greedy", "with_pools", "write_adapter"]  # write_adapter: the tests' adapters
 
 
 def greedy_tokens(path: str | Path, device: str = "cpu") -> Callable[[str, int], list[int]]:
@@ -42,38 +44,6 @@ def with_pools(weights: str, paths: list[str | Path], *, max_sequences: int = 8,
                                                      for p in paths)
 
 
-def write_adapter(base: str | Path, out: str | Path, *, rank: int, targets: list[str], alpha: float = 16.0,
-                  rslora: bool = False, seed: int = 0, std: float = 0.05) -> Path:
-    """A LoRA adapter of the model directory ``base`` in PEFT's format at ``out``, saved by
-    PEFT itself: rank ``rank`` on the projections ``targets`` (PEFT's suffixes), its
-    factors drawn from a seeded normal of ``std`` (PEFT starts B at zero: an adapter that
-    changes nothing)."""
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(base)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
-                             task_type="CAUSAL_LM")
-    with _peft_warnings():
-        adapted = peft.get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    with _peft_warnings():
-        adapted.save_pretrained(out)
-    return Path(out)
-
-
-@contextmanager
-def _peft_warnings() -> Iterator[None]:
-    """PEFT 0.21 reads transformers' deprecated ``is_gradient_checkpointing``: not ours to mend."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        yield
-
-
 def peft_greedy(base: str | Path, adapter: str | Path | None,
                 device: str = "cpu") -> Callable[[list[int], int], list[int]]:
     """``generate(ids, n)``: PEFT's ``PeftModel.generate`` greedy tokens after ``ids`` with
@@ -83,7 +53,7 @@ def peft_greedy(base: str | Path, adapter: str | Path | None,
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base).to(device).eval()
     if adapter is not None:
-        with _peft_warnings():
+        with quiet_peft():
             model = peft.PeftModel.from_pretrained(model, adapter).eval()
 
     def generate(ids: list[int], n: int) -> list[int]:

@@ -23,10 +23,10 @@ TOKENS = 12
 PROMPTS = ["the model switch fast", "a gpu load weights", "layer token fast slow memory host device",
            "switch", "memory of the host and the device", "fast fast slow", "token layer", "load the weights now"]
 # name -> (rank, targets, alpha, rslora)
-ADAPTERS = {"attn8": (8, ["q_proj", "v_proj"], 16.0, False),
-            "all4": (4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8.0, False),
-            "mlp16": (16, ["gate_proj", "down_proj"], 32.0, True),
-            "o2": (2, ["o_proj", "up_proj"], 4.0, False)}
+ADAPTERS = {"attn8": (8, ["q_proj", "v_proj"], 16, False),
+            "all4": (4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8, False),
+            "mlp16": (16, ["gate_proj", "down_proj"], 32, True),
+            "o2": (2, ["o_proj", "up_proj"], 4, False)}
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 
+from timeshare.device import synchronize
 from timeshare.errors import TimeshareError
 from timeshare.models.zoo import get as zoo_get
 from timeshare.models.zoo import weights_path
@@ -89,3 +91,25 @@ def batch_rate(seqs: list) -> float:
     end = max(s.last_token_at for s in seqs)
     tokens = sum(len(s.tokens) - 1 for s in seqs)
     return tokens / (end - start) if end > start else float("nan")
+
+
+def plain_generate(module: Any, device: torch.device, prompt: list[int], rows: int, k: int, *, exactly: bool,
+                   **extra: Any) -> torch.Tensor:
+    """``transformers``' greedy ``generate`` of ``rows`` copies of ``prompt``, ``k`` new tokens
+    (``exactly``: no end before them); ``extra`` to ``generate`` (PEFT's ``adapter_names``)."""
+    ids = torch.tensor([prompt] * rows, device=device)
+    return module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, do_sample=False,
+                           pad_token_id=0, **({"min_new_tokens": k} if exactly else {}), **extra)
+
+
+def plain_rate(module: Any, device: torch.device, prompt: list[int], rows: int, n: int, **extra: Any) -> float:
+    """Decode tokens per second of ``plain_generate``: ``n`` tokens against one, the
+    prefill's time falling out."""
+    t = []
+    for k in (1, n):
+        synchronize(device)
+        t0 = time.perf_counter()
+        plain_generate(module, device, prompt, rows, k, exactly=True, **extra)
+        synchronize(device)
+        t.append(time.perf_counter() - t0)
+    return rows * (n - 1) / (t[1] - t[0])

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from timeshare.bench import llm_models as models
-from timeshare.bench.common import batch_rate
+from timeshare.bench.common import batch_rate, plain_generate, plain_rate
 from timeshare.bench.environment import describe
 from timeshare.bench.llm_adapters import plain_peft, run_adapters, write_adapters
 from timeshare.bench.llm_fleet import run_fleet
@@ -413,7 +413,7 @@ def _decode(config: LLMBenchConfig, device: torch.device, model: Any, path: Path
             after = model.engine.snapshot()
             replays[c] += after.graph_replays - before.graph_replays
             eager[c] += after.eager_steps - before.eager_steps
-            plain[c].append(_plain_rate(module, device, prompt, c, n))
+            plain[c].append(plain_rate(module, device, prompt, c, n))
     del module
     # NOTE [Near ties]: in bf16 with a large vocabulary (8b: 128256 tokens, random weights)
     # the two best logits can be equal (8b on the H200: a gap of 0.000 at the 17th token),
@@ -549,30 +549,13 @@ def _prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _plain_generate(module: Any, device: torch.device, prompt: list[int], c: int, k: int, *, exactly: bool):
-    ids = torch.tensor([prompt] * c, device=device)
-    return module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, do_sample=False,
-                           pad_token_id=0, **({"min_new_tokens": k} if exactly else {}))
-
-
-def _plain_rate(module: Any, device: torch.device, prompt: list[int], c: int, n: int) -> float:
-    t = []
-    for k in (1, n):
-        synchronize(device)
-        t0 = time.perf_counter()
-        _plain_generate(module, device, prompt, c, k, exactly=True)
-        synchronize(device)
-        t.append(time.perf_counter() - t0)
-    return c * (n - 1) / (t[1] - t[0])
-
-
 def _plain_tokens(module: Any, device: torch.device, prompt: list[int], c: int, n: int) -> list[list[int]]:
     """``transformers``' greedy tokens for a batch of ``c`` prompts, each row up to and with
     its first end-of-sequence token (as ours stop there)."""
     eos = module.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     rows = []
-    for row in _plain_generate(module, device, prompt, c, n, exactly=False)[:, len(prompt):].tolist():
+    for row in plain_generate(module, device, prompt, c, n, exactly=False)[:, len(prompt):].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         rows.append(row[:end])
     return rows

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,8 +30,8 @@ from typing import Any
 import torch
 
 from timeshare.bench import llm_models as models
-from timeshare.bench.common import batch_rate
-from timeshare.device import as_served, synchronize
+from timeshare.bench.common import batch_rate, plain_rate
+from timeshare.device import as_served
 from timeshare.llm import model as lm
 from timeshare.llm.sampling import SamplingParams
 from timeshare.runtime.facade import Runtime
@@ -41,7 +40,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 @contextmanager
-def _peft() -> Iterator[None]:
+def quiet_peft() -> Iterator[None]:
     """PEFT 0.21 reads transformers' deprecated ``is_gradient_checkpointing``: its warning
     is not this bench's to print."""
     with warnings.catch_warnings():
@@ -49,28 +48,37 @@ def _peft() -> Iterator[None]:
         yield
 
 
-def write_adapters(base: Path, root: Path, count: int, rank: int, seed: int) -> list[Path]:
-    """``count`` adapters of ``base`` in PEFT's format under ``root`` (reused when there),
-    written by PEFT with seeded factors of ``rank`` on every projection."""
+def write_adapter(base: str | Path, out: str | Path, *, rank: int, targets: list[str], alpha: int = 16,
+                  rslora: bool = False, seed: int = 0, std: float = 0.02) -> Path:
+    """A LoRA adapter of the model directory ``base`` in PEFT's format at ``out``, saved by
+    PEFT itself: rank ``rank`` on the projections ``targets`` (PEFT's suffixes), its factors
+    drawn from a seeded normal of ``std`` (PEFT starts B at zero: an adapter that changes
+    nothing)."""
     import peft
     import transformers
 
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
+    with quiet_peft():
+        adapted = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    with quiet_peft():
+        adapted.save_pretrained(str(out))
+    return Path(out)
+
+
+def write_adapters(base: Path, root: Path, count: int, rank: int, seed: int) -> list[Path]:
+    """``count`` adapters of ``base`` in PEFT's format under ``root`` (reused when there),
+    seeded factors of ``rank`` on every projection (``write_adapter``)."""
     paths = [root / f"adapter-{rank}-{seed + i}" for i in range(count)]
-    missing = [p for p in paths if not (p / "adapter_model.safetensors").is_file()]
-    if missing:
-        model = transformers.AutoModelForCausalLM.from_pretrained(base)
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0,
-                                 task_type="CAUSAL_LM")
-        with _peft():
-            adapted = peft.get_peft_model(model, config)
-        for path in missing:
-            gen = torch.Generator().manual_seed(seed + paths.index(path))
-            with torch.no_grad():
-                for name, p in adapted.named_parameters():
-                    if "lora_" in name:
-                        p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            with _peft():
-                adapted.save_pretrained(str(path))
+    for i, path in enumerate(paths):
+        if not (path / "adapter_model.safetensors").is_file():
+            write_adapter(base, path, rank=rank, targets=TARGETS, alpha=2 * rank, seed=seed + i)
     return paths
 
 
@@ -81,7 +89,7 @@ def merged(base: Path, adapter: Path, out: Path) -> Path:
 
     if not (out / "config.json").is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(base)
-        with _peft():
+        with quiet_peft():
             full = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
         full.save_pretrained(out)
         for f in base.iterdir():  # its tokenizer and template
@@ -198,7 +206,7 @@ def plain_peft(config: Any, device: torch.device, base: Path, paths: list[Path],
     module: Any = transformers.AutoModelForCausalLM.from_pretrained(base)
     module = module.to(device).eval()
     most = max(config.adapters)
-    with _peft():
+    with quiet_peft():
         adapted = peft.PeftModel.from_pretrained(module, paths[0], adapter_name="a0")
         for i in range(1, most):
             adapted.load_adapter(paths[i], adapter_name=f"a{i}")
@@ -207,21 +215,8 @@ def plain_peft(config: Any, device: torch.device, base: Path, paths: list[Path],
     out = []
     for n in config.adapters:
         names = [f"a{i % n}" for i in range(rows)]
-        out.append({"adapters": n, "tokens_per_s": _peft_rate(adapted, device, prompt, names, config.new_tokens)})
-    out.append({"adapters": 0, "tokens_per_s": _peft_rate(adapted, device, prompt, ["__base__"] * rows,
-                                                           config.new_tokens)})
+        out.append({"adapters": n, "tokens_per_s": plain_rate(adapted, device, prompt, rows, config.new_tokens,
+                                                              adapter_names=names)})
+    out.append({"adapters": 0, "tokens_per_s": plain_rate(adapted, device, prompt, rows, config.new_tokens,
+                                                          adapter_names=["__base__"] * rows)})
     return out
-
-
-def _peft_rate(model: Any, device: torch.device, prompt: list[int], names: list[str], n: int) -> float:
-    ids = torch.tensor([prompt] * len(names), device=device)
-    t = []
-    for k in (1, n):
-        synchronize(device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k,
-                           do_sample=False, pad_token_id=0, adapter_names=names)
-        synchronize(device)
-        t.append(time.perf_counter() - t0)
-    return len(names) * (n - 1) / (t[1] - t[0])
