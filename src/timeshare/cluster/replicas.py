@@ -22,6 +22,8 @@ from timeshare.options import RuntimeOptions
 
 log = logging.getLogger(__name__)
 
+KILL_WAIT_S = 30.0  # how long ``ReplicaSet.kill`` waits for a killed actor to be gone
+
 
 class ReplicaLostError(Unavailable):
     """A request whose replica died, and whose retry failed too (or had nowhere to go):
@@ -195,6 +197,18 @@ class ReplicaSet:
         if slot is None:
             raise ConfigError(f"no live replica {name!r}")
         self.ray.kill(slot.actor, no_restart=True)
+        # Ray's kill only asks for it: a call made at once could still reach the actor
+        # and be answered. A drill wants what a crash leaves, so wait until it is gone.
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                self.ray.get(slot.actor.ping.options(concurrency_group=OBSERVE).remote(), timeout=1.0)
+            except self.ray.exceptions.RayActorError:
+                return
+            except self.ray.exceptions.GetTimeoutError:
+                continue
+            time.sleep(0.02)
+        log.warning("%s still answered %.3g s after it was killed", name, KILL_WAIT_S)
 
     def mark_lost(self, i: int, error: str) -> None:
         """Replica ``i`` is gone: killed for good (an actor Ray calls unavailable may still
