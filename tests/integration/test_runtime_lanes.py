@@ -313,7 +313,12 @@ def sgd(params):
 def meeting_step(model, optimizer, batch):
     """One SGD step; once ``$TS_MEET_DIR/go`` exists, iterations from the fourth on leave
     a mark and wait for one of another process: the job finishes only if another job's
-    iterations run at the same time, in another worker."""
+    iterations run at the same time, in another worker.
+
+    The fourth waits 2 s at most, then goes on: a job admitted before it measured its
+    memory holds every lane's bytes until its next preemption point, where it is resized,
+    and under load its stop can come after the fourth iteration has begun (seen in CI).
+    From the fifth on, a job that meets no other fails."""
     i, x, scratch = batch
     optimizer.zero_grad()
     loss = model(x).square().mean() + torch.ones(scratch).sum() * 0
@@ -322,9 +327,11 @@ def meeting_step(model, optimizer, batch):
     where = Path(os.environ["TS_MEET_DIR"])
     if i >= 3 and (where / "go").exists():
         (where / f"mark-{os.getpid()}-{time.monotonic_ns()}").touch()
-        deadline = time.monotonic() + 30  # the other job's start, under a loaded CI: 10 s was short once
+        deadline = time.monotonic() + (2 if i == 3 else 30)  # the other's start under a loaded CI: 10 s was short
         while len({m.name.split("-")[1] for m in where.glob("mark-*")}) < 2:
             if time.monotonic() > deadline:
+                if i == 3:
+                    break
                 raise TimeoutError("no other job's iteration ran at the same time")
             time.sleep(0.005)
     return loss
