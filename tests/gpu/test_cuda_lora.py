@@ -43,5 +43,5 @@ def test_adapters_from_captured_graphs_give_pefts_tokens_mixed_and_taking_turns(
             assert seq.result(120).tokens == want[n][i], n
         snap = m.engine.snapshot()
         assert snap.graph_captures == captured and snap.eager_steps == 0 and snap.graph_replays > 0
-        assert all(a.pinned_memory() for f in m.adapters.get("attn8").factors if f is not None for a in f[:2])
+        assert all(a.pinned_memory() for f in m.adapters.get("attn8").factors if f is not None for a in f)
         m.close()

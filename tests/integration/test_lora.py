@@ -159,6 +159,8 @@ def test_bad_adapters_are_refused_whole_with_the_reason(base, adapters, tmp_path
         }
         cases["nan"] = (broken("nan", edit_tensors=lambda t: t.update({k: v.fill_(float("nan")) for k, v in t.items()
                                                                        if "q_proj.lora_B" in k})), "inf or NaN")
+        cases["big"] = (broken("big", lambda c: c.update(lora_alpha=1e30), lambda t: t.update(
+            {k: v.fill_(1e20) for k, v in t.items() if "q_proj.lora_B" in k})), "overflow torch.float32 once scaled")
         cases["alpha"] = (broken("alpha", lambda c: c.update(lora_alpha="x")), "cannot be read")
         corrupt = broken("corrupt")
         (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from timeshare.decode.lora import LoraLayers, LoraSpec, LoraStacks, LoraUse
+from timeshare.decode.lora import LoraLayers, LoraSpec, LoraStacks, LoraUse, pack
 
 
 class _Tiny(nn.Module):
@@ -42,6 +42,10 @@ def _factors(spec: LoraSpec, rank: int, seed: int, fill: float | None = None):
     return out
 
 
+def _image(factors):
+    return [pack(a, b, scale, torch.float32) for a, b, scale in factors]
+
+
 def _reference(module: nn.Module, x: torch.Tensor, factors) -> torch.Tensor:
     """The module with each projection's output plus PEFT's correction, computed plainly."""
     i = 0
@@ -56,14 +60,20 @@ def _reference(module: nn.Module, x: torch.Tensor, factors) -> torch.Tensor:
 def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot():
     module, spec, stacks, layers = _setup()
     one, two = _factors(spec, 2, 1), _factors(spec, 3, 2)
-    stacks.write(1, one)
-    stacks.write(2, two)
-    stacks.write(3, _factors(spec, 3, 3, fill=float("inf")))  # a slot no row uses, its x @ A all inf
+    stacks.write(1, _image(one))
+    stacks.write(2, _image(two))
+    stacks.write(3, _image(_factors(spec, 3, 3, fill=float("inf"))))  # a slot no row uses, its x @ A all inf
     x = torch.randn(4, 1, 6)
-    with torch.no_grad():
-        plain = module(x)
-        layers.use([0, 1, 2, 0], LoraUse(3, (1 << len(spec.targets)) - 1))
-        got = module(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # products this small run on one thread, and the count is put back
+    try:
+        with torch.no_grad():
+            plain = module(x)
+            layers.use([0, 1, 2, 0], LoraUse(3, (1 << len(spec.targets)) - 1))
+            got = module(x)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert torch.isfinite(got).all()
     assert torch.allclose(got[0], plain[0]) and torch.allclose(got[3], plain[3])  # the base's rows
     assert torch.allclose(got[1], _reference(module, x[1:2], one)[0], atol=1e-5)
@@ -73,7 +83,7 @@ def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot():
 def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers():
     module, spec, stacks, layers = _setup()
     low = _factors(spec, 2, 4)
-    stacks.write(2, low)
+    stacks.write(2, _image(low))
     x = torch.randn(3, 2, 6)
     with torch.no_grad():
         layers.use([2, 2, 2], LoraUse(2, (1 << len(spec.targets)) - 1))  # one adapter, its rank only

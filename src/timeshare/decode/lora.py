@@ -7,23 +7,27 @@ is the controller's (``llm/adapters.py``).
 # NOTE [Adapters in slots]
 A language model served with adapters gets a region of the arena (NOTE [Regions of the
 arena]) cut into ``slots``: for each of its adaptable projections (every ``nn.Linear`` of
-its decoder layers: attention and MLP), a stack ``A`` of ``[rank, slots, fan_in]``, a
-stack ``B`` of ``[rank, slots, fan_out]`` and a float32 scale per slot (``LoraSpec.layout``
-places them; the scales of every projection together). Slot 0 is the base's: zeros,
-never written. An adapter of a smaller rank fills its slot's first ranks and leaves the
-rest zero (they add nothing); a projection it does not adapt stays zero. Rank first, so
-that the first ``r`` ranks of every slot are one contiguous block and writing a slot is
-``rank`` contiguous runs. A step carries each row's slot and what its rows' adapters use
-(``LoraUse``: their largest rank and the projections any adapts); every such projection
-adds ``scale[s] * (x @ A[s]) @ B[s]`` to its output for each row's ``s`` (PEFT computes
-``lora_B(lora_A(x)) * scaling``: the same terms, in the same order), through a forward
-hook on the projection, or called by the lean step (NOTE [Lean decode steps]), which
-calls no module. With up to ``STACKED_SLOTS`` slots the two products run over the used
-ranks of every slot at once, each row's other slots zeroed between them: two plain
-matrix products, where gathering each row's factors copies them; with more slots each
-row's factors are gathered and multiplied in batches; when every row has the same
-adapter (a prefill, a batch of one fine-tune) and no graph is captured, its own factors
-alone. The slots are read by the index
+its decoder layers: attention and MLP), a stack ``A`` of ``[rank, slots, fan_in]`` and a
+stack ``B`` of ``[rank, slots, fan_out]`` (``LoraSpec.layout`` places them). Slot 0 is the
+base's and has no column: a row of the base selects none. An adapter's image is packed
+once, when it is read (``pack``): ``A`` as PEFT stores it, ``B`` transposed with the
+adapter's scale multiplied in, so that writing a slot is a copy and a product adds the
+scaled term with no third operator. An adapter of a smaller rank fills its slot's first
+ranks and leaves the rest zero (they add nothing); a projection it does not adapt stays
+zero. Rank first, so that the first ``r`` ranks of every slot are one contiguous block and
+writing a slot is ``rank`` contiguous runs. A step carries each row's slot and what its
+rows' adapters use (``LoraUse``: their largest rank and the projections any adapts);
+every such projection adds ``(x @ A[s]) @ (scale * B[s])`` to its output, in place, for
+each row's ``s`` (PEFT computes ``lora_B(lora_A(x)) * scaling``: the same terms, the
+scale rounded into ``B`` once), through a forward hook on the projection, or called by
+the lean step (NOTE [Lean decode steps]), which calls no module. With up to
+``STACKED_SLOTS`` slots the two products run over the used ranks of every slot at once,
+each row's other slots zeroed between them: two plain matrix products, where gathering
+each row's factors copies them; with more slots each row's factors are gathered and
+multiplied in batches; when every row has the same adapter (a prefill, a batch of one
+fine-tune) and no graph is captured, its own factors alone. On the CPU, products this
+small run on the calling thread alone (``ONE_THREAD_MACS``): a team's wake-up costs more
+than it saves (NOTE [A core for the front end]). The slots are read by the index
 in the runner's input buffer, so a captured graph replays with new contents in a slot
 and needs no new capture; with graphs the correction always runs at full rank on every
 projection (a base row reads slot 0's zeros), without them a step whose rows are all the
@@ -53,9 +57,12 @@ from torch import nn
 
 from timeshare.errors import ConfigError
 
-SCALE_DTYPE = torch.float32
 ALIGN = 256  # each stack starts at a multiple of this many bytes
 STACKED_SLOTS = 16  # up to this many slots, corrections are products over whole stacks (NOTE [Adapters in slots])
+# A correction of fewer multiply-adds than this runs on one thread on the CPU (some 0.2 ms
+# there); with a team, each of its operators paid a wake-up: a 64-token prefill's 84
+# corrections took 31 ms on two threads and 14 ms on one (2-core VM).
+ONE_THREAD_MACS = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +95,8 @@ class StackAt:
 @dataclass(frozen=True, slots=True)
 class LoraSpec:
     """A model's adapter slots (NOTE [Adapters in slots]): the region of ``nbytes`` at
-    ``offset`` in the arena, ``slots`` of them (slot 0 the base's), each of ``rank``
-    columns at most, for ``targets``, in ``dtype``."""
+    ``offset`` in the arena, ``slots`` of them (slot 0 the base's, which takes no room),
+    each of ``rank`` columns at most, for ``targets``, in ``dtype``."""
 
     offset: int
     nbytes: int
@@ -120,22 +127,21 @@ class LoraSpec:
             raise ConfigError(f"adapter slots need at least one adapter's slot and a rank of 1, got {slots - 1} "
                               f"and {rank}")
         spec = cls(0, 0, slots, rank, dtype, tuple((t.name, t.fan_in, t.fan_out) for t in targets))
-        return spec.at(0, spec.layout()[2])
+        return spec.at(0, spec.layout()[1])
 
     def at(self, offset: int, nbytes: int) -> LoraSpec:
         return LoraSpec(offset, nbytes, self.slots, self.rank, self.dtype, self.projections)
 
-    def layout(self) -> tuple[tuple[StackAt, ...], int, int]:
-        """Each target's stacks' offsets in the region, where the scales are (``[targets,
-        slots]`` float32, after the stacks), and the region's bytes."""
-        size, at, out = self.dtype.itemsize, 0, []
+    def layout(self) -> tuple[tuple[StackAt, ...], int]:
+        """Each target's stacks' offsets in the region (columns for slots 1 on), and the
+        region's bytes."""
+        size, at, out, n = self.dtype.itemsize, 0, [], self.slots - 1
         for t in self.targets:
             a = _aligned(at)
-            b = _aligned(a + self.slots * t.fan_in * self.rank * size)
-            at = b + self.slots * self.rank * t.fan_out * size
+            b = _aligned(a + n * t.fan_in * self.rank * size)
+            at = b + n * self.rank * t.fan_out * size
             out.append(StackAt(a, b))
-        scales = _aligned(at)
-        return tuple(out), scales, _aligned(scales + self.count * self.slots * SCALE_DTYPE.itemsize)
+        return tuple(out), _aligned(at)
 
     @property
     def slot_bytes(self) -> int:
@@ -145,6 +151,13 @@ class LoraSpec:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def pack(down: torch.Tensor, up: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection's factors as PEFT stores them (``A`` ``[rank, fan_in]``, ``B``
+    ``[fan_out, rank]``) and its scale, as a slot holds them: ``A``, and ``scale * B``
+    transposed (``[rank, fan_out]``), contiguous in ``dtype`` (NOTE [Adapters in slots])."""
+    return down.to(dtype).contiguous(), (up.t().to(torch.float32) * scale).to(dtype).contiguous()
 
 
 def adaptable(module: nn.Module) -> tuple[LoraTarget, ...]:
@@ -158,51 +171,46 @@ def adaptable(module: nn.Module) -> tuple[LoraTarget, ...]:
 
 
 class LoraStacks:
-    """The slots' tensors in ``memory`` (the region's bytes): per target ``A``, ``B`` and
-    ``scale``, views that never move while the region lives."""
+    """The slots' tensors in ``memory`` (the region's bytes): per target ``A`` and ``B``,
+    views that never move while the region lives; column ``s - 1`` is slot ``s``'s."""
 
     def __init__(self, spec: LoraSpec, memory: torch.Tensor):
-        places, scales, nbytes = spec.layout()
+        places, nbytes = spec.layout()
         if memory.dtype != torch.uint8 or memory.numel() < nbytes:
             raise ConfigError(f"adapter slots need {nbytes} bytes, got {memory.numel()}")
         self.spec = spec
         self.a: list[torch.Tensor] = []
         self.b: list[torch.Tensor] = []
-        size, n, r = spec.dtype.itemsize, spec.slots, spec.rank
+        size, n, r = spec.dtype.itemsize, spec.slots - 1, spec.rank
         for t, place in zip(spec.targets, places):
             self.a.append(memory[place.a:place.a + n * t.fan_in * r * size].view(spec.dtype).view(r, n, t.fan_in))
             self.b.append(memory[place.b:place.b + n * r * t.fan_out * size].view(spec.dtype).view(r, n, t.fan_out))
-        count = spec.count * n
-        self.scales = memory[scales:scales + count * SCALE_DTYPE.itemsize].view(SCALE_DTYPE).view(-1, n)
 
     def clear(self, slot: int) -> None:
         for a, b in zip(self.a, self.b):
-            a[:, slot].zero_()
-            b[:, slot].zero_()
-        self.scales[:, slot] = 0.0
+            a[:, slot - 1].zero_()
+            b[:, slot - 1].zero_()
 
-    def write(self, slot: int, factors: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None]) -> None:
-        """Slot ``slot`` holds an adapter whose factors are, per target (None: not adapted),
-        ``A`` as PEFT stores it (``[rank, fan_in]``), ``B`` (``[fan_out, rank]``) and its
-        scale; the columns past its rank zero."""
+    def write(self, slot: int, image: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot ``slot`` holds an adapter whose image (``pack``) is, per target (None: not
+        adapted), ``A`` (``[rank, fan_in]``) and ``scale * B`` transposed (``[rank,
+        fan_out]``); the columns past its rank zero."""
         if not 0 < slot < self.spec.slots:
             raise ConfigError(f"adapter slot {slot} is not one of 1..{self.spec.slots - 1}")
-        if len(factors) != len(self.a):
-            raise ConfigError(f"an adapter of {len(factors)} projections for slots of {len(self.a)}")
-        for i, got in enumerate(factors):
-            a, b = self.a[i][:, slot], self.b[i][:, slot]
+        if len(image) != len(self.a):
+            raise ConfigError(f"an adapter of {len(image)} projections for slots of {len(self.a)}")
+        for i, got in enumerate(image):
+            a, b = self.a[i][:, slot - 1], self.b[i][:, slot - 1]
             if got is None:
                 a.zero_()
                 b.zero_()
-                self.scales[i, slot] = 0.0
                 continue
-            down, up, s = got
+            down, up = got
             rank = down.shape[0]
             a[:rank].copy_(down)
             a[rank:].zero_()
-            b[:rank].copy_(up.t())
+            b[:rank].copy_(up)
             b[rank:].zero_()
-            self.scales[i, slot] = s
 
 
 class LoraLayers:
@@ -216,11 +224,13 @@ class LoraLayers:
         self.stacks, self.always = stacks, always
         spec = stacks.spec
         self.index = torch.zeros(rows, dtype=torch.int64, device=device)  # each input row's slot
-        self._slot_ids = torch.arange(spec.slots, device=device)
+        self._slot_ids = torch.arange(1, spec.slots, device=device)  # the stacks' columns' slots
         # Made from the index by ``use``, before the forwards that read them (a graph's too):
-        # each row's one of its slot, and each target's scale of each row's slot.
-        self._mine = torch.zeros(rows, 1, 1, spec.slots, dtype=torch.bool, device=device)
-        self._scales = torch.zeros(spec.count, rows, 1, 1, dtype=spec.dtype, device=device)
+        # each row's one of the columns (none for the base's), each row's column, whether
+        # a row has an adapter.
+        self._mine = torch.zeros(rows, 1, 1, spec.slots - 1, dtype=torch.bool, device=device)
+        self._column = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._adapted = torch.zeros(rows, 1, 1, dtype=torch.bool, device=device)
         self._rank, self._targets = spec.rank, (1 << spec.count) - 1  # what ``use`` says is used
         self._one: int | None = None  # the one slot of every row, when they share it (no graphs)
         self.active = always
@@ -268,7 +278,8 @@ class LoraLayers:
             values = values.pin_memory()
         self.index.copy_(values, non_blocking=True)
         self._mine.copy_((self._slot_ids[None, :] == self.index[:, None])[:, None, None, :])
-        self._scales.copy_(self.stacks.scales[:, self.index][:, :, None, None])
+        self._column.copy_((self.index - 1).clamp(min=0))
+        self._adapted.copy_((self.index > 0)[:, None, None])
 
     def _hook(self, i: int) -> Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor | None]:
         """Target ``i``'s forward hook (its index bound here: a compiled step traces no
@@ -287,21 +298,40 @@ class LoraLayers:
         return self._corrected(i, x, out) if self._targets >> i & 1 else out
 
     def _corrected(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        rows, fan_in = x.shape[0], x.shape[-1]
+        """``out`` with each row's correction added in place (a contiguous copy of it if it
+        is not contiguous)."""
+        a = self.stacks.a[i]
+        rank, fan_in, n = self._rank, a.shape[2], a.shape[1]  # the ranks past ``rank`` are every slot's zeros
+        if not out.is_contiguous():
+            out = out.contiguous()
+        macs = x.numel() // fan_in * rank * (fan_in + out.shape[-1]) * (n if self._one is None else 1)
+        if macs >= ONE_THREAD_MACS or x.device.type != "cpu" or torch.compiler.is_compiling() \
+                or torch.get_num_threads() == 1:
+            self._add(i, x, out)
+            return out
+        threads = torch.get_num_threads()  # NOTE [Adapters in slots]: small products on this thread
+        torch.set_num_threads(1)
+        try:
+            self._add(i, x, out)
+        finally:
+            torch.set_num_threads(threads)
+        return out
+
+    def _add(self, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
         a, b = self.stacks.a[i], self.stacks.b[i]
-        n = b.shape[1]
-        rank = self._rank  # the ranks past it are every slot's zeros
-        x = x.reshape(rows, -1, fan_in)
+        rank, n, fan_in, fan_out = self._rank, a.shape[1], a.shape[2], out.shape[-1]
+        rows = x.shape[0]
+        flat = out.view(-1, fan_out)
         if self._one is not None:  # one adapter for every row (padding rows too: their outputs go nowhere)
-            low = F.linear(x, a[:rank, self._one])
-            delta = low @ b[:rank, self._one]
-        elif n <= STACKED_SLOTS:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
+            column = self._one - 1
+            flat.addmm_(F.linear(x.reshape(-1, fan_in), a[:rank, column]), b[:rank, column])
+        elif n < STACKED_SLOTS:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
             # Selected, not multiplied by 0/1: another slot's overflow (inf) stays out of this row.
-            low = F.linear(x, a[:rank].view(rank * n, fan_in)).view(rows, -1, rank, n)
+            low = F.linear(x.reshape(rows, -1, fan_in), a[:rank].view(rank * n, fan_in)).view(rows, -1, rank, n)
             low = torch.where(self._mine[:rows], low, 0.0)
-            delta = low.view(rows, -1, rank * n) @ b[:rank].view(rank * n, -1)
+            flat.addmm_(low.view(-1, rank * n), b[:rank].view(rank * n, fan_out))
         else:
-            slots = self.index[:rows]
-            low = torch.bmm(x, a[:rank, slots].permute(1, 2, 0))
-            delta = torch.bmm(low, b[:rank, slots].permute(1, 0, 2))
-        return torch.addcmul(out, delta.view(out.shape), self._scales[i, :rows])
+            columns = self._column[:rows]
+            low = torch.bmm(x.reshape(rows, -1, fan_in), a[:rank, columns].permute(1, 2, 0))
+            low = torch.where(self._adapted[:rows], low, 0.0)
+            out.view(rows, -1, fan_out).baddbmm_(low, b[:rank, columns].permute(1, 0, 2))

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from timeshare.decode.lora import LoraSpec, LoraStacks, LoraUse
+from timeshare.decode.lora import LoraSpec, LoraStacks, LoraUse, pack
 from timeshare.errors import ConfigError, GenerationError, Unavailable, UnknownModelError
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -50,8 +50,9 @@ DEFAULT_SLOTS = 8  # adapters on the device at once (vLLM's --max-loras is 1 by 
 
 _loads = itertools.count(1)
 
-# A target's factors: PEFT's A ([rank, fan_in]), B ([fan_out, rank]) and its scale.
-Factors = tuple[torch.Tensor, torch.Tensor, float]
+# A target's factors as a slot holds them (``decode.lora.pack``): A ([rank, fan_in]) and
+# scale * B transposed ([rank, fan_out]).
+Factors = tuple[torch.Tensor, torch.Tensor]
 
 
 class AdapterSlotsFull(GenerationError):
@@ -81,7 +82,7 @@ class Adapter:
         self.targets = sum(1 << i for i, f in enumerate(factors) if f is not None)  # the projections it adapts
         self.key = f"{name}#{next(_loads)}".encode()  # NOTE [Prefix caching]: its pages apart from others'
         self.nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-                          for a, b, _ in (f for f in factors if f is not None))
+                          for a, b in (f for f in factors if f is not None))
 
     @classmethod
     def read(cls, name: str, path: str | Path, spec: LoraSpec, pin: bool = False) -> Adapter:
@@ -129,10 +130,12 @@ class Adapter:
                 raise ConfigError(f"{where}: {t.name}'s factors are empty or hold inf or NaN")
             alpha = _pattern(config.get("alpha_pattern") or {}, t.name, config.get("lora_alpha", 8))
             scale = float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
-            a, b = a.to(spec.dtype).contiguous(), b.to(spec.dtype).contiguous()
+            a, b = pack(a, b, scale, spec.dtype)  # NOTE [Adapters in slots]: the slot's image, once
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise ConfigError(f"{where}: {t.name}'s factors overflow {spec.dtype} once scaled by {scale:g}")
             if pin:
                 a, b = a.pin_memory(), b.pin_memory()
-            factors[i] = (a, b, scale)
+            factors[i] = (a, b)
             rank = max(rank, r)
         return cls(name, path, rank, factors)
 
