@@ -25,9 +25,10 @@ the lean step (NOTE [Lean decode steps]), which calls no module. With up to
 each row's other slots zeroed between them: two plain matrix products, where gathering
 each row's factors copies them; with more slots each row's factors are gathered and
 multiplied in batches; when every row has the same adapter (a prefill, a batch of one
-fine-tune) and no graph is captured, its own factors alone. On the CPU, products this
-small run on the calling thread alone (``ONE_THREAD_MACS``): a team's wake-up costs more
-than it saves (NOTE [A core for the front end]). The slots are read by the index
+fine-tune) and no graph is captured, its own factors alone. On the CPU, in a process whose
+teams sleep between parallel regions (a server's own: NOTE [A core for the front end]),
+products this small run on the calling thread alone (``ONE_THREAD_MACS``): a team's
+wake-up costs more than it saves; a worker's team spins, and keeps them. The slots are read by the index
 in the runner's input buffer, so a captured graph replays with new contents in a slot
 and needs no new capture; with graphs the correction always runs at full rank on every
 projection (a base row reads slot 0's zeros), without them a step whose rows are all the
@@ -55,13 +56,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timeshare.device import teams_sleep
 from timeshare.errors import ConfigError
 
 ALIGN = 256  # each stack starts at a multiple of this many bytes
 STACKED_SLOTS = 16  # up to this many slots, corrections are products over whole stacks (NOTE [Adapters in slots])
-# A correction of fewer multiply-adds than this runs on one thread on the CPU (some 0.2 ms
-# there); with a team, each of its operators paid a wake-up: a 64-token prefill's 84
-# corrections took 31 ms on two threads and 14 ms on one (2-core VM).
+# A correction of fewer multiply-adds than this (some 0.2 ms on one core) runs on one
+# thread on the CPU where teams sleep (``device.teams_sleep``): with a team, each of its
+# operators paid a wake-up, and a 64-token prefill's 84 corrections took 31 ms on two
+# threads and 14 ms on one (2-core VM, in-process).
 ONE_THREAD_MACS = 1 << 22
 
 
@@ -306,7 +309,7 @@ class LoraLayers:
             out = out.contiguous()
         macs = x.numel() // fan_in * rank * (fan_in + out.shape[-1]) * (n if self._one is None else 1)
         if macs >= ONE_THREAD_MACS or x.device.type != "cpu" or torch.compiler.is_compiling() \
-                or torch.get_num_threads() == 1:
+                or torch.get_num_threads() == 1 or not teams_sleep():
             self._add(i, x, out)
             return out
         threads = torch.get_num_threads()  # NOTE [Adapters in slots]: small products on this thread
