@@ -28,22 +28,23 @@ multiplied in batches; when every row has the same adapter (a prefill, a batch o
 fine-tune) and no graph is captured, its own factors alone. On the CPU, in a process whose
 teams sleep between parallel regions (a server's own: NOTE [A core for the front end]),
 products this small run on the calling thread alone (``ONE_THREAD_MACS``): a team's
-wake-up costs more than it saves; a worker's team spins, and keeps them. The slots are read by the index
-in the runner's input buffer, so a captured graph replays with new contents in a slot
-and needs no new capture; with graphs the correction always runs at full rank on every
-projection (a base row reads slot 0's zeros), without them a step whose rows are all the
-base's skips it. The base's weights are never copied or changed.
+wake-up costs more than it saves; a worker's team spins, and keeps them. The slots are
+read by the index in the runner's input buffer, so a captured graph replays with new
+contents in a slot and needs no new capture; with graphs the correction always runs at
+full rank on every projection (a base row selects no column), without them a step whose
+rows are all the base's skips it. The base's weights are never copied or changed.
 
 What it costs on the 2-core VM (``bench llm --adapters 1,8,64``: a 64M Llama in float32,
 rank 16 on all seven projections of every layer, 8 rows, 8 slots, steps as a server runs
 them; ``bench/results/llm-cpu-epyc-2core-adapters.json``): one adapter for every row
-decodes at 0.84-0.88x the base's rate, 8 adapters mixed at 0.60-0.66x, 64 through the 8
-slots at 0.56-0.69x (PEFT's own mixed batch: 58-64 tokens/s where ours are 115-134). The
-products read every slot's factors, and on this CPU they are bound by memory: at rank 16
-and 8 slots about 0.4 MB a product of a 768-wide projection, whose own weights are 2.4 MB;
-so fewer slots are cheaper, and a prefill pays the same: an adapter's first token 23-36
-ms after the base's when on the device. On a
-GPU the products are launches in a graph: not measured yet.
+decodes at 0.82-0.92x the base's rate, 8 adapters mixed at 0.74x in-process and 0.64-0.68x
+with workers, 64 through the 8 slots at 0.67-0.79x (PEFT's own mixed batch: 77 tokens/s
+where ours are 119-169). The products read every used slot's factors and are bound by
+memory here: 75 MB a step for 8 adapters against the base projections' 255 MB, 13 ms
+against 31 on one core, so about 0.78x is this CPU's floor; fewer slots are cheaper. A
+prefill of an adapter pays its products too (6.5 ms of a 64-token prompt's 67 ms of
+projections), and a cold adapter its copy (2.5 ms for 9 MiB). On a GPU the products are
+launches in a graph: not measured yet.
 """
 
 from __future__ import annotations
