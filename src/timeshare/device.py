@@ -98,8 +98,8 @@ def one_team() -> None:
 
 def teams_sleep() -> bool:
     """Whether OpenMP teams here may sleep between parallel regions, so that each small
-    operator run by a team pays a wake-up: in a process with several threads that compute
-    (NOTE [A core for the front end]), not in a worker."""
+    operator run by a team pays a wake-up (NOTE [A core for the front end]): assumed of any
+    process but a worker, whose one thread that computes keeps a spinning team."""
     return not _one_team
 
 

@@ -4,10 +4,12 @@ not even an inf."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from timeshare.decode.lora import LoraLayers, LoraSpec, LoraStacks, LoraUse, pack
+from timeshare.errors import ConfigError
 
 
 class _Tiny(nn.Module):
@@ -92,3 +94,15 @@ def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers():
         mixed = module(x)
     want = _reference(module, x, low)
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(mixed[:2], want[:2], atol=1e-5)
+
+
+def test_slot_zero_is_the_bases_and_has_no_column_to_write_or_clear():
+    _, spec, stacks, _ = _setup()
+    stacks.write(spec.slots - 1, _image(_factors(spec, 2, 5)))
+    kept = [a.clone() for a in stacks.a]
+    for bad in (0, spec.slots):
+        with pytest.raises(ConfigError, match="is not one of 1.."):
+            stacks.clear(bad)
+        with pytest.raises(ConfigError, match="is not one of 1.."):
+            stacks.write(bad, _image(_factors(spec, 2, 6)))
+    assert all(torch.equal(a, k) for a, k in zip(stacks.a, kept))  # the last slot's column untouched

@@ -196,13 +196,14 @@ class ReplicaSet:
         slot = next((s for s in self.slots if s.name == name and s.alive), None)
         if slot is None:
             raise ConfigError(f"no live replica {name!r}")
-        self.ray.kill(slot.actor, no_restart=True)
+        actor = slot.actor  # a request that finds it dead meanwhile clears the slot's (``mark_lost``)
+        self.ray.kill(actor, no_restart=True)
         # Ray's kill only asks for it: a call made at once could still reach the actor
         # and be answered. A drill wants what a crash leaves, so wait until it is gone.
         deadline = time.monotonic() + KILL_WAIT_S
         while time.monotonic() < deadline:
             try:
-                self.ray.get(slot.actor.ping.options(concurrency_group=OBSERVE).remote(), timeout=1.0)
+                self.ray.get(actor.ping.options(concurrency_group=OBSERVE).remote(), timeout=1.0)
             except self.ray.exceptions.RayActorError:
                 return
             except self.ray.exceptions.GetTimeoutError:

@@ -7,9 +7,10 @@ is the controller's (``llm/adapters.py``).
 # NOTE [Adapters in slots]
 A language model served with adapters gets a region of the arena (NOTE [Regions of the
 arena]) cut into ``slots``: for each of its adaptable projections (every ``nn.Linear`` of
-its decoder layers: attention and MLP), a stack ``A`` of ``[rank, slots, fan_in]`` and a
-stack ``B`` of ``[rank, slots, fan_out]`` (``LoraSpec.layout`` places them). Slot 0 is the
-base's and has no column: a row of the base selects none. An adapter's image is packed
+its decoder layers: attention and MLP), a stack ``A`` of ``[rank, slots - 1, fan_in]`` and
+a stack ``B`` of ``[rank, slots - 1, fan_out]`` (``LoraSpec.layout`` places them), column
+``s - 1`` slot ``s``'s. Slot 0 is the base's and has no column: a base row's correction is
+zero (selected out, never multiplied by 0). An adapter's image is packed
 once, when it is read (``pack``): ``A`` as PEFT stores it, ``B`` transposed with the
 adapter's scale multiplied in, so that writing a slot is a copy and a product adds the
 scaled term with no third operator. An adapter of a smaller rank fills its slot's first
@@ -31,7 +32,7 @@ products this small run on the calling thread alone (``ONE_THREAD_MACS``): a tea
 wake-up costs more than it saves; a worker's team spins, and keeps them. The slots are
 read by the index in the runner's input buffer, so a captured graph replays with new
 contents in a slot and needs no new capture; with graphs the correction always runs at
-full rank on every projection (a base row selects no column), without them a step whose
+full rank on every projection (a base row's selected out), without them a step whose
 rows are all the base's skips it. The base's weights are never copied or changed.
 
 What it costs on the 2-core VM (``bench llm --adapters 1,8,64``: a 64M Llama in float32,
@@ -40,8 +41,9 @@ them; ``bench/results/llm-cpu-epyc-2core-adapters.json``): one adapter for every
 decodes at 0.82-0.92x the base's rate, 8 adapters mixed at 0.74x in-process and 0.64-0.68x
 with workers, 64 through the 8 slots at 0.67-0.79x (PEFT's own mixed batch: 77 tokens/s
 where ours are 119-169). The products read every used slot's factors and are bound by
-memory here: 75 MB a step for 8 adapters against the base projections' 255 MB, 13 ms
-against 31 on one core, so about 0.78x is this CPU's floor; fewer slots are cheaper. A
+memory here: 75 MB a step for 8 adapters against the base projections' 255 MB (so 0.78x
+at best, at the base's bandwidth), 13 ms against 31 on one core (0.70x); fewer slots are
+cheaper. A
 prefill of an adapter pays its products too (6.5 ms of a 64-token prompt's 67 ms of
 projections), and a cold adapter its copy (2.5 ms for 9 MiB). On a GPU the products are
 launches in a graph: not measured yet.
@@ -161,7 +163,8 @@ def pack(down: torch.Tensor, up: torch.Tensor, scale: float, dtype: torch.dtype)
     """A projection's factors as PEFT stores them (``A`` ``[rank, fan_in]``, ``B``
     ``[fan_out, rank]``) and its scale, as a slot holds them: ``A``, and ``scale * B``
     transposed (``[rank, fan_out]``), contiguous in ``dtype`` (NOTE [Adapters in slots])."""
-    return down.to(dtype).contiguous(), (up.t().to(torch.float32) * scale).to(dtype).contiguous()
+    wide = torch.promote_types(dtype, torch.float32)  # the product rounded once, to ``dtype``
+    return down.to(dtype).contiguous(), (up.t().to(wide) * scale).to(dtype).contiguous()
 
 
 def adaptable(module: nn.Module) -> tuple[LoraTarget, ...]:
@@ -191,6 +194,8 @@ class LoraStacks:
             self.b.append(memory[place.b:place.b + n * r * t.fan_out * size].view(spec.dtype).view(r, n, t.fan_out))
 
     def clear(self, slot: int) -> None:
+        if not 0 < slot < self.spec.slots:
+            raise ConfigError(f"adapter slot {slot} is not one of 1..{self.spec.slots - 1}")
         for a, b in zip(self.a, self.b):
             a[:, slot - 1].zero_()
             b[:, slot - 1].zero_()
@@ -308,9 +313,12 @@ class LoraLayers:
         rank, fan_in, n = self._rank, a.shape[2], a.shape[1]  # the ranks past ``rank`` are every slot's zeros
         if not out.is_contiguous():
             out = out.contiguous()
-        macs = x.numel() // fan_in * rank * (fan_in + out.shape[-1]) * (n if self._one is None else 1)
-        if macs >= ONE_THREAD_MACS or x.device.type != "cpu" or torch.compiler.is_compiling() \
-                or torch.get_num_threads() == 1 or not teams_sleep():
+        # Sizes are looked at only outside a compiled step: a comparison there would guard
+        # its trace on the rows (NOTE [Compiled decode steps]: one trace for every bucket).
+        if x.device.type != "cpu" or torch.compiler.is_compiling() or torch.get_num_threads() == 1 \
+                or not teams_sleep() \
+                or x.numel() // fan_in * rank * (fan_in + out.shape[-1]) * (n if self._one is None else 1) \
+                >= ONE_THREAD_MACS:
             self._add(i, x, out)
             return out
         threads = torch.get_num_threads()  # NOTE [Adapters in slots]: small products on this thread

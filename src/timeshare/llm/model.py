@@ -215,8 +215,8 @@ def adapter_slots(runtime: Runtime, model: str, config: Any, dtype: torch.dtype,
     try:
         spec = spec.at(region.offset, spec.nbytes)
         stacks = LoraStacks(spec, region.memory)
-        for slot in range(spec.slots):
-            stacks.clear(slot)  # whatever the arena held there: slot 0 is the base's zeros
+        for slot in range(1, spec.slots):
+            stacks.clear(slot)  # whatever the arena held there
         return Adapters(model, spec, AdapterSlots(stacks), pin_host=runtime.device.type == "cuda",
                         resolve_dir=lora_dir)
     except BaseException:
