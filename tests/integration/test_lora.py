@@ -189,6 +189,38 @@ def test_the_resolver_loads_an_adapter_on_its_first_request_and_a_removed_one_is
             _greedy(m, 1, "mlp16")
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_at_most_max_cpu_loras_adapters_stay_in_host_memory_and_one_let_go_is_read_again(base, adapters, expected,
+                                                                                        workers):
+    """vLLM's ``--max-cpu-loras``: added or resolved, an adapter's host copy goes when the
+    bound is passed (the least recently requested one not on the device), its name stays
+    served, and its next request reads it again and answers as PEFT does."""
+    resolve = adapters["attn8"].parent
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=workers) as rt:
+        with pytest.raises(ConfigError, match="must be at least max_loras"):
+            lm.load(rt, "bad", base, max_context=256, max_loras=2, max_cpu_loras=1)
+        m = lm.load(rt, "llama", base, max_context=256, adapters={"o2": adapters["o2"]}, lora_dir=resolve,
+                    max_loras=1, max_cpu_loras=2, max_lora_rank=16)
+        table = m.adapters
+        for name in ["attn8", "all4", "mlp16"]:  # resolved; one slot: each takes it from the one before
+            assert _greedy(m, 2, name).result(60).tokens == expected[name][2], name
+        held = {i.name: i.in_host for i in table.infos()}
+        assert sorted(table.names()) == ["all4", "attn8", "mlp16", "o2"]
+        assert sum(held.values()) == 2 and held["mlp16"] and held["all4"]  # the bound, most recent first
+        assert not held["o2"] and not held["attn8"]  # added or resolved, alike
+        reads = table.reads
+        for name in ["o2", "attn8"]:  # read again from their directories
+            assert _greedy(m, 3, name).result(60).tokens == expected[name][3], name
+        assert table.reads == reads + 2
+        assert sum(i.in_host for i in table.infos()) == 2
+        table.remove("o2")  # removed, its copy let go or not: unknown (with no resolver to find it again)
+        assert "o2" not in table.names()
+        table.resolve_dir = None
+        with pytest.raises(UnknownModelError):
+            _greedy(m, 3, "o2")
+        m.close()
+
+
 @pytest.mark.parametrize("compiled", ["off", "aot_eager"])
 def test_captured_steps_read_the_slots_so_a_new_adapter_in_a_slot_needs_no_new_capture(base, adapters, expected,
                                                                                         compiled):

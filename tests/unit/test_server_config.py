@@ -11,6 +11,7 @@ from timeshare import cli
 from timeshare.config import DEFAULT_CONFIG, ServerConfig, load_config, parse_config
 from timeshare.errors import ConfigError
 from timeshare.server.auth import ApiKey
+from timeshare.server.llms import adapter_options
 
 
 def test_the_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
@@ -121,9 +122,10 @@ def test_lora_flags_reach_the_language_models_entries(tmp_path):
         return load_with_overrides(cli._parser().parse_args(["serve", "--config", str(path), *flags])).llms
 
     one = llms(["m"], "--lora", f"a={tmp_path / 'a'}", "--lora-modules", f"b={tmp_path / 'b'}", "--max-loras", "3",
-               "--max-lora-rank", "16", "--lora-dir", str(tmp_path))[0]
+               "--max-lora-rank", "16", "--lora-dir", str(tmp_path), "--max-cpu-loras", "5")[0]
     assert [(a.name, a.path) for a in one.adapters] == [("a", str(tmp_path / "a")), ("b", str(tmp_path / "b"))]
     assert (one.max_loras, one.max_lora_rank, one.lora_dir, one.serves_adapters) == (3, 16, str(tmp_path), True)
+    assert one.max_cpu_loras == 5 and adapter_options(one)["max_cpu_loras"] == 5
     two = llms(["m", "n"], "--lora", json.dumps({"name": "a", "path": str(tmp_path / "a"), "base_model_name": "n"}))
     assert [e.adapters for e in two][0] == [] and [a.name for a in two[1].adapters] == ["a"]
     assert not two[0].serves_adapters

@@ -59,7 +59,8 @@ def run(args, console) -> int:
             shown.add_column(col, justify="right" if col in ("rank", "size") else "left")
         for a in adapters:
             shown.add_row(a["name"], a["parent"], str(a["rank"]), format_bytes(a["nbytes"]),
-                          "host memory" if a["slot"] is None else f"slot {a['slot']}", "yes" if a["pinned"] else "")
+                          f"slot {a['slot']}" if a["slot"] is not None
+                          else "host memory" if a.get("in_host", True) else "disk", "yes" if a["pinned"] else "")
         console.print(shown)
     return 0
 

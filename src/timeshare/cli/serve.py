@@ -3,6 +3,7 @@ and ``--check``. Runs in the CLI's process.
 
     timeshare serve [MODEL ...] [--config timeshare.yaml] [--host H] [--port N] [--metrics-port N|none] [--check]
                     [--lora NAME=DIR ...] [--max-loras N] [--max-lora-rank N] [--lora-dir DIR]
+                    [--max-cpu-loras N]
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank served (default 64)")
     p.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="a directory of adapter directories: a request naming an adapter not loaded loads DIR/NAME")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters in host memory at most, at least --max-loras (default: no bound); one let go is "
+                   "read from its directory again on its next request")
     p.add_argument("--config", type=Path, default=None,
                    help="timeshare.yaml (default: the embedded default, or nothing when MODELs are given)")
     p.add_argument("--host", default=None,
@@ -99,14 +103,16 @@ def _add_models(doc: dict, given: list[str], args) -> None:
 
 
 def _add_adapters(doc: dict, args) -> None:
-    """``--lora``, ``--max-loras``, ``--max-lora-rank`` and ``--lora-dir`` on the ``llms``
-    entries of the config document (NOTE [Adapter residency])."""
+    """``--lora``, ``--max-loras``, ``--max-lora-rank``, ``--lora-dir`` and
+    ``--max-cpu-loras`` on the ``llms`` entries of the config document (NOTE [Adapter
+    residency])."""
     import json
 
     loras = getattr(args, "lora", None) or []
     options = {k: v for k, v in (("max_loras", getattr(args, "max_loras", None)),
                                  ("max_lora_rank", getattr(args, "max_lora_rank", None)),
-                                 ("lora_dir", getattr(args, "lora_dir", None))) if v is not None}
+                                 ("lora_dir", getattr(args, "lora_dir", None)),
+                                 ("max_cpu_loras", getattr(args, "max_cpu_loras", None))) if v is not None}
     if not loras and not options:
         return
     llms = doc.get("llms") or []

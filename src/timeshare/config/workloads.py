@@ -226,10 +226,15 @@ class LLMConfig(Strict):
     lora_dir: str | None = None
     """A directory of adapter directories: a request naming an adapter not loaded yet
     loads ``lora_dir/NAME`` (vLLM's resolver)."""
+    max_cpu_loras: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Adapters in host memory at most (at least ``max_loras``; default: no bound): the
+    least recently requested one not on the device lets its copy go, and is read from its
+    directory again on its next request (vLLM's ``--max-cpu-loras``)."""
 
     @property
     def serves_adapters(self) -> bool:
-        return bool(self.adapters) or self.max_loras is not None or self.lora_dir is not None
+        return bool(self.adapters) or self.max_loras is not None or self.lora_dir is not None \
+            or self.max_cpu_loras is not None
 
     @field_validator("adapters")
     @classmethod

@@ -21,7 +21,11 @@ adapter refuses its new requests at once; its slot goes when its last row ends. 
 prefix cache entry is keyed by the adapter too (the same prompt under two adapters has
 two caches). An adapter whose factors hold inf or NaN is refused: the slots' products
 select each row's own slot, so another slot's numbers never reach a row, but its own
-would.
+would. With ``max_cpu_loras`` (vLLM's), at most that many adapters keep their factors in
+host memory: past it, the least recently requested one that is neither on the device nor
+pinned lets its copy go (a request that took it keeps it until it ends); its name stays
+served, and its next request reads it from its directory again, off the event loop, as
+the resolver does (a new copy: the prefix cache's pages of the old one are not reused).
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class AdapterInfo:
     path: str
     rank: int
     nbytes: int
-    slot: int | None  # on the device in this slot; None: in host memory only
+    slot: int | None  # on the device in this slot; None: not on the device
     pinned: bool
+    in_host: bool = True  # its factors in host memory; else read from ``path`` on its next request
 
 
 class Adapter:
@@ -260,13 +265,14 @@ class AdapterSlots:
                 self._removed.discard(id(adapter))
                 self._vacate(slot)
 
-    def drop(self, adapter: Adapter) -> None:
-        """``adapter`` was removed: its slot goes now, or when its last row lets it go."""
+    def drop(self, name: str, keep: Adapter | None = None) -> None:
+        """Adapter ``name`` was removed (or replaced by ``keep``): the slot of any other
+        copy of it goes now, or when its last row lets it go."""
         with self._lock:
             for slot, there in list(self._in.items()):
-                if there is adapter:
+                if there.name == name and there is not keep:
                     if self._held.get(slot):
-                        self._removed.add(id(adapter))
+                        self._removed.add(id(there))
                     else:
                         self._vacate(slot)
 
@@ -290,17 +296,34 @@ class AdapterSlots:
             return name in self._pinned
 
 
+@dataclass(frozen=True)
+class _Known:
+    """An adapter served, whether or not its factors are in host memory: where it is read
+    from, and what it is."""
+
+    path: Path
+    rank: int
+    nbytes: int
+
+
 class Adapters:
     """The adapters of one base model ``parent`` (NOTE [Adapter residency]): by name,
-    their slots, and a directory ``resolve_dir`` where a name not added yet is looked for
-    on its first request (None: no resolver)."""
+    their slots, a directory ``resolve_dir`` where a name not added yet is looked for on
+    its first request (None: no resolver), and at most ``max_host`` of them in host memory
+    (None: no bound)."""
 
     def __init__(self, parent: str, spec: LoraSpec, slots: AdapterSlots, pin_host: bool = False,
-                 resolve_dir: str | Path | None = None):
+                 resolve_dir: str | Path | None = None, max_host: int | None = None):
+        if max_host is not None and max_host < spec.slots - 1:
+            raise ConfigError(f"max_cpu_loras ({max_host}) must be at least max_loras ({spec.slots - 1}): an "
+                              "adapter on the device keeps its host copy")
         self.parent, self.spec, self.slots = parent, spec, slots
         self.resolve_dir = Path(resolve_dir) if resolve_dir is not None else None
+        self.max_host = max_host
+        self.reads = 0  # adapters read from their directories, again after a host copy was let go
         self._pin_host = pin_host
-        self._by_name: dict[str, Adapter] = {}
+        self._known: dict[str, _Known] = {}  # every adapter served, by name
+        self._held: dict[str, Adapter] = {}  # those in host memory, least recently requested first
         self._lock = threading.Lock()
 
     def add(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> Adapter:
@@ -311,30 +334,45 @@ class Adapters:
             raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
         adapter = Adapter.read(name, path, self.spec, pin=self._pin_host)
         with self._lock:
-            old = self._by_name.get(name)
-            if old is not None and not replace:
+            if name in self._known and not replace:
                 raise ConfigError(f"adapter {name!r} is already loaded")
-            self._by_name[name] = adapter
-        if old is not None:
-            self.slots.drop(old)
+            replaced = name in self._known
+            self._keep(adapter)
+        if replaced:
+            self.slots.drop(name, keep=adapter)
         if pinned:
             self.slots.pin(name)
+        self._trim()
         return adapter
 
     def remove(self, name: str) -> None:
         with self._lock:
-            adapter = self._by_name.pop(name, None)
-        if adapter is None:
+            known = self._known.pop(name, None)
+            self._held.pop(name, None)
+        if known is None:
             raise UnknownModelError(f"adapter {name!r} is not loaded")
         self.slots.pin(name, False)
-        self.slots.drop(adapter)
+        self.slots.drop(name)
 
     def get(self, name: str) -> Adapter:
-        """Adapter ``name``, read from the resolver's directory on its first request
+        """Adapter ``name``: its host copy, read again from its directory if that copy was
+        let go, or read from the resolver's directory on its first request
         (``UnknownModelError`` if there is none of that name)."""
         with self._lock:
-            adapter = self._by_name.get(name)
-        if adapter is not None:
+            adapter = self._held.pop(name, None)
+            if adapter is not None:
+                self._held[name] = adapter  # the most recently requested
+                return adapter
+            known = self._known.get(name)
+        if known is not None:  # its host copy was let go (NOTE [Adapter residency])
+            adapter = Adapter.read(name, known.path, self.spec, pin=self._pin_host)
+            with self._lock:
+                raced = self._known.get(name) is not known  # removed, replaced or read again meanwhile
+                if not raced:
+                    self._keep(adapter)
+            if raced:
+                return self.get(name)
+            self._trim()
             return adapter
         found = self.resolvable(name)
         if found is None:
@@ -343,10 +381,32 @@ class Adapters:
             return self.add(name, found)
         except ConfigError:
             with self._lock:  # another request resolved it first
-                adapter = self._by_name.get(name)
-            if adapter is None:
+                resolved = name in self._known
+            if not resolved:
                 raise
-            return adapter
+            return self.get(name)
+
+    def _keep(self, adapter: Adapter) -> None:
+        """With the lock held: ``adapter`` served, in host memory, the most recently
+        requested."""
+        self._known[adapter.name] = _Known(adapter.path, adapter.rank, adapter.nbytes)
+        self._held.pop(adapter.name, None)
+        self._held[adapter.name] = adapter
+        self.reads += 1
+
+    def _trim(self) -> None:
+        """At most ``max_host`` adapters in host memory: the least recently requested one
+        not on the device and not pinned is let go, its name and directory kept (a request
+        that took it already keeps its copy until it ends)."""
+        if self.max_host is None:
+            return
+        with self._lock:
+            while len(self._held) > self.max_host:
+                out = next((n for n in list(self._held)[:-1]
+                            if self.slots.slot_of(n) is None and not self.slots.pinned(n)), None)
+                if out is None:
+                    return  # every other one is on the device or pinned: over the bound until one leaves
+                del self._held[out]
 
     def resolvable(self, name: str) -> Path | None:
         """The directory the resolver would read ``name`` from, if it has one."""
@@ -357,13 +417,13 @@ class Adapters:
 
     def names(self) -> list[str]:
         with self._lock:
-            return list(self._by_name)
+            return list(self._known)
 
     def infos(self) -> list[AdapterInfo]:
         with self._lock:
-            adapters = list(self._by_name.values())
-        return [AdapterInfo(a.name, self.parent, str(a.path), a.rank, a.nbytes, self.slots.slot_of(a.name),
-                            self.slots.pinned(a.name)) for a in adapters]
+            known = [(name, k, name in self._held) for name, k in self._known.items()]
+        return [AdapterInfo(name, self.parent, str(k.path), k.rank, k.nbytes, self.slots.slot_of(name),
+                            self.slots.pinned(name), held) for name, k, held in known]
 
 
 def adapter_spec(config: Any, slots: int, rank: int, dtype: torch.dtype) -> LoraSpec:

@@ -118,7 +118,8 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          graphs: str = "auto", compile: str | Callable[..., Any] = "auto",
          prefix_caching: bool = True, multi_step_s: float = MULTI_STEP_S,
          adapters: Mapping[str, str | Path] | None = None, max_loras: int | None = None,
-         max_lora_rank: int = DEFAULT_MAX_RANK, lora_dir: str | Path | None = None) -> LanguageModel:
+         max_lora_rank: int = DEFAULT_MAX_RANK, lora_dir: str | Path | None = None,
+         max_cpu_loras: int | None = None) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready, in-process or
@@ -135,8 +136,9 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     on CUDA, "off" to capture transformers' eager step); ``prefix_caching``: NOTE [Prefix
     caching]; ``multi_step_s``: NOTE [Multi-step decode]; ``adapters`` (name -> PEFT
     directory), ``max_loras`` (adapters on the device at once; default ``DEFAULT_SLOTS``
-    when it serves any), ``max_lora_rank`` and ``lora_dir`` (where the resolver looks for
-    an adapter a request names): NOTE [Adapter residency]. With ``profile``, the model is
+    when it serves any), ``max_lora_rank``, ``lora_dir`` (where the resolver looks for
+    an adapter a request names) and ``max_cpu_loras`` (adapters in host memory at most;
+    None: no bound): NOTE [Adapter residency]. With ``profile``, the model is
     loaded once now and its prefill profiled, so that every load after is pipelined
     (without it, the first generation's load profiles), and its decode graphs are
     captured."""
@@ -168,9 +170,9 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
             page_bytes, nbytes = pool_bytes(shape, max_sequences, int(context))
             pages = arena_pool(runtime, region, nbytes, page_bytes)
         lora = None
-        if max_loras or adapters or lora_dir is not None:  # NOTE [Adapter residency]
+        if max_loras or adapters or lora_dir is not None or max_cpu_loras:  # NOTE [Adapter residency]
             served = adapter_slots(runtime, name, config, shape.dtype, max_loras or DEFAULT_SLOTS, max_lora_rank,
-                                   lora_dir)
+                                   lora_dir, max_cpu_loras)
             lora = served.spec
             for adapter, at in (adapters or {}).items():
                 served.add(adapter, at)
@@ -203,9 +205,10 @@ def adapter_region(model: str) -> str:
 
 
 def adapter_slots(runtime: Runtime, model: str, config: Any, dtype: torch.dtype, slots: int, rank: int,
-                  lora_dir: str | Path | None) -> Adapters:
+                  lora_dir: str | Path | None, max_host: int | None = None) -> Adapters:
     """``slots`` adapter slots of rank ``rank`` for ``model`` in a region of ``runtime``'s
-    arena (NOTE [Adapters in slots]), and its adapters' table, none added yet."""
+    arena (NOTE [Adapters in slots]), and its adapters' table (at most ``max_host`` in
+    host memory), none added yet."""
     if slots < 1 or rank < 1:
         raise ConfigError(f"model {model!r}: max_loras and max_lora_rank must be at least 1, got {slots} and {rank}")
     if lora_dir is not None and not Path(lora_dir).is_dir():
@@ -218,7 +221,7 @@ def adapter_slots(runtime: Runtime, model: str, config: Any, dtype: torch.dtype,
         for slot in range(1, spec.slots):
             stacks.clear(slot)  # whatever the arena held there
         return Adapters(model, spec, AdapterSlots(stacks), pin_host=runtime.device.type == "cuda",
-                        resolve_dir=lora_dir)
+                        resolve_dir=lora_dir, max_host=max_host)
     except BaseException:
         runtime.unreserve(adapter_region(model))
         raise

@@ -107,7 +107,7 @@ def adapter_options(cfg: LLMConfig) -> dict[str, Any]:
     if not cfg.serves_adapters:
         return {}
     return {"adapters": {a.name: a.path for a in cfg.adapters}, "max_loras": cfg.max_loras,
-            "max_lora_rank": cfg.max_lora_rank, "lora_dir": cfg.lora_dir}
+            "max_lora_rank": cfg.max_lora_rank, "lora_dir": cfg.lora_dir, "max_cpu_loras": cfg.max_cpu_loras}
 
 
 class LanguageModels:
