@@ -213,6 +213,18 @@ def test_at_most_max_cpu_loras_adapters_stay_in_host_memory_and_one_let_go_is_re
             assert _greedy(m, 3, name).result(60).tokens == expected[name][3], name
         assert table.reads == reads + 2
         assert sum(i.in_host for i in table.infos()) == 2
+        kept = table.get("o2")  # what a request holds while it waits
+        for name in ["all4", "mlp16"]:
+            assert _greedy(m, 4, name).result(60).tokens == expected[name][4], name
+        assert not {i.name: i.in_host for i in table.infos()}["o2"]
+        reads = table.reads
+        assert table.get("o2") is kept and table.reads == reads  # taken back: one copy, no second read
+        pinned = lm.load(rt, "pinned", base, max_context=256, adapters={"o2": adapters["o2"]},
+                         pinned_adapters=["o2"], lora_dir=resolve, max_loras=1, max_cpu_loras=1, max_lora_rank=16)
+        for name in ["attn8", "mlp16"]:
+            assert _greedy(pinned, 1, name).result(60).tokens == expected[name][1], name
+        assert {i.name: (i.in_host, i.pinned) for i in pinned.adapters.infos()}["o2"] == (True, True)  # never let go
+        pinned.close()
         table.remove("o2")  # removed, its copy let go or not: unknown (with no resolver to find it again)
         assert "o2" not in table.names()
         table.resolve_dir = None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from timeshare.errors import Unavailable, UnknownModelError
-from timeshare.llm.adapters import Adapters
+from timeshare.llm.adapters import Adapter, Adapters
 from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, EngineSnapshot
 from timeshare.llm.model import Texts, open_directory
@@ -171,9 +171,10 @@ class RemoteLanguageModel(Texts):
 
     def generate(self, prompt: list[int], params: SamplingParams,
                  on_event: Callable[[Delta | Finish], None] | None = None,
-                 adapter: str | None = None) -> RemoteGeneration:
+                 adapter: str | Adapter | None = None) -> RemoteGeneration:
         if adapter is not None:
-            raise UnknownModelError(f"model {self.name!r} serves no adapters on a cluster (adapter {adapter!r})")
+            named = adapter if isinstance(adapter, str) else adapter.name
+            raise UnknownModelError(f"model {self.name!r} serves no adapters on a cluster (adapter {named!r})")
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
         if params.output is not None:  # NOTE [Constrained decoding]: a format that cannot compile is a 400 here
             self._grammars.check(params.output)

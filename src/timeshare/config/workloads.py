@@ -244,6 +244,15 @@ class LLMConfig(Strict):
             raise ValueError(f"adapter names must differ, got {names}")
         return v
 
+    @model_validator(mode="after")
+    def _host_bound(self):
+        from timeshare.llm.adapters import DEFAULT_SLOTS
+
+        slots = self.max_loras or DEFAULT_SLOTS
+        if self.max_cpu_loras is not None and self.max_cpu_loras < slots:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({slots})")
+        return self
+
     @field_validator("lora_dir")
     @classmethod
     def _lora_directory(cls, v):

@@ -23,9 +23,11 @@ two caches). An adapter whose factors hold inf or NaN is refused: the slots' pro
 select each row's own slot, so another slot's numbers never reach a row, but its own
 would. With ``max_cpu_loras`` (vLLM's), at most that many adapters keep their factors in
 host memory: past it, the least recently requested one that is neither on the device nor
-pinned lets its copy go (a request that took it keeps it until it ends); its name stays
-served, and its next request reads it from its directory again, off the event loop, as
-the resolver does (a new copy: the prefix cache's pages of the old one are not reused).
+pinned lets its copy go; its name stays served. Its next request takes the copy back if
+something still holds it (a request that took it, a slot), so that an adapter is never
+two copies, else reads it from its directory again, off the event loop as the resolver
+does (the server's request keeps the copy it got there), a new copy whose prefix cache
+pages are its own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import math
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -206,6 +209,11 @@ class AdapterSlots:
         with self._lock:
             return next((s for s, a in self._in.items() if a.name == name and id(a) not in self._removed), None)
 
+    def kept(self) -> set[str]:
+        """The names of the adapters on the device or pinned: their host copies stay."""
+        with self._lock:
+            return {a.name for a in self._in.values() if id(a) not in self._removed} | self._pinned
+
     def take(self, adapter: Adapter) -> int:
         """A slot holding ``adapter`` for a new row, loading it there if it is not on the
         device (``AdapterSlotsFull``: every slot is held or pinned)."""
@@ -320,10 +328,13 @@ class Adapters:
         self.parent, self.spec, self.slots = parent, spec, slots
         self.resolve_dir = Path(resolve_dir) if resolve_dir is not None else None
         self.max_host = max_host
-        self.reads = 0  # adapters read from their directories, again after a host copy was let go
+        self.reads = 0  # adapters read from their directories (added, resolved, or read again)
         self._pin_host = pin_host
         self._known: dict[str, _Known] = {}  # every adapter served, by name
         self._held: dict[str, Adapter] = {}  # those in host memory, least recently requested first
+        # Copies let go that something still holds (a slot, a request that took one): taken
+        # back by the next request rather than read again, so one adapter is one copy.
+        self._gone: weakref.WeakValueDictionary[str, Adapter] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     def add(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> Adapter:
@@ -349,6 +360,7 @@ class Adapters:
         with self._lock:
             known = self._known.pop(name, None)
             self._held.pop(name, None)
+            self._gone.pop(name, None)
         if known is None:
             raise UnknownModelError(f"adapter {name!r} is not loaded")
         self.slots.pin(name, False)
@@ -360,10 +372,16 @@ class Adapters:
         (``UnknownModelError`` if there is none of that name)."""
         with self._lock:
             adapter = self._held.pop(name, None)
+            revived = adapter is None and name in self._known
+            if revived:
+                adapter = self._gone.pop(name, None)  # let go, but still alive
             if adapter is not None:
                 self._held[name] = adapter  # the most recently requested
-                return adapter
             known = self._known.get(name)
+        if adapter is not None:
+            if revived:
+                self._trim()
+            return adapter
         if known is not None:  # its host copy was let go (NOTE [Adapter residency])
             adapter = Adapter.read(name, known.path, self.spec, pin=self._pin_host)
             with self._lock:
@@ -391,22 +409,23 @@ class Adapters:
         requested."""
         self._known[adapter.name] = _Known(adapter.path, adapter.rank, adapter.nbytes)
         self._held.pop(adapter.name, None)
+        self._gone.pop(adapter.name, None)
         self._held[adapter.name] = adapter
         self.reads += 1
 
     def _trim(self) -> None:
         """At most ``max_host`` adapters in host memory: the least recently requested one
         not on the device and not pinned is let go, its name and directory kept (a request
-        that took it already keeps its copy until it ends)."""
+        that took it already keeps its copy until it ends, and the next takes it back)."""
         if self.max_host is None:
             return
+        kept = self.slots.kept()  # before this table's lock: a slot's lock is held across a copy
         with self._lock:
             while len(self._held) > self.max_host:
-                out = next((n for n in list(self._held)[:-1]
-                            if self.slots.slot_of(n) is None and not self.slots.pinned(n)), None)
+                out = next((n for n in list(self._held)[:-1] if n not in kept), None)
                 if out is None:
-                    return  # every other one is on the device or pinned: over the bound until one leaves
-                del self._held[out]
+                    return  # the others are on the device or pinned: over the bound until the next add or read
+                self._gone[out] = self._held.pop(out)
 
     def resolvable(self, name: str) -> Path | None:
         """The directory the resolver would read ``name`` from, if it has one."""

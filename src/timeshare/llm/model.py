@@ -8,7 +8,7 @@ import functools
 import itertools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from timeshare.decode.step import DecoderSpec, KVShape
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError, UnknownModelError
 from timeshare.llm import hfdir
-from timeshare.llm.adapters import DEFAULT_MAX_RANK, DEFAULT_SLOTS, Adapters, AdapterSlots, adapter_spec
+from timeshare.llm.adapters import DEFAULT_MAX_RANK, DEFAULT_SLOTS, Adapter, Adapters, AdapterSlots, adapter_spec
 from timeshare.llm.batch import Batch
 from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, Engine
@@ -83,14 +83,16 @@ class LanguageModel(Texts):
         return self.engine.max_context
 
     def generate(self, prompt: list[int], params: SamplingParams,
-                 on_event: Callable[[Delta | Finish], None] | None = None, adapter: str | None = None) -> Sequence:
-        """Queue a generation, with adapter ``adapter`` (NOTE [Adapter residency];
-        ``UnknownModelError``: no such adapter)."""
+                 on_event: Callable[[Delta | Finish], None] | None = None,
+                 adapter: str | Adapter | None = None) -> Sequence:
+        """Queue a generation, with adapter ``adapter``, by name or as ``adapters.get``
+        gave it (NOTE [Adapter residency]; ``UnknownModelError``: no such adapter)."""
         if adapter is None:
             return self.engine.submit(prompt, params, on_event)
         if self.adapters is None:
             raise UnknownModelError(f"model {self.name!r} serves no adapters (adapter {adapter!r} asked)")
-        return self.engine.submit(prompt, params, on_event, self.adapters.get(adapter))
+        return self.engine.submit(prompt, params, on_event,
+                                  self.adapters.get(adapter) if isinstance(adapter, str) else adapter)
 
     def close(self) -> None:
         """Stop generating (queued and running sequences fail), forget its cached prefixes
@@ -119,7 +121,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
          prefix_caching: bool = True, multi_step_s: float = MULTI_STEP_S,
          adapters: Mapping[str, str | Path] | None = None, max_loras: int | None = None,
          max_lora_rank: int = DEFAULT_MAX_RANK, lora_dir: str | Path | None = None,
-         max_cpu_loras: int | None = None) -> LanguageModel:
+         max_cpu_loras: int | None = None, pinned_adapters: Collection[str] = ()) -> LanguageModel:
     """Register the Hugging Face directory ``path`` as model ``name``: its module built
     from ``config.json``, its weights read from the safetensors shards into the runtime's
     host store, its tokenizer and chat template loaded; generation ready, in-process or
@@ -137,8 +139,9 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
     caching]; ``multi_step_s``: NOTE [Multi-step decode]; ``adapters`` (name -> PEFT
     directory), ``max_loras`` (adapters on the device at once; default ``DEFAULT_SLOTS``
     when it serves any), ``max_lora_rank``, ``lora_dir`` (where the resolver looks for
-    an adapter a request names) and ``max_cpu_loras`` (adapters in host memory at most;
-    None: no bound): NOTE [Adapter residency]. With ``profile``, the model is
+    an adapter a request names), ``max_cpu_loras`` (adapters in host memory at most;
+    None: no bound) and ``pinned_adapters`` (kept on the device): NOTE [Adapter
+    residency]. With ``profile``, the model is
     loaded once now and its prefill profiled, so that every load after is pipelined
     (without it, the first generation's load profiles), and its decode graphs are
     captured."""
@@ -175,7 +178,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
                                    lora_dir, max_cpu_loras)
             lora = served.spec
             for adapter, at in (adapters or {}).items():
-                served.add(adapter, at)
+                served.add(adapter, at, pinned=adapter in pinned_adapters)
         spec = DecoderSpec(pages.offset, pages.nbytes, pages.page_bytes, shape, max_sequences, int(context),
                            graph_mode, compiled, lora)
         # NOTE [Prefix caching]: this load's pages are keyed apart from any other's.

@@ -16,7 +16,7 @@ from timeshare.config import LLMConfig
 from timeshare.config.sources import section
 from timeshare.errors import ConfigError, Conflict, LoadFailed, Unavailable, UnknownModelError
 from timeshare.llm import model as lm
-from timeshare.llm.adapters import AdapterInfo, Adapters
+from timeshare.llm.adapters import Adapter, AdapterInfo, Adapters
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.pages import PagePool
@@ -80,7 +80,7 @@ class ServedLLM(Protocol):
 
     def generate(self, prompt: list[int], params: SamplingParams,
                  on_event: Callable[[Delta | Finish], None] | None = None,
-                 adapter: str | None = None) -> Generation: ...
+                 adapter: str | Adapter | None = None) -> Generation: ...
 
     def close(self) -> None: ...
 
@@ -95,9 +95,6 @@ def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = No
                     offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages,
                     graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1], prefix_caching=cfg.prefix_caching,
                     multi_step_s=cfg.multi_step_ms / 1000, **adapter_options(cfg))
-    if cfg.adapters and model.adapters is not None:
-        for adapter in cfg.adapters:
-            model.adapters.slots.pin(adapter.name, adapter.pinned)
     return model
 
 
@@ -107,7 +104,8 @@ def adapter_options(cfg: LLMConfig) -> dict[str, Any]:
     if not cfg.serves_adapters:
         return {}
     return {"adapters": {a.name: a.path for a in cfg.adapters}, "max_loras": cfg.max_loras,
-            "max_lora_rank": cfg.max_lora_rank, "lora_dir": cfg.lora_dir, "max_cpu_loras": cfg.max_cpu_loras}
+            "max_lora_rank": cfg.max_lora_rank, "lora_dir": cfg.lora_dir, "max_cpu_loras": cfg.max_cpu_loras,
+            "pinned_adapters": [a.name for a in cfg.adapters if a.pinned]}
 
 
 class LanguageModels:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from timeshare.errors import BadRequest, ConfigError, Timeout, TimeshareError, UnknownModelError
-from timeshare.llm.adapters import AdapterInfo
+from timeshare.llm.adapters import Adapter, AdapterInfo
 from timeshare.llm.constrained import GrammarError, OutputFormat
 from timeshare.llm.sampling import MAX_LOGPROBS, SamplingParams
 from timeshare.llm.sequence import ContextLengthError, Delta, Finish
@@ -302,16 +302,19 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
                              adapter=adapter)
 
 
-async def _target(llms: LanguageModels, name: str) -> tuple[ServedLLM, str | None]:
+async def _target(llms: LanguageModels, name: str) -> tuple[ServedLLM, Adapter | None]:
     """The model and adapter a request names (NOTE [Adapter residency]); an adapter the
-    resolver finds is read here, off the event loop (a bad one: 400 naming why)."""
-    model, adapter = llms.find(name)
-    if adapter is not None and model.adapters is not None:
-        try:
-            await asyncio.to_thread(model.adapters.get, adapter)
-        except ConfigError as exc:
-            raise InvalidRequest(str(exc), "model") from None
-    return model, adapter
+    resolver finds, or one whose host copy was let go, is read here, off the event loop
+    (a bad one: 400 naming why), and the request keeps that copy."""
+    model, named = llms.find(name)
+    if named is None:
+        return model, None
+    if model.adapters is None:
+        raise UnknownModelError(f"model {model.name!r} serves no adapters (adapter {named!r} asked)")
+    try:
+        return model, await asyncio.to_thread(model.adapters.get, named)
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc), "model") from None
 
 
 async def read_body(request: Request) -> Any:
@@ -483,7 +486,7 @@ def _choices(model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
                   req: _Sampling, *, chat: bool, timeout_s: float,
                   echoed: Callable[[], list[str]] | None = None, tools: ToolPlan | None = None,
-                  adapter: str | None = None):
+                  adapter: Adapter | None = None):
     """The answer to ``prompts``, by ``adapter`` of ``model`` if named; ``echoed``: their
     texts for ``echo``, made once the prompts passed the model's checks."""
     n = req.n or 1
@@ -512,7 +515,8 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     created = int(time.time())
     choices = _choices(model, prompts, params, chat, None if echoed is None else echoed(), n, tools)
     if req.stream:
-        return StreamingResponse(_sse(stream, choices, adapter or model.name, rid, created, chat, req.include_usage),
+        served = model.name if adapter is None else adapter.name
+        return StreamingResponse(_sse(stream, choices, served, rid, created, chat, req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect() -> None:
@@ -540,7 +544,8 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     if failed is not None:
         raise served_error(model.name, failed)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": adapter or model.name, "choices": [c.whole() for c in choices], "usage": _usage(choices)}
+            "model": model.name if adapter is None else adapter.name, "choices": [c.whole() for c in choices],
+            "usage": _usage(choices)}
 
 
 def _usage(choices: list[_Choice]) -> dict:
