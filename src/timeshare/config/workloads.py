@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from timeshare.config.fields import DATATYPES, Strict, valid_name
+from timeshare.options import DEFAULT_MAX_LORAS
 
 
 class TensorSpec(Strict):
@@ -246,9 +247,7 @@ class LLMConfig(Strict):
 
     @model_validator(mode="after")
     def _host_bound(self):
-        from timeshare.llm.adapters import DEFAULT_SLOTS
-
-        slots = self.max_loras or DEFAULT_SLOTS
+        slots = self.max_loras or DEFAULT_MAX_LORAS
         if self.max_cpu_loras is not None and self.max_cpu_loras < slots:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({slots})")
         return self

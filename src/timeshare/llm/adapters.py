@@ -49,11 +49,12 @@ import torch
 
 from timeshare.decode.lora import LoraSpec, LoraStacks, LoraUse, pack
 from timeshare.errors import ConfigError, GenerationError, Unavailable, UnknownModelError
+from timeshare.options import DEFAULT_MAX_LORAS
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 DEFAULT_MAX_RANK = 64
-DEFAULT_SLOTS = 8  # adapters on the device at once (vLLM's --max-loras is 1 by default; S-LoRA many)
+DEFAULT_SLOTS = DEFAULT_MAX_LORAS  # adapters on the device at once, unless max_loras says
 
 _loads = itertools.count(1)
 
