@@ -128,6 +128,11 @@ def test_lora_flags_reach_the_language_models_entries(tmp_path):
     assert one.max_cpu_loras == 5 and adapter_options(one)["max_cpu_loras"] == 5
     with pytest.raises(ConfigError, match=r"max_cpu_loras \(2\) must be at least max_loras \(8\)"):
         llms(["m"], "--max-cpu-loras", "2")  # against the default 8 slots, before anything loads
+    pinned = tmp_path / "p.yaml"  # a pinned adapter is pinned as it is added, before any bound lets it go
+    pinned.write_text(yaml.safe_dump({"llms": [{"name": "m", "path": str(tmp_path / "m"), "adapters": [
+        {"name": "a", "path": str(tmp_path / "a"), "pinned": True}, {"name": "b", "path": str(tmp_path / "b")}]}]}))
+    entry = load_with_overrides(cli._parser().parse_args(["serve", "--config", str(pinned)])).llms[0]
+    assert adapter_options(entry)["pinned_adapters"] == ["a"]
     two = llms(["m", "n"], "--lora", json.dumps({"name": "a", "path": str(tmp_path / "a"), "base_model_name": "n"}))
     assert [e.adapters for e in two][0] == [] and [a.name for a in two[1].adapters] == ["a"]
     assert not two[0].serves_adapters
