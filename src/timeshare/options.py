@@ -21,12 +21,12 @@ from timeshare.transfer.planner import STRATEGIES
 from timeshare.units import parse_bytes
 
 DEFAULT_TASK_TIMEOUT_S = 300.0
+"""A worker's deadline for a call or a training iteration when none is given (a server
+gives its request timeout instead)."""
 # A language model's LoRA adapters on the device at once (``max_loras``; vLLM's
 # --max-loras is 1 by default, S-LoRA holds many): here because the config checks
 # ``max_cpu_loras`` against it and the controller sizes slots by it.
 DEFAULT_MAX_LORAS = 8
-"""A worker's deadline for a call or a training iteration when none is given (a server
-gives its request timeout instead)."""
 
 
 class Strict(BaseModel):

@@ -246,6 +246,8 @@ class LoraLayers:
         self._of: dict[int, int] = {}  # id(projection) -> its target's index
         self._hooks: list[Any] = []
         self._module: nn.Module | None = None
+        self._stacked = spec.slots - 1 < STACKED_SLOTS  # which buffers ``use`` makes: NOTE [Adapters in slots]
+        self._teams_sleep = device.type == "cpu" and teams_sleep()  # small products may leave the team
 
     def attach(self, module: nn.Module) -> None:
         """Hook ``module``'s projections (once per module object)."""
@@ -281,14 +283,18 @@ class LoraLayers:
             self._rank, self._targets = min(max(used.rank, 1), spec.rank), used.targets
         # Every row of one adapter (a prefill, a batch of one fine-tune): its own factors alone.
         self._one = slots[0] if not self.always and slots and all(s == slots[0] for s in slots) else None
+        if self._one is not None:
+            return  # its factors alone: no row's column is read
         values = torch.zeros(self.index.shape[0], dtype=torch.int64)
         values[:len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
         if self.index.device.type == "cuda":
             values = values.pin_memory()
         self.index.copy_(values, non_blocking=True)
-        self._mine.copy_((self._slot_ids[None, :] == self.index[:, None])[:, None, None, :])
-        self._column.copy_((self.index - 1).clamp(min=0))
-        self._adapted.copy_((self.index > 0)[:, None, None])
+        if self._stacked:
+            self._mine.copy_((self._slot_ids[None, :] == self.index[:, None])[:, None, None, :])
+        else:
+            self._column.copy_((self.index - 1).clamp(min=0))
+            self._adapted.copy_((self.index > 0)[:, None, None])
 
     def _hook(self, i: int) -> Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor | None]:
         """Target ``i``'s forward hook (its index bound here: a compiled step traces no
@@ -315,8 +321,7 @@ class LoraLayers:
             out = out.contiguous()
         # Sizes are looked at only outside a compiled step: a comparison there would guard
         # its trace on the rows (NOTE [Compiled decode steps]: one trace for every bucket).
-        if x.device.type != "cpu" or torch.compiler.is_compiling() or torch.get_num_threads() == 1 \
-                or not teams_sleep() \
+        if not self._teams_sleep or torch.compiler.is_compiling() or torch.get_num_threads() == 1 \
                 or x.numel() // fan_in * rank * (fan_in + out.shape[-1]) * (n if self._one is None else 1) \
                 >= ONE_THREAD_MACS:
             self._add(i, x, out)
@@ -337,7 +342,7 @@ class LoraLayers:
         if self._one is not None:  # one adapter for every row (padding rows too: their outputs go nowhere)
             column = self._one - 1
             flat.addmm_(F.linear(x.reshape(-1, fan_in), a[:rank, column]), b[:rank, column])
-        elif n < STACKED_SLOTS:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
+        elif self._stacked:  # NOTE [Adapters in slots]: over whole stacks, each row its own slot's columns
             # Selected, not multiplied by 0/1: another slot's overflow (inf) stays out of this row.
             low = F.linear(x.reshape(rows, -1, fan_in), a[:rank].view(rank * n, fan_in)).view(rows, -1, rank, n)
             low = torch.where(self._mine[:rows], low, 0.0)

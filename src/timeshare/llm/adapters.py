@@ -109,7 +109,8 @@ class Adapter:
     def _read(cls, name: str, path: Path, spec: LoraSpec, pin: bool, where: str) -> Adapter:
         config = _config(path, where)
         tensors = _tensors(path, where)
-        by_target = {t.name: i for i, t in enumerate(spec.targets)}
+        targets = spec.targets  # made from the spec's tuples on each access: once here
+        by_target = {t.name: i for i, t in enumerate(targets)}
         found: dict[int, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             parsed = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])(?:\.default)?\.weight", key)
@@ -122,10 +123,10 @@ class Adapter:
             found.setdefault(target, {})[parsed.group(2)] = tensor
         if not found:
             raise ConfigError(f"{where}: {WEIGHTS} holds no LoRA factors")
-        factors: list[Factors | None] = [None] * len(spec.targets)
+        factors: list[Factors | None] = [None] * spec.count
         rank = 0
         for i, pair in found.items():
-            t = spec.targets[i]
+            t = targets[i]
             if set(pair) != {"A", "B"}:
                 raise ConfigError(f"{where}: {t.name} has lora_{''.join(pair)} without its other factor")
             a, b = pair["A"], pair["B"]

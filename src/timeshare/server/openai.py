@@ -307,10 +307,8 @@ async def _target(llms: LanguageModels, name: str) -> tuple[ServedLLM, Adapter |
     resolver finds, or one whose host copy was let go, is read here, off the event loop
     (a bad one: 400 naming why), and the request keeps that copy."""
     model, named = llms.find(name)
-    if named is None:
+    if named is None or model.adapters is None:  # ``find`` names an adapter only of a model that serves them
         return model, None
-    if model.adapters is None:
-        raise UnknownModelError(f"model {model.name!r} serves no adapters (adapter {named!r} asked)")
     try:
         return model, await asyncio.to_thread(model.adapters.get, named)
     except ConfigError as exc:
