@@ -2,7 +2,8 @@
 48): log-probabilities, echo, penalties and logit bias in OpenAI's shapes, whole and
 streamed, each number against ``transformers``' own log-softmax on the same weights;
 several choices (``n``) with the prompt computed once; refused values are 400s naming
-their field."""
+their field. Every test runs against a server with no workers and one with two: the
+fields are the one engine's, answered alike in both modes."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def hf(path):
             transformers.AutoModelForCausalLM.from_pretrained(path).eval())
 
 
-@pytest.fixture(scope="module")
-def server(path):
-    cfg = {"runtime": {"device": "cpu", "memory": "64MiB"},
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "workers"])
+def server(path, request):
+    cfg = {"runtime": {"device": "cpu", "memory": "64MiB", "workers": request.param},
            "server": {"host": "127.0.0.1", "metrics_port": None, "request_timeout_s": 60},
            "llms": [{"name": "llama", "path": str(path), "max_sequences": 4, "max_context": 1024}]}
     with running_server(cfg) as s:
