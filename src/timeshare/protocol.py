@@ -25,8 +25,11 @@ is pickled in place, and logged once.
       args as TensorRefs, channel:    output as TensorRefs in the channel (refs, out_nbytes)
       a grown channel to map first
       with step: a language model's step (decode/step.py), answered with its StepOutcome
-    StepMasks(seq, masks)             a step whose masks follow it: sent once it is posted,
-                                      read by the step after queueing its forward
+    SlotReady(seq, written)           a prefill whose cold adapter slot is written while it
+                                      runs: after each layer, read by the corrections
+    StepMasks(seq, masks)             a step whose masks follow it: sent once it is posted
+                                      (after its SlotReady), read by the step after
+                                      queueing its forward
     Profile(seq, model, ...)        Result(seq, profile)     or Failure(seq, error)
       args as TensorRefs, channel
     Train(seq, job, spec, lane)     Progress(seq, ...) after every iteration, then
@@ -39,7 +42,8 @@ is pickled in place, and logged once.
 
 A worker answers one request at a time, except that a Train segment reads the pipe
 at every preemption point, where only PreemptSegment and Shutdown can arrive, and a
-step whose masks follow it reads its StepMasks (NOTE [Masks while the device runs]).
+step reads what follows it: its SlotReady (NOTE [Adapters streamed in]), then its
+StepMasks (NOTE [Masks while the device runs]).
 """
 
 from __future__ import annotations
@@ -186,6 +190,16 @@ class StepMasks:
 
     seq: int
     masks: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class SlotReady:
+    """Step ``seq``'s cold adapter slot holds its first ``written`` targets, sent after its
+    RunModel, layer by layer, before any StepMasks (NOTE [Adapters streamed in]); -1: the
+    controller could not write it (the step fails)."""
+
+    seq: int
+    written: int
 
 
 @dataclass(frozen=True)

@@ -45,3 +45,35 @@ def test_adapters_from_captured_graphs_give_pefts_tokens_mixed_and_taking_turns(
         assert snap.graph_captures == captured and snap.eager_steps == 0 and snap.graph_replays > 0
         assert all(a.pinned_memory() for f in m.adapters.get("attn8").factors if f is not None for a in f)
         m.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_a_cold_adapter_streamed_in_on_its_own_stream_gives_pefts_tokens(tmp_path, workers, monkeypatch):
+    """NOTE [Adapters streamed in] on CUDA: each layer's copy slowed on the host, so the
+    prefill's corrections meet layers not yet written; in-process their stream waits on
+    the layer's event, with workers the controller synchronises each layer before it
+    tells the worker. The tokens are PEFT's, and later steps replay the captured graphs."""
+    from timeshare.decode.lora import LoraStacks
+
+    base = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)
+    paths = {n: write_adapter(base, tmp_path / n, rank=r, targets=t, seed=i, std=0.2)
+             for i, (n, (r, t)) in enumerate(ADAPTERS.items())}
+    write = LoraStacks.write_target
+
+    def slow(self, slot, i, got, non_blocking=False):
+        import time
+
+        time.sleep(0.005)
+        write(self, slot, i, got, non_blocking)
+
+    monkeypatch.setattr(LoraStacks, "write_target", slow)
+    with timeshare.Runtime(device="cuda", memory="96MiB", profile_repeats=1, workers=workers) as rt:
+        m = lm.load(rt, "m", base, max_context=256, adapters=paths, max_loras=1, max_lora_rank=16)
+        ids = [m.encode(p) for p in PROMPTS]
+        greedy = SamplingParams(max_tokens=16, temperature=0)
+        for j, name in enumerate(["all4", "mlp16", "attn8", "all4"]):  # one slot: each one cold
+            want = peft_greedy(base, paths[name], "cuda")(ids[j % 3], 16)
+            assert m.generate(ids[j % 3], greedy, adapter=name).result(120).tokens == want, name
+        assert m.engine.counts.slot_waits >= 4 and m.adapters.slots.loads == 4
+        assert m.engine.snapshot().graph_replays > 0
+        m.close()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.llm_reference import peft_greedy, with_pools, write_adapter
-from timeshare.errors import ConfigError, UnknownModelError
+from timeshare.errors import ConfigError, GenerationError, UnknownModelError
 from timeshare.llm import hfdir
 from timeshare.llm import model as lm
 from timeshare.llm.sampling import SamplingParams
@@ -230,6 +230,47 @@ def test_at_most_max_cpu_loras_adapters_stay_in_host_memory_and_one_let_go_is_re
         table.resolve_dir = None
         with pytest.raises(UnknownModelError):
             _greedy(m, 3, "o2")
+        m.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_a_cold_adapter_streams_in_layer_by_layer_while_its_prefill_runs(base, adapters, expected, workers,
+                                                                         monkeypatch):
+    """NOTE [Adapters streamed in]: a cold adapter's slot is written after its prefill began
+    (in-process on a thread of its own, with workers by the controller once the step is
+    sent), each correction waiting for its layer: with each copy slowed, corrections wait
+    and the tokens are still PEFT's. A write that fails fails its request with the reason,
+    and the slot holds no adapter: the next request writes it again, whole."""
+    from timeshare.decode.lora import LoraStacks
+
+    write = LoraStacks.write_target
+
+    def slow(self, slot, i, got, non_blocking=False):
+        time.sleep(0.02)  # 14 targets: 280 ms, against a prefill of milliseconds
+        write(self, slot, i, got, non_blocking)
+
+    def broken(self, slot, i, got, non_blocking=False):
+        if i >= 7:  # the second layer's
+            raise RuntimeError("copy engine fault")
+        write(self, slot, i, got, non_blocking)
+
+    with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=workers) as rt:
+        m = lm.load(rt, "llama", base, max_context=256, adapters=adapters, max_loras=1, max_lora_rank=16)
+        slots, counts = m.adapters.slots, m.engine.counts
+        monkeypatch.setattr(LoraStacks, "write_target", slow)
+        assert _greedy(m, 0, "all4").result(60).tokens == expected["all4"][0]
+        waited = counts.slot_waits
+        assert waited >= 1 and slots.loads == 1 and slots.load_s >= 14 * 0.02
+        assert _greedy(m, 1, "all4").result(60).tokens == expected["all4"][1]  # on the device now: no write
+        assert counts.slot_waits == waited and slots.loads == 1
+        monkeypatch.setattr(LoraStacks, "write_target", broken)
+        with pytest.raises(GenerationError, match="could not be written.*copy engine fault"):
+            _greedy(m, 2, "mlp16").result(60)
+        assert {i.name: i.slot for i in m.adapters.infos()}["mlp16"] is None
+        monkeypatch.setattr(LoraStacks, "write_target", slow)
+        for i, name in [(2, "mlp16"), (3, "all4"), (4, "mlp16")]:
+            assert _greedy(m, i, name).result(60).tokens == expected[name][i], name
+        assert counts.slot_waits > waited and slots.loads == 5
         m.close()
 
 

@@ -47,10 +47,35 @@ cheaper. A
 prefill of an adapter pays its products too (6.5 ms of a 64-token prompt's 67 ms of
 projections), and a cold adapter its copy (2.5 ms for 9 MiB). On a GPU the products are
 launches in a graph: not measured yet.
+
+# NOTE [Adapters streamed in]
+A cold adapter is not copied before its prefill: its slot is written layer by layer
+while the prefill runs, as a cold model's weights are (the pipelined loader). Taking a
+slot (``AdapterSlots.take``) makes a ``SlotWrite``, which the prefill's step carries
+(``Step.load``); each correction of target ``i`` first waits until the slot holds
+targets ``0..i`` (``LoraLayers.use(..., ready=)``), and the step waits for the whole
+slot before it ends, since the decode steps after it read every target. In-process
+the write runs on a thread of its own from the step's start; on CUDA its copies run on
+a stream of their own, a layer's event waited on by the correction's stream, so the
+host waits only for the copy to be queued. With workers the controller, which owns the
+slots, writes them once the step is sent, while the worker computes, and tells the
+worker after each layer (``SlotReady`` on the pipe, each layer's copy synchronised
+first on CUDA), before the step's late masks (NOTE [Masks while the device runs]); the
+worker's ``SlotReader`` reads those messages as its corrections need them, and the rest
+off the pipe if the step fails. Whatever became of the step, the engine then finishes
+the write (``AdapterSlots.settle``): a step that failed before it began leaves the
+whole copy to that, a worker that died mid-write has it taken up where it stopped (by
+the step's run on its next home, or there), and a copy that fails fails its request
+with the reason and leaves the slot holding no adapter, to be written whole by its next
+request. ``slot_waits`` counts the corrections that waited.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +85,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timeshare.device import teams_sleep
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, GenerationError
 
 ALIGN = 256  # each stack starts at a multiple of this many bytes
 STACKED_SLOTS = 16  # up to this many slots, corrections are products over whole stacks (NOTE [Adapters in slots])
@@ -69,6 +94,7 @@ STACKED_SLOTS = 16  # up to this many slots, corrections are products over whole
 # operators paid a wake-up, and a 64-token prefill's 84 corrections took 31 ms on two
 # threads and 14 ms on one (2-core VM, in-process).
 ONE_THREAD_MACS = 1 << 22
+SLOT_WRITE_S = 60.0  # the longest a correction (or the step's end) waits for its cold adapter's targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,22 +230,149 @@ class LoraStacks:
         """Slot ``slot`` holds an adapter whose image (``pack``) is, per target (None: not
         adapted), ``A`` (``[rank, fan_in]``) and ``scale * B`` transposed (``[rank,
         fan_out]``); the columns past its rank zero."""
+        self._check(slot, image)
+        for i, got in enumerate(image):
+            self.write_target(slot, i, got)
+
+    def _check(self, slot: int, image: Sequence[object]) -> None:
         if not 0 < slot < self.spec.slots:
             raise ConfigError(f"adapter slot {slot} is not one of 1..{self.spec.slots - 1}")
         if len(image) != len(self.a):
             raise ConfigError(f"an adapter of {len(image)} projections for slots of {len(self.a)}")
-        for i, got in enumerate(image):
-            a, b = self.a[i][:, slot - 1], self.b[i][:, slot - 1]
-            if got is None:
-                a.zero_()
-                b.zero_()
-                continue
-            down, up = got
-            rank = down.shape[0]
-            a[:rank].copy_(down)
-            a[rank:].zero_()
-            b[:rank].copy_(up)
-            b[rank:].zero_()
+
+    def write_target(self, slot: int, i: int, got: tuple[torch.Tensor, torch.Tensor] | None,
+                     non_blocking: bool = False) -> None:
+        """Target ``i`` of slot ``slot``: its image (``write``), or zeros."""
+        a, b = self.a[i][:, slot - 1], self.b[i][:, slot - 1]
+        if got is None:
+            a.zero_()
+            b.zero_()
+            return
+        down, up = got
+        rank = down.shape[0]
+        a[:rank].copy_(down, non_blocking=non_blocking)
+        a[rank:].zero_()
+        b[:rank].copy_(up, non_blocking=non_blocking)
+        b[rank:].zero_()
+
+
+def layer_ends(spec: LoraSpec) -> tuple[int, ...]:
+    """Where each decoder layer's targets end in ``spec``'s order (a cold adapter is
+    written layer by layer: NOTE [Adapters streamed in])."""
+    layers = [re.search(r"\.layers\.(\d+)\.", f".{name}.") for name, _, _ in spec.projections]
+    keys = [m.group(1) if m else name for m, (name, _, _) in zip(layers, spec.projections)]
+    return tuple(i + 1 for i in range(len(keys)) if i + 1 == len(keys) or keys[i + 1] != keys[i])
+
+
+class SlotWrite:
+    """A cold adapter's image going into slot ``slot`` of ``stacks``, layer by layer, while
+    the prefill that needs it runs (NOTE [Adapters streamed in]); made by the controller,
+    which owns the slots. ``written``: how many targets are in place. One writer at a
+    time; a write cut short (its writer's ``told`` raised: the worker it told died) is
+    taken up where it stopped by the next ``run``."""
+
+    def __init__(self, stacks: LoraStacks, slot: int, image: Sequence[tuple[torch.Tensor, torch.Tensor] | None]):
+        stacks._check(slot, image)
+        self.stacks, self.slot, self.image = stacks, slot, tuple(image)
+        self.count = len(self.image)
+        self.ends = layer_ends(stacks.spec)
+        self.written = 0
+        self.seconds = 0.0  # the copies' own time
+        self.error: BaseException | None = None  # a copy that failed: the slot holds no adapter
+        self._started = False
+        self._cv = threading.Condition()
+        self._writer = threading.Lock()
+        device = stacks.a[0].device if stacks.a else torch.device("cpu")
+        # On CUDA the copies run on a stream of their own, each layer's followed by an
+        # event that a correction's stream waits on: the host never waits for a copy.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._events: list[Any] = []
+
+    @property
+    def done(self) -> bool:
+        return self.written == self.count and self.error is None
+
+    def start(self) -> None:
+        """Begin writing on a thread of its own (in the process that runs the step)."""
+        with self._cv:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._run_quietly, name=f"adapter-slot-{self.slot}", daemon=True).start()
+
+    def _run_quietly(self) -> None:
+        with contextlib.suppress(Exception):  # kept in ``error``: the step's waits raise it
+            self.run()
+
+    def run(self, told: Callable[[int], None] | None = None, timeout_s: float = SLOT_WRITE_S) -> None:
+        """Write what is not written yet, on this thread, calling ``told(written)`` first
+        with what is already written and then after each layer; with ``told`` each
+        layer's copy is synchronised before it is told (another process reads it)."""
+        if not self._writer.acquire(timeout=timeout_s):
+            raise GenerationError(f"adapter slot {self.slot}: another write held it for {timeout_s:g} s")
+        try:
+            if self.error is not None:
+                raise GenerationError(f"adapter slot {self.slot} could not be written: {self.error}")
+            if told is not None and self.written:
+                told(self.written)
+            for end in self.ends:
+                if end > self.written:
+                    self._layer_to(end, sync=told is not None)
+                    if told is not None:
+                        told(end)
+            if self._stream is not None:
+                self._stream.synchronize()  # done means on the device
+        finally:
+            self._writer.release()
+
+    def _layer_to(self, end: int, sync: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                for i in range(self.written, end):
+                    self.stacks.write_target(self.slot, i, self.image[i], non_blocking=self._stream is not None)
+                if self._stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    if sync:
+                        event.synchronize()
+                    self._events.append(event)
+        except BaseException as exc:
+            with self._cv:
+                self.error = exc
+                self._cv.notify_all()
+            raise
+        finally:
+            self.seconds += time.perf_counter() - t0
+        with self._cv:
+            self.written = end
+            self._cv.notify_all()
+
+    def wait(self, written: int, timeout_s: float = SLOT_WRITE_S) -> bool:
+        """Until the first ``written`` targets are in place (on CUDA: for the current
+        stream, which waits on their layer's copy); whether it had to wait."""
+        with self._cv:
+            waited = self.written < written and self.error is None
+            if not self._cv.wait_for(lambda: self.written >= written or self.error is not None, timeout_s):
+                raise GenerationError(f"adapter slot {self.slot}: its targets to {written} were not written "
+                                      f"within {timeout_s:g} s")
+            if self.written < written:
+                raise GenerationError(f"adapter slot {self.slot} could not be written: {self.error}")
+            layers = sum(1 for end in self.ends if end <= written) + (written not in self.ends and written > 0)
+            events = self._events[:layers]
+        if events:
+            torch.cuda.current_stream().wait_event(events[-1])
+        return waited
+
+    def finish(self, timeout_s: float = SLOT_WRITE_S) -> None:
+        """Written whole and on the device, whatever became of the step (``GenerationError``:
+        a copy failed, and the slot holds no adapter)."""
+        try:
+            self.run(timeout_s=timeout_s)
+        except GenerationError:
+            raise
+        except Exception as exc:
+            raise GenerationError(f"adapter slot {self.slot} could not be written: {exc}") from exc
 
 
 class LoraLayers:
@@ -248,6 +401,8 @@ class LoraLayers:
         self._module: nn.Module | None = None
         self._stacked = spec.slots - 1 < STACKED_SLOTS  # which buffers ``use`` makes: NOTE [Adapters in slots]
         self._teams_sleep = device.type == "cpu" and teams_sleep()  # small products may leave the team
+        self._ready: Callable[[int], bool] | None = None  # NOTE [Adapters streamed in]
+        self.waits = 0  # corrections that waited for their cold slot's targets
 
     def attach(self, module: nn.Module) -> None:
         """Hook ``module``'s projections (once per module object)."""
@@ -269,10 +424,13 @@ class LoraLayers:
             hook.remove()
         self._hooks, self._of, self._module = [], {}, None
 
-    def use(self, slots: Sequence[int], used: LoraUse | None = None) -> None:
+    def use(self, slots: Sequence[int], used: LoraUse | None = None,
+            ready: Callable[[int], bool] | None = None) -> None:
         """The slots of the rows of the next forwards (the input rows past them: the
         base's), and what their adapters use (None: every target at full rank; with
-        graphs always so)."""
+        graphs always so); ``ready(n)``: waits until a cold slot's first ``n`` targets
+        are written, and says whether it waited (NOTE [Adapters streamed in])."""
+        self._ready = ready
         self.active = self.always or any(slots)
         if not self.active:
             return
@@ -315,6 +473,8 @@ class LoraLayers:
     def _corrected(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` with each row's correction added in place (a contiguous copy of it if it
         is not contiguous)."""
+        if self._ready is not None and self._ready(i + 1):  # NOTE [Adapters streamed in]
+            self.waits += 1
         a = self.stacks.a[i]
         rank, fan_in, n = self._rank, a.shape[2], a.shape[1]  # the ranks past ``rank`` are every slot's zeros
         if not out.is_contiguous():

@@ -49,7 +49,7 @@ from timeshare.decode.lean import Adapt, LeanStep, agrees
 from timeshare.decode.lora import LoraLayers, LoraStacks
 from timeshare.decode.pages import PagedLayout, to_device
 from timeshare.decode.sampler import Processing, choose, log_probabilities
-from timeshare.decode.step import DecodeCounts, DecoderSpec, Draw, Step, StepKind, StepOutcome, TokenLogprobs
+from timeshare.decode.step import DecodeCounts, DecoderSpec, Draw, Loading, Step, StepKind, StepOutcome, TokenLogprobs
 from timeshare.device import step_threads
 from timeshare.errors import ConfigError, GenerationError
 from timeshare.models.zoo.registry import cache_dir
@@ -310,10 +310,24 @@ class DecodeRunner:
             raise GenerationError(f"a prefill of {step.rows} rows needs a table, a start and a draw for each")
         asked = step.prompt_logprobs or (-1,) * step.rows
         slots = step.adapters or (0,) * step.rows
+        load = step.load  # NOTE [Adapters streamed in]: a cold adapter's slot, written as the prefill runs
+        if load is not None:
+            if self._lora is None or load.count != self._lora.stacks.spec.count:
+                raise GenerationError("a prefill's adapter slot is written for other adapter slots than this model's")
+            load.start()
+        try:
+            return self._prefill_rows(module, step, slots, asked, load)
+        finally:
+            if load is not None and self._lora is not None:
+                self._lora.use(())  # its waits end with the step (a capture must not meet them)
+
+    def _prefill_rows(self, module: nn.Module, step: Step, slots: tuple[int, ...], asked: tuple[int, ...],
+                      load: Loading | None) -> torch.Tensor:
         logits = []
+        waits = self._lora.waits if self._lora is not None else 0
         for tokens, start, table, top, slot in zip(step.tokens, step.starts, step.tables, asked, slots):
             if self._lora is not None:
-                self._lora.use((slot,), step.lora)
+                self._lora.use((slot,), step.lora, load.wait if load is not None and slot else None)
             if top < 0:
                 logits.append(self._prefill_row(module, tokens, start, table))
                 self._prompt_asked.append(None)
@@ -323,6 +337,10 @@ class DecodeRunner:
             last, scored = self._prefill_scored(module, tokens, table, top)
             logits.append(last)
             self._prompt_asked.append(scored)
+        if load is not None:  # every target in place before the step ends (the next steps read them all)
+            load.wait(load.count)
+        if self._lora is not None:
+            self.counts.slot_waits += self._lora.waits - waits
         rows = torch.cat(logits)
         draw = step.drawn()  # NOTE [Masks while the device runs]: the forward is queued
         processing = Processing(draw, rows.shape[1], self.device) if draw.processed else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -139,6 +139,35 @@ class MasksFollow:
         raise GenerationError("a step's grammar masks were to follow it to its worker, and no reader was set")
 
 
+class Loading(Protocol):
+    """A prefill's cold adapter slot being written while the step runs (NOTE [Adapters
+    streamed in]): in-process the controller's ``decode.lora.SlotWrite``, in a worker a
+    reader of the ``SlotReady`` messages that follow the step."""
+
+    count: int  # the targets to write
+
+    def start(self) -> None:
+        """Begin (in-process: the write's own thread; in a worker: nothing to begin)."""
+
+    def wait(self, written: int, timeout_s: float = ...) -> bool:
+        """Until the first ``written`` targets are in place; whether it had to wait."""
+
+
+class LoadFollows:
+    """A step's cold adapter slot as the step crosses to a worker: the controller writes it
+    after sending the step, and ``SlotReady`` messages follow on the pipe; the worker puts
+    its reader of them in this one's place."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def start(self) -> None:
+        return None
+
+    def wait(self, written: int, timeout_s: float = 0.0) -> bool:
+        raise GenerationError("a step's adapter slot was to be told ready on its worker's pipe, and no reader was set")
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """A token's log-probability under the model (raw: before any processing, NOTE
@@ -173,6 +202,8 @@ class Step:
     masks: Callable[[], tuple[bytes, ...]] | None = None
     adapters: tuple[int, ...] = ()  # NOTE [Adapters in slots]: each row's adapter slot (empty: all the base's)
     lora: LoraUse | None = None  # and what those adapters use (ranks, projections)
+    # NOTE [Adapters streamed in]: a prefill's cold adapter slot, written while the step runs.
+    load: Loading | None = None
 
     @property
     def rows(self) -> int:
@@ -210,6 +241,7 @@ class DecodeCounts:
     eager: int = 0
     invalidations: int = 0
     lean: int = 0
+    slot_waits: int = 0  # corrections that waited for their cold adapter's layer (NOTE [Adapters streamed in])
 
     def add(self, other: DecodeCounts) -> None:
         for f in fields(self):

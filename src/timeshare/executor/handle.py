@@ -197,19 +197,21 @@ class WorkerHandle:
         return grown
 
     def call(self, msg, inputs: Inputs, timeout_s: float, what: str, spin_s: float = 0.0,
-             then: Callable[[], tuple[bytes, ...]] | None = None) -> tuple[Any, Any]:
+             then: Callable[[], tuple[bytes, ...]] | None = None,
+             writes: Callable[[Callable[[int], None]], None] | None = None) -> tuple[Any, Any]:
         """Send a call's message (made with ``inputs``) and wait for its reply (as
         ``request``); returns the reply and its value, whose tensors are copied out of the
         channel, the caller's own: the next call may overwrite the channel (NOTE [Tensor
         channel]). ``spin_s``: poll for the reply this long before sleeping (NOTE [Spin
         before sleeping]). ``then``: a step's late masks, computed once the step is sent,
         while the worker runs its forward, and sent after it (NOTE [Masks while the device
-        runs])."""
+        runs]); before them ``writes``: its cold adapter slot written meanwhile, each
+        layer told (NOTE [Adapters streamed in])."""
         self._check_owner()
         if not self.post_bytes(C.dumps(msg, inputs.left)):
             raise self._crashed(what)
-        if then is not None:
-            self._follow(msg.seq, then, timeout_s, what)
+        if then is not None or writes is not None:
+            self._follow(msg.seq, writes, then, timeout_s, what)
         reply = self.receive(timeout_s, what, msg.seq, spin_s)
         if not isinstance(reply, P.Result):
             return reply, getattr(reply, "value", None)
@@ -226,13 +228,28 @@ class WorkerHandle:
                                      where=f"worker {self.id}, {what}")
         return reply, C.copies(reply.value, channel.buffer)
 
-    def _follow(self, seq: int, then: Callable[[], tuple[bytes, ...]], timeout_s: float, what: str) -> None:
-        """Send step ``seq``'s late masks; if computing them raised, the step is told (it
-        fails), its answer read, and the error raised here."""
+    def _follow(self, seq: int, writes: Callable[[Callable[[int], None]], None] | None,
+                then: Callable[[], tuple[bytes, ...]] | None, timeout_s: float, what: str) -> None:
+        """What follows step ``seq``: its adapter slot's layers as they are written, then its
+        late masks; if writing or computing them raised, the step is told (it fails), its
+        answer read, and the error raised here."""
+        wrote = False
+
+        def tell(written: int) -> None:
+            if not self.post(P.SlotReady(seq, written)):
+                raise self._crashed(what)
+
         try:
-            masks = then()
+            if writes is not None:
+                writes(tell)
+                wrote = True
+            masks = then() if then is not None else None
+        except WorkerError:
+            raise  # the worker is gone: the pool replaces it
         except BaseException as exc:
-            if not self.post(P.StepMasks(seq, ())):
+            if writes is not None and not wrote and not self.post(P.SlotReady(seq, -1)):
+                raise self._crashed(what) from exc
+            if then is not None and not self.post(P.StepMasks(seq, ())):
                 raise self._crashed(what) from exc
             try:
                 self.receive(timeout_s, what, seq)  # the step's failure, answering the empty masks
@@ -241,7 +258,7 @@ class WorkerHandle:
             except TimeshareError:
                 pass
             raise
-        if not self.post(P.StepMasks(seq, masks)):
+        if masks is not None and not self.post(P.StepMasks(seq, masks)):
             raise self._crashed(what)
 
     # ------------------------------------------------------------------ requests

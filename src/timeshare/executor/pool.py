@@ -19,7 +19,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from timeshare import protocol as P
-from timeshare.decode.step import MasksFollow, Step
+from timeshare.decode.lora import SlotWrite
+from timeshare.decode.step import LoadFollows, MasksFollow, Step
 from timeshare.device import BackendFlags, leaves_a_core
 from timeshare.errors import TimeshareError, WorkerError, WorkerTimeoutError
 from timeshare.executor.deadline import Deadlines
@@ -166,9 +167,14 @@ class ProcessPool:
         """Run ``model`` on a standby (a language model's step: on its home, NOTE [One step,
         two places])."""
         shared = dict(shared) if shared is not None else None
-        # NOTE [Masks while the device runs]: a step's late masks follow it on the pipe.
+        # NOTE [Masks while the device runs]: a step's late masks follow it on the pipe, and
+        # before them, NOTE [Adapters streamed in]: its cold adapter slot, written here as it runs.
         late = step.masks if step is not None else None
-        sent_step = replace(step, masks=MasksFollow()) if step is not None and late is not None else step
+        load = step.load if step is not None and isinstance(step.load, SlotWrite) and not step.load.done else None
+        sent_step = step
+        if step is not None and (late is not None or step.load is not None):
+            sent_step = replace(step, masks=MasksFollow() if late is not None else None,
+                                load=LoadFollows(load.count) if load is not None else None)
 
         def make(inputs: Inputs, profiles: tuple) -> P.RunModel:
             return P.RunModel(self._set.next_seq(), model, offset, resident, inputs.args, inputs.kwargs, strategy,
@@ -183,7 +189,8 @@ class ProcessPool:
         # A language model's step waits for its home's pipe (its decode graphs are there:
         # NOTE [Decode graphs]); anything else takes a free standby.
         with self._standby(what) if step is None else self.claim(self._step_home(model), what) as w:
-            reply, value = self._task_on(w, _Call(model, make, args, kwargs, run=True, then=late), what, kind)
+            reply, value = self._task_on(w, _Call(model, make, args, kwargs, run=True, then=late,
+                                                  writes=load.run if load is not None else None), what, kind)
         t = reply.timings
         if t is None:
             return Ran(value)
@@ -273,7 +280,7 @@ class ProcessPool:
             timeout, last = (self.task_timeout_s, None) if kind is None else \
                 (self.deadlines.of(kind), self.deadlines.last(kind))
             spin = SPIN_S if last is not None and last < SPIN_S else 0.0  # NOTE [Spin before sleeping]
-            reply, value = w.call(msg, inputs, timeout, what, spin, then=call.then)
+            reply, value = w.call(msg, inputs, timeout, what, spin, then=call.then, writes=call.writes)
         except WorkerError as exc:
             if not w.alive() or isinstance(exc, WorkerTimeoutError):
                 self._set.replace(w, exc)
@@ -468,6 +475,7 @@ class _Call:
     kwargs: dict
     run: bool
     then: Callable[[], tuple[bytes, ...]] | None = None  # a step's late masks, sent after it
+    writes: Callable[[Callable[[int], None]], None] | None = None  # its cold adapter slot's write, told after it
 
 
 def _state_of(w: WorkerHandle, training: set[WorkerHandle]) -> str:

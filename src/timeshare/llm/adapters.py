@@ -32,12 +32,12 @@ pages are its own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import re
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from timeshare.decode.lora import LoraSpec, LoraStacks, LoraUse, pack
+from timeshare.decode.lora import LoraSpec, LoraStacks, LoraUse, SlotWrite, pack
 from timeshare.errors import ConfigError, GenerationError, Unavailable, UnknownModelError
 from timeshare.options import DEFAULT_MAX_LORAS
 
@@ -203,6 +203,7 @@ class AdapterSlots:
         self._pinned: set[str] = set()
         self.loads = 0  # adapters copied to the device
         self.load_s = 0.0
+        self._writes: dict[int, SlotWrite] = {}  # slots being written (NOTE [Adapters streamed in])
         self._removed: set[int] = set()  # id() of adapters removed while rows held their slots
         self._closed = False  # the region was given back: nothing is written any more
         self._lock = threading.Lock()
@@ -225,17 +226,39 @@ class AdapterSlots:
             slot = next((s for s, a in self._in.items() if a is adapter), None)
             if slot is None:
                 slot = self._free()
-                t0 = time.perf_counter()
-                self.stacks.write(slot, adapter.factors)
-                if self.stacks.a and self.stacks.a[0].device.type == "cuda":
-                    torch.cuda.synchronize(self.stacks.a[0].device)  # a step in another process reads it next
-                self.load_s += time.perf_counter() - t0
+                # NOTE [Adapters streamed in]: written while the prefill that takes it runs.
+                self._writes[slot] = SlotWrite(self.stacks, slot, adapter.factors)
                 self.loads += 1
                 self._in[slot] = adapter
             self._held[slot] = self._held.get(slot, 0) + 1
             self._recent.pop(slot, None)
             self._recent[slot] = None
             return slot
+
+    def writing(self, slot: int) -> SlotWrite | None:
+        """The write of ``slot`` a prefill that took it is to wait for, if it is being written."""
+        with self._lock:
+            return self._writes.get(slot)
+
+    def settle(self, slot: int) -> None:
+        """The step that took ``slot`` ended: its write is finished whatever the step did
+        (``GenerationError``: it could not be, and the slot holds no adapter now)."""
+        with self._lock:
+            write = self._writes.get(slot)
+        if write is None:
+            return
+        try:
+            write.finish()
+        except GenerationError:
+            with self._lock:
+                if self._in.get(slot) is not None:
+                    del self._in[slot]
+                    self._recent.pop(slot, None)
+            raise
+        finally:
+            with self._lock:
+                self._writes.pop(slot, None)
+                self.load_s += write.seconds
 
     def _free(self) -> int:
         empty = next((s for s in range(1, self.slots + 1) if s not in self._in), None)
@@ -293,9 +316,14 @@ class AdapterSlots:
             self.stacks.clear(slot)
 
     def close(self) -> None:
-        """The region is about to be given back: no slot is written after this."""
+        """The region is about to be given back: no slot is written after this (a write
+        under way ends first)."""
         with self._lock:
             self._closed = True
+            writes = list(self._writes.values())
+        for write in writes:
+            with contextlib.suppress(GenerationError):
+                write.finish()
 
     def pin(self, name: str, pinned: bool = True) -> None:
         with self._lock:

@@ -127,7 +127,8 @@ class Batch:
         asked = (seq.params.prompt_logprobs or 0,) if whole else ()
         return row, Step(StepKind.PREFILL, self.spec, (tuple(context[start:]),), (start,), (tuple(row.pages),),
                          draw([seq], self.eos), zero, prompt_logprobs=asked, masks=self.masks_of([seq]),
-                         adapters=(slot,) if slot else (), lora=self._use_of((slot,)))
+                         adapters=(slot,) if slot else (), lora=self._use_of((slot,)),
+                         load=self.adapters.writing(slot) if slot and self.adapters is not None else None)
 
     def _tag_of(self, seq: Sequence) -> bytes:
         """The root of its pages' keys: the model's load's, and its adapter's (NOTE [Prefix
@@ -140,6 +141,12 @@ class Batch:
     def _let_go(self, slot: int) -> None:
         if slot and self.adapters is not None:
             self.adapters.release(slot)
+
+    def settle(self, row: Row) -> None:
+        """``row``'s prefill ended, well or not: its adapter's slot is written whole
+        (NOTE [Adapters streamed in]; ``GenerationError``: it could not be)."""
+        if row.slot and self.adapters is not None:
+            self.adapters.settle(row.slot)
 
     def joined(self, row: Row) -> None:
         """``row``'s prefill succeeded: it joins the batch, its full pages published."""

@@ -425,7 +425,10 @@ class Engine:
                     return
                 row, step = made
                 try:
-                    outcome = self._run(turn, step)
+                    try:
+                        outcome = self._run(turn, step)
+                    finally:
+                        self._batch.settle(row)  # NOTE [Adapters streamed in]: its slot written whole
                     token = outcome.tokens[0]
                     if token < 0:
                         raise GenerationError(NAN_LOGITS)

@@ -27,7 +27,7 @@ import torch
 
 import timeshare.device as devices
 from timeshare import protocol as P
-from timeshare.decode.step import MasksFollow
+from timeshare.decode.step import LoadFollows, MasksFollow
 from timeshare.errors import GenerationError, ModelError
 from timeshare.memory.arena import Arena, map_shared_memory
 from timeshare.memory.ephemeral import in_lane
@@ -59,6 +59,37 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     """Entry point of a worker process (spawned)."""
     WorkerProcess(start, conn).serve()
 
+
+
+class SlotReader:
+    """A prefill's cold adapter slot as its worker sees it (NOTE [Adapters streamed in]):
+    the controller writes it after sending the step, and says after each layer how many
+    targets are in place (``SlotReady``); ``wait`` reads those messages as far as a
+    correction needs, ``drain`` the rest once the step failed."""
+
+    def __init__(self, next_message: Callable[[], P.SlotReady], count: int):
+        self._next = next_message
+        self.count, self.written = count, 0
+        self.failed = False
+
+    def start(self) -> None:
+        return None
+
+    def wait(self, written: int, timeout_s: float = STEP_MASKS_S) -> bool:
+        waited = False
+        while self.written < written:
+            if self.failed:
+                raise GenerationError("the controller could not write this step's adapter slot")
+            got = self._next().written
+            if got < 0:
+                self.failed = True
+                continue
+            self.written, waited = max(self.written, got), True
+        return waited
+
+    def drain(self) -> None:
+        if not self.failed:
+            self.wait(self.count)
 
 class WorkerProcess:
     """One worker process: its device, arena, copy engine and ``Worker``, the training jobs
@@ -92,6 +123,7 @@ class WorkerProcess:
         self.unpickled = 0.0  # seconds the last message took to unpickle
         self.in_task = False  # inside the task's own code (a forward, a training step): its errors are the task's
         self.masks_due: int | None = None  # a step whose late grammar masks are still on the pipe
+        self.load_due: SlotReader | None = None  # a step whose adapter slot's news are still on the pipe
         self.tasks: dict[str, TrainingTask] = {}  # training jobs whose state this worker holds
         self.handlers: dict[type, Callable[[Any], Any]] = {
             P.AddModel: self.add_model, P.AddShared: self.add_shared, P.RemoveShared: self.remove_shared,
@@ -216,27 +248,38 @@ class WorkerProcess:
         return P.Ack(msg.seq)
 
     # ------------------------------------------------------------------ calls
-    def _step_masks(self, seq: int) -> tuple[bytes, ...]:
-        """Step ``seq``'s late masks, the next message on the pipe (NOTE [Masks while the
-        device runs]), waited for up to ``STEP_MASKS_S``."""
-        self.masks_due = None
+    def _follower(self, seq: int, kind: type[P.StepMasks] | type[P.SlotReady], what: str) -> Any:
+        """The next message on the pipe, step ``seq``'s ``kind`` (what follows a step: NOTE
+        [Adapters streamed in], NOTE [Masks while the device runs]), waited for up to
+        ``STEP_MASKS_S``."""
         if not self.conn.poll(STEP_MASKS_S):
-            raise GenerationError(f"step {seq}'s grammar masks did not come within {STEP_MASKS_S:g} s")
+            raise GenerationError(f"step {seq}'s {what} did not come within {STEP_MASKS_S:g} s")
         msg = P.loads(self.conn.recv_bytes())
         if isinstance(msg, P.Shutdown):
             raise SegmentShutdown
-        if not isinstance(msg, P.StepMasks) or msg.seq != seq:
-            raise GenerationError(f"step {seq} expected its grammar masks, got {type(msg).__name__}")
-        return msg.masks
+        if not isinstance(msg, kind) or msg.seq != seq:
+            raise GenerationError(f"step {seq} expected its {what}, got {type(msg).__name__}")
+        return msg
+
+    def _step_masks(self, seq: int) -> tuple[bytes, ...]:
+        """Step ``seq``'s late masks (NOTE [Masks while the device runs])."""
+        self.masks_due = None
+        return self._follower(seq, P.StepMasks, "grammar masks").masks
 
     def run_model(self, msg: P.RunModel) -> tuple[P.Result, list]:
         t0 = time.perf_counter()
         was_locked = self.worker.store_pinned(msg.model)
+        if msg.step is not None and isinstance(msg.step.load, LoadFollows):  # NOTE [Adapters streamed in]
+            self.load_due = SlotReader(partial(self._follower, msg.seq, P.SlotReady, "adapter slot"),
+                                       msg.step.load.count)
         if msg.step is not None and isinstance(msg.step.masks, MasksFollow):
             self.masks_due = msg.seq  # read by the step, or below if it failed before
         try:
             return self._call(msg, t0)
         except BaseException:
+            if self.load_due is not None:  # what the step did not read of its slot's news: off the pipe
+                with suppress(GenerationError):
+                    self.load_due.drain()
             if self.masks_due is not None:  # the step failed before it read its masks: off the pipe
                 with suppress(GenerationError):  # a Shutdown instead still ends the worker
                     self._step_masks(self.masks_due)
@@ -247,6 +290,8 @@ class WorkerProcess:
             if not was_locked and self.worker.store_pinned(msg.model):
                 self.worker.unlock_failed_load(msg.model)
             raise
+        finally:
+            self.load_due = None
 
     def _call(self, msg: P.RunModel, t0: float) -> tuple[P.Result, list]:
         worker, device = self.worker, self.device
@@ -260,6 +305,8 @@ class WorkerProcess:
         step = msg.step
         if step is not None and isinstance(step.masks, MasksFollow):  # NOTE [Masks while the device runs]
             step = replace(step, masks=partial(self._step_masks, msg.seq))
+        if step is not None and self.load_due is not None:
+            step = replace(step, load=self.load_due)
         with in_lane(msg.lane, device) as meter:  # NOTE [Lanes in the runtime]
             out = worker.run(msg.model, msg.offset, msg.resident, args, kwargs, msg.strategy, msg.fill,
                              msg.shared, msg.host_keys, step=step)
