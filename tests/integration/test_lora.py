@@ -236,11 +236,13 @@ def test_at_most_max_cpu_loras_adapters_stay_in_host_memory_and_one_let_go_is_re
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
 def test_a_cold_adapter_streams_in_layer_by_layer_while_its_prefill_runs(base, adapters, expected, workers,
                                                                          monkeypatch):
-    """NOTE [Adapters streamed in]: a cold adapter's slot is written after its prefill began
-    (in-process on a thread of its own, with workers by the controller once the step is
-    sent), each correction waiting for its layer: with each copy slowed, corrections wait
-    and the tokens are still PEFT's. A write that fails fails its request with the reason,
-    and the slot holds no adapter: the next request writes it again, whole."""
+    """NOTE [Adapters streamed in]: streamed (CUDA's default, asked for here), a cold
+    adapter's slot is written after its prefill began (in-process on a thread of its own,
+    with workers by the controller once the step is sent), each correction waiting for its
+    layer: with each copy slowed, corrections wait and the tokens are still PEFT's. A
+    write that fails, streamed or made before the step (the CPU's default), fails its
+    request with the reason, and the slot holds no adapter: the next request writes it
+    again, whole."""
     from timeshare.decode.lora import LoraStacks
 
     write = LoraStacks.write_target
@@ -257,20 +259,27 @@ def test_a_cold_adapter_streams_in_layer_by_layer_while_its_prefill_runs(base, a
     with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=workers) as rt:
         m = lm.load(rt, "llama", base, max_context=256, adapters=adapters, max_loras=1, max_lora_rank=16)
         slots, counts = m.adapters.slots, m.engine.counts
+        assert not slots.stream  # the CPU's default: written before the step
+        assert _greedy(m, 5, "o2").result(60).tokens == expected["o2"][5]
+        assert counts.slot_waits == 0 and slots.loads == 1
+        slots.stream = True
         monkeypatch.setattr(LoraStacks, "write_target", slow)
         assert _greedy(m, 0, "all4").result(60).tokens == expected["all4"][0]
         waited = counts.slot_waits
-        assert waited >= 1 and slots.loads == 1 and slots.load_s >= 14 * 0.02
+        assert waited >= 1 and slots.loads == 2 and slots.load_s >= 14 * 0.02
         assert _greedy(m, 1, "all4").result(60).tokens == expected["all4"][1]  # on the device now: no write
-        assert counts.slot_waits == waited and slots.loads == 1
+        assert counts.slot_waits == waited and slots.loads == 2
         monkeypatch.setattr(LoraStacks, "write_target", broken)
-        with pytest.raises(GenerationError, match="could not be written.*copy engine fault"):
-            _greedy(m, 2, "mlp16").result(60)
-        assert {i.name: i.slot for i in m.adapters.infos()}["mlp16"] is None
+        for stream in (True, False):
+            slots.stream = stream
+            with pytest.raises(GenerationError, match="could not be written.*copy engine fault"):
+                _greedy(m, 2, "mlp16").result(60)
+            assert {i.name: i.slot for i in m.adapters.infos()}["mlp16"] is None, stream
+        slots.stream = True
         monkeypatch.setattr(LoraStacks, "write_target", slow)
         for i, name in [(2, "mlp16"), (3, "all4"), (4, "mlp16")]:
             assert _greedy(m, i, name).result(60).tokens == expected[name][i], name
-        assert counts.slot_waits > waited and slots.loads == 5
+        assert counts.slot_waits > waited and slots.loads == 7
         m.close()
 
 

@@ -194,8 +194,11 @@ class AdapterSlots:
     """Which adapter is in which slot of a model's adapter region (NOTE [Adapter
     residency]), the region's tensors seen from the controller (``stacks``)."""
 
-    def __init__(self, stacks: LoraStacks):
+    def __init__(self, stacks: LoraStacks, stream: bool | None = None):
         self.stacks = stacks
+        # NOTE [Adapters streamed in]: a cold adapter written while its prefill runs (on
+        # CUDA by default), or before the step (on the CPU by default).
+        self.stream = bool(stacks.a) and stacks.a[0].device.type == "cuda" if stream is None else stream
         self.slots = stacks.spec.slots - 1  # slot 0 is the base's
         self._in: dict[int, Adapter] = {}  # slot -> the adapter there
         self._held: dict[int, int] = {}  # slot -> rows holding it
@@ -226,9 +229,15 @@ class AdapterSlots:
             slot = next((s for s, a in self._in.items() if a is adapter), None)
             if slot is None:
                 slot = self._free()
-                # NOTE [Adapters streamed in]: written while the prefill that takes it runs.
-                self._writes[slot] = SlotWrite(self.stacks, slot, adapter.factors)
+                write = SlotWrite(self.stacks, slot, adapter.factors)
                 self.loads += 1
+                if self.stream:  # NOTE [Adapters streamed in]: written while the prefill that takes it runs
+                    self._writes[slot] = write
+                else:
+                    try:
+                        write.finish()
+                    finally:
+                        self.load_s += write.seconds
                 self._in[slot] = adapter
             self._held[slot] = self._held.get(slot, 0) + 1
             self._recent.pop(slot, None)
@@ -459,10 +468,7 @@ class Adapters:
 
     def resolvable(self, name: str) -> Path | None:
         """The directory the resolver would read ``name`` from, if it has one."""
-        if self.resolve_dir is None or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-            return None
-        path = self.resolve_dir / name
-        return path if (path / CONFIG).is_file() else None
+        return resolvable(self.resolve_dir, name)
 
     def names(self) -> list[str]:
         with self._lock:
@@ -473,6 +479,15 @@ class Adapters:
             known = [(name, k, name in self._held) for name, k in self._known.items()]
         return [AdapterInfo(name, self.parent, str(k.path), k.rank, k.nbytes, self.slots.slot_of(name),
                             self.slots.pinned(name), held) for name, k, held in known]
+
+
+def resolvable(resolve_dir: Path | None, name: str) -> Path | None:
+    """The directory vLLM's resolver reads adapter ``name`` from in ``resolve_dir`` (a
+    name, never a path), if there is an adapter there."""
+    if resolve_dir is None or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        return None
+    path = resolve_dir / name
+    return path if (path / CONFIG).is_file() else None
 
 
 def adapter_spec(config: Any, slots: int, rank: int, dtype: torch.dtype) -> LoraSpec:
