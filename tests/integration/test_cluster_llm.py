@@ -60,3 +60,107 @@ def test_the_relay_counts_tokens_and_keeps_the_replicas_own_error():
     relay(iter([Delta("x", 1), Finish("stop", 2, 1)]), RemoteGeneration(lambda: None, got.append), engine, "m",
           2, 0.0, lambda exc: exc)
     assert got == [Delta("x", 1), Finish("stop", 2, 1)]
+
+
+def test_a_replica_serves_adapters_added_and_removed_and_reports_their_slots(tmp_path):
+    """NOTE [Adapters on a cluster], a replica's side: the adapters of its ``LLMDef``
+    loaded at its start, one added and one removed at run time, each generating PEFT's
+    greedy tokens; its snapshot says which are on its device."""
+    pytest.importorskip("peft")
+    from tests.llm_reference import peft_greedy, write_adapter
+    from timeshare.errors import UnknownModelError
+    from timeshare.llm import hfdir
+
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=64, layers=2)
+    a1 = write_adapter(path, tmp_path / "a1", rank=4, targets=["q_proj", "v_proj"], seed=1, std=0.3)
+    a2 = write_adapter(path, tmp_path / "a2", rank=8, targets=["gate_proj", "down_proj"], seed=2, std=0.3)
+    spec = LLMDef("llama", str(path), adapters=(("a1", str(a1), False),), max_loras=2, max_lora_rank=8)
+    assert spec.serves_adapters and not LLMDef("llama", str(path)).serves_adapters
+    assert spec.with_adapter("a2", str(a2)).adapters == (("a1", str(a1), False), ("a2", str(a2), False))
+    assert spec.with_adapter("a1", None).adapters == ()
+    replica = Replica("r", [], memory="8MiB", llms=[spec])
+    try:
+        prompt = [5, 9, 14, 3]
+        greedy = SamplingParams(max_tokens=8, temperature=0)
+
+        def tokens(adapter):
+            events = list(replica.generate("llama", prompt, greedy, f"g-{adapter}", adapter=adapter))
+            assert isinstance(events[-1], Finish) and events[-1].error is None, events[-1]
+            return replica.llms["llama"].encode("".join(e.text for e in events if isinstance(e, Delta)))
+
+        want = {name: peft_greedy(path, at)(prompt, 8) for name, at in [(None, None), ("a1", a1), ("a2", a2)]}
+        assert want["a1"] != want[None] and want["a2"] != want[None]  # the adapters change the answer
+        served = replica.llms["llama"]
+        for name in [None, "a1"]:
+            seq = served.generate(prompt, greedy, adapter=name)
+            assert seq.result(60).tokens == want[name], name
+        assert tokens("a1")  # through the replica's own generator
+        replica.add_adapter("llama", "a2", str(a2))
+        assert served.generate(prompt, greedy, adapter="a2").result(60).tokens == want["a2"]
+        slots = {i.name: i.slot for i in replica.snapshot().adapters["llama"]}
+        assert sorted(slots) == ["a1", "a2"] and sorted(slots.values()) == [1, 2]
+        assert replica.remove_adapter("llama", "a2") and not replica.remove_adapter("llama", "a2")
+        with pytest.raises(UnknownModelError):
+            served.generate(prompt, greedy, adapter="a2")
+    finally:
+        replica.close()
+
+
+class _Fleet:
+    """A cluster's side of the front end's adapter table, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def adapt(self, model, name, path, replace=False):
+        self.calls.append((model, name, path, replace))
+
+    def adapter_slots(self, model):
+        return {"a1": 3}
+
+
+def test_the_front_end_checks_an_adapter_before_any_replica_reads_it(tmp_path):
+    """NOTE [Adapters on a cluster], the front end's side: adapters are read once to be
+    checked against the replicas' slots (a bad one refused with the reason, and no replica
+    told), added and removed on every replica, found by the resolver on a first request."""
+    import json
+
+    import torch
+
+    pytest.importorskip("peft")
+    from tests.llm_reference import write_adapter
+    from timeshare.cluster.llm import RemoteAdapters
+    from timeshare.errors import ConfigError, UnknownModelError
+    from timeshare.llm import hfdir
+
+    path = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=64, layers=2)
+    resolve = tmp_path / "resolve"
+    a1 = write_adapter(path, tmp_path / "a1", rank=4, targets=["q_proj"], seed=1)
+    write_adapter(path, resolve / "a3", rank=4, targets=["v_proj"], seed=3)
+    big = write_adapter(path, tmp_path / "big", rank=16, targets=["q_proj"], seed=4)
+    spec = LLMDef("llama", str(path), adapters=(("a1", str(a1), True),), max_loras=2, max_lora_rank=8,
+                  lora_dir=str(resolve))
+    fleet = _Fleet()
+    config = transformers.AutoConfig.from_pretrained(path)
+    table = RemoteAdapters(fleet, spec, config, torch.float32)
+    assert table.names() == ["a1"] and table.get("a1") == "a1"
+    with pytest.raises(ConfigError, match="rank 16 of .* exceeds max_lora_rank 8"):
+        table.add("big", big)
+    with pytest.raises(ConfigError, match="already loaded"):
+        table.add("a1", a1)
+    assert fleet.calls == []  # refused here: no replica was told
+    table.add("a2", a1)
+    assert fleet.calls == [("llama", "a2", str(a1), False)]
+    assert table.get("a3") == "a3" and "a3" in table.names() and fleet.calls[-1][1] == "a2"  # each replica resolves
+    (resolve / "bad").mkdir()
+    (resolve / "bad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    with pytest.raises(ConfigError, match="no adapter_model.safetensors"):
+        table.get("bad")
+    with pytest.raises(UnknownModelError):
+        table.get("nowhere")
+    infos = {i.name: (i.slot, i.pinned, i.parent) for i in table.infos()}
+    assert infos == {"a1": (3, True, "llama"), "a2": (None, False, "llama"), "a3": (None, False, "llama")}
+    table.remove("a2")
+    assert fleet.calls[-1] == ("llama", "a2", None, False) and "a2" not in table.names()
+    with pytest.raises(UnknownModelError):
+        table.remove("a2")

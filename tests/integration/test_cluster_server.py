@@ -5,6 +5,7 @@ through the admin plane, a training job that moves on its own when it starves
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import threading
 import time
@@ -151,6 +152,77 @@ def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed
         assert r.status_code == 409 and "cannot be pinned" in r.json()["error"]
     assert server.exit_code == 0, server.log_tail()
     assert server.leftovers(grace_s=20) == [], [ServerProcess.describe(p) for p in server.leftovers(0)]
+
+
+@needs_ray
+def test_a_cluster_serves_adapters_added_at_run_time_on_every_replica_and_on_one_added_later(tmp_path):
+    """NOTE [Adapters on a cluster] through the OpenAI API: an adapter of the config, one
+    loaded by vLLM's route and one found by the resolver each answer with PEFT's greedy
+    text from two replicas, are listed with their parent, and a bad one is a 400; a replica
+    added after that, once the two first are killed, answers for every one of them (the
+    one loaded at run time included); unloaded, it is a 404."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("peft")
+    from tests.integration.test_llm_server import decode
+    from tests.llm_reference import peft_greedy, write_adapter
+    from timeshare.llm import hfdir
+
+    llm = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=64, layers=2)
+    paths = {"a1": write_adapter(llm, tmp_path / "a1", rank=4, targets=["q_proj", "v_proj"], seed=1, std=0.3),
+             "a2": write_adapter(llm, tmp_path / "a2", rank=8, targets=["gate_proj", "down_proj"], seed=2, std=0.3),
+             "a3": write_adapter(llm, tmp_path / "loras" / "a3", rank=4, targets=["o_proj"], seed=3, std=0.3)}
+    big = write_adapter(llm, tmp_path / "big", rank=16, targets=["q_proj"], seed=4)
+    prompt = "the replicas share the load"
+    ids = transformers_ids(llm, prompt)
+    want = {n: decode(llm, peft_greedy(llm, p)(ids, 12)) for n, p in [("llama", None), *paths.items()]}
+    assert len(set(want.values())) == 4  # each adapter changes the answer
+    config = {"runtime": {"device": "cpu", "memory": "12MiB"}, "models": [{"name": "tiny_mlp", "zoo": "tiny_mlp"}],
+              "llms": [{"name": "llama", "path": str(llm), "max_sequences": 2, "max_loras": 2, "max_lora_rank": 8,
+                        "adapters": [{"name": "a1", "path": str(paths["a1"])}],
+                        "lora_dir": str(tmp_path / "loras")}],
+              "cluster": {"replicas": 2, "num_cpus": 5, "migrate_after_s": None}}
+    with ServerProcess(config, ready_timeout_s=300) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as chat:
+
+        def answer(name: str) -> str:
+            out = chat.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+            assert out.model == name
+            return out.choices[0].text
+
+        assert answer("llama") == want["llama"] and answer("a1") == want["a1"]
+        load = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=60,
+                          json={"lora_name": "big", "lora_path": str(big)})
+        assert load.status_code == 400 and "exceeds max_lora_rank 8" in load.text
+        load = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=60,
+                          json={"lora_name": "a2", "lora_path": str(paths["a2"])})
+        assert load.status_code == 200, load.text
+        assert answer("a2") == want["a2"] and answer("a3") == want["a3"]  # a3: the resolver's
+        cards = {m.id: m.model_extra.get("parent") for m in chat.models.list().data}
+        assert cards == {"llama": None, "a1": "llama", "a2": "llama", "a3": "llama"}
+        first = [r["replica"] for r in _admin(server, "GET", "/admin/replicas").json()["replicas"]]
+        assert _admin(server, "POST", f"/admin/replicas/{first[0]}/kill").status_code == 200
+        assert _admin(server, "POST", "/admin/replicas").status_code == 201
+        assert _admin(server, "POST", f"/admin/replicas/{first[1]}/kill").status_code == 200
+        deadline = time.monotonic() + 10  # the listing learns of the deaths by the next poll
+        while len(left := [r["replica"] for r in _admin(server, "GET", "/admin/replicas").json()["replicas"]
+                           if r["alive"]]) != 1:
+            assert time.monotonic() < deadline, left
+            time.sleep(0.1)
+        assert left[0] not in first
+        # Only the replica added after the run-time load is left: it serves what the others did.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # as many as one replica generates at once
+            assert list(pool.map(answer, ["a2", "a1", "a3", "llama"])) == [want[n] for n in ["a2", "a1", "a3", "llama"]]
+        unload = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a2"}, timeout=60)
+        assert unload.status_code == 200, unload.text
+        with pytest.raises(openai.NotFoundError):
+            answer("a2")
+    assert server.exit_code == 0, server.log_tail()
+
+
+def transformers_ids(path, text: str) -> list[int]:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)(text, add_special_tokens=False)["input_ids"]
 
 
 @needs_ray

@@ -238,11 +238,12 @@ class ClusterRuntime:
         return RemoteLanguageModel(self, spec)
 
     def generate(self, model: str, prompt: list[int], params: SamplingParams,
-                 on_event: Callable[[Delta | Finish], None] | None, engine: RemoteEngine) -> RemoteGeneration:
-        """Start a generation on a replica; a thread relays its events."""
+                 on_event: Callable[[Delta | Finish], None] | None, engine: RemoteEngine,
+                 adapter: str | None = None) -> RemoteGeneration:
+        """Start a generation on a replica (under adapter ``adapter``); a thread relays its events."""
         gen_id = uuid.uuid4().hex
         arrived = time.monotonic()
-        i, stream, finished = self.cluster.generate(model, prompt, params, gen_id)
+        i, stream, finished = self.cluster.generate(model, prompt, params, gen_id, adapter)
         generation = RemoteGeneration(lambda: self.cluster.cancel_generation(i, gen_id), on_event)
         replica = self.cluster.slots[i].name
 
@@ -265,6 +266,19 @@ class ClusterRuntime:
             generation.cancel()
             raise
         return generation
+
+    def adapt(self, model: str, name: str, path: str | None, replace: bool = False) -> None:
+        """NOTE [Adapters on a cluster]: adapter ``name`` of ``model`` served from ``path``
+        by every replica, now and later (None: by none)."""
+        self.cluster.adapt(model, name, path, replace)
+
+    def adapter_slots(self, model: str) -> dict[str, int]:
+        """``model``'s adapters on some replica's device, in the slot they have there (as of
+        the last poll)."""
+        with self._lock:
+            snaps = list(self._latest.values())
+        return {info.name: info.slot for snap in snaps for info in snap.adapters.get(model, ())
+                if info.slot is not None}
 
     def llm_snapshots(self, name: str) -> list[EngineSnapshot]:
         """Language model ``name``'s engines on the replicas (as of the last poll)."""

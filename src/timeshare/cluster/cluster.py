@@ -210,8 +210,13 @@ class Cluster:
         self.replicas.evict(model)
 
     # ------------------------------------------------------------------ language models
-    def generate(self, model: str, prompt: list[int], params: Any, gen_id: str) -> tuple[int, Any, Callable]:
-        return self.generations.generate(model, prompt, params, gen_id)
+    def generate(self, model: str, prompt: list[int], params: Any, gen_id: str,
+                 adapter: str | None = None) -> tuple[int, Any, Callable]:
+        return self.generations.generate(model, prompt, params, gen_id, adapter)
+
+    def adapt(self, model: str, name: str, path: str | None, replace: bool = False) -> None:
+        """Adapter ``name`` of ``model`` served from ``path`` by every replica (None: by none)."""
+        self.replicas.adapt(model, name, path, replace)
 
     def events(self, stream: Any, timeout_s: float):
         return self.generations.events(stream, timeout_s)

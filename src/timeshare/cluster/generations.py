@@ -31,7 +31,8 @@ class Generations:
         self._generating: dict[tuple[int, str], int] = {}  # (replica, model) -> generations in flight
         self.per_replica = generations_per_replica(llms)
 
-    def generate(self, model: str, prompt: list[int], params: Any, gen_id: str) -> tuple[int, Any, Callable]:
+    def generate(self, model: str, prompt: list[int], params: Any, gen_id: str,
+                 adapter: str | None = None) -> tuple[int, Any, Callable]:
         """Start a generation of language model ``model`` (NOTE [Language models on a
         cluster]): the replica's slot, the stream of its events (each a Ray object
         reference), and what ends its count in flight."""
@@ -67,7 +68,7 @@ class Generations:
 
         try:
             stream = actor.generate.options(num_returns="streaming", concurrency_group=GENERATE).remote(
-                model, prompt, params, gen_id, replicas.call_timeout_s)
+                model, prompt, params, gen_id, replicas.call_timeout_s, adapter)
         except BaseException:
             finished()
             raise

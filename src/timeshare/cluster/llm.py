@@ -17,6 +17,23 @@ that leaves) reaches its replica beside whatever it is running, even before the
 generation has started there. Generations run in a concurrency group of the replica's
 actor of their own, as many as its language models decode together (the sum of their
 ``max_sequences``); when every live replica has that many, a new one is refused (503).
+
+NOTE [Adapters on a cluster]
+A language model's LoRA adapters are served by every replica, each with slots of its own
+(NOTE [Adapter residency] there, unchanged), read from directories every replica can
+read. The front end keeps the table a server reads (``RemoteAdapters``): each adapter is
+read there once, against the slots the replicas make, so that a bad one is a 400 before
+any replica reads it, and then only its name crosses with a generation. An adapter
+loaded or unloaded at run time is so on every live replica, and is written into the
+model's ``LLMDef`` the replica set starts new replicas from, so that a replica added
+later (or one replacing a lost one) serves it too; one found dead meanwhile is lost, not
+an error. A replica still starting when the load is sent (not yet live) started from the
+model's earlier ``LLMDef`` and misses that adapter (not handled: its requests for it fail
+there). With ``lora_dir``, the front end checks a name on its first request and each
+replica reads it on its own first request. Which replica generates does not look at
+adapters yet: a replica that has an adapter on its device is not preferred over one
+that must copy it in (a few milliseconds, streamed: NOTE [Adapters streamed in]).
+``timeshare ps`` shows an adapter in the slot it has on some replica, as of the last poll.
 """
 
 from __future__ import annotations
@@ -26,13 +43,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from timeshare.errors import Unavailable, UnknownModelError
-from timeshare.llm.adapters import Adapter, Adapters
+import torch
+
+from timeshare.dtypes import parse_dtype
+from timeshare.errors import ConfigError, Unavailable, UnknownModelError
+from timeshare.llm.adapters import DEFAULT_MAX_RANK, DEFAULT_SLOTS, Adapter, AdapterInfo, adapter_spec, resolvable
 from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, EngineSnapshot
+from timeshare.llm.hfdir import shard_files, weights_dtype
 from timeshare.llm.model import Texts, open_directory
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import (
@@ -73,6 +95,23 @@ class LLMDef:
     compile: str = "auto"  # NOTE [Compiled decode steps]
     prefix_caching: bool = True  # NOTE [Prefix caching]
     multi_step_s: float = MULTI_STEP_S  # NOTE [Multi-step decode]
+    # NOTE [Adapters on a cluster]: its LoRA adapters as (name, directory, pinned), in
+    # directories every replica can read, and the options of ``lm.load`` that serve them.
+    adapters: tuple[tuple[str, str, bool], ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = DEFAULT_MAX_RANK
+    lora_dir: str | None = None
+    max_cpu_loras: int | None = None
+
+    @property
+    def serves_adapters(self) -> bool:
+        return bool(self.adapters) or self.max_loras is not None or self.lora_dir is not None \
+            or self.max_cpu_loras is not None
+
+    def with_adapter(self, name: str, path: str | None) -> LLMDef:
+        """This model with adapter ``name`` served from ``path`` (None: not served)."""
+        kept = tuple(a for a in self.adapters if a[0] != name)
+        return replace(self, adapters=kept if path is None else (*kept, (name, path, False)))
 
     def load(self, rt: Runtime, kv_budget=None):
         from timeshare.llm import model as lm
@@ -80,7 +119,10 @@ class LLMDef:
         return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
                        max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
                        offload_kv=self.offload_kv, kv_budget=kv_budget, graphs=self.graphs, compile=self.compile,
-                       prefix_caching=self.prefix_caching, multi_step_s=self.multi_step_s)
+                       prefix_caching=self.prefix_caching, multi_step_s=self.multi_step_s,
+                       adapters={n: p for n, p, _ in self.adapters}, max_loras=self.max_loras,
+                       max_lora_rank=self.max_lora_rank, lora_dir=self.lora_dir, max_cpu_loras=self.max_cpu_loras,
+                       pinned_adapters=[n for n, _, pinned in self.adapters if pinned])
 
 
 class RemoteGeneration:
@@ -147,6 +189,90 @@ class RemoteEngine:
         self.closed = True  # the replicas' engines close with their replicas
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    """An adapter the replicas serve, as the front end read it once to check it."""
+
+    path: str
+    rank: int
+    nbytes: int
+
+
+class RemoteAdapters:
+    """The adapters of language model ``parent`` on a cluster's replicas, as a server sees
+    a model's adapters (NOTE [Adapters on a cluster]): each is read here once, against the
+    slots the replicas make (``spec``), so that a bad one is refused before any replica
+    reads it; added or removed on every replica, and on those started later."""
+
+    def __init__(self, owner: ClusterRuntime, model: LLMDef, config: Any, dtype: torch.dtype):
+        self.parent, self._owner = model.name, owner
+        self.spec = adapter_spec(config, model.max_loras or DEFAULT_SLOTS, model.max_lora_rank, dtype)
+        self.resolve_dir = Path(model.lora_dir) if model.lora_dir is not None else None
+        self._pinned = {n for n, _, pinned in model.adapters if pinned}
+        self._known: dict[str, ServedAdapter] = {}
+        self._lock = threading.Lock()
+        for name, path, _ in model.adapters:  # the replicas loaded these at their start
+            self._known[name] = self._checked(name, path)
+
+    def _checked(self, name: str, path: str | Path) -> ServedAdapter:
+        adapter = Adapter.read(name, path, self.spec)  # ConfigError: what is wrong with it
+        return ServedAdapter(str(path), adapter.rank, adapter.nbytes)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._known)
+
+    def resolvable(self, name: str) -> Path | None:
+        return resolvable(self.resolve_dir, name)
+
+    def get(self, name: str) -> str:
+        """Adapter ``name`` as a request names it to a replica; one in the resolver's
+        directory is checked here on its first request (each replica reads it on its own
+        first request). ``UnknownModelError``: none of that name."""
+        with self._lock:
+            if name in self._known:
+                return name
+        found = self.resolvable(name)
+        if found is None:
+            raise UnknownModelError(f"adapter {name!r} is not loaded")
+        checked = self._checked(name, found)
+        with self._lock:
+            self._known.setdefault(name, checked)
+        return name
+
+    def add(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> str:
+        """Serve adapter ``name`` from ``path`` on every replica (``ConfigError``: it
+        cannot be served, or the name is taken and not ``replace``)."""
+        if not name or name == self.parent:
+            raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
+        with self._lock:
+            if name in self._known and not replace:
+                raise ConfigError(f"adapter {name!r} is already loaded")
+        checked = self._checked(name, path)
+        self._owner.adapt(self.parent, name, str(path), replace)
+        with self._lock:
+            self._known[name] = checked
+            if pinned:
+                self._pinned.add(name)
+        return name
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            if self._known.pop(name, None) is None:
+                raise UnknownModelError(f"adapter {name!r} is not loaded")
+            self._pinned.discard(name)
+        self._owner.adapt(self.parent, name, None)
+
+    def infos(self) -> list[AdapterInfo]:
+        """Each adapter, in the slot it has on a replica's device (as of the last poll;
+        None: on none)."""
+        slots = self._owner.adapter_slots(self.parent)
+        with self._lock:
+            known, pinned = dict(self._known), set(self._pinned)
+        return [AdapterInfo(name, self.parent, a.path, a.rank, a.nbytes, slots.get(name), name in pinned)
+                for name, a in known.items()]
+
+
 class RemoteLanguageModel(Texts):
     """Model ``name`` generating on the replicas of ``owner`` (NOTE [Language models on a
     cluster]); its tokenizer here."""
@@ -159,7 +285,9 @@ class RemoteLanguageModel(Texts):
         self._vocab = d.vocab
         self._owner = owner
         self._engine = RemoteEngine(owner, spec.name, spec.max_sequences, d.max_context)
-        self.adapters: Adapters | None = None  # NOTE [Adapter residency]: not on a cluster yet
+        # NOTE [Adapters on a cluster]: checked here in the dtype the replicas compute in.
+        dtype = parse_dtype(spec.dtype) or weights_dtype([str(f) for f in shard_files(d.path)])
+        self.adapters = RemoteAdapters(owner, spec, d.config, dtype) if spec.serves_adapters else None
 
     @property
     def max_context(self) -> int:
@@ -172,15 +300,15 @@ class RemoteLanguageModel(Texts):
     def generate(self, prompt: list[int], params: SamplingParams,
                  on_event: Callable[[Delta | Finish], None] | None = None,
                  adapter: str | Adapter | None = None) -> RemoteGeneration:
-        if adapter is not None:
-            named = adapter if isinstance(adapter, str) else adapter.name
-            raise UnknownModelError(f"model {self.name!r} serves no adapters on a cluster (adapter {named!r})")
+        named = adapter if isinstance(adapter, str) or adapter is None else adapter.name
+        if named is not None and (self.adapters is None or named not in self.adapters.names()):
+            raise UnknownModelError(f"model {self.name!r} serves no adapter {named!r}")
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
         if params.output is not None:  # NOTE [Constrained decoding]: a format that cannot compile is a 400 here
             self._grammars.check(params.output)
         if self._engine.closed:
             raise Unavailable(f"model {self.name!r} is closed")
-        return self._owner.generate(self.name, list(prompt), params, on_event, self._engine)
+        return self._owner.generate(self.name, list(prompt), params, on_event, self._engine, named)
 
     def close(self) -> None:
         self._engine.close()

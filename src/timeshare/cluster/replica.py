@@ -257,10 +257,12 @@ class Replica:
             raise ConfigError(f"no training job {name!r} on replica {self.name}")
         return job
 
-    def generate(self, model: str, prompt: list[int], params, gen_id: str, timeout_s: float = 600.0):
-        """Generate from language model ``model``: its events (deltas, then the finish)
-        as they come (a Ray generator, NOTE [Language models on a cluster])."""
-        seq = self.llms[model].generate(prompt, params)
+    def generate(self, model: str, prompt: list[int], params, gen_id: str, timeout_s: float = 600.0,
+                 adapter: str | None = None):
+        """Generate from language model ``model`` (under its adapter ``adapter``, NOTE
+        [Adapters on a cluster]): its events (deltas, then the finish) as they come (a Ray
+        generator, NOTE [Language models on a cluster])."""
+        seq = self.llms[model].generate(prompt, params, adapter=adapter)
         with self._events:
             self._sequences[gen_id] = seq
             if gen_id in self._cancelled:  # its cancel came first
@@ -283,6 +285,25 @@ class Replica:
         if seq is not None:
             seq.cancel()  # type: ignore[attr-defined]
 
+    def add_adapter(self, model: str, name: str, path: str, replace: bool = False) -> None:
+        """Serve adapter ``name`` of ``model`` from ``path`` (NOTE [Adapters on a cluster])."""
+        self._adapters(model).add(name, path, replace=replace)
+
+    def remove_adapter(self, model: str, name: str) -> bool:
+        """Stop serving adapter ``name`` of ``model``; whether this replica served it (one
+        resolved on another replica's request is not known here)."""
+        adapters = self._adapters(model)
+        if name not in adapters.names():
+            return False
+        adapters.remove(name)
+        return True
+
+    def _adapters(self, model: str):
+        served = self.llms.get(model)
+        if served is None or served.adapters is None:
+            raise ConfigError(f"language model {model!r} serves no adapters on replica {self.name}")
+        return served.adapters
+
     def evict(self, model: str) -> bool:
         return self.rt.evict(model)
 
@@ -294,7 +315,9 @@ class Replica:
         return ReplicaSnapshot(replica=self.name, runtime=self.rt.snapshot(), evicted=evicted,
                                jobs={n: self.job(n) for n in self.rt.job_handles()},
                                cpu_fallback=None if self.cpu is None else self.cpu.snapshot(),
-                               llms={n: m.engine.snapshot() for n, m in self.llms.items()})
+                               llms={n: m.engine.snapshot() for n, m in self.llms.items()},
+                               adapters={n: tuple(m.adapters.infos()) for n, m in self.llms.items()
+                                         if m.adapters is not None})
 
     def evict_all(self) -> None:
         """Nothing resident: a fresh start for the next run over the same replica."""

@@ -241,6 +241,26 @@ class ReplicaSet:
             except Exception as exc:
                 self.mark_lost(i, f"{self.slots[i].name} died: {cause(exc)}")
 
+    def adapt(self, model: str, name: str, path: str | None, replace: bool = False) -> None:
+        """Serve adapter ``name`` of language model ``model`` from ``path`` (None: no longer)
+        on every live replica, and on every replica started from now on (NOTE [Adapters on
+        a cluster]). A replica found dead is lost, not an error; a replica's refusal is
+        raised as it raised it."""
+        with self.lock:
+            self.llms = [spec.with_adapter(name, path) if spec.name == model else spec for spec in self.llms]
+            live = [(i, s.actor) for i, s in enumerate(self.slots) if s.alive and s.actor is not None]
+        refs = [(i, actor.add_adapter.remote(model, name, path, replace) if path is not None
+                 else actor.remove_adapter.remote(model, name)) for i, actor in live]
+        for i, ref in refs:
+            try:
+                self.ray.get(ref, timeout=self.call_timeout_s)
+            except self.ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, BaseException):
+                    raise exc.cause from None
+                raise
+            except Exception as exc:
+                self.mark_lost(i, f"{self.slots[i].name} died: {cause(exc)}")
+
     def evict_all(self, replicas: list[int]) -> None:
         """Empty each of ``replicas``; one found dead is lost, not an error."""
         for i in replicas:

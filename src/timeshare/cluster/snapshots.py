@@ -9,9 +9,10 @@ pickled, as plain records do."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from timeshare.llm.adapters import AdapterInfo
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.runtime.observe import RuntimeSnapshot
 
@@ -29,6 +30,8 @@ class ReplicaSnapshot:
     jobs: dict[str, dict]
     cpu_fallback: RuntimeSnapshot | None
     llms: dict[str, EngineSnapshot]
+    # NOTE [Adapters on a cluster]: each language model's adapters here, which are on its device.
+    adapters: dict[str, tuple[AdapterInfo, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,13 +10,14 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from timeshare.config import LLMConfig
 from timeshare.config.sources import section
 from timeshare.errors import ConfigError, Conflict, LoadFailed, Unavailable, UnknownModelError
 from timeshare.llm import model as lm
-from timeshare.llm.adapters import Adapter, AdapterInfo, Adapters
+from timeshare.llm.adapters import Adapter, AdapterInfo
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
 from timeshare.llm.pages import PagePool
@@ -58,13 +59,34 @@ class LLMState:
         return {"state": self.state, "reason": self.reason}
 
 
+class AdapterTable(Protocol):
+    """What the server needs of a language model's LoRA adapters (NOTE [Adapter
+    residency]; on a cluster NOTE [Adapters on a cluster]): their names, the resolver's
+    directory for a name, an adapter as a request passes it to ``generate`` (read there
+    if it must be), adding and removing, and what ``/v1/models`` and ``timeshare ps`` show."""
+
+    def names(self) -> list[str]: ...
+
+    def resolvable(self, name: str) -> Path | None: ...
+
+    def get(self, name: str) -> Adapter | str: ...
+
+    def add(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> Adapter | str: ...
+
+    def remove(self, name: str) -> None: ...
+
+    def infos(self) -> list[AdapterInfo]: ...
+
+
 class ServedLLM(Protocol):
     """What the OpenAI API needs of a language model; ``adapters``: its LoRA adapters
-    (NOTE [Adapter residency]; None: it serves none)."""
+    (None: it serves none)."""
 
     name: str
     created: int
-    adapters: Adapters | None
+
+    @property
+    def adapters(self) -> AdapterTable | None: ...
 
     @property
     def max_context(self) -> int: ...

@@ -302,7 +302,12 @@ def add_openai_api(app: FastAPI, service, key: ApiKey | None = None) -> None:
                              adapter=adapter)
 
 
-async def _target(llms: LanguageModels, name: str) -> tuple[ServedLLM, Adapter | None]:
+def _served_as(model: ServedLLM, adapter: Adapter | str | None) -> str:
+    """The ``model`` an answer names: the adapter's, else the base's."""
+    return model.name if adapter is None else adapter if isinstance(adapter, str) else adapter.name
+
+
+async def _target(llms: LanguageModels, name: str) -> tuple[ServedLLM, Adapter | str | None]:
     """The model and adapter a request names (NOTE [Adapter residency]); an adapter the
     resolver finds, or one whose host copy was let go, is read here, off the event loop
     (a bad one: 400 naming why), and the request keeps that copy."""
@@ -484,7 +489,7 @@ def _choices(model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
 async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], params: SamplingParams,
                   req: _Sampling, *, chat: bool, timeout_s: float,
                   echoed: Callable[[], list[str]] | None = None, tools: ToolPlan | None = None,
-                  adapter: Adapter | None = None):
+                  adapter: Adapter | str | None = None):
     """The answer to ``prompts``, by ``adapter`` of ``model`` if named; ``echoed``: their
     texts for ``echo``, made once the prompts passed the model's checks."""
     n = req.n or 1
@@ -513,7 +518,7 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     created = int(time.time())
     choices = _choices(model, prompts, params, chat, None if echoed is None else echoed(), n, tools)
     if req.stream:
-        served = model.name if adapter is None else adapter.name
+        served = _served_as(model, adapter)
         return StreamingResponse(_sse(stream, choices, served, rid, created, chat, req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -542,7 +547,7 @@ async def _answer(request: Request, model: ServedLLM, prompts: list[list[int]], 
     if failed is not None:
         raise served_error(model.name, failed)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model.name if adapter is None else adapter.name, "choices": [c.whole() for c in choices],
+            "model": _served_as(model, adapter), "choices": [c.whole() for c in choices],
             "usage": _usage(choices)}
 
 

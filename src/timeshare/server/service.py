@@ -22,7 +22,6 @@ import torch
 from timeshare.config import Config, LLMConfig, ModelConfig, TrainingConfig
 from timeshare.errors import (
     BadRequest,
-    ConfigError,
     Conflict,
     Overloaded,
     Timeout,
@@ -135,16 +134,14 @@ class Service:
         """The config's language models as every replica of a cluster loads them."""
         from timeshare.cluster.llm import LLMDef
 
-        adapted = [c.name for c in self.config.llms if c.serves_adapters]
-        if adapted:
-            raise ConfigError(f"language models {adapted} serve LoRA adapters, which a cluster's replicas do not "
-                              "serve yet: serve them without a cluster")
         kv = self.config.runtime.kv_memory
         kv_memory = None if kv is None else parse_bytes(kv, what="kv_memory")
         return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
                        max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv,
                        kv_memory=kv_memory, graphs=c.decode_modes[0], compile=c.decode_modes[1],
-                       prefix_caching=c.prefix_caching, multi_step_s=c.multi_step_ms / 1000)
+                       prefix_caching=c.prefix_caching, multi_step_s=c.multi_step_ms / 1000,
+                       adapters=tuple((a.name, a.path, a.pinned) for a in c.adapters), max_loras=c.max_loras,
+                       max_lora_rank=c.max_lora_rank, lora_dir=c.lora_dir, max_cpu_loras=c.max_cpu_loras)
                 for c in self.config.llms]
 
     def _model_defs(self) -> list:
