@@ -29,6 +29,12 @@ gives its request timeout instead)."""
 DEFAULT_MAX_LORAS = 8
 
 
+def serves_adapters(adapters: int, max_loras: int | None, lora_dir: object | None, max_cpu_loras: int | None) -> bool:
+    """Whether a language model serves LoRA adapters (and gets adapter slots): it has
+    ``adapters`` (a count), or any of the options of serving them is given."""
+    return adapters > 0 or max_loras is not None or lora_dir is not None or max_cpu_loras is not None
+
+
 class Strict(BaseModel):
     """A record of options: unknown fields are errors (a typo never falls back to a
     default), values are frozen, defaults are validated too, and each field's docstring

@@ -112,7 +112,7 @@ class _Fleet:
     def __init__(self):
         self.calls = []
 
-    def adapt(self, model, name, path, replace=False):
+    def adapt(self, model, name, path, replace=False, pinned=False):
         self.calls.append((model, name, path, replace))
 
     def adapter_slots(self, model):

@@ -2,8 +2,8 @@
 48): log-probabilities, echo, penalties and logit bias in OpenAI's shapes, whole and
 streamed, each number against ``transformers``' own log-softmax on the same weights;
 several choices (``n``) with the prompt computed once; refused values are 400s naming
-their field. Every test runs against a server with no workers and one with two: the
-fields are the one engine's, answered alike in both modes."""
+their field. Every test that asks a server asks one with no workers and one with two:
+the fields are the one engine's, answered alike in both modes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """NOTE [Adapters in slots], on a module of two layers of projections: each row gets its
 own slot's correction, PEFT's ``x @ A^T @ B^T * scale``, and nothing of another slot's,
-not even an inf."""
+not even an inf; NOTE [Adapters streamed in]: a slot written layer by layer, a write cut
+short taken up again, a failed copy, and a worker's reader of the write's news."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from timeshare.decode.lora import LoraLayers, LoraSpec, LoraStacks, LoraUse, pack
-from timeshare.errors import ConfigError
+from timeshare.decode.lora import LoraLayers, LoraSpec, LoraStacks, LoraUse, SlotWrite, layer_ends, layers_holding, pack
+from timeshare.errors import ConfigError, GenerationError
 
 
 class _Tiny(nn.Module):
@@ -62,9 +63,9 @@ def _reference(module: nn.Module, x: torch.Tensor, factors) -> torch.Tensor:
 def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot():
     module, spec, stacks, layers = _setup()
     one, two = _factors(spec, 2, 1), _factors(spec, 3, 2)
-    stacks.write(1, _image(one))
-    stacks.write(2, _image(two))
-    stacks.write(3, _image(_factors(spec, 3, 3, fill=float("inf"))))  # a slot no row uses, its x @ A all inf
+    SlotWrite(stacks, 1, _image(one)).run()
+    SlotWrite(stacks, 2, _image(two)).run()
+    SlotWrite(stacks, 3, _image(_factors(spec, 3, 3, fill=float("inf")))).run()  # a slot no row uses, its x @ A all inf
     x = torch.randn(4, 1, 6)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # products this small run on one thread, and the count is put back
@@ -85,7 +86,7 @@ def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot():
 def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers():
     module, spec, stacks, layers = _setup()
     low = _factors(spec, 2, 4)
-    stacks.write(2, _image(low))
+    SlotWrite(stacks, 2, _image(low)).run()
     x = torch.randn(3, 2, 6)
     with torch.no_grad():
         layers.use([2, 2, 2], LoraUse(2, (1 << len(spec.targets)) - 1))  # one adapter, its rank only
@@ -98,11 +99,75 @@ def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers():
 
 def test_slot_zero_is_the_bases_and_has_no_column_to_write_or_clear():
     _, spec, stacks, _ = _setup()
-    stacks.write(spec.slots - 1, _image(_factors(spec, 2, 5)))
+    SlotWrite(stacks, spec.slots - 1, _image(_factors(spec, 2, 5))).run()
     kept = [a.clone() for a in stacks.a]
     for bad in (0, spec.slots):
         with pytest.raises(ConfigError, match="is not one of 1.."):
             stacks.clear(bad)
         with pytest.raises(ConfigError, match="is not one of 1.."):
-            stacks.write(bad, _image(_factors(spec, 2, 6)))
+            SlotWrite(stacks, bad, _image(_factors(spec, 2, 6)))
     assert all(torch.equal(a, k) for a, k in zip(stacks.a, kept))  # the last slot's column untouched
+
+
+def test_a_slot_is_written_layer_by_layer_and_a_write_cut_short_is_taken_up_where_it_stopped():
+    """NOTE [Adapters streamed in]: a write tells after each layer how many targets are in
+    place; one whose listener failed (the worker it told died) is taken up by the next
+    run, which first says where it stood, and ends as a whole write does."""
+    _, spec, stacks, _ = _setup()
+    image = _image(_factors(spec, 2, 7))
+    assert layer_ends(spec) == (2, 4)
+    assert [layers_holding((2, 4), n) for n in range(5)] == [0, 1, 1, 2, 2]
+    whole = LoraStacks(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    SlotWrite(whole, 2, image).run()
+    write = SlotWrite(stacks, 2, image)
+    told: list[int] = []
+
+    def dies(n: int) -> None:
+        told.append(n)
+        raise OSError("the worker's pipe is gone")
+
+    with pytest.raises(OSError):
+        write.run(dies)
+    assert told == [2] and write.written == 2 and write.error is None and not write.done
+    assert not write.wait(2)  # in place already: no wait
+    told.clear()
+    write.run(told.append)
+    assert told == [2, 4] and write.done and write.wait(4) is False
+    assert all(torch.equal(a, w) for a, w in zip(stacks.a + stacks.b, whole.a + whole.b))
+
+
+def test_a_copy_that_fails_fails_the_waits_and_the_finish_with_its_reason(monkeypatch):
+    _, spec, stacks, _ = _setup()
+    write = SlotWrite(stacks, 1, _image(_factors(spec, 2, 8)))
+    real = LoraStacks.write_target
+
+    def broken(self, slot, i, got, non_blocking=False):
+        if i == 2:
+            raise RuntimeError("copy fault")
+        real(self, slot, i, got, non_blocking)
+
+    monkeypatch.setattr(LoraStacks, "write_target", broken)
+    write.start()
+    write.wait(2)  # the first layer is written; the second's copy fails
+    with pytest.raises(GenerationError, match="could not be written: copy fault"):
+        write.wait(3)
+    with pytest.raises(GenerationError, match="could not be written: copy fault"):
+        write.finish()
+    assert write.written == 2 and isinstance(write.error, RuntimeError)
+
+
+def test_a_workers_reader_of_the_slots_news_waits_only_for_what_has_not_come():
+    from timeshare.protocol import SlotReady
+    from timeshare.worker.proc import SlotReader
+
+    feed = [SlotReady(1, 2), SlotReady(1, 2), SlotReady(1, 4)]  # a write taken up again says 2 twice
+    reader = SlotReader(lambda: feed.pop(0), lambda: True, 4)
+    assert reader.wait(1) is False and reader.written == 2  # already there: not waited for
+    reader.drain()
+    assert reader.written == 4 and not feed
+    failed = SlotReader(iter([SlotReady(1, -1), SlotReady(1, 4)]).__next__, lambda: False, 4)
+    with pytest.raises(GenerationError, match="could not write"):
+        failed.wait(1)
+    failed.drain()  # nothing more is read once the controller said it failed
+    late = [SlotReady(1, 4)]
+    assert SlotReader(lambda: late.pop(0), lambda: False, 4).wait(3) is True  # it had not come: waited

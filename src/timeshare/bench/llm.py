@@ -342,6 +342,12 @@ def _wake(config: LLMBenchConfig, rt: Runtime, model: Any, path: Path) -> dict:
         seq = model.generate(prompt, greedy)
         got = seq.result(600).tokens
         cold.append(_ttft(seq))
+        # The load's record reaches listeners after the runtime's lock is let go, by the
+        # thread delivering then: under load, possibly after the answer (NOTE [Records
+        # outside the lock]). Waited for, a few seconds at most.
+        deadline = time.monotonic() + 10
+        while not any(r.loaded for r in seen[before:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         moved += [r.moved_bytes for r in seen[before:] if r.loaded and r.moved_bytes]
         # NOTE [Decode graphs]: every decode step after the wake, the first included, replayed.
         after = model.engine.snapshot()

@@ -267,10 +267,10 @@ class ClusterRuntime:
             raise
         return generation
 
-    def adapt(self, model: str, name: str, path: str | None, replace: bool = False) -> None:
+    def adapt(self, model: str, name: str, path: str | None, replace: bool = False, pinned: bool = False) -> None:
         """NOTE [Adapters on a cluster]: adapter ``name`` of ``model`` served from ``path``
         by every replica, now and later (None: by none)."""
-        self.cluster.adapt(model, name, path, replace)
+        self.cluster.adapt(model, name, path, replace, pinned)
 
     def adapter_slots(self, model: str) -> dict[str, int]:
         """``model``'s adapters on some replica's device, in the slot they have there (as of

@@ -68,6 +68,7 @@ from timeshare.llm.sequence import (
     collect,
     read_events,
 )
+from timeshare.options import serves_adapters
 
 if TYPE_CHECKING:
     from timeshare.cluster.backend import ClusterRuntime
@@ -105,13 +106,14 @@ class LLMDef:
 
     @property
     def serves_adapters(self) -> bool:
-        return bool(self.adapters) or self.max_loras is not None or self.lora_dir is not None \
-            or self.max_cpu_loras is not None
+        return serves_adapters(len(self.adapters), self.max_loras, self.lora_dir, self.max_cpu_loras)
 
-    def with_adapter(self, name: str, path: str | None) -> LLMDef:
-        """This model with adapter ``name`` served from ``path`` (None: not served)."""
+    def with_adapter(self, name: str, path: str | None, pinned: bool = False) -> LLMDef:
+        """This model with adapter ``name`` served from ``path`` (None: not served), pinned
+        if asked or if it was (a replaced adapter keeps its pin, as on one machine)."""
+        pinned = pinned or any(n == name and was for n, _, was in self.adapters)
         kept = tuple(a for a in self.adapters if a[0] != name)
-        return replace(self, adapters=kept if path is None else (*kept, (name, path, False)))
+        return replace(self, adapters=kept if path is None else (*kept, (name, path, pinned)))
 
     def load(self, rt: Runtime, kv_budget=None):
         from timeshare.llm import model as lm
@@ -249,7 +251,7 @@ class RemoteAdapters:
             if name in self._known and not replace:
                 raise ConfigError(f"adapter {name!r} is already loaded")
         checked = self._checked(name, path)
-        self._owner.adapt(self.parent, name, str(path), replace)
+        self._owner.adapt(self.parent, name, str(path), replace, pinned)
         with self._lock:
             self._known[name] = checked
             if pinned:

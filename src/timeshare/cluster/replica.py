@@ -285,9 +285,9 @@ class Replica:
         if seq is not None:
             seq.cancel()  # type: ignore[attr-defined]
 
-    def add_adapter(self, model: str, name: str, path: str, replace: bool = False) -> None:
+    def add_adapter(self, model: str, name: str, path: str, replace: bool = False, pinned: bool = False) -> None:
         """Serve adapter ``name`` of ``model`` from ``path`` (NOTE [Adapters on a cluster])."""
-        self._adapters(model).add(name, path, replace=replace)
+        self._adapters(model).add(name, path, pinned=pinned, replace=replace)
 
     def remove_adapter(self, model: str, name: str) -> bool:
         """Stop serving adapter ``name`` of ``model``; whether this replica served it (one

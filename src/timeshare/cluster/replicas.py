@@ -241,25 +241,35 @@ class ReplicaSet:
             except Exception as exc:
                 self.mark_lost(i, f"{self.slots[i].name} died: {cause(exc)}")
 
-    def adapt(self, model: str, name: str, path: str | None, replace: bool = False) -> None:
+    def adapt(self, model: str, name: str, path: str | None, replace: bool = False, pinned: bool = False) -> None:
         """Serve adapter ``name`` of language model ``model`` from ``path`` (None: no longer)
         on every live replica, and on every replica started from now on (NOTE [Adapters on
-        a cluster]). A replica found dead is lost, not an error; a replica's refusal is
-        raised as it raised it."""
+        a cluster]). A replica found dead is lost, not an error. A replica's refusal is
+        raised as it raised it once every answer is in: a new adapter is then taken back
+        from the replicas that took it, and the replicas started later do not load it."""
         with self.lock:
-            self.llms = [spec.with_adapter(name, path) if spec.name == model else spec for spec in self.llms]
             live = [(i, s.actor) for i, s in enumerate(self.slots) if s.alive and s.actor is not None]
-        refs = [(i, actor.add_adapter.remote(model, name, path, replace) if path is not None
+        refs = [(i, actor, actor.add_adapter.remote(model, name, path, replace, pinned) if path is not None
                  else actor.remove_adapter.remote(model, name)) for i, actor in live]
-        for i, ref in refs:
+        took, refused = [], None
+        for i, actor, ref in refs:  # every answer read: a refusal leaves no death unseen
             try:
                 self.ray.get(ref, timeout=self.call_timeout_s)
+                took.append(actor)
             except self.ray.exceptions.RayTaskError as exc:
-                if isinstance(exc.cause, BaseException):
-                    raise exc.cause from None
-                raise
+                refused = refused or (exc.cause if isinstance(exc.cause, BaseException) else exc)
             except Exception as exc:
                 self.mark_lost(i, f"{self.slots[i].name} died: {cause(exc)}")
+        if refused is not None:
+            if path is not None and not replace:
+                for actor in took:
+                    try:
+                        self.ray.get(actor.remove_adapter.remote(model, name), timeout=self.call_timeout_s)
+                    except Exception as exc:  # dead, or refusing: found by the next poll
+                        log.warning("taking adapter %s back from a replica failed: %s", name, cause(exc))
+            raise refused
+        with self.lock:
+            self.llms = [spec.with_adapter(name, path, pinned) if spec.name == model else spec for spec in self.llms]
 
     def evict_all(self, replicas: list[int]) -> None:
         """Empty each of ``replicas``; one found dead is lost, not an error."""

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from timeshare.config.fields import DATATYPES, Strict, valid_name
-from timeshare.options import DEFAULT_MAX_LORAS
+from timeshare.options import DEFAULT_MAX_LORAS, serves_adapters
 
 
 class TensorSpec(Strict):
@@ -234,8 +234,7 @@ class LLMConfig(Strict):
 
     @property
     def serves_adapters(self) -> bool:
-        return bool(self.adapters) or self.max_loras is not None or self.lora_dir is not None \
-            or self.max_cpu_loras is not None
+        return serves_adapters(len(self.adapters), self.max_loras, self.lora_dir, self.max_cpu_loras)
 
     @field_validator("adapters")
     @classmethod

@@ -60,7 +60,8 @@ a stream of their own, a layer's event waited on by the correction's stream, so 
 host waits only for the copy to be queued. With workers the controller, which owns the
 slots, writes them once the step is sent, while the worker computes, and tells the
 worker after each layer (``SlotReady`` on the pipe, each layer's copy synchronised
-first on CUDA), before the step's late masks (NOTE [Masks while the device runs]); the
+first on CUDA), before the step's late masks (NOTE [Masks while the device runs]: those
+are then computed once the slot's last layer is told, which the forward cannot outrun); the
 worker's ``SlotReader`` reads those messages as its corrections need them, and the rest
 off the pipe if the step fails. Whatever became of the step, the engine then finishes
 the write (``AdapterSlots.settle``): a step that failed before it began leaves the
@@ -81,6 +82,7 @@ the kernels: not measured yet.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import re
 import threading
@@ -236,15 +238,8 @@ class LoraStacks:
             a[:, slot - 1].zero_()
             b[:, slot - 1].zero_()
 
-    def write(self, slot: int, image: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Slot ``slot`` holds an adapter whose image (``pack``) is, per target (None: not
-        adapted), ``A`` (``[rank, fan_in]``) and ``scale * B`` transposed (``[rank,
-        fan_out]``); the columns past its rank zero."""
-        self._check(slot, image)
-        for i, got in enumerate(image):
-            self.write_target(slot, i, got)
-
-    def _check(self, slot: int, image: Sequence[object]) -> None:
+    def check(self, slot: int, image: Sequence[object]) -> None:
+        """That ``image`` (an adapter's, per target) may be written to slot ``slot``."""
         if not 0 < slot < self.spec.slots:
             raise ConfigError(f"adapter slot {slot} is not one of 1..{self.spec.slots - 1}")
         if len(image) != len(self.a):
@@ -252,7 +247,9 @@ class LoraStacks:
 
     def write_target(self, slot: int, i: int, got: tuple[torch.Tensor, torch.Tensor] | None,
                      non_blocking: bool = False) -> None:
-        """Target ``i`` of slot ``slot``: its image (``write``), or zeros."""
+        """Target ``i`` of slot ``slot`` holds an adapter's image of it (``pack``: ``A``
+        ``[rank, fan_in]`` and ``scale * B`` transposed ``[rank, fan_out]``), the columns
+        past its rank zero; None: zeros (a target it does not adapt)."""
         a, b = self.a[i][:, slot - 1], self.b[i][:, slot - 1]
         if got is None:
             _zero(a)
@@ -295,6 +292,12 @@ def layer_ends(spec: LoraSpec) -> tuple[int, ...]:
     return tuple(i + 1 for i in range(len(keys)) if i + 1 == len(keys) or keys[i + 1] != keys[i])
 
 
+def layers_holding(ends: Sequence[int], written: int) -> int:
+    """How many of the layers that end at ``ends`` (``layer_ends``) hold the first
+    ``written`` targets."""
+    return bisect.bisect_left(ends, written) + 1 if written > 0 else 0
+
+
 class SlotWrite:
     """A cold adapter's image going into slot ``slot`` of ``stacks``, layer by layer, while
     the prefill that needs it runs (NOTE [Adapters streamed in]); made by the controller,
@@ -303,7 +306,7 @@ class SlotWrite:
     taken up where it stopped by the next ``run``."""
 
     def __init__(self, stacks: LoraStacks, slot: int, image: Sequence[tuple[torch.Tensor, torch.Tensor] | None]):
-        stacks._check(slot, image)
+        stacks.check(slot, image)
         self.stacks, self.slot, self.image = stacks, slot, tuple(image)
         self.count = len(self.image)
         self.ends = layer_ends(stacks.spec)
@@ -389,8 +392,7 @@ class SlotWrite:
                                       f"within {timeout_s:g} s")
             if self.written < written:
                 raise GenerationError(f"adapter slot {self.slot} could not be written: {self.error}")
-            layers = sum(1 for end in self.ends if end <= written) + (written not in self.ends and written > 0)
-            events = self._events[:layers]
+            events = self._events[:layers_holding(self.ends, written)]
         if events:
             torch.cuda.current_stream().wait_event(events[-1])
         return waited

@@ -149,8 +149,9 @@ class Loading(Protocol):
     def start(self) -> None:
         """Begin (in-process: the write's own thread; in a worker: nothing to begin)."""
 
-    def wait(self, written: int, timeout_s: float = ...) -> bool:
-        """Until the first ``written`` targets are in place; whether it had to wait."""
+    def wait(self, written: int) -> bool:
+        """Until the first ``written`` targets are in place (a deadline of its own);
+        whether it had to wait."""
 
 
 class LoadFollows:
@@ -164,7 +165,7 @@ class LoadFollows:
     def start(self) -> None:
         return None
 
-    def wait(self, written: int, timeout_s: float = 0.0) -> bool:
+    def wait(self, written: int) -> bool:
         raise GenerationError("a step's adapter slot was to be told ready on its worker's pipe, and no reader was set")
 
 

@@ -239,6 +239,8 @@ class AdapterSlots:
                     finally:
                         self.load_s += write.seconds
                 self._in[slot] = adapter
+            elif not self.stream and slot in self._writes:  # a write left under way: finished first
+                self._writes[slot].finish()
             self._held[slot] = self._held.get(slot, 0) + 1
             self._recent.pop(slot, None)
             self._recent[slot] = None
@@ -259,14 +261,18 @@ class AdapterSlots:
         try:
             write.finish()
         except GenerationError:
+            if write.error is None:  # still being written (a writer stuck past the deadline):
+                raise  # it stays registered, and the next row of its adapter waits for it
             with self._lock:
-                if self._in.get(slot) is not None:
-                    del self._in[slot]
+                if self._writes.get(slot) is write:
+                    del self._writes[slot]
+                    self.load_s += write.seconds
+                    self._in.pop(slot, None)
                     self._recent.pop(slot, None)
             raise
-        finally:
-            with self._lock:
-                self._writes.pop(slot, None)
+        with self._lock:
+            if self._writes.get(slot) is write:
+                del self._writes[slot]
                 self.load_s += write.seconds
 
     def _free(self) -> int:
@@ -274,7 +280,7 @@ class AdapterSlots:
         if empty is not None:
             return empty
         for slot in self._recent:
-            if not self._held.get(slot) and self._in[slot].name not in self._pinned:
+            if not self._held.get(slot) and self._in[slot].name not in self._pinned and slot not in self._writes:
                 del self._in[slot]
                 self._recent.pop(slot)
                 return slot
@@ -321,6 +327,7 @@ class AdapterSlots:
     def _vacate(self, slot: int) -> None:
         del self._in[slot]
         self._recent.pop(slot, None)
+        self._writes.pop(slot, None)  # no row holds it: nothing waits for a write of it
         if not self._closed:
             self.stacks.clear(slot)
 

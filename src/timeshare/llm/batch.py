@@ -6,6 +6,7 @@ step computes runs where the weights are (NOTE [One step, two places]).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -115,6 +116,9 @@ class Batch:
         try:
             shared, new = self.pool.share(shareable, self.pages_for(len(context)) - len(shareable))
         except BaseException:
+            if slot and self.adapters is not None:  # a write it began is finished: the slot says what it holds
+                with contextlib.suppress(GenerationError):
+                    self.adapters.settle(slot)
             self._let_go(slot)
             raise
         self.hits += len(shared)

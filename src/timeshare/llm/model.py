@@ -31,6 +31,7 @@ from timeshare.llm.pages import PagePool
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish, Sequence
 from timeshare.memory.ephemeral import lane_bytes
+from timeshare.options import serves_adapters
 from timeshare.runtime.facade import Runtime
 from timeshare.scheduler.task import Priority
 
@@ -173,7 +174,7 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
             page_bytes, nbytes = pool_bytes(shape, max_sequences, int(context))
             pages = arena_pool(runtime, region, nbytes, page_bytes)
         lora = None
-        if max_loras or adapters or lora_dir is not None or max_cpu_loras:  # NOTE [Adapter residency]
+        if serves_adapters(len(adapters or {}), max_loras, lora_dir, max_cpu_loras):  # NOTE [Adapter residency]
             served = adapter_slots(runtime, name, config, shape.dtype, max_loras or DEFAULT_SLOTS, max_lora_rank,
                                    lora_dir, max_cpu_loras)
             lora = served.spec

@@ -60,36 +60,38 @@ def worker_main(start: P.Start, conn: Connection) -> None:
     WorkerProcess(start, conn).serve()
 
 
-
 class SlotReader:
     """A prefill's cold adapter slot as its worker sees it (NOTE [Adapters streamed in]):
     the controller writes it after sending the step, and says after each layer how many
-    targets are in place (``SlotReady``); ``wait`` reads those messages as far as a
-    correction needs, ``drain`` the rest once the step failed."""
+    targets are in place (``SlotReady``, the next message, waited for up to its own
+    deadline; ``arrived``: whether one is there already); ``wait`` reads those messages
+    as far as a correction needs, ``drain`` the rest once the step failed."""
 
-    def __init__(self, next_message: Callable[[], P.SlotReady], count: int):
-        self._next = next_message
+    def __init__(self, next_message: Callable[[], P.SlotReady], arrived: Callable[[], bool], count: int):
+        self._next, self._arrived = next_message, arrived
         self.count, self.written = count, 0
         self.failed = False
 
     def start(self) -> None:
         return None
 
-    def wait(self, written: int, timeout_s: float = STEP_MASKS_S) -> bool:
+    def wait(self, written: int) -> bool:
         waited = False
         while self.written < written:
             if self.failed:
                 raise GenerationError("the controller could not write this step's adapter slot")
+            waited = waited or not self._arrived()
             got = self._next().written
             if got < 0:
                 self.failed = True
                 continue
-            self.written, waited = max(self.written, got), True
+            self.written = max(self.written, got)  # a write taken up again says first where it stood
         return waited
 
     def drain(self) -> None:
         if not self.failed:
             self.wait(self.count)
+
 
 class WorkerProcess:
     """One worker process: its device, arena, copy engine and ``Worker``, the training jobs
@@ -271,7 +273,7 @@ class WorkerProcess:
         was_locked = self.worker.store_pinned(msg.model)
         if msg.step is not None and isinstance(msg.step.load, LoadFollows):  # NOTE [Adapters streamed in]
             self.load_due = SlotReader(partial(self._follower, msg.seq, P.SlotReady, "adapter slot"),
-                                       msg.step.load.count)
+                                       partial(self.conn.poll, 0), msg.step.load.count)
         if msg.step is not None and isinstance(msg.step.masks, MasksFollow):
             self.masks_due = msg.seq  # read by the step, or below if it failed before
         try:
