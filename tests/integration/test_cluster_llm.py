@@ -112,8 +112,8 @@ class _Fleet:
     def __init__(self):
         self.calls = []
 
-    def adapt(self, model, name, path, replace=False, pinned=False):
-        self.calls.append((model, name, path, replace))
+    def adapt(self, model, name, path, pinned=False, restore=None):
+        self.calls.append((model, name, path, restore))
 
     def adapter_slots(self, model):
         return {"a1": 3}
@@ -150,7 +150,9 @@ def test_the_front_end_checks_an_adapter_before_any_replica_reads_it(tmp_path):
         table.add("a1", a1)
     assert fleet.calls == []  # refused here: no replica was told
     table.add("a2", a1)
-    assert fleet.calls == [("llama", "a2", str(a1), False)]
+    assert fleet.calls == [("llama", "a2", str(a1), None)]
+    table.add("a2", a1, replace=True)  # what a refused replace would put back: the one before
+    assert fleet.calls[-1] == ("llama", "a2", str(a1), str(a1))
     assert table.get("a3") == "a3" and "a3" in table.names() and fleet.calls[-1][1] == "a2"  # each replica resolves
     (resolve / "bad").mkdir()
     (resolve / "bad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
@@ -161,6 +163,83 @@ def test_the_front_end_checks_an_adapter_before_any_replica_reads_it(tmp_path):
     infos = {i.name: (i.slot, i.pinned, i.parent) for i in table.infos()}
     assert infos == {"a1": (3, True, "llama"), "a2": (None, False, "llama"), "a3": (None, False, "llama")}
     table.remove("a2")
-    assert fleet.calls[-1] == ("llama", "a2", None, False) and "a2" not in table.names()
+    assert fleet.calls[-1] == ("llama", "a2", None, None) and "a2" not in table.names()
     with pytest.raises(UnknownModelError):
         table.remove("a2")
+
+
+class _TaskError(Exception):
+    def __init__(self, cause):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _Ray:
+    """Ray as ``ReplicaSet`` calls it: a remote call's reference is its answer, or its error."""
+
+    class exceptions:
+        RayTaskError = _TaskError
+
+    def get(self, ref, timeout=None):
+        if isinstance(ref, BaseException):
+            raise ref
+        return ref
+
+
+class _Call:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Actor:
+    """A replica's adapter calls, recorded; ``refuses``: a load of that directory fails there."""
+
+    def __init__(self, refuses=None, dead=False):
+        self.served: dict[str, tuple[str, bool]] = {}
+        self.refuses, self.dead = refuses, dead
+        self.add_adapter = _Call(self._add)
+        self.remove_adapter = _Call(self._remove)
+
+    def _add(self, model, name, path, replace, pinned):
+        if self.dead:
+            return RuntimeError("the actor died")
+        if path == self.refuses:
+            from timeshare.errors import ConfigError
+
+            return _TaskError(ConfigError(f"{path} cannot be read here"))
+        assert replace  # the front end has the last word on a name: a replica replaces
+        self.served[name] = (path, pinned)
+
+    def _remove(self, model, name):
+        self.served.pop(name, None)
+        return True
+
+
+def test_a_run_time_adapter_reaches_every_replica_or_none_and_the_replicas_started_later():
+    """NOTE [Adapters on a cluster], the replica set's side: a load reaches every live
+    replica (a dead one is lost, not an error) and the LLMDef later replicas start from;
+    one a replica refuses is taken back from the others (a new one removed, a replaced
+    one put back as it was) and the LLMDef left as it was; pins reach the replicas and
+    stay through a replace."""
+    from timeshare.cluster.replicas import ReplicaSet, ReplicaSlot
+    from timeshare.errors import ConfigError
+
+    lost = []
+    replicas = ReplicaSet(_Ray(), None, [], memory=1, device="cpu", runtime=None, cpu_fallback=None,
+                          llms=[LLMDef("llama", "/m", max_loras=2)], call_timeout_s=1, start_timeout_s=1,
+                          on_lost=lost.append)
+    good, picky, gone = _Actor(), _Actor(refuses="/far"), _Actor(dead=True)
+    replicas.slots = [ReplicaSlot("r0", good, True), ReplicaSlot("r1", picky, True), ReplicaSlot("r2", gone, True)]
+    replicas.adapt("llama", "a", "/a", pinned=True)
+    assert good.served == picky.served == {"a": ("/a", True)} and lost == [2]  # r2 lost, not an error
+    assert replicas.llms[0].adapters == (("a", "/a", True),)
+    with pytest.raises(ConfigError, match="cannot be read here"):
+        replicas.adapt("llama", "b", "/far")
+    assert "b" not in good.served and replicas.llms[0].adapters == (("a", "/a", True),)
+    with pytest.raises(ConfigError, match="cannot be read here"):
+        replicas.adapt("llama", "a", "/far", restore="/a")
+    assert good.served["a"] == ("/a", True) and replicas.llms[0].adapters == (("a", "/a", True),)
+    replicas.adapt("llama", "a", "/a2")  # a replace keeps the pin
+    assert good.served["a"] == ("/a2", True) and replicas.llms[0].adapters == (("a", "/a2", True),)
+    replicas.adapt("llama", "a", None)
+    assert good.served == picky.served == {} and replicas.llms[0].adapters == ()

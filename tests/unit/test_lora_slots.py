@@ -165,9 +165,11 @@ def test_a_workers_reader_of_the_slots_news_waits_only_for_what_has_not_come():
     assert reader.wait(1) is False and reader.written == 2  # already there: not waited for
     reader.drain()
     assert reader.written == 4 and not feed
-    failed = SlotReader(iter([SlotReady(1, -1), SlotReady(1, 4)]).__next__, lambda: False, 4)
+    news = [SlotReady(1, -1), SlotReady(1, 4)]
+    failed = SlotReader(lambda: news.pop(0), lambda: False, 4)
     with pytest.raises(GenerationError, match="could not write"):
         failed.wait(1)
-    failed.drain()  # nothing more is read once the controller said it failed
+    failed.drain()
+    assert news == [SlotReady(1, 4)]  # nothing more is read once the controller said it failed
     late = [SlotReady(1, 4)]
     assert SlotReader(lambda: late.pop(0), lambda: False, 4).wait(3) is True  # it had not come: waited

@@ -267,10 +267,12 @@ class ClusterRuntime:
             raise
         return generation
 
-    def adapt(self, model: str, name: str, path: str | None, replace: bool = False, pinned: bool = False) -> None:
+    def adapt(self, model: str, name: str, path: str | None, pinned: bool = False,
+              restore: str | None = None) -> None:
         """NOTE [Adapters on a cluster]: adapter ``name`` of ``model`` served from ``path``
-        by every replica, now and later (None: by none)."""
-        self.cluster.adapt(model, name, path, replace, pinned)
+        by every replica, now and later (None: by none; ``restore``: the directory a
+        refused replace puts back)."""
+        self.cluster.adapt(model, name, path, pinned, restore)
 
     def adapter_slots(self, model: str) -> dict[str, int]:
         """``model``'s adapters on some replica's device, in the slot they have there (as of

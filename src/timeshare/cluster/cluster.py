@@ -214,9 +214,11 @@ class Cluster:
                  adapter: str | None = None) -> tuple[int, Any, Callable]:
         return self.generations.generate(model, prompt, params, gen_id, adapter)
 
-    def adapt(self, model: str, name: str, path: str | None, replace: bool = False, pinned: bool = False) -> None:
-        """Adapter ``name`` of ``model`` served from ``path`` by every replica (None: by none)."""
-        self.replicas.adapt(model, name, path, replace, pinned)
+    def adapt(self, model: str, name: str, path: str | None, pinned: bool = False,
+              restore: str | None = None) -> None:
+        """Adapter ``name`` of ``model`` served from ``path`` by every replica (None: by
+        none; ``restore``: what a refused replace puts back)."""
+        self.replicas.adapt(model, name, path, pinned, restore)
 
     def events(self, stream: Any, timeout_s: float):
         return self.generations.events(stream, timeout_s)

@@ -27,12 +27,15 @@ any replica reads it, and then only its name crosses with a generation. An adapt
 loaded or unloaded at run time is so on every live replica, and is written into the
 model's ``LLMDef`` the replica set starts new replicas from, so that a replica added
 later (or one replacing a lost one) serves it too; one found dead meanwhile is lost, not
-an error. A replica still starting when the load is sent (not yet live) started from the
-model's earlier ``LLMDef`` and misses that adapter (not handled: its requests for it fail
-there). With ``lora_dir``, the front end checks a name on its first request and each
+an error. A replica's start and a load take turns, so a replica starts with the adapters
+served then or is told of the load. A load that a replica refuses (a directory the front
+end reads and it cannot) is raised once every answer is in, and the replicas that took it
+are put back as they were (without it, or with the adapter it replaced); the front end
+has the last word on names, so a replica's load replaces whatever it holds under one.
+With ``lora_dir``, the front end checks a name on its first request and each
 replica reads it on its own first request. Which replica generates does not look at
 adapters yet: a replica that has an adapter on its device is not preferred over one
-that must copy it in (a few milliseconds, streamed: NOTE [Adapters streamed in]).
+that must copy it in (a few milliseconds: NOTE [Adapters streamed in]).
 ``timeshare ps`` shows an adapter in the slot it has on some replica, as of the last poll.
 """
 
@@ -248,10 +251,11 @@ class RemoteAdapters:
         if not name or name == self.parent:
             raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
         with self._lock:
-            if name in self._known and not replace:
+            before = self._known.get(name)
+            if before is not None and not replace:
                 raise ConfigError(f"adapter {name!r} is already loaded")
         checked = self._checked(name, path)
-        self._owner.adapt(self.parent, name, str(path), replace, pinned)
+        self._owner.adapt(self.parent, name, str(path), pinned, before.path if before is not None else None)
         with self._lock:
             self._known[name] = checked
             if pinned:

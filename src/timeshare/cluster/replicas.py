@@ -79,6 +79,8 @@ class ReplicaSet:
         self.start_timeout_s = start_timeout_s
         self._on_lost = on_lost
         self.lock = threading.Lock()
+        # NOTE [Adapters on a cluster]: an adapter's load or unload and a replica's start, one at a time.
+        self._adapting = threading.Lock()
         self._t0 = time.monotonic()
         self.slots: list[ReplicaSlot] = []
         self.stats = ClusterStats()
@@ -166,24 +168,26 @@ class ReplicaSet:
             i = free[0]
             name = f"replica-{i}" if self.slots[i].error is None else f"replica-{i}.{self._generation(i)}"
             self.slots[i] = ReplicaSlot(name, reserved=True)  # taken: no other add_replica gets it
-        actor, error = self.start(i, name=name)
-        try:
-            if actor is None:
-                raise ConfigError(f"the new replica did not start: {error}")
+        with self._adapting:  # NOTE [Adapters on a cluster]: it starts with the adapters served now
+            actor, error = self.start(i, name=name)
+            try:
+                if actor is None:
+                    raise ConfigError(f"the new replica did not start: {error}")
+                with self.lock:
+                    self.slots[i] = ReplicaSlot(name, actor, False, reserved=True,
+                                                segments=self._segments.pop(i, []))
+                self._warm(i)
+            except BaseException as exc:
+                with self.lock:
+                    slot = self.slots[i]
+                    self.slots[i] = ReplicaSlot(name, error=f"{name} did not start: {cause(exc)}")
+                if slot.actor is not None:
+                    self.ray.kill(slot.actor, no_restart=True)
+                    unlink_segments(slot.segments)
+                raise
             with self.lock:
-                self.slots[i] = ReplicaSlot(name, actor, False, reserved=True, segments=self._segments.pop(i, []))
-            self._warm(i)
-        except BaseException as exc:
-            with self.lock:
-                slot = self.slots[i]
-                self.slots[i] = ReplicaSlot(name, error=f"{name} did not start: {cause(exc)}")
-            if slot.actor is not None:
-                self.ray.kill(slot.actor, no_restart=True)
-                unlink_segments(slot.segments)
-            raise
-        with self.lock:
-            self.slots[i].alive, self.slots[i].reserved = True, False
-            admit(i)
+                self.slots[i].alive, self.slots[i].reserved = True, False
+                admit(i)
         return name
 
     def _generation(self, i: int) -> int:
@@ -241,35 +245,47 @@ class ReplicaSet:
             except Exception as exc:
                 self.mark_lost(i, f"{self.slots[i].name} died: {cause(exc)}")
 
-    def adapt(self, model: str, name: str, path: str | None, replace: bool = False, pinned: bool = False) -> None:
+    def adapt(self, model: str, name: str, path: str | None, pinned: bool = False,
+              restore: str | None = None) -> None:
         """Serve adapter ``name`` of language model ``model`` from ``path`` (None: no longer)
         on every live replica, and on every replica started from now on (NOTE [Adapters on
         a cluster]). A replica found dead is lost, not an error. A replica's refusal is
-        raised as it raised it once every answer is in: a new adapter is then taken back
-        from the replicas that took it, and the replicas started later do not load it."""
-        with self.lock:
-            live = [(i, s.actor) for i, s in enumerate(self.slots) if s.alive and s.actor is not None]
-        refs = [(i, actor, actor.add_adapter.remote(model, name, path, replace, pinned) if path is not None
-                 else actor.remove_adapter.remote(model, name)) for i, actor in live]
+        raised as it raised it once every answer is in, and the replicas that took the
+        adapter are put back as they were: without it, or (``restore``: the directory it
+        replaced) with the one before; the replicas started later are not told. A replica
+        is started (``add``) either wholly before or wholly after this."""
+        with self._adapting:
+            with self.lock:
+                live = [(i, s.actor) for i, s in enumerate(self.slots) if s.alive and s.actor is not None]
+                # A replaced adapter keeps its pin, as on one machine.
+                pinned = pinned or any(n == name and was for spec in self.llms if spec.name == model
+                                       for n, _, was in spec.adapters)
+            took, refused = self._each(live, model, name, path, pinned)
+            if refused is not None:
+                if path is not None:  # replicas disagree: those that took it go back
+                    self._each(took, model, name, restore, pinned)
+                raise refused
+            with self.lock:
+                self.llms = [spec.with_adapter(name, path, pinned) if spec.name == model else spec
+                             for spec in self.llms]
+
+    def _each(self, actors: list[tuple[int, Any]], model: str, name: str, path: str | None,
+              pinned: bool) -> tuple[list[tuple[int, Any]], BaseException | None]:
+        """Adapter ``name`` served from ``path`` (None: not served) by each of ``actors``
+        (replicas take the front end's word for a name: a load replaces what they hold);
+        those that did it, and the first refusal. A replica found dead is lost."""
+        refs = [(i, actor, actor.add_adapter.remote(model, name, path, True, pinned) if path is not None
+                 else actor.remove_adapter.remote(model, name)) for i, actor in actors]
         took, refused = [], None
         for i, actor, ref in refs:  # every answer read: a refusal leaves no death unseen
             try:
                 self.ray.get(ref, timeout=self.call_timeout_s)
-                took.append(actor)
+                took.append((i, actor))
             except self.ray.exceptions.RayTaskError as exc:
                 refused = refused or (exc.cause if isinstance(exc.cause, BaseException) else exc)
             except Exception as exc:
                 self.mark_lost(i, f"{self.slots[i].name} died: {cause(exc)}")
-        if refused is not None:
-            if path is not None and not replace:
-                for actor in took:
-                    try:
-                        self.ray.get(actor.remove_adapter.remote(model, name), timeout=self.call_timeout_s)
-                    except Exception as exc:  # dead, or refusing: found by the next poll
-                        log.warning("taking adapter %s back from a replica failed: %s", name, cause(exc))
-            raise refused
-        with self.lock:
-            self.llms = [spec.with_adapter(name, path, pinned) if spec.name == model else spec for spec in self.llms]
+        return took, refused
 
     def evict_all(self, replicas: list[int]) -> None:
         """Empty each of ``replicas``; one found dead is lost, not an error."""

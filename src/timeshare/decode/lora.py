@@ -355,7 +355,13 @@ class SlotWrite:
                     if told is not None:
                         told(end)
             if self._stream is not None:
-                self._stream.synchronize()  # done means on the device
+                try:
+                    self._stream.synchronize()  # done means on the device
+                except BaseException as exc:
+                    with self._cv:
+                        self.error = exc
+                        self._cv.notify_all()
+                    raise
         finally:
             self._writer.release()
 

@@ -239,8 +239,6 @@ class AdapterSlots:
                     finally:
                         self.load_s += write.seconds
                 self._in[slot] = adapter
-            elif not self.stream and slot in self._writes:  # a write left under way: finished first
-                self._writes[slot].finish()
             self._held[slot] = self._held.get(slot, 0) + 1
             self._recent.pop(slot, None)
             self._recent[slot] = None
@@ -276,7 +274,7 @@ class AdapterSlots:
                 self.load_s += write.seconds
 
     def _free(self) -> int:
-        empty = next((s for s in range(1, self.slots + 1) if s not in self._in), None)
+        empty = next((s for s in range(1, self.slots + 1) if s not in self._in and s not in self._writes), None)
         if empty is not None:
             return empty
         for slot in self._recent:
@@ -327,8 +325,9 @@ class AdapterSlots:
     def _vacate(self, slot: int) -> None:
         del self._in[slot]
         self._recent.pop(slot, None)
-        self._writes.pop(slot, None)  # no row holds it: nothing waits for a write of it
-        if not self._closed:
+        # A write still under way (stuck past its deadline) keeps the slot out of use: it is
+        # neither cleared nor handed out (``_free``) until that write is settled.
+        if not self._closed and slot not in self._writes:
             self.stacks.clear(slot)
 
     def close(self) -> None:

@@ -175,7 +175,8 @@ def load(runtime: Runtime, name: str, path: str | Path, *, dtype: str | None = N
             pages = arena_pool(runtime, region, nbytes, page_bytes)
         lora = None
         if serves_adapters(len(adapters or {}), max_loras, lora_dir, max_cpu_loras):  # NOTE [Adapter residency]
-            served = adapter_slots(runtime, name, config, shape.dtype, max_loras or DEFAULT_SLOTS, max_lora_rank,
+            served = adapter_slots(runtime, name, config, shape.dtype,
+                                   DEFAULT_SLOTS if max_loras is None else max_loras, max_lora_rank,
                                    lora_dir, max_cpu_loras)
             lora = served.spec
             for adapter, at in (adapters or {}).items():
