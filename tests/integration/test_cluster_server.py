@@ -156,7 +156,8 @@ def test_serve_fronts_a_cluster_with_the_same_apis_and_survives_a_replica_killed
 
 @needs_ray
 def test_a_cluster_serves_adapters_added_at_run_time_on_every_replica_and_on_one_added_later(tmp_path):
-    """NOTE [Adapters on a cluster] through the OpenAI API: an adapter of the config, one
+    """NOTE [Adapters on a cluster] through the OpenAI API, on a cluster that serves a
+    language model alone (no model for the router to place): an adapter of the config, one
     loaded by vLLM's route and one found by the resolver each answer with PEFT's greedy
     text from two replicas, are listed with their parent, and a bad one is a 400; a replica
     added after that, once the two first are killed, answers for every one of them (the
@@ -176,7 +177,7 @@ def test_a_cluster_serves_adapters_added_at_run_time_on_every_replica_and_on_one
     ids = transformers_ids(llm, prompt)
     want = {n: decode(llm, peft_greedy(llm, p)(ids, 12)) for n, p in [("llama", None), *paths.items()]}
     assert len(set(want.values())) == 4  # each adapter changes the answer
-    config = {"runtime": {"device": "cpu", "memory": "12MiB"}, "models": [{"name": "tiny_mlp", "zoo": "tiny_mlp"}],
+    config = {"runtime": {"device": "cpu", "memory": "12MiB"},  # language models alone: no router
               "llms": [{"name": "llama", "path": str(llm), "max_sequences": 2, "max_loras": 2, "max_lora_rank": 8,
                         "adapters": [{"name": "a1", "path": str(paths["a1"])}],
                         "lora_dir": str(tmp_path / "loras")}],
@@ -190,6 +191,9 @@ def test_a_cluster_serves_adapters_added_at_run_time_on_every_replica_and_on_one
             return out.choices[0].text
 
         assert answer("llama") == want["llama"] and answer("a1") == want["a1"]
+        for path in ("/admin/status", "/admin/replicas", "/metrics"):  # no router: the rest reports as ever
+            assert httpx.get(server.url + path, timeout=60).status_code == 200, path
+        assert _admin(server, "GET", "/admin/replicas").json()["replicas_alive"] == 2
         load = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=60,
                           json={"lora_name": "big", "lora_path": str(big)})
         assert load.status_code == 400 and "exceeds max_lora_rank 8" in load.text

@@ -58,7 +58,7 @@ from timeshare.cluster.replica import ModelDef, Reply
 from timeshare.cluster.replicas import ClusterStats, ReplicaLostError, ReplicaSet, ReplicaSlot
 from timeshare.cluster.requests import Requests
 from timeshare.cluster.snapshots import ReplicaRow, ReplicaSnapshot
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, UnknownModelError
 from timeshare.options import RuntimeOptions
 from timeshare.scheduler.routing import Fleet, Router, compile_steps, policy_code
 from timeshare.units import parse_bytes
@@ -83,8 +83,8 @@ class Cluster:
                  max_replicas: int | None = None, call_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
                  seed: int = 0, device: str = "cpu", runtime: RuntimeOptions | None = None,
                  cpu_fallback: int | str | None = None, llms: Sequence[LLMDef] = (), failing: Sequence[int] = ()):
-        if not models:
-            raise ConfigError("a cluster needs at least one model")
+        if not models and not llms:
+            raise ConfigError("a cluster needs at least one model or language model")
         if replicas < 1:
             raise ConfigError(f"replicas must be at least 1, got {replicas}")
         names = [m.name for m in models]
@@ -114,12 +114,14 @@ class Cluster:
                                    on_lost=self._on_lost)
         self.jobs = Jobs(self.replicas)
         self.generations = Generations(self.replicas, llms)
-        self.requests: Requests | None = None
+        self.requests: Requests | None = None  # None: no model to route (language models alone)
+        self._policy = policy
         try:  # whatever fails from here on, nothing started is left behind
             self.replicas.start_all(n, replicas, failing)
-            compile_steps()  # the router's compiled steps, before any request waits on them
-            costs = self.replicas.profile()
-            self.requests = Requests(self.replicas, self.models, costs, policy=policy, seed=seed)
+            if self.models:  # language models alone route by generations (``Generations``): no router
+                compile_steps()  # the router's compiled steps, before any request waits on them
+                costs = self.replicas.profile()
+                self.requests = Requests(self.replicas, self.models, costs, policy=policy, seed=seed)
         except BaseException:
             self.close()
             raise
@@ -133,7 +135,8 @@ class Cluster:
 
     @property
     def _requests(self) -> Requests:
-        assert self.requests is not None, "the cluster did not start"
+        if self.requests is None:
+            raise UnknownModelError("this cluster serves language models only: it has no model to route requests to")
         return self.requests
 
     # ------------------------------------------------------------------ the parts' state
@@ -165,7 +168,7 @@ class Cluster:
 
     @property
     def policy(self) -> str:
-        return self._requests.policy
+        return self.requests.policy if self.requests is not None else self._policy
 
     @property
     def costs(self) -> dict:
@@ -182,7 +185,7 @@ class Cluster:
     # ------------------------------------------------------------------ replicas
     def add_replica(self) -> str:
         """Start one more replica in a free slot; it takes requests from then on."""
-        return self.replicas.add(self._requests.admit)
+        return self.replicas.add(self.requests.admit if self.requests is not None else lambda i: None)
 
     def kill_replica(self, name: str) -> None:
         """Kill a replica's actor (a drill: what a crashed replica looks like)."""
@@ -266,12 +269,13 @@ class Cluster:
         """Each replica slot in use: name, alive, requests outstanding, error, and the
         router's view of what it holds."""
         with self.replicas.lock:
-            fleet = self.fleet
+            fleet = self.requests.fleet if self.requests is not None else None
             rows = []
             for i, s in enumerate(self.slots):
                 if not (s.alive or s.error or s.reserved):
                     continue
-                held = [self.models[m].name for m in range(len(self.models)) if int(fleet.slot_of[m, i]) >= 0]
+                held = [] if fleet is None else \
+                    [self.models[m].name for m in range(len(self.models)) if int(fleet.slot_of[m, i]) >= 0]
                 rows.append(ReplicaRow(replica=s.name, alive=s.alive, starting=s.reserved, outstanding=s.outstanding,
                                        error=s.error, routed_resident=held, jobs=self.jobs.on(i)))
             return rows

@@ -17,6 +17,8 @@ that leaves) reaches its replica beside whatever it is running, even before the
 generation has started there. Generations run in a concurrency group of the replica's
 actor of their own, as many as its language models decode together (the sum of their
 ``max_sequences``); when every live replica has that many, a new one is refused (503).
+A cluster may serve language models alone: there is then no model for the router to
+place (``Cluster.requests`` is None), and the replicas only generate.
 
 NOTE [Adapters on a cluster]
 A language model's LoRA adapters are served by every replica, each with slots of its own
