@@ -151,8 +151,9 @@ def test_the_front_end_checks_an_adapter_before_any_replica_reads_it(tmp_path):
     assert fleet.calls == []  # refused here: no replica was told
     table.add("a2", a1)
     assert fleet.calls == [("llama", "a2", str(a1), None)]
-    table.add("a2", a1, replace=True)  # what a refused replace would put back: the one before
-    assert fleet.calls[-1] == ("llama", "a2", str(a1), str(a1))
+    other = write_adapter(path, tmp_path / "other", rank=2, targets=["k_proj"], seed=5)
+    table.add("a2", other, replace=True)  # what a refused replace would put back: the one before
+    assert fleet.calls[-1] == ("llama", "a2", str(other), str(a1))
     assert table.get("a3") == "a3" and "a3" in table.names() and fleet.calls[-1][1] == "a2"  # each replica resolves
     (resolve / "bad").mkdir()
     (resolve / "bad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
@@ -241,5 +242,8 @@ def test_a_run_time_adapter_reaches_every_replica_or_none_and_the_replicas_start
     assert good.served["a"] == ("/a", True) and replicas.llms[0].adapters == (("a", "/a", True),)
     replicas.adapt("llama", "a", "/a2")  # a replace keeps the pin
     assert good.served["a"] == ("/a2", True) and replicas.llms[0].adapters == (("a", "/a2", True),)
+    with pytest.raises(ConfigError, match="cannot be read here"):  # put back from the LLMDef, not the caller
+        replicas.adapt("llama", "a", "/far", restore="/stale")
+    assert good.served["a"] == ("/a2", True)
     replicas.adapt("llama", "a", None)
     assert good.served == picky.served == {} and replicas.llms[0].adapters == ()

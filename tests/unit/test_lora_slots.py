@@ -173,3 +173,30 @@ def test_a_workers_reader_of_the_slots_news_waits_only_for_what_has_not_come():
     assert news == [SlotReady(1, 4)]  # nothing more is read once the controller said it failed
     late = [SlotReady(1, 4)]
     assert SlotReader(lambda: late.pop(0), lambda: False, 4).wait(3) is True  # it had not come: waited
+
+
+def test_a_slot_whose_write_never_ended_is_kept_out_of_use_until_it_does():
+    """NOTE [Adapters streamed in]: an adapter removed while its slot's write is still under
+    way (stuck past the step's deadline) leaves the slot neither cleared nor handed out;
+    once that write ends, the next adapter gets the slot, cleared and written whole."""
+    from pathlib import Path
+
+    from timeshare.llm.adapters import Adapter, AdapterSlots, AdapterSlotsFull
+
+    _, spec, stacks, _ = _setup(slots=2)
+    slots = AdapterSlots(stacks, stream=True)
+    x = Adapter("x", Path("/x"), 2, _image(_factors(spec, 2, 9)))
+    y = Adapter("y", Path("/y"), 2, _image(_factors(spec, 2, 10)))
+    slot = slots.take(x)
+    stuck = slots.writing(slot)
+    assert stuck is not None and not stuck.ended  # its prefill's step never ran it
+    slots.release(slot)
+    slots.drop("x")
+    with pytest.raises(AdapterSlotsFull):
+        slots.take(y)  # the slot may still be written: not handed out
+    stuck.run()
+    assert slots.take(y) == slot
+    slots.settle(slot)
+    whole = LoraStacks(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    SlotWrite(whole, slot, y.factors).run()
+    assert all(torch.equal(a, w) for a, w in zip(stacks.a + stacks.b, whole.a + whole.b))

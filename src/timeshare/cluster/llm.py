@@ -266,10 +266,12 @@ class RemoteAdapters:
 
     def remove(self, name: str) -> None:
         with self._lock:
-            if self._known.pop(name, None) is None:
+            if name not in self._known:
                 raise UnknownModelError(f"adapter {name!r} is not loaded")
+        self._owner.adapt(self.parent, name, None)  # a replica's refusal leaves it served
+        with self._lock:
+            self._known.pop(name, None)
             self._pinned.discard(name)
-        self._owner.adapt(self.parent, name, None)
 
     def infos(self) -> list[AdapterInfo]:
         """Each adapter, in the slot it has on a replica's device (as of the last poll;

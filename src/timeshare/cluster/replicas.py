@@ -257,13 +257,17 @@ class ReplicaSet:
         with self._adapting:
             with self.lock:
                 live = [(i, s.actor) for i, s in enumerate(self.slots) if s.alive and s.actor is not None]
-                # A replaced adapter keeps its pin, as on one machine.
-                pinned = pinned or any(n == name and was for spec in self.llms if spec.name == model
-                                       for n, _, was in spec.adapters)
+                # What is served under the name now (the LLMDef's, read under the turn; else the
+                # front end's word, for an adapter the resolver found); a replace keeps its pin.
+                before = next(((p, was) for spec in self.llms if spec.name == model
+                               for n, p, was in spec.adapters if n == name), (restore, False))
+                pinned = pinned or before[1]
             took, refused = self._each(live, model, name, path, pinned)
             if refused is not None:
                 if path is not None:  # replicas disagree: those that took it go back
-                    self._each(took, model, name, restore, pinned)
+                    _, failed = self._each(took, model, name, before[0], before[1])
+                    if failed is not None:
+                        log.warning("adapter %s: a replica could not be put back as it was: %s", name, failed)
                 raise refused
             with self.lock:
                 self.llms = [spec.with_adapter(name, path, pinned) if spec.name == model else spec

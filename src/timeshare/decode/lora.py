@@ -326,6 +326,11 @@ class SlotWrite:
     def done(self) -> bool:
         return self.written == self.count and self.error is None
 
+    @property
+    def ended(self) -> bool:
+        """No writer is at it, and it is written whole or failed."""
+        return not self._writer.locked() and (self.done or self.error is not None)
+
     def start(self) -> None:
         """Begin writing on a thread of its own (in the process that runs the step)."""
         with self._cv:

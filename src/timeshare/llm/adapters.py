@@ -274,6 +274,11 @@ class AdapterSlots:
                 self.load_s += write.seconds
 
     def _free(self) -> int:
+        for slot, write in list(self._writes.items()):  # a vacated slot's stuck write that has since ended
+            if slot not in self._in and write.ended:
+                del self._writes[slot]
+                if not self._closed:
+                    self.stacks.clear(slot)
         empty = next((s for s in range(1, self.slots + 1) if s not in self._in and s not in self._writes), None)
         if empty is not None:
             return empty
