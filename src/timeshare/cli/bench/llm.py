@@ -9,6 +9,7 @@ from rich.table import Table
 
 from timeshare.cli.options import json_option, plot_option
 from timeshare.cli.show import shower
+from timeshare.options import DEFAULT_MAX_LORAS
 
 NAMES = ("llm",)
 
@@ -48,8 +49,9 @@ def add_parsers(bench) -> None:
                    help="adapters: decode of a batch mixing each count of LoRA adapters against the base, cold "
                    "and warm adapters' first tokens against a merged fine-tune's, e.g. 1,8,64 (default 1,8)")
     p.add_argument("--lora-rank", type=int, default=16, help="adapters: their rank, on every projection")
-    p.add_argument("--max-loras", type=int, default=8,
-                   help="adapters: slots on the device (default 8, as timeshare serve's); more adapters take turns")
+    p.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
+                   help=f"adapters: slots on the device (default {DEFAULT_MAX_LORAS}, as timeshare serve's); more "
+                   "adapters take turns")
     p.add_argument("--modes", default="in-process,workers",
                    help="the deployment modes wake, decode and prefix run in, comma-separated: in-process, workers")
     p.add_argument("--workers", type=int, default=2, help="the worker processes of the workers mode")
