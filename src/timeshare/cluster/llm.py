@@ -56,7 +56,15 @@ import torch
 
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError, Unavailable, UnknownModelError
-from timeshare.llm.adapters import DEFAULT_MAX_RANK, DEFAULT_SLOTS, Adapter, AdapterInfo, adapter_spec, resolvable
+from timeshare.llm.adapters import (
+    DEFAULT_MAX_RANK,
+    DEFAULT_SLOTS,
+    Adapter,
+    AdapterInfo,
+    adapter_spec,
+    check_name,
+    resolvable,
+)
 from timeshare.llm.constrained import LLGuidance
 from timeshare.llm.engine import MULTI_STEP_S, EngineSnapshot
 from timeshare.llm.hfdir import shard_files, weights_dtype
@@ -213,7 +221,8 @@ class RemoteAdapters:
 
     def __init__(self, owner: ClusterRuntime, model: LLMDef, config: Any, dtype: torch.dtype):
         self.parent, self._owner = model.name, owner
-        self.spec = adapter_spec(config, model.max_loras or DEFAULT_SLOTS, model.max_lora_rank, dtype)
+        slots = DEFAULT_SLOTS if model.max_loras is None else model.max_loras  # as lm.load makes them
+        self.spec = adapter_spec(config, slots, model.max_lora_rank, dtype)
         self.resolve_dir = Path(model.lora_dir) if model.lora_dir is not None else None
         self._pinned = {n for n, _, pinned in model.adapters if pinned}
         self._known: dict[str, ServedAdapter] = {}
@@ -250,8 +259,7 @@ class RemoteAdapters:
     def add(self, name: str, path: str | Path, pinned: bool = False, replace: bool = False) -> str:
         """Serve adapter ``name`` from ``path`` on every replica (``ConfigError``: it
         cannot be served, or the name is taken and not ``replace``)."""
-        if not name or name == self.parent:
-            raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
+        check_name(self.parent, name)
         with self._lock:
             before = self._known.get(name)
             if before is not None and not replace:

@@ -363,12 +363,16 @@ class SlotWrite:
                 try:
                     self._stream.synchronize()  # done means on the device
                 except BaseException as exc:
-                    with self._cv:
-                        self.error = exc
-                        self._cv.notify_all()
+                    self._failed(exc)
                     raise
         finally:
             self._writer.release()
+
+    def _failed(self, exc: BaseException) -> None:
+        """A copy failed: the waits raise it, and the slot holds no adapter."""
+        with self._cv:
+            self.error = exc
+            self._cv.notify_all()
 
     def _layer_to(self, end: int, sync: bool) -> None:
         t0 = time.perf_counter()
@@ -383,9 +387,7 @@ class SlotWrite:
                         event.synchronize()
                     self._events.append(event)
         except BaseException as exc:
-            with self._cv:
-                self.error = exc
-                self._cv.notify_all()
+            self._failed(exc)
             raise
         finally:
             self.seconds += time.perf_counter() - t0

@@ -391,8 +391,7 @@ class Adapters:
         """Read and add adapter ``name`` (``ConfigError``: it cannot be served; a name taken
         by another adapter, unless ``replace``: the new one then serves the requests that
         come after, the old one's rows finish with it)."""
-        if not name or name == self.parent:
-            raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
+        check_name(self.parent, name)
         adapter = Adapter.read(name, path, self.spec, pin=self._pin_host)
         with self._lock:
             if name in self._known and not replace:
@@ -490,6 +489,12 @@ class Adapters:
             known = [(name, k, name in self._held) for name, k in self._known.items()]
         return [AdapterInfo(name, self.parent, str(k.path), k.rank, k.nbytes, self.slots.slot_of(name),
                             self.slots.pinned(name), held) for name, k, held in known]
+
+
+def check_name(parent: str, name: str) -> None:
+    """That ``name`` may name an adapter of base ``parent`` (``ConfigError``: not)."""
+    if not name or name == parent:
+        raise ConfigError(f"an adapter's name must differ from its base's, got {name!r}")
 
 
 def resolvable(resolve_dir: Path | None, name: str) -> Path | None:
