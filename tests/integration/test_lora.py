@@ -302,15 +302,18 @@ def test_captured_steps_read_the_slots_so_a_new_adapter_in_a_slot_needs_no_new_c
         assert m.adapters.slots.loads >= 4
 
 
-def test_many_slots_gather_each_rows_factors_to_the_same_tokens(base, adapters, expected, monkeypatch):
-    """NOTE [Adapters in slots]: past ``STACKED_SLOTS`` slots the corrections gather each
-    row's factors instead of multiplying whole stacks; the same tokens."""
+@pytest.mark.parametrize("graphs", ["off", "emulate"])
+def test_factors_gathered_give_the_same_tokens(base, adapters, expected, monkeypatch, graphs):
+    """NOTE [Adapters in slots]: the used columns gathered where they are few in a wide span
+    (here always), and with graphs past ``STACKED_SLOTS`` slots each row's factors
+    gathered instead of whole stacks multiplied; the same tokens."""
     from timeshare.decode import lora
 
+    monkeypatch.setattr(lora, "SPAN_PER_USED", 0)
     monkeypatch.setattr(lora, "STACKED_SLOTS", 2)
     with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
         m = lm.load(rt, "llama", base, max_context=256, max_sequences=8, adapters=adapters, max_loras=4,
-                    max_lora_rank=16)
+                    max_lora_rank=16, graphs=graphs)
         names = [None, "attn8", "all4", "mlp16", "o2", None, "mlp16", "attn8"]
         seqs = [_greedy(m, i, name) for i, name in enumerate(names)]
         assert [s.result(60).tokens for s in seqs] == [expected[name][i] for i, name in enumerate(names)]

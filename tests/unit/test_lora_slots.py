@@ -9,7 +9,18 @@ import pytest
 import torch
 from torch import nn
 
-from timeshare.decode.lora import LoraLayers, LoraSpec, LoraStacks, LoraUse, SlotWrite, layer_ends, layers_holding, pack
+from timeshare.decode import lora
+from timeshare.decode.lora import (
+    LoraLayers,
+    LoraSpec,
+    LoraStacks,
+    LoraUse,
+    SlotWrite,
+    group_rows,
+    layer_ends,
+    layers_holding,
+    pack,
+)
 from timeshare.errors import ConfigError, GenerationError
 
 
@@ -24,12 +35,12 @@ class _Tiny(nn.Module):
         return x
 
 
-def _setup(slots: int = 4, rank: int = 3):
+def _setup(slots: int = 4, rank: int = 3, always: bool = False, rows: int = 4):
     torch.manual_seed(0)
     module = _Tiny().eval()
     spec = LoraSpec.of(module, slots, rank, torch.float32)
     stacks = LoraStacks(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
-    layers = LoraLayers(stacks, rows=4, device=torch.device("cpu"))
+    layers = LoraLayers(stacks, rows=rows, device=torch.device("cpu"), always=always)
     layers.attach(module)
     return module, spec, stacks, layers
 
@@ -60,8 +71,9 @@ def _reference(module: nn.Module, x: torch.Tensor, factors) -> torch.Tensor:
     return x
 
 
-def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot():
-    module, spec, stacks, layers = _setup()
+@pytest.mark.parametrize("always", [False, True], ids=["rows-grouped-by-slot", "whole-stacks-as-graphs-run"])
+def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot(always):
+    module, spec, stacks, layers = _setup(always=always)
     one, two = _factors(spec, 2, 1), _factors(spec, 3, 2)
     SlotWrite(stacks, 1, _image(one)).run()
     SlotWrite(stacks, 2, _image(two)).run()
@@ -81,6 +93,50 @@ def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot():
     assert torch.allclose(got[0], plain[0]) and torch.allclose(got[3], plain[3])  # the base's rows
     assert torch.allclose(got[1], _reference(module, x[1:2], one)[0], atol=1e-5)
     assert torch.allclose(got[2], _reference(module, x[2:3], two)[0], atol=1e-5)
+
+
+def test_rows_are_grouped_by_slot_over_a_span_of_columns_or_those_used_gathered():
+    """NOTE [Adapters in slots]: without graphs each used column gets ``per`` product rows
+    (row 0 where it has fewer, dropped); columns spanning more than ``SPAN_PER_USED``
+    times those used are gathered instead of read in place."""
+    assert group_rows([0, 0], torch.device("cpu")) is None
+    g = group_rows([2, 0, 3, 2], torch.device("cpu"))  # columns 1 and 2: rows 0, 3 and row 2
+    assert g is not None and g.span == (1, 3) and g.columns is None and g.per == 2
+    assert g.entries.tolist() == [0, 3, 2, 0] and g.keep is not None and g.keep.tolist() == [0, 1, 2]
+    assert g.into.tolist() == [0, 3, 2]
+    last = 2 * lora.SPAN_PER_USED  # two columns used, 0 and this: spanning exactly twice the ratio
+    spanned = group_rows([1, last], torch.device("cpu"))
+    assert spanned is not None and spanned.span == (0, last) and spanned.entries.shape == (last,)
+    wide = group_rows([last + 1, 1], torch.device("cpu"))  # one column more: gathered
+    assert wide is not None and wide.span is None and wide.columns is not None
+    assert wide.columns.tolist() == [0, last] and wide.keep is None
+    assert wide.entries.tolist() == [1, 0] and wide.into.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_grouped_rows_of_several_positions_each_get_their_slots_correction(gathered, monkeypatch):
+    """Rows sharing a slot, a base row, padding rows past the step's, positions past the
+    first (a prefill's), and an inf in a spanned column no row uses and in the dropped
+    products of a column with fewer rows: each row is PEFT's, none is touched by another's."""
+    if gathered:
+        monkeypatch.setattr(lora, "SPAN_PER_USED", 0)
+    module, spec, stacks, layers = _setup(slots=6, rows=6)
+    one, two = _factors(spec, 2, 11), _factors(spec, 3, 12)
+    SlotWrite(stacks, 1, _image(one)).run()
+    SlotWrite(stacks, 2, _image(_factors(spec, 3, 13, fill=float("inf")))).run()  # spanned, unused
+    SlotWrite(stacks, 3, _image(two)).run()
+    x = torch.randn(6, 3, 6)
+    x[0].fill_(1e38)  # row 0 fills the column of fewer rows: its product (inf) is dropped
+    with torch.no_grad():
+        plain = module(x)
+        layers.use([3, 1, 0, 1], None)
+        got = module(x)
+    assert torch.isfinite(got[1:]).all()
+    assert torch.equal(got[2], plain[2]) and torch.equal(got[4:], plain[4:])  # the base's row and padding
+    assert torch.allclose(got[1], _reference(module, x[1:2], one)[0], atol=1e-5)
+    assert torch.allclose(got[3], _reference(module, x[3:4], one)[0], atol=1e-5)
+    want0 = _reference(module, x[:1], two)[0]
+    assert torch.equal(torch.isfinite(got[0]), torch.isfinite(want0))
 
 
 def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers():
