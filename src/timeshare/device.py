@@ -86,21 +86,6 @@ def synchronize(device: torch.device) -> None:
 # take 142.
 WIDE_DECODE_ROWS = 8
 _step_threads: tuple[int, int, int] | None = None  # a prefill's, a narrow decode step's and a wide one's
-_one_team = False  # this process computes on one thread (a worker): its team spins
-
-
-def one_team() -> None:
-    """This process computes on one thread only (a worker process): its OpenMP team spins
-    between parallel regions (NOTE [A core for the front end])."""
-    global _one_team
-    _one_team = True
-
-
-def teams_sleep() -> bool:
-    """Whether OpenMP teams here may sleep between parallel regions, so that each small
-    operator run by a team pays a wake-up (NOTE [A core for the front end]): assumed of any
-    process but a worker, whose one thread that computes keeps a spinning team."""
-    return not _one_team
 
 
 def leave_a_core(one_team: bool = False) -> None:

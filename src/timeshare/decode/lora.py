@@ -35,17 +35,19 @@ captured the rows' slots are read on the device and no shape may change: with up
 ``STACKED_SLOTS`` slots the two products run over the used ranks of every slot at once,
 each row's other slots selected out between them; with more, each row's factors are
 gathered and multiplied in batches. When every row has the same adapter (a prefill, a
-batch of one fine-tune) and no graph is captured, its own factors alone. On the CPU, in a
-process whose teams sleep between parallel regions (a server's own: NOTE [A core for the
-front end]), one adapter's products this small run on the calling thread alone
-(``ONE_THREAD_MACS``; a 64-token prefill's corrections took 14-16 ms more than the base's
-with the team, 5-6 without); grouped products keep the team, which splits them by column
-(8 rows over 8 adapters decoded at 0.81x the base's rate on one thread, 0.87x with it).
-A worker's team spins, and keeps them all. The slots are read by the index in the
-runner's input buffer, so a captured graph replays with new contents in a slot and needs
-no new capture; with graphs the correction always runs at full rank on every projection
-(a base row's selected out), without them a step whose
-rows are all the base's skips it. The base's weights are never copied or changed.
+batch of one fine-tune) and no graph is captured, its own factors alone. On the CPU one
+adapter's products this small run on the calling thread alone (``ONE_THREAD_MACS``): in a
+server's process, whose teams sleep between parallel regions (NOTE [A core for the front
+end]), a 64-token prefill's corrections took 14-16 ms more than the base's with the team,
+5-6 without; in a worker, whose team spins, 19-39 ms with the team and 4-14 without while
+another model took turns on that worker (evicted and loaded again), 2-7 and 7-9 alone
+(2-core VM, six pairs each). Grouped products keep the team, which splits them by column
+(in-process, 8 rows over 8 adapters decoded at 0.81x the base's rate on one thread, 0.87x
+with it). The slots are read by the index in the runner's input buffer, so a captured
+graph replays with new contents in a slot and needs no new capture; with graphs the
+correction always runs at full rank on every projection (a base row's selected out),
+without them a step whose rows are all the base's skips it. The base's weights are never
+copied or changed.
 
 What it costs on the 2-core VM (``bench llm --adapters 1,8,64``: a 64M Llama in float32,
 rank 16 on all seven projections of every layer, 8 rows, 8 slots, steps as a server runs
@@ -108,15 +110,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from timeshare.device import teams_sleep
 from timeshare.errors import ConfigError, GenerationError
 
 ALIGN = 256  # each stack starts at a multiple of this many bytes
 STACKED_SLOTS = 16  # up to this many slots, corrections are products over whole stacks (NOTE [Adapters in slots])
-# A correction of fewer multiply-adds than this (some 0.2 ms on one core) runs on one
-# thread on the CPU where teams sleep (``device.teams_sleep``): with a team, each of its
-# operators paid a wake-up, and a 64-token prefill's 84 corrections took 31 ms on two
-# threads and 14 ms on one (2-core VM, in-process).
+# A correction by one adapter's factors of fewer multiply-adds than this (some 0.2 ms on
+# one core) runs on the calling thread on the CPU: each of a team's operators waits for
+# its slowest thread, woken from sleep in a server's process (a 64-token prefill's 84
+# corrections took 31 ms on two threads and 14 ms on one, 2-core VM, in-process) or
+# descheduled in a worker whose cores another process also wants (NOTE [Adapters in slots]).
 ONE_THREAD_MACS = 1 << 22
 # Without graphs, a step's rows are multiplied by the factors of the stacks' columns from
 # its first slot's to its last one's, a view, unless they span more than this many times
@@ -511,7 +513,7 @@ class LoraLayers:
         self._hooks: list[Any] = []
         self._module: nn.Module | None = None
         self._stacked = spec.slots - 1 < STACKED_SLOTS  # which buffers ``use`` makes: NOTE [Adapters in slots]
-        self._teams_sleep = device.type == "cpu" and teams_sleep()  # small products may leave the team
+        self._cpu = device.type == "cpu"  # small products may leave the team
         self._ready: Callable[[int], bool] | None = None  # NOTE [Adapters streamed in]
         self.waits = 0  # corrections that waited for their cold slot's targets
 
@@ -596,7 +598,7 @@ class LoraLayers:
         # Sizes are looked at only outside a compiled step: a comparison there would guard
         # its trace on the rows (NOTE [Compiled decode steps]: one trace for every bucket).
         # Grouped products keep the team: it splits them by column (NOTE [Adapters in slots]).
-        if self._groups is not None or not self._teams_sleep or torch.compiler.is_compiling() \
+        if self._groups is not None or not self._cpu or torch.compiler.is_compiling() \
                 or torch.get_num_threads() == 1 \
                 or x.numel() // fan_in * rank * (fan_in + out.shape[-1]) * (n if self._one is None else 1) \
                 >= ONE_THREAD_MACS:

@@ -108,7 +108,6 @@ class WorkerProcess:
         if start.backend_flags is not None:  # before the first kernel: the creator's numerics, bit for bit
             start.backend_flags.apply()
         device = self.device = devices.resolve_device(start.device)
-        devices.one_team()  # this process's one thread that computes: NOTE [A core for the front end]
         if start.leave_a_core:  # the controller serves: NOTE [A core for the front end]
             devices.leave_a_core(one_team=True)
         devices.make_current(device)  # creates the device context, before any other CUDA call: NOTE [Current device]
