@@ -155,8 +155,10 @@ def _mixed(config: Any, model: Any, rows: int, n: int) -> dict:
 
 def _first_tokens(config: Any, rt: Runtime, model: Any, cold: list[Path], full: Path) -> dict:
     """Time to first token: the base warm, an adapter on the device, an adapter in host
-    memory only (a new name each repeat: its first request copies it in), and the merged
-    fine-tune registered as a model of its own and evicted before each request."""
+    memory only (a new name each repeat: its first request copies it in), and then, in
+    rounds of its own, the merged fine-tune registered as a model of its own and evicted
+    before each request (its loads slowed the steps just after them on a worker it shared
+    with the base: docs/results.md)."""
     one = SamplingParams(max_tokens=1, temperature=0)
     link_Bps = rt.profile("m").link.bandwidth_Bps
     merged_model = lm.load(rt, "merged", full, max_sequences=1, max_context=config.prompt_tokens + 2,
@@ -178,12 +180,15 @@ def _first_tokens(config: Any, rt: Runtime, model: Any, cold: list[Path], full: 
             adapter = model.adapters.add(name, cold[i % len(cold)])
             nbytes = adapter.nbytes
             got["adapter_cold"] = ttft(model, name)
-            rt.evict("merged")
-            got["merged_cold"] = ttft(merged_model)
             model.adapters.remove(name)
             for k, v in got.items():
                 if i:
                     times[k].append(v)
+        for i in range(config.repeats + 1):
+            rt.evict("merged")
+            merged_s = ttft(merged_model)
+            if i:
+                times["merged_cold"].append(merged_s)
     finally:
         merged_model.close()
     med = {k: statistics.median(v) for k, v in times.items()}
