@@ -80,7 +80,7 @@ def test_each_row_gets_its_own_slots_correction_and_nothing_of_another_slot(alwa
     SlotWrite(stacks, 3, _image(_factors(spec, 3, 3, fill=float("inf")))).run()  # a slot no row uses, its x @ A all inf
     x = torch.randn(4, 1, 6)
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # products this small run on one thread, and the count is put back
+    torch.set_num_threads(2)  # grouped products keep the team; stacked ones this small leave it, and it is put back
     try:
         with torch.no_grad():
             plain = module(x)
@@ -139,16 +139,40 @@ def test_grouped_rows_of_several_positions_each_get_their_slots_correction(gathe
     assert torch.equal(torch.isfinite(got[0]), torch.isfinite(want0))
 
 
-def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers():
+def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers(monkeypatch):
+    """And the thread count each runs its products with: one adapter's this small on the
+    calling thread alone, grouped ones on the team; the count is put back."""
     module, spec, stacks, layers = _setup()
     low = _factors(spec, 2, 4)
     SlotWrite(stacks, 2, _image(low)).run()
     x = torch.randn(3, 2, 6)
-    with torch.no_grad():
-        layers.use([2, 2, 2], LoraUse(2, (1 << len(spec.targets)) - 1))  # one adapter, its rank only
-        got = module(x)
-        layers.use([2, 2, 0], None)  # mixed, every rank
-        mixed = module(x)
+    seen: list[tuple[str, int]] = []
+    linear, bmm = torch.nn.functional.linear, torch.bmm
+
+    def counted_linear(x, weight, bias=None):
+        if weight.shape[0] == 2:  # an adapter's A at rank 2 (no projection here is 2 wide)
+            seen.append(("one", torch.get_num_threads()))
+        return linear(x, weight, bias)
+
+    def counted_bmm(a, b):
+        seen.append(("grouped", torch.get_num_threads()))
+        return bmm(a, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counted_linear)
+    monkeypatch.setattr(torch, "bmm", counted_bmm)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            layers.use([2, 2, 2], LoraUse(2, (1 << len(spec.targets)) - 1))  # one adapter, its rank only
+            got = module(x)
+            layers.use([2, 2, 0], None)  # mixed, every rank
+            mixed = module(x)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    count = len(spec.targets)
+    assert seen == [("one", 1)] * count + [("grouped", 2)] * 2 * count
     want = _reference(module, x, low)
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(mixed[:2], want[:2], atol=1e-5)
 

@@ -35,8 +35,8 @@ captured the rows' slots are read on the device and no shape may change: with up
 ``STACKED_SLOTS`` slots the two products run over the used ranks of every slot at once,
 each row's other slots selected out between them; with more, each row's factors are
 gathered and multiplied in batches. When every row has the same adapter (a prefill, a
-batch of one fine-tune) and no graph is captured, its own factors alone. On the CPU one
-adapter's products this small run on the calling thread alone (``ONE_THREAD_MACS``): in a
+batch of one fine-tune) and no graph is captured, its own factors alone. On the CPU such
+products, and stacked ones, this small run on the calling thread alone (``ONE_THREAD_MACS``): in a
 server's process, whose teams sleep between parallel regions (NOTE [A core for the front
 end]), a 64-token prefill's corrections took 14-16 ms more than the base's with the team,
 5-6 without; in a worker, whose team spins, 19-39 ms with the team and 4-14 without while
@@ -51,16 +51,15 @@ copied or changed.
 
 What it costs on the 2-core VM (``bench llm --adapters 1,8,64``: a 64M Llama in float32,
 rank 16 on all seven projections of every layer, 8 rows, 8 slots, steps as a server runs
-them; ``bench/results/llm-cpu-epyc-2core-adapters.json``): one adapter for every row
-decodes at 0.82-0.92x the base's rate, 8 adapters mixed at 0.74x in-process and 0.64-0.68x
-with workers, 64 through the 8 slots at 0.67-0.79x (PEFT's own mixed batch: 77 tokens/s
-where ours are 119-169). The products read every used slot's factors and are bound by
-memory here: 75 MB a step for 8 adapters against the base projections' 255 MB (so 0.78x
-at best, at the base's bandwidth), 13 ms against 31 on one core (0.70x); fewer slots are
-cheaper. A
-prefill of an adapter pays its products too (6.5 ms of a 64-token prompt's 67 ms of
-projections), and a cold adapter its copy (2.5 ms for 9 MiB). On a GPU the products are
-launches in a graph: not measured yet.
+them; ``bench/results/llm-cpu-epyc-2core-adapters*.json``, docs/results.md): one adapter
+for every row decodes at 0.92-0.97x the base's rate in-process and 0.89-0.91x with
+workers, 8 adapters mixed at 0.82-0.86x and 0.76-0.80x (0.73x and 0.66x while each row
+was multiplied by every slot), 64 through the 8 slots at 0.81-0.83x and 0.75-0.83x
+(PEFT's own mixed batch: 87-94 tokens/s where ours are 155-237). A step's factors for 8
+adapters are 75 MB against the base projections' 255 MB. A prefill of an adapter pays
+its products too (3.8 ms of a 64-token prompt's 64 ms of projections, measured alone),
+and a cold adapter its copy (2.4-3.5 ms for 9 MiB). On a GPU the products are launches in
+a graph: not measured yet.
 
 # NOTE [Adapters streamed in]
 On CUDA a cold adapter is not copied before its prefill: its slot is written layer by
@@ -114,8 +113,8 @@ from timeshare.errors import ConfigError, GenerationError
 
 ALIGN = 256  # each stack starts at a multiple of this many bytes
 STACKED_SLOTS = 16  # up to this many slots, corrections are products over whole stacks (NOTE [Adapters in slots])
-# A correction by one adapter's factors of fewer multiply-adds than this (some 0.2 ms on
-# one core) runs on the calling thread on the CPU: each of a team's operators waits for
+# A correction of fewer multiply-adds than this (some 0.2 ms on one core) by one adapter's
+# factors, or with graphs by every slot's, runs on the calling thread on the CPU: each of a team's operators waits for
 # its slowest thread, woken from sleep in a server's process (a 64-token prefill's 84
 # corrections took 31 ms on two threads and 14 ms on one, 2-core VM, in-process) or
 # descheduled in a worker whose cores another process also wants (NOTE [Adapters in slots]).
