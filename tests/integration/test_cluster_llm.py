@@ -247,3 +247,43 @@ def test_a_run_time_adapter_reaches_every_replica_or_none_and_the_replicas_start
     assert good.served["a"] == ("/a2", True)
     replicas.adapt("llama", "a", None)
     assert good.served == picky.served == {} and replicas.llms[0].adapters == ()
+
+
+class _Generating:
+    """A replica's actor as ``Generations`` starts a generation on it."""
+
+    def __init__(self):
+        self.generate = self
+
+    def options(self, **_):
+        return _Call(lambda *args: args)
+
+
+def test_a_generation_of_an_adapter_goes_where_its_adapter_was_last_while_there_is_room():
+    """NOTE [Adapters on a cluster]: an adapter's next generation goes to the replica that
+    generated for it last (its slot likely still holds it), while that one has room, before
+    the model's last replica; an adapter loaded again or unloaded has no such replica."""
+    from timeshare.cluster.generations import Generations
+    from timeshare.cluster.replicas import ReplicaSet, ReplicaSlot
+
+    llama = LLMDef("llama", "/m", max_sequences=2)
+    replicas = ReplicaSet(_Ray(), None, [], memory=1, device="cpu", runtime=None, cpu_fallback=None,
+                          llms=[llama], call_timeout_s=1, start_timeout_s=1, on_lost=lambda i: None)
+    replicas.slots = [ReplicaSlot("r0", _Generating(), True), ReplicaSlot("r1", _Generating(), True)]
+    generations = Generations(replicas, [llama])
+    started = {}
+
+    def start(key, adapter):
+        started[key] = generations.generate("llama", [1], None, key, adapter)
+        return started[key][0]
+
+    assert [start("g1", "a"), start("g2", "a"), start("g3", "b")] == [0, 0, 1]  # r0 full: b to r1
+    started["g1"][2]()
+    started["g2"][2]()
+    assert start("g4", "a") == 0  # a's replica, not the model's last (r1), which has room too
+    assert start("g5", "b") == 1  # b's, not the model's last (r0)
+    assert start("g6", "a") == 0
+    started["g3"][2]()
+    started["g4"][2]()
+    generations.forget("llama", "b")  # loaded again: no replica holds it
+    assert start("g7", "b") == 0  # the model's last replica, though b's last (r1) has room

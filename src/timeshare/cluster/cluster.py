@@ -222,6 +222,7 @@ class Cluster:
         """Adapter ``name`` of ``model`` served from ``path`` by every replica (None: by
         none; ``restore``: what a refused replace puts back)."""
         self.replicas.adapt(model, name, path, pinned, restore)
+        self.generations.forget(model, name)  # new contents, or none: no replica's slot holds them yet
 
     def events(self, stream: Any, timeout_s: float):
         return self.generations.events(stream, timeout_s)

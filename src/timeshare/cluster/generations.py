@@ -1,7 +1,9 @@
-"""A cluster's generations of language models: which replica generates (the one that did
-last while it has room, else the least busy), the stream of a generation's events, and
-its cancellation (NOTE [Language models on a cluster] in ``cluster/llm.py``). Runs in the
-front end's process."""
+"""A cluster's generations of language models: which replica generates (for an adapter,
+the one that generated for it last while it has room, its slot likely still holding it;
+else the one that generated for the model last while it has room; else the least busy),
+the stream of a generation's events, and its cancellation (NOTE [Language models on a
+cluster] and [Adapters on a cluster] in ``cluster/llm.py``). Runs in the front end's
+process."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class Generations:
         self.replicas = replicas
         self.llms = {spec.name: spec for spec in llms}  # NOTE [Language models on a cluster]
         self._llm_home: dict[str, int] = {}  # language model -> the replica that generated for it last
+        self._adapter_home: dict[tuple[str, str], int] = {}  # (model, adapter) -> the replica that did for it last
         self._generating: dict[tuple[int, str], int] = {}  # (replica, model) -> generations in flight
         self.per_replica = generations_per_replica(llms)
 
@@ -48,13 +51,20 @@ class Generations:
             def load(i: int) -> int:
                 return sum(n for (j, _), n in self._generating.items() if j == i)
 
-            home = self._llm_home.get(model)
-            if home not in live or self._generating.get((home, model), 0) >= spec.max_sequences \
-                    or load(home) >= self.per_replica:
+            def room(i: int | None) -> bool:
+                return i in live and self._generating.get((i, model), 0) < spec.max_sequences \
+                    and load(i) < self.per_replica
+
+            homes = ([self._adapter_home.get((model, adapter))] if adapter is not None else []) \
+                + [self._llm_home.get(model)]
+            home = next((i for i in homes if i is not None and room(i)), None)
+            if home is None:
                 home = min(live, key=load)
             if load(home) >= self.per_replica:
                 raise Overloaded(f"every replica generates {self.per_replica} sequences already", 1)
             self._llm_home[model] = home
+            if adapter is not None:
+                self._adapter_home[(model, adapter)] = home
             key = (home, model)
             self._generating[key] = self._generating.get(key, 0) + 1
             actor = replicas.slots[home].actor
@@ -73,6 +83,11 @@ class Generations:
             finished()
             raise
         return home, stream, finished
+
+    def forget(self, model: str, adapter: str) -> None:
+        """``adapter`` of ``model`` was loaded again or unloaded: no replica is its home."""
+        with self.replicas.lock:
+            self._adapter_home.pop((model, adapter), None)
 
     def events(self, stream: Any, timeout_s: float):
         """The events of a generation's stream, each waited for at most ``timeout_s``

@@ -35,9 +35,11 @@ end reads and it cannot) is raised once every answer is in, and the replicas tha
 are put back as they were (without it, or with the adapter it replaced); the front end
 has the last word on names, so a replica's load replaces whatever it holds under one.
 With ``lora_dir``, the front end checks a name on its first request and each
-replica reads it on its own first request. Which replica generates does not look at
-adapters yet: a replica that has an adapter on its device is not preferred over one
-that must copy it in (a few milliseconds: NOTE [Adapters streamed in]).
+replica reads it on its own first request. An adapter's generation goes to the replica
+that generated for it last while that one has room (``cluster/generations.py``), before
+the model's last one: its slot there likely still holds it, where another replica must
+copy it in (a few milliseconds: NOTE [Adapters streamed in]). Which slots hold what is not
+asked of the replicas: an adapter loaded again or unloaded has no such replica.
 ``timeshare ps`` shows an adapter in the slot it has on some replica, as of the last poll.
 """
 
