@@ -295,6 +295,9 @@ class LoraStacks:
         for t, place in zip(spec.targets, places):
             self.a.append(memory[place.a:place.a + n * t.fan_in * r * size].view(spec.dtype).view(r, n, t.fan_in))
             self.b.append(memory[place.b:place.b + n * r * t.fan_out * size].view(spec.dtype).view(r, n, t.fan_out))
+        # On the CPU the stacks as numpy's words too: a slot's write is then numpy's copies
+        # and slices alone, where torch's slicing cost more than the copying (``_bytes``).
+        self._words = [(_bytes(a), _bytes(b)) for a, b in zip(self.a, self.b)] if memory.device.type == "cpu" else None
 
     def clear(self, slot: int) -> None:
         if not 0 < slot < self.spec.slots:
@@ -315,6 +318,16 @@ class LoraStacks:
         """Target ``i`` of slot ``slot`` holds an adapter's image of it (``pack``: ``A``
         ``[rank, fan_in]`` and ``scale * B`` transposed ``[rank, fan_out]``), the columns
         past its rank zero; None: zeros (a target it does not adapt)."""
+        if self._words is not None and (got is None or all(
+                t.device.type == "cpu" and t.dtype == self.spec.dtype for t in got)):
+            wa, wb = self._words[i]
+            for words, source in zip((wa[:, slot - 1], wb[:, slot - 1]), got or (None, None)):
+                rank = 0 if source is None else source.shape[0]
+                if source is not None and rank:
+                    numpy.copyto(words[:rank], _bytes(source))
+                if rank < words.shape[0]:
+                    words[rank:].fill(0)
+            return
         a, b = self.a[i][:, slot - 1], self.b[i][:, slot - 1]
         if got is None:
             _zero(a)
@@ -331,8 +344,11 @@ class LoraStacks:
 # On the CPU a slot is written as bytes by numpy (a memcpy per row): torch's copy of a
 # large tensor runs an OpenMP parallel region, and a write on a thread of its own would
 # start a second team beside the prefill's (NOTE [A core for the front end]).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bytes(t: torch.Tensor) -> Any:
-    return t.view(torch.uint8).numpy()
+    return t.view(_WORDS[t.element_size()]).numpy()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
