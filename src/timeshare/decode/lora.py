@@ -58,7 +58,7 @@ was multiplied by every slot), 64 through the 8 slots at 0.81-0.83x and 0.75-0.8
 (PEFT's own mixed batch: 87-94 tokens/s where ours are 155-237). A step's factors for 8
 adapters are 75 MB against the base projections' 255 MB. A prefill of an adapter pays
 its products too (3.8 ms of a 64-token prompt's 64 ms of projections, measured alone),
-and a cold adapter its copy (2.4-3.5 ms for 9 MiB). On a GPU the products are launches in
+and a cold adapter its copy (2.2 ms for 9 MiB, alone). On a GPU the products are launches in
 a graph: not measured yet.
 
 # NOTE [Adapters streamed in]
