@@ -263,8 +263,12 @@ def test_a_generation_of_an_adapter_goes_where_its_adapter_was_last_while_there_
     """NOTE [Adapters on a cluster]: an adapter's next generation goes to the replica that
     generated for it last (its slot likely still holds it), while that one has room, before
     the model's last replica; an adapter loaded again or unloaded has no such replica."""
+    from types import SimpleNamespace
+
+    from timeshare.cluster.cluster import Cluster
     from timeshare.cluster.generations import Generations
     from timeshare.cluster.replicas import ReplicaSet, ReplicaSlot
+    from timeshare.errors import ConfigError
 
     llama = LLMDef("llama", "/m", max_sequences=2)
     replicas = ReplicaSet(_Ray(), None, [], memory=1, device="cpu", runtime=None, cpu_fallback=None,
@@ -285,5 +289,24 @@ def test_a_generation_of_an_adapter_goes_where_its_adapter_was_last_while_there_
     assert start("g6", "a") == 0
     started["g3"][2]()
     started["g4"][2]()
-    generations.forget("llama", "b")  # loaded again: no replica holds it
+
+    class _Adapting:  # a replica set whose loads succeed, or are refused
+        refuse = False
+
+        def adapt(self, *args):
+            if self.refuse:
+                raise ConfigError("refused")
+
+    adapting = _Adapting()
+    cluster = SimpleNamespace(replicas=adapting, generations=generations)
+    Cluster.adapt(cluster, "llama", "b", "/b2")  # loaded again: no replica holds it
     assert start("g7", "b") == 0  # the model's last replica, though b's last (r1) has room
+    assert start("g8", "c") == 1  # r0 full: c to r1, the model's last replica now
+    for key in ("g5", "g7"):
+        started[key][2]()
+    adapting.refuse = True
+    with pytest.raises(ConfigError):
+        Cluster.adapt(cluster, "llama", "a", None)  # refused: some replicas may have dropped it meanwhile
+    assert start("g9", "a") == 1  # the model's last replica, though a's last (r0) has room
+    replicas.slots[1].alive = False  # that replica lost: the next goes to a live one
+    assert start("g10", "a") == 0

@@ -177,6 +177,29 @@ def test_a_batch_of_one_adapter_and_a_rank_prefix_give_the_same_numbers(monkeypa
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(mixed[:2], want[:2], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lower_rank_written_over_a_higher_one_on_the_cpu_is_what_the_device_path_writes(dtype):
+    """NOTE [Adapters in slots]: the CPU writes slots through numpy's views of the stacks
+    (bfloat16 as 16-bit words); a rank-2 image over a rank-3 one leaves the ranks past 2
+    zero, and an image in another type is converted, as the device's copies do."""
+    torch.manual_seed(0)
+    module = _Tiny().eval()
+    spec = LoraSpec.of(module, 3, 3, dtype)
+    stacks = LoraStacks(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    SlotWrite(stacks, 1, [pack(a, b, scale, dtype) for a, b, scale in _factors(spec, 3, 14)]).run()
+    low = [pack(a, b, scale, dtype) for a, b, scale in _factors(spec, 2, 15)]
+    image = [low[0], None, *((a.float(), b.float()) for a, b in low[2:])]  # one target not adapted, some converted
+    SlotWrite(stacks, 1, image).run()
+    for i, got in enumerate(image):
+        a, b = stacks.a[i][:, 0], stacks.b[i][:, 0]
+        want_a, want_b = torch.zeros_like(a), torch.zeros_like(b)
+        if got is not None:
+            want_a[:2], want_b[:2] = got[0].to(dtype), got[1].to(dtype)
+        assert torch.equal(a, want_a) and torch.equal(b, want_b), i
+    stacks.clear(1)
+    assert all(not a.any() and not b.any() for a, b in zip(stacks.a, stacks.b))
+
+
 def test_slot_zero_is_the_bases_and_has_no_column_to_write_or_clear():
     _, spec, stacks, _ = _setup()
     SlotWrite(stacks, spec.slots - 1, _image(_factors(spec, 2, 5))).run()

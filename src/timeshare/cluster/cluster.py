@@ -221,8 +221,10 @@ class Cluster:
               restore: str | None = None) -> None:
         """Adapter ``name`` of ``model`` served from ``path`` by every replica (None: by
         none; ``restore``: what a refused replace puts back)."""
-        self.replicas.adapt(model, name, path, pinned, restore)
-        self.generations.forget(model, name)  # new contents, or none: no replica's slot holds them yet
+        try:
+            self.replicas.adapt(model, name, path, pinned, restore)
+        finally:  # new contents, or none, or a refusal some replicas took back: no slot is known to hold it
+            self.generations.forget(model, name)
 
     def events(self, stream: Any, timeout_s: float):
         return self.generations.events(stream, timeout_s)

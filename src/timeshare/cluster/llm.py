@@ -9,8 +9,9 @@ through a Ray generator (``Replica.generate``). The front end keeps the tokenize
 from the same directory), so prompts are checked and encoded before anything is sent,
 and errors about them are the same as on one machine. Which replica generates: the one
 that generated for this model last (its weights, and perhaps its turn, are there) while
-it has fewer generations of the model in flight than the model decodes together; else
-the live replica with the fewest generations in flight. A generation whose replica dies
+it has fewer generations of the model in flight than the model decodes together, and
+fewer in all than its actor runs at once (an adapter's: NOTE [Adapters on a cluster]);
+else the live replica with the fewest generations in flight. A generation whose replica dies
 ends with an error (it is not retried: tokens may have been sent already), and so does
 one whose next token does not come within the call deadline. Cancelling one (a client
 that leaves) reaches its replica beside whatever it is running, even before the
