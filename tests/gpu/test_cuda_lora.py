@@ -48,6 +48,28 @@ def test_adapters_from_captured_graphs_give_pefts_tokens_mixed_and_taking_turns(
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_eager_steps_group_rows_by_slot_on_the_device_and_give_pefts_tokens(tmp_path, workers):
+    """NOTE [Adapters in slots] without graphs: a step's rows grouped by slot, their
+    index tensors on the device; a batch of the base, two rows of one adapter and one of
+    another gives PEFT's tokens."""
+    base = hfdir.write_model_dir(tmp_path / "llama", "llama", seed=3, hidden=128, layers=4)
+    paths = {n: write_adapter(base, tmp_path / n, rank=r, targets=t, seed=i, std=0.2)
+             for i, (n, (r, t)) in enumerate(ADAPTERS.items())}
+    with timeshare.Runtime(device="cuda", memory="96MiB", profile_repeats=1, workers=workers) as rt:
+        m = lm.load(rt, "m", base, max_context=256, adapters=paths, max_loras=3, max_lora_rank=16, graphs="off")
+        ids = [m.encode(p) for p in PROMPTS]
+        names = [None, "attn8", "mlp16", "attn8"]
+        want = [peft_greedy(base, paths.get(n), "cuda")(ids[i % 3], 16) for i, n in enumerate(names)]
+        greedy = SamplingParams(max_tokens=16, temperature=0)
+        with rt.turn(m.name):  # queued together: one batch
+            seqs = [m.generate(ids[i % 3], greedy, adapter=n) for i, n in enumerate(names)]
+        assert [s.result(120).tokens for s in seqs] == want
+        snap = m.engine.snapshot()
+        assert snap.graph_captures == 0 and snap.eager_steps > 0
+        m.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
 def test_a_cold_adapter_streamed_in_on_its_own_stream_gives_pefts_tokens(tmp_path, workers, monkeypatch):
     """NOTE [Adapters streamed in] on CUDA: each target's copy queued behind a spin of the
     copy stream (``torch.cuda._sleep``), so the prefill's corrections are queued before
