@@ -234,6 +234,12 @@ def test_a_run_time_adapter_reaches_every_replica_or_none_and_the_replicas_start
     replicas.adapt("llama", "a", "/a", pinned=True)
     assert good.served == picky.served == {"a": ("/a", True)} and lost == [2]  # r2 lost, not an error
     assert replicas.llms[0].adapters == (("a", "/a", True),)
+    from types import SimpleNamespace
+
+    from timeshare.cluster.cluster import Cluster
+
+    # What the front end builds a model's table from again (unloaded and loaded) has it too.
+    assert Cluster.llms.fget(SimpleNamespace(replicas=replicas))["llama"].adapters == (("a", "/a", True),)
     with pytest.raises(ConfigError, match="cannot be read here"):
         replicas.adapt("llama", "b", "/far")
     assert "b" not in good.served and replicas.llms[0].adapters == (("a", "/a", True),)

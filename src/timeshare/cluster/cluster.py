@@ -155,7 +155,9 @@ class Cluster:
 
     @property
     def llms(self) -> dict[str, LLMDef]:
-        return self.generations.llms
+        """The language models as replicas start them now (with the adapters loaded since)."""
+        with self.replicas.lock:
+            return {spec.name: spec for spec in self.replicas.llms}
 
     @property
     def llm_failures(self) -> dict[str, str]:

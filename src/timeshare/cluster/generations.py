@@ -28,7 +28,7 @@ class Generations:
 
     def __init__(self, replicas: ReplicaSet, llms: Sequence[LLMDef]):
         self.replicas = replicas
-        self.llms = {spec.name: spec for spec in llms}  # NOTE [Language models on a cluster]
+        self.max_sequences = {spec.name: spec.max_sequences for spec in llms}  # NOTE [Language models on a cluster]
         self._llm_home: dict[str, int] = {}  # language model -> the replica that generated for it last
         self._adapter_home: dict[tuple[str, str], int] = {}  # (model, adapter) -> the replica that did for it last
         self._generating: dict[tuple[int, str], int] = {}  # (replica, model) -> generations in flight
@@ -39,9 +39,9 @@ class Generations:
         """Start a generation of language model ``model`` (NOTE [Language models on a
         cluster]): the replica's slot, the stream of its events (each a Ray object
         reference), and what ends its count in flight."""
-        spec = self.llms.get(model)
-        if spec is None:
-            raise UnknownModelError(f"no language model named {model!r}; known: {sorted(self.llms)}")
+        most = self.max_sequences.get(model)
+        if most is None:
+            raise UnknownModelError(f"no language model named {model!r}; known: {sorted(self.max_sequences)}")
         replicas = self.replicas
         with replicas.lock:
             live = [i for i, s in enumerate(replicas.slots) if s.alive and s.actor is not None]
@@ -52,12 +52,12 @@ class Generations:
                 return sum(n for (j, _), n in self._generating.items() if j == i)
 
             def room(i: int | None) -> bool:
-                return i in live and self._generating.get((i, model), 0) < spec.max_sequences \
+                return i in live and self._generating.get((i, model), 0) < most \
                     and load(i) < self.per_replica
 
             homes = ([self._adapter_home.get((model, adapter))] if adapter is not None else []) \
                 + [self._llm_home.get(model)]
-            home = next((i for i in homes if i is not None and room(i)), None)
+            home = next((i for i in homes if room(i)), None)
             if home is None:
                 home = min(live, key=load)
             if load(home) >= self.per_replica:

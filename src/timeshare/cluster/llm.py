@@ -126,8 +126,7 @@ class LLMDef:
 
     def with_adapter(self, name: str, path: str | None, pinned: bool = False) -> LLMDef:
         """This model with adapter ``name`` served from ``path`` (None: not served), pinned
-        if asked or if it was (a replaced adapter keeps its pin, as on one machine)."""
-        pinned = pinned or any(n == name and was for n, _, was in self.adapters)
+        or not (``ReplicaSet.adapt`` keeps a replaced adapter's pin, as on one machine)."""
         kept = tuple(a for a in self.adapters if a[0] != name)
         return replace(self, adapters=kept if path is None else (*kept, (name, path, pinned)))
 
@@ -307,8 +306,8 @@ class RemoteLanguageModel(Texts):
         self._owner = owner
         self._engine = RemoteEngine(owner, spec.name, spec.max_sequences, d.max_context)
         # NOTE [Adapters on a cluster]: checked here in the dtype the replicas compute in.
-        dtype = parse_dtype(spec.dtype) or weights_dtype([str(f) for f in shard_files(d.path)])
-        self.adapters = RemoteAdapters(owner, spec, d.config, dtype) if spec.serves_adapters else None
+        self.adapters = RemoteAdapters(owner, spec, d.config, parse_dtype(spec.dtype) or weights_dtype(
+            [str(f) for f in shard_files(d.path)])) if spec.serves_adapters else None
 
     @property
     def max_context(self) -> int:

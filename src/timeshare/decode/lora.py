@@ -186,11 +186,12 @@ def group_rows(slots: Sequence[int], device: torch.device) -> RowGroups | None:
                 keep.append(len(entries))
                 into.append(rows[k])
             entries.append(rows[k] if k < len(rows) else 0)
+    rows_of = torch.tensor(entries, device=device)
+    every = len(keep) == len(entries)  # then each product is kept, added to the row it was of
     return RowGroups((lo, hi) if spanned else None,
-                     None if spanned else torch.tensor(columns, device=device), per,
-                     torch.tensor(entries, device=device),
-                     None if len(keep) == len(entries) else torch.tensor(keep, device=device),
-                     torch.tensor(into, device=device))
+                     None if spanned else torch.tensor(columns, device=device), per, rows_of,
+                     None if every else torch.tensor(keep, device=device),
+                     rows_of if every else torch.tensor(into, device=device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +289,7 @@ class LoraStacks:
         places, nbytes = spec.layout()
         if memory.dtype != torch.uint8 or memory.numel() < nbytes:
             raise ConfigError(f"adapter slots need {nbytes} bytes, got {memory.numel()}")
-        self.spec = spec
+        self.spec, self.device = spec, memory.device
         self.a: list[torch.Tensor] = []
         self.b: list[torch.Tensor] = []
         size, n, r = spec.dtype.itemsize, spec.slots - 1, spec.rank
@@ -327,17 +328,11 @@ class LoraStacks:
                 if rank < words.shape[0]:
                     words[rank:].fill(0)
             return
-        a, b = self.a[i][:, slot - 1], self.b[i][:, slot - 1]
-        if got is None:
-            _zero(a)
-            _zero(b)
-            return
-        down, up = got
-        rank = down.shape[0]
-        _copy(a[:rank], down, non_blocking)
-        _zero(a[rank:])
-        _copy(b[:rank], up, non_blocking)
-        _zero(b[rank:])
+        for stack, source in zip((self.a[i][:, slot - 1], self.b[i][:, slot - 1]), got or (None, None)):
+            rank = 0 if source is None else source.shape[0]
+            if source is not None:  # CUDA, or a conversion
+                stack[:rank].copy_(source, non_blocking=non_blocking)
+            stack[rank:].zero_()
 
 
 # On the CPU a slot is written by numpy, as words of the item's size (numpy has no
@@ -350,17 +345,6 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _bytes(t: torch.Tensor) -> Any:
     return t.view(_WORDS[t.element_size()]).numpy()
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
-    dst.copy_(src, non_blocking=non_blocking)  # CUDA, or a conversion (the CPU's same type: ``_words``)
-
-
-def _zero(t: torch.Tensor) -> None:
-    if t.device.type == "cpu" and t.numel():
-        _bytes(t).fill(0)
-    else:
-        t.zero_()
 
 
 def layer_ends(spec: LoraSpec) -> tuple[int, ...]:
@@ -395,7 +379,7 @@ class SlotWrite:
         self._started = False
         self._cv = threading.Condition()
         self._writer = threading.Lock()
-        device = stacks.a[0].device if stacks.a else torch.device("cpu")
+        device = stacks.device
         # On CUDA the copies run on a stream of their own, each layer's followed by an
         # event that a correction's stream waits on: the host never waits for a copy.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None

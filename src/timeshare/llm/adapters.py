@@ -198,7 +198,7 @@ class AdapterSlots:
         self.stacks = stacks
         # NOTE [Adapters streamed in]: a cold adapter written while its prefill runs (on
         # CUDA by default), or before the step (on the CPU by default).
-        self.stream = bool(stacks.a) and stacks.a[0].device.type == "cuda" if stream is None else stream
+        self.stream = stacks.device.type == "cuda" if stream is None else stream
         self.slots = stacks.spec.slots - 1  # slot 0 is the base's
         self._in: dict[int, Adapter] = {}  # slot -> the adapter there
         self._held: dict[int, int] = {}  # slot -> rows holding it
