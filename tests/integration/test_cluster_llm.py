@@ -4,11 +4,14 @@ that arrives before its generation is not lost), and the front end's relay of a 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, relay
 from timeshare.cluster.replica import Replica
 from timeshare.errors import Timeout
+from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish, SequenceDone, TokenTiming
 
@@ -33,8 +36,22 @@ def test_a_cancel_that_comes_before_its_generation_stops_it_there(tmp_path):
 
 
 class _Owner:
+    def __init__(self, snapshots=()):
+        self.snapshots = list(snapshots)
+
     def llm_snapshots(self, name):
-        return []
+        return self.snapshots
+
+
+def test_a_models_engine_on_a_cluster_adds_up_its_replicas_counts_adapter_slots_too():
+    one = EngineSnapshot(running=1, waiting=2, kv_bytes=3, kv_host_bytes=1, kv_offloads=1, steps=5, turns=2,
+                         max_sequences=4, max_context=64, prefill_tokens=7, masks=1, mask_s=0.5, adapter_slots=2,
+                         adapters_on_device=1, adapter_loads=3, adapter_load_s=0.25)
+    other = replace(one, running=0, adapters_on_device=2, adapter_loads=1, adapter_load_s=0.5)
+    got = RemoteEngine(_Owner([one, other]), "m", 8, 128).snapshot()
+    assert got == EngineSnapshot(running=1, waiting=4, kv_bytes=6, kv_host_bytes=2, kv_offloads=2, steps=10,
+                                 turns=4, max_sequences=8, max_context=128, prefill_tokens=14, masks=2, mask_s=1.0,
+                                 adapter_slots=4, adapters_on_device=3, adapter_loads=4, adapter_load_s=0.75)
 
 
 def test_the_relay_counts_tokens_and_keeps_the_replicas_own_error():

@@ -86,6 +86,25 @@ def test_a_batch_of_eight_rows_mixing_four_adapters_and_the_base_gives_each_its_
     assert got == [expected[name][i] for i, name in enumerate(names)]
 
 
+def test_the_engines_snapshot_counts_the_adapter_slots_and_the_copies_into_them(served, expected, adapters):
+    """NOTE [Adapter residency]: what the metrics show of a model's adapter slots (the
+    controller's, in both modes)."""
+    assert _greedy(served, 0, "o2").result(60).tokens == expected["o2"][0]  # on the device now
+    before = served.engine.snapshot()
+    assert before.adapter_slots == 4
+    assert before.adapters_on_device == sum(i.slot is not None for i in served.adapters.infos()) >= 1
+    assert _greedy(served, 1, "o2").result(60).tokens == expected["o2"][1]
+    warm = served.engine.snapshot()
+    assert (warm.adapter_loads, warm.adapter_load_s) == (before.adapter_loads, before.adapter_load_s)  # no copy
+    served.adapters.remove("o2")
+    assert served.engine.snapshot().adapters_on_device == before.adapters_on_device - 1
+    served.adapters.add("o2", adapters["o2"])
+    assert _greedy(served, 2, "o2").result(60).tokens == expected["o2"][2]
+    after = served.engine.snapshot()
+    assert after.adapter_loads == before.adapter_loads + 1 and after.adapter_load_s > before.adapter_load_s
+    assert after.adapters_on_device == before.adapters_on_device
+
+
 def test_a_prompt_cached_by_the_base_is_not_read_by_an_adapter(served, expected, base, adapters):
     """NOTE [Prefix caching]: the base's published pages of a prompt are keyed apart from
     the same prompt's under an adapter."""

@@ -105,3 +105,18 @@ def test_each_adapter_answered_by_name_with_pefts_tokens_listed_with_its_parent_
     assert set(shown) == {"alpha", "gamma"} and all(a["parent"] == "llama" for a in shown.values())
     assert shown["gamma"]["slot"] in (1, 2)  # the last one used is on the device (two slots)
 
+
+
+def test_metrics_show_the_adapter_slots_and_the_copies_into_them(server, adapters):
+    """NOTE [Adapter residency] in Prometheus's text: the slots, those holding an adapter
+    (as ``timeshare ps`` shows them), and the copies into them."""
+    with openai_client(server) as client:
+        client.completions.create(model="alpha", prompt=PROMPT, max_tokens=2, temperature=0)
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines()
+              if line.startswith("timeshare_llm_adapter") and " " in line}
+    on = [a for a in httpx.get(f"{server.url}/admin/ps", timeout=30).json()["adapters"] if a["slot"] is not None]
+    assert values['timeshare_llm_adapter_slots{model="llama"}'] == 2
+    assert values['timeshare_llm_adapters_on_device{model="llama"}'] == len(on) >= 1
+    assert values['timeshare_llm_adapter_loads_total{model="llama"}'] >= 3  # alpha, beta, gamma, each copied in
+    assert values['timeshare_llm_adapter_load_seconds_total{model="llama"}'] > 0

@@ -200,7 +200,11 @@ class RemoteEngine:
                               kv_offloads=sum(v.kv_offloads for v in views), steps=sum(v.steps for v in views),
                               turns=sum(v.turns for v in views), max_sequences=self.max_sequences,
                               max_context=self.max_context, prefill_tokens=sum(v.prefill_tokens for v in views),
-                              masks=sum(v.masks for v in views), mask_s=sum(v.mask_s for v in views))
+                              masks=sum(v.masks for v in views), mask_s=sum(v.mask_s for v in views),
+                              adapter_slots=sum(v.adapter_slots for v in views),
+                              adapters_on_device=sum(v.adapters_on_device for v in views),
+                              adapter_loads=sum(v.adapter_loads for v in views),
+                              adapter_load_s=sum(v.adapter_load_s for v in views))
 
     def close(self) -> None:
         self.closed = True  # the replicas' engines close with their replicas

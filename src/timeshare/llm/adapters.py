@@ -27,7 +27,9 @@ pinned lets its copy go; its name stays served. Its next request takes the copy 
 something still holds it (a request that took it, a slot), so that an adapter is never
 two copies, else reads it from its directory again, off the event loop as the resolver
 does (the server's request keeps the copy it got there), a new copy whose prefix cache
-pages are its own.
+pages are its own. ``timeshare ps`` shows which adapter is in which slot; the metrics
+count the slots, those holding an adapter, and the copies into them and their seconds
+(``SlotsSnapshot``, in the engine's snapshot; on a cluster summed over the replicas).
 """
 
 from __future__ import annotations
@@ -190,6 +192,17 @@ def _pattern(patterns: dict[str, Any], name: str, default: Any) -> Any:
     return default
 
 
+@dataclass(frozen=True, slots=True)
+class SlotsSnapshot:
+    """A model's adapter slots for metrics: how many, how many hold an adapter, and the
+    adapters copied into them so far and the seconds those copies took."""
+
+    slots: int
+    on_device: int
+    loads: int
+    load_s: float
+
+
 class AdapterSlots:
     """Which adapter is in which slot of a model's adapter region (NOTE [Adapter
     residency]), the region's tensors seen from the controller (``stacks``)."""
@@ -227,22 +240,24 @@ class AdapterSlots:
             if self._closed:
                 raise Unavailable("the model's adapter slots are closed")
             slot = next((s for s, a in self._in.items() if a is adapter), None)
+            loading = slot is None
             if slot is None:
                 slot = self._free()
-                write = SlotWrite(self.stacks, slot, adapter.factors)
+                self._writes[slot] = SlotWrite(self.stacks, slot, adapter.factors)
                 self.loads += 1
-                if self.stream:  # NOTE [Adapters streamed in]: written while the prefill that takes it runs
-                    self._writes[slot] = write
-                else:
-                    try:
-                        write.finish()
-                    finally:
-                        self.load_s += write.seconds
                 self._in[slot] = adapter
             self._held[slot] = self._held.get(slot, 0) + 1
             self._recent.pop(slot, None)
             self._recent[slot] = None
-            return slot
+        # NOTE [Adapters streamed in]: written while the prefill that takes it runs, or now,
+        # before its step, on this thread (the table's readers do not wait for the copy).
+        if loading and not self.stream:
+            try:
+                self.settle(slot)
+            except BaseException:
+                self.release(slot)
+                raise
+        return slot
 
     def writing(self, slot: int) -> SlotWrite | None:
         """The write of ``slot`` a prefill that took it is to wait for, if it is being written."""
@@ -261,17 +276,23 @@ class AdapterSlots:
         except GenerationError:
             if write.error is None:  # still being written (a writer stuck past the deadline):
                 raise  # it stays registered, and the next row of its adapter waits for it
-            with self._lock:
-                if self._writes.get(slot) is write:
-                    del self._writes[slot]
-                    self.load_s += write.seconds
-                    self._in.pop(slot, None)
-                    self._recent.pop(slot, None)
+            self._written(slot, write, failed=True)
             raise
+        self._written(slot, write, failed=False)
+
+    def _written(self, slot: int, write: SlotWrite, failed: bool) -> None:
+        """``slot``'s ``write`` ended (``failed``: the slot holds no adapter)."""
         with self._lock:
             if self._writes.get(slot) is write:
                 del self._writes[slot]
                 self.load_s += write.seconds
+                if failed:
+                    self._in.pop(slot, None)
+                    self._recent.pop(slot, None)
+
+    def snapshot(self) -> SlotsSnapshot:
+        with self._lock:
+            return SlotsSnapshot(self.slots, len(self._in), self.loads, self.load_s)
 
     def _free(self) -> int:
         for slot, write in list(self._writes.items()):  # a vacated slot's stuck write that has since ended

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from timeshare.decode.step import DecodeCounts, Step, StepKind, StepOutcome, TokenLogprobs
 from timeshare.errors import ConfigError, GenerationError, Unavailable, WorkerCrashedError
-from timeshare.llm.adapters import Adapter, AdapterSlotsFull
+from timeshare.llm.adapters import Adapter, AdapterSlotsFull, SlotsSnapshot
 from timeshare.llm.batch import Batch, Row
 from timeshare.llm.constrained import GrammarError, Grammars
 from timeshare.llm.kv_budget import KVBudget
@@ -118,6 +118,10 @@ class EngineSnapshot:
     prefill_tokens: int = 0  # positions its prefills computed (not those found cached: NOTE [Prefix caching])
     masks: int = 0  # NOTE [Constrained decoding]: grammar masks computed, and the seconds they took
     mask_s: float = 0.0
+    adapter_slots: int = 0  # NOTE [Adapter residency]: its adapter slots (0: it serves none), those holding
+    adapters_on_device: int = 0  # an adapter, the adapters copied into them, and the seconds those copies took
+    adapter_loads: int = 0
+    adapter_load_s: float = 0.0
 
 
 class Engine:
@@ -216,6 +220,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         counts = self.counts
         pool = self._batch.pool.snapshot()
+        slots = self._batch.adapters.snapshot() if self._batch.adapters is not None else SlotsSnapshot(0, 0, 0, 0.0)
         with self._cond:
             return EngineSnapshot(running=len(self._running), waiting=len(self._waiting), kv_bytes=self.kv_bytes,
                                   kv_host_bytes=self.kv_host_bytes, kv_offloads=self.kv_offloads, steps=self.steps,
@@ -226,7 +231,9 @@ class Engine:
                                   prefix_hits=self._batch.hits, prefix_misses=self._batch.misses,
                                   cached_pages=pool.cached, preemptions=self.preemptions, lean_steps=counts.lean,
                                   decode_calls=self.decode_calls, prefill_tokens=self._batch.prefilled,
-                                  masks=self._batch.masks, mask_s=self._batch.mask_s)
+                                  masks=self._batch.masks, mask_s=self._batch.mask_s,
+                                  adapter_slots=slots.slots, adapters_on_device=slots.on_device,
+                                  adapter_loads=slots.loads, adapter_load_s=slots.load_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: queued and running sequences end with an error (the engine's thread

@@ -288,6 +288,18 @@ def _language_models(snap: ServiceSnapshot):
                         {n: s.prefix_hits for n, s in llms.items()})
         yield _by_label(CounterMetricFamily, "timeshare_llm_prefix_cache_misses", "Full pages of prompts not "
                         "found in the prefix cache", "model", {n: s.prefix_misses for n, s in llms.items()})
+        adapted = {n: s for n, s in llms.items() if s.adapter_slots}  # NOTE [Adapter residency]
+        if adapted:
+            yield _by_label(GaugeMetricFamily, "timeshare_llm_adapter_slots", "Device slots for each language "
+                            "model's LoRA adapters (max_loras; on a cluster, every replica's)", "model",
+                            {n: s.adapter_slots for n, s in adapted.items()})
+            yield _by_label(GaugeMetricFamily, "timeshare_llm_adapters_on_device", "Of those, the slots holding "
+                            "an adapter", "model", {n: s.adapters_on_device for n, s in adapted.items()})
+            yield _by_label(CounterMetricFamily, "timeshare_llm_adapter_loads", "Adapters copied from host memory "
+                            "into a slot (a request whose adapter was not on the device)", "model",
+                            {n: s.adapter_loads for n, s in adapted.items()})
+            yield _by_label(CounterMetricFamily, "timeshare_llm_adapter_load_seconds", "Seconds those copies "
+                            "took", "model", {n: s.adapter_load_s for n, s in adapted.items()})
         yield _by_label(CounterMetricFamily, "timeshare_llm_prefill_tokens", "Prompt positions prefills "
                         "computed (those found in the prefix cache were not)", "model",
                         {n: s.prefill_tokens for n, s in llms.items()})
