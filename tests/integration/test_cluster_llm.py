@@ -282,12 +282,13 @@ class _Generating:
         return _Call(lambda *args: args)
 
 
-def test_a_generation_of_an_adapter_goes_where_its_adapter_was_last_while_there_is_room():
+def test_a_generation_of_an_adapter_goes_where_its_adapter_was_last_while_there_is_room(monkeypatch):
     """NOTE [Adapters on a cluster]: an adapter's next generation goes to the replica that
     generated for it last (its slot likely still holds it), while that one has room, before
     the model's last replica; an adapter loaded again or unloaded has no such replica."""
     from types import SimpleNamespace
 
+    from timeshare.cluster import generations as generations_module
     from timeshare.cluster.cluster import Cluster
     from timeshare.cluster.generations import Generations
     from timeshare.cluster.replicas import ReplicaSet, ReplicaSlot
@@ -333,3 +334,21 @@ def test_a_generation_of_an_adapter_goes_where_its_adapter_was_last_while_there_
     assert start("g9", "a") == 1  # the model's last replica, though a's last (r0) has room
     replicas.slots[1].alive = False  # that replica lost: the next goes to a live one
     assert start("g10", "a") == 0
+    for key in ("g6", "g8", "g9", "g10"):
+        started[key][2]()
+    replicas.slots[1].alive = True
+    # Past ADAPTER_HOMES adapters, the least recently routed one's replica is forgotten.
+    monkeypatch.setattr(generations_module, "ADAPTER_HOMES", 2)
+
+    def route(*pairs):
+        got = [start(key, adapter) for key, adapter in pairs]
+        for key, _ in pairs:
+            started[key][2]()
+        return got
+
+    assert route(("h1", "p"), ("h2", "p"), ("h3", "d")) == [0, 0, 1]  # d to r1: r0 is full
+    assert route(("h4", "q"), ("h5", "d")) == [1, 1]  # d routed again: more recent than q
+    assert route(("h6", "d"), ("h7", "d"), ("h8", "s")) == [1, 1, 0]  # s to r0 (r1 full): q forgotten
+    assert route(("h9", "d")) == [1]  # d's replica, not the model's last (r0)
+    assert route(("h10", "t"), ("h11", "t"), ("h12", "w")) == [1, 1, 0]  # w to r0 (r1 full): d forgotten
+    assert route(("h13", "d")) == [0]  # the model's last replica, not d's (r1)

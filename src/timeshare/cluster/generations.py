@@ -8,6 +8,7 @@ process."""
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,10 @@ from timeshare.cluster.actors import GENERATE, OBSERVE
 from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replicas import ReplicaLostError, ReplicaSet
 from timeshare.errors import Overloaded, Timeout, UnknownModelError
+
+# The adapters whose last replica is remembered: past this many (a resolver serves any
+# name it finds), the least recently routed is forgotten, its slot likely reused since.
+ADAPTER_HOMES = 4096
 
 
 def generations_per_replica(llms: Sequence[LLMDef]) -> int:
@@ -30,7 +35,8 @@ class Generations:
         self.replicas = replicas
         self.max_sequences = {spec.name: spec.max_sequences for spec in llms}  # NOTE [Language models on a cluster]
         self._llm_home: dict[str, int] = {}  # language model -> the replica that generated for it last
-        self._adapter_home: dict[tuple[str, str], int] = {}  # (model, adapter) -> the replica that did for it last
+        # (model, adapter) -> the replica that generated for it last, least recently routed first
+        self._adapter_home: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._generating: dict[tuple[int, str], int] = {}  # (replica, model) -> generations in flight
         self.per_replica = generations_per_replica(llms)
 
@@ -65,6 +71,9 @@ class Generations:
             self._llm_home[model] = home
             if adapter is not None:
                 self._adapter_home[(model, adapter)] = home
+                self._adapter_home.move_to_end((model, adapter))
+                while len(self._adapter_home) > ADAPTER_HOMES:
+                    self._adapter_home.popitem(last=False)
             key = (home, model)
             self._generating[key] = self._generating.get(key, 0) + 1
             actor = replicas.slots[home].actor

@@ -40,7 +40,8 @@ replica reads it on its own first request. An adapter's generation goes to the r
 that generated for it last while that one has room (``cluster/generations.py``), before
 the model's last one: its slot there likely still holds it, where another replica must
 copy it in (a few milliseconds: NOTE [Adapters streamed in]). Which slots hold what is not
-asked of the replicas: an adapter loaded again or unloaded has no such replica.
+asked of the replicas: an adapter loaded again or unloaded has no such replica, nor has
+one routed less recently than ``ADAPTER_HOMES`` others (a resolver serves any name).
 ``timeshare ps`` shows an adapter in the slot it has on some replica, as of the last poll.
 """
 

@@ -186,12 +186,13 @@ def group_rows(slots: Sequence[int], device: torch.device) -> RowGroups | None:
                 keep.append(len(entries))
                 into.append(rows[k])
             entries.append(rows[k] if k < len(rows) else 0)
-    rows_of = torch.tensor(entries, device=device)
     every = len(keep) == len(entries)  # then each product is kept, added to the row it was of
-    return RowGroups((lo, hi) if spanned else None,
-                     None if spanned else torch.tensor(columns, device=device), per, rows_of,
-                     None if every else torch.tensor(keep, device=device),
-                     rows_of if every else torch.tensor(into, device=device))
+    # One tensor (on CUDA one copy to the device), cut into the views the products read.
+    parts = [entries, [] if spanned else columns, [] if every else keep, [] if every else into]
+    whole = torch.tensor([i for part in parts for i in part], dtype=torch.int64, device=device)
+    cut = whole.split([len(part) for part in parts])
+    return RowGroups((lo, hi) if spanned else None, None if spanned else cut[1], per, cut[0],
+                     None if every else cut[2], cut[0] if every else cut[3])
 
 
 @dataclass(frozen=True, slots=True)
