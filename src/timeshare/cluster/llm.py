@@ -245,6 +245,11 @@ class RemoteAdapters:
         with self._lock:
             return list(self._known)
 
+    def serves(self, name: str) -> bool:
+        """Whether adapter ``name`` is served (added, or read by the resolver)."""
+        with self._lock:
+            return name in self._known
+
     def resolvable(self, name: str) -> Path | None:
         return resolvable(self.resolve_dir, name)
 
@@ -326,7 +331,7 @@ class RemoteLanguageModel(Texts):
                  on_event: Callable[[Delta | Finish], None] | None = None,
                  adapter: str | Adapter | None = None) -> RemoteGeneration:
         named = adapter if isinstance(adapter, str) or adapter is None else adapter.name
-        if named is not None and (self.adapters is None or named not in self.adapters.names()):
+        if named is not None and (self.adapters is None or not self.adapters.serves(named)):
             raise UnknownModelError(f"model {self.name!r} serves no adapter {named!r}")
         check_prompt(self.name, prompt, params, self._vocab, self.max_context)
         if params.output is not None:  # NOTE [Constrained decoding]: a format that cannot compile is a 400 here

@@ -293,7 +293,7 @@ class Replica:
         """Stop serving adapter ``name`` of ``model``; whether this replica served it (one
         resolved on another replica's request is not known here)."""
         adapters = self._adapters(model)
-        if name not in adapters.names():
+        if not adapters.serves(name):
             return False
         adapters.remove(name)
         return True

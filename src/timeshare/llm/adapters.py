@@ -489,7 +489,7 @@ class Adapters:
         that took it already keeps its copy until it ends, and the next takes it back)."""
         if self.max_host is None:
             return
-        kept = self.slots.kept()  # before this table's lock: a slot's lock is held across a copy
+        kept = self.slots.kept()  # before this table's lock: the slots' lock is never taken inside it
         with self._lock:
             while len(self._held) > self.max_host:
                 out = next((n for n in list(self._held)[:-1] if n not in kept), None)
@@ -504,6 +504,11 @@ class Adapters:
     def names(self) -> list[str]:
         with self._lock:
             return list(self._known)
+
+    def serves(self, name: str) -> bool:
+        """Whether adapter ``name`` is served (added, or read by the resolver)."""
+        with self._lock:
+            return name in self._known
 
     def infos(self) -> list[AdapterInfo]:
         with self._lock:

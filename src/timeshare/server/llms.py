@@ -67,6 +67,8 @@ class AdapterTable(Protocol):
 
     def names(self) -> list[str]: ...
 
+    def serves(self, name: str) -> bool: ...
+
     def resolvable(self, name: str) -> Path | None: ...
 
     def get(self, name: str) -> Adapter | str: ...
@@ -189,7 +191,7 @@ class LanguageModels:
         if name in self.loaded or name in self.configs:
             return self.get(name), None
         for model in list(self.loaded.values()):
-            if model.adapters is not None and (name in model.adapters.names()
+            if model.adapters is not None and (model.adapters.serves(name)
                                                or model.adapters.resolvable(name) is not None):
                 return model, name
         return self.get(name), None
@@ -215,16 +217,16 @@ class LanguageModels:
         the old one serving)."""
         model = self.with_adapters(base)
         assert model.adapters is not None
-        taken = name in self.configs or any(name in (m.adapters.names() if m.adapters else ()) for m in
+        taken = name in self.configs or any(m.adapters is not None and m.adapters.serves(name) for m in
                                             list(self.loaded.values()))
-        if taken and not (replace and name in model.adapters.names()):
+        if taken and not (replace and model.adapters.serves(name)):
             raise Conflict(f"a model or adapter named {name!r} is served already")
         model.adapters.add(name, path, replace=replace)
 
     def remove_adapter(self, name: str) -> None:
         """Stop serving adapter ``name``: new requests for it are 404s."""
         for model in list(self.loaded.values()):
-            if model.adapters is not None and name in model.adapters.names():
+            if model.adapters is not None and model.adapters.serves(name):
                 model.adapters.remove(name)
                 return
         raise UnknownModelError(f"no adapter named {name!r} is loaded")
