@@ -200,6 +200,52 @@ def test_a_lower_rank_written_over_a_higher_one_on_the_cpu_is_what_the_device_pa
     assert all(not a.any() and not b.any() for a, b in zip(stacks.a, stacks.b))
 
 
+@pytest.mark.parametrize("converted", [False, True], ids=["numpy-views", "torch-copies"])
+def test_a_write_zeroes_past_its_rank_only_as_far_as_earlier_writes_reached(converted, monkeypatch):
+    """A slot's write copies its adapter's ranks and zeroes past them only as far as the
+    slot's earlier writes reached (a rank-4 adapter in slots of rank 8 writes 4 ranks, not
+    4 and 4 of zeros); a write cut short counts as having reached its rank. Ranks no write
+    reached are left as they are: marked here to see that they are not written."""
+    module = _Tiny().eval()
+    spec = LoraSpec.of(module, 3, 8, torch.float32)
+    stacks = LoraStacks(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8))  # unknown contents (NaN)
+    stacks.clear(1)
+    assert all(not a[:, 0].any() and not b[:, 0].any() for a, b in zip(stacks.a, stacks.b))
+    for a, b in zip(stacks.a, stacks.b):
+        a[6:, 0], b[6:, 0] = 7.0, 7.0  # known zero to the stacks: never written again
+
+    def image(rank, seed):
+        packed = _image(_factors(spec, rank, seed))
+        return [(a.double(), b.double()) for a, b in packed] if converted else packed
+
+    def expect(got, rank, zero_to):
+        for i, (a, b) in enumerate(zip(stacks.a, stacks.b)):
+            for stack, want in ((a[:, 0], None if got is None else got[i][0]),
+                                (b[:, 0], None if got is None else got[i][1])):
+                if want is not None:
+                    assert torch.equal(stack[:rank], want.float()), i
+                assert not stack[rank:zero_to].any() and (stack[6:] == 7.0).all(), i
+
+    four, two = image(4, 1), image(2, 2)
+    SlotWrite(stacks, 1, four).run()
+    expect(four, 4, 6)
+    SlotWrite(stacks, 1, two).run()
+    expect(two, 2, 6)  # ranks 2 and 3 zeroed: the rank-4 write reached them
+    if not converted:  # a copy that fails after writing: its ranks count as reached
+        copy = lora.numpy.copyto
+
+        def cut_short(dst, src):
+            copy(dst, src)
+            raise OSError("cut short")
+
+        monkeypatch.setattr(lora.numpy, "copyto", cut_short)
+        with pytest.raises(GenerationError, match="cut short"):
+            SlotWrite(stacks, 1, image(5, 3)).finish()
+        monkeypatch.undo()
+    stacks.clear(1)
+    expect(None, 0, 6)
+
+
 def test_slot_zero_is_the_bases_and_has_no_column_to_write_or_clear():
     _, spec, stacks, _ = _setup()
     SlotWrite(stacks, spec.slots - 1, _image(_factors(spec, 2, 5))).run()

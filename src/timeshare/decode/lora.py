@@ -16,7 +16,11 @@ adapter's scale multiplied in, so that writing a slot is a copy and a product ad
 scaled term with no third operator. An adapter of a smaller rank fills its slot's first
 ranks and leaves the rest zero (they add nothing); a projection it does not adapt stays
 zero. Rank first, so that the first ``r`` ranks of every slot are one contiguous block and
-writing a slot is ``rank`` contiguous runs. A step carries each row's slot and what its
+writing a slot is ``rank`` contiguous runs. The stacks know how far each slot's earlier
+writes reached, and a write zeroes past its rank only that far: writing a rank-16 adapter
+on all seven projections into slots of the default rank 64 took 7.1 ms with every rank
+past 16 zeroed, 2.1 ms so; one on ``q_proj`` and ``v_proj`` alone 5.8 and 0.6 ms (64M
+Llama, 2-core VM). A step carries each row's slot and what its
 rows' adapters use (``LoraUse``: their largest rank and the projections any adapts);
 every such projection adds ``(x @ A[s]) @ (scale * B[s])`` to its output, in place, for
 each row's ``s`` (PEFT computes ``lora_B(lora_A(x)) * scaling``: the same terms, the
@@ -297,9 +301,13 @@ class LoraStacks:
         for t, place in zip(spec.targets, places):
             self.a.append(memory[place.a:place.a + n * t.fan_in * r * size].view(spec.dtype).view(r, n, t.fan_in))
             self.b.append(memory[place.b:place.b + n * r * t.fan_out * size].view(spec.dtype).view(r, n, t.fan_out))
-        # On the CPU the stacks as numpy's words too: a slot's write is numpy's slices and
-        # copies alone (``_bytes``).
-        self._words = [(_bytes(a), _bytes(b)) for a, b in zip(self.a, self.b)] if memory.device.type == "cpu" else None
+        # On the CPU the stacks as numpy's words too, made at the first write (a runner's
+        # stacks are only read): a slot's write is numpy's slices and copies alone (``_bytes``).
+        self._words: list[tuple[Any, Any]] | None = None
+        # Per slot and target, how many leading ranks may hold other than zeros: a write
+        # zeroes past its own rank only up to there (a rank-8 adapter in slots of rank 64
+        # copies its 8 ranks, not 8 and 56 of zeros). Unknown until written: all of them.
+        self._extent = [[r] * len(self.a) for _ in range(spec.slots)]
 
     def clear(self, slot: int) -> None:
         if not 0 < slot < self.spec.slots:
@@ -319,21 +327,26 @@ class LoraStacks:
         """Target ``i`` of slot ``slot`` holds an adapter's image of it (``pack``: ``A``
         ``[rank, fan_in]`` and ``scale * B`` transposed ``[rank, fan_out]``), the columns
         past its rank zero; None: zeros (a target it does not adapt)."""
-        if self._words is not None and (got is None or all(
-                t.device.type == "cpu" and t.dtype == self.spec.dtype for t in got)):
+        rank = 0 if got is None else got[0].shape[0]
+        was = self._extent[slot][i]
+        self._extent[slot][i] = max(was, rank)  # what a copy cut short may leave
+        if self.device.type == "cpu" and (got is None or all(t.device.type == "cpu" and t.dtype == self.spec.dtype
+                                                             for t in got)):
+            if self._words is None:
+                self._words = [(_bytes(a), _bytes(b)) for a, b in zip(self.a, self.b)]
             wa, wb = self._words[i]
             for words, source in zip((wa[:, slot - 1], wb[:, slot - 1]), got or (None, None)):
-                rank = 0 if source is None else source.shape[0]
                 if source is not None and rank:
                     numpy.copyto(words[:rank], _bytes(source))
-                if rank < words.shape[0]:
-                    words[rank:].fill(0)
-            return
-        for stack, source in zip((self.a[i][:, slot - 1], self.b[i][:, slot - 1]), got or (None, None)):
-            rank = 0 if source is None else source.shape[0]
-            if source is not None:  # CUDA, or a conversion
-                stack[:rank].copy_(source, non_blocking=non_blocking)
-            stack[rank:].zero_()
+                if rank < was:
+                    words[rank:was].fill(0)
+        else:
+            for stack, source in zip((self.a[i][:, slot - 1], self.b[i][:, slot - 1]), got or (None, None)):
+                if source is not None:  # CUDA, or a conversion
+                    stack[:rank].copy_(source, non_blocking=non_blocking)
+                if rank < was:
+                    stack[rank:was].zero_()
+        self._extent[slot][i] = rank
 
 
 # On the CPU a slot is written by numpy, as words of the item's size (numpy has no
