@@ -65,6 +65,7 @@ from timeshare.llm.adapters import (
     DEFAULT_SLOTS,
     Adapter,
     AdapterInfo,
+    KnownAdapter,
     adapter_spec,
     check_name,
     resolvable,
@@ -211,15 +212,6 @@ class RemoteEngine:
         self.closed = True  # the replicas' engines close with their replicas
 
 
-@dataclass(frozen=True)
-class ServedAdapter:
-    """An adapter the replicas serve, as the front end read it once to check it."""
-
-    path: str
-    rank: int
-    nbytes: int
-
-
 class RemoteAdapters:
     """The adapters of language model ``parent`` on a cluster's replicas, as a server sees
     a model's adapters (NOTE [Adapters on a cluster]): each is read here once, against the
@@ -232,14 +224,13 @@ class RemoteAdapters:
         self.spec = adapter_spec(config, slots, model.max_lora_rank, dtype)
         self.resolve_dir = Path(model.lora_dir) if model.lora_dir is not None else None
         self._pinned = {n for n, _, pinned in model.adapters if pinned}
-        self._known: dict[str, ServedAdapter] = {}
+        self._known: dict[str, KnownAdapter] = {}
         self._lock = threading.Lock()
         for name, path, _ in model.adapters:  # the replicas loaded these at their start
             self._known[name] = self._checked(name, path)
 
-    def _checked(self, name: str, path: str | Path) -> ServedAdapter:
-        adapter = Adapter.read(name, path, self.spec)  # ConfigError: what is wrong with it
-        return ServedAdapter(str(path), adapter.rank, adapter.nbytes)
+    def _checked(self, name: str, path: str | Path) -> KnownAdapter:
+        return KnownAdapter.of(Adapter.read(name, path, self.spec))  # ConfigError: what is wrong with it
 
     def names(self) -> list[str]:
         with self._lock:
@@ -277,7 +268,7 @@ class RemoteAdapters:
             if before is not None and not replace:
                 raise ConfigError(f"adapter {name!r} is already loaded")
         checked = self._checked(name, path)
-        self._owner.adapt(self.parent, name, str(path), pinned, before.path if before is not None else None)
+        self._owner.adapt(self.parent, name, str(path), pinned, str(before.path) if before is not None else None)
         with self._lock:
             self._known[name] = checked
             if pinned:
@@ -299,7 +290,7 @@ class RemoteAdapters:
         slots = self._owner.adapter_slots(self.parent)
         with self._lock:
             known, pinned = dict(self._known), set(self._pinned)
-        return [AdapterInfo(name, self.parent, a.path, a.rank, a.nbytes, slots.get(name), name in pinned)
+        return [AdapterInfo(name, self.parent, str(a.path), a.rank, a.nbytes, slots.get(name), name in pinned)
                 for name, a in known.items()]
 
 

@@ -376,13 +376,17 @@ class AdapterSlots:
 
 
 @dataclass(frozen=True)
-class _Known:
+class KnownAdapter:
     """An adapter served, whether or not its factors are in host memory: where it is read
-    from, and what it is."""
+    from, and what it is (on a cluster, as the front end read it once to check it)."""
 
     path: Path
     rank: int
     nbytes: int
+
+    @classmethod
+    def of(cls, adapter: Adapter) -> KnownAdapter:
+        return cls(adapter.path, adapter.rank, adapter.nbytes)
 
 
 class Adapters:
@@ -401,7 +405,7 @@ class Adapters:
         self.max_host = max_host
         self.reads = 0  # adapters read from their directories (added, resolved, or read again)
         self._pin_host = pin_host
-        self._known: dict[str, _Known] = {}  # every adapter served, by name
+        self._known: dict[str, KnownAdapter] = {}  # every adapter served, by name
         self._held: dict[str, Adapter] = {}  # those in host memory, least recently requested first
         # Copies let go that something still holds (a slot, a request that took one): taken
         # back by the next request rather than read again, so one adapter is one copy.
@@ -477,7 +481,7 @@ class Adapters:
     def _keep(self, adapter: Adapter) -> None:
         """With the lock held: ``adapter`` served, in host memory, the most recently
         requested."""
-        self._known[adapter.name] = _Known(adapter.path, adapter.rank, adapter.nbytes)
+        self._known[adapter.name] = KnownAdapter.of(adapter)
         self._held.pop(adapter.name, None)
         self._gone.pop(adapter.name, None)
         self._held[adapter.name] = adapter
