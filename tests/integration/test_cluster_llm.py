@@ -8,10 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, relay
+from timeshare.cluster.llm import RemoteEngine, RemoteGeneration, relay
 from timeshare.cluster.replica import Replica
 from timeshare.errors import Timeout
 from timeshare.llm.engine import EngineSnapshot
+from timeshare.llm.model import LLMDef
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish, SequenceDone, TokenTiming
 

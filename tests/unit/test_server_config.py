@@ -11,7 +11,7 @@ from timeshare import cli
 from timeshare.config import DEFAULT_CONFIG, ServerConfig, load_config, parse_config
 from timeshare.errors import ConfigError
 from timeshare.server.auth import ApiKey
-from timeshare.server.llms import adapter_options
+from timeshare.server.llms import llm_def
 
 
 def test_the_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
@@ -125,14 +125,14 @@ def test_lora_flags_reach_the_language_models_entries(tmp_path):
                "--max-lora-rank", "16", "--lora-dir", str(tmp_path), "--max-cpu-loras", "5")[0]
     assert [(a.name, a.path) for a in one.adapters] == [("a", str(tmp_path / "a")), ("b", str(tmp_path / "b"))]
     assert (one.max_loras, one.max_lora_rank, one.lora_dir, one.serves_adapters) == (3, 16, str(tmp_path), True)
-    assert one.max_cpu_loras == 5 and adapter_options(one)["max_cpu_loras"] == 5
+    assert one.max_cpu_loras == 5 and llm_def(one).max_cpu_loras == 5 and llm_def(one).serves_adapters
     with pytest.raises(ConfigError, match=r"max_cpu_loras \(2\) must be at least max_loras \(8\)"):
         llms(["m"], "--max-cpu-loras", "2")  # against the default 8 slots, before anything loads
     pinned = tmp_path / "p.yaml"  # a pinned adapter is pinned as it is added, before any bound lets it go
     pinned.write_text(yaml.safe_dump({"llms": [{"name": "m", "path": str(tmp_path / "m"), "adapters": [
         {"name": "a", "path": str(tmp_path / "a"), "pinned": True}, {"name": "b", "path": str(tmp_path / "b")}]}]}))
     entry = load_with_overrides(cli._parser().parse_args(["serve", "--config", str(pinned)])).llms[0]
-    assert adapter_options(entry)["pinned_adapters"] == ["a"]
+    assert llm_def(entry).adapters == (("a", str(tmp_path / "a"), True), ("b", str(tmp_path / "b"), False))
     two = llms(["m", "n"], "--lora", json.dumps({"name": "a", "path": str(tmp_path / "a"), "base_model_name": "n"}))
     assert [e.adapters for e in two][0] == [] and [a.name for a in two[1].adapters] == ["a"]
     assert not two[0].serves_adapters

@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from timeshare.cluster.cluster import Cluster, ReplicaLostError
-from timeshare.cluster.llm import LLMDef, RemoteEngine, RemoteGeneration, RemoteLanguageModel, relay
+from timeshare.cluster.llm import RemoteEngine, RemoteGeneration, RemoteLanguageModel, relay
 from timeshare.cluster.remote_job import ENDED, RemoteJob
 from timeshare.cluster.replica import ModelDef
 from timeshare.cluster.snapshots import (
@@ -45,6 +45,7 @@ from timeshare.cluster.starvation import JobTrack, jobs_seen
 from timeshare.config import ClusterConfig
 from timeshare.errors import ConfigError, Conflict, TimeshareError, UnknownModelError
 from timeshare.llm.engine import EngineSnapshot
+from timeshare.llm.model import LLMDef
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Finish
 from timeshare.options import RuntimeOptions

@@ -53,12 +53,12 @@ from timeshare.cluster.actors import (
 )
 from timeshare.cluster.generations import Generations, generations_per_replica
 from timeshare.cluster.jobs import Jobs
-from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replica import ModelDef, Reply
 from timeshare.cluster.replicas import ClusterStats, ReplicaLostError, ReplicaSet, ReplicaSlot
 from timeshare.cluster.requests import Requests
 from timeshare.cluster.snapshots import ReplicaRow, ReplicaSnapshot
 from timeshare.errors import ConfigError, UnknownModelError
+from timeshare.llm.model import LLMDef
 from timeshare.options import RuntimeOptions
 from timeshare.scheduler.routing import Fleet, Router, compile_steps, policy_code
 from timeshare.units import parse_bytes

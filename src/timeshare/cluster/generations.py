@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from timeshare.cluster.actors import GENERATE, OBSERVE
-from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replicas import ReplicaLostError, ReplicaSet
 from timeshare.errors import Overloaded, Timeout, UnknownModelError
+from timeshare.llm.model import LLMDef
 
 # The adapters whose last replica is remembered: past this many (a resolver serves any
 # name it finds), the least recently routed is forgotten, its slot likely reused since.

@@ -52,7 +52,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +60,6 @@ import torch
 from timeshare.dtypes import parse_dtype
 from timeshare.errors import ConfigError, Unavailable, UnknownModelError
 from timeshare.llm.adapters import (
-    DEFAULT_MAX_RANK,
     DEFAULT_SLOTS,
     Adapter,
     AdapterInfo,
@@ -71,9 +69,9 @@ from timeshare.llm.adapters import (
     resolvable,
 )
 from timeshare.llm.constrained import LLGuidance
-from timeshare.llm.engine import MULTI_STEP_S, EngineSnapshot
+from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.hfdir import shard_files, weights_dtype
-from timeshare.llm.model import Texts, open_directory
+from timeshare.llm.model import LLMDef, Texts, open_directory
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import (
     Completion,
@@ -86,62 +84,11 @@ from timeshare.llm.sequence import (
     collect,
     read_events,
 )
-from timeshare.options import serves_adapters
 
 if TYPE_CHECKING:
     from timeshare.cluster.backend import ClusterRuntime
-    from timeshare.runtime.facade import Runtime
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LLMDef:
-    """A language model every replica loads: a Hugging Face directory every replica can read."""
-
-    name: str
-    path: str
-    dtype: str | None = None
-    priority: str = "latency_critical"
-    max_context: int | None = None
-    max_sequences: int = 8
-    quantum_s: float = 0.05
-    offload_kv: bool = False
-    # The replica's runtime-wide budget for caches between turns (the same in every
-    # LLMDef of a cluster; NOTE [Key/value caches under pressure]); None: no budget.
-    kv_memory: int | None = None
-    graphs: str = "auto"  # NOTE [Decode graphs]
-    compile: str = "auto"  # NOTE [Compiled decode steps]
-    prefix_caching: bool = True  # NOTE [Prefix caching]
-    multi_step_s: float = MULTI_STEP_S  # NOTE [Multi-step decode]
-    # NOTE [Adapters on a cluster]: its LoRA adapters as (name, directory, pinned), in
-    # directories every replica can read, and the options of ``lm.load`` that serve them.
-    adapters: tuple[tuple[str, str, bool], ...] = ()
-    max_loras: int | None = None
-    max_lora_rank: int = DEFAULT_MAX_RANK
-    lora_dir: str | None = None
-    max_cpu_loras: int | None = None
-
-    @property
-    def serves_adapters(self) -> bool:
-        return serves_adapters(len(self.adapters), self.max_loras, self.lora_dir, self.max_cpu_loras)
-
-    def with_adapter(self, name: str, path: str | None, pinned: bool = False) -> LLMDef:
-        """This model with adapter ``name`` served from ``path`` (None: not served), pinned
-        or not (``ReplicaSet.adapt`` keeps a replaced adapter's pin, as on one machine)."""
-        kept = tuple(a for a in self.adapters if a[0] != name)
-        return replace(self, adapters=kept if path is None else (*kept, (name, path, pinned)))
-
-    def load(self, rt: Runtime, kv_budget=None):
-        from timeshare.llm import model as lm
-
-        return lm.load(rt, self.name, self.path, dtype=self.dtype, priority=self.priority,
-                       max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
-                       offload_kv=self.offload_kv, kv_budget=kv_budget, graphs=self.graphs, compile=self.compile,
-                       prefix_caching=self.prefix_caching, multi_step_s=self.multi_step_s,
-                       adapters={n: p for n, p, _ in self.adapters}, max_loras=self.max_loras,
-                       max_lora_rank=self.max_lora_rank, lora_dir=self.lora_dir, max_cpu_loras=self.max_cpu_loras,
-                       pinned_adapters=[n for n, _, pinned in self.adapters if pinned])
 
 
 class RemoteGeneration:

@@ -98,7 +98,7 @@ class Replica:
         self._warming = False
         self.rt.subscribe(self._on_record)
         self.cpu: Runtime | None = None
-        self.llms: dict = {}  # language models (``cluster/llm.py``'s LLMDef) -> their LanguageModel here
+        self.llms: dict = {}  # language models (``llm/model.py``'s LLMDef) -> their LanguageModel here
         self._sequences: dict[str, object] = {}  # generations in progress, by the front end's id
         self._cancelled: dict[str, None] = {}  # ids cancelled before their generation got here (oldest first)
         self.llm_failures: dict[str, str] = {}  # language models that did not load here, and why

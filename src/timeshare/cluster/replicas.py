@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timeshare.cluster.actors import OBSERVE, cause, unlink_segments
-from timeshare.cluster.llm import LLMDef
 from timeshare.cluster.replica import ModelDef
 from timeshare.cluster.snapshots import ReplicaSnapshot
 from timeshare.errors import ConfigError, Unavailable
+from timeshare.llm.model import LLMDef
 from timeshare.options import RuntimeOptions
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,59 @@ class LanguageModel(Texts):
         if self.adapters is not None:
             self.adapters.slots.close()  # no slot written after its region goes
             self.runtime.unreserve(adapter_region(self.name))
+
+
+@dataclass(frozen=True)
+class LLMDef:
+    """A language model's load as a record: a Hugging Face directory and the options of
+    ``load`` (a server's ``llms`` entry, made from its config in one place,
+    ``server/llms.py``; on a cluster sent to every replica, whose directories every
+    replica can read: NOTE [Language models on a cluster])."""
+
+    name: str
+    path: str
+    dtype: str | None = None
+    priority: str = "latency_critical"
+    max_context: int | None = None
+    max_sequences: int = 8
+    quantum_s: float = 0.05
+    offload_kv: bool = False
+    # The replica's runtime-wide budget for caches between turns (the same in every
+    # LLMDef of a cluster; NOTE [Key/value caches under pressure]); None: no budget.
+    kv_memory: int | None = None
+    graphs: str = "auto"  # NOTE [Decode graphs]
+    compile: str = "auto"  # NOTE [Compiled decode steps]
+    prefix_caching: bool = True  # NOTE [Prefix caching]
+    multi_step_s: float = MULTI_STEP_S  # NOTE [Multi-step decode]
+    # NOTE [Adapter residency]: its LoRA adapters as (name, directory, pinned), and the
+    # options that serve them (on a cluster NOTE [Adapters on a cluster]).
+    adapters: tuple[tuple[str, str, bool], ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = DEFAULT_MAX_RANK
+    lora_dir: str | None = None
+    max_cpu_loras: int | None = None
+
+    @property
+    def serves_adapters(self) -> bool:
+        return serves_adapters(len(self.adapters), self.max_loras, self.lora_dir, self.max_cpu_loras)
+
+    def with_adapter(self, name: str, path: str | None, pinned: bool = False) -> LLMDef:
+        """This model with adapter ``name`` served from ``path`` (None: not served), pinned
+        or not (``ReplicaSet.adapt`` keeps a replaced adapter's pin, as on one machine)."""
+        kept = tuple(a for a in self.adapters if a[0] != name)
+        return replace(self, adapters=kept if path is None else (*kept, (name, path, pinned)))
+
+    def load(self, rt: Runtime, kv_budget: KVBudget | None = None, pages: PagePool | None = None,
+             pin: bool = False) -> LanguageModel:
+        """``load`` with these options; ``kv_budget`` and ``pages``: shared by the
+        runtime's language models; ``pin``: kept on the device."""
+        return load(rt, self.name, self.path, dtype=self.dtype, pin=pin, priority=self.priority,
+                    max_context=self.max_context, max_sequences=self.max_sequences, quantum_s=self.quantum_s,
+                    offload_kv=self.offload_kv, kv_budget=kv_budget, pages=pages, graphs=self.graphs,
+                    compile=self.compile, prefix_caching=self.prefix_caching, multi_step_s=self.multi_step_s,
+                    adapters={n: p for n, p, _ in self.adapters}, max_loras=self.max_loras,
+                    max_lora_rank=self.max_lora_rank, lora_dir=self.lora_dir, max_cpu_loras=self.max_cpu_loras,
+                    pinned_adapters=[n for n, _, pinned in self.adapters if pinned])
 
 
 _loads = itertools.count(1)

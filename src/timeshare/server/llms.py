@@ -16,10 +16,10 @@ from typing import Any, Protocol
 from timeshare.config import LLMConfig
 from timeshare.config.sources import section
 from timeshare.errors import ConfigError, Conflict, LoadFailed, Unavailable, UnknownModelError
-from timeshare.llm import model as lm
 from timeshare.llm.adapters import Adapter, AdapterInfo
 from timeshare.llm.engine import EngineSnapshot
 from timeshare.llm.kv_budget import KVBudget
+from timeshare.llm.model import LLMDef
 from timeshare.llm.pages import PagePool
 from timeshare.llm.sampling import SamplingParams
 from timeshare.llm.sequence import Delta, Event, Finish
@@ -109,27 +109,23 @@ class ServedLLM(Protocol):
     def close(self) -> None: ...
 
 
+def llm_def(cfg: LLMConfig, kv_memory: int | None = None) -> LLMDef:
+    """``cfg``'s model as ``lm.load`` registers it, in this process or on every replica of
+    a cluster (``kv_memory``: the runtime's budget a replica makes for its caches)."""
+    return LLMDef(cfg.name, cfg.path, dtype=cfg.dtype, priority=cfg.priority, max_context=cfg.max_context,
+                  max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000, offload_kv=cfg.offload_kv,
+                  kv_memory=kv_memory, graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1],
+                  prefix_caching=cfg.prefix_caching, multi_step_s=cfg.multi_step_ms / 1000,
+                  adapters=tuple((a.name, a.path, a.pinned) for a in cfg.adapters), max_loras=cfg.max_loras,
+                  max_lora_rank=cfg.max_lora_rank, lora_dir=cfg.lora_dir, max_cpu_loras=cfg.max_cpu_loras)
+
+
 def open_local(runtime: Runtime, cfg: LLMConfig, kv_budget: KVBudget | None = None,
                pages: PagePool | None = None) -> ServedLLM:
     """``cfg``'s model generating in this process, on ``runtime``; ``kv_budget`` and
     ``pages``: shared by the runtime's language models (NOTE [Key/value caches under
     pressure], NOTE [Paged key/value caches])."""
-    model = lm.load(runtime, cfg.name, cfg.path, dtype=cfg.dtype, pin=cfg.pinned, priority=cfg.priority,
-                    max_context=cfg.max_context, max_sequences=cfg.max_sequences, quantum_s=cfg.quantum_ms / 1000,
-                    offload_kv=cfg.offload_kv, kv_budget=kv_budget, pages=pages,
-                    graphs=cfg.decode_modes[0], compile=cfg.decode_modes[1], prefix_caching=cfg.prefix_caching,
-                    multi_step_s=cfg.multi_step_ms / 1000, **adapter_options(cfg))
-    return model
-
-
-def adapter_options(cfg: LLMConfig) -> dict[str, Any]:
-    """``lm.load``'s adapter arguments for ``cfg`` (NOTE [Adapter residency]; none when it
-    serves no adapters)."""
-    if not cfg.serves_adapters:
-        return {}
-    return {"adapters": {a.name: a.path for a in cfg.adapters}, "max_loras": cfg.max_loras,
-            "max_lora_rank": cfg.max_lora_rank, "lora_dir": cfg.lora_dir, "max_cpu_loras": cfg.max_cpu_loras,
-            "pinned_adapters": [a.name for a in cfg.adapters if a.pinned]}
+    return llm_def(cfg).load(runtime, kv_budget, pages, pin=cfg.pinned)
 
 
 class LanguageModels:

@@ -31,6 +31,7 @@ from timeshare.errors import (
 )
 from timeshare.llm import model as lm
 from timeshare.llm.kv_budget import KVBudget
+from timeshare.llm.model import LLMDef
 from timeshare.llm.pages import PagePool
 from timeshare.runtime.events import CallRecord, EvictionRecord
 from timeshare.runtime.facade import Runtime
@@ -38,7 +39,7 @@ from timeshare.server.backend import Backend
 from timeshare.server.endpoint import Endpoint, ModelState, Pending, describe_outputs, flatten_outputs, model_source
 from timeshare.server.hops import HopTotals, RequestTimes
 from timeshare.server.jobs import TrainingJobs
-from timeshare.server.llms import LanguageModels, ServedLLM, open_local
+from timeshare.server.llms import LanguageModels, ServedLLM, llm_def, open_local
 from timeshare.server.metrics import Metrics
 from timeshare.server.parser_pool import ParserPool
 from timeshare.server.readiness import Readiness, assess, fatal_failures
@@ -130,19 +131,10 @@ class Service:
                                           page_bytes)
         return self.kv_pages
 
-    def _llm_defs(self) -> list:
+    def _llm_defs(self) -> list[LLMDef]:
         """The config's language models as every replica of a cluster loads them."""
-        from timeshare.cluster.llm import LLMDef
-
         kv = self.config.runtime.kv_memory
-        kv_memory = None if kv is None else parse_bytes(kv, what="kv_memory")
-        return [LLMDef(c.name, c.path, dtype=c.dtype, priority=c.priority, max_context=c.max_context,
-                       max_sequences=c.max_sequences, quantum_s=c.quantum_ms / 1000, offload_kv=c.offload_kv,
-                       kv_memory=kv_memory, graphs=c.decode_modes[0], compile=c.decode_modes[1],
-                       prefix_caching=c.prefix_caching, multi_step_s=c.multi_step_ms / 1000,
-                       adapters=tuple((a.name, a.path, a.pinned) for a in c.adapters), max_loras=c.max_loras,
-                       max_lora_rank=c.max_lora_rank, lora_dir=c.lora_dir, max_cpu_loras=c.max_cpu_loras)
-                for c in self.config.llms]
+        return [llm_def(c, None if kv is None else parse_bytes(kv, what="kv_memory")) for c in self.config.llms]
 
     def _model_defs(self) -> list:
         """The config's models as every replica of a cluster builds them."""
