@@ -161,7 +161,7 @@ def test_the_front_end_checks_an_adapter_before_any_replica_reads_it(tmp_path):
     fleet = _Fleet()
     config = transformers.AutoConfig.from_pretrained(path)
     table = RemoteAdapters(fleet, spec, config, torch.float32)
-    assert table.names() == ["a1"] and table.get("a1") == "a1"
+    assert [i.name for i in table.infos()] == ["a1"] and table.get("a1") == "a1"
     with pytest.raises(ConfigError, match="rank 16 of .* exceeds max_lora_rank 8"):
         table.add("big", big)
     with pytest.raises(ConfigError, match="already loaded"):
@@ -172,7 +172,7 @@ def test_the_front_end_checks_an_adapter_before_any_replica_reads_it(tmp_path):
     other = write_adapter(path, tmp_path / "other", rank=2, targets=["k_proj"], seed=5)
     table.add("a2", other, replace=True)  # what a refused replace would put back: the one before
     assert fleet.calls[-1] == ("llama", "a2", str(other), str(a1))
-    assert table.get("a3") == "a3" and "a3" in table.names() and fleet.calls[-1][1] == "a2"  # each replica resolves
+    assert table.get("a3") == "a3" and table.serves("a3") and fleet.calls[-1][1] == "a2"  # each replica resolves
     (resolve / "bad").mkdir()
     (resolve / "bad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
     with pytest.raises(ConfigError, match="no adapter_model.safetensors"):
@@ -182,7 +182,7 @@ def test_the_front_end_checks_an_adapter_before_any_replica_reads_it(tmp_path):
     infos = {i.name: (i.slot, i.pinned, i.parent) for i in table.infos()}
     assert infos == {"a1": (3, True, "llama"), "a2": (None, False, "llama"), "a3": (None, False, "llama")}
     table.remove("a2")
-    assert fleet.calls[-1] == ("llama", "a2", None, None) and "a2" not in table.names()
+    assert fleet.calls[-1] == ("llama", "a2", None, None) and not table.serves("a2")
     with pytest.raises(UnknownModelError):
         table.remove("a2")
 

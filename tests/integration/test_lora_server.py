@@ -106,7 +106,6 @@ def test_each_adapter_answered_by_name_with_pefts_tokens_listed_with_its_parent_
     assert shown["gamma"]["slot"] in (1, 2)  # the last one used is on the device (two slots)
 
 
-
 def test_metrics_show_the_adapter_slots_and_the_copies_into_them(server, adapters):
     """NOTE [Adapter residency] in Prometheus's text: the slots, those holding an adapter
     (as ``timeshare ps`` shows them), and the copies into them."""
@@ -118,5 +117,5 @@ def test_metrics_show_the_adapter_slots_and_the_copies_into_them(server, adapter
     on = [a for a in httpx.get(f"{server.url}/admin/ps", timeout=30).json()["adapters"] if a["slot"] is not None]
     assert values['timeshare_llm_adapter_slots{model="llama"}'] == 2
     assert values['timeshare_llm_adapters_on_device{model="llama"}'] == len(on) >= 1
-    assert values['timeshare_llm_adapter_loads_total{model="llama"}'] >= 3  # alpha, beta, gamma, each copied in
+    assert values['timeshare_llm_adapter_loads_total{model="llama"}'] >= 1  # alpha's, now or before
     assert values['timeshare_llm_adapter_load_seconds_total{model="llama"}'] > 0

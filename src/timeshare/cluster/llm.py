@@ -1,5 +1,6 @@
 """Language models on a cluster's replicas, as a server sees one of its own. Runs in the
-front end's process (``RemoteLanguageModel``) and in the replicas (``LLMDef.load``).
+front end's process (``RemoteLanguageModel``); the replicas load each model's ``LLMDef``
+(``llm/model.py``).
 
 NOTE [Language models on a cluster]
 Every replica loads every language model of the config into its runtime (its weights in
@@ -178,10 +179,6 @@ class RemoteAdapters:
 
     def _checked(self, name: str, path: str | Path) -> KnownAdapter:
         return KnownAdapter.of(Adapter.read(name, path, self.spec))  # ConfigError: what is wrong with it
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return list(self._known)
 
     def serves(self, name: str) -> bool:
         """Whether adapter ``name`` is served (added, or read by the resolver)."""

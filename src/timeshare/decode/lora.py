@@ -397,6 +397,8 @@ class SlotWrite:
         # On CUDA the copies run on a stream of their own, each layer's followed by an
         # event that a correction's stream waits on: the host never waits for a copy.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self._stream is not None:  # after what was queued before it: a clear of the slot
+            self._stream.wait_stream(torch.cuda.current_stream(device))
         self._events: list[Any] = []
 
     @property
@@ -464,6 +466,9 @@ class SlotWrite:
                         event.synchronize()
                     self._events.append(event)
         except BaseException as exc:
+            if self._stream is not None:  # the copies queued before it end first: the slot's extents count them
+                with contextlib.suppress(Exception):
+                    self._stream.synchronize()
             self._failed(exc)
             raise
         finally:

@@ -287,12 +287,15 @@ class AdapterSlots:
                 del self._writes[slot]
                 self.load_s += write.seconds
                 if failed:
-                    self._in.pop(slot, None)
+                    there = self._in.pop(slot, None)
                     self._recent.pop(slot, None)
+                    if there is not None:  # removed while its rows held the slot: nothing is left to vacate
+                        self._removed.discard(id(there))
 
     def snapshot(self) -> SlotsSnapshot:
         with self._lock:
-            return SlotsSnapshot(self.slots, len(self._in), self.loads, self.load_s)
+            held = sum(id(a) not in self._removed for a in self._in.values())  # as slot_of sees them
+            return SlotsSnapshot(self.slots, held, self.loads, self.load_s)
 
     def _free(self) -> int:
         for slot, write in list(self._writes.items()):  # a vacated slot's stuck write that has since ended

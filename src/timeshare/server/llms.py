@@ -61,11 +61,9 @@ class LLMState:
 
 class AdapterTable(Protocol):
     """What the server needs of a language model's LoRA adapters (NOTE [Adapter
-    residency]; on a cluster NOTE [Adapters on a cluster]): their names, the resolver's
+    residency]; on a cluster NOTE [Adapters on a cluster]): whether it serves a name, the resolver's
     directory for a name, an adapter as a request passes it to ``generate`` (read there
     if it must be), adding and removing, and what ``/v1/models`` and ``timeshare ps`` show."""
-
-    def names(self) -> list[str]: ...
 
     def serves(self, name: str) -> bool: ...
 
