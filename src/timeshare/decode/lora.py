@@ -18,9 +18,9 @@ ranks and leaves the rest zero (they add nothing); a projection it does not adap
 zero. Rank first, so that the first ``r`` ranks of every slot are one contiguous block and
 writing a slot is ``rank`` contiguous runs. The stacks know how far each slot's earlier
 writes reached, and a write zeroes past its rank only that far: writing a rank-16 adapter
-on all seven projections into slots of the default rank 64 took 7.1 ms with every rank
-past 16 zeroed, 2.1 ms so; one on ``q_proj`` and ``v_proj`` alone 5.8 and 0.6 ms (64M
-Llama, 2-core VM). A step carries each row's slot and what its
+on all seven projections into slots of the default rank 64 took 8.8-10.9 ms with every
+rank past 16 zeroed, 2.7-3.5 ms so; one on ``q_proj`` and ``v_proj`` alone 6.8-7.9 and
+0.7-1.1 ms (64M Llama, 2-core VM, ``bench/results/llm-cpu-epyc-2core-slot-writes.json``). A step carries each row's slot and what its
 rows' adapters use (``LoraUse``: their largest rank and the projections any adapts);
 every such projection adds ``(x @ A[s]) @ (scale * B[s])`` to its output, in place, for
 each row's ``s`` (PEFT computes ``lora_B(lora_A(x)) * scaling``: the same terms, the
