@@ -20,13 +20,14 @@ writing a slot is ``rank`` contiguous runs. The stacks know how far each slot's 
 writes reached, and a write zeroes past its rank only that far: writing a rank-16 adapter
 on all seven projections into slots of the default rank 64 took 8.8-10.9 ms with every
 rank past 16 zeroed, 2.7-3.5 ms so; one on ``q_proj`` and ``v_proj`` alone 6.8-7.9 and
-0.7-1.1 ms (64M Llama, 2-core VM, ``bench/results/llm-cpu-epyc-2core-slot-writes.json``). A step carries each row's slot and what its
-rows' adapters use (``LoraUse``: their largest rank and the projections any adapts);
-every such projection adds ``(x @ A[s]) @ (scale * B[s])`` to its output, in place, for
-each row's ``s`` (PEFT computes ``lora_B(lora_A(x)) * scaling``: the same terms, the
-scale rounded into ``B`` once), through a forward hook on the projection, or called by
-the lean step (NOTE [Lean decode steps]), which calls no module. Without graphs (the
-CPU's steps) the rows are grouped by slot (``group_rows``): every column from the first
+0.7-1.1 ms (64M Llama, 2-core VM, ``bench/results/llm-cpu-epyc-2core-slot-writes.json``).
+A step carries each row's slot and what its rows' adapters use (``LoraUse``: their
+largest rank and the projections any adapts); every such projection adds
+``(x @ A[s]) @ (scale * B[s])`` to its output, in place, for each row's ``s`` (PEFT
+computes ``lora_B(lora_A(x)) * scaling``: the same terms, the scale rounded into ``B``
+once), through a forward hook on the projection, or called by the lean step
+(NOTE [Lean decode steps]), which calls no module. Without graphs (the CPU's steps) the
+rows are grouped by slot (``group_rows``): every column from the first
 used to the last, or the used ones alone, gathered, where they span more than
 ``SPAN_PER_USED`` times their number, multiplies its own rows (``per`` of them, padded
 with row 0, whose products are dropped) by its factors in two batched products over
