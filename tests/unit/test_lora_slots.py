@@ -349,3 +349,40 @@ def test_a_slot_whose_write_never_ended_is_kept_out_of_use_until_it_does():
     whole = LoraStacks(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     SlotWrite(whole, slot, y.factors).run()
     assert all(torch.equal(a, w) for a, w in zip(stacks.a + stacks.b, whole.a + whole.b))
+
+
+def test_an_adapter_removed_while_its_failed_write_held_its_slot_is_let_go(monkeypatch):
+    """An adapter removed while a row held its slot, whose write then fails: its row's
+    release leaves nothing of it behind (its host copy can go), and the slot is free for
+    the next adapter, written whole."""
+    import gc
+    import weakref
+    from pathlib import Path
+
+    from timeshare.llm.adapters import Adapter, AdapterSlots
+
+    _, spec, stacks, _ = _setup(slots=2)
+    slots = AdapterSlots(stacks, stream=True)
+    x = Adapter("x", Path("/x"), 2, _image(_factors(spec, 2, 11)))
+    slot = slots.take(x)
+    slots.drop("x")  # removed while its row holds the slot
+    assert slots.snapshot().on_device == 0 and slots.slot_of("x") is None
+
+    def broken(self, slot, i, got, non_blocking=False):
+        raise OSError("copy engine fault")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(LoraStacks, "write_target", broken)
+        with pytest.raises(GenerationError, match="copy engine fault"):
+            slots.settle(slot)
+    slots.release(slot)
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None  # the slots keep nothing of it
+    y = Adapter("x", Path("/x"), 2, _image(_factors(spec, 2, 12)))  # the name served again
+    assert slots.take(y) == slot and slots.slot_of("x") == slot
+    slots.settle(slot)
+    whole = LoraStacks(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    SlotWrite(whole, slot, y.factors).run()
+    assert all(torch.equal(a, w) for a, w in zip(stacks.a + stacks.b, whole.a + whole.b))

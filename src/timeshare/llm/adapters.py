@@ -220,18 +220,18 @@ class AdapterSlots:
         self.loads = 0  # adapters copied to the device
         self.load_s = 0.0
         self._writes: dict[int, SlotWrite] = {}  # slots being written (NOTE [Adapters streamed in])
-        self._removed: set[int] = set()  # id() of adapters removed while rows held their slots
+        self._removed: set[Adapter] = set()  # adapters removed while rows held their slots
         self._closed = False  # the region was given back: nothing is written any more
         self._lock = threading.Lock()
 
     def slot_of(self, name: str) -> int | None:
         with self._lock:
-            return next((s for s, a in self._in.items() if a.name == name and id(a) not in self._removed), None)
+            return next((s for s, a in self._in.items() if a.name == name and a not in self._removed), None)
 
     def kept(self) -> set[str]:
         """The names of the adapters on the device or pinned: their host copies stay."""
         with self._lock:
-            return {a.name for a in self._in.values() if id(a) not in self._removed} | self._pinned
+            return {a.name for a in self._in.values() if a not in self._removed} | self._pinned
 
     def take(self, adapter: Adapter) -> int:
         """A slot holding ``adapter`` for a new row, loading it there if it is not on the
@@ -289,12 +289,12 @@ class AdapterSlots:
                 if failed:
                     there = self._in.pop(slot, None)
                     self._recent.pop(slot, None)
-                    if there is not None:  # removed while its rows held the slot: nothing is left to vacate
-                        self._removed.discard(id(there))
+                    if there is not None:  # removed while its rows held the slot: nothing is left to vacate, nor kept
+                        self._removed.discard(there)
 
     def snapshot(self) -> SlotsSnapshot:
         with self._lock:
-            held = sum(id(a) not in self._removed for a in self._in.values())  # as slot_of sees them
+            held = sum(a not in self._removed for a in self._in.values())  # as slot_of sees them
             return SlotsSnapshot(self.slots, held, self.loads, self.load_s)
 
     def _free(self) -> int:
@@ -336,8 +336,8 @@ class AdapterSlots:
                 return
             self._held.pop(slot, None)
             adapter = self._in.get(slot)
-            if adapter is not None and id(adapter) in self._removed:  # its adapter was removed meanwhile
-                self._removed.discard(id(adapter))
+            if adapter is not None and adapter in self._removed:  # its adapter was removed meanwhile
+                self._removed.discard(adapter)
                 self._vacate(slot)
 
     def drop(self, name: str, keep: Adapter | None = None) -> None:
@@ -347,7 +347,7 @@ class AdapterSlots:
             for slot, there in list(self._in.items()):
                 if there.name == name and there is not keep:
                     if self._held.get(slot):
-                        self._removed.add(id(there))
+                        self._removed.add(there)
                     else:
                         self._vacate(slot)
 
