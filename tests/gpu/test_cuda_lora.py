@@ -103,3 +103,50 @@ def test_a_cold_adapter_streamed_in_on_its_own_stream_gives_pefts_tokens(tmp_pat
             assert m.engine.counts.slot_waits >= 4
         assert m.engine.snapshot().graph_replays > 0
         m.close()
+
+
+def _slot_writes_on(device: str) -> None:
+    """The body of the test below, on any device: a slot's writes on CUDA's copy streams
+    keep the extents' promise (NOTE [Adapters in slots]) and come after a clear queued
+    before them."""
+    import torch
+    from torch import nn
+
+    from timeshare.decode.lora import LoraSpec, LoraStacks, SlotWrite, pack
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.layers = nn.ModuleList(nn.Sequential(nn.Linear(256, 192), nn.Linear(192, 256)) for _ in range(2))
+    spec = LoraSpec.of(module, 3, 8, torch.float32)
+    stacks = LoraStacks(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=device))
+
+    def image(rank, seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [pack(torch.randn(rank, t.fan_in, generator=gen), torch.randn(t.fan_out, rank, generator=gen), 0.5,
+                     torch.float32) for t in spec.targets]
+
+    def holds(got, rank):
+        for i, (a, b) in enumerate(zip(stacks.a, stacks.b)):
+            for stack, want in ((a[:, 0], None if got is None else got[i][0]),
+                                (b[:, 0], None if got is None else got[i][1])):
+                if want is not None:
+                    assert torch.equal(stack[:rank].cpu(), want), i
+                assert not stack[rank:].any(), i
+
+    stacks.clear(1)
+    holds(None, 0)
+    for rank, seed in ((6, 1), (2, 2)):  # ranks 2..5 zeroed by the second: the first reached them
+        written = image(rank, seed)
+        SlotWrite(stacks, 1, written).run()
+        holds(written, rank)
+    busy = torch.randn(2048, 2048, device=device)
+    for _ in range(20):  # the current stream busy, then a clear queued behind it: a write after must follow it
+        busy = busy @ busy / 2048
+    stacks.clear(1)
+    written = image(4, 3)
+    SlotWrite(stacks, 1, written).run()
+    holds(written, 4)
+
+
+def test_slot_writes_on_their_own_streams_zero_what_earlier_writes_left_and_follow_a_clear():
+    _slot_writes_on("cuda")
