@@ -187,7 +187,7 @@ def test_bad_adapters_are_refused_whole_with_the_reason(base, adapters, tmp_path
         for name, (path, words) in cases.items():
             with pytest.raises(ConfigError, match=words):
                 m.adapters.add(name, path)
-        assert m.adapters.names() == []
+        assert [i.name for i in m.adapters.infos()] == []
         with pytest.raises(UnknownModelError):
             m.generate(m.encode("hi"), SamplingParams(max_tokens=2), adapter="rank")
 
@@ -196,9 +196,9 @@ def test_the_resolver_loads_an_adapter_on_its_first_request_and_a_removed_one_is
     resolve = adapters["attn8"].parent
     with Runtime("cpu", with_pools("16MiB", [base], max_context=256), workers=0) as rt:
         m = lm.load(rt, "llama", base, max_context=256, lora_dir=resolve, max_lora_rank=16)
-        assert m.adapters.names() == []
+        assert [i.name for i in m.adapters.infos()] == []
         assert _greedy(m, 1, "mlp16").result(60).tokens == expected["mlp16"][1]
-        assert m.adapters.names() == ["mlp16"]
+        assert [i.name for i in m.adapters.infos()] == ["mlp16"]
         with pytest.raises(UnknownModelError):
             _greedy(m, 1, "../attn8")  # a name, never a path
         m.adapters.remove("mlp16")
@@ -224,7 +224,7 @@ def test_at_most_max_cpu_loras_adapters_stay_in_host_memory_and_one_let_go_is_re
         for name in ["attn8", "all4", "mlp16"]:  # resolved; one slot: each takes it from the one before
             assert _greedy(m, 2, name).result(60).tokens == expected[name][2], name
         held = {i.name: i.in_host for i in table.infos()}
-        assert sorted(table.names()) == ["all4", "attn8", "mlp16", "o2"]
+        assert sorted(i.name for i in table.infos()) == ["all4", "attn8", "mlp16", "o2"]
         assert sum(held.values()) == 2 and held["mlp16"] and held["all4"]  # the bound, most recent first
         assert not held["o2"] and not held["attn8"]  # added or resolved, alike
         reads = table.reads
@@ -245,7 +245,7 @@ def test_at_most_max_cpu_loras_adapters_stay_in_host_memory_and_one_let_go_is_re
         assert {i.name: (i.in_host, i.pinned) for i in pinned.adapters.infos()}["o2"] == (True, True)  # never let go
         pinned.close()
         table.remove("o2")  # removed, its copy let go or not: unknown (with no resolver to find it again)
-        assert "o2" not in table.names()
+        assert not table.serves("o2")
         table.resolve_dir = None
         with pytest.raises(UnknownModelError):
             _greedy(m, 3, "o2")

@@ -124,7 +124,7 @@ def test_lora_flags_reach_the_language_models_entries(tmp_path):
     one = llms(["m"], "--lora", f"a={tmp_path / 'a'}", "--lora-modules", f"b={tmp_path / 'b'}", "--max-loras", "3",
                "--max-lora-rank", "16", "--lora-dir", str(tmp_path), "--max-cpu-loras", "5")[0]
     assert [(a.name, a.path) for a in one.adapters] == [("a", str(tmp_path / "a")), ("b", str(tmp_path / "b"))]
-    assert (one.max_loras, one.max_lora_rank, one.lora_dir, one.serves_adapters) == (3, 16, str(tmp_path), True)
+    assert (one.max_loras, one.max_lora_rank, one.lora_dir) == (3, 16, str(tmp_path))
     assert one.max_cpu_loras == 5 and llm_def(one).max_cpu_loras == 5 and llm_def(one).serves_adapters
     with pytest.raises(ConfigError, match=r"max_cpu_loras \(2\) must be at least max_loras \(8\)"):
         llms(["m"], "--max-cpu-loras", "2")  # against the default 8 slots, before anything loads
@@ -135,7 +135,7 @@ def test_lora_flags_reach_the_language_models_entries(tmp_path):
     assert llm_def(entry).adapters == (("a", str(tmp_path / "a"), True), ("b", str(tmp_path / "b"), False))
     two = llms(["m", "n"], "--lora", json.dumps({"name": "a", "path": str(tmp_path / "a"), "base_model_name": "n"}))
     assert [e.adapters for e in two][0] == [] and [a.name for a in two[1].adapters] == ["a"]
-    assert not two[0].serves_adapters
+    assert not llm_def(two[0]).serves_adapters
     for flags, words in ((["--lora", f"a={tmp_path / 'a'}"], "base_model_name"),
                          (["--lora", "a"], "give NAME=DIR"),
                          (["--lora", '{"name": "a"}'], "the JSON form"),

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from timeshare.config.fields import DATATYPES, Strict, valid_name
-from timeshare.options import DEFAULT_MAX_LORAS, serves_adapters
+from timeshare.options import DEFAULT_MAX_LORAS
 
 
 class TensorSpec(Strict):
@@ -231,10 +231,6 @@ class LLMConfig(Strict):
     """Adapters in host memory at most (at least ``max_loras``; default: no bound): the
     least recently requested one not on the device lets its copy go, and is read from its
     directory again on its next request (vLLM's ``--max-cpu-loras``)."""
-
-    @property
-    def serves_adapters(self) -> bool:
-        return serves_adapters(len(self.adapters), self.max_loras, self.lora_dir, self.max_cpu_loras)
 
     @field_validator("adapters")
     @classmethod

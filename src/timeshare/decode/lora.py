@@ -347,7 +347,7 @@ class LoraStacks:
                     stack[:rank].copy_(source, non_blocking=non_blocking)
                 if rank < was:
                     stack[rank:was].zero_()
-        self._extent[slot][i] = rank
+        self._extent[slot][i] = rank  # written whole: its rank is all it reaches now
 
 
 # On the CPU a slot is written by numpy, as words of the item's size (numpy has no

@@ -197,10 +197,10 @@ class SlotsSnapshot:
     """A model's adapter slots for metrics: how many, how many hold an adapter, and the
     adapters copied into them so far and the seconds those copies took."""
 
-    slots: int
-    on_device: int
-    loads: int
-    load_s: float
+    slots: int = 0
+    on_device: int = 0
+    loads: int = 0
+    load_s: float = 0.0
 
 
 class AdapterSlots:
@@ -507,10 +507,6 @@ class Adapters:
     def resolvable(self, name: str) -> Path | None:
         """The directory the resolver would read ``name`` from, if it has one."""
         return resolvable(self.resolve_dir, name)
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return list(self._known)
 
     def serves(self, name: str) -> bool:
         """Whether adapter ``name`` is served (added, or read by the resolver)."""

@@ -220,7 +220,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         counts = self.counts
         pool = self._batch.pool.snapshot()
-        slots = self._batch.adapters.snapshot() if self._batch.adapters is not None else SlotsSnapshot(0, 0, 0, 0.0)
+        slots = self._batch.adapters.snapshot() if self._batch.adapters is not None else SlotsSnapshot()
         with self._cond:
             return EngineSnapshot(running=len(self._running), waiting=len(self._waiting), kv_bytes=self.kv_bytes,
                                   kv_host_bytes=self.kv_host_bytes, kv_offloads=self.kv_offloads, steps=self.steps,

@@ -134,7 +134,8 @@ class Service:
     def _llm_defs(self) -> list[LLMDef]:
         """The config's language models as every replica of a cluster loads them."""
         kv = self.config.runtime.kv_memory
-        return [llm_def(c, None if kv is None else parse_bytes(kv, what="kv_memory")) for c in self.config.llms]
+        kv_memory = None if kv is None else parse_bytes(kv, what="kv_memory")
+        return [llm_def(c, kv_memory) for c in self.config.llms]
 
     def _model_defs(self) -> list:
         """The config's models as every replica of a cluster builds them."""
